@@ -1,0 +1,49 @@
+"""Argument checks shared by the functional core: ranks, shapes and names of choices.
+
+They run at trace time on static shapes, so they cost nothing inside ``jax.jit``, and
+their errors name the argument that is wrong and what would be right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def check_rank(**named: tuple[object, int | tuple[int, ...]]) -> None:
+    """``check_rank(logits=(logits, 3), mask=(mask, (1, 2)))``: raise naming the argument."""
+    for name, (value, ranks) in named.items():
+        allowed = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+        rank = len(_shape(value))
+        if rank not in allowed:
+            want = " or ".join(str(r) for r in allowed)
+            raise ValueError(f"{name} must have rank {want}; got shape {_shape(value)} (rank {rank})")
+
+
+def check_same_shape(**named: object) -> None:
+    """All named arrays have one shape; the error lists every argument with its shape."""
+    shapes = {name: _shape(value) for name, value in named.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{n}={s}" for n, s in shapes.items())
+        raise ValueError(f"shape mismatch: {listed}")
+
+
+def check_leading_shape(reference: str, ref_value: object, **named: object) -> None:
+    """Each named array's leading dims equal ``ref_value``'s full shape."""
+    ref = _shape(ref_value)
+    for name, value in named.items():
+        shape = _shape(value)
+        if shape[: len(ref)] != ref:
+            raise ValueError(f"{name} has shape {shape}; its leading dims must be {reference}'s shape {ref}")
+
+
+def check_choice(name: str, value: str, choices: Iterable[str]) -> None:
+    """``value`` is one of ``choices``; otherwise the error lists the valid ones."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(choices)}")
