@@ -1,0 +1,141 @@
+"""KL to the reference policy: per-token estimators, placement, and coefficient controllers.
+
+Estimators follow J. Schulman, "Approximating KL Divergence" (2020). With tokens sampled
+from the policy ``pi`` and the log-ratio ``r = log pi(a|s) - log pi_ref(a|s)``:
+
+- ``k1 = r``                      unbiased for KL(pi || ref), high variance, can be < 0;
+- ``k2 = r**2 / 2``               biased, low variance, >= 0;
+- ``k3 = exp(-r) - 1 + r``        unbiased for KL(pi || ref), low variance, >= 0 (GRPO);
+- ``abs = |r|``                   >= 0.
+
+The log-ratio is clamped to ``[-clamp, clamp]`` before the estimator so ``exp(-r)`` cannot
+overflow when the policy has drifted far from the reference on one token.
+
+Placement: PPO (Ziegler et al. 2019; Ouyang et al. 2022) subtracts ``beta * KL`` from the
+per-token reward (:func:`kl_penalty`); GRPO (Shao et al. 2024) adds ``beta * KL`` to the
+loss (:func:`kl_loss`). Coefficients come from :class:`FixedKLController` or
+:class:`AdaptiveKLController`, both pure state updates usable inside ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from alignax import ops
+from alignax._checks import check_choice, check_same_shape
+
+Array = jax.Array
+
+KL_KINDS = ("k1", "k2", "k3", "abs")
+KLKind = Literal["k1", "k2", "k3", "abs"]
+
+
+def kl_estimate(logps: Array, ref_logps: Array, *, kind: KLKind = "k3", clamp: float | None = 20.0) -> Array:
+    """Per-token KL(pi || ref) estimate from log-probs of the sampled tokens.
+
+    Args:
+      logps: ``[...]`` log pi(a_t | s_t) of the sampled tokens (float32 recommended).
+      ref_logps: same shape, log pi_ref(a_t | s_t).
+      kind: ``k1`` | ``k2`` | ``k3`` | ``abs`` (see the module docstring).
+      clamp: the log-ratio is clipped to ``[-clamp, clamp]``; ``None`` disables it.
+
+    Returns the per-token estimate, float32, same shape. Gradients flow into both inputs;
+    stop-gradient ``ref_logps`` yourself if the reference is not frozen already.
+    """
+    check_same_shape(logps=logps, ref_logps=ref_logps)
+    check_choice("kl kind", kind, KL_KINDS)
+    log_ratio = jnp.asarray(logps, jnp.float32) - jnp.asarray(ref_logps, jnp.float32)
+    if clamp is not None:
+        log_ratio = jnp.clip(log_ratio, -clamp, clamp)
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * jnp.square(log_ratio)
+    if kind == "k3":
+        return jnp.expm1(-log_ratio) + log_ratio
+    return jnp.abs(log_ratio)
+
+
+def kl_penalty(
+    logps: Array, ref_logps: Array, mask: Array, *, beta: Array | float, kind: KLKind = "k1",
+    clamp: float | None = 20.0,
+) -> Array:
+    """Per-token penalty ``beta * KL_t`` on response tokens, 0 elsewhere; ``[B, T]`` float32.
+
+    The PPO convention subtracts it from the per-token reward
+    (:func:`alignax.advantages.token_rewards`). No gradient flows through it: rewards
+    are data. Worked case: log-ratios [0.1, 0.2, -0.05], k1, beta 0.04 -> penalties sum
+    to 0.04 * 0.25 = 0.01.
+    """
+    check_same_shape(logps=logps, ref_logps=ref_logps, mask=mask)
+    kl = kl_estimate(jax.lax.stop_gradient(logps), jax.lax.stop_gradient(ref_logps), kind=kind, clamp=clamp)
+    return jnp.where(mask.astype(bool), beta * kl, 0.0)
+
+
+def kl_loss(
+    logps: Array, ref_logps: Array, mask: Array, *, kind: KLKind = "k3",
+    aggregation: ops.AggregationMode = "token-mean", clamp: float | None = 20.0,
+    num_tokens: Array | float | None = None, num_seqs: Array | float | None = None,
+    norm_length: Array | float | None = None,
+) -> Array:
+    """KL(pi || ref) as a loss term (GRPO convention), aggregated like the policy loss.
+
+    Gradient flows into ``logps`` only; the reference is treated as constant. Multiply by
+    the coefficient yourself (the policy losses take ``kl_coef``).
+    """
+    kl = kl_estimate(logps, jax.lax.stop_gradient(ref_logps), kind=kind, clamp=clamp)
+    return ops.aggregate(
+        kl, mask, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
+    )
+
+
+class KLControllerState(NamedTuple):
+    """The current KL coefficient (a float32 scalar), carried in the train state."""
+
+    coef: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedKLController:
+    """A constant coefficient ``beta``; ``update`` returns the state unchanged."""
+
+    coef: float
+
+    def init(self) -> KLControllerState:
+        return KLControllerState(coef=jnp.asarray(self.coef, jnp.float32))
+
+    def update(self, state: KLControllerState, current_kl: Array, num_samples: Array | int) -> KLControllerState:
+        del current_kl, num_samples
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveKLController:
+    """Ziegler et al. 2019 ("Fine-Tuning LMs from Human Preferences", §2.2) controller.
+
+    ``e = clip(KL / target - 1, -0.2, 0.2)``; ``beta <- beta * (1 + e * n / horizon)``
+    where ``n`` is the number of samples (or steps) since the last update and ``KL`` the
+    measured mean sequence KL. The coefficient rises when KL overshoots the target and
+    falls when it undershoots, by at most 20% per horizon.
+    """
+
+    init_coef: float
+    target: float
+    horizon: float
+    max_error: float = 0.2
+
+    def __post_init__(self):
+        if self.target <= 0 or self.horizon <= 0:
+            raise ValueError(f"AdaptiveKLController needs target > 0 and horizon > 0; got {self.target}, {self.horizon}")
+
+    def init(self) -> KLControllerState:
+        return KLControllerState(coef=jnp.asarray(self.init_coef, jnp.float32))
+
+    def update(self, state: KLControllerState, current_kl: Array, num_samples: Array | int) -> KLControllerState:
+        error = jnp.clip(jnp.asarray(current_kl, jnp.float32) / self.target - 1.0, -self.max_error, self.max_error)
+        multiplier = 1.0 + error * jnp.asarray(num_samples, jnp.float32) / self.horizon
+        return KLControllerState(coef=state.coef * multiplier)
