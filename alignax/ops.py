@@ -7,6 +7,7 @@ Reductions accumulate in float32 whatever the input dtype.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -141,25 +142,6 @@ def aggregation_normalisers(mask: Array) -> dict[str, Array]:
     return {"num_tokens": jnp.sum(lengths), "num_seqs": jnp.sum(lengths > 0).astype(jnp.float32)}
 
 
-def _chunk_time(x: Array, chunk_size: int) -> tuple[Array, int]:
-    """``[B, T, ...] -> [n, B, chunk, ...]`` with ``T`` padded up to ``n * chunk``."""
-    t = x.shape[1]
-    n = -(-t // chunk_size)
-    pad = n * chunk_size - t
-    if pad:
-        widths = [(0, 0)] * x.ndim
-        widths[1] = (0, pad)
-        x = jnp.pad(x, widths)
-    x = x.reshape(x.shape[0], n, chunk_size, *x.shape[2:])
-    return jnp.moveaxis(x, 1, 0), t
-
-
-def _unchunk_time(y: Array, t: int) -> Array:
-    """``[n, B, chunk] -> [B, T]``."""
-    y = jnp.moveaxis(y, 0, 1)
-    return y.reshape(y.shape[0], -1)[:, :t]
-
-
 def _logprob_and_entropy(logits: Array, targets: Array, temperature: float) -> tuple[Array, Array]:
     logits = _f32(logits) / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -169,14 +151,85 @@ def _logprob_and_entropy(logits: Array, targets: Array, temperature: float) -> t
     return target_logit - lse, entropy
 
 
-def _map_chunks(fn, logits: Array, targets: Array, chunk_size: int):
-    # Each chunk's float32 softmax lives only inside the checkpointed body, so neither
-    # the forward nor the backward pass holds a full [B, T, V] float32 array.
-    body = jax.checkpoint(fn)
-    logit_chunks, t = _chunk_time(logits, chunk_size)
-    target_chunks, _ = _chunk_time(targets, chunk_size)
-    outs = jax.lax.map(lambda args: body(*args), (logit_chunks, target_chunks))
-    return jax.tree.map(lambda y: _unchunk_time(y, t), outs)
+def _time_chunk_start(i: Array, t: int, chunk: int) -> Array:
+    # The last chunk is shifted left to end at T rather than padded: padding would copy
+    # the whole [B, T, V] logits. Overlapping rows are recomputed and rewritten with the
+    # same values (never accumulated), so results are unchanged.
+    return jnp.minimum(i * chunk, t - chunk)
+
+
+def _chunked_forward(logits: Array, targets: Array, temperature: float, chunk: int) -> tuple[Array, Array]:
+    b, t, _ = logits.shape
+    num_chunks = -(-t // chunk)
+
+    def body(i, carry):
+        logps, entropy = carry
+        start = _time_chunk_start(i, t, chunk)
+        lg = jax.lax.dynamic_slice_in_dim(logits, start, chunk, axis=1)
+        tg = jax.lax.dynamic_slice_in_dim(targets, start, chunk, axis=1)
+        lp_c, ent_c = _logprob_and_entropy(lg, tg, temperature)
+        return (
+            jax.lax.dynamic_update_slice_in_dim(logps, lp_c, start, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(entropy, ent_c, start, axis=1),
+        )
+
+    zeros = jnp.zeros((b, t), jnp.float32)
+    return jax.lax.fori_loop(0, num_chunks, body, (zeros, zeros))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _chunked_logprob_entropy(logits: Array, targets: Array, temperature: float, chunk: int) -> tuple[Array, Array]:
+    """Token log-probs and entropies, ``chunk`` positions at a time along T.
+
+    A custom VJP keeps only the (input) logits as residual and recomputes each chunk's
+    softmax in the backward pass, so neither pass holds a float32 ``[B, T, V]`` array:
+    with ``z = logits / temperature``, ``log p = z - lse(z)`` and ``H = -sum p log p``,
+    ``d logp_target / dz = onehot - p`` and ``dH / dz = -p (log p + H)``.
+    Chunks slice the time axis only, so a batch sharded over a mesh stays sharded.
+    """
+    return _chunked_forward(logits, targets, temperature, chunk)
+
+
+def _chunked_fwd(logits, targets, temperature, chunk):
+    return _chunked_forward(logits, targets, temperature, chunk), (logits, targets)
+
+
+def _chunked_bwd(temperature, chunk, residuals, cotangents):
+    logits, targets = residuals
+    g_logps, g_entropy = cotangents
+    _, t, vocab = logits.shape
+    num_chunks = -(-t // chunk)
+
+    def body(i, grad):
+        start = _time_chunk_start(i, t, chunk)
+        lg = jax.lax.dynamic_slice_in_dim(logits, start, chunk, axis=1)
+        tg = jax.lax.dynamic_slice_in_dim(targets, start, chunk, axis=1)
+        g_lp = jax.lax.dynamic_slice_in_dim(g_logps, start, chunk, axis=1)[..., None]
+        g_ent = jax.lax.dynamic_slice_in_dim(g_entropy, start, chunk, axis=1)[..., None]
+        z = _f32(lg) / temperature
+        log_p = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+        p = jnp.exp(log_p)
+        entropy = -jnp.sum(p * log_p, axis=-1, keepdims=True)
+        onehot = jnp.arange(vocab) == tg[..., None]
+        g_z = g_lp * (onehot - p) - g_ent * p * (log_p + entropy)
+        return jax.lax.dynamic_update_slice_in_dim(grad, (g_z / temperature).astype(grad.dtype), start, axis=1)
+
+    grad = jax.lax.fori_loop(0, num_chunks, body, jnp.zeros_like(logits))
+    return grad, None
+
+
+_chunked_logprob_entropy.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _logprobs_entropy(logits: Array, targets: Array, temperature: float, chunk_size: int | None):
+    check_rank(logits=(logits, 3), targets=(targets, 2))
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree on [B, T]")
+    if chunk_size is None or chunk_size >= logits.shape[1]:
+        return _logprob_and_entropy(logits, targets, temperature)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions; got {chunk_size}")
+    return _chunked_logprob_entropy(logits, targets, temperature, chunk_size)
 
 
 def token_logprobs(
@@ -189,20 +242,11 @@ def token_logprobs(
         (shift before calling: ``logits[:, :-1]`` against ``tokens[:, 1:]``).
       targets: ``[B, T]`` integer token ids.
       temperature: divides the logits first (the sampler's convention).
-      chunk_size: when set, the time axis is processed in chunks of this many positions
-        under ``jax.checkpoint`` so the float32 log-softmax is never held for the whole
-        ``[B, T, V]`` at once; results equal the direct path.
+      chunk_size: when set, ``chunk_size`` positions of the time axis are processed at a
+        time, forward and backward, so the float32 log-softmax is never held for the
+        whole ``[B, T, V]``; results equal the direct path to float32 rounding.
     """
-    check_rank(logits=(logits, 3), targets=(targets, 2))
-    if logits.shape[:2] != targets.shape:
-        raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree on [B, T]")
-
-    def fn(lg, tg):
-        return _logprob_and_entropy(lg, tg, temperature)[0]
-
-    if chunk_size is None or chunk_size >= logits.shape[1]:
-        return fn(logits, targets)
-    return _map_chunks(fn, logits, targets, chunk_size)
+    return _logprobs_entropy(logits, targets, temperature, chunk_size)[0]
 
 
 def entropy_from_logits(
@@ -215,26 +259,11 @@ def entropy_from_logits(
     """
     check_rank(logits=(logits, 3))
     dummy = jnp.zeros(logits.shape[:2], jnp.int32)
-
-    def fn(lg, tg):
-        return _logprob_and_entropy(lg, tg, temperature)[1]
-
-    if chunk_size is None or chunk_size >= logits.shape[1]:
-        return fn(logits, dummy)
-    return _map_chunks(fn, logits, dummy, chunk_size)
+    return _logprobs_entropy(logits, dummy, temperature, chunk_size)[1]
 
 
 def token_logprobs_and_entropy(
     logits: Array, targets: Array, *, temperature: float = 1.0, chunk_size: int | None = None
 ) -> tuple[Array, Array]:
     """Both :func:`token_logprobs` and :func:`entropy_from_logits` in one pass over ``V``."""
-    check_rank(logits=(logits, 3), targets=(targets, 2))
-    if logits.shape[:2] != targets.shape:
-        raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree on [B, T]")
-
-    def fn(lg, tg):
-        return _logprob_and_entropy(lg, tg, temperature)
-
-    if chunk_size is None or chunk_size >= logits.shape[1]:
-        return fn(logits, targets)
-    return _map_chunks(fn, logits, targets, chunk_size)
+    return _logprobs_entropy(logits, targets, temperature, chunk_size)

@@ -1,0 +1,211 @@
+"""alignax.ops against NumPy loops written from the definitions, jitted and not."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alignax import ops
+
+JIT = [False, True]
+
+
+def maybe_jit(fn, jit, **static):
+    if not jit:
+        return lambda *a, **k: fn(*a, **k, **static)
+    return jax.jit(lambda *a: fn(*a, **static))
+
+
+def batch(seed=0, b=4, t=7):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(b, t)).astype(np.float32)
+    mask = (rng.uniform(size=(b, t)) > 0.4).astype(np.float32)
+    mask[-1] = 0.0  # one row with no response token at all
+    return x, mask
+
+
+def ref_aggregate(x, mask, mode, norm_length=None):
+    b, t = x.shape
+    total, count, seqs, per_seq_means, per_seq_sums = 0.0, 0.0, 0, [], []
+    for i in range(b):
+        s, n = 0.0, 0
+        for j in range(t):
+            if mask[i, j]:
+                s += float(x[i, j])
+                n += 1
+        total += s
+        count += n
+        if n:
+            seqs += 1
+            per_seq_means.append(s / n)
+            per_seq_sums.append(s)
+    if mode == "token-sum":
+        return total
+    if mode == "token-mean":
+        return total / count
+    if mode == "seq-mean-token-mean":
+        return sum(per_seq_means) / seqs
+    if mode == "seq-mean-token-sum":
+        return sum(per_seq_sums) / seqs
+    return total / (seqs * (t if norm_length is None else norm_length))
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_masked_reductions_match_loops(jit):
+    x, mask = batch()
+    vals = [float(x[i, j]) for i in range(x.shape[0]) for j in range(x.shape[1]) if mask[i, j]]
+    n = len(vals)
+    mean = sum(vals) / n
+    var = sum((v - mean) ** 2 for v in vals) / (n - 1)
+    np.testing.assert_allclose(maybe_jit(ops.masked_sum, jit)(x, mask), sum(vals), rtol=1e-6)
+    np.testing.assert_allclose(maybe_jit(ops.masked_mean, jit)(x, mask), mean, rtol=1e-6)
+    np.testing.assert_allclose(maybe_jit(ops.masked_var, jit)(x, mask), var, rtol=1e-6)
+    white = maybe_jit(ops.masked_whiten, jit)(x, mask)
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            want = (x[i, j] - mean) / math.sqrt(var + 1e-8) if mask[i, j] else 0.0
+            assert abs(float(white[i, j]) - want) < 1e-5
+    kept = maybe_jit(ops.masked_whiten, jit, shift_mean=False)(x, mask)
+    np.testing.assert_allclose(kept[0, mask[0] > 0], white[0, mask[0] > 0] + mean, atol=1e-6)
+    row_means = maybe_jit(ops.masked_mean, jit, axis=-1)(x, mask)
+    np.testing.assert_allclose(row_means[-1], 0.0)  # empty row: 0, not NaN
+
+
+@pytest.mark.parametrize("jit", JIT)
+@pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
+def test_aggregate_matches_loop(mode, jit):
+    x, mask = batch(seed=1)
+    got = maybe_jit(ops.aggregate, jit, mode=mode)(x, mask)
+    np.testing.assert_allclose(got, ref_aggregate(x, mask, mode), rtol=1e-6)
+
+
+def test_seq_mean_token_sum_norm_uses_given_length():
+    x, mask = batch(seed=2)
+    got = ops.aggregate(x, mask, mode="seq-mean-token-sum-norm", norm_length=100.0)
+    np.testing.assert_allclose(got, ref_aggregate(x, mask, "seq-mean-token-sum-norm", 100.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
+def test_micro_batches_with_global_normalisers_sum_to_full_batch(mode):
+    x, mask = batch(seed=3, b=6, t=5)
+    full = ops.aggregate(x, mask, mode=mode)
+    norms = ops.aggregation_normalisers(mask)
+    parts = [ops.aggregate(x[s], mask[s], mode=mode, **norms) for s in (slice(0, 2), slice(2, 3), slice(3, 6))]
+    np.testing.assert_allclose(sum(parts), full, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
+def test_masked_tokens_get_exactly_zero_gradient(mode):
+    x, mask = batch(seed=4)
+    x = x.copy()
+    x[mask == 0] = 1e30  # garbage under the mask must not leak
+    grad = jax.grad(lambda v: ops.aggregate(v**2, mask, mode=mode))(jnp.asarray(x))
+    assert np.all(np.asarray(grad)[mask == 0] == 0.0)
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
+@pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
+def test_all_masked_batch_is_finite_zero(mode):
+    x = jnp.ones((3, 4))
+    mask = jnp.zeros((3, 4))
+    value, grad = jax.value_and_grad(lambda v: ops.aggregate(v, mask, mode=mode))(x)
+    assert float(value) == 0.0
+    assert np.all(np.asarray(grad) == 0.0)
+
+
+def test_token_logprobs_hand_worked():
+    # Tokens with probabilities 0.5, 0.4 and 0.2: log(0.5 * 0.4 * 0.2) = log 0.04 = -3.219.
+    probs = np.array([[[0.5, 0.5, 0.0 + 1e-30], [0.4, 0.3, 0.3], [0.2, 0.7, 0.1]]], np.float32)
+    logits = np.log(probs) + 3.0  # a shift changes nothing
+    lp = ops.token_logprobs(jnp.asarray(logits), jnp.array([[0, 0, 0]]))
+    np.testing.assert_allclose(float(lp.sum()), -3.2189, atol=1e-4)
+
+
+def ref_logprob_entropy(logits, targets, temperature=1.0):
+    b, t, v = logits.shape
+    lp = np.zeros((b, t))
+    ent = np.zeros((b, t))
+    for i in range(b):
+        for j in range(t):
+            z = logits[i, j].astype(np.float64) / temperature
+            m = max(z)
+            lse = m + math.log(sum(math.exp(zk - m) for zk in z))
+            lp[i, j] = z[targets[i, j]] - lse
+            ent[i, j] = -sum(math.exp(zk - lse) * (zk - lse) for zk in z)
+    return lp, ent
+
+
+@pytest.mark.parametrize("jit", JIT)
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_token_logprobs_and_entropy_match_loop(jit, chunk_size):
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(2, 7, 11)).astype(np.float32) * 3
+    targets = rng.integers(0, 11, size=(2, 7))
+    want_lp, want_ent = ref_logprob_entropy(logits, targets, temperature=0.7)
+    lp = maybe_jit(ops.token_logprobs, jit, temperature=0.7, chunk_size=chunk_size)(logits, targets)
+    ent = maybe_jit(ops.entropy_from_logits, jit, temperature=0.7, chunk_size=chunk_size)(logits)
+    both = maybe_jit(ops.token_logprobs_and_entropy, jit, temperature=0.7, chunk_size=chunk_size)(logits, targets)
+    # float32 rounding of log-softmax is relative to the logits' scale, not the result's.
+    atol = 1e-6 * np.abs(logits / 0.7).max()
+    np.testing.assert_allclose(lp, want_lp, atol=atol)
+    np.testing.assert_allclose(ent, want_ent, atol=atol)
+    np.testing.assert_allclose(both[0], want_lp, atol=atol)
+    np.testing.assert_allclose(both[1], want_ent, atol=atol)
+    assert lp.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunked_and_direct_paths_agree_in_value_and_gradient(dtype):
+    # 37 positions in chunks of 8: the last chunk overlaps the one before it.
+    key_l, key_t, key_w = jax.random.split(jax.random.key(0), 3)
+    logits = jax.random.normal(key_l, (3, 37, 50), dtype) * 2
+    targets = jax.random.randint(key_t, (3, 37), 0, 50)
+    weights = jax.random.normal(key_w, (2, 3, 37))
+
+    def total(lg, chunk):
+        logps, entropy = ops.token_logprobs_and_entropy(lg, targets, temperature=0.8, chunk_size=chunk)
+        return jnp.sum(weights[0] * logps**2 + weights[1] * entropy)
+
+    direct, g_direct = jax.value_and_grad(total)(logits, None)
+    chunked, g_chunked = jax.jit(jax.value_and_grad(total), static_argnums=1)(logits, 8)
+    np.testing.assert_allclose(chunked, direct, rtol=1e-6)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2  # bf16 gradients round to 8 bits
+    np.testing.assert_allclose(np.asarray(g_chunked, np.float32), np.asarray(g_direct, np.float32), atol=tol, rtol=tol)
+    assert g_chunked.dtype == dtype
+
+
+def test_chunked_path_never_builds_full_float32_log_softmax():
+    # float32 logits: XLA's CPU backend widens a bf16 while-loop operand to f32, which
+    # would measure that backend's artefact rather than this code.
+    b, t, v = 2, 256, 1000
+    logits = jax.ShapeDtypeStruct((b, t, v), jnp.float32)
+    targets = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    full_f32 = b * t * v * 4
+
+    def temp_bytes(chunk):
+        def loss(lg, tg):
+            logps, entropy = ops.token_logprobs_and_entropy(lg, tg, chunk_size=chunk)
+            return jnp.sum(logps + entropy)
+
+        fn = jax.jit(jax.grad(loss))
+        return fn.lower(logits, targets).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(None) >= full_f32  # the direct path holds at least one [B, T, V] f32
+    chunk_f32 = b * 16 * v * 4
+    assert temp_bytes(16) <= 4 * chunk_f32  # a few chunk-sized buffers, nothing [B, T, V]
+
+
+def test_bad_inputs_name_the_argument():
+    x, mask = batch()
+    with pytest.raises(ValueError, match="valid: token-mean"):
+        ops.aggregate(x, mask, mode="mean")
+    with pytest.raises(ValueError, match="per_token must have rank 2"):
+        ops.aggregate(x[0], mask[0])
+    with pytest.raises(ValueError, match=r"per_token=\(4, 7\), mask=\(4, 6\)"):
+        ops.aggregate(x, mask[:, :6])
+    with pytest.raises(ValueError, match="logits must have rank 3"):
+        ops.token_logprobs(jnp.zeros((2, 3)), jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="disagree"):
+        ops.token_logprobs(jnp.zeros((2, 3, 5)), jnp.zeros((2, 4), jnp.int32))
