@@ -1,0 +1,465 @@
+"""Policy-gradient losses for online RL: PPO-clip, GSPO, CISPO and plain REINFORCE.
+
+Every loss takes per-token data positionally and hyper-parameters keyword-only:
+
+- ``logps``      ``[B, T]`` log pi_theta(a_t | s_t) of the sampled tokens under the policy
+  being trained (differentiable);
+- ``old_logps``  ``[B, T]`` the same under the behaviour policy pi_old that the advantages
+  were computed for (constant; the trainer's own forward pass before the update);
+- ``advantages`` ``[B, T]``, or ``[B]`` broadcast over ``T`` (outcome rewards, GRPO);
+- ``mask``       ``[B, T]``, 1 on response tokens, 0 on prompt and padding.
+
+and returns ``(loss, metrics)``: a float32 scalar and a flat dict of stop-gradiented
+float32 scalars, so ``jax.value_and_grad(loss_fn, has_aux=True)`` works directly.
+
+Options shared by every loss (one private driver, :func:`_policy_loss`, applies them):
+
+- ``aggregation``, ``num_tokens``, ``num_seqs``, ``norm_length``: how the per-token loss
+  becomes a scalar (:func:`alignax.ops.aggregate`). With the full batch's normalisers
+  (:func:`alignax.ops.aggregation_normalisers`) the losses of micro-batches sum to the
+  full-batch loss for every mode. The entropy and KL terms are aggregated the same way.
+- ``sampler_logps`` ``[B, T]`` with ``tis_cap``: truncated importance sampling for the
+  mismatch between the inference engine that sampled the tokens and the trainer that
+  computed ``old_logps`` (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+  You Off-Policy RL Training"): each token's policy loss is multiplied by
+  ``w_t = sg(min(exp(old_logps - sampler_logps), tis_cap))``.
+- ``entropy`` ``[B, T]`` with ``entropy_coef``: ``loss -= entropy_coef * agg(entropy)``.
+- ``ref_logps`` ``[B, T]`` with ``kl_coef`` and ``kl_kind``: ``loss += kl_coef *
+  agg(KL_t)`` with ``KL_t = kl_estimate(logps, sg(ref_logps), kind=kl_kind)`` — the GRPO
+  placement of the KL term (Shao et al. 2024); ``k3`` by default.
+
+So for every loss: ``loss = agg(w_t * l_t) - entropy_coef * agg(H_t) + kl_coef * agg(KL_t)``
+where ``l_t`` is the per-token policy loss of the variant.
+
+Masked tokens: every per-token input is replaced by a neutral value (log-ratio 0,
+advantage 0, ...) with ``where`` before any nonlinearity, so garbage under the mask
+(huge or infinite log-probs) cannot reach the loss, and its gradient there is exactly 0.
+
+Metrics (all over masked-in tokens; 0 when the mask is empty):
+
+- ``pg_loss``: ``agg(w_t * l_t)``, the policy term alone.
+- ``clipfrac_low`` / ``clipfrac_high``: fraction of tokens whose lower / upper clip is
+  active. For the PPO-style objectives (PPO, GSPO) a clip is active only where it cuts the
+  gradient, which depends on the sign of the advantage (the DAPO / verl convention):
+  low = ``A < 0 and r < 1 - eps_low``, high = ``A > 0 and r > 1 + eps_high``. For CISPO,
+  which clips the weight rather than the objective, a clip is active wherever the weight
+  is clipped: low = ``r < 1 - eps_low``, high = ``r > 1 + eps_high``. :func:`pg_loss`
+  has no clip and reports 0, so every loss has the same keys.
+- ``approx_kl``: mean of the k3 estimator of KL(pi_old || pi_theta) from tokens sampled by
+  pi_old, ``(r - 1) - log r`` (Schulman 2020, "Approximating KL Divergence"); >= 0 and 0
+  exactly on the first step of an update.
+- ``ratio_mean`` / ``ratio_min`` / ``ratio_max``: the importance ratio the loss uses
+  (``pi_theta / pi_old`` per token; GSPO's sequence ratio ``s_i`` on each of its tokens).
+- ``entropy`` (only when ``entropy`` is given): masked mean entropy.
+- ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference.
+- ``tis_weight_mean`` (only when ``sampler_logps`` is given): masked mean of ``w_t``.
+- ``dual_clipfrac`` (PPO only, only when ``dual_clip_c`` is set): fraction of tokens where
+  the dual-clip bound is active, ``A < 0 and r > c``.
+
+The log-ratio ``log pi_theta - log pi_old`` is clipped to ``[-20, 20]`` before ``exp`` (as
+in verl), so one far-drifted token cannot overflow float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from alignax import kl as kl_lib
+from alignax import ops
+from alignax._checks import check_choice, check_rank, check_same_shape
+
+Array = jax.Array
+Scalar = Array | float
+
+LOG_RATIO_CLAMP = 20.0
+
+
+class _Tokens(NamedTuple):
+    """Validated float32 inputs, neutralised on masked-out tokens."""
+
+    logps: Array  # [B, T], differentiable, 0 where mask is 0
+    log_ratio: Array  # [B, T], logps - old_logps clipped to +-LOG_RATIO_CLAMP, 0 off-mask
+    advantages: Array  # [B, T], 0 off-mask
+    mask: Array  # [B, T] bool
+
+
+class _Surrogate(NamedTuple):
+    """What a variant contributes: per-token loss, ratio and clip indicators."""
+
+    per_token: Array  # [B, T] l_t
+    ratio: Array  # [B, T] the ratio reported in the metrics
+    clipped_low: Array  # [B, T] bool
+    clipped_high: Array  # [B, T] bool
+    indicators: dict[str, Array]  # extra bool [B, T] whose masked means become metrics
+
+
+def _f32(x) -> Array:
+    return jnp.asarray(x, jnp.float32)
+
+
+def _is_concrete_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_nonnegative(**named) -> None:
+    for name, value in named.items():
+        if value is not None and _is_concrete_number(value) and value < 0:
+            raise ValueError(f"{name} must be >= 0; got {value}")
+
+
+def _masked_min_max(x: Array, mask: Array) -> tuple[Array, Array]:
+    """Min and max over masked-in entries; 0 and 0 when the mask is empty."""
+    any_in = jnp.any(mask)
+    lo = jnp.min(jnp.where(mask, x, jnp.inf))
+    hi = jnp.max(jnp.where(mask, x, -jnp.inf))
+    return jnp.where(any_in, lo, 0.0), jnp.where(any_in, hi, 0.0)
+
+
+def _ppo_clip(
+    ratio: Array, advantages: Array, *, clip_eps_low: Scalar, clip_eps_high: Scalar
+) -> tuple[Array, Array, Array]:
+    """Per-token ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` and clip indicators."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    per_token = jnp.maximum(unclipped, clipped)
+    clipped_low = (advantages < 0) & (ratio < 1.0 - clip_eps_low)
+    clipped_high = (advantages > 0) & (ratio > 1.0 + clip_eps_high)
+    return per_token, clipped_low, clipped_high
+
+
+def _policy_loss(
+    surrogate: Callable[[_Tokens], _Surrogate],
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    aggregation: ops.AggregationMode,
+    num_tokens: Scalar | None,
+    num_seqs: Scalar | None,
+    norm_length: Scalar | None,
+    entropy: Array | None,
+    entropy_coef: Scalar,
+    ref_logps: Array | None,
+    kl_coef: Scalar,
+    kl_kind: kl_lib.KLKind,
+    sampler_logps: Array | None,
+    tis_cap: Scalar,
+) -> tuple[Array, dict[str, Array]]:
+    """The part every policy loss shares: checks, masking, TIS, aggregation, entropy, KL, metrics."""
+    check_rank(logps=(logps, 2), mask=(mask, 2), advantages=(advantages, (1, 2)))
+    check_same_shape(logps=logps, old_logps=old_logps, mask=mask)
+    advantages = jnp.asarray(advantages)
+    if advantages.ndim == 1:
+        if advantages.shape[0] != logps.shape[0]:
+            raise ValueError(
+                f"advantages of shape {advantages.shape} must be [B]={logps.shape[:1]} or "
+                f"[B, T]={logps.shape}"
+            )
+        advantages = jnp.broadcast_to(advantages[:, None], logps.shape)
+    check_same_shape(logps=logps, advantages=advantages)
+    optional = {"entropy": entropy, "ref_logps": ref_logps, "sampler_logps": sampler_logps}
+    for name, value in optional.items():
+        if value is not None:
+            check_same_shape(logps=logps, **{name: value})
+    check_choice("aggregation", aggregation, ops.AGGREGATION_MODES)
+    check_choice("kl_kind", kl_kind, kl_lib.KL_KINDS)
+    if _is_concrete_number(tis_cap) and tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
+
+    keep = jnp.asarray(mask).astype(bool)
+
+    def on_mask(x):
+        # Neutralise masked-out entries before any nonlinearity: the value there becomes 0
+        # and the cotangent flowing back through `where` is exactly 0.
+        return jnp.where(keep, _f32(x), 0.0)
+
+    logps = on_mask(logps)
+    old_logps = jax.lax.stop_gradient(on_mask(old_logps))
+    log_ratio = jnp.clip(logps - old_logps, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    tokens = _Tokens(
+        logps=logps, log_ratio=log_ratio,
+        advantages=jax.lax.stop_gradient(on_mask(advantages)), mask=keep,
+    )
+    sur = surrogate(tokens)
+
+    agg = dict(mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+    sg = jax.lax.stop_gradient
+    metrics: dict[str, Array] = {}
+
+    per_token = sur.per_token
+    if sampler_logps is not None:
+        sampler_log_ratio = old_logps - sg(on_mask(sampler_logps))
+        tis_weight = sg(jnp.minimum(jnp.exp(sampler_log_ratio), tis_cap))
+        per_token = per_token * tis_weight
+        metrics["tis_weight_mean"] = ops.masked_mean(tis_weight, keep)
+    pg = ops.aggregate(per_token, keep, **agg)
+    loss = pg
+
+    if entropy is not None:
+        entropy = on_mask(entropy)
+        loss = loss - entropy_coef * ops.aggregate(entropy, keep, **agg)
+        metrics["entropy"] = ops.masked_mean(entropy, keep)
+    if ref_logps is not None:
+        kl_tokens = kl_lib.kl_estimate(logps, sg(on_mask(ref_logps)), kind=kl_kind)
+        loss = loss + kl_coef * ops.aggregate(kl_tokens, keep, **agg)
+        metrics["kl"] = ops.masked_mean(kl_tokens, keep)
+
+    ratio = sg(sur.ratio)
+    ratio_min, ratio_max = _masked_min_max(ratio, keep)
+    # k3 of KL(pi_old || pi_theta): samples come from pi_old, so the log-ratio is old - new.
+    approx_kl = kl_lib.kl_estimate(old_logps, sg(logps), kind="k3")
+    metrics.update(
+        pg_loss=pg,
+        clipfrac_low=ops.masked_mean(sur.clipped_low, keep),
+        clipfrac_high=ops.masked_mean(sur.clipped_high, keep),
+        approx_kl=ops.masked_mean(approx_kl, keep),
+        ratio_mean=ops.masked_mean(ratio, keep),
+        ratio_min=ratio_min,
+        ratio_max=ratio_max,
+    )
+    for name, indicator in sur.indicators.items():
+        metrics[name] = ops.masked_mean(indicator, keep)
+    metrics = {k: sg(_f32(v)) for k, v in metrics.items()}
+    return _f32(loss), metrics
+
+
+def ppo_policy_loss(
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    clip_eps_low: Scalar = 0.2,
+    clip_eps_high: Scalar | None = None,
+    dual_clip_c: Scalar | None = None,
+    aggregation: ops.AggregationMode = "token-mean",
+    num_tokens: Scalar | None = None,
+    num_seqs: Scalar | None = None,
+    norm_length: Scalar | None = None,
+    entropy: Array | None = None,
+    entropy_coef: Scalar = 0.0,
+    ref_logps: Array | None = None,
+    kl_coef: Scalar = 0.0,
+    kl_kind: kl_lib.KLKind = "k3",
+    sampler_logps: Array | None = None,
+    tis_cap: Scalar = 2.0,
+) -> tuple[Array, dict[str, Array]]:
+    """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms").
+
+    Per token, with ``r_t = exp(logps - old_logps)``:
+
+        l_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
+
+    ``clip_eps_high`` defaults to ``clip_eps_low``; setting it larger is DAPO's
+    clip-higher (Yu et al. 2025, "DAPO", which uses 0.2 / 0.28): low-probability tokens
+    with positive advantage may then grow further before their gradient is cut.
+
+    ``dual_clip_c`` (> 1; Ye et al. 2020, "Mastering Complex Control in MOBA Games with
+    Deep RL", dual-clip PPO) bounds the loss of negative-advantage tokens whose ratio has
+    exploded: for ``A_t < 0``, ``l_t = min(l_t, -c A_t)``, so the loss is at most
+    ``c |A_t|`` and its gradient is 0 once ``r_t > c``. Positive advantages are unchanged.
+
+    Args:
+      logps, old_logps, mask: ``[B, T]``; advantages: ``[B, T]`` or ``[B]``.
+      clip_eps_low, clip_eps_high, dual_clip_c: as above.
+      The shared options (aggregation, TIS, entropy, KL) are described in the module
+      docstring.
+
+    Returns ``(loss, metrics)``; the metric keys are listed in the module docstring, plus
+    ``dual_clipfrac`` when ``dual_clip_c`` is set.
+    """
+    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    _check_nonnegative(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
+    if dual_clip_c is not None and _is_concrete_number(dual_clip_c) and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1 (Ye et al. 2020 use 3); got {dual_clip_c}")
+
+    def surrogate(tok: _Tokens) -> _Surrogate:
+        ratio = jnp.exp(tok.log_ratio)
+        per_token, clipped_low, clipped_high = _ppo_clip(
+            ratio, tok.advantages, clip_eps_low=clip_eps_low, clip_eps_high=eps_high
+        )
+        indicators = {}
+        if dual_clip_c is not None:
+            negative = tok.advantages < 0
+            per_token = jnp.where(negative, jnp.minimum(per_token, -dual_clip_c * tok.advantages), per_token)
+            indicators["dual_clipfrac"] = negative & (ratio > dual_clip_c)
+        return _Surrogate(per_token, ratio, clipped_low, clipped_high, indicators)
+
+    return _policy_loss(
+        surrogate, logps, old_logps, advantages, mask,
+        aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+        entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
+        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+    )
+
+
+def gspo_policy_loss(
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    clip_eps_low: Scalar = 3e-4,
+    clip_eps_high: Scalar | None = 4e-4,
+    aggregation: ops.AggregationMode = "seq-mean-token-mean",
+    num_tokens: Scalar | None = None,
+    num_seqs: Scalar | None = None,
+    norm_length: Scalar | None = None,
+    entropy: Array | None = None,
+    entropy_coef: Scalar = 0.0,
+    ref_logps: Array | None = None,
+    kl_coef: Scalar = 0.0,
+    kl_kind: kl_lib.KLKind = "k3",
+    sampler_logps: Array | None = None,
+    tis_cap: Scalar = 2.0,
+) -> tuple[Array, dict[str, Array]]:
+    """GSPO, sequence-level clipped ratio (Zheng et al. 2025, "Group Sequence Policy Optimization").
+
+    The importance ratio is the length-normalised sequence likelihood ratio
+
+        s_i = exp( (1 / |y_i|) sum_{t in y_i} (logps_it - old_logps_it) )
+
+    over the response tokens ``y_i`` of row ``i`` (``|y_i| = sum_t mask_it``; a row with no
+    response token has ``s_i = 1``). This is the GSPO-token form: per token,
+
+        s_it = sg(s_i) * pi_theta(y_it) / sg(pi_theta(y_it))       (value s_i, d s_it / d logps_it = s_i)
+        l_t  = max(-A_it s_it, -A_it clip(s_it, 1 - eps_low, 1 + eps_high))
+
+    which allows per-token advantages. When the advantages are per sequence (``[B]``, or
+    constant along each row) and ``aggregation="seq-mean-token-mean"`` (the default), the
+    loss and its gradient equal sequence-level GSPO,
+    ``mean_i max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high))``: each token then
+    carries the same value ``l_i`` and the gradient ``-A_i s_i grad logps_it / |y_i|`` that
+    ``d s_i`` gives. Whole sequences are clipped together, since ``s_it = s_i``.
+
+    The clip range is small because ``s_i`` is a per-token geometric mean: the paper uses
+    ``eps_low = 3e-4`` and ``eps_high = 4e-4`` (the defaults; ``clip_eps_high=None`` means
+    ``eps_low``).
+
+    Args and returns as :func:`ppo_policy_loss` (no dual clip). ``ratio_*`` metrics report
+    ``s_i`` on each response token.
+    """
+    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    _check_nonnegative(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
+
+    def surrogate(tok: _Tokens) -> _Surrogate:
+        seq_log_ratio = ops.masked_mean(tok.log_ratio, tok.mask, axis=-1)  # [B]
+        seq_ratio = jax.lax.stop_gradient(jnp.exp(seq_log_ratio))[:, None]
+        ratio = seq_ratio * jnp.exp(tok.logps - jax.lax.stop_gradient(tok.logps))
+        per_token, clipped_low, clipped_high = _ppo_clip(
+            ratio, tok.advantages, clip_eps_low=clip_eps_low, clip_eps_high=eps_high
+        )
+        return _Surrogate(per_token, ratio, clipped_low, clipped_high, {})
+
+    return _policy_loss(
+        surrogate, logps, old_logps, advantages, mask,
+        aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+        entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
+        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+    )
+
+
+def cispo_policy_loss(
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    clip_eps_low: Scalar | None = None,
+    clip_eps_high: Scalar = 0.28,
+    aggregation: ops.AggregationMode = "token-mean",
+    num_tokens: Scalar | None = None,
+    num_seqs: Scalar | None = None,
+    norm_length: Scalar | None = None,
+    entropy: Array | None = None,
+    entropy_coef: Scalar = 0.0,
+    ref_logps: Array | None = None,
+    kl_coef: Scalar = 0.0,
+    kl_kind: kl_lib.KLKind = "k3",
+    sampler_logps: Array | None = None,
+    tis_cap: Scalar = 2.0,
+) -> tuple[Array, dict[str, Array]]:
+    """CISPO: clipped, stop-gradient IS weight times log-prob (MiniMax 2025, "MiniMax-M1", eq. 4).
+
+    Per token, with ``r_t = exp(logps - old_logps)``:
+
+        l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * logps_t
+
+    Unlike PPO no token's gradient is dropped: the weight is clipped, and the gradient
+    ``-w_t A_t grad logps_t`` flows through ``logps`` only. The loss value itself is not a
+    surrogate objective (it scales with ``logps``); read ``pg_loss`` as a gradient carrier.
+
+    Defaults: MiniMax-M1 imposes no lower bound in practice ("we did not impose a lower
+    bound on the IS weight by setting eps_low to a large value; instead, we only tuned
+    eps_high"), so ``clip_eps_low=None`` (no lower clip) is the default. The paper does not
+    publish its eps_high; 0.28 (DAPO's clip-higher value, also Trinity-RFT's CISPO
+    default) is ours. The paper aggregates per token over the batch, ``token-mean``.
+
+    Args and returns as :func:`ppo_policy_loss` (no dual clip). ``clipfrac_low`` /
+    ``clipfrac_high`` count tokens whose weight is clipped, whatever the sign of ``A``.
+    """
+    _check_nonnegative(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
+
+    def surrogate(tok: _Tokens) -> _Surrogate:
+        ratio = jnp.exp(tok.log_ratio)
+        lower = -jnp.inf if clip_eps_low is None else 1.0 - clip_eps_low
+        weight = jax.lax.stop_gradient(jnp.clip(ratio, lower, 1.0 + clip_eps_high))
+        per_token = -weight * tok.advantages * tok.logps
+        clipped_low = ratio < lower
+        clipped_high = ratio > 1.0 + clip_eps_high
+        return _Surrogate(per_token, ratio, clipped_low, clipped_high, {})
+
+    return _policy_loss(
+        surrogate, logps, old_logps, advantages, mask,
+        aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+        entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
+        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+    )
+
+
+def pg_loss(
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    aggregation: ops.AggregationMode = "token-mean",
+    num_tokens: Scalar | None = None,
+    num_seqs: Scalar | None = None,
+    norm_length: Scalar | None = None,
+    entropy: Array | None = None,
+    entropy_coef: Scalar = 0.0,
+    ref_logps: Array | None = None,
+    kl_coef: Scalar = 0.0,
+    kl_kind: kl_lib.KLKind = "k3",
+    sampler_logps: Array | None = None,
+    tis_cap: Scalar = 2.0,
+) -> tuple[Array, dict[str, Array]]:
+    """Plain policy gradient ``l_t = -A_t * logps_t`` (Williams 1992, REINFORCE).
+
+    The loss of on-policy REINFORCE-style methods whose variance reduction lives in the
+    advantage: RLOO (Ahmadian et al. 2024), ReMax (Li et al. 2023), REINFORCE++ (Hu 2025).
+    There is no ratio in the loss and so no correction for ``logps`` drifting from
+    ``old_logps`` (use it for one update per batch); ``old_logps`` feeds the ``ratio_*`` /
+    ``approx_kl`` metrics and, with ``sampler_logps``, the TIS weight. On-policy, pass
+    ``jax.lax.stop_gradient(logps)``. ``clipfrac_*`` are always 0 (no clip).
+
+    Args and returns as :func:`ppo_policy_loss`.
+    """
+
+    def surrogate(tok: _Tokens) -> _Surrogate:
+        never = jnp.zeros(tok.mask.shape, bool)
+        per_token = -tok.advantages * tok.logps
+        return _Surrogate(per_token, jnp.exp(tok.log_ratio), never, never, {})
+
+    return _policy_loss(
+        surrogate, logps, old_logps, advantages, mask,
+        aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+        entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
+        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+    )
