@@ -1,0 +1,62 @@
+"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3, GPT-2) with LM, value and reward heads,
+a KV cache, and Hugging Face weights in and out.
+
+Build from a config (``CausalLM(ModelConfig.from_hf_config(cfg), rngs=nnx.Rngs(0))``) or
+from weights (``from_pretrained(dir)``, ``from_hf_state_dict(cfg, tensors)``); save with
+``save_pretrained``. See modeling.py for the forward signature and cache.py for the cache.
+"""
+
+from alignax.models.cache import KVCache, init_cache
+from alignax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, rope_inv_freq
+from alignax.models.gguf import gguf_to_hf
+from alignax.models.hf import (
+    MODEL_KINDS,
+    from_hf_state_dict,
+    from_pretrained,
+    read_hf_tensors,
+    save_pretrained,
+    to_hf_state_dict,
+)
+from alignax.models.modeling import (
+    CausalLM,
+    Decoder,
+    ModelOutput,
+    PolicyValueModel,
+    RewardModel,
+    ValueModel,
+    last_token_index,
+    positions_from_mask,
+    token_logprobs_from_hidden,
+)
+from alignax.models.registry import load
+from alignax.models.safetensors_io import SafetensorsError, read_safetensors, write_safetensors
+from alignax.models.tokenizer import tokenizer_from_gguf
+
+__all__ = [
+    "MODEL_KINDS",
+    "SUPPORTED_ARCHITECTURES",
+    "CausalLM",
+    "Decoder",
+    "KVCache",
+    "ModelConfig",
+    "ModelOutput",
+    "PolicyValueModel",
+    "RewardModel",
+    "SafetensorsError",
+    "ValueModel",
+    "from_hf_state_dict",
+    "from_pretrained",
+    "gguf_to_hf",
+    "init_cache",
+    "last_token_index",
+    "load",
+    "positions_from_mask",
+    "read_hf_tensors",
+    "read_safetensors",
+    "rope_inv_freq",
+    "save_pretrained",
+    "to_hf_state_dict",
+    "token_logprobs_from_hidden",
+    "tokenizer_from_gguf",
+    "write_safetensors",
+]

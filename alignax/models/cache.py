@@ -1,0 +1,69 @@
+"""The key/value cache for incremental decoding: a plain pytree of arrays.
+
+Layout (``L`` layers, ``B`` batch, ``S`` cache slots, ``K`` kv heads, ``H`` head dim)::
+
+    k, v   [L, B, S, K, H]   keys (RoPE already applied) and values, in the cache dtype
+    mask   [B, S] bool       True where a slot holds a real (non-pad) token
+    index  [] int32          next slot to write; every row writes the same slots
+
+A forward pass on ``T`` new tokens with a cache writes their keys/values and their
+``attention_mask`` into slots ``[index, index + T)`` of every row and returns the cache
+with ``index + T``. Query ``t`` of the call sits in slot ``index + t`` and attends to
+slot ``s`` iff ``s <= index + t`` and ``mask[b, s]``. Slots are time order, so this is
+the causal mask; pad slots (left padding of the prompt, or rows that already finished)
+are never attended, whatever their content. Positions (for RoPE or learned position
+embeddings) are an explicit input, so a left-padded row's first real token can sit in
+slot 3 with position 0.
+
+Typical use (what the sampler does inside one ``jax.jit``)::
+
+    cache = init_cache(config, batch=B, max_len=P + N)
+    out = model(prompt, positions, prompt_mask, cache=cache)           # prefill: slots [0, P)
+    cache = out.cache
+    # loop (lax.while_loop / scan), one token per row per step:
+    out = model(next_tok[:, None], next_pos[:, None], alive[:, None], cache=cache)
+
+Slots past ``S`` cannot be written: ``jax.lax.dynamic_update_slice`` would clamp the
+index, so callers size ``max_len`` for prompt plus generation budget.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from alignax.models.config import ModelConfig
+
+Array = jax.Array
+
+
+@struct.dataclass
+class KVCache:
+    """Keys, values, slot mask and write index; see the module docstring for the layout."""
+
+    k: Array
+    v: Array
+    mask: Array
+    index: Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache: zeros, ``mask`` all False, ``index`` 0.
+
+    ``dtype`` defaults to the config's compute dtype.
+    """
+    if batch < 1 or max_len < 1:
+        raise ValueError(f"batch and max_len must be >= 1; got batch={batch}, max_len={max_len}")
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        mask=jnp.zeros((batch, max_len), bool),
+        index=jnp.zeros((), jnp.int32),
+    )

@@ -1,0 +1,415 @@
+"""Model configuration: one frozen dataclass for every decoder family, read from and
+written back to a Hugging Face ``config.json`` dict.
+
+Families (``model_type``): ``llama`` (SmolLM2 is one), ``qwen2`` (Qwen2 and Qwen2.5: q/k/v
+biases), ``qwen3`` (q/k RMS norms on the head dim), ``gpt2`` (learned positions,
+LayerNorm, GELU, fused Conv1D projections).
+
+Defaults for optional fields are the ones transformers applies for that family, so a
+config read here describes the same network transformers builds from the same dict.
+RoPE follows transformers 5: settings live in ``rope_parameters`` (older files use
+``rope_scaling`` plus a top-level ``rope_theta``); the inverse frequencies are computed
+by :func:`rope_inv_freq` exactly as ``transformers.modeling_rope_utils`` does for the
+supported types ``default``, ``linear`` and ``llama3``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+
+# transformers' ACT2FN names -> our activation names (the function lives in layers.py).
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
+
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+_HF_SEQ_CLS_ARCHITECTURES = {
+    "llama": "LlamaForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+    "gpt2": "GPT2ForSequenceClassification",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape, family options and run-time policy of one decoder.
+
+    Shape letters used across alignax.models: B batch, T length, S cache length,
+    D ``hidden_size``, N ``num_heads``, K ``num_kv_heads``, H ``head_dim``,
+    F ``intermediate_size``, V ``vocab_size``, L ``num_layers``.
+
+    Run-time policy (not part of the HF config):
+      param_dtype: storage dtype of parameters, ``"float32"`` or ``"bfloat16"`` (any
+        dtype-like is accepted and stored as its name).
+      dtype: compute dtype of activations and matmuls. Norm statistics, softmax,
+        logits, log-probs, values and rewards are always float32.
+      scan_layers: store layer parameters stacked on a leading ``layers`` axis and run
+        them with ``jax.lax.scan`` (one layer traced and compiled, whatever ``L``).
+      remat: rematerialise each layer in the backward pass (``jax.checkpoint``).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    activation: str = "silu"
+    norm_type: str = "rms"  # "rms" | "layer"
+    gated_mlp: bool = True
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    position_embedding: str = "rope"  # "rope" | "learned"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10_000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    num_labels: int = 1
+    # run-time policy
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    scan_layers: bool = False
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture model_type={self.model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("param_dtype", "dtype"):
+            try:  # accept jnp.float32, np.dtype("bfloat16"), "float32", ...
+                object.__setattr__(self, name, np.dtype(getattr(self, name)).name)
+            except TypeError:
+                pass
+            if getattr(self, name) not in SUPPORTED_DTYPES:
+                raise ValueError(f"{name} must be one of {SUPPORTED_DTYPES}; got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.activation not in set(_ACTIVATIONS.values()):
+            raise ValueError(f"unknown activation {self.activation!r}; valid: {sorted(set(_ACTIVATIONS.values()))}")
+        if self.head_dim % 2 and self.position_embedding == "rope":
+            raise ValueError(f"RoPE needs an even head_dim; got {self.head_dim}")
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per key/value head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ HF dicts
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Mapping[str, Any], **policy) -> ModelConfig:
+        """Read a Hugging Face ``config.json`` dict.
+
+        ``policy`` sets the run-time fields (``param_dtype``, ``dtype``, ``scan_layers``,
+        ``remat``). Raises ``ValueError`` naming the missing field or the unsupported
+        architecture / rope type / option.
+        """
+        if not isinstance(hf_config, Mapping):
+            raise TypeError(f"hf_config must be a dict (parsed config.json); got {type(hf_config).__name__}")
+        model_type = hf_config.get("model_type")
+        if model_type is None:
+            raise ValueError(
+                "config is missing the field 'model_type'; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
+            )
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture model_type={model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        unknown = set(policy) - {"param_dtype", "dtype", "scan_layers", "remat"}
+        if unknown:
+            raise TypeError(f"unknown policy arguments {sorted(unknown)}; valid: param_dtype, dtype, scan_layers, remat")
+        reader = _GPT2_READER if model_type == "gpt2" else _llama_like_fields
+        fields = reader(hf_config)
+        fields.update(_token_ids(hf_config))
+        num_labels = hf_config.get("num_labels")
+        if num_labels is None and isinstance(hf_config.get("id2label"), Mapping):
+            num_labels = len(hf_config["id2label"])
+        fields["num_labels"] = int(num_labels or 1)
+        return cls(model_type=model_type, **fields, **policy)
+
+    def to_hf_config(self, *, architecture: str = "causal_lm") -> dict[str, Any]:
+        """A ``config.json`` dict transformers builds this network from.
+
+        ``architecture``: ``"causal_lm"`` (``*ForCausalLM`` / ``GPT2LMHeadModel``) or
+        ``"sequence_classification"`` (``*ForSequenceClassification``, the reward head).
+        """
+        if architecture not in ("causal_lm", "sequence_classification"):
+            raise ValueError(f"architecture must be 'causal_lm' or 'sequence_classification'; got {architecture!r}")
+        names = _HF_ARCHITECTURES if architecture == "causal_lm" else _HF_SEQ_CLS_ARCHITECTURES
+        act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[self.activation]
+        out: dict[str, Any] = {"architectures": [names[self.model_type]], "model_type": self.model_type}
+        if self.model_type == "gpt2":
+            out.update(
+                vocab_size=self.vocab_size,
+                n_embd=self.hidden_size,
+                n_layer=self.num_layers,
+                n_head=self.num_heads,
+                n_inner=self.intermediate_size,
+                n_positions=self.max_position_embeddings,
+                layer_norm_epsilon=self.norm_eps,
+                activation_function=act,
+                scale_attn_weights=self.attn_scale is None,
+                tie_word_embeddings=self.tie_word_embeddings,
+            )
+        else:
+            rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+            if self.rope_type in ("linear", "llama3"):
+                rope["factor"] = self.rope_factor
+            if self.rope_type == "llama3":
+                rope.update(
+                    low_freq_factor=self.rope_low_freq_factor,
+                    high_freq_factor=self.rope_high_freq_factor,
+                    original_max_position_embeddings=self.rope_original_max_position_embeddings,
+                )
+            out.update(
+                vocab_size=self.vocab_size,
+                hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size,
+                num_hidden_layers=self.num_layers,
+                num_attention_heads=self.num_heads,
+                num_key_value_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                hidden_act=act,
+                rms_norm_eps=self.norm_eps,
+                max_position_embeddings=self.max_position_embeddings,
+                rope_parameters=rope,
+                tie_word_embeddings=self.tie_word_embeddings,
+            )
+            if self.model_type == "llama":
+                out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+            elif self.model_type == "qwen3":
+                out.update(attention_bias=self.qkv_bias, use_sliding_window=False)
+            else:
+                out.update(use_sliding_window=False)
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        out.update(bos_token_id=self.bos_token_id, eos_token_id=eos, pad_token_id=self.pad_token_id)
+        if architecture == "sequence_classification":
+            out["num_labels"] = self.num_labels
+            out["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+            out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
+        out["dtype"] = self.param_dtype
+        return out
+
+
+# ---------------------------------------------------------------------------- readers
+
+
+def _require(hf: Mapping[str, Any], name: str, model_type: str) -> Any:
+    if name not in hf or hf[name] is None:
+        raise ValueError(f"{model_type} config is missing the required field {name!r}")
+    return hf[name]
+
+
+def _activation(name: str, field: str) -> str:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported {field} {name!r}; supported: {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def _token_ids(hf: Mapping[str, Any]) -> dict[str, Any]:
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = tuple(int(e) for e in eos)
+    return {"bos_token_id": hf.get("bos_token_id"), "eos_token_id": eos, "pad_token_id": hf.get("pad_token_id")}
+
+
+def _rope_fields(hf: Mapping[str, Any], model_type: str, max_pos: int) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta`` (older files)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_parameters must be a dict; got {params!r}")
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters (nested dicts) are not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r} in {model_type} config; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    out: dict[str, Any] = {"rope_type": rope_type, "rope_theta": float(theta)}
+    if rope_type in ("linear", "llama3"):
+        if "factor" not in params:
+            raise ValueError(f"rope_parameters of type {rope_type!r} is missing the field 'factor'")
+        out["rope_factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        for key, field in (("low_freq_factor", "rope_low_freq_factor"), ("high_freq_factor", "rope_high_freq_factor")):
+            if key not in params:
+                raise ValueError(f"rope_parameters of type 'llama3' is missing the field {key!r}")
+            out[field] = float(params[key])
+        out["rope_original_max_position_embeddings"] = int(
+            params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
+        )
+    return out
+
+
+# transformers' per-family defaults for fields a config.json may omit.
+_LLAMA_LIKE_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "head_dim": None},
+    "qwen2": {"max_position_embeddings": 32768, "head_dim": None},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+}
+
+
+def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    mt = hf["model_type"]
+    req = {name: int(_require(hf, name, mt)) for name in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+    heads = req["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or _LLAMA_LIKE_DEFAULTS[mt]["head_dim"] or req["hidden_size"] // heads
+    max_pos = int(hf.get("max_position_embeddings") or _LLAMA_LIKE_DEFAULTS[mt]["max_position_embeddings"])
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{mt} config sets use_sliding_window=true; sliding-window attention is not supported")
+    if hf.get("pretraining_tp", 1) not in (None, 1):
+        raise ValueError(f"pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
+    fields: dict[str, Any] = dict(
+        vocab_size=req["vocab_size"],
+        hidden_size=req["hidden_size"],
+        intermediate_size=req["intermediate_size"],
+        num_layers=req["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if mt == "llama":
+        bias = bool(hf.get("attention_bias", False))
+        fields.update(qkv_bias=bias, out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
+    elif mt == "qwen2":
+        fields.update(qkv_bias=True, out_bias=False)
+    else:  # qwen3
+        bias = bool(hf.get("attention_bias", False))
+        fields.update(qkv_bias=bias, out_bias=bias, qk_norm=True)
+    fields.update(_rope_fields(hf, mt, max_pos))
+    return fields
+
+
+def _gpt2_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    def get(name, alias, default=None, required=False):
+        for key in (name, alias):
+            if hf.get(key) is not None:
+                return hf[key]
+        if required:
+            raise ValueError(f"gpt2 config is missing the required field {name!r}")
+        return default
+
+    hidden = int(get("n_embd", "hidden_size", required=True))
+    heads = int(get("n_head", "num_attention_heads", required=True))
+    if hidden % heads:
+        raise ValueError(f"gpt2 n_embd ({hidden}) must be a multiple of n_head ({heads})")
+    if hf.get("scale_attn_by_inverse_layer_idx"):
+        raise ValueError("gpt2 scale_attn_by_inverse_layer_idx=true is not supported")
+    if hf.get("add_cross_attention"):
+        raise ValueError("gpt2 add_cross_attention=true is not supported")
+    head_dim = hidden // heads
+    return dict(
+        vocab_size=int(_require(hf, "vocab_size", "gpt2")),
+        hidden_size=hidden,
+        num_layers=int(get("n_layer", "num_hidden_layers", required=True)),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        intermediate_size=int(get("n_inner", "intermediate_size") or 4 * hidden),
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation=_activation(hf.get("activation_function", "gelu_new"), "activation_function"),
+        norm_type="layer",
+        gated_mlp=False,
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        position_embedding="learned",
+        max_position_embeddings=int(get("n_positions", "max_position_embeddings", 1024)),
+        attn_scale=None if hf.get("scale_attn_weights", True) else 1.0,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
+
+
+_GPT2_READER = _gpt2_fields
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies ``[H/2]`` (float32) of rotary embeddings, as transformers computes them.
+
+    ``default``: ``inv_freq_i = theta^(-2i/H)`` (Su et al. 2021, RoFormer).
+    ``linear``: ``inv_freq / factor`` (position interpolation, Chen et al. 2023).
+    ``llama3``: wavelengths ``2 pi / inv_freq`` above ``original_max / low_freq_factor``
+    are divided by ``factor``, those below ``original_max / high_freq_factor`` kept, and
+    the band between interpolated smoothly (Llama 3.1).
+    """
+    dim = config.head_dim
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / np.float32(config.rope_factor)
+    elif config.rope_type == "llama3":
+        factor = config.rope_factor
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_len = config.rope_original_max_position_embeddings
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)

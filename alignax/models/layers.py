@@ -1,0 +1,213 @@
+"""Decoder building blocks in Flax NNX: norms, rotary embeddings, attention, MLP, one layer.
+
+Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds logical axis
+names (``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``norm``,
+``positions``, ``labels``; ``layers`` when stacked for scan). ``alignax.parallel`` maps
+them to mesh axes; nothing here knows about meshes (``eager_sharding=False``).
+
+Einsum letters: B batch, T new tokens, S key slots, D model, N heads, K kv heads,
+G query heads per kv head, H head dim, F mlp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from alignax.models.config import ModelConfig
+
+Array = jax.Array
+
+INIT_STD = 0.02  # transformers' initializer_range default for every supported family
+_MASKED = float(np.finfo(np.float32).min)  # finite, so an all-masked row (a pad query) stays NaN-free
+
+
+def param(value: Array, names: tuple[str | None, ...]) -> nnx.Param:
+    """An ``nnx.Param`` tagged with logical axis names (one per dim)."""
+    if len(names) != np.ndim(value):
+        raise ValueError(f"{len(names)} axis names {names} for a parameter of shape {np.shape(value)}")
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def normal_param(rngs: nnx.Rngs, shape, names, dtype, std: float = INIT_STD) -> nnx.Param:
+    return param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype), names)
+
+
+def const_param(value: float, shape, names, dtype) -> nnx.Param:
+    return param(jnp.full(shape, value, dtype), names)
+
+
+def activation_fn(name: str):
+    return {
+        "silu": jax.nn.silu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "relu": jax.nn.relu,
+    }[name]
+
+
+class Norm(nnx.Module):
+    """RMSNorm ``x / sqrt(mean(x^2) + eps) * scale`` (Zhang & Sennrich 2019) or LayerNorm
+    ``(x - mean) / sqrt(var + eps) * scale + bias`` (Ba et al. 2016) over the last axis.
+
+    Statistics in float32; the normalised activations are cast back to the input dtype
+    before the scale, as transformers does.
+    """
+
+    def __init__(self, size: int, *, kind: str, eps: float, param_dtype, names=("norm",)):
+        self.kind = kind
+        self.eps = eps
+        self.scale = const_param(1.0, (size,), names, param_dtype)
+        self.bias = const_param(0.0, (size,), names, param_dtype) if kind == "layer" else None
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        if self.kind == "rms":
+            y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+            return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+def rope_sin_cos(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
+    """``sin, cos`` of ``positions[..., None] * inv_freq``: float32 ``[B, T, H/2]``."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: Array, sin: Array, cos: Array) -> Array:
+    """Rotate ``x [B, T, heads, H]`` by the angles (halves layout, transformers' ``rotate_half``).
+
+    ``out = x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``;
+    computed in float32, returned in ``x.dtype``.
+    """
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with optional q/k/v/o biases and q/k RMS norms.
+
+    Scores ``q k^T * scale`` and the softmax are float32; ``allowed [B, T, S]`` selects
+    the keys each query sees (causal + padding, built once per forward by the decoder).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pd = jnp.dtype(c.param_dtype)
+        D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.config = c
+        self.q_kernel = normal_param(rngs, (D, N, H), ("embed", "heads", "head_dim"), pd)
+        self.k_kernel = normal_param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_kernel = normal_param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_kernel = normal_param(rngs, (N, H, D), ("heads", "head_dim", "embed"), pd)
+        if c.qkv_bias:
+            self.q_bias = const_param(0.0, (N, H), ("heads", "head_dim"), pd)
+            self.k_bias = const_param(0.0, (K, H), ("kv_heads", "head_dim"), pd)
+            self.v_bias = const_param(0.0, (K, H), ("kv_heads", "head_dim"), pd)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = const_param(0.0, (D,), ("embed",), pd) if c.out_bias else None
+        if c.qk_norm:
+            self.q_norm = Norm(H, kind="rms", eps=c.norm_eps, param_dtype=pd)
+            self.k_norm = Norm(H, kind="rms", eps=c.norm_eps, param_dtype=pd)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _project(self, x: Array, kernel: nnx.Param, bias: nnx.Param | None) -> Array:
+        y = jnp.einsum("BTD,DNH->BTNH", x, kernel[...].astype(x.dtype))
+        return y if bias is None else y + bias[...].astype(x.dtype)
+
+    def __call__(
+        self,
+        x: Array,
+        sin_cos: tuple[Array, Array] | None,
+        allowed: Array,
+        kv: tuple[Array, Array] | None,
+        index: Array | None,
+    ) -> tuple[Array, tuple[Array, Array] | None]:
+        c = self.config
+        q = self._project(x, self.q_kernel, self.q_bias)  # [B, T, N, H]
+        k = self._project(x, self.k_kernel, self.k_bias)  # [B, T, K, H]
+        v = self._project(x, self.v_kernel, self.v_bias)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if sin_cos is not None:
+            q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
+        if kv is not None:
+            k_cache, v_cache = kv
+            start = (0, index, 0, 0)
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+            k, v = k_cache.astype(x.dtype), v_cache.astype(x.dtype)
+            kv = (k_cache, v_cache)
+        B, T, N, H = q.shape
+        q = q.reshape(B, T, c.num_kv_heads, c.num_groups, H)
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+        scores = scores * c.attention_scale
+        scores = jnp.where(allowed[:, None, None, :, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
+        y = jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(x.dtype))
+        if self.o_bias is not None:
+            y = y + self.o_bias[...].astype(x.dtype)
+        return y, kv
+
+
+class MLP(nnx.Module):
+    """Gated ``down(act(gate(x)) * up(x))`` (SwiGLU, Shazeer 2020) or plain ``down(act(up(x)))``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pd = jnp.dtype(c.param_dtype)
+        D, F = c.hidden_size, c.intermediate_size
+        self.activation = c.activation
+        self.gate_kernel = normal_param(rngs, (D, F), ("embed", "mlp"), pd) if c.gated_mlp else None
+        self.up_kernel = normal_param(rngs, (D, F), ("embed", "mlp"), pd)
+        self.down_kernel = normal_param(rngs, (F, D), ("mlp", "embed"), pd)
+        if c.mlp_bias:
+            self.gate_bias = const_param(0.0, (F,), ("mlp",), pd) if c.gated_mlp else None
+            self.up_bias = const_param(0.0, (F,), ("mlp",), pd)
+            self.down_bias = const_param(0.0, (D,), ("embed",), pd)
+        else:
+            self.gate_bias = self.up_bias = self.down_bias = None
+
+    @staticmethod
+    def _dense(x, kernel, bias):
+        y = jnp.einsum("BTD,DF->BTF", x, kernel[...].astype(x.dtype))
+        return y if bias is None else y + bias[...].astype(x.dtype)
+
+    def __call__(self, x: Array) -> Array:
+        act = activation_fn(self.activation)
+        h = self._dense(x, self.up_kernel, self.up_bias)
+        if self.gate_kernel is not None:
+            h = act(self._dense(x, self.gate_kernel, self.gate_bias)) * h
+        else:
+            h = act(h)
+        return self._dense(h, self.down_kernel, self.down_bias)
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pd = jnp.dtype(c.param_dtype)
+        self.attn_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
+        self.attn = Attention(c, rngs=rngs)
+        self.mlp_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
+        self.mlp = MLP(c, rngs=rngs)
+
+    def __call__(self, x, sin_cos, allowed, kv, index):
+        h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, kv

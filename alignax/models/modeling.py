@@ -1,0 +1,373 @@
+"""The decoder trunk and the four models built on it: LM, critic, policy+value, reward.
+
+All share one forward signature::
+
+    model(tokens [B, T] int, positions [B, T] int, attention_mask [B, T] (1 = real token),
+          *, cache=None) -> ModelOutput
+
+- ``positions`` are explicit so a left-padded row gives the same outputs as the same
+  row unpadded: use :func:`positions_from_mask` (``cumsum(mask) - 1``, clipped at 0).
+  When ``positions`` is ``None`` and there is no cache it is derived that way.
+- The mask is causal (slot order) and drops pad keys; pad queries give finite garbage.
+- ``cache`` (:class:`alignax.models.cache.KVCache`) is written and returned in
+  ``ModelOutput.cache``; see cache.py for the layout and the mask over cache slots.
+
+Outputs are float32 where they are scores: ``logits [B, T, V]``, ``values [B, T]``,
+``rewards [B]`` (``[B, num_labels]`` when ``num_labels > 1``). ``hidden [B, T, D]`` is the
+final-norm output in the compute dtype, which :func:`token_logprobs_from_hidden` turns
+into per-token log-probs chunk by chunk without the full ``[B, T, V]`` logits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from alignax import ops
+from alignax._checks import check_rank, check_same_shape
+from alignax.models.cache import KVCache
+from alignax.models.config import ModelConfig, rope_inv_freq
+from alignax.models.layers import Block, Norm, normal_param, param, rope_sin_cos
+
+Array = jax.Array
+
+
+@struct.dataclass
+class ModelOutput:
+    """What a forward returns; fields a model does not compute are ``None``."""
+
+    logits: Array | None = None  # [B, T, V] float32
+    hidden: Array | None = None  # [B, T, D] compute dtype, after the final norm
+    values: Array | None = None  # [B, T] float32 (value heads)
+    rewards: Array | None = None  # [B] float32 at the last real token (reward head)
+    cache: KVCache | None = None
+
+
+def positions_from_mask(attention_mask: Array) -> Array:
+    """Position of each token among the real tokens of its row: ``clip(cumsum(mask) - 1, 0)``.
+
+    A left-padded row ``[0, 0, 1, 1, 1]`` gets ``[0, 0, 0, 1, 2]``: its real tokens sit
+    at the positions they would have unpadded.
+    """
+    check_rank(attention_mask=(attention_mask, 2))
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def last_token_index(attention_mask: Array) -> Array:
+    """Index ``[B]`` of the rightmost real token of each row (0 for an all-pad row).
+
+    Works for left and right padding alike; with pad id == eos id the real end-of-turn
+    token is found through the mask, never through token ids.
+    """
+    check_rank(attention_mask=(attention_mask, 2))
+    t = jnp.arange(attention_mask.shape[1], dtype=jnp.int32)
+    return jnp.max(jnp.where(attention_mask.astype(bool), t, 0), axis=-1)
+
+
+def _stack_layer_metadata(state):
+    """Prepend the logical axis ``layers`` to every parameter of a vmapped layer state."""
+
+    def add(v):
+        return param(v.get_value(), ("layers", *v.get_metadata()["out_sharding"]))
+
+    return jax.tree.map(add, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+class Decoder(nnx.Module):
+    """Token (+ learned position) embeddings, ``L`` pre-norm layers, final norm.
+
+    With ``config.scan_layers`` the layers are one :class:`Block` whose parameters carry a
+    leading ``[L]`` axis, run by ``jax.lax.scan``; otherwise an ``nnx.List`` of blocks.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pd = jnp.dtype(c.param_dtype)
+        self.config = c
+        self.embed = normal_param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), pd)
+        if c.position_embedding == "learned":
+            self.pos_embed = normal_param(
+                rngs, (c.max_position_embeddings, c.hidden_size), ("positions", "embed"), pd
+            )
+        else:
+            self.pos_embed = None
+        if c.scan_layers:
+            keys = jax.random.split(rngs.params(), c.num_layers)
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(c, rngs=nnx.Rngs(0))))
+            stacked = jax.vmap(lambda key: nnx.state(Block(c, rngs=nnx.Rngs(params=key))))(keys)
+            self.layers = nnx.merge(graphdef, _stack_layer_metadata(stacked))
+        else:
+            self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+        self.final_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
+
+    def __call__(
+        self, tokens: Array, positions: Array, attention_mask: Array, *, cache: KVCache | None = None
+    ) -> tuple[Array, KVCache | None]:
+        """``(hidden [B, T, D], cache)``; see the module docstring."""
+        c = self.config
+        check_rank(tokens=(tokens, 2))
+        check_same_shape(tokens=tokens, positions=positions, attention_mask=attention_mask)
+        dtype = jnp.dtype(c.dtype)
+        mask = attention_mask.astype(bool)
+        T = tokens.shape[1]
+
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
+        if self.pos_embed is not None:
+            x = x + jnp.take(self.pos_embed[...], positions, axis=0, mode="clip").astype(dtype)
+        sin_cos = rope_sin_cos(positions, rope_inv_freq(c)) if c.position_embedding == "rope" else None
+
+        if cache is None:
+            t = jnp.arange(T)
+            allowed = (t[None, :] <= t[:, None])[None] & mask[:, None, :]  # [B, T, T]
+            index, kv, slot_mask = None, None, None
+        else:
+            if cache.k.shape[1] != tokens.shape[0] or cache.k.shape[0] != c.num_layers:
+                raise ValueError(
+                    f"cache k has shape {cache.k.shape}; expected [L={c.num_layers}, B={tokens.shape[0]}, S, K, H]"
+                )
+            if T > cache.max_len:
+                raise ValueError(f"{T} new tokens do not fit a cache of {cache.max_len} slots")
+            index = cache.index
+            slot_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, index))
+            q_slots = index + jnp.arange(T)
+            k_slots = jnp.arange(cache.max_len)
+            allowed = (k_slots[None, :] <= q_slots[:, None])[None] & slot_mask[:, None, :]  # [B, T, S]
+            kv = (cache.k, cache.v)
+
+        x, kv = self._run_layers(x, sin_cos, allowed, kv, index)
+        hidden = self.final_norm(x)
+        if cache is None:
+            return hidden, None
+        return hidden, KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=index + T)
+
+    def _run_layers(self, x, sin_cos, allowed, kv, index):
+        c = self.config
+        if c.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(h, xs):
+                layer_state, layer_kv = xs
+                return nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index)
+
+            if c.remat:
+                body = jax.checkpoint(body, prevent_cse=False)
+            return jax.lax.scan(body, x, (state, kv))
+
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+            if c.remat:
+                graphdef, state = nnx.split(layer)
+
+                def run(layer_state, h, layer_kv, graphdef=graphdef):
+                    return nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index)
+
+                x, layer_kv = jax.checkpoint(run)(state, x, layer_kv)
+            else:
+                x, layer_kv = layer(x, sin_cos, allowed, layer_kv, index)
+            if kv is not None:
+                new_k.append(layer_kv[0])
+                new_v.append(layer_kv[1])
+        return x, (None if kv is None else (jnp.stack(new_k), jnp.stack(new_v)))
+
+
+def _prepare(tokens, positions, attention_mask, cache):
+    tokens = jnp.asarray(tokens)
+    if attention_mask is None:
+        attention_mask = jnp.ones(tokens.shape, jnp.int32)
+    if positions is None:
+        if cache is not None:
+            raise ValueError("positions are required with a cache (decode steps cannot infer them from the mask)")
+        positions = positions_from_mask(attention_mask)
+    return tokens, jnp.asarray(positions), jnp.asarray(attention_mask)
+
+
+class _LMHeadMixin:
+    """Unembedding shared by the models that produce logits."""
+
+    def _init_lm_head(self, config: ModelConfig, rngs: nnx.Rngs):
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = normal_param(
+                rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), jnp.dtype(config.param_dtype)
+            )
+
+    def logits(self, hidden: Array) -> Array:
+        """``hidden [..., D] -> logits [..., V]`` in float32 (accumulated in float32)."""
+        if self.lm_head is None:
+            w = self.model.embed[...].astype(hidden.dtype)
+            return jnp.einsum("...D,VD->...V", hidden, w, preferred_element_type=jnp.float32)
+        w = self.lm_head[...].astype(hidden.dtype)
+        return jnp.einsum("...D,DV->...V", hidden, w, preferred_element_type=jnp.float32)
+
+
+class CausalLM(_LMHeadMixin, nnx.Module):
+    """Decoder + LM head (tied to the embeddings or separate). The policy and the reference."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.model = Decoder(config, rngs=rngs)
+        self._init_lm_head(config, rngs)
+
+    def __call__(self, tokens, positions=None, attention_mask=None, *, cache=None, return_logits: bool = True):
+        """``ModelOutput(logits, hidden, cache)``; ``return_logits=False`` skips the LM head."""
+        tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
+        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache)
+        logits = self.logits(hidden) if return_logits else None
+        return ModelOutput(logits=logits, hidden=hidden, cache=cache)
+
+
+def _head_param(config: ModelConfig, rngs: nnx.Rngs, num_out: int, zero_init: bool) -> nnx.Param:
+    shape = (config.hidden_size, num_out)
+    names = ("embed", "labels")
+    pd = jnp.dtype(config.param_dtype)
+    if zero_init:
+        return param(jnp.zeros(shape, pd), names)
+    return normal_param(rngs, shape, names, pd, std=1.0 / np.sqrt(config.hidden_size + 1))
+
+
+def _score(hidden: Array, kernel: nnx.Param) -> Array:
+    return jnp.einsum("...D,DL->...L", hidden, kernel[...].astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+class ValueModel(nnx.Module):
+    """A separate critic: decoder + per-token value head ``values = hidden @ w`` (no bias).
+
+    ``values[b, t]`` estimates the return after token ``t`` (PPO's V(s_t), Schulman et
+    al. 2017). The head starts at zero (``zero_init_head=True``, every value 0) or is
+    copied from a reward model with :meth:`from_reward_model`, the usual critic
+    initialisation (Ouyang et al. 2022).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, zero_init_head: bool = True):
+        self.config = config
+        self.model = Decoder(config, rngs=rngs)
+        self.value_head = _head_param(config, rngs, 1, zero_init_head)
+
+    @classmethod
+    def from_reward_model(cls, reward_model: RewardModel) -> ValueModel:
+        """A critic whose trunk and head are copies of ``reward_model``'s."""
+        if reward_model.config.num_labels != 1:
+            raise ValueError(f"a value head needs a reward model with num_labels=1; got {reward_model.config.num_labels}")
+        critic = nnx.eval_shape(lambda: cls(reward_model.config, rngs=nnx.Rngs(0)))
+        nnx.update(critic, {"model": nnx.state(reward_model.model)})
+        critic.value_head = param(jnp.array(reward_model.score[...]), ("embed", "labels"))
+        return critic
+
+    def __call__(self, tokens, positions=None, attention_mask=None, *, cache=None):
+        """``ModelOutput(values [B, T] float32, hidden, cache)``."""
+        tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
+        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache)
+        values = _score(hidden, self.value_head)[..., 0]
+        return ModelOutput(hidden=hidden, values=values, cache=cache)
+
+
+class PolicyValueModel(_LMHeadMixin, nnx.Module):
+    """Policy and critic on one shared trunk: LM head and value head on the same hidden states."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, zero_init_head: bool = True):
+        self.config = config
+        self.model = Decoder(config, rngs=rngs)
+        self._init_lm_head(config, rngs)
+        self.value_head = _head_param(config, rngs, 1, zero_init_head)
+
+    def init_value_head_from(self, reward_model: RewardModel) -> None:
+        """Copy a reward model's score head (``num_labels=1``) into the value head."""
+        if reward_model.config.num_labels != 1 or reward_model.config.hidden_size != self.config.hidden_size:
+            raise ValueError("the reward model must have num_labels=1 and the same hidden_size")
+        self.value_head[...] = jnp.asarray(reward_model.score[...], self.value_head[...].dtype)
+
+    def __call__(self, tokens, positions=None, attention_mask=None, *, cache=None, return_logits: bool = True):
+        """``ModelOutput(logits, hidden, values [B, T], cache)``."""
+        tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
+        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache)
+        logits = self.logits(hidden) if return_logits else None
+        values = _score(hidden, self.value_head)[..., 0]
+        return ModelOutput(logits=logits, hidden=hidden, values=values, cache=cache)
+
+
+class RewardModel(nnx.Module):
+    """Decoder + score head read at the last real token: ``r_b = hidden[b, last_b] @ w``.
+
+    ``last_b`` is :func:`last_token_index` of the attention mask (the rightmost real
+    token), as in transformers' ``*ForSequenceClassification`` with the pad id replaced
+    by the mask. Bradley-Terry reward models (Ouyang et al. 2022) use ``num_labels=1``:
+    ``rewards`` is ``[B]``; otherwise ``[B, num_labels]``.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.model = Decoder(config, rngs=rngs)
+        self.score = _head_param(config, rngs, config.num_labels, zero_init=False)
+
+    def __call__(self, tokens, positions=None, attention_mask=None, *, cache=None):
+        """``ModelOutput(rewards [B] float32, hidden, cache)``."""
+        tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
+        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache)
+        last = last_token_index(attention_mask)
+        pooled = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
+        rewards = _score(pooled, self.score)
+        if self.config.num_labels == 1:
+            rewards = rewards[:, 0]
+        return ModelOutput(hidden=hidden, rewards=rewards, cache=cache)
+
+
+def _chunk_time(x: Array, chunk: int) -> Array:
+    """``[B, T, ...] -> [n, B, chunk, ...]``, ``T`` zero-padded up to ``n * chunk``."""
+    t = x.shape[1]
+    n = -(-t // chunk)
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, n * chunk - t)
+    x = jnp.pad(x, widths).reshape(x.shape[0], n, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _unchunk_time(y: Array, t: int) -> Array:
+    return jnp.moveaxis(y, 0, 1).reshape(y.shape[1], -1)[:, :t]
+
+
+def token_logprobs_from_hidden(
+    hidden: Array,
+    model: CausalLM | PolicyValueModel,
+    targets: Array,
+    *,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Per-token ``log softmax(hidden @ W / temperature)[targets]``, float32 ``[B, T]``.
+
+    Args:
+      hidden: ``[B, T, D]`` final hidden states (``model(..., return_logits=False).hidden``);
+        position ``t`` scores ``targets[:, t]`` (shift first: ``hidden[:, :-1]`` against
+        ``tokens[:, 1:]``).
+      model: supplies the unembedding (``model.logits``).
+      targets: ``[B, T]`` token ids.
+      chunk_size: when set, the time axis is processed ``chunk_size`` positions at a time
+        under ``jax.checkpoint``: no ``[B, T, V]`` logits exist in the forward or the
+        backward pass, only ``[B, chunk_size, V]``. Results equal the unchunked path.
+      with_entropy: also return the entropy of each position's distribution.
+
+    Built on :func:`alignax.ops.token_logprobs` / ``token_logprobs_and_entropy``.
+    """
+    check_rank(hidden=(hidden, 3), targets=(targets, 2))
+    if hidden.shape[:2] != targets.shape:
+        raise ValueError(f"hidden {hidden.shape} and targets {targets.shape} disagree on [B, T]")
+
+    def fn(h, tg):
+        logits = model.logits(h)
+        if with_entropy:
+            return ops.token_logprobs_and_entropy(logits, tg, temperature=temperature)
+        return ops.token_logprobs(logits, tg, temperature=temperature)
+
+    t = hidden.shape[1]
+    if chunk_size is None or chunk_size >= t:
+        return fn(hidden, targets)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    body = jax.checkpoint(fn)
+    outs = jax.lax.map(lambda args: body(*args), (_chunk_time(hidden, chunk_size), _chunk_time(targets, chunk_size)))
+    return jax.tree.map(lambda y: _unchunk_time(y, t), outs)

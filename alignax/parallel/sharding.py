@@ -1,0 +1,184 @@
+"""Meshes, the one logical-axis rules table, and helpers that place pytrees on a mesh.
+
+Mesh axes are ``("data", "fsdp", "tensor")``:
+
+- ``data``: pure data parallelism (parameters replicated over it);
+- ``fsdp``: data parallelism whose parameters and optimizer state are sharded over it
+  (ZeRO-3 style; XLA all-gathers a layer's weights when it runs);
+- ``tensor``: Megatron-style tensor parallelism (heads, MLP width and vocab split).
+
+Parameters name their dims with logical axes (``embed``, ``heads``, ...; see
+alignax/models/layers.py); :data:`LOGICAL_AXIS_RULES` maps each name to mesh axes. A mesh
+axis is dropped from a dim when it does not divide the dim (e.g. 3 kv heads on
+``tensor=2``) or is already used by an earlier dim, so every rule yields a valid sharding
+on every mesh; such a dim is replicated over that axis instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or axes, or None = replicated). The only table.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),  # activations and data [B, ...]
+    ("length", None),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("norm", None),
+    ("positions", None),
+    ("labels", None),
+)
+
+
+def make_mesh(
+    shape: Sequence[int] | None = None,
+    axis_names: Sequence[str] = MESH_AXES,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A device mesh with ``AxisType.Auto`` axes (what logical rules + ``jax.jit`` need).
+
+    ``shape`` defaults to ``(1, n_devices, 1)``: all devices on ``fsdp``. One entry may
+    be ``-1`` and is inferred from the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    axis_names = tuple(axis_names)
+    if shape is None:
+        shape = tuple(n if a == "fsdp" else 1 for a in axis_names)
+        if "fsdp" not in axis_names:
+            shape = (n,) + (1,) * (len(axis_names) - 1)
+    shape = list(shape)
+    if len(shape) != len(axis_names):
+        raise ValueError(f"mesh shape {tuple(shape)} has {len(shape)} axes; axis_names {axis_names} has {len(axis_names)}")
+    if shape.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1; got shape {tuple(shape)}")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        if n % known:
+            raise ValueError(f"cannot infer -1 in mesh shape {tuple(shape)} from {n} devices")
+        shape[shape.index(-1)] = n // known
+    if math.prod(shape) != n:
+        raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices; {n} are available")
+    return jax.make_mesh(tuple(shape), axis_names, axis_types=(AxisType.Auto,) * len(axis_names), devices=devices)
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+    *,
+    rules=LOGICAL_AXIS_RULES,
+) -> PartitionSpec:
+    """Map logical dim names to a ``PartitionSpec`` through ``rules``.
+
+    With ``shape`` and ``mesh``, a mesh axis whose size does not divide the dim (or the
+    product so far) is dropped, as is a mesh axis already used by an earlier dim. Mesh
+    axes not in ``mesh`` are dropped too. Unknown logical names raise.
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(names):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"logical axis {name!r} has no rule; known: {', '.join(table)}")
+        target = table[name]
+        targets = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        kept: list[str] = []
+        size = 1
+        for axis in targets:
+            if axis in used:
+                continue
+            if mesh is not None:
+                if axis not in mesh.shape:
+                    continue
+                axis_size = mesh.shape[axis]
+                if shape is not None and shape[i] % (size * axis_size):
+                    continue
+                size *= axis_size
+            kept.append(axis)
+        used.update(kept)
+        spec.append(None if not kept else (kept[0] if len(kept) == 1 else tuple(kept)))
+    return PartitionSpec(*spec)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def tree_shardings(tree, mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
+    """A ``NamedSharding`` for every array in ``tree``, from the rules.
+
+    ``nnx.Variable`` leaves with ``out_sharding`` metadata (model state, and optax state
+    built from it: ``optax.adam(...).init(nnx.state(model, nnx.Param))`` keeps the
+    Variables) get the rule's sharding, wrapped in the same Variable type so the result
+    matches ``tree``'s structure (usable as ``jax.jit`` ``out_shardings``); every other
+    array (step counters, scalars) is replicated.
+    """
+
+    def one(x):
+        if _is_variable(x):
+            value = x.get_value()
+            names = x.get_metadata().get("out_sharding")
+            if names is None or not hasattr(value, "shape"):
+                return x.replace(NamedSharding(mesh, PartitionSpec()))
+            if len(names) != len(value.shape):
+                raise ValueError(f"axis names {names} do not match a value of shape {value.shape}")
+            return x.replace(NamedSharding(mesh, logical_to_spec(names, value.shape, mesh, rules=rules)))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def shard_tree(tree, mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
+    """``jax.device_put`` every array of ``tree`` with :func:`tree_shardings`."""
+    return jax.device_put(tree, tree_shardings(tree, mesh, rules=rules))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of ``[B, T, ...]`` data: batch over ``("data", "fsdp")``, the rest replicated."""
+    batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
+    return NamedSharding(mesh, PartitionSpec(batch_axes or None, *([None] * (ndim - 1))))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, *, rules=LOGICAL_AXIS_RULES) -> nnx.Module:
+    """Move an existing model's state onto ``mesh`` by the rules (in place; returns it)."""
+    nnx.update(model, shard_tree(nnx.state(model), mesh, rules=rules))
+    return model
+
+
+def create_sharded(constructor: Callable[[], nnx.Module], mesh: Mesh, *, rules=LOGICAL_AXIS_RULES) -> nnx.Module:
+    """Build ``constructor()`` directly sharded: each parameter is initialised on the
+    devices that hold it (``jax.jit`` with ``out_shardings`` from the rules), so the full
+    model never sits on one device.
+    """
+    abstract = nnx.eval_shape(constructor)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = tree_shardings(abstract_state, mesh, rules=rules)
+
+    def init():
+        return nnx.state(constructor())
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def place_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array put on devices with ``sharding`` (each process provides the full array)."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
