@@ -1,0 +1,412 @@
+"""alignax.advantages against NumPy loops written from the papers' formulas, and hand cases."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alignax import advantages as adv_lib
+
+TOL = dict(rtol=1e-6, atol=1e-6)
+JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+
+
+def _maybe_jit(fn, jit, **static):
+    bound = functools.partial(fn, **static)
+    return jax.jit(bound) if jit else bound
+
+
+# --------------------------------------------------------------------------- references
+
+
+def gae_reference(rewards, values, mask, gamma, lam):
+    """Textbook backward recursion per row over the response tokens (masked ones skipped)."""
+    rewards, values, mask = (np.asarray(a, np.float64) for a in (rewards, values, mask))
+    advantages = np.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        next_value, next_adv = 0.0, 0.0  # nothing after the last response token
+        for t in reversed(range(rewards.shape[1])):
+            if mask[b, t] == 0:
+                continue
+            delta = rewards[b, t] + gamma * next_value - values[b, t]
+            advantages[b, t] = delta + gamma * lam * next_adv
+            next_value, next_adv = values[b, t], advantages[b, t]
+    returns = np.where(mask > 0, advantages + values, 0.0)
+    return advantages, returns
+
+
+def group_reference(rewards, group_ids, method, eps=1e-6, ddof=1, baseline=None, subtract_group_mean=False):
+    """Explicit Python grouping: dict of member lists, statistics by loops."""
+    rewards = [float(x) for x in np.asarray(rewards, np.float64)]
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(np.asarray(group_ids).tolist()):
+        groups.setdefault(g, []).append(i)
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def std(xs):
+        m = mean(xs)
+        return (sum((x - m) ** 2 for x in xs) / (len(xs) - ddof)) ** 0.5 if len(xs) > ddof else 0.0
+
+    out = [0.0] * len(rewards)
+    if method == "remax":
+        return np.asarray(rewards) - np.asarray(baseline, np.float64)
+    if method == "reinforce_pp":
+        values = list(rewards)
+        if subtract_group_mean:
+            for members in groups.values():
+                m = mean([rewards[i] for i in members])
+                for i in members:
+                    values[i] = rewards[i] - m
+        m, s = mean(values), std(values)
+        if s == 0.0:
+            return np.zeros(len(values))
+        return np.array([(v - m) / (s + eps) for v in values])
+    for members in groups.values():
+        xs = [rewards[i] for i in members]
+        if len(xs) < 2 or max(xs) == min(xs):
+            continue  # zero-variance or singleton group: 0
+        m = mean(xs)
+        for i in members:
+            if method == "grpo":
+                out[i] = (rewards[i] - m) / (std(xs) + eps)
+            elif method == "dr_grpo":
+                out[i] = rewards[i] - m
+            elif method == "rloo":
+                others = [rewards[j] for j in members if j != i]
+                out[i] = rewards[i] - sum(others) / len(others)
+    return np.asarray(out)
+
+
+def process_reference(step_rewards, step_mask, mask, group_ids, eps=1e-6, ddof=1):
+    """DeepSeekMath §4.1.3: normalise the pooled step rewards of a group, sum the later ones."""
+    step_rewards, step_mask, mask = (np.asarray(a, np.float64) for a in (step_rewards, step_mask, mask))
+    bsz, length = step_rewards.shape
+    steps: dict[int, list[tuple[int, int]]] = {}
+    for b in range(bsz):
+        for t in range(length):
+            if step_mask[b, t] and mask[b, t]:
+                steps.setdefault(int(group_ids[b]), []).append((b, t))
+    normed = {}
+    for members in steps.values():
+        xs = [step_rewards[b, t] for b, t in members]
+        m = sum(xs) / len(xs)
+        s = (sum((x - m) ** 2 for x in xs) / (len(xs) - ddof)) ** 0.5 if len(xs) > ddof else 0.0
+        for (b, t), x in zip(members, xs):
+            normed[(b, t)] = 0.0 if (len(xs) < 2 or max(xs) == min(xs)) else (x - m) / (s + eps)
+    out = np.zeros((bsz, length))
+    for b in range(bsz):
+        for t in range(length):
+            if mask[b, t]:
+                out[b, t] = sum(v for (bb, tt), v in normed.items() if bb == b and tt >= t)
+    return out
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def _ragged_batch(seed=0):
+    """Rows: prompt+response+padding, response from t=0, full row, one token, empty."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((5, 9), np.float32)
+    mask[0, 3:7] = 1  # prompt of 3 tokens, 4 response tokens, 2 padding
+    mask[1, 0:5] = 1  # response from t = 0
+    mask[2, :] = 1  # no padding at all
+    mask[3, 8] = 1  # one response token at the very end
+    # row 4: no response token
+    rewards = rng.normal(size=mask.shape).astype(np.float32)
+    values = rng.normal(size=mask.shape).astype(np.float32)
+    return rewards, values, mask
+
+
+# --------------------------------------------------------------------------- gae
+
+
+@JIT
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_matches_backward_recursion(jit, gamma, lam):
+    rewards, values, mask = _ragged_batch()
+    fn = _maybe_jit(adv_lib.gae, jit, gamma=gamma, lam=lam)
+    advantages, returns = fn(rewards, values, mask)
+    ref_adv, ref_ret = gae_reference(rewards, values, mask, gamma, lam)
+    assert advantages.dtype == jnp.float32 and advantages.shape == mask.shape
+    np.testing.assert_allclose(advantages, ref_adv, **TOL)
+    np.testing.assert_allclose(returns, ref_ret, **TOL)
+    assert np.all(np.asarray(advantages)[mask == 0] == 0.0)
+    assert np.all(np.asarray(returns)[mask == 0] == 0.0)
+
+
+def test_gae_hand_cases_td_error_and_return_minus_value():
+    # One prompt token, 3 response tokens, 2 padding tokens; garbage off the response.
+    mask = np.array([[0, 1, 1, 1, 0, 0]], np.float32)
+    rewards = np.array([[9.0, 0.0, 0.0, 1.0, 5.0, -3.0]], np.float32)
+    values = np.array([[7.0, 0.5, 0.6, 0.7, 4.0, 2.0]], np.float32)
+    # lambda = 0: the TD error. 0 + .9*.6 - .5 = .04; 0 + .9*.7 - .6 = .03; 1 + .9*0 - .7 = .3
+    advantages, returns = adv_lib.gae(rewards, values, mask, gamma=0.9, lam=0.0)
+    np.testing.assert_allclose(advantages, [[0, 0.04, 0.03, 0.3, 0, 0]], **TOL)
+    np.testing.assert_allclose(returns, [[0, 0.54, 0.63, 1.0, 0, 0]], **TOL)
+    # gamma = lambda = 1: return-to-go (1 at every response token) minus value.
+    advantages, returns = adv_lib.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    np.testing.assert_allclose(advantages, [[0, 0.5, 0.4, 0.3, 0, 0]], **TOL)
+    np.testing.assert_allclose(returns, [[0, 1.0, 1.0, 1.0, 0, 0]], **TOL)
+
+
+def test_gae_masked_positions_do_not_leak():
+    rewards, values, mask = _ragged_batch(seed=1)
+    clean_adv, clean_ret = adv_lib.gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    dirty_r = np.where(mask > 0, rewards, np.nan).astype(np.float32)
+    dirty_v = np.where(mask > 0, values, 1e30).astype(np.float32)
+    adv, ret = jax.jit(functools.partial(adv_lib.gae, gamma=0.97, lam=0.9))(dirty_r, dirty_v, mask)
+    np.testing.assert_array_equal(adv, clean_adv)
+    np.testing.assert_array_equal(ret, clean_ret)
+
+
+def test_gae_skips_a_masked_gap_inside_the_response():
+    # Multi-turn: tokens 3..4 are an observation (masked); the recursion jumps over them.
+    mask = np.array([[1, 1, 1, 0, 0, 1, 1, 0]], np.float32)
+    rng = np.random.default_rng(3)
+    rewards = rng.normal(size=mask.shape).astype(np.float32)
+    values = rng.normal(size=mask.shape).astype(np.float32)
+    advantages, _ = adv_lib.gae(rewards, values, mask, gamma=0.95, lam=0.9)
+    np.testing.assert_allclose(advantages, gae_reference(rewards, values, mask, 0.95, 0.9)[0], **TOL)
+
+
+def test_gae_traced_hyperparameters_and_no_gradient():
+    rewards, values, mask = _ragged_batch(seed=2)
+
+    @jax.jit
+    def run(gamma, lam, values):
+        return adv_lib.gae(rewards, values, mask, gamma=gamma, lam=lam)
+
+    advantages, _ = run(jnp.float32(0.99), jnp.float32(0.95), values)
+    np.testing.assert_allclose(advantages, gae_reference(rewards, values, mask, 0.99, 0.95)[0], **TOL)
+    # Advantages and returns are targets: no gradient reaches the critic through them.
+    grad = jax.grad(lambda v: jnp.sum(run(0.99, 0.95, v)[1]))(jnp.asarray(values))
+    assert np.all(np.asarray(grad) == 0.0)
+
+
+def test_gae_errors_name_the_argument():
+    rewards, values, mask = _ragged_batch()
+    with pytest.raises(ValueError, match="values"):
+        adv_lib.gae(rewards, values[:, :-1], mask, gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match="rewards must have rank 2"):
+        adv_lib.gae(rewards[0], values[0], mask[0], gamma=1.0, lam=1.0)
+    with pytest.raises(TypeError):
+        adv_lib.gae(rewards, values, mask, 1.0, 1.0)  # hyper-parameters are keyword-only
+
+
+# --------------------------------------------------------------------------- token rewards
+
+
+def token_rewards_reference(scores, mask, kl):
+    out = np.zeros(mask.shape)
+    for b in range(mask.shape[0]):
+        idx = [t for t in range(mask.shape[1]) if mask[b, t]]
+        for t in idx:
+            out[b, t] -= 0.0 if kl is None else kl[b, t]
+        if idx:
+            out[b, idx[-1]] += scores[b]
+    return out
+
+
+@JIT
+def test_token_rewards(jit):
+    _, _, mask = _ragged_batch()
+    rng = np.random.default_rng(4)
+    scores = rng.normal(size=mask.shape[0]).astype(np.float32)
+    kl = rng.normal(size=mask.shape).astype(np.float32)
+    fn = jax.jit(adv_lib.token_rewards) if jit else adv_lib.token_rewards
+    np.testing.assert_allclose(fn(scores, mask, kl_penalty=kl), token_rewards_reference(scores, mask, kl), **TOL)
+    np.testing.assert_allclose(fn(scores, mask), token_rewards_reference(scores, mask, None), **TOL)
+    assert np.all(np.asarray(fn(scores, mask, kl_penalty=kl))[4] == 0.0)  # the empty row
+
+
+def test_token_rewards_errors():
+    mask = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="scores"):
+        adv_lib.token_rewards(np.ones(3, np.float32), mask)
+    with pytest.raises(ValueError, match="kl_penalty"):
+        adv_lib.token_rewards(np.ones(2, np.float32), mask, kl_penalty=np.ones((2, 4), np.float32))
+
+
+# --------------------------------------------------------------------------- group advantages
+
+
+def _pg_rewards():
+    # 4 prompts x 6 samples: mixed, all-equal, all-ones, mixed. Six float32 copies of 0.9
+    # average to 0.9 + 6e-8, so only an exact zero-variance rule gives exact zeros there.
+    return np.array(
+        [[1.0, 0.0, 1.0, 1.0, 0.0, 1.0], [0.9] * 6, [1.0] * 6, [0.3, -1.2, 2.5, 0.7, 0.0, 1.1]], np.float32
+    )
+
+
+METHOD_CASES = [
+    ("grpo", {}),
+    ("grpo", {"unbiased_std": False}),
+    ("dr_grpo", {}),
+    ("rloo", {}),
+    ("reinforce_pp", {}),
+    ("reinforce_pp", {"subtract_group_mean": True}),
+]
+
+
+def _ref_kwargs(kwargs):
+    return {"ddof": 0 if kwargs.get("unbiased_std") is False else 1,
+            "subtract_group_mean": kwargs.get("subtract_group_mean", False)}
+
+
+@JIT
+@pytest.mark.parametrize("method,kwargs", METHOD_CASES, ids=lambda x: str(x))
+def test_group_advantages_pg_layout(jit, method, kwargs):
+    rewards = _pg_rewards()
+    fn = _maybe_jit(adv_lib.group_advantages, jit, method=method, **kwargs)
+    out = fn(rewards)
+    ids = np.repeat(np.arange(4), 6)
+    ref = group_reference(rewards.reshape(-1), ids, method, **_ref_kwargs(kwargs)).reshape(4, 6)
+    assert out.shape == rewards.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, **TOL)
+    if method != "reinforce_pp" or kwargs:
+        # Zero-variance groups: exactly zero, not eps-noise.
+        assert np.all(np.asarray(out)[1:3] == 0.0)
+
+
+@JIT
+@pytest.mark.parametrize("method,kwargs", METHOD_CASES, ids=lambda x: str(x))
+def test_group_advantages_flat_unsorted_unequal_groups(jit, method, kwargs):
+    # Groups of sizes 3, 1, 4, 3 (and an empty group id 4), interleaved; group 3 is three
+    # copies of 0.9, whose float32 mean is not 0.9.
+    group_ids = np.array([2, 0, 3, 2, 1, 0, 2, 3, 0, 2, 3], np.int32)
+    rewards = np.array([0.5, 1.0, 0.9, -0.3, 4.0, 0.0, 1.5, 0.9, 1.0, 0.9, 0.9], np.float32)
+    fn = _maybe_jit(adv_lib.group_advantages, jit, method=method, num_groups=5, **kwargs)
+    out = fn(rewards, group_ids=group_ids)
+    ref = group_reference(rewards, group_ids, method, **_ref_kwargs(kwargs))
+    np.testing.assert_allclose(out, ref, **TOL)
+    if method != "reinforce_pp":
+        assert out[4] == 0.0  # the singleton group
+        assert out[2] == 0.0 and out[7] == 0.0 and out[10] == 0.0  # group 3: equal rewards
+
+
+@pytest.mark.parametrize("method,kwargs", METHOD_CASES, ids=lambda x: str(x))
+def test_group_advantages_flat_shuffled_equals_pg_permuted(method, kwargs):
+    rewards = _pg_rewards()
+    pg = np.asarray(adv_lib.group_advantages(rewards, method=method, **kwargs)).reshape(-1)
+    perm = np.random.default_rng(5).permutation(rewards.size)
+    group_ids = np.repeat(np.arange(4), 6)[perm]
+    flat = adv_lib.group_advantages(
+        rewards.reshape(-1)[perm], method=method, group_ids=group_ids, num_groups=4, **kwargs
+    )
+    np.testing.assert_allclose(flat, pg[perm], **TOL)
+
+
+@JIT
+def test_remax_hand_case(jit):
+    fn = _maybe_jit(adv_lib.group_advantages, jit, method="remax")
+    out = fn(np.array([1.0, 0.0], np.float32), baseline=np.array([0.6, 0.6], np.float32))
+    np.testing.assert_allclose(out, [0.4, -0.6], **TOL)
+    rewards = _pg_rewards()
+    baseline = np.random.default_rng(6).normal(size=rewards.shape).astype(np.float32)
+    np.testing.assert_allclose(fn(rewards, baseline=baseline), rewards.astype(np.float64) - baseline, **TOL)
+
+
+def test_group_hand_cases():
+    # GRPO on [1, 0, 1, 1]: mean .75, unbiased std .5 -> (.25/.5, -.75/.5) = (.5, -1.5).
+    out = adv_lib.group_advantages(np.array([[1.0, 0.0, 1.0, 1.0]], np.float32), method="grpo", eps=0.0)
+    np.testing.assert_allclose(out, [[0.5, -1.5, 0.5, 0.5]], **TOL)
+    # RLOO: 1 - 2/3 = 1/3; 0 - 1 = -1.
+    out = adv_lib.group_advantages(np.array([[1.0, 0.0, 1.0, 1.0]], np.float32), method="rloo")
+    np.testing.assert_allclose(out, [[1 / 3, -1.0, 1 / 3, 1 / 3]], **TOL)
+    # Groups of one sample give 0 for grpo, dr_grpo and rloo (no NaN from n - 1 = 0).
+    for method in ("grpo", "dr_grpo", "rloo"):
+        out = adv_lib.group_advantages(np.array([[3.0], [-2.0]], np.float32), method=method)
+        assert np.all(np.asarray(out) == 0.0)
+
+
+def test_group_advantages_no_gradient_and_no_nan():
+    rewards = jnp.full((3, 6), 0.9)  # every group has zero variance
+    for method, kwargs in METHOD_CASES:
+        out = adv_lib.group_advantages(rewards, method=method, **kwargs)
+        assert np.all(np.asarray(out) == 0.0), method
+        grad = jax.grad(lambda r, m=method, k=kwargs: jnp.sum(adv_lib.group_advantages(r, method=m, **k)))(
+            _pg_rewards()
+        )
+        assert np.all(np.asarray(grad) == 0.0), method
+
+
+def test_group_advantages_errors():
+    rewards = _pg_rewards()
+    with pytest.raises(ValueError, match="grpo, dr_grpo, rloo, reinforce_pp, remax"):
+        adv_lib.group_advantages(rewards, method="ppo")
+    with pytest.raises(ValueError, match="rewards must have rank 1 or 2"):
+        adv_lib.group_advantages(rewards[None], method="grpo")
+    with pytest.raises(ValueError, match="group_ids"):
+        adv_lib.group_advantages(rewards.reshape(-1), method="grpo")
+    with pytest.raises(ValueError, match="group_ids has shape"):
+        adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.zeros(5, np.int32), num_groups=1)
+    with pytest.raises(ValueError, match="num_groups"):
+        adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.zeros(24, np.int32))
+    with pytest.raises(ValueError, match=r"group_ids must lie in \[0, num_groups\)"):
+        adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.full(24, 4, np.int32), num_groups=4)
+    with pytest.raises(ValueError, match="group_ids/num_groups are for flat"):
+        adv_lib.group_advantages(rewards, method="grpo", group_ids=np.zeros(4, np.int32), num_groups=1)
+    with pytest.raises(ValueError, match="baseline"):
+        adv_lib.group_advantages(rewards, method="remax")
+    with pytest.raises(ValueError, match="baseline"):
+        adv_lib.group_advantages(rewards, method="remax", baseline=np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="baseline is only used by method 'remax'"):
+        adv_lib.group_advantages(rewards, method="grpo", baseline=rewards)
+    with pytest.raises(ValueError, match="subtract_group_mean"):
+        adv_lib.group_advantages(rewards, method="grpo", subtract_group_mean=True)
+
+
+# --------------------------------------------------------------------------- process supervision
+
+
+def test_process_advantages_hand_case():
+    # One group, two outputs; steps end at t=1 and t=3 (row 0) and t=2 (row 1); prompt at t=0.
+    mask = np.array([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0]], np.float32)
+    step_mask = np.array([[0, 1, 0, 1, 0], [0, 0, 1, 0, 0]], np.float32)
+    step_rewards = np.array([[0, 1.0, 0, 0.0, 0], [0, 0, 0.5, 0, 0]], np.float32)
+    # R = {1, 0, .5}: mean .5, unbiased std .5 -> normalised {1, -1, 0}.
+    out = adv_lib.process_advantages(step_rewards, step_mask, mask, eps=0.0)
+    np.testing.assert_allclose(out, [[0, 0.0, -1.0, -1.0, 0], [0, 0.0, 0.0, 0, 0]], **TOL)
+
+
+@JIT
+@pytest.mark.parametrize("unbiased_std", [True, False])
+def test_process_advantages_matches_reference(jit, unbiased_std):
+    rng = np.random.default_rng(7)
+    _, _, mask = _ragged_batch()
+    mask = np.concatenate([mask, mask[:3]])  # 8 rows
+    step_mask = (rng.random(mask.shape) < 0.4).astype(np.float32)  # some fall off the response
+    step_rewards = np.where(step_mask > 0, rng.normal(size=mask.shape), np.nan).astype(np.float32)
+    group_ids = np.array([1, 0, 2, 1, 0, 2, 1, 3], np.int32)
+    # Group 3 (row 7, a full-length response) gets three equal step rewards whose float32
+    # mean is not exactly 0.9: exact zeros expected all the same.
+    step_mask[7] = 0.0
+    step_mask[7, [1, 4, 8]] = 1.0
+    step_rewards[7] = np.where(step_mask[7] > 0, 0.9, np.nan)
+    fn = _maybe_jit(adv_lib.process_advantages, jit, num_groups=4, unbiased_std=unbiased_std)
+    out = fn(step_rewards, step_mask, mask, group_ids=group_ids)
+    ref = process_reference(step_rewards, step_mask, mask, group_ids, ddof=1 if unbiased_std else 0)
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(out, ref, **TOL)
+    assert np.all(np.asarray(out)[7] == 0.0)
+    # Without group_ids the whole batch is one group.
+    whole = adv_lib.process_advantages(step_rewards, step_mask, mask, unbiased_std=unbiased_std)
+    ref = process_reference(step_rewards, step_mask, mask, np.zeros(8, int), ddof=1 if unbiased_std else 0)
+    np.testing.assert_allclose(whole, ref, **TOL)
+
+
+def test_process_advantages_errors():
+    mask = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="step_mask"):
+        adv_lib.process_advantages(mask, np.ones((2, 4), np.float32), mask)
+    with pytest.raises(ValueError, match="num_groups"):
+        adv_lib.process_advantages(mask, mask, mask, group_ids=np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="group_ids has shape"):
+        adv_lib.process_advantages(mask, mask, mask, group_ids=np.zeros(3, np.int32), num_groups=1)
