@@ -1,0 +1,479 @@
+"""Record formats: dict records -> token ids with response masks -> fixed-shape numpy arrays.
+
+Four formats (``DataConfig.format``), with their canonical fields (renamed through
+``DataConfig.field_map``, e.g. ``{"prompt": "question"}``):
+
+- ``preference``: ``prompt``, ``chosen``, ``rejected`` — DPO family and reward models.
+  Each value is plain text or a list of chat messages. ``prompt`` may be absent when
+  ``chosen`` and ``rejected`` are full conversations sharing their leading messages
+  (Anthropic-HH style): the shared messages become the prompt.
+- ``unpaired``: ``prompt``, ``completion``, ``label`` (bool or 0/1) — KTO.
+- ``sft``: ``messages`` (a conversation); the loss covers assistant turns only.
+- ``prompt``: ``prompt`` (or ``question``) and optionally ``answer`` — prompt sets for
+  online RL; the whole record travels with the batch as the reference the verifiers need.
+
+Chat messages are ``{"role": str, "content": str}`` dicts and always go through the
+tokenizer's chat template. Plain-text fields go through it too when
+``apply_chat_template`` is on (a text prompt becomes a user turn, preceded by
+``system_prompt`` if set; a text response becomes an assistant turn); with it off they are
+used verbatim (the prompt with the tokenizer's special tokens, e.g. BOS, the response
+followed by the end-of-turn token).
+
+The response of each example is the text after the prompt. Its loss mask marks assistant
+content *including* the end-of-turn token (``tokenizer.eos_token``; SmolLM2's
+``<|im_end|>``, which is also its pad token) and nothing after it; a response cut by
+truncation has no end-of-turn token. Segments are tokenised separately at the
+prompt/response boundary, exactly as a sampler sees them (prompt ids, then generated ids).
+
+Truncation (``max_prompt_length`` P, ``max_length`` T, ``max_response_length`` R):
+
+- ``reject``: a record over any limit is a ``too_long`` bad record (an error, or a counted
+  skip under ``on_bad_record: skip``).
+- otherwise a prompt over P keeps its last P tokens, and a response over ``min(R, T-1)`` is
+  cut at the end; then, if prompt + longest response still exceed T, ``keep_end`` drops
+  tokens from the start of the prompt, ``truncate_response`` cuts the responses' ends.
+
+Every cut is flagged on the :class:`Encoded` result and counted by the pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from alignax.data.sources import BadRecordError
+
+FORMATS = ("preference", "unpaired", "sft", "prompt")
+TRUNCATIONS = ("keep_end", "truncate_response", "reject")
+
+# Canonical field -> record keys tried in order when field_map does not name one.
+DEFAULT_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "preference": {"prompt": ("prompt",), "chosen": ("chosen",), "rejected": ("rejected",)},
+    "unpaired": {"prompt": ("prompt",), "completion": ("completion",), "label": ("label",)},
+    "sft": {"messages": ("messages",)},
+    "prompt": {"prompt": ("prompt", "question"), "answer": ("answer",)},
+}
+
+_MISSING = object()
+
+
+@dataclasses.dataclass
+class Encoded:
+    """One tokenised record before padding.
+
+    ``prompt``: prompt ids. ``responses``: name -> (ids, mask) with mask 1 on trained
+    tokens (one entry ``"response"`` for unpaired/sft, ``"chosen"``/``"rejected"`` for
+    pairs, none for prompt sets). ``label``: KTO label. ``reference``: the record, for
+    prompt sets. ``truncated_prompt`` / ``truncated_response``: what truncation did.
+    """
+
+    prompt: list[int]
+    responses: dict[str, tuple[list[int], list[int]]]
+    label: int | None = None
+    reference: dict | None = None
+    truncated_prompt: bool = False
+    truncated_response: bool = False
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, Mapping) for m in value)
+
+
+def _check_messages(value: list, field: str) -> list[dict]:
+    messages = []
+    for i, message in enumerate(value):
+        for key in ("role", "content"):
+            if key not in message:
+                raise BadRecordError("missing_field", f"{field}[{i}].{key}", "message lacks this key")
+            if not isinstance(message[key], str):
+                raise BadRecordError(
+                    "invalid", f"{field}[{i}].{key}", f"must be a string, got {type(message[key]).__name__}"
+                )
+        messages.append({"role": message["role"], "content": message["content"]})
+    return messages
+
+
+class Encoder:
+    """Turns records of one format into :class:`Encoded` ids and then into padded arrays.
+
+    Args:
+      tokenizer: a ``transformers`` fast tokenizer; its ``chat_template`` renders
+        messages, ``eos_token`` ends every response, ``pad_token`` (else eos) pads.
+      format: one of :data:`FORMATS`.
+      field_map: canonical field -> record key.
+      apply_chat_template, system_prompt, max_length, max_prompt_length,
+      max_response_length, truncation: as in :class:`alignax.data.DataConfig`.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        format: str,
+        field_map: Mapping[str, str] | None = None,
+        apply_chat_template: bool = True,
+        system_prompt: str | None = None,
+        max_length: int = 1024,
+        max_prompt_length: int = 512,
+        max_response_length: int | None = None,
+        truncation: str = "keep_end",
+    ):
+        if format not in FORMATS:
+            raise ValueError(f"unknown data.format {format!r}; valid: {', '.join(FORMATS)}")
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"unknown data.truncation {truncation!r}; valid: {', '.join(TRUNCATIONS)}")
+        field_map = dict(field_map or {})
+        unknown = set(field_map) - set(DEFAULT_FIELDS[format])
+        if unknown:
+            raise ValueError(
+                f"data.field_map names {', '.join(sorted(unknown))}, not fields of format {format!r}; "
+                f"valid: {', '.join(DEFAULT_FIELDS[format])}"
+            )
+        self.tokenizer = tokenizer
+        self.format = format
+        self.fields = {k: ((field_map[k],) if k in field_map else v) for k, v in DEFAULT_FIELDS[format].items()}
+        self.apply_chat_template = apply_chat_template
+        self.system_prompt = system_prompt
+        self.max_length = max_length
+        self.max_prompt_length = max_prompt_length
+        self.max_response_length = max_response_length
+        self.truncation = truncation
+        if tokenizer.eos_token is None:
+            raise ValueError("the tokenizer has no eos_token; responses need an end-of-turn token")
+        self.eot = tokenizer.eos_token
+        self.eot_id = int(tokenizer.eos_token_id)
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_id)
+        needs_template = format in ("sft",) or apply_chat_template
+        if needs_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"format {format!r} with apply_chat_template={apply_chat_template} needs a tokenizer "
+                "with a chat_template"
+            )
+
+    # ----------------------------------------------------------------- fields
+    def _get(self, record: Mapping, name: str, *, required: bool = True) -> Any:
+        for key in self.fields[name]:
+            if key in record:
+                return record[key]
+        if required:
+            tried = " or ".join(repr(k) for k in self.fields[name])
+            raise BadRecordError("missing_field", self.fields[name][0], f"record has no {tried} (for {name})")
+        return _MISSING
+
+    # --------------------------------------------------------------- tokenise
+    def _ids(self, text: str, *, special: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _with_system(self, messages: list[dict]) -> list[dict]:
+        if self.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+            return [{"role": "system", "content": self.system_prompt}] + messages
+        return messages
+
+    def _as_messages(self, value: Any, field: str, role: str) -> list[dict]:
+        if isinstance(value, str):
+            if not value.strip():
+                raise BadRecordError("empty", field, "empty text")
+            return [{"role": role, "content": value}]
+        if _is_messages(value):
+            if not value:
+                raise BadRecordError("empty", field, "empty message list")
+            return _check_messages(value, field)
+        raise BadRecordError("invalid", field, f"must be text or a list of messages, got {type(value).__name__}")
+
+    def _conversation(self, messages: list[dict], train_from: int, field: str):
+        """Prompt ids, response ids and response mask of a rendered conversation.
+
+        Assistant messages at index >= ``train_from`` are trained (mask 1) up to and
+        including their end-of-turn token; what the template adds after it is context
+        (mask 0), and is dropped at the very end of the sequence.
+        """
+        segments: list[tuple[str | list[int], bool]] = []
+        rendered = ""
+
+        def extend(text: str, what: str) -> None:
+            if not text.startswith(rendered):
+                raise BadRecordError(
+                    "invalid",
+                    field,
+                    f"the chat template's output for the first {what} is not a prefix of the next "
+                    "rendering, so turns cannot be masked (does the conversation start with an "
+                    "assistant message?)",
+                )
+
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant" and i >= train_from:
+                head = self._render(messages[:i], True) if i > 0 else None
+                if head is None:
+                    raise BadRecordError("invalid", field, "the conversation starts with an assistant message")
+                extend(head, f"{i} messages")
+                segments.append((head[len(rendered) :], False))
+                full = self._render(messages[: i + 1], False)
+                rendered = head
+                extend(full, f"{i} messages plus the generation prompt")
+                body = full[len(head) :]
+                end = body.rfind(self.eot)
+                if end >= 0:
+                    end += len(self.eot)
+                    segments += [(body[:end], True), (body[end:], False)]
+                else:  # a template that does not close turns with eos: close it ourselves
+                    segments += [(body, True), ([self.eot_id], True)]
+                rendered = full
+            else:
+                full = self._render(messages[: i + 1], False)
+                extend(full, f"{i} messages")
+                segments.append((full[len(rendered) :], False))
+                rendered = full
+        # Merge neighbours with one flag so the prompt is tokenised in one piece (as the
+        # sampler tokenises it), then drop the untrained tail after the last response.
+        merged: list[tuple[list[str | list[int]], bool]] = []
+        for piece, train in segments:
+            if isinstance(piece, str) and not piece:
+                continue
+            if merged and merged[-1][1] == train:
+                merged[-1][0].append(piece)
+            else:
+                merged.append(([piece], train))
+        while merged and not merged[-1][1]:
+            merged.pop()
+        if not merged:
+            raise BadRecordError("empty", field, "no assistant message to train on")
+        pieces = []
+        for parts, train in merged:
+            ids: list[int] = []
+            text = ""
+            for part in parts:
+                if isinstance(part, str):
+                    text += part
+                else:
+                    ids += self._ids(text) + part
+                    text = ""
+            ids += self._ids(text)
+            pieces.append((ids, train))
+        if pieces[0][1]:
+            raise BadRecordError("invalid", field, "the conversation has no prompt before the first trained turn")
+        prompt = pieces[0][0]
+        response: list[int] = []
+        mask: list[int] = []
+        for ids, train in pieces[1:]:
+            response += ids
+            mask += [int(train)] * len(ids)
+        return prompt, response, mask
+
+    def _text_response(self, text: str) -> tuple[list[int], list[int]]:
+        ids = self._ids(text)
+        if not ids or ids[-1] != self.eot_id:
+            ids.append(self.eot_id)
+        return ids, [1] * len(ids)
+
+    def _prompt_and_response(self, prompt: Any, response: Any, prompt_field: str, response_field: str):
+        """(prompt ids, response ids, response mask) for a prompt and one response."""
+        if not self.apply_chat_template and isinstance(prompt, str) and isinstance(response, str):
+            if not prompt.strip():
+                raise BadRecordError("empty", prompt_field, "empty text")
+            if not response.strip():
+                raise BadRecordError("empty", response_field, "empty text")
+            return (self._ids(prompt, special=True), *self._text_response(response))
+        prompt_msgs = self._with_system(self._as_messages(prompt, prompt_field, "user"))
+        response_msgs = self._as_messages(response, response_field, "assistant")
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in response_msgs):
+            raise BadRecordError("empty", response_field, "no non-empty assistant message")
+        return self._conversation(prompt_msgs + response_msgs, len(prompt_msgs), response_field)
+
+    # -------------------------------------------------------------- truncation
+    def _fit(self, prompt: list[int], responses: dict[str, tuple[list[int], list[int]]], prompt_field: str):
+        P, T = self.max_prompt_length, self.max_length
+        R = min(self.max_response_length or T, T - 1)
+        longest = max((len(ids) for ids, _ in responses.values()), default=0)
+        cut_prompt = cut_response = False
+        if self.truncation == "reject":
+            if len(prompt) > P:
+                raise BadRecordError(
+                    "too_long", prompt_field,
+                    f"prompt has {len(prompt):,} tokens; max_prompt_length is {P:,} (data.truncation='reject')",
+                )
+            for name, (ids, _) in responses.items():
+                if len(ids) > R or len(prompt) + len(ids) > T:
+                    raise BadRecordError(
+                        "too_long", self._field_name(name),
+                        f"prompt + response have {len(prompt) + len(ids):,} tokens ({len(ids):,} in the "
+                        f"response); max_length is {T:,}, max response {R:,} (data.truncation='reject')",
+                    )
+            return prompt, responses, False, False
+        if len(prompt) > P:
+            prompt, cut_prompt = prompt[-P:], True
+        fitted = {}
+        for name, (ids, mask) in responses.items():
+            if len(ids) > R:
+                ids, mask, cut_response = ids[:R], mask[:R], True
+            fitted[name] = (ids, mask)
+        longest = max((len(ids) for ids, _ in fitted.values()), default=0)
+        if len(prompt) + longest > T:
+            if self.truncation == "keep_end":
+                prompt, cut_prompt = prompt[len(prompt) + longest - T :], True
+            else:
+                room = T - len(prompt)
+                for name, (ids, mask) in fitted.items():
+                    if len(ids) > room:
+                        fitted[name] = (ids[:room], mask[:room])
+                        cut_response = True
+        return prompt, fitted, cut_prompt, cut_response
+
+    def _field_name(self, name: str) -> str:
+        canonical = "completion" if name == "response" and self.format == "unpaired" else name
+        if canonical == "response":
+            canonical = "messages"
+        return self.fields[canonical][0]
+
+    # ------------------------------------------------------------------ formats
+    def encode(self, record: Mapping) -> Encoded:
+        """Tokenise one record; raises :class:`BadRecordError` naming the field at fault."""
+        return getattr(self, f"_encode_{self.format}")(record)
+
+    def _encode_preference(self, record: Mapping) -> Encoded:
+        chosen = self._get(record, "chosen")
+        rejected = self._get(record, "rejected")
+        prompt = self._get(record, "prompt", required=False)
+        c_field, r_field, p_field = (self.fields[k][0] for k in ("chosen", "rejected", "prompt"))
+        for value, field in ((chosen, c_field), (rejected, r_field)):
+            if isinstance(value, str) and not value.strip():
+                raise BadRecordError("empty", field, "empty text")
+            if isinstance(value, list) and not value:
+                raise BadRecordError("empty", field, "empty message list")
+        if chosen == rejected:
+            raise BadRecordError("identical", r_field, f"identical to {c_field!r}")
+        if prompt is _MISSING:
+            if not (_is_messages(chosen) and _is_messages(rejected)):
+                raise BadRecordError(
+                    "missing_field", p_field,
+                    "record has no prompt and chosen/rejected are not conversations with a shared prefix",
+                )
+            chosen_msgs = _check_messages(chosen, c_field)
+            rejected_msgs = _check_messages(rejected, r_field)
+            shared = 0
+            while (
+                shared < min(len(chosen_msgs), len(rejected_msgs)) and chosen_msgs[shared] == rejected_msgs[shared]
+            ):
+                shared += 1
+            if shared == 0:
+                raise BadRecordError("missing_field", p_field, "no prompt field and no shared leading messages")
+            for msgs, field in ((chosen_msgs, c_field), (rejected_msgs, r_field)):
+                if len(msgs) == shared:
+                    raise BadRecordError("empty", field, "no messages after the prefix shared with the other side")
+                if msgs[shared]["role"] != "assistant":
+                    raise BadRecordError(
+                        "invalid", f"{field}[{shared}]",
+                        "the conversations diverge at a non-assistant message; expected the prompt to be "
+                        "the shared messages and the responses to start with an assistant turn",
+                    )
+            prompt, chosen, rejected = chosen_msgs[:shared], chosen_msgs[shared:], rejected_msgs[shared:]
+        p_c, c_ids, c_mask = self._prompt_and_response(prompt, chosen, p_field, c_field)
+        p_r, r_ids, r_mask = self._prompt_and_response(prompt, rejected, p_field, r_field)
+        if p_c != p_r:
+            raise BadRecordError("invalid", p_field, "the prompt tokenises differently before chosen and rejected")
+        if c_ids == r_ids:
+            raise BadRecordError("identical", r_field, f"tokenises identically to {c_field!r}")
+        prompt_ids, fitted, cut_p, cut_r = self._fit(p_c, {"chosen": (c_ids, c_mask), "rejected": (r_ids, r_mask)}, p_field)
+        return Encoded(prompt_ids, fitted, truncated_prompt=cut_p, truncated_response=cut_r)
+
+    def _encode_unpaired(self, record: Mapping) -> Encoded:
+        prompt = self._get(record, "prompt")
+        completion = self._get(record, "completion")
+        label = self._get(record, "label")
+        l_field = self.fields["label"][0]
+        if isinstance(label, bool) or (isinstance(label, (int, float)) and label in (0, 1)):
+            label = int(label)
+        else:
+            raise BadRecordError("invalid", l_field, f"must be true/false or 0/1, got {label!r}")
+        p_ids, ids, mask = self._prompt_and_response(
+            prompt, completion, self.fields["prompt"][0], self.fields["completion"][0]
+        )
+        prompt_ids, fitted, cut_p, cut_r = self._fit(p_ids, {"response": (ids, mask)}, self.fields["prompt"][0])
+        return Encoded(prompt_ids, fitted, label=label, truncated_prompt=cut_p, truncated_response=cut_r)
+
+    def _encode_sft(self, record: Mapping) -> Encoded:
+        field = self.fields["messages"][0]
+        value = self._get(record, "messages")
+        if not _is_messages(value):
+            raise BadRecordError("invalid", field, f"must be a list of messages, got {type(value).__name__}")
+        messages = self._with_system(_check_messages(value, field))
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            raise BadRecordError("empty", field, "no non-empty assistant message")
+        p_ids, ids, mask = self._conversation(messages, 0, field)
+        prompt_ids, fitted, cut_p, cut_r = self._fit(p_ids, {"response": (ids, mask)}, field)
+        return Encoded(prompt_ids, fitted, truncated_prompt=cut_p, truncated_response=cut_r)
+
+    def _encode_prompt(self, record: Mapping) -> Encoded:
+        prompt = self._get(record, "prompt")
+        p_field = next((k for k in self.fields["prompt"] if k in record), self.fields["prompt"][0])
+        if not self.apply_chat_template and isinstance(prompt, str):
+            if not prompt.strip():
+                raise BadRecordError("empty", p_field, "empty text")
+            ids = self._ids(prompt, special=True)
+        else:
+            messages = self._with_system(self._as_messages(prompt, p_field, "user"))
+            if messages[-1]["role"] == "assistant":
+                raise BadRecordError("invalid", p_field, "a generation prompt cannot end with an assistant message")
+            ids = self._ids(self._render(messages, True))
+        reference = dict(record)
+        reference["prompt"] = prompt
+        answer = self._get(record, "answer", required=False)
+        if answer is not _MISSING:
+            reference["answer"] = answer
+        cut = False
+        if len(ids) > self.max_prompt_length:
+            if self.truncation == "reject":
+                raise BadRecordError(
+                    "too_long", p_field,
+                    f"prompt has {len(ids):,} tokens; max_prompt_length is {self.max_prompt_length:,} "
+                    "(data.truncation='reject')",
+                )
+            ids, cut = ids[-self.max_prompt_length :], True
+        return Encoded(ids, {}, reference=reference, truncated_prompt=cut)
+
+    # ------------------------------------------------------------------ arrays
+    def arrays(self, encoded: Encoded) -> dict[str, Any]:
+        """Fixed-shape arrays of one example (see :func:`alignax.data.pipeline` for keys)."""
+        if self.format == "prompt":
+            out = _left_padded(encoded.prompt, self.max_prompt_length, self.pad_id)
+            out["reference"] = encoded.reference
+            return out
+        out = {}
+        for name, (ids, mask) in encoded.responses.items():
+            prefix = "" if name == "response" else f"{name}_"
+            for key, value in _right_padded(encoded.prompt, ids, mask, self.max_length, self.pad_id).items():
+                out[prefix + key] = value
+        if encoded.label is not None:
+            out["label"] = np.int32(encoded.label)
+        return out
+
+
+def _right_padded(prompt: Sequence[int], response: Sequence[int], mask: Sequence[int], length: int, pad_id: int):
+    n = len(prompt) + len(response)
+    tokens = np.full((length,), pad_id, np.int32)
+    tokens[:n] = np.asarray(list(prompt) + list(response), np.int32)
+    attention = np.zeros((length,), np.int32)
+    attention[:n] = 1
+    response_mask = np.zeros((length,), np.int32)
+    response_mask[len(prompt) : n] = np.asarray(mask, np.int32)
+    positions = np.zeros((length,), np.int32)
+    positions[:n] = np.arange(n, dtype=np.int32)
+    return {"tokens": tokens, "positions": positions, "attention_mask": attention, "response_mask": response_mask}
+
+
+def _left_padded(prompt: Sequence[int], length: int, pad_id: int):
+    n = len(prompt)
+    tokens = np.full((length,), pad_id, np.int32)
+    tokens[length - n :] = np.asarray(prompt, np.int32)
+    attention = np.zeros((length,), np.int32)
+    attention[length - n :] = 1
+    positions = np.zeros((length,), np.int32)
+    positions[length - n :] = np.arange(n, dtype=np.int32)
+    return {"prompt_tokens": tokens, "prompt_positions": positions, "prompt_attention_mask": attention}

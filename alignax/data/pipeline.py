@@ -1,0 +1,394 @@
+"""The data pipeline: config, one validation pass, then grain shuffling, sharding, batching.
+
+``build_dataset(config, tokenizer)`` returns a :class:`DataIterator` of fixed-shape numpy
+batches whose state (``get_state`` / ``set_state``, JSON-able) resumes a run exactly.
+
+How a batch is made:
+
+1. **Prepare** (once, identically on every JAX process): every record is read and
+   tokenised; bad records raise (``on_bad_record: error``) or are skipped and counted;
+   truncations are counted. The survivors are split into train and eval by a seeded
+   permutation (``eval_fraction``). Memory holds their indices, not their tokens.
+2. **Order**: grain ``MapDataset.range(n).shuffle(seed).repeat()`` — a different,
+   deterministic permutation in every epoch; epochs follow each other without a gap.
+3. **Shard**: process ``p`` of ``P`` takes stream elements ``p, p+P, p+2P, ...``; its
+   ``batch_size / P`` consecutive elements, taken together with the other processes',
+   are exactly global batch ``k`` of the unsharded stream, whatever ``P`` is.
+4. **Tokenise and pad** lazily per element (the same deterministic encoding as step 1),
+   batch, and prefetch in ``read_threads`` threads.
+
+Batch keys (``B`` = batch_size / process_count rows, ``T`` = max_length,
+``P`` = max_prompt_length; int32 arrays):
+
+- ``preference``: ``chosen_{tokens,positions,attention_mask,response_mask}`` and the
+  same for ``rejected_``, each ``[B, T]``, right-padded.
+- ``unpaired``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]`` and
+  ``label`` ``[B]`` (1 desirable, 0 undesirable).
+- ``sft``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]``.
+- ``prompt``: ``prompt_tokens, prompt_positions, prompt_attention_mask`` ``[B, P]``,
+  left-padded for generation, and ``references``: a tuple of B record dicts (the prompt,
+  ``answer`` and any metadata), for the verifiers — pop it before sending the batch to
+  devices.
+- always ``example_mask`` ``[B]``: 1 for real rows; 0 only on the padding rows that fill
+  the last eval batch.
+
+``response_mask[b, t]`` is 1 when ``tokens[b, t]`` is a response token to train on (the
+end-of-turn token included), aligned with ``tokens``, not with the shifted targets: the
+log-prob of token ``t`` comes from logits at ``t - 1``, so a trainer uses
+``token_logprobs(logits[:, :-1], tokens[:, 1:])`` with ``response_mask[:, 1:]``. Padding
+may use the eos id (SmolLM2: pad == eos); masks, never token ids, say what is padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from alignax.data.formats import FORMATS, TRUNCATIONS, Encoder
+from alignax.data.sources import BadRecordError, ConcatSource, ListSource, open_source
+
+BAD_RECORD_POLICIES = ("error", "skip")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What to read, how to tokenise it, and how to batch it.
+
+    Attributes:
+      paths: data files or folders (JSONL, JSON, Parquet, ``datasets`` save_to_disk or
+        hub-style folders; see :mod:`alignax.data.sources`), read in order as one
+        dataset. An entry may instead be a generator spec:
+        ``reasoning_gym:<task>?size=500&seed=0&<task option>=...`` (preference pairs for
+        format ``preference``, prompts with answers for format ``prompt``) or
+        ``champ`` / ``champ:v0`` (champ-dataset's human-labelled solution pairs); see
+        :mod:`alignax.data.builders`.
+      format: ``preference`` | ``unpaired`` | ``sft`` | ``prompt`` (see
+        :mod:`alignax.data.formats` for the fields each expects).
+      split: the split to read from a dataset folder.
+      field_map: canonical field -> the record's key, e.g. ``{"prompt": "question"}``.
+      apply_chat_template: render plain-text prompts/responses as chat turns through the
+        tokenizer's template (message lists always are).
+      system_prompt: a system message put before every conversation without one.
+      max_length: tokens per sequence, ``T`` (prompt + response), for offline formats.
+      max_prompt_length: prompt tokens, ``P``; the width of left-padded prompt batches.
+      max_response_length: cap on response tokens; ``None``: ``max_length - 1``.
+      truncation: ``keep_end`` (the prompt loses its start), ``truncate_response`` (the
+        responses lose their end) or ``reject`` (the record is a bad record).
+      on_bad_record: ``error`` stops with the file, line/row and field; ``skip`` counts it
+        in ``stats`` and goes on.
+      seed: seeds the per-epoch shuffle and the train/eval split.
+      shuffle: shuffle the training stream (eval is never shuffled).
+      batch_size: the global batch size, over all JAX processes.
+      eval_fraction: fraction of the (valid) records held out for evaluation, in [0, 1).
+      num_epochs: passes over the training set; ``None`` repeats forever.
+      read_threads: threads tokenising ahead of the consumer (0: in the caller's thread).
+      prefetch_batches: batches buffered ahead when ``read_threads > 0``.
+    """
+
+    paths: tuple[str, ...] = ()
+    format: str = "preference"
+    split: str = "train"
+    field_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    max_length: int = 1024
+    max_prompt_length: int = 512
+    max_response_length: int | None = None
+    truncation: str = "keep_end"
+    on_bad_record: str = "error"
+    seed: int = 0
+    shuffle: bool = True
+    batch_size: int = 8
+    eval_fraction: float = 0.0
+    num_epochs: int | None = None
+    read_threads: int = 1
+    prefetch_batches: int = 2
+
+    def __post_init__(self):
+        if isinstance(self.paths, (str, os.PathLike)):
+            object.__setattr__(self, "paths", (os.fspath(self.paths),))
+        else:
+            object.__setattr__(self, "paths", tuple(os.fspath(p) for p in self.paths))
+        object.__setattr__(self, "field_map", dict(self.field_map))
+        for name, value, choices in (
+            ("format", self.format, FORMATS),
+            ("truncation", self.truncation, TRUNCATIONS),
+            ("on_bad_record", self.on_bad_record, BAD_RECORD_POLICIES),
+        ):
+            if value not in choices:
+                raise ValueError(f"unknown data.{name} {value!r}; valid: {', '.join(choices)}")
+        for name in ("max_length", "max_prompt_length", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1; got {getattr(self, name)}")
+        if self.format != "prompt" and self.max_prompt_length >= self.max_length:
+            raise ValueError(
+                f"data.max_prompt_length ({self.max_prompt_length}) must be < data.max_length "
+                f"({self.max_length}) to leave room for a response"
+            )
+        if self.max_response_length is not None and self.max_response_length < 1:
+            raise ValueError(f"data.max_response_length must be >= 1 or null; got {self.max_response_length}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction must be in [0, 1); got {self.eval_fraction}")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"data.num_epochs must be >= 1 or null; got {self.num_epochs}")
+        if self.read_threads < 0 or self.prefetch_batches < 0:
+            raise ValueError("data.read_threads and data.prefetch_batches must be >= 0")
+
+
+def _open_sources(config: DataConfig):
+    from alignax.data import builders  # generators pull in reasoning_gym only when used
+
+    if not config.paths:
+        raise ValueError("data.paths is empty; give at least one file, folder or generator spec")
+    sources = []
+    for path in config.paths:
+        if builders.is_generator_spec(path):
+            sources.append(ListSource(builders.generate(path, config.format), path, unit="record"))
+        else:
+            sources.append(open_source(path, split=config.split))
+    return sources[0] if len(sources) == 1 else ConcatSource(sources)
+
+
+def _encoder(config: DataConfig, tokenizer) -> Encoder:
+    return Encoder(
+        tokenizer,
+        format=config.format,
+        field_map=config.field_map,
+        apply_chat_template=config.apply_chat_template,
+        system_prompt=config.system_prompt,
+        max_length=config.max_length,
+        max_prompt_length=config.max_prompt_length,
+        max_response_length=config.max_response_length,
+        truncation=config.truncation,
+    )
+
+
+class PreparedData:
+    """A validated dataset: record source, encoder, the train/eval indices, and ``stats``.
+
+    ``stats`` (ints, loggable as they are): ``records`` read, ``kept``, ``skipped``,
+    ``skipped/<reason>`` per reason (``malformed``, ``not_utf8``, ``missing_field``,
+    ``empty``, ``identical``, ``too_long``, ``invalid``), ``truncated/prompt``,
+    ``truncated/response``, ``train``, ``eval``, and for ``unpaired``
+    ``label/desirable`` / ``label/undesirable``.
+    """
+
+    def __init__(self, config: DataConfig, tokenizer, source=None):
+        self.config = config
+        self.source = source if source is not None else _open_sources(config)
+        self.encoder = _encoder(config, tokenizer)
+        stats: Counter = Counter()
+        valid = []
+        for i in range(len(self.source)):
+            stats["records"] += 1
+            try:
+                encoded = self.encoder.encode(self.source[i])
+            except BadRecordError as e:
+                located = e.located(self.source.where(i))
+                if config.on_bad_record == "error":
+                    raise located from None
+                stats["skipped"] += 1
+                stats[f"skipped/{e.reason}"] += 1
+                continue
+            valid.append(i)
+            stats["truncated/prompt"] += encoded.truncated_prompt
+            stats["truncated/response"] += encoded.truncated_response
+            if encoded.label is not None:
+                stats["label/desirable" if encoded.label else "label/undesirable"] += 1
+        valid = np.asarray(valid, np.int64)
+        n_eval = int(round(config.eval_fraction * len(valid)))
+        order = np.random.default_rng(config.seed).permutation(len(valid))
+        self.eval_indices = np.sort(valid[order[:n_eval]])
+        self.train_indices = np.sort(valid[order[n_eval:]])
+        stats["kept"] = len(valid)
+        stats["skipped"] += 0
+        stats["truncated/prompt"] += 0
+        stats["truncated/response"] += 0
+        stats["train"] = len(self.train_indices)
+        stats["eval"] = len(self.eval_indices)
+        self.stats: dict[str, int] = dict(sorted(stats.items()))
+
+    def example(self, record_index: int) -> dict[str, Any]:
+        """The padded arrays of one record (by its index in the source)."""
+        return self.encoder.arrays(self.encoder.encode(self.source[int(record_index)]))
+
+    def iterator(
+        self, split: str = "train", *, process_index: int | None = None, process_count: int | None = None
+    ) -> DataIterator:
+        """A :class:`DataIterator` over ``split`` (``train`` or ``eval``) for one process.
+
+        ``process_index`` / ``process_count`` default to ``jax.process_index()`` /
+        ``jax.process_count()``.
+        """
+        if split not in ("train", "eval"):
+            raise ValueError(f"unknown split {split!r}; valid: train, eval")
+        if process_index is None or process_count is None:
+            import jax
+
+            process_index = jax.process_index() if process_index is None else process_index
+            process_count = jax.process_count() if process_count is None else process_count
+        return DataIterator(self, split, process_index, process_count)
+
+
+def _batch_fn(examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    batch: dict[str, Any] = {}
+    for key in examples[0]:
+        if key == "reference":
+            batch["references"] = tuple(e["reference"] for e in examples)
+        elif key == "example_mask":
+            batch[key] = np.asarray([e[key] for e in examples], np.int32)
+        else:
+            batch[key] = np.stack([e[key] for e in examples])
+    return batch
+
+
+class DataIterator:
+    """Batches of one split for one JAX process; ``get_state``/``set_state`` resume exactly.
+
+    Attributes: ``stats`` (the :class:`PreparedData` counts), ``num_examples`` (of the
+    split, all processes), ``global_batch_size``, ``local_batch_size``, ``steps_per_epoch``
+    (full global batches per pass), and ``epoch`` / ``step`` of the next batch.
+
+    Train: an endless (or ``num_epochs``-long) stream reshuffled every epoch, batches
+    spanning epoch boundaries. Eval: one pass in file order; the last batch is filled up
+    with copies of the first example marked ``example_mask == 0``.
+    """
+
+    def __init__(self, prepared: PreparedData, split: str, process_index: int, process_count: int):
+        config = prepared.config
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} is not in [0, process_count={process_count})")
+        if config.batch_size % process_count:
+            raise ValueError(
+                f"data.batch_size {config.batch_size} is not divisible by the {process_count} JAX processes"
+            )
+        self.prepared = prepared
+        self.split = split
+        self.stats = prepared.stats
+        indices = prepared.train_indices if split == "train" else prepared.eval_indices
+        self.num_examples = len(indices)
+        self.global_batch_size = config.batch_size
+        self.local_batch_size = config.batch_size // process_count
+        self.process_index, self.process_count = process_index, process_count
+        n = self.num_examples
+        if split == "train" and n < config.batch_size:
+            raise ValueError(
+                f"the training split has {n} examples ({prepared.stats.get('skipped', 0)} records skipped, "
+                f"{prepared.stats.get('eval', 0)} held out); data.batch_size is {config.batch_size}"
+            )
+        if split == "eval" and n == 0:
+            raise ValueError("the eval split is empty; set data.eval_fraction > 0")
+        self.steps_per_epoch = n // config.batch_size
+
+        def load(position: int) -> dict[str, Any]:
+            example = prepared.example(indices[position])
+            example["example_mask"] = 1
+            return example
+
+        if split == "train":
+            ds = grain.MapDataset.range(n)
+            if config.shuffle:
+                ds = ds.shuffle(seed=config.seed)
+            ds = ds.repeat(config.num_epochs)
+            ds = ds[process_index::process_count].map(lambda pos: load(int(pos)))
+            ds = ds.batch(self.local_batch_size, drop_remainder=True, batch_fn=_batch_fn)
+        else:
+            padded = -(-n // config.batch_size) * config.batch_size
+
+            def load_eval(pos: int) -> dict[str, Any]:
+                if pos < n:
+                    return load(pos)
+                example = load(0)
+                example["example_mask"] = 0
+                return example
+
+            ds = grain.MapDataset.range(padded)[process_index::process_count].map(lambda pos: load_eval(int(pos)))
+            ds = ds.batch(self.local_batch_size, drop_remainder=True, batch_fn=_batch_fn)
+        self._dataset = ds
+        options = grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=config.prefetch_batches)
+        self._iterator = ds.to_iter_dataset(options).__iter__()
+        self._lock = threading.Lock()
+
+    @property
+    def step(self) -> int:
+        """Index of the next batch."""
+        return int(self._iterator.get_state()["next_index"])
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the first example of the next batch (0-based)."""
+        return self.step * self.global_batch_size // max(self.num_examples, 1)
+
+    def __iter__(self) -> DataIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._iterator)
+
+    def batch(self, step: int) -> dict[str, Any]:
+        """Batch ``step`` by random access, without moving the iterator."""
+        return self._dataset[step]
+
+    def _fingerprint(self) -> dict[str, Any]:
+        config = self.prepared.config
+        return {
+            "split": self.split,
+            "records": self.stats["records"],
+            "num_examples": self.num_examples,
+            "seed": config.seed,
+            "shuffle": config.shuffle,
+            "batch_size": self.global_batch_size,
+            "process_count": self.process_count,
+            "process_index": self.process_index,
+        }
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-able state: the next batch index and what it is an index into."""
+        return {"next_index": self.step, "fingerprint": self._fingerprint()}
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from a state of :meth:`get_state`; a state of another dataset is an error."""
+        if isinstance(state, (str, bytes)):
+            state = json.loads(state)
+        saved = dict(state.get("fingerprint", {}))
+        mine = self._fingerprint()
+        saved_p = saved.pop("process_index", None)
+        mine_p = mine.pop("process_index")
+        if saved != mine:
+            diff = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in mine if saved.get(k) != mine.get(k))
+            raise ValueError(f"data iterator state does not match this dataset ({diff})")
+        if saved_p is not None and saved_p != mine_p:
+            raise ValueError(f"data iterator state is for process {saved_p}; this is process {mine_p}")
+        self._iterator.set_state({"next_index": int(state["next_index"])})
+
+
+def prepare_dataset(config: DataConfig, tokenizer, *, records: Sequence[Mapping] | None = None) -> PreparedData:
+    """Read, validate and count ``config.paths`` (or in-memory ``records``) once.
+
+    Call ``.iterator("train")`` and ``.iterator("eval")`` on the result to get both
+    splits from one pass over the data.
+    """
+    source = ListSource(records, "records", unit="record") if records is not None else None
+    return PreparedData(config, tokenizer, source)
+
+
+def build_dataset(
+    config: DataConfig,
+    tokenizer,
+    *,
+    split: str = "train",
+    records: Sequence[Mapping] | None = None,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> DataIterator:
+    """The batch iterator of ``split`` for this JAX process: ``prepare_dataset(...).iterator(split)``."""
+    prepared = prepare_dataset(config, tokenizer, records=records)
+    return prepared.iterator(split, process_index=process_index, process_count=process_count)
