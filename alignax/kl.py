@@ -85,9 +85,14 @@ def kl_loss(
     """KL(pi || ref) as a loss term (GRPO convention), aggregated like the policy loss.
 
     Gradient flows into ``logps`` only; the reference is treated as constant. Multiply by
-    the coefficient yourself (the policy losses take ``kl_coef``).
+    the coefficient yourself (the policy losses take ``kl_coef``). Masked tokens get
+    exactly zero gradient even with ``clamp=None``: their log-ratio is set to 0 before
+    the estimator, so a huge log-ratio on padding cannot turn ``0 * inf`` into NaN.
     """
-    kl = kl_estimate(logps, jax.lax.stop_gradient(ref_logps), kind=kind, clamp=clamp)
+    check_same_shape(logps=logps, ref_logps=ref_logps, mask=mask)
+    ref_logps = jax.lax.stop_gradient(ref_logps)
+    logps = jnp.where(jnp.asarray(mask).astype(bool), logps, ref_logps)
+    kl = kl_estimate(logps, ref_logps, kind=kind, clamp=clamp)
     return ops.aggregate(
         kl, mask, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
     )
