@@ -1,0 +1,174 @@
+"""alignax.kl: estimators against NumPy formulas (Schulman 2020), placement, controllers."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alignax import kl
+
+TOL = dict(rtol=1e-6, atol=1e-6)
+JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+
+
+def estimator_reference(logps, ref_logps, kind, clamp=None):
+    """Schulman, "Approximating KL Divergence": r = log pi - log pi_ref, tokens from pi."""
+    out = np.zeros(np.shape(logps))
+    for idx in np.ndindex(out.shape):
+        r = float(logps[idx]) - float(ref_logps[idx])
+        if clamp is not None:
+            r = min(max(r, -clamp), clamp)
+        if kind == "k1":
+            out[idx] = r
+        elif kind == "k2":
+            out[idx] = 0.5 * r * r
+        elif kind == "k3":
+            out[idx] = np.exp(-r) - 1.0 + r  # (ratio - 1) - log ratio, ratio = pi_ref / pi
+        else:
+            out[idx] = abs(r)
+    return out
+
+
+def _logps(seed=0, shape=(3, 5)):
+    rng = np.random.default_rng(seed)
+    logps = -rng.uniform(0.1, 3.0, size=shape).astype(np.float32)
+    ref_logps = (logps + rng.normal(scale=0.5, size=shape)).astype(np.float32)
+    mask = np.zeros(shape, np.float32)
+    mask[0, 1:4] = 1
+    mask[1, :] = 1
+    mask[2, 3:] = 1
+    return logps, ref_logps, mask
+
+
+@JIT
+@pytest.mark.parametrize("kind", kl.KL_KINDS)
+def test_estimators_match_formulas(jit, kind):
+    logps, ref_logps, _ = _logps()
+    fn = functools.partial(kl.kl_estimate, kind=kind)
+    fn = jax.jit(fn) if jit else fn
+    out = fn(logps, ref_logps)
+    assert out.dtype == jnp.float32 and out.shape == logps.shape
+    np.testing.assert_allclose(out, estimator_reference(logps, ref_logps, kind), **TOL)
+
+
+def test_k3_and_k2_nonnegative_k1_signed():
+    logps, ref_logps, _ = _logps(seed=1)
+    assert np.all(np.asarray(kl.kl_estimate(logps, ref_logps, kind="k3")) >= 0)
+    assert np.all(np.asarray(kl.kl_estimate(logps, ref_logps, kind="k2")) >= 0)
+    k1 = np.asarray(kl.kl_estimate(logps, ref_logps, kind="k1"))
+    assert k1.min() < 0 < k1.max()
+
+
+@JIT
+def test_kl_penalty_hand_case(jit):
+    # Log-ratios [0.1, 0.2, -0.05], beta 0.04, k1: per token [.004, .008, -.002], sum .01.
+    logps = np.array([[-1.0, -2.0, -0.5, -7.0]], np.float32)
+    ref_logps = logps - np.array([[0.1, 0.2, -0.05, 3.0]], np.float32)
+    mask = np.array([[1, 1, 1, 0]], np.float32)
+    fn = functools.partial(kl.kl_penalty, beta=0.04, kind="k1")
+    fn = jax.jit(fn) if jit else fn
+    penalty = fn(logps, ref_logps, mask)
+    np.testing.assert_allclose(penalty, [[0.004, 0.008, -0.002, 0.0]], **TOL)
+    np.testing.assert_allclose(jnp.sum(penalty), 0.01, **TOL)
+
+
+def test_kl_penalty_is_data_without_gradient():
+    logps, ref_logps, mask = _logps(seed=2)
+    grads = jax.grad(lambda a, b: jnp.sum(kl.kl_penalty(a, b, mask, beta=0.1, kind="k3")), argnums=(0, 1))(
+        jnp.asarray(logps), jnp.asarray(ref_logps)
+    )
+    assert all(np.all(np.asarray(g) == 0.0) for g in grads)
+    penalty = kl.kl_penalty(logps, ref_logps, mask, beta=0.1, kind="k3")
+    np.testing.assert_allclose(penalty, 0.1 * estimator_reference(logps, ref_logps, "k3") * mask, **TOL)
+
+
+def test_clamp_keeps_k3_finite():
+    logps = np.array([-1000.0, -1.0], np.float32)  # policy far below the reference: r = -999
+    ref_logps = np.array([-1.0, -1000.0], np.float32)  # and far above: r = +999
+    unclamped = kl.kl_estimate(logps, ref_logps, kind="k3", clamp=None)
+    assert np.isinf(np.asarray(unclamped)[0])  # exp(999) overflows float32
+    clamped = kl.kl_estimate(logps, ref_logps, kind="k3", clamp=20.0)
+    assert np.all(np.isfinite(np.asarray(clamped)))
+    np.testing.assert_allclose(clamped, [np.exp(20.0) - 1.0 - 20.0, np.exp(-20.0) - 1.0 + 20.0], rtol=1e-6)
+    grad = jax.grad(lambda a: jnp.sum(kl.kl_estimate(a, ref_logps, kind="k3")))(jnp.asarray(logps))
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
+@JIT
+@pytest.mark.parametrize("kind", ["k1", "k3"])
+def test_kl_loss_value_and_gradients(jit, kind):
+    logps, ref_logps, mask = _logps(seed=3)
+    # Garbage on masked positions (padding log-probs far from the reference).
+    logps = np.where(mask > 0, logps, -500.0).astype(np.float32)
+    fn = functools.partial(kl.kl_loss, kind=kind, aggregation="token-mean")
+    fn = jax.jit(fn) if jit else fn
+    value = fn(logps, ref_logps, mask)
+    ref = estimator_reference(logps, ref_logps, kind)
+    np.testing.assert_allclose(value, (ref * mask).sum() / mask.sum(), **TOL)
+
+    grad_fn = jax.grad(lambda a, b: fn(a, b, mask), argnums=(0, 1))
+    g_logps, g_ref = grad_fn(jnp.asarray(logps), jnp.asarray(ref_logps))
+    g_logps, g_ref = np.asarray(g_logps), np.asarray(g_ref)
+    assert np.all(g_ref == 0.0)  # the reference is constant
+    assert np.all(g_logps[mask == 0] == 0.0)  # masked tokens get exactly zero gradient
+    # On response tokens: d/dr of the estimator, divided by the token count.
+    r = logps.astype(np.float64) - ref_logps
+    dk = np.ones_like(r) if kind == "k1" else 1.0 - np.exp(-r)
+    np.testing.assert_allclose(g_logps[mask > 0], (dk / mask.sum())[mask > 0], **TOL)
+
+
+@pytest.mark.parametrize("garbage", [-500.0, -np.inf], ids=["huge", "inf"])
+def test_kl_loss_masked_garbage_without_clamp_gives_zero_gradient(garbage):
+    # With clamp=None, exp(500) overflows on a padding token; 0 * inf must not become NaN.
+    logps, ref_logps, mask = _logps(seed=4)
+    logps = np.where(mask > 0, logps, garbage).astype(np.float32)
+    value, g_logps = jax.value_and_grad(lambda a: kl.kl_loss(a, ref_logps, mask, kind="k3", clamp=None))(
+        jnp.asarray(logps)
+    )
+    ref = estimator_reference(np.where(mask > 0, logps, ref_logps), ref_logps, "k3")
+    np.testing.assert_allclose(value, (ref * mask).sum() / mask.sum(), **TOL)
+    g_logps = np.asarray(g_logps)
+    assert np.all(np.isfinite(g_logps))
+    assert np.all(g_logps[mask == 0] == 0.0)
+
+
+def test_fixed_controller_unchanged():
+    controller = kl.FixedKLController(coef=0.05)
+    state = controller.init()
+    np.testing.assert_allclose(state.coef, 0.05, **TOL)
+    new = jax.jit(controller.update)(state, jnp.float32(123.0), 1024)
+    assert new.coef == state.coef
+
+
+@JIT
+@pytest.mark.parametrize(
+    "current_kl,expected",
+    [
+        # target 6, horizon 10,000, n = 256; coef 0.1.
+        (9.0, 0.1 * (1 + 0.2 * 256 / 10_000)),  # 9/6 - 1 = 0.5 -> clipped to +0.2: 0.100512
+        (3.0, 0.1 * (1 - 0.2 * 256 / 10_000)),  # 3/6 - 1 = -0.5 -> clipped to -0.2: 0.099488
+        (6.6, 0.1 * (1 + 0.1 * 256 / 10_000)),  # 0.1 inside the clip: 0.100256
+    ],
+    ids=["clip-up", "clip-down", "inside"],
+)
+def test_adaptive_controller_ziegler_update(jit, current_kl, expected):
+    controller = kl.AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10_000)
+    update = jax.jit(controller.update) if jit else controller.update
+    state = update(controller.init(), jnp.float32(current_kl), 256)
+    np.testing.assert_allclose(state.coef, expected, rtol=1e-6)
+
+
+def test_errors_name_the_argument():
+    logps, ref_logps, mask = _logps()
+    with pytest.raises(ValueError, match="k1, k2, k3, abs"):
+        kl.kl_estimate(logps, ref_logps, kind="k4")
+    with pytest.raises(ValueError, match="ref_logps"):
+        kl.kl_estimate(logps, ref_logps[:, :-1])
+    with pytest.raises(ValueError, match="mask"):
+        kl.kl_penalty(logps, ref_logps, mask[:, :-1], beta=0.1)
+    with pytest.raises(ValueError, match="target > 0"):
+        kl.AdaptiveKLController(init_coef=0.1, target=0.0, horizon=100)
