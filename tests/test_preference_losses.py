@@ -1,0 +1,429 @@
+"""alignax.losses.preference against pair-by-pair loops written from the papers, jitted and not.
+
+References run in float64 Python on the same float32 inputs; values worked by hand are
+written out as numbers.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alignax.losses.preference import (
+    DPO_VARIANTS,
+    cpo_loss,
+    dpo_loss,
+    kto_loss,
+    kto_reference_point,
+    log1mexp,
+    orpo_loss,
+    simpo_loss,
+)
+
+JIT = [False, True]
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def maybe_jit(fn, jit, **static):
+    if not jit:
+        return lambda *a: fn(*a, **static)
+    return jax.jit(lambda *a: fn(*a, **static))
+
+
+def log_sigmoid(x):
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+def sigmoid(x):
+    return math.exp(log_sigmoid(x))
+
+
+def pairs(seed=0, b=5):
+    """Sequence log-probs (sums over 3..9 tokens) for a small batch of pairs, float32."""
+    rng = np.random.default_rng(seed)
+    chosen_lengths = rng.integers(3, 10, size=b).astype(np.int32)
+    rejected_lengths = rng.integers(3, 10, size=b).astype(np.int32)
+    ref_c = (-rng.uniform(0.5, 2.0, size=b) * chosen_lengths).astype(np.float32)
+    ref_r = (-rng.uniform(0.5, 2.0, size=b) * rejected_lengths).astype(np.float32)
+    pol_c = (ref_c + rng.normal(scale=2.0, size=b)).astype(np.float32)
+    pol_r = (ref_r + rng.normal(scale=2.0, size=b)).astype(np.float32)
+    return pol_c, pol_r, ref_c, ref_r, chosen_lengths, rejected_lengths
+
+
+def as_float(x):
+    return [float(v) for v in np.asarray(x)]
+
+
+def assert_metrics(metrics, expected):
+    assert set(metrics) >= set(expected), set(expected) - set(metrics)
+    for name, value in expected.items():
+        got = metrics[name]
+        assert got.shape == () and got.dtype == jnp.float32, name
+        np.testing.assert_allclose(float(got), value, **TOL, err_msg=name)
+
+
+# ---------------------------------------------------------------------------- DPO family
+
+
+def ref_dpo(pol_c, pol_r, ref_c, ref_r, len_c, len_r, *, beta, variant, eps, lam, length_normalize):
+    """One pair at a time, from each paper's per-example loss."""
+    losses, rc_all, rr_all, acc, lc_all, lr_all = [], [], [], [], [], []
+    for i in range(len(pol_c)):
+        pc, pr, qc, qr = float(pol_c[i]), float(pol_r[i]), float(ref_c[i]), float(ref_r[i])
+        if length_normalize:
+            nc, nr = max(int(len_c[i]), 1), max(int(len_r[i]), 1)
+            pc, qc, pr, qr = pc / nc, qc / nc, pr / nr, qr / nr
+        rw = pc - qc  # log pi(y_w)/pi_ref(y_w)
+        rl = pr - qr
+        h = rw - rl
+        if variant == "sigmoid":  # Rafailov eq. 7; Mitchell's cDPO mixes in the flipped label
+            loss = -(1 - eps) * log_sigmoid(beta * h) - eps * log_sigmoid(-beta * h)
+        elif variant == "hinge":
+            loss = max(0.0, 1.0 - beta * h)
+        elif variant == "ipo":  # Azar eq. 17 with tau = beta
+            loss = (h - 1.0 / (2.0 * beta)) ** 2
+        elif variant == "robust":  # Chowdhury et al.: unbiased loss under flip rate eps
+            loss = ((1 - eps) * -log_sigmoid(beta * h) - eps * -log_sigmoid(-beta * h)) / (1 - 2 * eps)
+        elif variant == "dpop":  # Pal et al. eq. 3
+            loss = -log_sigmoid(beta * (h - lam * max(0.0, qc - pc)))
+        elif variant == "exo_pair":  # KL(p_theta || p_label) over the two responses
+            e = eps if eps > 0 else 1e-3
+            p_w = math.exp(beta * rw) / (math.exp(beta * rw) + math.exp(beta * rl))
+            p_l = 1.0 - p_w
+            loss = p_w * (math.log(p_w) - math.log(1 - e)) + p_l * (math.log(p_l) - math.log(e))
+        elif variant == "nca_pair":
+            loss = -log_sigmoid(beta * rw) - 0.5 * log_sigmoid(-beta * rw) - 0.5 * log_sigmoid(-beta * rl)
+        elif variant == "sppo_hard":  # (log ratio - eta (P - 1/2))^2 with P = 1, 0 and eta = 1/beta
+            eta = 1.0 / beta
+            loss = (rw - eta * (1.0 - 0.5)) ** 2 + (rl - eta * (0.0 - 0.5)) ** 2
+        elif variant == "apo_zero":
+            loss = (1.0 - sigmoid(beta * rw)) + sigmoid(beta * rl)
+        elif variant == "apo_down":
+            loss = sigmoid(beta * rw) + (1.0 - sigmoid(beta * (rw - rl)))
+        losses.append(loss)
+        rc_all.append(beta * rw)
+        rr_all.append(beta * rl)
+        acc.append(1.0 if beta * rw > beta * rl else 0.0)
+        lc_all.append(pc)
+        lr_all.append(pr)
+    n = len(losses)
+    metrics = {
+        "rewards/chosen": sum(rc_all) / n,
+        "rewards/rejected": sum(rr_all) / n,
+        "rewards/accuracies": sum(acc) / n,
+        "rewards/margins": (sum(rc_all) - sum(rr_all)) / n,
+        "logps/chosen": sum(lc_all) / n,
+        "logps/rejected": sum(lr_all) / n,
+    }
+    return sum(losses) / n, metrics
+
+
+SMOOTHING = {"sigmoid": 0.1, "robust": 0.2, "exo_pair": 0.05}
+
+
+@pytest.mark.parametrize("jit", JIT)
+@pytest.mark.parametrize("variant", DPO_VARIANTS)
+def test_dpo_variants_match_loops(variant, jit):
+    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=1)
+    hp = dict(beta=0.3, variant=variant, label_smoothing=SMOOTHING.get(variant, 0.0), dpop_lambda=5.0)
+    loss, metrics = maybe_jit(dpo_loss, jit, **hp)(pol_c, pol_r, ref_c, ref_r, len_c, len_r)
+    want, want_metrics = ref_dpo(
+        pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.3, variant=variant,
+        eps=hp["label_smoothing"], lam=5.0, length_normalize=variant == "ipo",
+    )
+    assert loss.shape == () and loss.dtype == jnp.float32
+    np.testing.assert_allclose(float(loss), want, **TOL)
+    assert_metrics(metrics, want_metrics)
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_dpo_length_normalize_switch(jit):
+    """IPO on summed log-probs (the paper's form) and length-averaged sigmoid DPO."""
+    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=2)
+    for variant, flag in (("ipo", False), ("sigmoid", True)):
+        fn = maybe_jit(dpo_loss, jit, beta=0.2, variant=variant, length_normalize=flag)
+        loss, metrics = fn(pol_c, pol_r, ref_c, ref_r, len_c, len_r)
+        want, want_metrics = ref_dpo(
+            pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.2, variant=variant, eps=0.0, lam=0.0,
+            length_normalize=flag,
+        )
+        np.testing.assert_allclose(float(loss), want, **TOL)
+        assert_metrics(metrics, want_metrics)
+
+
+def test_exo_zero_smoothing_uses_1e_3():
+    pol_c, pol_r, ref_c, ref_r, _, _ = pairs(seed=3)
+    loss, _ = dpo_loss(pol_c, pol_r, ref_c, ref_r, beta=0.1, variant="exo_pair")
+    want, _ = ref_dpo(pol_c, pol_r, ref_c, ref_r, None, None, beta=0.1, variant="exo_pair", eps=0.0, lam=0.0,
+                      length_normalize=False)
+    np.testing.assert_allclose(float(loss), want, **TOL)
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_dpo_zero_margin_is_log2(jit):
+    """Policy equal to the reference: every pair's loss is -log sigma(0) = log 2 = 0.693147."""
+    x = jnp.array([-3.0, -11.5, -0.25], jnp.float32)
+    y = jnp.array([-7.0, -2.0, -40.0], jnp.float32)
+    loss, metrics = maybe_jit(dpo_loss, jit, beta=0.1)(x, y, x, y)
+    np.testing.assert_allclose(float(loss), 0.6931471805599453, **TOL)
+    assert float(metrics["rewards/margins"]) == 0.0
+    assert float(metrics["rewards/accuracies"]) == 0.0
+
+
+def test_dpo_gradient_by_hand():
+    """dL/d logpi(y_c,i) = -beta sigma(-beta h_i) / B.
+
+    beta = 0.1, margins h = [1, -2] (B = 2):
+      sigma(-0.1) = 1 / (1 + e^0.1) = 0.4750208125, -> -0.1 * 0.4750208125 / 2 = -0.02375104063
+      sigma( 0.2) = 1 / (1 + e^-0.2) = 0.5498339973, -> -0.1 * 0.5498339973 / 2 = -0.02749169987
+    and the rejected log-probs get the opposite; the reference gets nothing.
+    """
+    pol_c = jnp.array([-5.0, -6.0])
+    pol_r = jnp.array([-7.0, -4.0])
+    ref_c = jnp.array([-6.0, -5.0])  # h = (pol_c - ref_c) - (pol_r - ref_r) = [1, -2]
+    ref_r = jnp.array([-7.0, -5.0])
+    grads = jax.grad(lambda *a: dpo_loss(*a, beta=0.1)[0], argnums=(0, 1, 2, 3))(pol_c, pol_r, ref_c, ref_r)
+    hand = np.array([-0.02375104063, -0.02749169987])
+    np.testing.assert_allclose(np.asarray(grads[0]), hand, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads[1]), -hand, rtol=1e-6)
+    assert np.all(np.asarray(grads[2]) == 0) and np.all(np.asarray(grads[3]) == 0)
+
+
+def test_value_and_grad_with_aux_works():
+    pol_c, pol_r, ref_c, ref_r, _, _ = pairs(seed=4)
+    (loss, metrics), grads = jax.value_and_grad(lambda c: dpo_loss(c, pol_r, ref_c, ref_r), has_aux=True)(pol_c)
+    assert np.isfinite(float(loss)) and grads.shape == pol_c.shape
+    assert all(v.shape == () and v.dtype == jnp.float32 for v in metrics.values())
+
+
+def test_weights_drop_pairs_and_shards_sum_to_full_batch():
+    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=5, b=6)
+    args = (pol_c, pol_r, ref_c, ref_r, len_c, len_r)
+    full, _ = dpo_loss(*args, beta=0.2, variant="ipo")
+    parts = [dpo_loss(*(a[s] for a in args), beta=0.2, variant="ipo", num_pairs=6) for s in (slice(0, 2), slice(2, 6))]
+    np.testing.assert_allclose(float(parts[0][0] + parts[1][0]), float(full), **TOL)
+    # weight 0 on the last two pairs == the loss of the first four, whatever their values
+    w = np.array([1, 1, 1, 1, 0, 0], np.float32)
+    bad = [np.where(w > 0, a, np.inf).astype(a.dtype) if a.dtype.kind == "f" else a for a in args]
+    dropped, metrics = dpo_loss(*bad, beta=0.2, variant="ipo", weights=w)
+    first4, metrics4 = dpo_loss(*(a[:4] for a in args), beta=0.2, variant="ipo")
+    np.testing.assert_allclose(float(dropped), float(first4), **TOL)
+    for k in metrics4:
+        np.testing.assert_allclose(float(metrics[k]), float(metrics4[k]), **TOL)
+
+
+def test_dpo_bad_inputs_name_the_argument():
+    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=6)
+    with pytest.raises(ValueError, match="unknown variant 'kto'; valid: sigmoid, hinge, ipo, robust, dpop"):
+        dpo_loss(pol_c, pol_r, ref_c, ref_r, variant="kto")
+    with pytest.raises(ValueError, match=r"shape mismatch: .*ref_rejected_logps=\(4,\)"):
+        dpo_loss(pol_c, pol_r, ref_c, ref_r[:4])
+    with pytest.raises(ValueError, match="policy_chosen_logps must have rank 1"):
+        dpo_loss(pol_c[None], pol_r, ref_c, ref_r)
+    with pytest.raises(ValueError, match="pass chosen_lengths and rejected_lengths"):
+        dpo_loss(pol_c, pol_r, ref_c, ref_r, variant="ipo")
+    with pytest.raises(ValueError, match=r"label_smoothing must lie in \[0.0, 0.5\)"):
+        dpo_loss(pol_c, pol_r, ref_c, ref_r, variant="robust", label_smoothing=0.5)
+    with pytest.raises(ValueError, match="label_smoothing=0.1 has no meaning for variant 'hinge'"):
+        dpo_loss(pol_c, pol_r, ref_c, ref_r, variant="hinge", label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"beta must lie in \(0.0, inf\)"):
+        dpo_loss(pol_c, pol_r, ref_c, ref_r, beta=0.0)
+
+
+# ---------------------------------------------------------------------------- SimPO, CPO, ORPO
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_simpo_matches_loop(jit):
+    pol_c, pol_r, _, _, len_c, len_r = pairs(seed=7)
+    beta, gamma, eps = 2.0, 0.5, 0.1
+    loss, metrics = maybe_jit(simpo_loss, jit, beta=beta, gamma=gamma, label_smoothing=eps)(pol_c, pol_r, len_c, len_r)
+    losses, rc, rr, acc = [], [], [], []
+    for i in range(len(pol_c)):
+        avg_w, avg_l = float(pol_c[i]) / int(len_c[i]), float(pol_r[i]) / int(len_r[i])
+        z = beta * avg_w - beta * avg_l - gamma  # Meng et al. eq. 6: gamma is the reward margin
+        losses.append(-(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z))
+        rc.append(beta * avg_w)
+        rr.append(beta * avg_l)
+        acc.append(float(rc[-1] > rr[-1]))
+    n = len(losses)
+    np.testing.assert_allclose(float(loss), sum(losses) / n, **TOL)
+    assert_metrics(metrics, {
+        "rewards/chosen": sum(rc) / n, "rewards/rejected": sum(rr) / n, "rewards/accuracies": sum(acc) / n,
+        "logps/chosen": sum(rc) / n / beta, "logps/rejected": sum(rr) / n / beta,
+    })
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_cpo_matches_loop(jit):
+    pol_c, pol_r, _, _, len_c, _ = pairs(seed=8)
+    beta, alpha = 0.2, 0.7
+    loss, metrics = maybe_jit(cpo_loss, jit, beta=beta, alpha=alpha)(pol_c, pol_r, len_c)
+    pref, nll_sum, tokens = 0.0, 0.0, 0
+    for i in range(len(pol_c)):
+        pref += -log_sigmoid(beta * (float(pol_c[i]) - float(pol_r[i])))
+        nll_sum += -float(pol_c[i])
+        tokens += int(len_c[i])
+    n = len(pol_c)
+    np.testing.assert_allclose(float(loss), pref / n + alpha * nll_sum / tokens, **TOL)
+    assert_metrics(metrics, {"nll_loss": nll_sum / tokens, "logps/chosen": float(np.mean(pol_c.astype(np.float64)))})
+
+
+def ref_orpo(pol_c, pol_r, len_c, len_r, lam):
+    nll_sum, tokens, ratio_terms, log_odds_all = 0.0, 0, [], []
+    for i in range(len(pol_c)):
+        lp_w = float(pol_c[i]) / int(len_c[i])
+        lp_l = float(pol_r[i]) / int(len_r[i])
+        odds_w = math.exp(lp_w) / (1.0 - math.exp(lp_w))  # Hong et al. eq. 4
+        odds_l = math.exp(lp_l) / (1.0 - math.exp(lp_l))
+        log_or = math.log(odds_w / odds_l)
+        ratio_terms.append(log_sigmoid(log_or))
+        log_odds_all.append(log_or)
+        nll_sum += -float(pol_c[i])
+        tokens += int(len_c[i])
+    n = len(ratio_terms)
+    loss = nll_sum / tokens - lam * sum(ratio_terms) / n
+    return loss, {"nll_loss": nll_sum / tokens, "log_odds_ratio": sum(ratio_terms) / n,
+                  "log_odds_chosen": sum(log_odds_all) / n}
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_orpo_matches_loop(jit):
+    pol_c, pol_r, _, _, len_c, len_r = pairs(seed=9)
+    loss, metrics = maybe_jit(orpo_loss, jit, beta=0.25)(pol_c, pol_r, len_c, len_r)
+    want, want_metrics = ref_orpo(pol_c, pol_r, len_c, len_r, 0.25)
+    np.testing.assert_allclose(float(loss), want, **TOL)
+    assert_metrics(metrics, want_metrics)
+
+
+def test_orpo_near_certain_responses_stay_accurate_and_finite():
+    # mean token log-probs -1e-4: log(1 - p) = log(9.9995e-5) needs expm1, not 1 - exp
+    pol_c = np.array([-4e-4, -2.0], np.float32)
+    pol_r = np.array([-3e-4, -1e-3], np.float32)
+    lengths = np.array([4, 3], np.int32)
+    loss, metrics = orpo_loss(pol_c, pol_r, lengths, lengths, beta=1.0)
+    want, want_metrics = ref_orpo(pol_c, pol_r, lengths, lengths, 1.0)
+    np.testing.assert_allclose(float(loss), want, rtol=2e-6)
+    np.testing.assert_allclose(float(metrics["log_odds_chosen"]), want_metrics["log_odds_chosen"], rtol=2e-6)
+    # at and beyond 0 (rounding can give +1e-8): finite loss and gradients
+    for c, r in [(0.0, 0.0), (-1e-9, 0.0), (1e-8, -1e-30), (-3.0, 0.0)]:
+        x = jnp.array([c, -1.0]), jnp.array([r, -2.0])
+        (loss, _), grads = jax.value_and_grad(lambda a, b: orpo_loss(a, b, lengths, lengths), argnums=(0, 1),
+                                              has_aux=True)(*x)
+        assert np.isfinite(float(loss)), (c, r)
+        assert np.all(np.isfinite(np.asarray(grads[0]))) and np.all(np.isfinite(np.asarray(grads[1]))), (c, r)
+
+
+def test_log1mexp_both_branches():
+    x = np.array([-1e-6, -1e-3, -0.5, -0.7, -2.0, -30.0], np.float32)
+    # float64 reference; log(-expm1) loses digits for very negative x, log1p(-exp) near 0
+    want = [math.log(-math.expm1(float(v))) if v > -1 else math.log1p(-math.exp(float(v))) for v in x]
+    np.testing.assert_allclose(np.asarray(log1mexp(x)), want, rtol=1e-6)
+    g = jax.grad(lambda v: jnp.sum(log1mexp(v)))(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(g), [-math.exp(v) / -math.expm1(v) for v in x.astype(np.float64)],
+                               rtol=1e-5)
+
+
+def test_reference_free_losses_shard_sum():
+    pol_c, pol_r, _, _, len_c, len_r = pairs(seed=10, b=6)
+    a, b = slice(0, 4), slice(4, 6)
+    tokens = float(np.sum(len_c))
+    cases = [
+        (simpo_loss, (pol_c, pol_r, len_c, len_r), {}),
+        (cpo_loss, (pol_c, pol_r, len_c), {"num_chosen_tokens": tokens}),
+        (orpo_loss, (pol_c, pol_r, len_c, len_r), {"num_chosen_tokens": tokens}),
+    ]
+    for fn, args, extra in cases:
+        full, _ = fn(*args)
+        parts = [fn(*(x[s] for x in args), num_pairs=6, **extra)[0] for s in (a, b)]
+        np.testing.assert_allclose(float(parts[0] + parts[1]), float(full), **TOL, err_msg=fn.__name__)
+
+
+def test_reference_free_bad_inputs():
+    pol_c, pol_r, _, _, len_c, len_r = pairs(seed=11)
+    with pytest.raises(ValueError, match=r"rejected_lengths=\(3,\)"):
+        simpo_loss(pol_c, pol_r, len_c, len_r[:3])
+    with pytest.raises(ValueError, match="chosen_lengths must have rank 1"):
+        cpo_loss(pol_c, pol_r, len_c[:, None])
+    with pytest.raises(ValueError, match=r"shape mismatch: .*weights=\(2,\)"):
+        orpo_loss(pol_c, pol_r, len_c, len_r, weights=np.ones(2))
+
+
+# ---------------------------------------------------------------------------- KTO
+
+
+def ref_kto(pol, ref, labels, beta, lam_d, lam_u, z):
+    """Ethayarajh et al.: lambda_y - v(x, y), with v from the prospect-theoretic value function."""
+    losses, r_des, r_und = [], [], []
+    for i in range(len(pol)):
+        r = float(pol[i]) - float(ref[i])
+        if labels[i]:
+            losses.append(lam_d - lam_d * sigmoid(beta * (r - z)))
+            r_des.append(beta * r)
+        else:
+            losses.append(lam_u - lam_u * sigmoid(beta * (z - r)))
+            r_und.append(beta * r)
+    return sum(losses) / len(losses), {"rewards/chosen": sum(r_des) / len(r_des),
+                                      "rewards/rejected": sum(r_und) / len(r_und), "kl": z}
+
+
+def kto_batch(seed=12, b=6):
+    rng = np.random.default_rng(seed)
+    ref = (-rng.uniform(5, 20, size=b)).astype(np.float32)
+    pol = (ref + rng.normal(loc=0.8, scale=1.5, size=b)).astype(np.float32)
+    labels = np.array([1, 0, 1, 1, 0, 0][:b], np.int32)
+    return pol, ref, labels
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_kto_matches_loop(jit):
+    pol, ref, labels = kto_batch()
+    hp = dict(beta=0.3, desirable_weight=1.2, undesirable_weight=0.9)
+    # reference point estimated from the batch: max(0, mean log-ratio)
+    z_batch = max(0.0, sum(float(p) - float(q) for p, q in zip(pol, ref)) / len(pol))
+    assert z_batch > 0
+    loss, metrics = maybe_jit(kto_loss, jit, **hp)(pol, ref, labels)
+    want, want_metrics = ref_kto(pol, ref, labels, 0.3, 1.2, 0.9, z_batch)
+    np.testing.assert_allclose(float(loss), want, **TOL)
+    assert_metrics(metrics, want_metrics)
+    # a given reference point, and a negative one clamped to 0
+    for given, used in ((0.37, 0.37), (-2.0, 0.0)):
+        loss, metrics = maybe_jit(kto_loss, jit, kl_ref_point=given, **hp)(pol, ref, labels)
+        want, want_metrics = ref_kto(pol, ref, labels, 0.3, 1.2, 0.9, used)
+        np.testing.assert_allclose(float(loss), want, **TOL)
+        assert_metrics(metrics, want_metrics)
+
+
+def test_kto_reference_point_gets_no_gradient():
+    pol, ref, labels = kto_batch()
+    z = max(0.0, float(np.mean(pol.astype(np.float64) - ref)))
+    g_batch = jax.grad(lambda p: kto_loss(p, ref, labels)[0])(jnp.asarray(pol))
+    g_fixed = jax.grad(lambda p: kto_loss(p, ref, labels, kl_ref_point=z)[0])(jnp.asarray(pol))
+    np.testing.assert_allclose(np.asarray(g_batch), np.asarray(g_fixed), rtol=1e-5, atol=1e-8)
+    # and nothing reaches a passed-in reference point or the reference log-probs
+    g_z, g_ref = jax.grad(lambda zz, rr: kto_loss(pol, rr, labels, kl_ref_point=zz)[0], argnums=(0, 1))(
+        jnp.float32(0.4), jnp.asarray(ref))
+    assert float(g_z) == 0.0 and np.all(np.asarray(g_ref) == 0)
+
+
+def test_kto_reference_point_from_mismatched_pairs():
+    kl_pol = np.array([-10.0, -12.5, -8.0], np.float32)
+    kl_ref = np.array([-11.0, -12.0, -9.0], np.float32)
+    z = kto_reference_point(kl_pol, kl_ref)
+    np.testing.assert_allclose(float(z), (1.0 - 0.5 + 1.0) / 3, **TOL)
+    assert float(kto_reference_point(kl_ref, kl_pol)) == 0.0  # negative mean clamps to 0
+    assert float(jax.grad(lambda p: kto_reference_point(p, kl_ref))(jnp.asarray(kl_pol)).sum()) == 0.0
+
+
+def test_kto_shard_sum_and_bad_inputs():
+    pol, ref, labels = kto_batch()
+    full, _ = kto_loss(pol, ref, labels, kl_ref_point=0.2)
+    parts = [kto_loss(pol[s], ref[s], labels[s], kl_ref_point=0.2, num_examples=6)[0]
+             for s in (slice(0, 3), slice(3, 6))]
+    np.testing.assert_allclose(float(parts[0] + parts[1]), float(full), **TOL)
+    with pytest.raises(ValueError, match=r"labels=\(5,\)"):
+        kto_loss(pol, ref, labels[:5])
+    with pytest.raises(ValueError, match="kl_ref_point must have rank 0"):
+        kto_loss(pol, ref, labels, kl_ref_point=np.zeros(6))
