@@ -74,7 +74,9 @@ def token_rewards(scores: Array, mask: Array, *, kl_penalty: Array | None = None
     return rewards
 
 
-def gae(rewards: Array, values: Array, mask: Array, *, gamma: float | Array, lam: float | Array) -> tuple[Array, Array]:
+def gae(
+    rewards: Array, values: Array, mask: Array, *, gamma: float | Array, lam: float | Array
+) -> tuple[Array, Array]:
     """Generalised advantage estimation over response tokens (Schulman et al. 2016).
 
     Over the response tokens of a row, in order, ``t`` and its successor ``t'``::
@@ -151,7 +153,8 @@ def _check_group_ids(group_ids, num_groups: int, n: int, what: str) -> Array:
         concrete = None
     if concrete is not None and concrete.size and (concrete.min() < 0 or concrete.max() >= num_groups):
         raise ValueError(
-            f"group_ids must lie in [0, num_groups) = [0, {num_groups}); got min {concrete.min()}, max {concrete.max()}"
+            f"group_ids must lie in [0, num_groups) = [0, {num_groups}); "
+            f"got min {concrete.min()}, max {concrete.max()}"
         )
     return jnp.asarray(group_ids, jnp.int32)
 
@@ -165,7 +168,9 @@ class _GroupStats:
     """
 
     def __init__(self, x: Array, valid: Array, ids: Array, num_groups: int):
-        seg = lambda v: jax.ops.segment_sum(v, ids, num_segments=num_groups)  # noqa: E731
+        def seg(values: Array) -> Array:
+            return jax.ops.segment_sum(values, ids, num_segments=num_groups)
+
         count = seg(valid.astype(jnp.float32))
         mean = seg(jnp.where(valid, x, 0.0)) / jnp.maximum(count, 1.0)
         centred = jnp.where(valid, x - mean[ids], 0.0)
@@ -206,11 +211,12 @@ def group_advantages(
       TRL and verl (``torch.std``), so a trainer ported from either sees the same
       numbers; ``unbiased_std=False`` divides by ``n``. The paper does not say which.
     - ``dr_grpo``: ``r - mu_g``, no std division, which removes the question-difficulty
-      bias (Liu et al. 2025, "Understanding R1-Zero-Like Training", §3.1).
+      bias (Liu et al. 2025, "Understanding R1-Zero-Like Training").
     - ``rloo``: ``r_i - (1/(n-1)) sum_{j != i} r_j = n/(n-1) (r_i - mu_g)``, the
-      leave-one-out baseline (Ahmadian et al. 2024, "Back to Basics", eq. 6).
-    - ``reinforce_pp``: REINFORCE++ (Hu 2025): whitening over the whole batch,
-      ``(r - mu_batch) / (sigma_batch + eps)``; groups are not used. With
+      leave-one-out baseline (Ahmadian et al. 2024, "Back to Basics: Revisiting
+      REINFORCE Style Optimization for Learning from Human Feedback in LLMs").
+    - ``reinforce_pp``: REINFORCE++ (Hu 2025, arXiv:2501.03262): whitening over the
+      whole batch, ``(r - mu_batch) / (sigma_batch + eps)``; groups are not used. With
       ``subtract_group_mean=True`` (REINFORCE++-baseline) the group mean is subtracted
       first, ``c = r - mu_g``, then ``c / (sigma_batch(c) + eps)``: the batch mean of
       ``c`` is zero by construction, so it is not subtracted a second time (that would
