@@ -18,6 +18,7 @@ Everything is deterministic given ``seed``. Records come out in the formats of
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -182,12 +183,11 @@ def champ_pairs(
     Returns records ``{"prompt", "chosen", "rejected", "answer", "problem_id",
     "category", "chosen_source", "rejected_source"}`` sorted by problem.
     """
-    import champ_dataset
     from champ_dataset import prompt as champ_prompt
 
     if prompt_template is None:
         prompt_template = champ_prompt.prompt_main.replace("{problem.text}", "{problem}")
-    data = champ_dataset.load(version)
+    data = _champ_data(version)
     rng = random.Random(seed)
     records = []
     for pid in sorted(data.problems, key=_natural_key):
@@ -212,6 +212,14 @@ def champ_pairs(
                 }
             )
     return records
+
+
+@functools.lru_cache(maxsize=2)
+def _champ_data(version: str):
+    """The parsed champ file (a 70 MB JSON; parsed once per process, never modified)."""
+    import champ_dataset
+
+    return champ_dataset.load(version)
 
 
 def _natural_key(text: str) -> list:

@@ -1,0 +1,84 @@
+"""Rule-based rewards (alignax.rewards.verifiers) on hand-made completions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from alignax.rewards.verifiers import answer_reward, extract_answer, format_reward, verifier_rewards
+
+REF = {"answer": "-4", "task": "chain_sum"}
+
+
+def test_extract_answer_takes_the_last_tag():
+    assert extract_answer("<think>hmm</think><answer> 12 </answer>") == "12"
+    assert extract_answer("<answer>1</answer> no, <answer>2</answer>") == "2"
+    assert extract_answer("12") is None
+    assert extract_answer("<final>7</final>", tag="final") == "7"
+
+
+def test_answer_reward_uses_the_task_scorer():
+    completions = [
+        "<think>4 - 1 - 7</think><answer>-4</answer>",
+        "<answer> -4 </answer>",
+        "<answer>-4.00</answer>",  # chain_sum compares decimals
+        "<answer>5</answer>",
+        "-4",  # no tag: nothing extracted
+        "<answer>-44</answer>",  # partial credit: len('-4') / len('-44')
+        "<answer>1</answer> wait <answer>-4</answer>",
+    ]
+    scores, errors = answer_reward(completions, [REF] * len(completions))
+    np.testing.assert_allclose(scores, [1, 1, 1, 0, 0, 2 / 3, 1], rtol=1e-6)
+    assert scores.dtype == np.float32 and not errors.any()
+
+
+def test_task_from_metadata_or_default():
+    refs = [{"answer": "7", "metadata": {"source_dataset": "basic_arithmetic"}}, {"answer": "7"}]
+    scores, _ = answer_reward(["<answer>7</answer>", "<answer>7</answer>"], refs, task="chain_sum")
+    np.testing.assert_array_equal(scores, [1, 1])
+
+
+def test_scorer_failure_on_model_output_is_zero_and_flagged():
+    ref = {"answer": "2 × 433", "task": "prime_factorization", "metadata": {"number": 866, "factors": [2, 433]}}
+    scores, errors = answer_reward(["<answer>2 × 433</answer>", "<answer>2 x</answer>"], [ref, ref])
+    np.testing.assert_array_equal(scores, [1, 0])
+    np.testing.assert_array_equal(errors, [0, 1])
+
+
+def test_format_reward_lenient_and_strict():
+    completions = [
+        "<think>x</think>\n<answer>3</answer>",
+        "so <answer>3</answer>",
+        "<answer></answer>",
+        "<answer>1</answer><answer>2</answer>",
+        "<answer>3</answer> trailing",
+        "3",
+    ]
+    np.testing.assert_array_equal(format_reward(completions), [1, 1, 0, 1, 1, 0])
+    np.testing.assert_array_equal(format_reward(completions, strict=True), [1, 0, 0, 0, 0, 0])
+
+
+def test_verifier_rewards_weights_and_components():
+    completions = ["<answer>-4</answer>", "-4", "<answer>3</answer>"]
+    rewards, parts = verifier_rewards(completions, [REF] * 3, answer_weight=1.0, format_weight=0.5)
+    np.testing.assert_allclose(rewards, [1.5, 0.0, 0.5])
+    np.testing.assert_array_equal(parts["answer"], [1, 0, 0])
+    np.testing.assert_array_equal(parts["format"], [1, 0, 1])
+    np.testing.assert_array_equal(parts["correct"], [1, 0, 0])
+    np.testing.assert_array_equal(parts["scorer_error"], [0, 0, 0])
+    assert rewards.dtype == np.float32 and rewards.shape == (3,)
+
+
+def test_clear_errors_for_references_the_scorer_cannot_use():
+    with pytest.raises(ValueError, match="reference 1 \\(task 'chain_sum'\\) has no 'answer'.*keys: task"):
+        answer_reward(["a", "b"], [REF, {"task": "chain_sum"}])
+    with pytest.raises(ValueError, match="reference 0 names no reasoning-gym task"):
+        answer_reward(["a"], [{"answer": "1"}])
+    with pytest.raises(ValueError, match="reference 0 \\(task 'number_format'\\) lacks 'metadata'"):
+        answer_reward(["<answer>1</answer>"], [{"answer": "1", "task": "number_format"}])
+    with pytest.raises(ValueError, match="unknown reasoning-gym task 'chainsum'"):
+        answer_reward(["a"], [{"answer": "1", "task": "chainsum"}])
+    with pytest.raises(ValueError, match="2 completions but 1 references"):
+        verifier_rewards(["a", "b"], [REF])
+    with pytest.raises(TypeError, match="not one string"):
+        format_reward("<answer>1</answer>")
