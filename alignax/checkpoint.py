@@ -1,0 +1,104 @@
+"""Orbax checkpoints of a training run: train state, frozen reference, data iterator, config.
+
+Layout under ``directory``::
+
+    reference/            the frozen reference policy, written once and never again
+    <step>/state/         params (policy, and value/reward heads where present), optimiser
+                          state, step, RNG key data, controller state — one pytree
+    <step>/meta/          JSON: data-iterator state, resolved config, counters, and the
+                          path of the reference it was trained against
+
+Saves are asynchronous (the train loop continues while arrays are written) and atomic:
+Orbax writes into a temporary directory and renames it only when every item is on disk,
+so an interrupted save never leaves a step that ``latest_step`` would pick. ``keep``
+bounds how many steps stay on disk. Arrays are restored onto whatever sharding the
+abstract target carries, so a run saved on one mesh resumes on another.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+REFERENCE_DIR = "reference"
+
+
+class Checkpointer:
+    """Save and restore a run's checkpoints under one directory."""
+
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    # ---- the frozen reference -------------------------------------------------------
+    @property
+    def reference_path(self) -> str:
+        return os.path.join(self.directory, REFERENCE_DIR)
+
+    def has_reference(self) -> bool:
+        return os.path.isdir(self.reference_path)
+
+    def save_reference(self, reference_params: Any) -> None:
+        """Write the frozen reference once; later calls are no-ops (it never changes)."""
+        if self.has_reference():
+            return
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(self.reference_path, reference_params)
+
+    def restore_reference(self, abstract_params: Any) -> Any:
+        """The reference restored onto the shardings of ``abstract_params``."""
+        if not self.has_reference():
+            raise FileNotFoundError(f"no frozen reference saved under {self.reference_path}")
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(self.reference_path, abstract_params)
+
+    # ---- steps ----------------------------------------------------------------------
+    def save(self, step: int, state: Any, meta: Mapping[str, Any], *, force: bool = False) -> bool:
+        """Start saving ``state`` (a pytree of arrays) and ``meta`` (JSON-able) at ``step``."""
+        meta = dict(meta, reference=REFERENCE_DIR if self.has_reference() else None)
+        return self._manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            force=force,
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """``(state, meta)`` of ``step`` (the latest when ``None``), arrays placed like
+        ``abstract_state`` (a pytree of ``jax.ShapeDtypeStruct`` with shardings, or arrays)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {self.directory}")
+        abstract_state = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+        )
+        return restored.state, dict(restored.meta)
+
+    def wait(self) -> None:
+        """Block until every asynchronous save has committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,149 @@
+"""Metric writers: console (progress bar with ETA and key figures), JSONL, TensorBoard.
+
+A trainer calls ``writer.write(step, metrics)`` with a flat ``dict[str, float]`` and
+``writer.close()`` at the end. Names follow the common conventions (``loss``,
+``rewards/chosen``, ``rewards/margins``, ``logps/chosen``, ``perf/tokens_per_s``, ...);
+the writers never rename them. Values are converted to Python floats once, on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+
+def to_host(metrics: Mapping[str, object]) -> dict[str, float]:
+    """Device scalars → Python floats (one transfer for the whole dict)."""
+    import jax
+
+    values = jax.device_get(dict(metrics))
+    return {k: float(np.asarray(v)) for k, v in values.items()}
+
+
+class MetricWriter(Protocol):
+    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlWriter:
+    """One JSON object per line: ``{"step": s, "time": unix_seconds, **metrics}``.
+
+    Non-finite values are written as strings ("nan", "inf") so every line stays valid
+    JSON. Lines are flushed as written, so a killed run keeps what it logged.
+    """
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = {"step": int(step), "time": round(time.time(), 3)}
+        for key, value in metrics.items():
+            value = float(value)
+            row[key] = value if math.isfinite(value) else str(value)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: str) -> list[dict[str, float]]:
+    """Rows written by :class:`JsonlWriter`, non-finite strings turned back to floats."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            rows.append({k: float(v) if isinstance(v, str) else v for k, v in row.items()})
+    return rows
+
+
+class TensorBoardWriter:
+    """Scalars into TensorBoard event files under ``logdir`` (via tensorboardX)."""
+
+    def __init__(self, logdir: str):
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=logdir)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, float(value), global_step=int(step))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class ConsoleWriter:
+    """A rich progress bar with ETA; the key figures of the last step beside it.
+
+    Without a terminal (CI logs, pipes) it prints one plain line every ``print_every``
+    writes instead of redrawing.
+    """
+
+    def __init__(self, total_steps: int, *, keys: Sequence[str] = ("loss",), description: str = "train",
+                 print_every: int = 1, stream=None):
+        self.total_steps = total_steps
+        self.keys = tuple(keys)
+        self.print_every = max(1, print_every)
+        self._stream = stream or sys.stdout
+        self._count = 0
+        self._start = time.perf_counter()
+        self._progress = None
+        if getattr(self._stream, "isatty", lambda: False)():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[figures]}"),
+                console=Console(file=self._stream), transient=False,
+            )
+            self._task = self._progress.add_task(description, total=total_steps, figures="")
+            self._progress.start()
+
+    def _figures(self, metrics: Mapping[str, float]) -> str:
+        parts = [f"{k}={float(metrics[k]):.4g}" for k in self.keys if k in metrics]
+        return "  ".join(parts)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._count += 1
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, figures=self._figures(metrics))
+            return
+        if self._count % self.print_every and step < self.total_steps:
+            return
+        elapsed = time.perf_counter() - self._start
+        rate = step / elapsed if elapsed > 0 and step > 0 else 0.0
+        eta = (self.total_steps - step) / rate if rate > 0 else float("nan")
+        print(f"step {step}/{self.total_steps}  {self._figures(metrics)}  elapsed {elapsed:.0f}s  eta {eta:.0f}s",
+              file=self._stream, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+class MultiWriter:
+    """Fans one ``write`` out to several writers."""
+
+    def __init__(self, writers: Sequence[MetricWriter]):
+        self.writers = list(writers)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        for writer in self.writers:
+            writer.write(step, metrics)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()

@@ -1,0 +1,153 @@
+"""The shared train step and host loop on a toy least-squares problem.
+
+Model-free on purpose: what is checked here is accumulation, the non-finite guard,
+checkpoint/resume and SIGTERM handling, independent of any decoder.
+"""
+
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from alignax.checkpoint import Checkpointer
+from alignax.metrics import JsonlWriter, read_jsonl
+from alignax.trainers.loop import LoopConfig, NonFiniteError, run_loop
+from alignax.trainers.step import init_train_state, make_train_step
+
+
+def loss_fn(params, frozen, batch, normalisers, rng):
+    del frozen, rng
+    pred = batch["x"] @ params["w"] + params["b"]
+    err = jnp.sum(batch["weight"] * (pred - batch["y"]) ** 2)
+    return err / normalisers["count"], {"abs_err": jnp.mean(jnp.abs(pred - batch["y"]))}
+
+
+def normalisers_fn(batch):
+    return {"count": jnp.sum(batch["weight"])}
+
+
+class ToyBatches:
+    """Deterministic batches indexed by position; the state is the position."""
+
+    def __init__(self, batch_size=8, poison_from=None, on_next=None):
+        self.position = 0
+        self.batch_size = batch_size
+        self.poison_from = poison_from
+        self.on_next = on_next
+
+    def __next__(self):
+        rng = np.random.default_rng(self.position)
+        x = rng.normal(size=(self.batch_size, 3)).astype(np.float32)
+        y = (x @ np.array([1.0, -2.0, 0.5], np.float32) + 0.3).astype(np.float32)
+        if self.poison_from is not None and self.position >= self.poison_from:
+            y[0] = np.nan
+        self.position += 1
+        if self.on_next:
+            self.on_next(self.position)
+        return {"x": x, "y": y, "weight": np.ones(self.batch_size, np.float32), "attention_mask": np.ones((self.batch_size, 4))}
+
+    def get_state(self):
+        return {"position": self.position}
+
+    def set_state(self, state):
+        self.position = state["position"]
+
+
+class NullWriter:
+    def write(self, step, metrics):
+        pass
+
+    def close(self):
+        pass
+
+
+def fresh_state(opt):
+    params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    return init_train_state(params, opt, jax.random.key(0))
+
+
+def test_accumulated_micro_batches_equal_one_full_batch_step():
+    opt = optax.adamw(1e-2, weight_decay=0.01)
+    batch = next(ToyBatches(batch_size=8))
+    batch = dict(batch, weight=np.linspace(0.5, 1.5, 8).astype(np.float32))  # unequal weights
+    one = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn, grad_accum_steps=1))
+    four = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn, grad_accum_steps=4))
+    s1, m1 = one(fresh_state(opt), None, batch)
+    s4, m4 = four(fresh_state(opt), None, batch)
+    np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m4["grad_norm"], m1["grad_norm"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(s4.params), jax.tree.leaves(s1.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_nonfinite_update_is_skipped_and_counted():
+    opt = optax.adam(0.1)
+    step = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn))
+    good = next(ToyBatches())
+    bad = next(ToyBatches(poison_from=0))
+    state, _ = step(fresh_state(opt), None, good)
+    after_bad, metrics = step(state, None, bad)
+    assert float(metrics["update_skipped"]) == 1.0
+    assert int(after_bad.nonfinite_streak) == 1 and int(after_bad.nonfinite_total) == 1
+    for a, b in zip(jax.tree.leaves((after_bad.params, after_bad.opt_state)), jax.tree.leaves((state.params, state.opt_state))):
+        np.testing.assert_array_equal(a, b)
+    recovered, metrics = step(after_bad, None, good)
+    assert float(metrics["update_skipped"]) == 0.0 and int(recovered.nonfinite_streak) == 0
+    assert int(recovered.nonfinite_total) == 1
+
+
+def run(tmp_path, total, batches, *, save_every=0, state=None, opt=None, writer=None):
+    opt = opt or optax.adam(0.05)
+    step = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn))
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=5, async_save=True)
+    if state is None:
+        state = fresh_state(opt)
+        if ckpt.latest_step() is not None:
+            state, meta = ckpt.restore(state)
+            batches.set_state(meta["data"])
+    with ckpt:
+        return run_loop(
+            config=LoopConfig(total_steps=total, save_every=save_every, max_nonfinite_streak=3),
+            state=state, frozen=None, step_fn=step, batches=batches, place_batch=lambda b: b,
+            writer=writer or NullWriter(), checkpointer=ckpt, meta_fn=lambda: {"config": {"toy": True}},
+        )
+
+
+def test_resume_is_bit_identical(tmp_path):
+    full = run(tmp_path / "a", 10, ToyBatches())
+    first = run(tmp_path / "b", 6, ToyBatches(), save_every=3)
+    resumed = run(tmp_path / "b", 10, ToyBatches())
+    assert first.last_step == 6 and resumed.history[0]["step"] == 7
+    losses_full = [h["loss"] for h in full.history[6:]]
+    losses_resumed = [h["loss"] for h in resumed.history]
+    assert losses_full == losses_resumed  # bit-identical, not approximately equal
+    for a, b in zip(jax.tree.leaves(full.state), jax.tree.leaves(resumed.state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+    pid = os.getpid()
+    batches = ToyBatches(on_next=lambda pos: os.kill(pid, signal.SIGTERM) if pos == 4 else None)
+    result = run(tmp_path, 50, batches)
+    assert result.stopped_by_signal and result.last_step == 4
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    assert ckpt.latest_step() == 4
+    state, meta = ckpt.restore(result.state)
+    assert meta["data"] == {"position": 4} and meta["config"] == {"toy": True}
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(result.state)):
+        np.testing.assert_array_equal(a, b)
+    ckpt.close()
+
+
+def test_run_stops_after_a_streak_of_nonfinite_updates(tmp_path):
+    writer = JsonlWriter(str(tmp_path / "metrics.jsonl"))
+    with pytest.raises(NonFiniteError, match="3 updates in a row.*step 5"):
+        run(tmp_path, 20, ToyBatches(poison_from=2), writer=writer)
+    writer.close()
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["update_skipped"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    assert np.isnan(rows[-1]["loss"])
