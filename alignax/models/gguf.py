@@ -234,7 +234,7 @@ def _dequantize(tensor, path: str) -> np.ndarray:
     kind = tensor.tensor_type
     try:
         if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F64):
-            values = np.asarray(tensor.data, dtype=np.float32)
+            values = np.array(tensor.data, dtype=np.float32)  # a copy: tensor.data is a read-only file map
         else:
             values = gguf.quants.dequantize(tensor.data, kind)
     except NotImplementedError as error:
