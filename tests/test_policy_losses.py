@@ -1,0 +1,652 @@
+"""Policy losses against NumPy loops written from each paper's formula, plus hand-worked cases.
+
+The references below loop over tokens in float64 and share no code with alignax: the
+aggregation modes, the PPO / GSPO / CISPO / REINFORCE per-token losses, TIS weights, the
+k3 estimator and the metrics are each re-derived from their definitions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alignax import ops
+from alignax.losses.policy import cispo_policy_loss, gspo_policy_loss, pg_loss, ppo_policy_loss
+
+MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+# ---------------------------------------------------------------------------------------
+# NumPy references (float64, per-token loops)
+# ---------------------------------------------------------------------------------------
+
+
+def ref_aggregate(x, mask, mode, num_tokens=None, num_seqs=None, norm_length=None):
+    batch, length = x.shape
+    lengths = [sum(mask[i][t] for t in range(length)) for i in range(batch)]
+    sums = [sum(x[i][t] for t in range(length) if mask[i][t]) for i in range(batch)]
+    n_tok = sum(lengths) if num_tokens is None else num_tokens
+    n_seq = sum(1 for n in lengths if n > 0) if num_seqs is None else num_seqs
+    if mode == "token-sum":
+        return sum(sums)
+    if mode == "token-mean":
+        return sum(sums) / max(n_tok, 1)
+    if mode == "seq-mean-token-mean":
+        return sum(s / n for s, n in zip(sums, lengths) if n > 0) / max(n_seq, 1)
+    if mode == "seq-mean-token-sum":
+        return sum(sums) / max(n_seq, 1)
+    if mode == "seq-mean-token-sum-norm":
+        budget = length if norm_length is None else norm_length
+        return sum(sums) / (max(n_seq, 1) * budget)
+    raise AssertionError(mode)
+
+
+def clip(x, lo, hi):
+    return min(max(x, lo), hi)
+
+
+def ref_token_losses(kind, lp, old, adv, mask, hp):
+    """Per-token policy loss l_t and the ratio each variant uses, from the papers."""
+    batch, length = lp.shape
+    loss = np.zeros((batch, length))
+    ratio = np.ones((batch, length))
+    for i in range(batch):
+        if kind == "gspo":  # Zheng et al. 2025 eq. (7): length-normalised sequence ratio
+            n = sum(mask[i])
+            mean_log = sum(lp[i][t] - old[i][t] for t in range(length) if mask[i][t]) / max(n, 1)
+            s_i = math.exp(mean_log)
+        for t in range(length):
+            if not mask[i][t]:
+                continue
+            a = adv[i][t]
+            r = math.exp(lp[i][t] - old[i][t])
+            if kind == "ppo":  # Schulman et al. 2017 eq. (7), DAPO clip-higher, dual clip
+                lo, hi = 1 - hp["clip_eps_low"], 1 + hp["clip_eps_high"]
+                l_t = max(-a * r, -a * clip(r, lo, hi))
+                if hp.get("dual_clip_c") is not None and a < 0:
+                    l_t = min(l_t, -hp["dual_clip_c"] * a)
+            elif kind == "gspo":
+                lo, hi = 1 - hp["clip_eps_low"], 1 + hp["clip_eps_high"]
+                r = s_i
+                l_t = max(-a * r, -a * clip(r, lo, hi))
+            elif kind == "cispo":  # MiniMax-M1 eq. (4)
+                lo = -math.inf if hp.get("clip_eps_low") is None else 1 - hp["clip_eps_low"]
+                w = clip(r, lo, 1 + hp["clip_eps_high"])
+                l_t = -w * a * lp[i][t]
+            else:  # REINFORCE
+                l_t = -a * lp[i][t]
+            loss[i][t] = l_t
+            ratio[i][t] = r
+    return loss, ratio
+
+
+def ref_loss_and_metrics(kind, data, hp, opts, mode, normalisers=None):
+    """The full loss of the module docstring and the metrics, by loops."""
+    lp, old, adv, mask = (np.asarray(data[k], np.float64) for k in ("logps", "old_logps", "advantages", "mask"))
+    if adv.ndim == 1:
+        adv = np.repeat(adv[:, None], lp.shape[1], axis=1)
+    batch, length = lp.shape
+    normalisers = normalisers or {}
+    agg = functools.partial(ref_aggregate, mask=mask, mode=mode, **normalisers)
+    per_token, ratio = ref_token_losses(kind, lp, old, adv, mask, hp)
+    tis = np.ones((batch, length))
+    if "sampler_logps" in opts:
+        sampler = np.asarray(opts["sampler_logps"], np.float64)
+        for i in range(batch):
+            for t in range(length):
+                tis[i][t] = min(math.exp(old[i][t] - sampler[i][t]), opts["tis_cap"])
+    pg = agg(per_token * tis)
+    loss = pg
+    tokens = [(i, t) for i in range(batch) for t in range(length) if mask[i][t]]
+    n = max(len(tokens), 1)
+    metrics = {"pg_loss": pg}
+    if "entropy" in opts:
+        ent = np.asarray(opts["entropy"], np.float64)
+        loss -= opts["entropy_coef"] * agg(ent)
+        metrics["entropy"] = sum(ent[i][t] for i, t in tokens) / n
+    if "ref_logps" in opts:
+        ref = np.asarray(opts["ref_logps"], np.float64)
+        k3 = np.zeros((batch, length))
+        for i, t in tokens:  # Schulman 2020: k3 = pi_ref/pi - 1 - log(pi_ref/pi)
+            x = ref[i][t] - lp[i][t]
+            k3[i][t] = math.exp(x) - 1 - x
+        loss += opts["kl_coef"] * agg(k3)
+        metrics["kl"] = sum(k3[i][t] for i, t in tokens) / n
+    if "sampler_logps" in opts:
+        metrics["tis_weight_mean"] = sum(tis[i][t] for i, t in tokens) / n
+
+    low = high = dual = 0
+    for i, t in tokens:
+        a, r = adv[i][t], ratio[i][t]
+        if kind in ("ppo", "gspo"):
+            low += a < 0 and r < 1 - hp["clip_eps_low"]
+            high += a > 0 and r > 1 + hp["clip_eps_high"]
+        elif kind == "cispo":
+            low += hp.get("clip_eps_low") is not None and r < 1 - hp["clip_eps_low"]
+            high += r > 1 + hp["clip_eps_high"]
+        if hp.get("dual_clip_c") is not None:
+            dual += a < 0 and r > hp["dual_clip_c"]
+    token_ratio = [math.exp(lp[i][t] - old[i][t]) for i, t in tokens]
+    metrics.update(
+        clipfrac_low=low / n,
+        clipfrac_high=high / n,
+        approx_kl=sum(r - 1 - math.log(r) for r in token_ratio) / n,
+        ratio_mean=sum(ratio[i][t] for i, t in tokens) / n,
+        ratio_min=min((ratio[i][t] for i, t in tokens), default=0.0),
+        ratio_max=max((ratio[i][t] for i, t in tokens), default=0.0),
+    )
+    if hp.get("dual_clip_c") is not None:
+        metrics["dual_clipfrac"] = dual / n
+    return loss, metrics
+
+
+def agg_weights(mask, mode, normalisers=None):
+    """d aggregate / d x_it, read off the (linear) reference aggregation with one-hots."""
+    w = np.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            onehot = np.zeros(mask.shape)
+            onehot[i, t] = 1.0
+            w[i, t] = ref_aggregate(onehot, mask, mode, **(normalisers or {}))
+    return w
+
+
+# ---------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------
+
+LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss}
+# Hyper-parameters for the parity tests; GSPO's range is widened so some sequences are
+# clipped and some are not on this data (the coverage test below checks it).
+HPARAMS = {
+    "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0),
+    "gspo": dict(clip_eps_low=0.03, clip_eps_high=0.06),
+    "cispo": dict(clip_eps_low=0.2, clip_eps_high=0.28),
+    "pg": dict(),
+}
+
+
+def make_data(seed=0):
+    rng = np.random.default_rng(seed)
+    batch, length = 5, 6
+    mask = np.array(
+        [
+            [1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1, 1],
+            [0, 0, 0, 0, 0, 0],  # a row with no response token
+            [0, 1, 1, 1, 0, 0],  # prompt, response, padding
+            [1, 1, 0, 0, 0, 0],
+        ],
+        np.float32,
+    )
+    logps = -rng.uniform(0.1, 3.0, (batch, length))
+    old_logps = logps + rng.normal(0.0, 0.25, (batch, length))
+    old_logps[1, 2] = logps[1, 2] - 1.5  # ratio e^1.5 > 3 with A < 0: dual clip bites
+    advantages = rng.normal(0.0, 1.0, (batch, length))
+    advantages[1, 2] = -1.3
+    data = dict(
+        logps=logps, old_logps=old_logps, advantages=advantages, mask=mask,
+    )
+    opts = dict(
+        entropy=rng.uniform(0.5, 2.0, (batch, length)),
+        ref_logps=logps + rng.normal(0.0, 0.2, (batch, length)),
+        sampler_logps=old_logps + rng.normal(0.0, 0.5, (batch, length)),
+    )
+    off = mask == 0  # moderate garbage under the mask; references never read it
+    data["logps"][off] = 50.0
+    data["advantages"][off] = -1e4
+    opts["entropy"][off] = 1e6
+    data = {k: v.astype(np.float32) for k, v in data.items()}
+    opts = {k: v.astype(np.float32) for k, v in opts.items()}
+    opts.update(entropy_coef=0.03, kl_coef=0.2, tis_cap=1.5)
+    return data, opts
+
+
+DATA, OPTS = make_data()
+ARRAY_OPTS = ("entropy", "ref_logps", "sampler_logps")
+DATA_KEYS = ("logps", "old_logps", "advantages", "mask")
+
+
+def _run_all_modes(kind, logps, old_logps, advantages, mask, opts, normalisers):
+    """Loss, metrics and d loss / d logps for every aggregation mode, in one program."""
+    out = {}
+    for mode in MODES:
+        def f(lp, mode=mode):
+            return LOSSES[kind](
+                lp, old_logps, advantages, mask, aggregation=mode, **HPARAMS[kind], **opts, **normalisers
+            )
+
+        (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(logps)
+        out[mode] = (loss, metrics, grad)
+    return out
+
+
+# One compiled program per (kind, shapes, option keys): the parity, gradient, garbage,
+# first-step and all-masked tests share it. The coefficients and the normalisers are
+# traced arguments, so that path is exercised too.
+_RUN_ALL_MODES_JIT = jax.jit(_run_all_modes, static_argnums=0)
+
+
+def all_modes(kind, data, *, opts=None, normalisers=None, jit=True):
+    args = [jnp.asarray(data[k]) for k in DATA_KEYS]
+    opts = {k: jnp.asarray(v, jnp.float32) for k, v in (opts or {}).items()}
+    norms = {k: jnp.asarray(v, jnp.float32) for k, v in (normalisers or {}).items()}
+    out = (_RUN_ALL_MODES_JIT if jit else _run_all_modes)(kind, *args, opts, norms)
+    result = {}
+    for mode, (loss, metrics, grad) in out.items():
+        assert loss.dtype == jnp.float32 and loss.shape == ()
+        assert all(v.dtype == jnp.float32 and v.shape == () for v in metrics.values())
+        result[mode] = (float(loss), {k: float(v) for k, v in metrics.items()}, np.asarray(grad))
+    return result
+
+
+def call(kind, data, *, mode, jit, hp=None, opts=None):
+    """One loss, one mode, hyper-parameters bound statically."""
+    hp = HPARAMS[kind] if hp is None else hp
+    fn = functools.partial(LOSSES[kind], aggregation=mode, **hp, **(opts or {}))
+    if jit:
+        fn = jax.jit(fn)
+    return fn(*(jnp.asarray(data[k]) for k in DATA_KEYS))
+
+
+def assert_metrics(got, want, msg=""):
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for key in want:
+        np.testing.assert_allclose(float(got[key]), want[key], err_msg=f"{msg} {key}", **TOL)
+
+
+# ---------------------------------------------------------------------------------------
+# Parity with the references
+# ---------------------------------------------------------------------------------------
+
+
+def test_fixture_exercises_every_branch():
+    """The parity data must hit the clips, the dual clip and the TIS cap, or it proves little."""
+    for kind in ("ppo", "gspo", "cispo"):
+        _, m = ref_loss_and_metrics(kind, DATA, HPARAMS[kind], OPTS, "token-mean")
+        assert m["clipfrac_low"] > 0 and m["clipfrac_high"] > 0, kind
+        assert m["clipfrac_low"] + m["clipfrac_high"] < 1, kind
+    _, m = ref_loss_and_metrics("ppo", DATA, HPARAMS["ppo"], OPTS, "token-mean")
+    assert m["dual_clipfrac"] > 0
+    mask = DATA["mask"] > 0
+    tis = np.exp(DATA["old_logps"].astype(np.float64) - OPTS["sampler_logps"])[mask]
+    assert (tis > OPTS["tis_cap"]).any() and (tis < OPTS["tis_cap"]).any()
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_matches_reference_all_options_every_mode(kind):
+    """Every option on (clip-higher, dual clip, TIS, entropy, KL), jitted and not."""
+    jitted = all_modes(kind, DATA, opts=OPTS, jit=True)
+    eager = all_modes(kind, DATA, opts=OPTS, jit=False)
+    for mode in MODES:
+        want_loss, want_metrics = ref_loss_and_metrics(kind, DATA, HPARAMS[kind], OPTS, mode)
+        for name, out in (("jit", jitted), ("eager", eager)):
+            loss, metrics, _ = out[mode]
+            np.testing.assert_allclose(loss, want_loss, err_msg=f"{mode} {name}", **TOL)
+            assert_metrics(metrics, want_metrics, f"{mode} {name}")
+        np.testing.assert_allclose(jitted[mode][2], eager[mode][2], err_msg=mode, **TOL)
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_matches_reference_defaults_and_sequence_advantages(kind):
+    """Default hyper-parameters, no options, and advantages given per sequence ``[B]``."""
+    defaults = {
+        "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.2),
+        "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),
+        "cispo": dict(clip_eps_low=None, clip_eps_high=0.28),
+        "pg": dict(),
+    }[kind]
+    mode = "seq-mean-token-mean" if kind == "gspo" else "token-mean"
+    data = dict(DATA, advantages=np.array([0.7, -0.4, 5.0, -1.1, 0.3], np.float32))
+    want_loss, want_metrics = ref_loss_and_metrics(kind, data, defaults, {}, mode)
+    args = [jnp.asarray(data[k]) for k in DATA_KEYS]
+    for fn in (LOSSES[kind], jax.jit(LOSSES[kind])):
+        loss, metrics = fn(*args)
+        np.testing.assert_allclose(float(loss), want_loss, **TOL)
+        assert_metrics(metrics, want_metrics)
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients
+# ---------------------------------------------------------------------------------------
+
+
+def finite_difference(fn, x, h=1e-6):
+    x = np.asarray(x, np.float64)
+    grad = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[idx] += h
+        down[idx] -= h
+        grad[idx] = (fn(up) - fn(down)) / (2 * h)
+    return grad
+
+
+def assert_away_from_kinks(kind, data, hp):
+    """Finite differences (and analytic branch choices) need no clip boundary within reach."""
+    _, ratio = ref_token_losses(kind, *(np.asarray(data[k], np.float64) for k in DATA_KEYS), hp)
+    ratio = ratio[data["mask"] > 0]
+    edges = [1 - hp["clip_eps_low"], 1 + hp["clip_eps_high"], hp.get("dual_clip_c") or 10.0]
+    assert min(abs(r - e) for r in ratio for e in edges) > 1e-4
+
+
+def analytic_grad(kind, data, opts, mode):
+    """d loss / d logps from the per-token derivatives of each paper's objective.
+
+    GSPO-token: -A_t s_i where the clip is inactive, else 0. CISPO: -w_t A_t with w_t the
+    clipped (constant) weight. PG: -A_t. The TIS weight scales the policy term, the k3 KL
+    adds kl_coef * (1 - pi_ref / pi), and the aggregation weights each token.
+    """
+    hp = HPARAMS[kind]
+    lp, old, adv, mask = (np.asarray(data[k], np.float64) for k in DATA_KEYS)
+    _, ratio = ref_token_losses(kind, lp, old, adv, mask, hp)
+    weights = agg_weights(mask, mode)
+    grad = np.zeros(lp.shape)
+    for i, t in zip(*np.nonzero(mask)):
+        a, r = adv[i, t], ratio[i, t]
+        if kind == "gspo":
+            clipped = (a > 0 and r > 1 + hp["clip_eps_high"]) or (a < 0 and r < 1 - hp["clip_eps_low"])
+            dpolicy = 0.0 if clipped else -a * r
+        elif kind == "cispo":
+            dpolicy = -clip(r, 1 - hp["clip_eps_low"], 1 + hp["clip_eps_high"]) * a
+        else:
+            dpolicy = -a
+        tis = min(math.exp(old[i, t] - opts["sampler_logps"][i, t]), opts["tis_cap"])
+        dkl = 1.0 - math.exp(opts["ref_logps"][i, t] - lp[i, t])
+        grad[i, t] = weights[i, t] * (tis * dpolicy + opts["kl_coef"] * dkl)
+    return grad
+
+
+def test_ppo_gradient_matches_finite_differences():
+    assert_away_from_kinks("ppo", DATA, HPARAMS["ppo"])
+    out = all_modes("ppo", DATA, opts=OPTS)
+    for mode in MODES:
+        def ref(lp, mode=mode):
+            return ref_loss_and_metrics("ppo", dict(DATA, logps=lp), HPARAMS["ppo"], OPTS, mode)[0]
+
+        want = finite_difference(ref, DATA["logps"])
+        np.testing.assert_allclose(out[mode][2], want, rtol=1e-5, atol=1e-6, err_msg=mode)
+
+
+@pytest.mark.parametrize("kind", ["gspo", "cispo", "pg"])
+def test_stop_gradient_forms_match_analytic_gradient(kind):
+    """GSPO-token, CISPO and PG use stop-gradients, so their gradient is not the derivative
+    of their value: check it against the per-token derivative written from each paper."""
+    assert_away_from_kinks(kind, DATA, {"clip_eps_low": 0.2, "clip_eps_high": 0.28, **HPARAMS[kind]})
+    out = all_modes(kind, DATA, opts=OPTS)
+    for mode in MODES:
+        want = analytic_grad(kind, DATA, OPTS, mode)
+        np.testing.assert_allclose(out[mode][2], want, rtol=1e-5, atol=1e-6, err_msg=mode)
+        assert np.abs(want).max() > 1e-3
+
+
+def test_gspo_equals_sequence_level_gspo_for_sequence_advantages():
+    """Per-sequence advantages + seq-mean-token-mean: value and gradient of the paper's
+    sequence objective mean_i max(-A_i s_i, -A_i clip(s_i)), with s_i a function of all
+    the row's log-probs (differentiated by finite differences)."""
+    hp = HPARAMS["gspo"]
+    adv_seq = np.array([0.9, -0.6, 0.3, 1.1, -0.8], np.float32)
+    mask = DATA["mask"]
+
+    def sequence_gspo(lp):
+        total, count = 0.0, 0
+        for i in range(lp.shape[0]):
+            toks = [t for t in range(lp.shape[1]) if mask[i, t]]
+            if not toks:
+                continue
+            s_i = math.exp(sum(lp[i, t] - float(DATA["old_logps"][i, t]) for t in toks) / len(toks))
+            a = float(adv_seq[i])
+            total += max(-a * s_i, -a * clip(s_i, 1 - hp["clip_eps_low"], 1 + hp["clip_eps_high"]))
+            count += 1
+        return total / count
+
+    def f(lp):
+        return gspo_policy_loss(lp, DATA["old_logps"], adv_seq, mask, aggregation="seq-mean-token-mean", **hp)
+
+    (loss, _), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(DATA["logps"]))
+    np.testing.assert_allclose(float(loss), sequence_gspo(DATA["logps"].astype(np.float64)), **TOL)
+    want = finite_difference(sequence_gspo, DATA["logps"])
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want).max() > 0.01  # some sequence is unclipped, so the check has teeth
+
+
+# ---------------------------------------------------------------------------------------
+# Invariants
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_first_step_ratio_is_exactly_one(kind):
+    data = dict(DATA, old_logps=DATA["logps"].copy())
+    for mode, (_, m, _) in all_modes(kind, data, opts=OPTS).items():
+        for key in ("ratio_mean", "ratio_min", "ratio_max"):
+            assert m[key] == 1.0, (mode, key)
+        for key in ("clipfrac_low", "clipfrac_high", "approx_kl"):
+            assert m[key] == 0.0, (mode, key)
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_masked_garbage_gets_exactly_zero_gradient(kind):
+    """Huge and infinite values under the mask change nothing, and their gradient is 0."""
+    off = DATA["mask"] == 0
+    garbage = dict(DATA)
+    garbage["logps"] = np.where(off, np.float32(1e30), DATA["logps"])
+    garbage["logps"][0, 5] = np.inf
+    garbage["old_logps"] = np.where(off, np.float32(-1e30), DATA["old_logps"])
+    garbage["advantages"] = np.where(off, np.float32(np.inf), DATA["advantages"])
+    opts = dict(OPTS)
+    for key in ARRAY_OPTS:
+        opts[key] = np.where(off, np.float32(-np.inf), OPTS[key])
+    dirty = all_modes(kind, garbage, opts=opts)
+    clean = all_modes(kind, DATA, opts=OPTS)
+    for mode in MODES:
+        loss, metrics, grad = dirty[mode]
+        np.testing.assert_allclose(loss, clean[mode][0], err_msg=mode, **TOL)
+        assert all(np.isfinite(v) for v in metrics.values()), mode
+        assert np.all(np.isfinite(grad)) and np.all(grad[off] == 0.0), mode
+        np.testing.assert_allclose(grad, clean[mode][2], err_msg=mode, **TOL)
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_all_masked_batch_is_finite_zero(kind):
+    data = dict(DATA, mask=np.zeros_like(DATA["mask"]))
+    for mode, (loss, metrics, grad) in all_modes(kind, data, opts=OPTS).items():
+        assert loss == 0.0, mode
+        assert all(v == 0.0 for v in metrics.values()), (mode, metrics)
+        assert np.all(grad == 0.0), mode
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_micro_batches_with_global_normalisers_sum_to_full_batch(kind):
+    mask = DATA["mask"]
+    normalisers = dict(ops.aggregation_normalisers(jnp.asarray(mask)), norm_length=8.0)
+    full = all_modes(kind, DATA, opts=OPTS, normalisers=normalisers)
+    parts = []
+    for rows in (slice(0, 2), slice(2, 5)):
+        data = {k: v[rows] for k, v in DATA.items()}
+        opts = {k: (v[rows] if k in ARRAY_OPTS else v) for k, v in OPTS.items()}
+        parts.append(all_modes(kind, data, opts=opts, normalisers=normalisers))
+    counts = {"num_tokens": int(mask.sum()), "num_seqs": int((mask.sum(1) > 0).sum()), "norm_length": 8.0}
+    for mode in MODES:
+        np.testing.assert_allclose(sum(p[mode][0] for p in parts), full[mode][0], err_msg=mode, **TOL)
+        np.testing.assert_allclose(np.concatenate([p[mode][2] for p in parts]), full[mode][2], err_msg=mode, **TOL)
+        want, _ = ref_loss_and_metrics(kind, DATA, HPARAMS[kind], OPTS, mode, counts)
+        np.testing.assert_allclose(full[mode][0], want, err_msg=mode, **TOL)
+
+
+def test_value_and_grad_has_aux_and_metrics_carry_no_gradient():
+    def total(lp):
+        loss, metrics = ppo_policy_loss(lp, DATA["old_logps"], DATA["advantages"], DATA["mask"])
+        return loss, metrics
+
+    (loss, metrics), grad = jax.value_and_grad(total, has_aux=True)(jnp.asarray(DATA["logps"]))
+    assert np.isfinite(float(loss)) and grad.shape == DATA["logps"].shape
+
+    # A function of the metrics alone has zero gradient: they are stop-gradiented.
+    def metric_sum(lp):
+        _, m = ppo_policy_loss(lp, DATA["old_logps"], DATA["advantages"], DATA["mask"])
+        return sum(m.values())
+
+    assert np.all(np.asarray(jax.grad(metric_sum)(jnp.asarray(DATA["logps"]))) == 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Hand-worked cases
+# ---------------------------------------------------------------------------------------
+
+
+def _row(*values):
+    return jnp.asarray([values], jnp.float32)
+
+
+def test_dual_clip_hand_worked():
+    # Two tokens with r = e^1.5 = 4.4817: A = -1 -> standard loss 4.4817, capped at c|A| = 3;
+    # A = +2 -> max(-8.96, -2 * 1.2) = -2.4, no dual clip. token-mean: (3 - 2.4) / 2 = 0.3.
+    lp, old, adv, mask = _row(-1.0, -1.0), _row(-2.5, -2.5), _row(-1.0, 2.0), _row(1.0, 1.0)
+    fn = functools.partial(ppo_policy_loss, clip_eps_low=0.2, dual_clip_c=3.0)
+    for f in (fn, jax.jit(fn)):
+        (loss, m), grad = jax.value_and_grad(f, has_aux=True)(lp, old, adv, mask)
+        np.testing.assert_allclose(float(loss), 0.3, **TOL)
+        np.testing.assert_allclose(np.asarray(grad), [[0.0, 0.0]], atol=1e-7)
+        assert float(m["dual_clipfrac"]) == 0.5 and float(m["clipfrac_high"]) == 0.5
+        assert float(m["clipfrac_low"]) == 0.0
+    loss, m = ppo_policy_loss(lp, old, adv, mask, clip_eps_low=0.2)
+    np.testing.assert_allclose(float(loss), (math.exp(1.5) - 2.4) / 2, **TOL)
+    assert "dual_clipfrac" not in m
+
+
+def test_clip_higher_hand_worked():
+    # r = 1.25, A = +1: with eps_high = 0.28 the ratio is inside, loss -1.25 and gradient
+    # -r A = -1.25; with the symmetric 0.2 it is clipped: loss -1.2, gradient 0.
+    # r = 0.75, A = -1: below 1 - 0.2, loss max(0.75, 0.8) = 0.8 and clipfrac_low = 1.
+    lp, old, one = _row(math.log(1.25)), _row(0.0), _row(1.0)
+    wide = functools.partial(ppo_policy_loss, clip_eps_low=0.2, clip_eps_high=0.28)
+    (loss, m), grad = jax.value_and_grad(wide, has_aux=True)(lp, old, one, one)
+    np.testing.assert_allclose([float(loss), float(grad[0, 0])], [-1.25, -1.25], **TOL)
+    assert float(m["clipfrac_high"]) == 0.0
+    (loss, m), grad = jax.value_and_grad(ppo_policy_loss, has_aux=True)(lp, old, one, one)
+    np.testing.assert_allclose([float(loss), float(grad[0, 0])], [-1.2, 0.0], **TOL)
+    assert float(m["clipfrac_high"]) == 1.0
+    loss, m = wide(_row(math.log(0.75)), old, _row(-1.0), one)
+    np.testing.assert_allclose(float(loss), 0.8, **TOL)
+    assert float(m["clipfrac_low"]) == 1.0 and float(m["clipfrac_high"]) == 0.0
+
+
+def test_gspo_hand_worked():
+    # Log-ratios 0.1 and 0.3 -> s = e^0.2 = 1.221403; A = 1. Inside (0.2, 0.28): each token
+    # loses -s, the row mean is -s, and each token's gradient is -s / 2. With eps_high 0.2
+    # the whole sequence is clipped: loss -1.2, gradient 0.
+    lp, old, adv, mask = _row(-1.0, -2.0), _row(-1.1, -2.3), jnp.asarray([1.0]), _row(1.0, 1.0)
+    s = math.exp(0.2)
+    f = functools.partial(gspo_policy_loss, clip_eps_low=0.2, clip_eps_high=0.28)
+    (loss, m), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(lp, old, adv, mask)
+    np.testing.assert_allclose(float(loss), -s, **TOL)
+    np.testing.assert_allclose(np.asarray(grad), [[-s / 2, -s / 2]], **TOL)
+    np.testing.assert_allclose([float(m["ratio_min"]), float(m["ratio_max"])], [s, s], **TOL)
+    f = functools.partial(gspo_policy_loss, clip_eps_low=0.2, clip_eps_high=0.2)
+    (loss, m), grad = jax.value_and_grad(f, has_aux=True)(lp, old, adv, mask)
+    np.testing.assert_allclose(float(loss), -1.2, **TOL)
+    np.testing.assert_allclose(np.asarray(grad), [[0.0, 0.0]], atol=1e-7)
+    assert float(m["clipfrac_high"]) == 1.0
+
+
+def test_cispo_hand_worked():
+    # r = 1.5, A = 1, logp = -2, eps_high 0.28: w = 1.28, loss = -1.28 * 1 * -2 = 2.56,
+    # gradient -w A = -1.28 (the clip scales, it does not drop). r = 0.5, A = -1, logp = -1:
+    # no lower clip -> w = 0.5, loss -0.5; with eps_low 0.2 -> w = 0.8, loss -0.8.
+    lp, old, one = _row(-2.0), _row(-2.0 - math.log(1.5)), _row(1.0)
+    (loss, m), grad = jax.value_and_grad(cispo_policy_loss, has_aux=True)(lp, old, one, one)
+    np.testing.assert_allclose([float(loss), float(grad[0, 0])], [2.56, -1.28], **TOL)
+    assert float(m["clipfrac_high"]) == 1.0
+    lp, old, adv = _row(-1.0), _row(-1.0 - math.log(0.5)), _row(-1.0)
+    loss, m = cispo_policy_loss(lp, old, adv, one)
+    np.testing.assert_allclose(float(loss), -0.5, **TOL)
+    assert float(m["clipfrac_low"]) == 0.0
+    loss, m = cispo_policy_loss(lp, old, adv, one, clip_eps_low=0.2)
+    np.testing.assert_allclose(float(loss), -0.8, **TOL)
+    assert float(m["clipfrac_low"]) == 1.0
+
+
+def test_tis_hand_worked():
+    # PG, A = 1, logp = -1: per-token loss 1. old - sampler = log 3 -> weight min(3, 2) = 2;
+    # log 0.5 -> 0.5. token-mean (2 + 0.5) / 2 = 1.25; gradient -w A / 2 = [-1, -0.25].
+    lp, one2 = _row(-1.0, -1.0), _row(1.0, 1.0)
+    sampler = _row(-1.0 - math.log(3.0), -1.0 - math.log(0.5))
+    for fn in (pg_loss, jax.jit(pg_loss)):
+        (loss, m), grad = jax.value_and_grad(
+            lambda x, f=fn: f(x, lp, one2, one2, sampler_logps=sampler, tis_cap=2.0), has_aux=True
+        )(lp)
+        np.testing.assert_allclose(float(loss), 1.25, **TOL)
+        np.testing.assert_allclose(np.asarray(grad), [[-1.0, -0.25]], **TOL)
+        np.testing.assert_allclose(float(m["tis_weight_mean"]), 1.25, **TOL)
+    _, m = pg_loss(lp, lp, one2, one2)
+    assert "tis_weight_mean" not in m and "entropy" not in m and "kl" not in m
+
+
+def test_entropy_and_kl_terms_hand_worked():
+    # A = 0 so the policy term is 0. Entropy [1, 3], coef 0.1: -0.1 * 2 = -0.2.
+    # logps - ref = log 2: k3 = 1/2 - 1 + log 2 = 0.193147, coef 0.5: +0.0965736.
+    # d/dlogps: 0.5 * (1 - 1/2) / 2 tokens = 0.125 each; d/dentropy: -0.1 / 2 = -0.05 each.
+    lp, zero, one2 = _row(-1.0, -2.0), _row(0.0, 0.0), _row(1.0, 1.0)
+    ref = lp - math.log(2.0)
+    entropy = _row(1.0, 3.0)
+
+    def f(x, ent):
+        return ppo_policy_loss(x, x, zero, one2, entropy=ent, entropy_coef=0.1, ref_logps=ref, kl_coef=0.5)
+
+    k3 = 0.5 - 1.0 + math.log(2.0)
+    (loss, m), (g_lp, g_ent) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(lp, entropy)
+    np.testing.assert_allclose(float(loss), -0.2 + 0.5 * k3, **TOL)
+    np.testing.assert_allclose(np.asarray(g_lp), [[0.125, 0.125]], **TOL)
+    np.testing.assert_allclose(np.asarray(g_ent), [[-0.05, -0.05]], **TOL)
+    np.testing.assert_allclose([float(m["entropy"]), float(m["kl"]), float(m["pg_loss"])], [2.0, k3, 0.0], **TOL)
+    loss, _ = ppo_policy_loss(lp, lp, zero, one2, ref_logps=ref, kl_coef=0.5, kl_kind="k1")
+    np.testing.assert_allclose(float(loss), 0.5 * math.log(2.0), **TOL)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_bad_inputs_name_the_argument(kind):
+    fn = LOSSES[kind]
+    lp, old, adv, mask = (jnp.asarray(DATA[k]) for k in ("logps", "old_logps", "advantages", "mask"))
+    with pytest.raises(ValueError, match="logps must have rank 2"):
+        fn(lp[0], old[0], adv[0], mask[0])
+    with pytest.raises(ValueError, match=r"old_logps=\(5, 5\)"):
+        fn(lp, old[:, :5], adv, mask)
+    with pytest.raises(ValueError, match=r"mask=\(4, 6\)"):
+        fn(lp, old, adv, mask[:4])
+    with pytest.raises(ValueError, match="advantages"):
+        fn(lp, old, adv[:4, 0], mask)
+    with pytest.raises(ValueError, match="advantages must have rank 1 or 2"):
+        fn(lp, old, adv[..., None], mask)
+    with pytest.raises(ValueError, match="unknown aggregation 'mean'"):
+        fn(lp, old, adv, mask, aggregation="mean")
+    with pytest.raises(ValueError, match=r"entropy=\(5, 5\)"):
+        fn(lp, old, adv, mask, entropy=lp[:, :5])
+    with pytest.raises(ValueError, match="sampler_logps"):
+        fn(lp, old, adv, mask, sampler_logps=lp[:3])
+    with pytest.raises(ValueError, match="unknown kl_kind 'k4'"):
+        fn(lp, old, adv, mask, ref_logps=lp, kl_kind="k4")
+    with pytest.raises(ValueError, match="tis_cap must be > 0"):
+        fn(lp, old, adv, mask, sampler_logps=lp, tis_cap=0.0)
+
+
+def test_bad_hyper_parameters_name_the_argument():
+    lp, old, adv, mask = (jnp.asarray(DATA[k]) for k in ("logps", "old_logps", "advantages", "mask"))
+    with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
+        ppo_policy_loss(lp, old, adv, mask, dual_clip_c=0.5)
+    with pytest.raises(ValueError, match="clip_eps_high must be >= 0"):
+        ppo_policy_loss(lp, old, adv, mask, clip_eps_high=-0.1)
+    with pytest.raises(ValueError, match="clip_eps_low must be >= 0"):
+        gspo_policy_loss(lp, old, adv, mask, clip_eps_low=-1e-4)
+    with pytest.raises(ValueError, match="clip_eps_low must be >= 0"):
+        cispo_policy_loss(lp, old, adv, mask, clip_eps_low=-0.2)
