@@ -18,7 +18,9 @@ import pytest
 
 from alignax.data import BadRecordError, DataConfig, Encoder, prepare_dataset
 
-_spec = importlib.util.spec_from_file_location("tiny_tokenizer", os.path.join(os.path.dirname(__file__), "data", "tiny_tokenizer.py"))
+_spec = importlib.util.spec_from_file_location(
+    "tiny_tokenizer", os.path.join(os.path.dirname(__file__), "data", "tiny_tokenizer.py")
+)
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
@@ -363,3 +365,44 @@ def test_config_errors_name_the_field_and_choices():
         DataConfig(paths="x.jsonl", max_length=64, max_prompt_length=64)
     with pytest.raises(ValueError, match="field_map names answer, not fields of format 'preference'"):
         Encoder(tiny.word_tokenizer(), format="preference", field_map={"answer": "a"})
+
+
+def test_unpaired_batches_carry_kto_mismatched_pairs(tok, tmp_path):
+    path = tmp_path / "kto.jsonl"
+    records = [
+        {"prompt": "hi", "completion": "yes", "label": True},
+        {"prompt": "what is", "completion": "no now", "label": False},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataConfig(paths=str(path), format="unpaired", apply_chat_template=False, shuffle=False,
+                     max_length=6, max_prompt_length=3, batch_size=2)
+    prepared = prepare_dataset(cfg, tok)
+    assert prepared.stats["label/desirable"] == 1 and prepared.stats["label/undesirable"] == 1
+    batch = next(prepared.iterator(process_index=0, process_count=1))
+    np.testing.assert_array_equal(batch["label"], [1, 0])
+    np.testing.assert_array_equal(batch["tokens"], [tiny.ids("hi", "yes", E, E, E, E), tiny.ids("what", "is", "no", "now", E, E)])
+    # prompt i + completion of row i+1: "hi no now <eos>", "what is yes <eos>"
+    np.testing.assert_array_equal(batch["kl_tokens"], [tiny.ids("hi", "no", "now", E, E, E), tiny.ids("what", "is", "yes", E, E, E)])
+    np.testing.assert_array_equal(batch["kl_response_mask"], [[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(batch["kl_attention_mask"], [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0]])
+    assert "_kl_parts" not in batch
+
+
+def test_sft_conversations_that_cannot_be_masked(tok):
+    enc = encoder(tok, "sft")
+    with pytest.raises(BadRecordError, match="field 'messages': no non-empty assistant message"):
+        enc.encode({"messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(BadRecordError, match="field 'messages': the conversation starts with an assistant message"):
+        enc.encode({"messages": [{"role": "assistant", "content": "hi"}]})
+    with pytest.raises(BadRecordError, match="field 'messages': must be a list of messages, got str"):
+        enc.encode({"messages": "hi"})
+    with pytest.raises(BadRecordError, match=r"field 'messages\[1\].content': must be a string, got int"):
+        enc.encode({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 3}]})
+
+
+def test_template_needed_for_chat_formats():
+    plain = tiny.word_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="format 'sft' with apply_chat_template=True needs a tokenizer with a chat_template"):
+        Encoder(plain, format="sft")
+    Encoder(plain, format="preference", apply_chat_template=False)  # raw text needs none

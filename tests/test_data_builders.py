@@ -15,7 +15,9 @@ from alignax.data import DataConfig, build_dataset, champ_pairs, reasoning_gym_p
 from alignax.data.builders import parse_generator_spec
 from alignax.rewards.verifiers import verifier_rewards
 
-_spec = importlib.util.spec_from_file_location("tiny_tokenizer", os.path.join(os.path.dirname(__file__), "data", "tiny_tokenizer.py"))
+_spec = importlib.util.spec_from_file_location(
+    "tiny_tokenizer", os.path.join(os.path.dirname(__file__), "data", "tiny_tokenizer.py")
+)
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 
+import grain
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,7 +14,9 @@ import pytest
 
 from alignax.data import DataConfig, build_dataset, open_source, prepare_dataset, write_jsonl
 
-_spec = importlib.util.spec_from_file_location("tiny_tokenizer", os.path.join(os.path.dirname(__file__), "data", "tiny_tokenizer.py"))
+_spec = importlib.util.spec_from_file_location(
+    "tiny_tokenizer", os.path.join(os.path.dirname(__file__), "data", "tiny_tokenizer.py")
+)
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
@@ -34,6 +37,8 @@ def test_jsonl_source_skips_blank_lines_and_knows_line_numbers(tmp_path):
     src = open_source(path)
     assert len(src) == 3 and [src[i]["x"] for i in range(3)] == [1, "é", 3]
     assert [src.where(i) for i in range(3)] == [f"{path}, line 1", f"{path}, line 4", f"{path}, line 5"]
+    assert isinstance(src, grain.sources.RandomAccessDataSource)
+    assert list(grain.MapDataset.source(src)) == [src[i] for i in range(3)]
 
 
 def test_json_array_and_parquet_sources(tmp_path):
@@ -44,6 +49,7 @@ def test_json_array_and_parquet_sources(tmp_path):
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "a.parquet")
     src = open_source(tmp_path / "a.parquet")
     assert [src[i] for i in range(3)] == records and src.where(1) == f"{tmp_path / 'a.parquet'}, row 1"
+    assert isinstance(src, grain.sources.RandomAccessDataSource)
 
 
 def test_datasets_save_to_disk_folder_written_by_datasets(tok):

@@ -260,7 +260,8 @@ def parse_generator_spec(spec: str) -> tuple[str, str | None, dict[str, Any]]:
     generator, _, target = head.partition(":")
     if generator not in GENERATORS:
         raise ValueError(f"unknown generator {generator!r} in {spec!r}; valid: {', '.join(GENERATORS)}")
-    options = {k: _parse_value(v) for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))}
+    pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    options = {key: _parse_value(value) for key, value in pairs}
     return generator, target or None, options
 
 

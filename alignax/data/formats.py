@@ -185,6 +185,8 @@ class Encoder:
         if _is_messages(value):
             if not value:
                 raise BadRecordError("empty", field, "empty message list")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise BadRecordError("invalid", field, "a message list needs a tokenizer with a chat_template")
             return _check_messages(value, field)
         raise BadRecordError("invalid", field, f"must be text or a list of messages, got {type(value).__name__}")
 
@@ -288,21 +290,21 @@ class Encoder:
         return self._conversation(prompt_msgs + response_msgs, len(prompt_msgs), response_field)
 
     # -------------------------------------------------------------- truncation
-    def _fit(self, prompt: list[int], responses: dict[str, tuple[list[int], list[int]]], prompt_field: str):
+    def _fit(self, prompt: list[int], responses: dict[str, tuple[list[int], list[int]]], fields: Mapping[str, str]):
+        """Apply the truncation policy; ``fields`` names the record field of the prompt and each response."""
         P, T = self.max_prompt_length, self.max_length
         R = min(self.max_response_length or T, T - 1)
-        longest = max((len(ids) for ids, _ in responses.values()), default=0)
         cut_prompt = cut_response = False
         if self.truncation == "reject":
             if len(prompt) > P:
                 raise BadRecordError(
-                    "too_long", prompt_field,
+                    "too_long", fields["prompt"],
                     f"prompt has {len(prompt):,} tokens; max_prompt_length is {P:,} (data.truncation='reject')",
                 )
             for name, (ids, _) in responses.items():
                 if len(ids) > R or len(prompt) + len(ids) > T:
                     raise BadRecordError(
-                        "too_long", self._field_name(name),
+                        "too_long", fields[name],
                         f"prompt + response have {len(prompt) + len(ids):,} tokens ({len(ids):,} in the "
                         f"response); max_length is {T:,}, max response {R:,} (data.truncation='reject')",
                     )
@@ -325,12 +327,6 @@ class Encoder:
                         fitted[name] = (ids[:room], mask[:room])
                         cut_response = True
         return prompt, fitted, cut_prompt, cut_response
-
-    def _field_name(self, name: str) -> str:
-        canonical = "completion" if name == "response" and self.format == "unpaired" else name
-        if canonical == "response":
-            canonical = "messages"
-        return self.fields[canonical][0]
 
     # ------------------------------------------------------------------ formats
     def encode(self, record: Mapping) -> Encoded:
@@ -380,7 +376,11 @@ class Encoder:
             raise BadRecordError("invalid", p_field, "the prompt tokenises differently before chosen and rejected")
         if c_ids == r_ids:
             raise BadRecordError("identical", r_field, f"tokenises identically to {c_field!r}")
-        prompt_ids, fitted, cut_p, cut_r = self._fit(p_c, {"chosen": (c_ids, c_mask), "rejected": (r_ids, r_mask)}, p_field)
+        prompt_ids, fitted, cut_p, cut_r = self._fit(
+            p_c,
+            {"chosen": (c_ids, c_mask), "rejected": (r_ids, r_mask)},
+            {"prompt": p_field, "chosen": c_field, "rejected": r_field},
+        )
         return Encoded(prompt_ids, fitted, truncated_prompt=cut_p, truncated_response=cut_r)
 
     def _encode_unpaired(self, record: Mapping) -> Encoded:
@@ -395,7 +395,11 @@ class Encoder:
         p_ids, ids, mask = self._prompt_and_response(
             prompt, completion, self.fields["prompt"][0], self.fields["completion"][0]
         )
-        prompt_ids, fitted, cut_p, cut_r = self._fit(p_ids, {"response": (ids, mask)}, self.fields["prompt"][0])
+        prompt_ids, fitted, cut_p, cut_r = self._fit(
+            p_ids,
+            {"response": (ids, mask)},
+            {"prompt": self.fields["prompt"][0], "response": self.fields["completion"][0]},
+        )
         return Encoded(prompt_ids, fitted, label=label, truncated_prompt=cut_p, truncated_response=cut_r)
 
     def _encode_sft(self, record: Mapping) -> Encoded:
@@ -407,7 +411,9 @@ class Encoder:
         if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
             raise BadRecordError("empty", field, "no non-empty assistant message")
         p_ids, ids, mask = self._conversation(messages, 0, field)
-        prompt_ids, fitted, cut_p, cut_r = self._fit(p_ids, {"response": (ids, mask)}, field)
+        prompt_ids, fitted, cut_p, cut_r = self._fit(
+            p_ids, {"response": (ids, mask)}, {"prompt": field, "response": field}
+        )
         return Encoded(prompt_ids, fitted, truncated_prompt=cut_p, truncated_response=cut_r)
 
     def _encode_prompt(self, record: Mapping) -> Encoded:
@@ -452,7 +458,25 @@ class Encoder:
                 out[prefix + key] = value
         if encoded.label is not None:
             out["label"] = np.int32(encoded.label)
+            # Kept unpadded so the batch can pair prompt i with completion i+1 (KTO's KL term).
+            out["_kl_parts"] = (encoded.prompt, encoded.responses["response"])
         return out
+
+    def mismatched(self, parts: Sequence[tuple[list[int], tuple[list[int], list[int]]]]) -> dict[str, np.ndarray]:
+        """KTO's mismatched pairs: prompt ``i`` with the completion of row ``(i + 1) % B``.
+
+        Ethayarajh et al. (2024) estimate the reference point ``KL(pi || pi_ref)`` on
+        completions that do not answer their prompt; this builds those ``[B, T]`` rows
+        (``kl_tokens``, ``kl_positions``, ``kl_attention_mask``, ``kl_response_mask``),
+        dropping prompt tokens from the start if a pair is over ``max_length``.
+        """
+        rows = []
+        for i in range(len(parts)):
+            prompt = parts[i][0]
+            ids, mask = parts[(i + 1) % len(parts)][1]
+            prompt = prompt[max(0, len(prompt) + len(ids) - self.max_length) :]
+            rows.append(_right_padded(prompt, ids, mask, self.max_length, self.pad_id))
+        return {f"kl_{key}": np.stack([r[key] for r in rows]) for key in rows[0]}
 
 
 def _right_padded(prompt: Sequence[int], response: Sequence[int], mask: Sequence[int], length: int, pad_id: int):

@@ -22,8 +22,10 @@ Batch keys (``B`` = batch_size / process_count rows, ``T`` = max_length,
 
 - ``preference``: ``chosen_{tokens,positions,attention_mask,response_mask}`` and the
   same for ``rejected_``, each ``[B, T]``, right-padded.
-- ``unpaired``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]`` and
-  ``label`` ``[B]`` (1 desirable, 0 undesirable).
+- ``unpaired``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]``,
+  ``label`` ``[B]`` (1 desirable, 0 undesirable), and the same four with a ``kl_``
+  prefix: prompt ``i`` followed by the completion of row ``(i + 1) % B`` of this
+  process's batch, for KTO's mismatched-pair KL estimate.
 - ``sft``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]``.
 - ``prompt``: ``prompt_tokens, prompt_positions, prompt_attention_mask`` ``[B, P]``,
   left-padded for generation, and ``references``: a tuple of B record dicts (the prompt,
@@ -42,6 +44,7 @@ may use the eos id (SmolLM2: pad == eos); masks, never token ids, say what is pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import threading
@@ -185,7 +188,7 @@ class PreparedData:
         self.config = config
         self.source = source if source is not None else _open_sources(config)
         self.encoder = _encoder(config, tokenizer)
-        stats: Counter = Counter()
+        stats: Counter = Counter({"records": 0, "skipped": 0, "truncated/prompt": 0, "truncated/response": 0})
         valid = []
         for i in range(len(self.source)):
             stats["records"] += 1
@@ -209,9 +212,6 @@ class PreparedData:
         self.eval_indices = np.sort(valid[order[:n_eval]])
         self.train_indices = np.sort(valid[order[n_eval:]])
         stats["kept"] = len(valid)
-        stats["skipped"] += 0
-        stats["truncated/prompt"] += 0
-        stats["truncated/response"] += 0
         stats["train"] = len(self.train_indices)
         stats["eval"] = len(self.eval_indices)
         self.stats: dict[str, int] = dict(sorted(stats.items()))
@@ -238,10 +238,12 @@ class PreparedData:
         return DataIterator(self, split, process_index, process_count)
 
 
-def _batch_fn(examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _batch_fn(encoder: Encoder, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     batch: dict[str, Any] = {}
     for key in examples[0]:
-        if key == "reference":
+        if key == "_kl_parts":
+            batch.update(encoder.mismatched([e[key] for e in examples]))
+        elif key == "reference":
             batch["references"] = tuple(e["reference"] for e in examples)
         elif key == "example_mask":
             batch[key] = np.asarray([e[key] for e in examples], np.int32)
@@ -293,13 +295,14 @@ class DataIterator:
             example["example_mask"] = 1
             return example
 
+        batch_fn = functools.partial(_batch_fn, prepared.encoder)
         if split == "train":
             ds = grain.MapDataset.range(n)
             if config.shuffle:
                 ds = ds.shuffle(seed=config.seed)
             ds = ds.repeat(config.num_epochs)
             ds = ds[process_index::process_count].map(lambda pos: load(int(pos)))
-            ds = ds.batch(self.local_batch_size, drop_remainder=True, batch_fn=_batch_fn)
+            ds = ds.batch(self.local_batch_size, drop_remainder=True, batch_fn=batch_fn)
         else:
             padded = -(-n // config.batch_size) * config.batch_size
 
@@ -311,7 +314,7 @@ class DataIterator:
                 return example
 
             ds = grain.MapDataset.range(padded)[process_index::process_count].map(lambda pos: load_eval(int(pos)))
-            ds = ds.batch(self.local_batch_size, drop_remainder=True, batch_fn=_batch_fn)
+            ds = ds.batch(self.local_batch_size, drop_remainder=True, batch_fn=batch_fn)
         self._dataset = ds
         options = grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=config.prefetch_batches)
         self._iterator = ds.to_iter_dataset(options).__iter__()
@@ -363,7 +366,9 @@ class DataIterator:
         saved_p = saved.pop("process_index", None)
         mine_p = mine.pop("process_index")
         if saved != mine:
-            diff = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in mine if saved.get(k) != mine.get(k))
+            diff = ", ".join(
+                f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in mine if saved.get(k) != mine.get(k)
+            )
             raise ValueError(f"data iterator state does not match this dataset ({diff})")
         if saved_p is not None and saved_p != mine_p:
             raise ValueError(f"data iterator state is for process {saved_p}; this is process {mine_p}")

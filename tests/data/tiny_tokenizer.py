@@ -48,7 +48,9 @@ def bpe_tokenizer(template: str = SMOLLM2) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     corpus = ["hello there, how are you?", "The answer is <answer>42</answer>.", "assistant user system\n"] * 5
     backend.train_from_iterator(corpus, trainer)
     return _wrap(backend, template)
