@@ -231,3 +231,18 @@ def test_batching_errors_name_the_problem(tok, prompt_file):
 def test_default_process_from_jax(tok, prompt_file):
     it = build_dataset(_config(prompt_file), tok)
     assert (it.process_index, it.process_count, it.local_batch_size) == (0, 1, 4)
+
+
+def test_state_round_trips_through_orbax(tok, prompt_file, tmp_path):
+    import orbax.checkpoint as ocp
+
+    config = _config(prompt_file, seed=2)
+    it = build_dataset(config, tok, process_index=0, process_count=1)
+    _take(it, 6)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(6, args=ocp.args.Composite(data=ocp.args.JsonSave(it.get_state())))
+        manager.wait_until_finished()
+        restored = manager.restore(6, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+    resumed = build_dataset(config, tok, process_index=0, process_count=1)
+    resumed.set_state(restored["data"])
+    assert _take(resumed, 3) == _take(it, 3)
