@@ -140,9 +140,20 @@ def _take(iterator, steps):
 def test_prompt_batches_are_fixed_shape(tok, prompt_file):
     batch = next(build_dataset(_config(prompt_file), tok, process_index=0, process_count=1))
     assert {k: v.shape for k, v in batch.items() if k != "references"} == {
-        "prompt_tokens": (4, 16), "prompt_positions": (4, 16), "prompt_attention_mask": (4, 16), "example_mask": (4,)
+        "prompt_tokens": (4, 16), "prompt_positions": (4, 16), "prompt_attention_mask": (4, 16), "example_mask": (4,),
+        "record_index": (4,),
     }
     assert len(batch["references"]) == 4
+
+
+def test_ordered_iterator_reads_each_record_of_a_split_once_in_file_order(tok, prompt_file):
+    prepared = prepare_dataset(_config(prompt_file, eval_fraction=0.25), tok)
+    seen = []
+    for batch in prepared.iterator("train", ordered=True, process_index=0, process_count=1):
+        seen.extend(batch["record_index"][batch["example_mask"] > 0].tolist())
+        for row, index in enumerate(batch["record_index"]):
+            np.testing.assert_array_equal(batch["prompt_tokens"][row], prepared.example(index)["prompt_tokens"])
+    assert seen == prepared.train_indices.tolist()
 
 
 def test_each_epoch_is_a_new_permutation_and_seeded(tok, prompt_file):

@@ -32,7 +32,8 @@ Batch keys (``B`` = batch_size / process_count rows, ``T`` = max_length,
   ``answer`` and any metadata), for the verifiers — pop it before sending the batch to
   devices.
 - always ``example_mask`` ``[B]``: 1 for real rows; 0 only on the padding rows that fill
-  the last eval batch.
+  the last eval batch; and ``record_index`` ``[B]``: each row's index in the source (to
+  look up per-record values computed once, such as precomputed reference log-probs).
 
 ``response_mask[b, t]`` is 1 when ``tokens[b, t]`` is a response token to train on (the
 end-of-turn token included), aligned with ``tokens``, not with the shifted targets: the
@@ -221,12 +222,15 @@ class PreparedData:
         return self.encoder.arrays(self.encoder.encode(self.source[int(record_index)]))
 
     def iterator(
-        self, split: str = "train", *, process_index: int | None = None, process_count: int | None = None
+        self, split: str = "train", *, process_index: int | None = None, process_count: int | None = None,
+        ordered: bool = False,
     ) -> DataIterator:
         """A :class:`DataIterator` over ``split`` (``train`` or ``eval``) for one process.
 
         ``process_index`` / ``process_count`` default to ``jax.process_index()`` /
-        ``jax.process_count()``.
+        ``jax.process_count()``. ``ordered=True`` reads the split once in file order with
+        a padded last batch, as eval always does (e.g. to precompute reference log-probs
+        of every training record).
         """
         if split not in ("train", "eval"):
             raise ValueError(f"unknown split {split!r}; valid: train, eval")
@@ -235,7 +239,7 @@ class PreparedData:
 
             process_index = jax.process_index() if process_index is None else process_index
             process_count = jax.process_count() if process_count is None else process_count
-        return DataIterator(self, split, process_index, process_count)
+        return DataIterator(self, split, process_index, process_count, ordered=ordered or split == "eval")
 
 
 def _batch_fn(encoder: Encoder, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -260,11 +264,13 @@ class DataIterator:
     (full global batches per pass), and ``epoch`` / ``step`` of the next batch.
 
     Train: an endless (or ``num_epochs``-long) stream reshuffled every epoch, batches
-    spanning epoch boundaries. Eval: one pass in file order; the last batch is filled up
-    with copies of the first example marked ``example_mask == 0``.
+    spanning epoch boundaries. Eval (and any ``ordered`` iterator): one pass in file
+    order; the last batch is filled up with copies of the first example marked
+    ``example_mask == 0``. Every example carries ``record_index``, its index in the source.
     """
 
-    def __init__(self, prepared: PreparedData, split: str, process_index: int, process_count: int):
+    def __init__(self, prepared: PreparedData, split: str, process_index: int, process_count: int,
+                 *, ordered: bool = False):
         config = prepared.config
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} is not in [0, process_count={process_count})")
@@ -281,22 +287,24 @@ class DataIterator:
         self.local_batch_size = config.batch_size // process_count
         self.process_index, self.process_count = process_index, process_count
         n = self.num_examples
-        if split == "train" and n < config.batch_size:
+        self.ordered = ordered
+        if not ordered and n < config.batch_size:
             raise ValueError(
                 f"the training split has {n} examples ({prepared.stats.get('skipped', 0)} records skipped, "
                 f"{prepared.stats.get('eval', 0)} held out); data.batch_size is {config.batch_size}"
             )
-        if split == "eval" and n == 0:
-            raise ValueError("the eval split is empty; set data.eval_fraction > 0")
+        if ordered and n == 0:
+            raise ValueError(f"the {split} split is empty" + ("; set data.eval_fraction > 0" if split == "eval" else ""))
         self.steps_per_epoch = n // config.batch_size
 
         def load(position: int) -> dict[str, Any]:
             example = prepared.example(indices[position])
             example["example_mask"] = 1
+            example["record_index"] = np.int32(indices[position])
             return example
 
         batch_fn = functools.partial(_batch_fn, prepared.encoder)
-        if split == "train":
+        if not ordered:
             ds = grain.MapDataset.range(n)
             if config.shuffle:
                 ds = ds.shuffle(seed=config.seed)
@@ -344,6 +352,7 @@ class DataIterator:
         config = self.prepared.config
         return {
             "split": self.split,
+            "ordered": self.ordered,
             "records": self.stats["records"],
             "num_examples": self.num_examples,
             "seed": config.seed,
