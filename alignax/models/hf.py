@@ -79,8 +79,8 @@ def _linear_out(in_shape):
     return to_ours, to_hf
 
 
-def _reshape(shape):
-    return (lambda w: (w.reshape(shape),)), (lambda k: k.reshape(-1))
+def _reshape(shape, hf_shape):
+    return (lambda w: (w.reshape(shape),)), (lambda k: k.reshape(hf_shape))
 
 
 _IDENTITY = ((lambda w: (w,)), (lambda k: k))
@@ -122,7 +122,7 @@ def _layout(c: ModelConfig, kind: str, prefix: str) -> list[_Entry]:
                     lambda q, k, v: np.concatenate([x.reshape(-1) for x in (q, k, v)]),
                 ),
             )
-            add(f"{h}attn.c_proj.weight", (D, D), [(*L, "attn", "o_kernel")], _reshape((N, H, D)))
+            add(f"{h}attn.c_proj.weight", (D, D), [(*L, "attn", "o_kernel")], _reshape((N, H, D), (D, D)))
             add(f"{h}attn.c_proj.bias", (D,), [(*L, "attn", "o_bias")], _IDENTITY)
             add(f"{h}ln_2.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
             add(f"{h}ln_2.bias", (D,), [(*L, "mlp_norm", "bias")], _IDENTITY)
@@ -143,7 +143,7 @@ def _layout(c: ModelConfig, kind: str, prefix: str) -> list[_Entry]:
                     _linear_in((heads, H)))
                 if c.qkv_bias:
                     add(f"{h}self_attn.{name}_proj.bias", (heads * H,), [(*L, "attn", f"{name}_bias")],
-                        _reshape((heads, H)))
+                        _reshape((heads, H), (heads * H,)))
             add(f"{h}self_attn.o_proj.weight", (D, N * H), [(*L, "attn", "o_kernel")], _linear_out((N, H)))
             if c.out_bias:
                 add(f"{h}self_attn.o_proj.bias", (D,), [(*L, "attn", "o_bias")], _IDENTITY)

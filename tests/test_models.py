@@ -1,0 +1,261 @@
+"""Decoders against transformers' PyTorch models on the same random weights.
+
+One tiny random model per family (Llama with llama3 RoPE and biases, Qwen2 with q/k/v
+biases and tied embeddings, Qwen3 with q/k norms, GPT-2 with Conv1D weights and learned
+positions). Every parameter is perturbed away from its init so biases and norm scales
+are not trivially zero/one. References are transformers' own forward passes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import jax
+import jax.numpy as jnp
+
+from alignax import ops
+from alignax.models import (
+    CausalLM,
+    ModelConfig,
+    from_hf_state_dict,
+    from_pretrained,
+    positions_from_mask,
+    save_pretrained,
+    token_logprobs_from_hidden,
+)
+
+TOL = 1e-4
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+CONFIGS = {
+    "llama": dict(
+        COMMON,
+        model_type="llama",
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "qwen2": dict(
+        COMMON,
+        model_type="qwen2",
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    ),
+    "qwen3": dict(
+        COMMON,
+        model_type="qwen3",
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    ),
+    "gpt2": dict(model_type="gpt2", vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32),
+}
+HF_CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+}
+FAMILIES = list(CONFIGS)
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def hf_model(family: str, cls=None, seed: int = 0, **overrides):
+    config_cls, model_cls = HF_CLASSES[family]
+    cfg = dict(CONFIGS[family], **overrides)
+    torch.manual_seed(seed)
+    model = (cls or model_cls)(config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    _perturb(model, seed)
+    return cfg, model.eval()
+
+
+def state_dict(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def families():
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        cfg, model = hf_model(family, seed=i)
+        out[family] = (cfg, model, state_dict(model))
+    return out
+
+
+def batch(T: int = 8, B: int = 3, V: int = 64, seed: int = 0):
+    """Row 0 full, row 1 left-padded by 3, row 2 left-padded by 5."""
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(0, V, (B, T))
+    mask = np.ones((B, T), np.int64)
+    mask[1, :3] = 0
+    mask[2, :5] = 0
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    return tokens, mask, positions
+
+
+def torch_logits(model, tokens, mask, positions):
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
+        )
+    return out.logits.numpy()
+
+
+@nnx.jit
+def jit_forward(model, tokens, positions, mask):
+    return model(tokens, positions, mask).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(families, family):
+    cfg, hf, sd = families[family]
+    model = from_hf_state_dict(cfg, sd)
+    tokens, mask, positions = batch()
+    ref = torch_logits(hf, tokens, mask, positions)
+    ours = np.asarray(jit_forward(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)))
+    assert ours.dtype == np.float32 and ours.shape == ref.shape
+    real = mask.astype(bool)
+    assert np.abs(ours - ref)[real].max() <= TOL
+    # Unpadded: every row full length (transformers without mask or positions).
+    with torch.no_grad():
+        ref_full = hf(input_ids=torch.tensor(tokens)).logits.numpy()
+    ours_full = np.asarray(model(jnp.asarray(tokens)).logits)  # not jitted; positions from the mask
+    assert np.abs(ours_full - ref_full).max() <= TOL
+    # A left-padded row equals the same tokens run alone, unpadded.
+    for row, pad in ((1, 3), (2, 5)):
+        alone = np.asarray(model(jnp.asarray(tokens[row : row + 1, pad:])).logits)[0]
+        assert np.abs(ours[row, pad:] - alone).max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_loads_in_transformers(families, family, tmp_path):
+    cfg, hf, sd = families[family]
+    model = from_hf_state_dict(cfg, sd)
+    save_pretrained(model, tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(hf)
+    tokens, mask, positions = batch(seed=1)
+    ours = np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)).logits)
+    theirs = torch_logits(loaded, tokens, mask, positions)
+    assert np.abs(ours - theirs)[mask.astype(bool)].max() <= TOL
+    # and back: our loader reads what we wrote, bit for bit
+    again = from_pretrained(tmp_path)
+    a, b = nnx.state(model), nnx.state(again)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_scan_equals_loop_and_remat_gradients(families):
+    cfg, _, sd = families["llama"]
+    loop = from_hf_state_dict(cfg, sd)
+    scan = from_hf_state_dict(cfg, sd, scan_layers=True, remat=True)
+    q_kernel = nnx.state(scan)["model"]["layers"]["attn"]["q_kernel"]
+    assert q_kernel.get_value().shape[0] == 2
+    assert q_kernel.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
+    tokens, mask, positions = (jnp.asarray(x) for x in batch())
+    a = jit_forward(loop, tokens, positions, mask)
+    b = jit_forward(scan, tokens, positions, mask)
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
+
+    def loss(model):
+        logps = token_logprobs_from_hidden(
+            model(tokens, positions, mask, return_logits=False).hidden[:, :-1], model, tokens[:, 1:], chunk_size=3
+        )
+        return -jnp.sum(logps * mask[:, 1:])
+
+    ga = nnx.grad(loss)(loop)
+    gb = nnx.grad(loss)(scan)
+    g_loop = np.stack([np.asarray(ga["model"]["layers"][i]["mlp"]["down_kernel"][...]) for i in range(2)])
+    g_scan = np.asarray(gb["model"]["layers"]["mlp"]["down_kernel"][...])
+    assert np.abs(g_loop).max() > 0
+    np.testing.assert_allclose(g_scan, g_loop, atol=1e-5, rtol=1e-4)
+
+
+def test_token_logprobs_from_hidden_matches_full_logits(families):
+    cfg, hf, sd = families["qwen2"]  # tied embeddings: unembedding through embed
+    model = from_hf_state_dict(cfg, sd)
+    tokens, mask, positions = batch(T=9)
+    ref_logits = torch_logits(hf, tokens, mask, positions)[:, :-1].astype(np.float64)
+    targets = tokens[:, 1:]
+    ref = np.zeros(targets.shape)
+    for b in range(targets.shape[0]):
+        for t in range(targets.shape[1]):
+            row = ref_logits[b, t]
+            ref[b, t] = row[targets[b, t]] - (row.max() + np.log(np.exp(row - row.max()).sum()))
+    hidden = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), return_logits=False).hidden
+    real = (mask[:, :-1] * mask[:, 1:]).astype(bool)  # a pad position's prediction is garbage in both
+    for chunk in (None, 3, 8):
+        got = token_logprobs_from_hidden(hidden[:, :-1], model, jnp.asarray(targets), chunk_size=chunk)
+        assert got.dtype == jnp.float32
+        assert np.abs(np.asarray(got) - ref)[real].max() <= TOL
+    logps, ent = jax.jit(
+        lambda h, t: token_logprobs_from_hidden(h, model, t, chunk_size=3, with_entropy=True)
+    )(hidden[:, :-1], jnp.asarray(targets))
+    full = model.logits(hidden[:, :-1])
+    np.testing.assert_allclose(np.asarray(ent), np.asarray(ops.entropy_from_logits(full)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logps), np.asarray(ops.token_logprobs(full, jnp.asarray(targets))), atol=1e-5)
+
+
+def test_bfloat16_policy_keeps_float32_scores(families):
+    cfg, hf, sd = families["llama"]
+    model = from_hf_state_dict(cfg, sd, param_dtype="bfloat16", dtype="bfloat16")
+    assert nnx.state(model)["lm_head"].get_value().dtype == jnp.bfloat16
+    tokens, mask, positions = batch()
+    out = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
+    assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
+    ref = torch_logits(hf, tokens, mask, positions)
+    err = np.abs(np.asarray(out.logits) - ref)[mask.astype(bool)]
+    assert err.max() < 0.25 * np.abs(ref).max()  # bf16 rounding, not a wiring error
+    mixed = from_hf_state_dict(cfg, sd, param_dtype="float32", dtype="bfloat16")
+    assert nnx.state(mixed)["lm_head"].get_value().dtype == jnp.float32
+
+
+def test_rope_inv_freq_matches_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from alignax.models import rope_inv_freq
+
+    for rope in (
+        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ):
+        cfg = dict(COMMON, model_type="llama", hidden_size=256, num_attention_heads=2, rope_parameters=dict(rope))
+        hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        ref, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg)
+        ours = rope_inv_freq(ModelConfig.from_hf_config(cfg))
+        np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
+    # legacy layout: rope_scaling + top-level rope_theta
+    legacy = dict(COMMON, model_type="llama", rope_theta=123.0, rope_scaling={"type": "linear", "factor": 3.0})
+    c = ModelConfig.from_hf_config(legacy)
+    assert (c.rope_type, c.rope_theta, c.rope_factor) == ("linear", 123.0, 3.0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_round_trip(family):
+    c = ModelConfig.from_hf_config(CONFIGS[family])
+    assert ModelConfig.from_hf_config(c.to_hf_config()) == c
+    assert positions_from_mask(jnp.array([[0, 0, 1, 1, 1]])).tolist() == [[0, 0, 0, 1, 2]]

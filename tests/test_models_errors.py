@@ -1,0 +1,157 @@
+"""Bad input gives a clear error naming what is wrong, never a silent partial load."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from alignax.models import (
+    CausalLM,
+    ModelConfig,
+    SafetensorsError,
+    from_hf_state_dict,
+    from_pretrained,
+    read_hf_tensors,
+    read_safetensors,
+    save_pretrained,
+    to_hf_state_dict,
+    write_safetensors,
+)
+
+CFG = dict(
+    model_type="qwen2",
+    vocab_size=24,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    model = CausalLM(ModelConfig.from_hf_config(CFG), rngs=nnx.Rngs(0))
+    return to_hf_state_dict(model)
+
+
+def test_config_errors():
+    for field in ("hidden_size", "num_hidden_layers", "vocab_size"):
+        cfg = {k: v for k, v in CFG.items() if k != field}
+        with pytest.raises(ValueError, match=f"qwen2 config is missing the required field '{field}'"):
+            ModelConfig.from_hf_config(cfg)
+    with pytest.raises(ValueError, match="gpt2 config is missing the required field 'n_head'"):
+        ModelConfig.from_hf_config({"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1})
+    with pytest.raises(ValueError, match=r"unsupported architecture model_type='mistral'; supported: llama, qwen2, qwen3, gpt2"):
+        ModelConfig.from_hf_config(dict(CFG, model_type="mistral"))
+    with pytest.raises(ValueError, match="missing the field 'model_type'"):
+        ModelConfig.from_hf_config({k: v for k, v in CFG.items() if k != "model_type"})
+    with pytest.raises(ValueError, match=r"unsupported rope_type 'yarn' .*supported: default, linear, llama3"):
+        ModelConfig.from_hf_config(dict(CFG, rope_parameters={"rope_type": "yarn", "factor": 2.0}))
+    with pytest.raises(ValueError, match="'llama3' is missing the field 'low_freq_factor'"):
+        ModelConfig.from_hf_config(dict(CFG, rope_parameters={"rope_type": "llama3", "factor": 8.0}))
+    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
+        ModelConfig.from_hf_config(dict(CFG, use_sliding_window=True))
+    with pytest.raises(ValueError, match="unsupported hidden_act 'tanh'"):
+        ModelConfig.from_hf_config(dict(CFG, hidden_act="tanh"))
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        ModelConfig.from_hf_config(CFG, param_dtype="float16")
+    with pytest.raises(TypeError, match="unknown policy arguments"):
+        ModelConfig.from_hf_config(CFG, dtype_="float32")
+    with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
+        ModelConfig.from_hf_config(dict(CFG, num_key_value_heads=3))
+
+
+def test_tensor_errors(checkpoint):
+    hf_config, tensors = checkpoint
+    # the intact checkpoint loads
+    assert isinstance(from_hf_state_dict(hf_config, tensors), CausalLM)
+
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.k_proj.bias"}
+    with pytest.raises(ValueError, match=r"missing tensors \(1\): model\.layers\.1\.self_attn\.k_proj\.bias"):
+        from_hf_state_dict(hf_config, missing)
+
+    extra = dict(tensors, **{"model.layers.0.mlp.extra.weight": np.zeros((2, 2), np.float32)})
+    with pytest.raises(ValueError, match=r"unexpected tensors \(1\): model\.layers\.0\.mlp\.extra\.weight"):
+        from_hf_state_dict(hf_config, extra)
+
+    score = dict(tensors, **{"score.weight": np.zeros((1, 16), np.float32)})
+    with pytest.raises(ValueError, match="load with kind='reward'"):
+        from_hf_state_dict(hf_config, score)
+
+    wrong = dict(tensors, **{"model.layers.0.mlp.up_proj.weight": np.zeros((24, 15), np.float32)})
+    with pytest.raises(
+        ValueError, match=r"wrong shapes \(1\): model\.layers\.0\.mlp\.up_proj\.weight: expected \[24, 16\], found \[24, 15\]"
+    ):
+        from_hf_state_dict(hf_config, wrong)
+
+    # a checkpoint for another size: every problem is listed in one error
+    other = dict(hf_config, num_hidden_layers=3)
+    with pytest.raises(ValueError, match=r"missing tensors \(\d+\): model\.layers\.2\."):
+        from_hf_state_dict(other, tensors)
+
+    with pytest.raises(ValueError, match="unknown kind 'critic'"):
+        from_hf_state_dict(hf_config, tensors, kind="critic")
+
+
+def test_corrupt_and_missing_files(checkpoint, tmp_path):
+    hf_config, tensors = checkpoint
+    model = from_hf_state_dict(hf_config, tensors)
+    good = tmp_path / "good"
+    save_pretrained(model, good)
+    blob = (good / "model.safetensors").read_bytes()
+
+    cases = {
+        "truncated": (blob[: len(blob) - 40], "outside the .* data bytes; file corrupt or truncated"),
+        "tiny": (blob[:5], "too short for a safetensors file"),
+        "header_len": ((10**9).to_bytes(8, "little") + blob[8:], "header length 1000000000 exceeds the file"),
+        "garbage": (blob[:8] + b"\xff" * (len(blob) - 8), "header is not valid JSON"),
+    }
+    for name, (data, message) in cases.items():
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps(hf_config))
+        (bad / "model.safetensors").write_bytes(data)
+        with pytest.raises(SafetensorsError, match=message):
+            from_pretrained(bad)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        from_pretrained(empty)
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        from_pretrained(empty)
+    (empty / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+        from_pretrained(empty)
+
+
+def test_sharded_checkpoint_and_bfloat16_round_trip(checkpoint, tmp_path):
+    import ml_dtypes
+
+    hf_config, tensors = checkpoint
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for file, keys in shards.items():
+        write_safetensors(tmp_path / file, {k: tensors[k].astype(ml_dtypes.bfloat16) for k in keys})
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    read = read_hf_tensors(tmp_path)
+    assert set(read) == set(tensors) and read[names[0]].dtype == ml_dtypes.bfloat16
+    model = from_pretrained(tmp_path, param_dtype="bfloat16")
+    _, back = to_hf_state_dict(model)
+    for k in names:
+        np.testing.assert_array_equal(back[k], tensors[k].astype(ml_dtypes.bfloat16))
+    # the bfloat16 file we write is read back bit for bit
+    write_safetensors(tmp_path / "x.safetensors", back)
+    again = read_safetensors(tmp_path / "x.safetensors")
+    assert all(np.array_equal(again[k], back[k]) for k in back)
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
