@@ -509,13 +509,12 @@ def test_dual_clip_hand_worked():
     # A = +2 -> max(-8.96, -2 * 1.2) = -2.4, no dual clip. token-mean: (3 - 2.4) / 2 = 0.3.
     lp, old, adv, mask = _row(-1.0, -1.0), _row(-2.5, -2.5), _row(-1.0, 2.0), _row(1.0, 1.0)
     fn = functools.partial(ppo_policy_loss, clip_eps_low=0.2, dual_clip_c=3.0)
-    for f in (fn, jax.jit(fn)):
-        (loss, m), grad = jax.value_and_grad(f, has_aux=True)(lp, old, adv, mask)
-        np.testing.assert_allclose(float(loss), 0.3, **TOL)
-        np.testing.assert_allclose(np.asarray(grad), [[0.0, 0.0]], atol=1e-7)
-        assert float(m["dual_clipfrac"]) == 0.5 and float(m["clipfrac_high"]) == 0.5
-        assert float(m["clipfrac_low"]) == 0.0
-    loss, m = ppo_policy_loss(lp, old, adv, mask, clip_eps_low=0.2)
+    (loss, m), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(lp, old, adv, mask)
+    np.testing.assert_allclose(float(loss), 0.3, **TOL)
+    np.testing.assert_allclose(np.asarray(grad), [[0.0, 0.0]], atol=1e-7)
+    assert float(m["dual_clipfrac"]) == 0.5 and float(m["clipfrac_high"]) == 0.5
+    assert float(m["clipfrac_low"]) == 0.0
+    loss, m = jax.jit(ppo_policy_loss)(lp, old, adv, mask)
     np.testing.assert_allclose(float(loss), (math.exp(1.5) - 2.4) / 2, **TOL)
     assert "dual_clipfrac" not in m
 
@@ -525,15 +524,16 @@ def test_clip_higher_hand_worked():
     # -r A = -1.25; with the symmetric 0.2 it is clipped: loss -1.2, gradient 0.
     # r = 0.75, A = -1: below 1 - 0.2, loss max(0.75, 0.8) = 0.8 and clipfrac_low = 1.
     lp, old, one = _row(math.log(1.25)), _row(0.0), _row(1.0)
-    wide = functools.partial(ppo_policy_loss, clip_eps_low=0.2, clip_eps_high=0.28)
-    (loss, m), grad = jax.value_and_grad(wide, has_aux=True)(lp, old, one, one)
+    wide = jax.jit(jax.value_and_grad(
+        functools.partial(ppo_policy_loss, clip_eps_low=0.2, clip_eps_high=0.28), has_aux=True))
+    (loss, m), grad = wide(lp, old, one, one)
     np.testing.assert_allclose([float(loss), float(grad[0, 0])], [-1.25, -1.25], **TOL)
     assert float(m["clipfrac_high"]) == 0.0
-    (loss, m), grad = jax.value_and_grad(ppo_policy_loss, has_aux=True)(lp, old, one, one)
+    (loss, m), grad = jax.jit(jax.value_and_grad(ppo_policy_loss, has_aux=True))(lp, old, one, one)
     np.testing.assert_allclose([float(loss), float(grad[0, 0])], [-1.2, 0.0], **TOL)
     assert float(m["clipfrac_high"]) == 1.0
-    loss, m = wide(_row(math.log(0.75)), old, _row(-1.0), one)
-    np.testing.assert_allclose(float(loss), 0.8, **TOL)
+    (loss, m), grad = wide(_row(math.log(0.75)), old, _row(-1.0), one)
+    np.testing.assert_allclose([float(loss), float(grad[0, 0])], [0.8, 0.0], **TOL)
     assert float(m["clipfrac_low"]) == 1.0 and float(m["clipfrac_high"]) == 0.0
 
 
@@ -577,14 +577,13 @@ def test_tis_hand_worked():
     # log 0.5 -> 0.5. token-mean (2 + 0.5) / 2 = 1.25; gradient -w A / 2 = [-1, -0.25].
     lp, one2 = _row(-1.0, -1.0), _row(1.0, 1.0)
     sampler = _row(-1.0 - math.log(3.0), -1.0 - math.log(0.5))
-    for fn in (pg_loss, jax.jit(pg_loss)):
-        (loss, m), grad = jax.value_and_grad(
-            lambda x, f=fn: f(x, lp, one2, one2, sampler_logps=sampler, tis_cap=2.0), has_aux=True
-        )(lp)
-        np.testing.assert_allclose(float(loss), 1.25, **TOL)
-        np.testing.assert_allclose(np.asarray(grad), [[-1.0, -0.25]], **TOL)
-        np.testing.assert_allclose(float(m["tis_weight_mean"]), 1.25, **TOL)
-    _, m = pg_loss(lp, lp, one2, one2)
+    (loss, m), grad = jax.jit(jax.value_and_grad(
+        lambda x: pg_loss(x, lp, one2, one2, sampler_logps=sampler, tis_cap=2.0), has_aux=True
+    ))(lp)
+    np.testing.assert_allclose(float(loss), 1.25, **TOL)
+    np.testing.assert_allclose(np.asarray(grad), [[-1.0, -0.25]], **TOL)
+    np.testing.assert_allclose(float(m["tis_weight_mean"]), 1.25, **TOL)
+    _, m = jax.jit(pg_loss)(lp, lp, one2, one2)
     assert "tis_weight_mean" not in m and "entropy" not in m and "kl" not in m
 
 
