@@ -37,6 +37,7 @@ def test_sharded_model_on_eight_fake_devices():
     assert results["params_checked_scan=True"] == 12
     assert results["created_params_checked"] == 12
     assert results["max_abs_diff_scan=False"] <= 1e-5 and results["max_abs_diff_scan=True"] <= 1e-5
+    assert results["max_abs_diff_cached_prefill"] <= 1e-5
 
 
 def test_logical_rules():

@@ -6,7 +6,7 @@ from weights (``from_pretrained(dir)``, ``from_hf_state_dict(cfg, tensors)``); s
 ``save_pretrained``. See modeling.py for the forward signature and cache.py for the cache.
 """
 
-from alignax.models.cache import KVCache, init_cache
+from alignax.models.cache import CACHE_AXES, KVCache, cache_shardings, init_cache
 from alignax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, rope_inv_freq
 from alignax.models.gguf import gguf_to_hf
 from alignax.models.hf import (
@@ -33,6 +33,7 @@ from alignax.models.safetensors_io import SafetensorsError, read_safetensors, wr
 from alignax.models.tokenizer import tokenizer_from_gguf
 
 __all__ = [
+    "CACHE_AXES",
     "MODEL_KINDS",
     "SUPPORTED_ARCHITECTURES",
     "CausalLM",
@@ -44,6 +45,7 @@ __all__ = [
     "RewardModel",
     "SafetensorsError",
     "ValueModel",
+    "cache_shardings",
     "from_hf_state_dict",
     "from_pretrained",
     "gguf_to_hf",

@@ -23,6 +23,9 @@ Typical use (what the sampler does inside one ``jax.jit``)::
     # loop (lax.while_loop / scan), one token per row per step:
     out = model(next_tok[:, None], next_pos[:, None], alive[:, None], cache=cache)
 
+Under a mesh, :func:`cache_shardings` places the cache by the logical-axis rules (batch
+over ``("data", "fsdp")``, kv heads over ``tensor``), matching the activations.
+
 Slots past ``S`` cannot be written: ``jax.lax.dynamic_update_slice`` would clamp the
 index, so callers size ``max_len`` for prompt plus generation budget.
 """
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from alignax.models.config import ModelConfig
+from alignax.parallel.sharding import LOGICAL_AXIS_RULES, logical_to_spec
 
 Array = jax.Array
 
@@ -67,3 +71,24 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVC
         mask=jnp.zeros((batch, max_len), bool),
         index=jnp.zeros((), jnp.int32),
     )
+
+
+# Logical axis names of each cache field (see alignax.parallel.LOGICAL_AXIS_RULES).
+CACHE_AXES = {
+    "k": ("layers", "batch", "length", "kv_heads", "head_dim"),
+    "v": ("layers", "batch", "length", "kv_heads", "head_dim"),
+    "mask": ("batch", "length"),
+    "index": (),
+}
+
+
+def cache_shardings(cache: KVCache, mesh, *, rules=LOGICAL_AXIS_RULES) -> KVCache:
+    """A ``KVCache`` of ``NamedSharding``s for ``cache`` on ``mesh`` (for ``jax.device_put``
+    or ``jax.jit(..., out_shardings=...)``)."""
+    from jax.sharding import NamedSharding
+
+    def one(name):
+        value = getattr(cache, name)
+        return NamedSharding(mesh, logical_to_spec(CACHE_AXES[name], value.shape, mesh, rules=rules))
+
+    return KVCache(**{name: one(name) for name in CACHE_AXES})
