@@ -120,6 +120,14 @@ def test_value_heads(reward_checkpoint, tmp_path):
     lm_sd["lm_head.weight"] = np.random.RandomState(0).randn(40, 32).astype(np.float32) * 0.05
     fresh = ValueModel(rm.config, rngs=nnx.Rngs(0))
     assert float(jnp.abs(fresh(tokens, None, mask).values).max()) == 0.0
+    # a critic or a reward model started from an LM checkpoint: the LM head is dropped
+    critic = from_hf_state_dict(CFG, lm_sd, kind="value")
+    assert float(jnp.abs(critic(tokens, None, mask).values).max()) == 0.0
+    with pytest.raises(ValueError, match="pass new_head=True for a fresh head"):
+        from_hf_state_dict(CFG, lm_sd, kind="reward")
+    new_rm = from_hf_state_dict(CFG, lm_sd, kind="reward", new_head=True, seed=3)
+    np.testing.assert_array_equal(np.asarray(new_rm.model.embed[...]), lm_sd["model.embed_tokens.weight"])
+    assert new_rm.score[...].shape == (32, 1) and 0 < float(jnp.std(new_rm.score[...])) < 0.5
 
     # policy + value on one trunk: logits are the plain LM's, the head is separate
     pv = from_hf_state_dict(CFG, lm_sd, kind="policy_value")

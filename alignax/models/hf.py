@@ -9,10 +9,12 @@ Loading checks every tensor's presence and shape before building anything, and r
 one error listing all missing, unexpected and mis-shaped tensors.
 
 Model kinds: ``"causal_lm"`` (:class:`CausalLM`), ``"reward"`` (:class:`RewardModel`, from
-a ``*ForSequenceClassification`` checkpoint: ``score.weight``), ``"value"``
+a ``*ForSequenceClassification`` checkpoint: ``score.weight``; from an LM checkpoint with
+``new_head=True``, the usual start of reward-model training), ``"value"``
 (:class:`ValueModel`: head from ``score.weight`` when present, else zero) and
 ``"policy_value"`` (:class:`PolicyValueModel`: LM checkpoint, value head zero or from
-``score.weight``).
+``score.weight``). Loading an LM checkpoint as ``reward`` or ``value`` drops its
+``lm_head.weight`` (those models have no LM head).
 """
 
 from __future__ import annotations
@@ -205,6 +207,8 @@ def from_hf_state_dict(
     remat: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     rules=LOGICAL_AXIS_RULES,
+    new_head: bool = False,
+    seed: int = 0,
 ):
     """Build a model of ``kind`` from a ``config.json`` dict and HF-named tensors.
 
@@ -214,6 +218,8 @@ def from_hf_state_dict(
       kind: ``causal_lm`` | ``reward`` | ``value`` | ``policy_value`` (module docstring).
       param_dtype, dtype, scan_layers, remat: run-time policy (:class:`ModelConfig`).
       mesh: when given, every parameter is placed sharded by ``rules``.
+      new_head: ``kind="reward"`` only: a checkpoint without ``score.weight`` gets a fresh
+        head, normal with std ``1 / sqrt(D + 1)`` from ``seed`` (else it is an error).
 
     Raises ``ValueError`` listing every missing, unexpected and mis-shaped tensor
     (name, expected and found shapes) before anything is built.
@@ -224,11 +230,15 @@ def from_hf_state_dict(
     )
     names = set(tensors)
     entries = _layout(config, kind, _trunk_prefix(config, names))
-    optional_head = kind in ("value", "policy_value")
+    if new_head and kind != "reward":
+        raise ValueError(f"new_head=True is for kind='reward'; kind={kind!r} (value heads start at zero by default)")
+    optional_head = kind in ("value", "policy_value") or new_head
     expected = {e.hf for e in entries}
-    tied_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    dropped = {"lm_head.weight"} if config.tie_word_embeddings or kind in ("reward", "value") else set()
     missing = sorted(n for n in expected - names if not (optional_head and n == "score.weight"))
-    extra = sorted(n for n in names - expected - tied_extra if not _IGNORED.search(n))
+    if "score.weight" in missing and kind == "reward":
+        missing[missing.index("score.weight")] = "score.weight (an LM checkpoint? pass new_head=True for a fresh head)"
+    extra = sorted(n for n in names - expected - dropped if not _IGNORED.search(n))
     wrong = [
         f"{e.hf}: expected {list(e.hf_shape)}, found {list(np.shape(tensors[e.hf]))}"
         for e in entries
@@ -275,7 +285,10 @@ def from_hf_state_dict(
             layers = grouped[path]
             arr = np.stack([layers[i] for i in range(config.num_layers)]) if None not in layers else layers[None]
         elif path == ("value_head",):
-            arr = np.zeros(want.shape, want.dtype)
+            arr = np.zeros(want.shape, np.float32)
+        elif path == ("score",):
+            std = 1.0 / np.sqrt(config.hidden_size + 1)
+            arr = np.random.default_rng(seed).normal(0.0, std, want.shape).astype(np.float32)
         else:
             raise AssertionError(f"no HF tensor maps to parameter {'.'.join(map(str, path))}")
         if arr.shape != tuple(want.shape):
