@@ -9,7 +9,6 @@ transformers' own GGUF loader makes of it.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import gguf
@@ -205,17 +204,15 @@ def transformers_reference(smollm2_gguf):
     ``from_pretrained(gguf_file=...)`` insists on ``accelerate`` only to place weights; the
     conversion it runs for llama is ``load_gguf_checkpoint``, called here directly.
     """
-    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = AutoConfig.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
-    with torch.device("meta"):  # only its parameter names are needed
-        skeleton = LlamaForCausalLM(config)
+    with torch.device("meta"):  # only its parameter names are needed: they say what to produce
+        skeleton = LlamaForCausalLM(LlamaConfig(num_hidden_layers=30))
     parsed = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=skeleton,
                                   torch_dtype=torch.float32)
     tensors = {name: tensor.numpy() for name, tensor in parsed["tensors"].items()}
-    return config.to_dict(), tensors
+    # the config transformers builds from the file (what AutoConfig.from_pretrained(gguf_file=...) returns)
+    return LlamaConfig(**parsed["config"]).to_dict(), tensors
 
 
 @pytest.mark.slow

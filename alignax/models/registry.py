@@ -26,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
-
 # Bump when the conversion output changes, so old cache entries are not reused.
 CONVERTER_VERSION = 1
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -168,20 +166,23 @@ def load_tokenizer(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike | 
 def load(
     name: str = DEFAULT_MODEL,
     *,
-    param_dtype=jnp.float32,
-    dtype=jnp.float32,
+    param_dtype="float32",
+    dtype="float32",
     mesh=None,
     cache_dir: str | os.PathLike | None = None,
+    **model_kwargs,
 ):
     """``(model, tokenizer)`` for a named model, e.g. ``load("smollm2-135m-instruct")``.
 
     ``param_dtype``: dtype the parameters are stored in; ``dtype``: compute dtype;
     ``mesh``: create the parameters already sharded over this mesh (see alignax.parallel).
-    The first call converts the GGUF into the cache (a few seconds); later calls read the
-    cached safetensors. Unknown names raise ``ValueError`` listing the known ones.
+    ``model_kwargs`` go to ``alignax.models.from_pretrained`` (``kind="policy_value"``,
+    ``scan_layers=True``, ``remat=True``, ...). The first call converts the GGUF into the
+    cache (seconds); later calls read the cached safetensors. Unknown names raise
+    ``ValueError`` listing the known ones.
     """
     from alignax import models  # at call time: alignax.models re-exports this module
 
     directory = local_model_path(name, cache_dir=cache_dir)
-    model = models.from_pretrained(directory, param_dtype=param_dtype, dtype=dtype, mesh=mesh)
+    model = models.from_pretrained(directory, param_dtype=param_dtype, dtype=dtype, mesh=mesh, **model_kwargs)
     return model, load_tokenizer(name, cache_dir=cache_dir)
