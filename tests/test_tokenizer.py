@@ -107,13 +107,13 @@ def smollm2_metadata(smollm2_gguf):
 
 
 def _write_tokenizer_gguf(path: Path, metadata: dict, **overrides) -> Path:
-    """A tensor-less llama GGUF with the first 3,000 tokens of SmolLM2's vocabulary.
+    """A tensor-less llama GGUF with the first 3,000 tokens of SmolLM2's vocabulary and ``<think>``.
 
     Merge ``i`` of a BPE vocabulary builds a token listed after both of its parts, so the
     prefix of the vocabulary with the merges that stay inside it is a smaller, still
     consistent BPE tokenizer (and a fast file to write and parse twice).
     """
-    tokens = metadata["tokenizer.ggml.tokens"][:3000]
+    tokens = metadata["tokenizer.ggml.tokens"][:3000] + ["<think>"]  # plus a user-defined token
     known = set(tokens)
     merges = [m for m in metadata["tokenizer.ggml.merges"]
               if set(m.split(" ")) <= known and m.replace(" ", "") in known]
@@ -121,7 +121,7 @@ def _write_tokenizer_gguf(path: Path, metadata: dict, **overrides) -> Path:
     writer.add_tokenizer_model(overrides.get("model", "gpt2"))
     writer.add_tokenizer_pre(overrides.get("pre", metadata["tokenizer.ggml.pre"]))
     writer.add_token_list(tokens)
-    writer.add_token_types(metadata["tokenizer.ggml.token_type"][:3000])
+    writer.add_token_types(metadata["tokenizer.ggml.token_type"][:3000] + [4])
     writer.add_token_merges(merges)
     writer.add_bos_token_id(metadata["tokenizer.ggml.bos_token_id"])
     writer.add_eos_token_id(metadata["tokenizer.ggml.eos_token_id"])
@@ -139,6 +139,7 @@ PRE_STRINGS = [
     "12345678 and 3.5e10, x=42;y=7",
     "DON'T Stop, we'VE gone",
     "end.\n\nNext",
+    "a<think>b </think> <think>",
 ]
 
 
@@ -152,6 +153,8 @@ def test_other_pre_tokenizers_match_transformers(smollm2_metadata, tmp_path, pre
         assert ids == theirs(text)["input_ids"], text
         assert ids[0] == 1 and ids.count(1) == 1  # BOS added because the file says so
         assert mine.decode(ids, skip_special_tokens=True) == text
+    assert mine("<think>")["input_ids"][1:] == [3000]  # user-defined: matched whole, not a special token
+    assert mine.decode(mine("<think>")["input_ids"], skip_special_tokens=True) == "<think>"
 
 
 def test_pre_tokenizer_family_changes_the_split(smollm2_metadata, tmp_path):
