@@ -272,27 +272,30 @@ def hf_from_reader(reader, metadata: Mapping[str, Any], *, path: str) -> tuple[d
     shapes = expected_shapes(config)
     heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
 
-    tensors: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+    # Names first, so a wrong file fails before any dequantisation work.
+    names = {tensor.name: hf_name(tensor.name) for tensor in reader.tensors}
+    for gguf_name, name in names.items():
         if name is None or name not in shapes:
             raise ValueError(
-                f"{path}: unexpected tensor {tensor.name!r} for a {architecture} model with "
+                f"{path}: unexpected tensor {gguf_name!r} for a {architecture} model with "
                 f"{config['num_hidden_layers']} layers; it has no transformers counterpart"
             )
+    missing = sorted(set(shapes) - set(names.values()))
+    if missing:
+        listed = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{path}: missing tensor(s) {listed}")
+
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = names[tensor.name]
         values = _dequantize(tensor, path)
         if values.shape != shapes[name]:
             raise ValueError(
                 f"{path}: tensor {tensor.name!r} ({name}) has shape {values.shape}; "
                 f"the metadata implies {shapes[name]}"
             )
-        module = name.rsplit(".", 1)[0].split(".", 3)[-1]
+        module = name.rsplit(".", 1)[0].split(".", 3)[-1]  # e.g. "self_attn.q_proj"
         if module in heads:
             values = unpermute_rows(values, heads[module])
         tensors[name] = values
-
-    missing = [name for name in shapes if name not in tensors]
-    if missing:
-        listed = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{path}: missing tensor(s) {listed}")
     return config, tensors
