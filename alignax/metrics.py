@@ -116,7 +116,19 @@ class ConsoleWriter:
         parts = [f"{k}={float(metrics[k]):.4g}" for k in self.keys if k in metrics]
         return "  ".join(parts)
 
+    def _print(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text, file=self._stream, flush=True)
+
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        # Evaluations and data counts get a line of their own; train steps move the bar.
+        sections = {key.split("/", 1)[0] for key in metrics}
+        if sections <= {"eval", "data"}:
+            figures = "  ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items()))
+            self._print(f"[{'/'.join(sorted(sections))} @ step {step}] {figures}")
+            return
         self._count += 1
         if self._progress is not None:
             self._progress.update(self._task, completed=step, figures=self._figures(metrics))
@@ -126,8 +138,8 @@ class ConsoleWriter:
         elapsed = time.perf_counter() - self._start
         rate = step / elapsed if elapsed > 0 and step > 0 else 0.0
         eta = (self.total_steps - step) / rate if rate > 0 else float("nan")
-        print(f"step {step}/{self.total_steps}  {self._figures(metrics)}  elapsed {elapsed:.0f}s  eta {eta:.0f}s",
-              file=self._stream, flush=True)
+        eta_text = f"{eta:.0f}s" if math.isfinite(eta) else "?"
+        self._print(f"step {step}/{self.total_steps}  {self._figures(metrics)}  elapsed {elapsed:.0f}s  eta {eta_text}")
 
     def close(self) -> None:
         if self._progress is not None:

@@ -50,6 +50,7 @@ class LoopConfig:
       eval_every: run the evaluation every N steps (0: only at the end).
       save_every: checkpoint every N steps (0: only at the end and on SIGTERM).
       max_nonfinite_streak: stop with an error after this many skipped updates in a row.
+      eval_at_start: evaluate before the first step (the baseline of a fresh run).
     """
 
     total_steps: int
@@ -57,6 +58,7 @@ class LoopConfig:
     eval_every: int = 0
     save_every: int = 0
     max_nonfinite_streak: int = 5
+    eval_at_start: bool = False
 
 
 class _SigtermFlag:
@@ -135,6 +137,8 @@ def run_loop(
         writer.write(at_step, figures)
 
     with sigterm.installed():
+        if config.eval_at_start:
+            evaluate(step)
         tick = time.perf_counter()
         tokens_since_log = 0
         steps_since_log = 0

@@ -42,10 +42,12 @@ class TrainState(NamedTuple):
 
 
 def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: Array, extra: Any = ()) -> TrainState:
-    zero = jnp.zeros((), jnp.int32)
+    def zero():  # distinct buffers: the state is donated to the step, leaf by leaf
+        return jnp.zeros((), jnp.int32)
+
     return TrainState(
-        step=zero, params=params, opt_state=optimizer.init(params), rng=jax.random.key_data(rng),
-        nonfinite_streak=zero, nonfinite_total=zero, extra=extra,
+        step=zero(), params=params, opt_state=optimizer.init(params), rng=jax.random.key_data(rng),
+        nonfinite_streak=zero(), nonfinite_total=zero(), extra=extra,
     )
 
 

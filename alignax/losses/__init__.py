@@ -1,0 +1,45 @@
+"""Pure loss functions, each returning ``(loss, metrics)``.
+
+- policy: ``ppo_policy_loss`` (clip-higher, dual clip), ``gspo_policy_loss``,
+  ``cispo_policy_loss``, ``pg_loss`` — with entropy bonus, KL-in-loss and truncated
+  importance weights as options of each.
+- value: ``value_loss`` (clipped), ``explained_variance``.
+- preference: ``dpo_loss`` (variants in ``DPO_VARIANTS``), ``simpo_loss``, ``cpo_loss``,
+  ``orpo_loss``, ``kto_loss`` (+ ``kto_reference_point``).
+- reward: ``bradley_terry_loss``, ``ensemble_rewards``.
+- sft: ``sft_loss``.
+"""
+
+from alignax.losses.policy import cispo_policy_loss, gspo_policy_loss, pg_loss, ppo_policy_loss
+from alignax.losses.preference import (
+    DPO_VARIANTS,
+    cpo_loss,
+    dpo_loss,
+    kto_loss,
+    kto_reference_point,
+    orpo_loss,
+    simpo_loss,
+)
+from alignax.losses.reward import ENSEMBLE_METHODS, bradley_terry_loss, ensemble_rewards
+from alignax.losses.sft import sft_loss
+from alignax.losses.value import explained_variance, value_loss
+
+__all__ = [
+    "DPO_VARIANTS",
+    "ENSEMBLE_METHODS",
+    "bradley_terry_loss",
+    "cispo_policy_loss",
+    "cpo_loss",
+    "dpo_loss",
+    "ensemble_rewards",
+    "explained_variance",
+    "gspo_policy_loss",
+    "kto_loss",
+    "kto_reference_point",
+    "orpo_loss",
+    "pg_loss",
+    "ppo_policy_loss",
+    "sft_loss",
+    "simpo_loss",
+    "value_loss",
+]

@@ -1,0 +1,151 @@
+"""What every trainer shares: building the model and tokenizer from a ModelSpec, splitting
+it into a graph and trainable parameters, placing batches on the mesh, and the per-token
+log-probs of a batch's response tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from alignax import models
+from alignax.models import registry
+from alignax.parallel.sharding import batch_sharding, create_sharded, make_mesh, place_array
+from alignax.trainers.config import MeshSection, ModelSpec
+
+MODEL_CLASSES = {
+    "causal_lm": models.CausalLM,
+    "reward": models.RewardModel,
+    "value": models.ValueModel,
+    "policy_value": models.PolicyValueModel,
+}
+
+
+def build_mesh(section: MeshSection) -> jax.sharding.Mesh:
+    return make_mesh(section.shape)
+
+
+def model_directory(spec: ModelSpec) -> str:
+    """The local Hugging Face folder of ``spec.name`` (registry names are converted once)."""
+    if spec.name in registry.MODELS:
+        return str(registry.local_model_path(spec.name))
+    if os.path.isdir(spec.name):
+        return spec.name
+    raise ValueError(
+        f"model.name {spec.name!r} is neither a known model ({', '.join(sorted(registry.MODELS))}) "
+        "nor a local Hugging Face folder"
+    )
+
+
+def load_tokenizer(spec: ModelSpec):
+    if spec.name in registry.MODELS:
+        return registry.load_tokenizer(spec.name)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_directory(spec), local_files_only=True)
+
+
+def _read_hf_config(directory: str) -> dict[str, Any]:
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+    """The model of ``kind`` for ``spec``, created sharded over ``mesh``.
+
+    ``random_init`` builds a fresh model from the named config with fields replaced. A
+    reward/value model started from a causal-LM checkpoint (no ``score`` head) keeps the
+    checkpoint's trunk and gets a fresh head (seeded by ``spec.seed``).
+    """
+    if kind not in MODEL_CLASSES:
+        raise ValueError(f"unknown model kind {kind!r}; valid: {', '.join(MODEL_CLASSES)}")
+    directory = model_directory(spec)
+    hf_config = _read_hf_config(directory)
+    policy = dict(param_dtype=spec.param_dtype, dtype=spec.dtype, scan_layers=spec.scan_layers, remat=spec.remat)
+    cls = MODEL_CLASSES[kind]
+
+    def fresh(hf: Mapping[str, Any]) -> nnx.Module:
+        config = models.ModelConfig.from_hf_config(hf, **policy)
+        constructor = lambda: cls(config, rngs=nnx.Rngs(spec.seed))  # noqa: E731
+        return create_sharded(constructor, mesh) if mesh is not None else constructor()
+
+    if spec.random_init is not None:
+        return fresh({**hf_config, **spec.random_init})
+    tensors = models.read_hf_tensors(directory)
+    if kind == "reward" and "score.weight" not in tensors:
+        model = fresh(hf_config)
+        trunk = models.from_hf_state_dict(hf_config, tensors, kind="causal_lm", mesh=mesh, **policy)
+        nnx.update(model.model, nnx.state(trunk.model))
+        return model
+    return models.from_hf_state_dict(hf_config, tensors, kind=kind, mesh=mesh, **policy)
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """``(graphdef, trainable params, everything else)``; ``nnx.merge`` puts them back."""
+    return nnx.split(model, nnx.Param, ...)
+
+
+class BatchPlacer:
+    """Host batches (dicts of NumPy arrays) → device arrays sharded over the batch axes.
+
+    Non-array fields (strings, tuples of reference answers) stay on the host and are
+    dropped from what goes to the device.
+    """
+
+    def __init__(self, mesh: jax.sharding.Mesh):
+        self.mesh = mesh
+
+    def __call__(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+        placed = {}
+        for key, value in batch.items():
+            if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
+                continue
+            placed[key] = place_array(value, batch_sharding(self.mesh, value.ndim))
+        return placed
+
+
+def response_logps(
+    model: nnx.Module,
+    tokens: jax.Array,
+    positions: jax.Array,
+    attention_mask: jax.Array,
+    response_mask: jax.Array,
+    *,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+):
+    """Per-token log-probs of ``tokens[:, 1:]`` given their prefixes, and their mask.
+
+    Returns ``(logps [B, T-1], mask [B, T-1])`` — or ``(logps, entropy, mask)`` with
+    ``with_entropy`` — where ``mask = response_mask[:, 1:]``: position ``t`` scores the
+    token at ``t + 1``, so the first response token is scored by the last prompt position.
+    Float32 whatever the compute dtype.
+    """
+    out = model(tokens, positions, attention_mask, return_logits=False)
+    targets = tokens[:, 1:]
+    mask = response_mask[:, 1:].astype(jnp.float32)
+    result = models.token_logprobs_from_hidden(
+        out.hidden[:, :-1], model, targets, chunk_size=chunk_size, with_entropy=with_entropy
+    )
+    if with_entropy:
+        logps, entropy = result
+        return logps, entropy, mask
+    return result, mask
+
+
+def sequence_logps(token_logps: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum of masked token log-probs [B], number of masked tokens [B])``."""
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(jnp.where(mask > 0, token_logps, 0.0), axis=-1), jnp.sum(mask, axis=-1)
+
+
+def place_model_state(tree: Any, like: Any) -> Any:
+    """Copy ``tree`` (e.g. a reference's params) onto the shardings of ``like``."""
+    return jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), tree, like)

@@ -1,0 +1,49 @@
+"""Supervised fine-tuning: prompt-masked negative log-likelihood of the response tokens."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from alignax import ops
+from alignax.losses.sft import sft_loss
+from alignax.trainers.common import response_logps
+from alignax.trainers.config import TrainConfig
+from alignax.trainers.task import Task
+
+
+def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> Task:
+    if config.data.format != "sft":
+        raise ValueError(f"algorithm sft needs data.format=sft; got {config.data.format!r}")
+    aggregation = config.sft.aggregation
+    chunk = config.model.logprob_chunk_size
+
+    def token_logps(params, batch):
+        model = nnx.merge(graphdef, params, rest)
+        logps, mask = response_logps(model, batch["tokens"], batch["positions"], batch["attention_mask"],
+                                     batch["response_mask"], chunk_size=chunk)
+        if "example_mask" in batch:
+            mask = mask * batch["example_mask"][:, None].astype(mask.dtype)
+        return logps, mask
+
+    def normalisers_fn(batch):
+        mask = batch["response_mask"][:, 1:].astype(jnp.float32)
+        if "example_mask" in batch:
+            mask = mask * batch["example_mask"][:, None].astype(jnp.float32)
+        return ops.aggregation_normalisers(mask)
+
+    def loss_fn(params, frozen, batch, normalisers, rng):
+        del frozen, rng
+        logps, mask = token_logps(params, batch)
+        return sft_loss(logps, mask, aggregation=aggregation, **normalisers)
+
+    def eval_fn(params, frozen, batch):
+        del frozen
+        logps, mask = token_logps(params, batch)
+        tokens = jnp.sum(mask)
+        nll = -jnp.sum(jnp.where(mask > 0, logps, 0.0))
+        # Token-level NLL (and its perplexity at the end) whatever the training aggregation.
+        return {"nll": (nll, tokens)}
+
+    return Task(model_kind="causal_lm", loss_fn=loss_fn, normalisers_fn=normalisers_fn, eval_fn=eval_fn,
+                console_keys=("loss", "ppl", "grad_norm"))
