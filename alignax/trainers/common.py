@@ -6,6 +6,7 @@ log-probs of a batch's response tokens.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +21,8 @@ from alignax.models import registry
 from alignax.parallel.sharding import batch_sharding, create_sharded, make_mesh, place_array
 from alignax.trainers.config import MeshSection, ModelSpec
 
+log = logging.getLogger("alignax")
+
 MODEL_CLASSES = {
     "causal_lm": models.CausalLM,
     "reward": models.RewardModel,
@@ -29,7 +32,13 @@ MODEL_CLASSES = {
 
 
 def build_mesh(section: MeshSection) -> jax.sharding.Mesh:
-    return make_mesh(section.shape)
+    """The run's mesh; a shape with fewer devices than present uses the first ones."""
+    shape = tuple(section.shape)
+    size = int(np.prod(shape))
+    if -1 not in shape and 0 < size < jax.device_count():
+        log.warning("mesh %s uses %d of %d devices", shape, size, jax.device_count())
+        return make_mesh(shape, devices=jax.devices()[:size])
+    return make_mesh(shape)
 
 
 def model_directory(spec: ModelSpec) -> str:

@@ -1,0 +1,59 @@
+"""Run by tests/test_trainers_mesh.py on 8 fake CPU devices: one DPO step of the real
+trainer on a (2, 2, 2) mesh (FSDP over parameters and optimiser state, batch over data)
+against the same step on one device. Prints one JSON line of measured differences.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+
+import jax
+import numpy as np
+from flax import nnx
+
+from alignax.trainers.run import train
+from tests.trainer_helpers import separable_pairs, tiny_config
+
+
+def run(shape):
+    with tempfile.TemporaryDirectory() as tmp:
+        config = tiny_config(tmp, "dpo", data_format="preference", steps=2, checkpoint={"enabled": False},
+                             mesh={"shape": list(shape)}, train={"grad_accum_steps": 2})
+        result = train(config, records=separable_pairs(40))
+    params = nnx.state(result.model, nnx.Param)
+    return result, params
+
+
+def main() -> int:
+    assert jax.device_count() == 8, jax.devices()
+    single, single_params = run((1, 1, 1))
+    sharded, sharded_params = run((2, 2, 2))
+    specs = {
+        "/".join(map(str, path)): str(leaf.sharding.spec)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(sharded_params)
+    }
+    diffs = [
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(single_params), jax.tree.leaves(sharded_params))
+    ]
+    out = {
+        "devices": jax.device_count(),
+        "loss_single": [h["loss"] for h in single.history],
+        "loss_sharded": [h["loss"] for h in sharded.history],
+        "eval_accuracy_single": single.eval_history[-1]["eval/rewards/accuracies"],
+        "eval_accuracy_sharded": sharded.eval_history[-1]["eval/rewards/accuracies"],
+        "max_param_diff": max(diffs),
+        "embed_spec": next(v for k, v in specs.items() if "embed" in k),
+        "num_devices_of_embed": len(next(
+            leaf for path, leaf in jax.tree_util.tree_leaves_with_path(sharded_params)
+            if "embed" in "/".join(map(str, path))
+        ).sharding.device_set),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

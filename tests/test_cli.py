@@ -1,0 +1,81 @@
+"""The ``alignax`` entrypoint as a user runs it: config errors, SIGTERM, resume."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import yaml
+
+from alignax.checkpoint import Checkpointer
+from alignax.data import write_jsonl
+from alignax.metrics import read_jsonl
+from tests.trainer_helpers import TINY_MODEL, separable_pairs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_recipe(tmp_path, **train):
+    data_path = tmp_path / "pairs.jsonl"
+    write_jsonl(separable_pairs(40), data_path)
+    recipe = {
+        "algorithm": "dpo",
+        "output_dir": str(tmp_path / "run"),
+        "model": TINY_MODEL,
+        "data": {"paths": [str(data_path)], "format": "preference", "max_length": 64, "max_prompt_length": 48,
+                 "batch_size": 8, "eval_fraction": 0.2},
+        "train": {"total_steps": 4, "log_every": 1, **train},
+        "logging": {"tensorboard": True},
+        "mesh": {"shape": [1, 1, 1]},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def alignax(*args, **kwargs):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "alignax.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_unknown_and_ill_typed_keys_exit_2_naming_the_key(tmp_path):
+    recipe = write_recipe(tmp_path)
+    proc = alignax("train", str(recipe), "dpo.betta=0.2")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "unknown config key 'dpo.betta' (did you mean 'beta'?)" in err
+    proc = alignax("train", str(recipe), "train.total_steps=many")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "train.total_steps: expected an integer, got 'many'" in err
+    proc = alignax("train", str(recipe), "dpo.loss=ppo")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "dpo.loss: 'ppo' is not a valid choice; valid: 'dpo', 'simpo'" in err
+
+
+def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path):
+    recipe = write_recipe(tmp_path, total_steps=500)
+    proc = alignax("train", str(recipe))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if metrics.exists() and any(r.get("step", 0) >= 2 and "loss" in r for r in read_jsonl(str(metrics))):
+            break
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    assert "stopped by SIGTERM" in err
+    ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"))
+    stopped_at = ckpt.latest_step()
+    ckpt.close()
+    assert stopped_at is not None and 2 <= stopped_at < 500
+    # the rerun continues from there rather than from 0
+    proc = alignax("train", str(recipe), f"train.total_steps={stopped_at + 2}")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    steps = [r["step"] for r in read_jsonl(str(metrics)) if "loss" in r]
+    assert steps[-2:] == [stopped_at + 1, stopped_at + 2]
+    assert os.listdir(tmp_path / "run" / "tensorboard")  # event files written
