@@ -12,7 +12,9 @@ import pytest
 import reasoning_gym
 
 from alignax.data import DataConfig, build_dataset, champ_pairs, reasoning_gym_pairs, reasoning_gym_prompts
+from alignax.data.builders import generate as generate_records
 from alignax.data.builders import parse_generator_spec
+from reasoning_gym.utils import extract_answer
 from alignax.rewards.verifiers import verifier_rewards
 
 _spec = importlib.util.spec_from_file_location(
@@ -104,8 +106,8 @@ def test_generator_spec_parsing_and_errors():
     )
     assert parse_generator_spec("champ") == ("champ", None, {})
     tok = tiny.word_tokenizer()
-    with pytest.raises(ValueError, match="gives formats preference, prompt; data.format is 'sft'"):
-        build_dataset(DataConfig(paths="reasoning_gym:chain_sum", format="sft"), tok)
+    with pytest.raises(ValueError, match="gives formats preference, unpaired; data.format is 'sft'"):
+        build_dataset(DataConfig(paths="champ", format="sft"), tok)
     with pytest.raises(ValueError, match="names no task"):
         build_dataset(DataConfig(paths="reasoning_gym", format="prompt"), tok)
 
@@ -117,3 +119,21 @@ def test_pairs_are_distinct_answers():
     gaps = [abs(int(_tag(r["rejected"])) - int(r["answer"])) for r in records]
     assert all(g in (1, 2, 3, 5, 9, 10, 11, 100) for g in gaps), gaps
     assert len(set(itertools.islice(gaps, 30))) > 1
+
+
+def test_reasoning_gym_sft_and_unpaired_specs_carry_verified_answers():
+    sft = generate_records("reasoning_gym:chain_sum?size=12&seed=1", "sft")
+    dataset = reasoning_gym.create_dataset("chain_sum", size=12, seed=1)
+    assert 0 < len(sft) <= 12
+    for record in sft:
+        user, assistant = record["messages"]
+        assert user["role"] == "user" and assistant["role"] == "assistant"
+        entry = next(dataset[i] for i in range(len(dataset)) if dataset[i]["question"] == user["content"])
+        assert dataset.score_answer(extract_answer(assistant["content"]), entry) == 1.0
+    pairs = reasoning_gym_pairs("chain_sum", size=12, seed=1)
+    unpaired = generate_records("reasoning_gym:chain_sum?size=12&seed=1", "unpaired")
+    assert len(unpaired) == 2 * len(pairs)
+    for pair, good, bad in zip(pairs, unpaired[0::2], unpaired[1::2]):
+        assert (good["completion"], good["label"]) == (pair["chosen"], True)
+        assert (bad["completion"], bad["label"]) == (pair["rejected"], False)
+        assert good["prompt"] == bad["prompt"] == pair["prompt"]

@@ -24,6 +24,8 @@ from alignax.data.builders import (
     generate,
     reasoning_gym_pairs,
     reasoning_gym_prompts,
+    reasoning_gym_sft,
+    unpaired_from_pairs,
     write_jsonl,
 )
 from alignax.data.formats import FORMATS, TRUNCATIONS, Encoded, Encoder
@@ -46,5 +48,7 @@ __all__ = [
     "prepare_dataset",
     "reasoning_gym_pairs",
     "reasoning_gym_prompts",
+    "reasoning_gym_sft",
+    "unpaired_from_pairs",
     "write_jsonl",
 ]

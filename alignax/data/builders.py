@@ -158,6 +158,32 @@ def reasoning_gym_prompts(task: str, *, size: int = 500, seed: int = 0, **task_o
     ]
 
 
+def reasoning_gym_sft(
+    task: str, *, size: int = 500, seed: int = 0, answer_template: str = ANSWER_TEMPLATE, **task_options: Any
+) -> list[dict]:
+    """SFT conversations on reasoning-gym ``task``: the question, then the oracle answer
+    written with ``answer_template`` — kept only when the task's scorer gives it 1."""
+    dataset = _task_dataset(task, size, seed, task_options)
+    records = []
+    for entry in _unique_entries(dataset):
+        reply = answer_template.format(answer=entry["answer"])
+        if _score(dataset, reply, entry) == 1.0:
+            records.append({
+                "messages": [{"role": "user", "content": entry["question"]}, {"role": "assistant", "content": reply}],
+                "answer": entry["answer"], "task": task,
+            })
+    return records
+
+
+def unpaired_from_pairs(pairs: Iterable[Mapping]) -> list[dict]:
+    """KTO feedback from preference pairs: each chosen answer desirable, each rejected not."""
+    records = []
+    for pair in pairs:
+        records.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True})
+        records.append({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False})
+    return records
+
+
 def champ_pairs(
     version: str = "v0",
     *,
@@ -269,8 +295,9 @@ def generate(spec: str, format: str) -> list[dict]:
     """The records of a generator spec for a data format.
 
     ``reasoning_gym:<task>?size=..&seed=..&<task options>``: pairs for ``preference``,
-    prompts for ``prompt``. ``champ[:<version>]?max_pairs_per_problem=..&seed=..``: pairs
-    for ``preference``.
+    prompts for ``prompt``, verified answers for ``sft``, chosen/rejected answers as
+    desirable/undesirable for ``unpaired``. ``champ[:<version>]?max_pairs_per_problem=..&seed=..``:
+    pairs for ``preference`` (and ``unpaired``).
     """
     generator, target, options = parse_generator_spec(spec)
     if generator == "reasoning_gym":
@@ -280,7 +307,10 @@ def generate(spec: str, format: str) -> list[dict]:
             return reasoning_gym_pairs(target, **options)
         if format == "prompt":
             return reasoning_gym_prompts(target, **options)
-        raise ValueError(f"generator {spec!r} gives formats preference, prompt; data.format is {format!r}")
-    if format != "preference":
-        raise ValueError(f"generator {spec!r} gives format preference; data.format is {format!r}")
-    return champ_pairs(target or "v0", **options)
+        if format == "sft":
+            return reasoning_gym_sft(target, **options)
+        return unpaired_from_pairs(reasoning_gym_pairs(target, **options))
+    if format not in ("preference", "unpaired"):
+        raise ValueError(f"generator {spec!r} gives formats preference, unpaired; data.format is {format!r}")
+    pairs = champ_pairs(target or "v0", **options)
+    return pairs if format == "preference" else unpaired_from_pairs(pairs)
