@@ -7,11 +7,11 @@ import os
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from alignax.models import (
     CausalLM,
     ModelConfig,
+    create_model,
     SafetensorsError,
     from_hf_state_dict,
     from_pretrained,
@@ -36,7 +36,7 @@ CFG = dict(
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    model = CausalLM(ModelConfig.from_hf_config(CFG), rngs=nnx.Rngs(0))
+    model = create_model(ModelConfig.from_hf_config(CFG), seed=0)
     return to_hf_state_dict(model)
 
 

@@ -10,7 +10,6 @@ from alignax.models.cache import CACHE_AXES, KVCache, cache_shardings, init_cach
 from alignax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, rope_inv_freq
 from alignax.models.gguf import gguf_to_hf
 from alignax.models.hf import (
-    MODEL_KINDS,
     from_hf_state_dict,
     from_pretrained,
     read_hf_tensors,
@@ -18,6 +17,8 @@ from alignax.models.hf import (
     to_hf_state_dict,
 )
 from alignax.models.modeling import (
+    MODEL_KINDS,
+    create_model,
     CausalLM,
     Decoder,
     ModelOutput,
@@ -46,6 +47,7 @@ __all__ = [
     "SafetensorsError",
     "ValueModel",
     "cache_shardings",
+    "create_model",
     "from_hf_state_dict",
     "from_pretrained",
     "gguf_to_hf",

@@ -32,11 +32,10 @@ from flax import nnx
 
 from alignax._checks import check_choice
 from alignax.models.config import ModelConfig
-from alignax.models.modeling import CausalLM, PolicyValueModel, RewardModel, ValueModel
+from alignax.models.modeling import MODEL_KINDS, PolicyValueModel
 from alignax.models.safetensors_io import read_safetensors, write_safetensors
 from alignax.parallel.sharding import LOGICAL_AXIS_RULES, place_array, tree_shardings
 
-MODEL_KINDS = {"causal_lm": CausalLM, "reward": RewardModel, "value": ValueModel, "policy_value": PolicyValueModel}
 _KIND_OF = {cls: kind for kind, cls in MODEL_KINDS.items()}
 
 # Buffers some checkpoints carry that are not parameters.

@@ -93,13 +93,19 @@ class Decoder(nnx.Module):
             )
         else:
             self.pos_embed = None
+        # Layers are initialised together under vmap (one random op per parameter kind,
+        # not per layer: XLA compile time of the init does not grow with L), then kept
+        # stacked for scan or split into a list. The same seed gives the same weights in
+        # both layouts.
+        keys = jax.random.split(rngs.params(), c.num_layers)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(c, rngs=nnx.Rngs(0))))
+        stacked = jax.vmap(lambda key: nnx.state(Block(c, rngs=nnx.Rngs(params=key))))(keys)
         if c.scan_layers:
-            keys = jax.random.split(rngs.params(), c.num_layers)
-            graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(c, rngs=nnx.Rngs(0))))
-            stacked = jax.vmap(lambda key: nnx.state(Block(c, rngs=nnx.Rngs(params=key))))(keys)
             self.layers = nnx.merge(graphdef, _stack_layer_metadata(stacked))
         else:
-            self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+            self.layers = nnx.List(
+                [nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], stacked)) for i in range(c.num_layers)]
+            )
         self.final_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
 
     def __call__(
@@ -371,3 +377,27 @@ def token_logprobs_from_hidden(
     body = jax.checkpoint(fn)
     outs = jax.lax.map(lambda args: body(*args), (_chunk_time(hidden, chunk_size), _chunk_time(targets, chunk_size)))
     return jax.tree.map(lambda y: _unchunk_time(y, t), outs)
+
+
+MODEL_KINDS = {"causal_lm": CausalLM, "reward": RewardModel, "value": ValueModel, "policy_value": PolicyValueModel}
+
+
+def create_model(config: ModelConfig, *, kind: str = "causal_lm", seed: int = 0, mesh=None):
+    """A randomly initialised model of ``kind`` (see :data:`MODEL_KINDS`), built in one
+    ``jax.jit`` (fast even for many layers); with ``mesh``, each parameter is created
+    directly in its sharding from the logical-axis rules (:func:`alignax.parallel.create_sharded`).
+    """
+    from alignax._checks import check_choice
+    from alignax.parallel.sharding import create_sharded
+
+    check_choice("kind", kind, MODEL_KINDS)
+    cls = MODEL_KINDS[kind]
+
+    def constructor():
+        return cls(config, rngs=nnx.Rngs(seed))
+
+    if mesh is not None:
+        return create_sharded(constructor, mesh)
+    graphdef, _ = nnx.split(nnx.eval_shape(constructor))
+    state = jax.jit(lambda: nnx.state(constructor()))()
+    return nnx.merge(graphdef, state)
