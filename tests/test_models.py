@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from alignax import ops
 from alignax.models import (
-    CausalLM,
     ModelConfig,
     from_hf_state_dict,
     from_pretrained,

@@ -47,7 +47,8 @@ def test_config_errors():
             ModelConfig.from_hf_config(cfg)
     with pytest.raises(ValueError, match="gpt2 config is missing the required field 'n_head'"):
         ModelConfig.from_hf_config({"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1})
-    with pytest.raises(ValueError, match=r"unsupported architecture model_type='mistral'; supported: llama, qwen2, qwen3, gpt2"):
+    unsupported = r"unsupported architecture model_type='mistral'; supported: llama, qwen2, qwen3, gpt2"
+    with pytest.raises(ValueError, match=unsupported):
         ModelConfig.from_hf_config(dict(CFG, model_type="mistral"))
     with pytest.raises(ValueError, match="missing the field 'model_type'"):
         ModelConfig.from_hf_config({k: v for k, v in CFG.items() if k != "model_type"})
@@ -85,9 +86,8 @@ def test_tensor_errors(checkpoint):
         from_hf_state_dict(hf_config, score)
 
     wrong = dict(tensors, **{"model.layers.0.mlp.up_proj.weight": np.zeros((24, 15), np.float32)})
-    with pytest.raises(
-        ValueError, match=r"wrong shapes \(1\): model\.layers\.0\.mlp\.up_proj\.weight: expected \[24, 16\], found \[24, 15\]"
-    ):
+    both_shapes = r"wrong shapes \(1\): model\.layers\.0\.mlp\.up_proj\.weight: expected \[24, 16\], found \[24, 15\]"
+    with pytest.raises(ValueError, match=both_shapes):
         from_hf_state_dict(hf_config, wrong)
 
     # a checkpoint for another size: every problem is listed in one error

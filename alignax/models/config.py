@@ -167,7 +167,9 @@ class ModelConfig:
             )
         unknown = set(policy) - {"param_dtype", "dtype", "scan_layers", "remat"}
         if unknown:
-            raise TypeError(f"unknown policy arguments {sorted(unknown)}; valid: param_dtype, dtype, scan_layers, remat")
+            raise TypeError(
+                f"unknown policy arguments {sorted(unknown)}; valid: param_dtype, dtype, scan_layers, remat"
+            )
         reader = _GPT2_READER if model_type == "gpt2" else _llama_like_fields
         fields = reader(hf_config)
         fields.update(_token_ids(hf_config))

@@ -244,12 +244,15 @@ def from_hf_state_dict(
         if e.hf in names and tuple(np.shape(tensors[e.hf])) != e.hf_shape
     ]
     if missing or extra or wrong:
+        def listed(names):
+            return ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
+
         parts = []
         if missing:
-            parts.append(f"missing tensors ({len(missing)}): {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
+            parts.append(f"missing tensors ({len(missing)}): {listed(missing)}")
         if extra:
             hint = " (a score head: load with kind='reward' or 'value')" if "score.weight" in extra else ""
-            parts.append(f"unexpected tensors ({len(extra)}){hint}: {', '.join(extra[:20])}" + (" ..." if len(extra) > 20 else ""))
+            parts.append(f"unexpected tensors ({len(extra)}){hint}: {listed(extra)}")
         if wrong:
             parts.append(f"wrong shapes ({len(wrong)}): " + "; ".join(wrong[:20]))
         raise ValueError(f"{config.model_type} checkpoint does not match its config: " + " | ".join(parts))
@@ -396,7 +399,9 @@ def save_pretrained(model, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     hf_config, tensors = to_hf_state_dict(model)
-    head = {k: tensors.pop(k) for k in list(tensors) if k == "score.weight"} if isinstance(model, PolicyValueModel) else {}
+    head = {}
+    if isinstance(model, PolicyValueModel):  # keep the policy file a plain *ForCausalLM checkpoint
+        head = {"score.weight": tensors.pop("score.weight")}
     write_safetensors(os.path.join(path, "model.safetensors"), tensors)
     if head:
         write_safetensors(os.path.join(path, VALUE_HEAD_FILE), head)

@@ -95,8 +95,7 @@ class Decoder(nnx.Module):
             self.pos_embed = None
         # Layers are initialised together under vmap (one random op per parameter kind,
         # not per layer: XLA compile time of the init does not grow with L), then kept
-        # stacked for scan or split into a list. The same seed gives the same weights in
-        # both layouts.
+        # stacked for scan or split into a list.
         keys = jax.random.split(rngs.params(), c.num_layers)
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(c, rngs=nnx.Rngs(0))))
         stacked = jax.vmap(lambda key: nnx.state(Block(c, rngs=nnx.Rngs(params=key))))(keys)
@@ -257,7 +256,9 @@ class ValueModel(nnx.Module):
     def from_reward_model(cls, reward_model: RewardModel) -> ValueModel:
         """A critic whose trunk and head are copies of ``reward_model``'s."""
         if reward_model.config.num_labels != 1:
-            raise ValueError(f"a value head needs a reward model with num_labels=1; got {reward_model.config.num_labels}")
+            raise ValueError(
+                f"a value head needs a reward model with num_labels=1; got {reward_model.config.num_labels}"
+            )
         critic = nnx.eval_shape(lambda: cls(reward_model.config, rngs=nnx.Rngs(0)))
         nnx.update(critic, {"model": nnx.state(reward_model.model)})
         critic.value_head = param(jnp.array(reward_model.score[...]), ("embed", "labels"))

@@ -53,7 +53,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > min(size - 8, _MAX_HEADER):
-            raise SafetensorsError(f"{path}: header length {n} exceeds the file ({size} bytes); file corrupt or truncated")
+            raise SafetensorsError(
+                f"{path}: header length {n} exceeds the file ({size} bytes); file corrupt or truncated"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -73,7 +75,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         except (KeyError, TypeError, ValueError) as e:
             raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from e
         if code not in _DTYPES:
-            raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {code!r}; known: {', '.join(_DTYPES)}")
+            raise SafetensorsError(
+                f"{path}: tensor {name!r} has unsupported dtype {code!r}; known: {', '.join(_DTYPES)}"
+            )
         dtype = _DTYPES[code]
         nbytes = math.prod(shape) * dtype.itemsize
         if not (0 <= begin <= end <= data_size) or end - begin != nbytes:
@@ -100,7 +104,8 @@ def write_safetensors(
         arr = np.ascontiguousarray(np.asarray(tensors[name]))
         if arr.dtype not in _CODES:
             raise TypeError(f"tensor {name!r} has dtype {arr.dtype}, which safetensors cannot store")
-        header[name] = {"dtype": _CODES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offsets = [offset, offset + arr.nbytes]
+        header[name] = {"dtype": _CODES[arr.dtype], "shape": list(arr.shape), "data_offsets": offsets}
         offset += arr.nbytes
         arrays.append(arr)
     blob = json.dumps(header, separators=(",", ":")).encode()

@@ -63,7 +63,9 @@ def make_mesh(
             shape = (n,) + (1,) * (len(axis_names) - 1)
     shape = list(shape)
     if len(shape) != len(axis_names):
-        raise ValueError(f"mesh shape {tuple(shape)} has {len(shape)} axes; axis_names {axis_names} has {len(axis_names)}")
+        raise ValueError(
+            f"mesh shape {tuple(shape)} has {len(shape)} axes; axis_names {axis_names} has {len(axis_names)}"
+        )
     if shape.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1; got shape {tuple(shape)}")
     if -1 in shape:
