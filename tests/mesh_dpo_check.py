@@ -14,13 +14,13 @@ import numpy as np
 from flax import nnx
 
 from alignax.trainers.run import train
-from tests.trainer_helpers import separable_pairs, tiny_config
+from tests.trainer_helpers import SHORT, separable_pairs, tiny_config
 
 
 def run(shape):
     with tempfile.TemporaryDirectory() as tmp:
-        config = tiny_config(tmp, "dpo", data_format="preference", steps=2, checkpoint={"enabled": False},
-                             mesh={"shape": list(shape)}, train={"grad_accum_steps": 2})
+        config = tiny_config(tmp, "dpo", steps=2, checkpoint={"enabled": False}, mesh={"shape": list(shape)},
+                             train={"grad_accum_steps": 2}, **SHORT)
         result = train(config, records=separable_pairs(40))
     params = nnx.state(result.model, nnx.Param)
     return result, params

@@ -1,9 +1,12 @@
 """End-to-end runs of the offline trainers on tiny models: SFT, reward model, DPO family.
 
-Each run goes through the real entry (``alignax.trainers.run.train``): data pipeline,
-jitted step, eval, checkpoints and metrics files.
+Each run goes through the real entry (``alignax.trainers.run.train``) with a recipe from
+configs/tiny-*.yaml: data pipeline, jitted step, eval, checkpoints and metrics files.
+Synthetic records (whose right answer is known) replace the recipe's data where a test
+asserts learning.
 """
 
+import glob
 import json
 import os
 
@@ -12,8 +15,9 @@ import pytest
 
 from alignax.checkpoint import Checkpointer
 from alignax.metrics import read_jsonl
+from alignax.trainers.config import load_config
 from alignax.trainers.run import evaluate, export, train
-from tests.trainer_helpers import separable_pairs, sft_conversations, tiny_config, unpaired_feedback
+from tests.trainer_helpers import CONFIGS, SHORT, separable_pairs, sft_conversations, tiny_config
 
 
 def finite(history, key):
@@ -23,9 +27,16 @@ def finite(history, key):
     return values
 
 
+def test_every_recipe_parses():
+    paths = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
+    assert len(paths) >= 8
+    for path in paths:
+        config = load_config(path)
+        assert config.algorithm in ("sft", "reward", "dpo", "ppo", "grpo"), path
+
+
 def test_dpo_learns_a_separable_preference(tmp_path):
-    config = tiny_config(tmp_path, "dpo", data_format="preference", steps=30,
-                         dpo={"beta": 0.5}, train={"eval_every": 0})
+    config = tiny_config(tmp_path, "dpo", steps=30, dpo={"beta": 0.5}, train={"save_every": 0}, **SHORT)
     result = train(config, records=separable_pairs(96))
     before, after = result.eval_history[0], result.eval_history[-1]
     assert before["step"] == 0 and after["step"] == 30
@@ -39,43 +50,39 @@ def test_dpo_learns_a_separable_preference(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "section",
+    "recipe, section",
     [
-        {"loss": "dpo", "variant": "ipo"},
-        {"loss": "dpo", "reference": "precomputed"},
-        {"loss": "simpo", "beta": 2.0},
-        {"loss": "orpo"},
+        ("dpo", {"loss": "dpo", "variant": "ipo"}),
+        ("dpo", {"loss": "simpo", "beta": 2.0}),
+        ("dpo", {"loss": "orpo"}),
+        ("kto", {}),
     ],
-    ids=["ipo", "precomputed-reference", "simpo", "orpo"],
+    ids=["ipo", "simpo", "orpo", "kto"],
 )
-def test_preference_losses_run_end_to_end(tmp_path, section):
-    config = tiny_config(tmp_path, "dpo", data_format="preference", steps=3, dpo=section,
-                         checkpoint={"enabled": False})
-    result = train(config, records=separable_pairs(32))
+def test_recipes_run_end_to_end_on_reasoning_gym_data(tmp_path, recipe, section):
+    config = tiny_config(tmp_path, recipe, steps=2, dpo=section, checkpoint={"enabled": False})
+    result = train(config)
     finite(result.history, "loss")
-    assert "eval/rewards/accuracies" in result.eval_history[-1]
+    assert result.data_stats["records"] > 0 and result.data_stats["skipped"] == 0
+    assert "eval/loss" in result.eval_history[-1]
+    if recipe == "kto":
+        finite(result.history, "kl")
 
 
 def test_precomputed_reference_matches_live_reference(tmp_path):
     records = separable_pairs(32)
-    live = train(tiny_config(tmp_path / "live", "dpo", data_format="preference", steps=3,
-                             checkpoint={"enabled": False}), records=records)
-    pre = train(tiny_config(tmp_path / "pre", "dpo", data_format="preference", steps=3,
-                            dpo={"reference": "precomputed"}, checkpoint={"enabled": False}), records=records)
+    live = train(tiny_config(tmp_path / "live", "dpo", steps=3, checkpoint={"enabled": False}, **SHORT),
+                 records=records)
+    pre = train(tiny_config(tmp_path / "pre", "dpo", steps=3, dpo={"reference": "precomputed"},
+                            checkpoint={"enabled": False}, **SHORT), records=records)
+    assert len(live.history) == len(pre.history) == 3
     for a, b in zip(live.history, pre.history):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
-
-
-def test_kto_runs_on_unpaired_feedback(tmp_path):
-    config = tiny_config(tmp_path, "dpo", data_format="unpaired", steps=3, dpo={"loss": "kto"},
-                         checkpoint={"enabled": False})
-    result = train(config, records=unpaired_feedback(32))
-    finite(result.history, "loss")
-    finite(result.history, "kl")
+    np.testing.assert_allclose(live.eval_history[-1]["eval/loss"], pre.eval_history[-1]["eval/loss"], rtol=1e-5)
 
 
 def test_sft_lowers_held_out_nll(tmp_path):
-    config = tiny_config(tmp_path, "sft", data_format="sft", steps=12, checkpoint={"enabled": False})
+    config = tiny_config(tmp_path, "sft", steps=12, checkpoint={"enabled": False}, **SHORT)
     result = train(config, records=sft_conversations(48))
     before, after = result.eval_history[0], result.eval_history[-1]
     assert after["eval/nll"] < before["eval/nll"] - 1.0
@@ -83,7 +90,7 @@ def test_sft_lowers_held_out_nll(tmp_path):
 
 
 def test_reward_model_learns_held_out_pairs(tmp_path):
-    config = tiny_config(tmp_path, "reward", data_format="preference", steps=20, checkpoint={"enabled": False})
+    config = tiny_config(tmp_path, "reward", steps=20, checkpoint={"enabled": False}, **SHORT)
     result = train(config, records=separable_pairs(64))
     assert result.eval_history[-1]["eval/accuracy"] >= 0.9
     finite(result.history, "loss")
@@ -91,9 +98,9 @@ def test_reward_model_learns_held_out_pairs(tmp_path):
 
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
     records = separable_pairs(48)
-    full = train(tiny_config(tmp_path / "full", "dpo", data_format="preference", steps=6), records=records)
-    first = train(tiny_config(tmp_path / "split", "dpo", data_format="preference", steps=3), records=records)
-    resumed = train(tiny_config(tmp_path / "split", "dpo", data_format="preference", steps=6), records=records)
+    full = train(tiny_config(tmp_path / "full", "dpo", steps=6, **SHORT), records=records)
+    first = train(tiny_config(tmp_path / "split", "dpo", steps=3, **SHORT), records=records)
+    resumed = train(tiny_config(tmp_path / "split", "dpo", steps=6, **SHORT), records=records)
     assert first.loop.last_step == 3 and [h["step"] for h in resumed.history] == [4, 5, 6]
     assert [h["loss"] for h in full.history[3:]] == [h["loss"] for h in resumed.history]
     assert [h["grad_norm"] for h in full.history[3:]] == [h["grad_norm"] for h in resumed.history]
@@ -106,11 +113,12 @@ def test_eval_and_export_from_a_checkpoint(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(tmp_path, "dpo", data_format="preference", steps=2)
+    config = tiny_config(tmp_path, "dpo", steps=2, **SHORT)
     records = separable_pairs(32)
     result = train(config, records=records)
     figures = evaluate(config, records=records)
     np.testing.assert_allclose(figures["rewards/accuracies"], result.eval_history[-1]["eval/rewards/accuracies"])
+    np.testing.assert_allclose(figures["loss"], result.eval_history[-1]["eval/loss"], rtol=1e-6)
     out = export(config)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
     hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
@@ -124,6 +132,6 @@ def test_eval_and_export_from_a_checkpoint(tmp_path):
 
 
 def test_bad_algorithm_data_pairing_is_a_clear_error(tmp_path):
-    config = tiny_config(tmp_path, "dpo", data_format="sft", steps=1)
+    config = tiny_config(tmp_path, "dpo", steps=1, data={"format": "sft"})
     with pytest.raises(ValueError, match="dpo.loss=dpo needs data.format=preference"):
         train(config, records=sft_conversations(16))

@@ -3,19 +3,17 @@ small synthetic datasets whose answers are known."""
 
 from __future__ import annotations
 
+import os
 import random
 
+from alignax import config as config_io
 from alignax.trainers.config import load_config
 
-# A tiny Llama with SmolLM2's vocabulary (and tokenizer): compiles and steps in seconds.
-TINY_MODEL = {
-    "name": "smollm2-135m-instruct",
-    "random_init": {
-        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "intermediate_size": 64,
-    },
-    "logprob_chunk_size": 32,
-}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+# The tiny model of configs/tiny-*.yaml (scripts that write their own recipe use it).
+TINY_MODEL = config_io.load_yaml(os.path.join(CONFIGS, "tiny-dpo.yaml"))["model"]
 
 WORDS = ("apple river stone cloud maple ember north quiet silver harbor lantern meadow cedar "
          "falcon copper willow summit breeze canyon violet").split()
@@ -53,21 +51,26 @@ def unpaired_feedback(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def tiny_config(tmp_path, algorithm: str, *, data_format: str, steps: int = 4, batch_size: int = 8,
-                overrides: tuple[str, ...] = (), **sections):
-    """A TrainConfig for a tiny run writing under ``tmp_path``; sections override defaults."""
-    data = {"format": data_format, "max_length": 64, "max_prompt_length": 48, "batch_size": batch_size,
-            "eval_fraction": 0.25, "shuffle": True, "read_threads": 0}
-    data.update(sections.pop("data", {}))
-    raw = {
-        "algorithm": algorithm,
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def tiny_config(tmp_path, recipe: str, *, steps: int = 4, overrides: tuple[str, ...] = (), **sections):
+    """``configs/tiny-<recipe>.yaml`` writing under ``tmp_path``, quiet, with ``sections``
+    merged over it (e.g. ``dpo={"beta": 0.5}``) and dotted ``overrides`` applied last."""
+    raw = config_io.load_yaml(os.path.join(CONFIGS, f"tiny-{recipe}.yaml"))
+    raw = _merge(raw, {
         "output_dir": str(tmp_path),
-        "model": dict(TINY_MODEL, **sections.pop("model", {})),
-        "data": data,
-        "optim": {"learning_rate": 3e-3, "warmup_steps": 0, "schedule": "constant", **sections.pop("optim", {})},
-        "train": {"total_steps": steps, "log_every": 1, **sections.pop("train", {})},
+        "train": {"total_steps": steps, "log_every": 1},
+        "data": {"read_threads": 0},
         "logging": {"console": False, "tensorboard": False},
-        "mesh": {"shape": [1, 1, 1]},
-        **sections,
-    }
+    })
+    raw = _merge(raw, sections)
     return load_config(data=raw, overrides=overrides)
+
+
+# Synthetic records are short: a shorter sequence budget keeps their runs fast.
+SHORT = {"data": {"max_length": 64, "max_prompt_length": 48}}

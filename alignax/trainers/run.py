@@ -148,16 +148,18 @@ def train(config: TrainConfig, *, records: Sequence[Mapping] | None = None) -> T
     optimizer, schedule = build_optimizer(config.optim, config.train.total_steps)
     # Parameters carry their logical-axis shardings (alignax.parallel rules); the
     # optimiser state is built from them and placed the same way.
-    state = init_train_state(run.params, optimizer, jax.random.key(config.train.seed))
-    shardings = tree_shardings(state, run.mesh)
-    state = jax.device_put(state, shardings)
+    abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, jax.random.key(config.train.seed)), run.params)
+    shardings = tree_shardings(abstract, run.mesh)
+    # One compiled program builds the whole state in place (not one tiny compile per leaf).
+    state = jax.jit(lambda p: init_train_state(p, optimizer, jax.random.key(config.train.seed)),
+                    out_shardings=shardings)(run.params)
 
     checkpointer = Checkpointer(run.checkpoint_dir, keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save) if config.checkpoint.enabled else None
     batches = run.data.iterator("train")
     reference = None
     if task.uses_reference:
-        reference = jax.tree.map(jnp.copy, run.params)
+        reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(run.params)
     resumed = False
     if checkpointer is not None and config.checkpoint.resume and checkpointer.latest_step() is not None:
         state, meta = checkpointer.restore(state)

@@ -1,0 +1,19 @@
+"""Test-session settings, applied before jax is first imported.
+
+- No hub access: HF_HUB_OFFLINE=1 (the Makefile sets it too; set here so a bare
+  ``pytest`` behaves the same).
+- A persistent XLA compilation cache under .pytest_cache: many tests compile the same
+  tiny-model programs (init, train step, eval), and both xdist workers and the
+  subprocess mesh checks share it, so each is compiled once per session.
+"""
+
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".pytest_cache", "jax-compilation"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
