@@ -18,17 +18,11 @@ from flax import nnx
 
 from alignax import models
 from alignax.models import registry
-from alignax.parallel.sharding import batch_sharding, create_sharded, make_mesh, place_array
+from alignax._checks import check_choice
+from alignax.parallel.sharding import batch_sharding, make_mesh, place_array
 from alignax.trainers.config import MeshSection, ModelSpec
 
 log = logging.getLogger("alignax")
-
-MODEL_CLASSES = {
-    "causal_lm": models.CausalLM,
-    "reward": models.RewardModel,
-    "value": models.ValueModel,
-    "policy_value": models.PolicyValueModel,
-}
 
 
 def build_mesh(section: MeshSection) -> jax.sharding.Mesh:
@@ -67,33 +61,23 @@ def _read_hf_config(directory: str) -> dict[str, Any]:
 
 
 def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
-    """The model of ``kind`` for ``spec``, created sharded over ``mesh``.
+    """The model of ``kind`` (``alignax.models.MODEL_KINDS``) for ``spec``, sharded over ``mesh``.
 
     ``random_init`` builds a fresh model from the named config with fields replaced. A
-    reward/value model started from a causal-LM checkpoint (no ``score`` head) keeps the
-    checkpoint's trunk and gets a fresh head (seeded by ``spec.seed``).
+    reward model started from a causal-LM checkpoint keeps its trunk and gets a fresh
+    score head (seeded by ``spec.seed``); value heads start at zero.
     """
-    if kind not in MODEL_CLASSES:
-        raise ValueError(f"unknown model kind {kind!r}; valid: {', '.join(MODEL_CLASSES)}")
+    check_choice("model kind", kind, tuple(models.MODEL_KINDS))
     directory = model_directory(spec)
     hf_config = _read_hf_config(directory)
     policy = dict(param_dtype=spec.param_dtype, dtype=spec.dtype, scan_layers=spec.scan_layers, remat=spec.remat)
-    cls = MODEL_CLASSES[kind]
-
-    def fresh(hf: Mapping[str, Any]) -> nnx.Module:
-        config = models.ModelConfig.from_hf_config(hf, **policy)
-        constructor = lambda: cls(config, rngs=nnx.Rngs(spec.seed))  # noqa: E731
-        return create_sharded(constructor, mesh) if mesh is not None else constructor()
-
     if spec.random_init is not None:
-        return fresh({**hf_config, **spec.random_init})
+        config = models.ModelConfig.from_hf_config({**hf_config, **spec.random_init}, **policy)
+        return models.create_model(config, kind=kind, seed=spec.seed, mesh=mesh)
     tensors = models.read_hf_tensors(directory)
-    if kind == "reward" and "score.weight" not in tensors:
-        model = fresh(hf_config)
-        trunk = models.from_hf_state_dict(hf_config, tensors, kind="causal_lm", mesh=mesh, **policy)
-        nnx.update(model.model, nnx.state(trunk.model))
-        return model
-    return models.from_hf_state_dict(hf_config, tensors, kind=kind, mesh=mesh, **policy)
+    new_head = kind == "reward" and "score.weight" not in tensors
+    return models.from_hf_state_dict(hf_config, tensors, kind=kind, mesh=mesh, new_head=new_head, seed=spec.seed,
+                                     **policy)
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:

@@ -12,6 +12,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     logging: {...}            # LoggingSection
     mesh: {...}               # MeshSection
     sft / reward / dpo / ppo / grpo: {...}   # the chosen algorithm's own settings
+    rollout / rewards: {...}  # online RL (ppo, grpo): generation and the reward function
 
 ``load_config(path, overrides)`` reads it; an unknown or ill-typed key is an error naming
 its dotted path and the valid choices.
@@ -161,6 +162,159 @@ class PreferenceSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """Generation for online RL (the on-device sampler).
+
+    Fields:
+      max_new_tokens: response budget ``N``.
+      temperature / top_k / top_p: the sampling distribution. The trainer's log-probs use
+        the same temperature (the policy optimised is the tempered one, as in TRL/verl).
+      num_samples: completions per prompt, the group size ``G`` (1 for PPO).
+      stop_token_ids: ids ending a completion; ``null``: the tokenizer's EOS.
+      old_logps: ``recompute`` (a forward pass of the policy before the update; exact
+        on-policy ratios) or ``sampler`` (the sampler's log-probs, no extra pass). The
+        mismatch between the two is measured every step either way.
+      tis_cap: truncated importance weight ``min(pi_old / pi_sampler, cap)`` on the loss,
+        correcting sampler/trainer mismatch (``null``: off).
+      greedy_eval_prompts: held-out prompts scored with greedy decoding at eval time.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_samples: int = 8
+    stop_token_ids: tuple[int, ...] | None = None
+    old_logps: Literal["recompute", "sampler"] = "recompute"
+    tis_cap: float | None = None
+    greedy_eval_prompts: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class RLRewardSection:
+    """The reward of a completion: verifiers, reward models, shaping, in one weighted sum.
+
+    Fields:
+      verifier_weight: weight of the reasoning-gym answer score (0 disables it).
+      format_weight: weight of the answer-tag format reward; ``strict_format``: the
+        completion must be only ``<think>..</think>`` then one ``<answer>`` block.
+      answer_tag: the tag the verifier reads the answer from.
+      reward_models: local HF folders of trained reward models (``alignax export`` of a
+        reward run); ``reward_model_weight`` weighs their combined score, combined by
+        ``ensemble`` (``mean`` | ``min`` | ``mean_minus_std`` | ``mean_minus_var``, with
+        ``ensemble_k``).
+      length_penalty_coef / length_target: ``-coef * max(0, L - target)`` tokens.
+      missing_eos_penalty: added to completions that never emitted a stop token.
+      overlong_buffer: DAPO's soft overlong punishment over the last ``buffer`` tokens of
+        ``max_new_tokens`` (``null``: off), scaled by ``overlong_scale``.
+      clip: clip the total reward to ``[low, high]``.
+      mask_truncated: completions that hit ``max_new_tokens`` get no loss (DAPO's
+        overlong filtering).
+    """
+
+    verifier_weight: float = 1.0
+    format_weight: float = 0.0
+    strict_format: bool = False
+    answer_tag: str = "answer"
+    reward_models: tuple[str, ...] = ()
+    reward_model_weight: float = 1.0
+    ensemble: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = "mean"
+    ensemble_k: float = 1.0
+    length_penalty_coef: float = 0.0
+    length_target: int = 0
+    missing_eos_penalty: float | None = None
+    overlong_buffer: int | None = None
+    overlong_scale: float = 1.0
+    clip: tuple[float, float] | None = None
+    mask_truncated: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSection:
+    """The GRPO family from one config.
+
+    Fields:
+      advantage: ``grpo`` | ``dr_grpo`` | ``rloo`` | ``reinforce_pp`` | ``remax`` |
+        ``process`` (step rewards at step boundaries, DeepSeekMath process supervision).
+      unbiased_std / reinforce_baseline: ``group_advantages`` options.
+      policy_loss: ``ppo`` (clipped; DAPO's clip-higher via ``clip_eps_high``) | ``gspo`` |
+        ``cispo`` | ``pg``.
+      clip_eps_low / clip_eps_high / dual_clip_c: the clip ranges (``null`` high: = low).
+      aggregation: loss aggregation (``token-mean`` for DAPO, ``seq-mean-token-sum-norm``
+        for Dr. GRPO, ``seq-mean-token-mean`` for GRPO).
+      kl_coef / kl_kind / kl_placement: KL to the reference, ``loss`` (GRPO, k3) or
+        ``reward`` (subtracted from the sequence reward); ``kl_coef: 0`` drops the reference.
+      entropy_coef: entropy bonus.
+      epochs / minibatches: passes over each rollout, and minibatches per pass.
+      dynamic_sampling: DAPO: keep sampling prompt batches until the rollout holds
+        ``num_prompts`` groups with non-zero reward variance (at most ``max_refills`` more).
+      step_delimiter / process_reward: ``process`` advantages: steps end at this string;
+        ``module:function`` returning per-step rewards for each completion.
+    """
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "process"] = "grpo"
+    unbiased_std: bool = True
+    reinforce_baseline: bool = False
+    policy_loss: Literal["ppo", "gspo", "cispo", "pg"] = "ppo"
+    clip_eps_low: float | None = 0.2
+    clip_eps_high: float | None = None
+    dual_clip_c: float | None = None
+    aggregation: AggregationMode = "seq-mean-token-mean"
+    kl_coef: float = 0.04
+    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
+    kl_placement: Literal["loss", "reward"] = "loss"
+    entropy_coef: float = 0.0
+    epochs: int = 1
+    minibatches: int = 1
+    dynamic_sampling: bool = False
+    max_refills: int = 4
+    step_delimiter: str = "\n"
+    process_reward: str = "alignax.rewards.process:outcome_on_last_step"
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOSection:
+    """PPO with a critic (Ouyang et al. 2022's RLHF recipe; Huang et al. 2024's details).
+
+    Fields:
+      critic: ``separate`` (its own decoder, ``critic_init`` from the ``policy`` weights or
+        a ``reward_model`` folder at ``critic_path``) or ``shared`` (a value head on the
+        policy trunk).
+      gamma / lam: GAE discount and lambda.
+      kl_coef / kl_kind: per-token KL penalty in the reward (k1 by default);
+        ``adaptive_kl`` with ``kl_target`` / ``kl_horizon`` (Ziegler et al. 2019).
+      whiten_advantages: standardise advantages over the rollout.
+      clip_eps / value_clip / vf_coef / entropy_coef: the PPO-clip losses.
+      aggregation: loss aggregation.
+      epochs / minibatches: passes over each rollout, minibatches per pass; ``target_kl``
+        stops the remaining epochs once the epoch's mean approx KL exceeds 1.5x it.
+      ptx_coef: PPO-ptx, an SFT loss on ``ptx_data`` (format sft) mixed in with this weight.
+    """
+
+    critic: Literal["separate", "shared"] = "separate"
+    critic_init: Literal["policy", "reward_model"] = "policy"
+    critic_path: str | None = None
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05
+    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k1"
+    adaptive_kl: bool = False
+    kl_target: float = 6.0
+    kl_horizon: float = 10000.0
+    whiten_advantages: bool = True
+    clip_eps: float = 0.2
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.5
+    entropy_coef: float = 0.0
+    aggregation: AggregationMode = "token-mean"
+    epochs: int = 4
+    minibatches: int = 1
+    target_kl: float | None = None
+    ptx_coef: float = 0.0
+    ptx_data: DataConfig | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run; see the module docstring for the YAML layout."""
 
@@ -176,6 +330,10 @@ class TrainConfig:
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     dpo: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    rewards: RLRewardSection = dataclasses.field(default_factory=RLRewardSection)
+    grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)
+    ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = (), *, data: dict | None = None) -> TrainConfig:

@@ -1,0 +1,137 @@
+"""The reward of each sampled completion for online RL, with every component kept.
+
+Components (each ``[R]`` float32, logged as ``reward/<name>``):
+
+- ``answer`` / ``format``: reasoning-gym verifiers on the decoded completion
+  (:mod:`alignax.rewards.verifiers`), weighted by ``verifier_weight`` / ``format_weight``;
+- ``reward_model``: trained reward models scoring prompt + completion, combined by an
+  ensemble rule (:func:`alignax.losses.ensemble_rewards`);
+- ``length`` / ``missing_eos`` / ``overlong``: shaping terms (:mod:`alignax.rewards.shaping`).
+
+``total = clip(sum of weighted components)``. A non-finite total is an error naming the
+completion, never a silent NaN in the advantages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from alignax import models
+from alignax.losses import ensemble_rewards
+from alignax.rewards import shaping
+from alignax.rewards.verifiers import verifier_rewards
+from alignax.trainers.config import RLRewardSection
+
+
+class NonFiniteRewardError(ValueError):
+    """A reward component came out NaN or infinite."""
+
+
+@dataclasses.dataclass
+class RewardModels:
+    """Frozen reward models scoring full sequences; all share one tokenizer with the policy."""
+
+    graphdefs: list[nnx.GraphDef]
+    states: list[nnx.State]
+
+    @classmethod
+    def load(cls, paths: Sequence[str], *, mesh=None, vocab_size: int) -> RewardModels:
+        graphdefs, states = [], []
+        for path in paths:
+            model = models.from_pretrained(path, kind="reward", mesh=mesh)
+            if model.config.vocab_size != vocab_size:
+                raise ValueError(
+                    f"reward model {path} has vocab_size {model.config.vocab_size}; the policy has {vocab_size} "
+                    "(reward models must share the policy's tokenizer)"
+                )
+            graphdef, state = nnx.split(model)
+            graphdefs.append(graphdef)
+            states.append(state)
+        return cls(graphdefs, states)
+
+    def score_fn(self):
+        """A jitted ``(states, tokens, positions, attention_mask) -> [K, R]``."""
+        graphdefs = self.graphdefs
+
+        def score(states, tokens, positions, attention_mask):
+            return jnp.stack([
+                nnx.merge(g, s)(tokens, positions, attention_mask).rewards for g, s in zip(graphdefs, states)
+            ])
+
+        return jax.jit(score)
+
+
+class RewardScorer:
+    """Scores a rollout: ``score(completions, references, tokens, response_mask, ...)``."""
+
+    def __init__(self, section: RLRewardSection, *, max_new_tokens: int, stop_token_ids: Sequence[int],
+                 reward_models: RewardModels | None = None):
+        self.section = section
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.reward_models = reward_models
+        self._score_rm = reward_models.score_fn() if reward_models is not None else None
+        if section.overlong_buffer is not None and not 0 < section.overlong_buffer <= max_new_tokens:
+            raise ValueError(
+                f"rewards.overlong_buffer must be in (0, rollout.max_new_tokens={max_new_tokens}]; "
+                f"got {section.overlong_buffer}"
+            )
+        uses_verifier = section.verifier_weight != 0 or section.format_weight != 0
+        if not uses_verifier and reward_models is None:
+            raise ValueError("no reward source: set rewards.verifier_weight/format_weight or rewards.reward_models")
+
+    def score(
+        self,
+        completions: Sequence[str],
+        references: Sequence[Mapping[str, Any]],
+        response_tokens: np.ndarray,
+        response_mask: np.ndarray,
+        full_sequences: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """``(total [R], components)``; components include ``correct`` for accuracy."""
+        s = self.section
+        weighted: dict[str, np.ndarray] = {}
+        extra: dict[str, np.ndarray] = {}
+        if s.verifier_weight != 0 or s.format_weight != 0:
+            _, parts = verifier_rewards(completions, references, answer_weight=s.verifier_weight,
+                                        format_weight=s.format_weight, strict_format=s.strict_format, tag=s.answer_tag)
+            weighted["answer"] = s.verifier_weight * parts["answer"]
+            weighted["format"] = s.format_weight * parts["format"]
+            extra["correct"] = parts["correct"]
+            extra["scorer_error"] = parts["scorer_error"]
+        if self._score_rm is not None:
+            tokens, positions, attention = full_sequences
+            scores = self._score_rm(self.reward_models.states, tokens, positions, attention)  # [K, R]
+            combined = ensemble_rewards(scores, method=s.ensemble, k=s.ensemble_k)
+            weighted["reward_model"] = s.reward_model_weight * np.asarray(combined)
+            if scores.shape[0] > 1:
+                extra["reward_model_std"] = np.asarray(jnp.std(scores, axis=0))
+        lengths = response_mask.sum(axis=-1).astype(np.float32)
+        if s.length_penalty_coef:
+            weighted["length"] = np.asarray(shaping.length_penalty(lengths, target_length=s.length_target,
+                                                                   coef=s.length_penalty_coef))
+        if s.missing_eos_penalty is not None:
+            weighted["missing_eos"] = np.asarray(shaping.missing_eos_penalty(
+                response_tokens, response_mask, stop_token_ids=self.stop_token_ids, penalty=s.missing_eos_penalty))
+        if s.overlong_buffer is not None:
+            weighted["overlong"] = np.asarray(shaping.overlong_penalty(
+                lengths, max_length=self.max_new_tokens, cache_length=s.overlong_buffer, scale=s.overlong_scale))
+        total = np.sum(np.stack(list(weighted.values())), axis=0).astype(np.float32)
+        if s.clip is not None:
+            total = np.asarray(shaping.clip_rewards(total, low=s.clip[0], high=s.clip[1]))
+        for name, values in {**weighted, "total": total}.items():
+            bad = np.flatnonzero(~np.isfinite(values))
+            if bad.size:
+                i = int(bad[0])
+                raise NonFiniteRewardError(
+                    f"reward component {name!r} is {values[i]} for completion {i} "
+                    f"(and {bad.size - 1} more); completion starts {completions[i][:80]!r}"
+                )
+        return total, {**{k: np.asarray(v, np.float32) for k, v in weighted.items()}, **extra}
