@@ -199,6 +199,8 @@ class RLRewardSection:
       format_weight: weight of the answer-tag format reward; ``strict_format``: the
         completion must be only ``<think>..</think>`` then one ``<answer>`` block.
       answer_tag: the tag the verifier reads the answer from.
+      functions: extra rule-based rewards, ``{"package.module:function": weight}``; each
+        function maps ``(completions, references)`` to one float per completion.
       reward_models: local HF folders of trained reward models (``alignax export`` of a
         reward run); ``reward_model_weight`` weighs their combined score, combined by
         ``ensemble`` (``mean`` | ``min`` | ``mean_minus_std`` | ``mean_minus_var``, with
@@ -216,6 +218,7 @@ class RLRewardSection:
     format_weight: float = 0.0
     strict_format: bool = False
     answer_tag: str = "answer"
+    functions: dict[str, float] = dataclasses.field(default_factory=dict)
     reward_models: tuple[str, ...] = ()
     reward_model_weight: float = 1.0
     ensemble: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = "mean"

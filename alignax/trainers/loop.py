@@ -110,16 +110,21 @@ def run_loop(
     checkpointer: Checkpointer | None = None,
     meta_fn: Callable[[], dict[str, Any]] = dict,
     eval_fn: Callable[[TrainState], dict[str, float]] | None = None,
+    count_tokens: Callable[[Mapping[str, np.ndarray]], int] | None = count_tokens,
+    progress: Callable[[TrainState], Any] = lambda state: state.step,
 ) -> LoopResult:
-    """Train from ``state.step`` to ``config.total_steps``.
+    """Train from step ``progress(state)`` to ``config.total_steps``.
 
-    ``step_fn`` is the jitted step; ``place_batch`` puts a host batch on the mesh;
-    ``meta_fn`` returns the JSON-able extras saved with each checkpoint (config, data
-    counts); the data iterator's state is saved beside them under ``"data"``.
+    ``step_fn`` is the jitted step (or, for online RL, a whole rollout step);
+    ``place_batch`` puts a host batch on the mesh; ``meta_fn`` returns the JSON-able
+    extras saved with each checkpoint (config, data counts); the data iterator's state is
+    saved beside them under ``"data"``. ``count_tokens`` counts a host batch's tokens for
+    ``perf/tokens_per_s`` (``None``: the step reports its own throughput).
+    ``progress`` reads the loop's step count from the state (optimiser updates by default).
     """
     history: list[dict[str, float]] = []
     eval_history: list[dict[str, float]] = []
-    start = int(jax.device_get(state.step))
+    start = int(jax.device_get(progress(state)))
     step = start
     sigterm = _SigtermFlag()
 
@@ -144,7 +149,8 @@ def run_loop(
         steps_since_log = 0
         while step < config.total_steps and not sigterm.raised:
             host_batch = next(batches)
-            tokens_since_log += count_tokens(host_batch)
+            if count_tokens is not None:
+                tokens_since_log += count_tokens(host_batch)
             state, metrics = step_fn(state, frozen, place_batch(host_batch))
             step += 1
             steps_since_log += 1
@@ -161,8 +167,9 @@ def run_loop(
             if step % config.log_every == 0 or step == config.total_steps:
                 figures = to_host(metrics)
                 elapsed = time.perf_counter() - tick
-                figures["perf/step_time_s"] = elapsed / steps_since_log
-                figures["perf/tokens_per_s"] = tokens_since_log / elapsed if elapsed > 0 else 0.0
+                figures.setdefault("perf/step_time_s", elapsed / steps_since_log)
+                if count_tokens is not None:
+                    figures["perf/tokens_per_s"] = tokens_since_log / elapsed if elapsed > 0 else 0.0
                 figures["nonfinite_total"] = float(jax.device_get(state.nonfinite_total))
                 history.append({"step": step, **figures})
                 writer.write(step, figures)

@@ -4,6 +4,7 @@ Components (each ``[R]`` float32, logged as ``reward/<name>``):
 
 - ``answer`` / ``format``: reasoning-gym verifiers on the decoded completion
   (:mod:`alignax.rewards.verifiers`), weighted by ``verifier_weight`` / ``format_weight``;
+- ``fn/<module:function>``: user reward functions ``(completions, references) -> [R]``;
 - ``reward_model``: trained reward models scoring prompt + completion, combined by an
   ensemble rule (:func:`alignax.losses.ensemble_rewards`);
 - ``length`` / ``missing_eos`` / ``overlong``: shaping terms (:mod:`alignax.rewards.shaping`).
@@ -78,14 +79,18 @@ class RewardScorer:
         self.stop_token_ids = tuple(stop_token_ids)
         self.reward_models = reward_models
         self._score_rm = reward_models.score_fn() if reward_models is not None else None
+        from alignax.trainers.rollout import load_callable
+
+        self.functions = {spec: (load_callable(spec), weight) for spec, weight in section.functions.items()}
         if section.overlong_buffer is not None and not 0 < section.overlong_buffer <= max_new_tokens:
             raise ValueError(
                 f"rewards.overlong_buffer must be in (0, rollout.max_new_tokens={max_new_tokens}]; "
                 f"got {section.overlong_buffer}"
             )
         uses_verifier = section.verifier_weight != 0 or section.format_weight != 0
-        if not uses_verifier and reward_models is None:
-            raise ValueError("no reward source: set rewards.verifier_weight/format_weight or rewards.reward_models")
+        if not uses_verifier and reward_models is None and not self.functions:
+            raise ValueError("no reward source: set rewards.verifier_weight/format_weight, rewards.functions "
+                             "or rewards.reward_models")
 
     def score(
         self,
@@ -106,6 +111,11 @@ class RewardScorer:
             weighted["format"] = s.format_weight * parts["format"]
             extra["correct"] = parts["correct"]
             extra["scorer_error"] = parts["scorer_error"]
+        for spec, (fn, weight) in self.functions.items():
+            values = np.asarray(fn(completions, references), np.float32)
+            if values.shape != (len(completions),):
+                raise ValueError(f"reward function {spec} returned shape {values.shape}; expected ({len(completions)},)")
+            weighted[f"fn/{spec}"] = weight * values
         if self._score_rm is not None:
             tokens, positions, attention = full_sequences
             scores = self._score_rm(self.reward_models.states, tokens, positions, attention)  # [K, R]
