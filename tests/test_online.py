@@ -1,0 +1,199 @@
+"""Online RL end to end on a tiny word-level model and a toy verifiable task.
+
+The reward is the share of "yes" in a completion (tests/rl_toy.py): PPO and GRPO must
+raise it; the token-level invariants of the seeds are checked on real rollouts.
+"""
+
+import numpy as np
+import pytest
+
+from alignax.checkpoint import Checkpointer
+from alignax.trainers.online import OnlineTrainer, train
+from alignax.trainers.rl_rewards import NonFiniteRewardError
+from tests.rl_toy import ensure_dir, make_toy_model, toy_config, toy_prompts
+
+
+@pytest.fixture(scope="module")
+def toy_model(tmp_path_factory):
+    return make_toy_model(ensure_dir(tmp_path_factory.mktemp("toy-model")))
+
+
+def rewards_of(result):
+    return np.array([h["reward/total"] for h in result.history])
+
+
+def finite_history(result):
+    for row in result.history:
+        bad = {k: v for k, v in row.items() if not np.isfinite(v)}
+        assert not bad, f"non-finite metrics at step {row['step']}: {bad}"
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_online_rl_raises_the_mean_reward(tmp_path, toy_model, algorithm):
+    config = toy_config(tmp_path, toy_model, algorithm, steps=20, checkpoint={"enabled": False})
+    result = train(config, records=toy_prompts(32))
+    rewards = rewards_of(result)
+    assert rewards[-5:].mean() > rewards[:5].mean() + 0.3, rewards.round(3).tolist()
+    assert result.eval_history[-1]["eval/reward"] > result.eval_history[0]["eval/reward"]
+    finite_history(result)
+    last = result.history[-1]
+    for key in ("kl/ref_seq", "entropy", "clipfrac_low", "clipfrac_high", "approx_kl", "ratio_mean", "ratio_min",
+                "ratio_max", "response/length_mean", "response/length_min", "response/length_max",
+                "response/stop_rate", "response/truncation_rate", "grad_norm", "perf/generation_s",
+                "perf/training_s", "mismatch/sampler_trainer_abs", "alarm/entropy_collapse"):
+        assert key in last, key
+    if algorithm == "ppo":
+        assert "value/explained_variance" in last and "value/loss" in last
+    else:
+        assert "groups/zero_variance_fraction" in last
+
+
+def test_first_minibatch_ratio_is_one_when_old_logps_are_recomputed(tmp_path, toy_model):
+    # several epochs and minibatches: later minibatches move the policy, the first must not have
+    config = toy_config(tmp_path, toy_model, "ppo", steps=3, checkpoint={"enabled": False},
+                        ppo={"epochs": 2, "minibatches": 2})
+    result = train(config, records=toy_prompts(16))
+    for row in result.history:
+        assert abs(row["first_minibatch/ratio_min"] - 1) <= 1e-5
+        assert abs(row["first_minibatch/ratio_max"] - 1) <= 1e-5
+    assert any(abs(row["ratio_max"] - 1) > 1e-3 for row in result.history)  # later minibatches are off-policy
+
+
+def test_sampler_log_probs_agree_with_the_trainer_at_temperature_one(tmp_path, toy_model):
+    config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False})
+    result = train(config, records=toy_prompts(16))
+    assert result.history[0]["mismatch/sampler_trainer_max"] < 1e-4
+
+
+def test_zero_variance_groups_give_zero_advantage_and_no_nan(tmp_path, toy_model):
+    config = toy_config(tmp_path, toy_model, "grpo", steps=2, checkpoint={"enabled": False},
+                        rewards={"functions": {"tests.rl_toy:constant_reward": 1.0}})
+    result = train(config, records=toy_prompts(16))
+    finite_history(result)
+    for row in result.history:
+        assert row["groups/zero_variance_fraction"] == 1.0
+        assert row["advantages/abs_mean"] == 0.0
+        assert row["update_skipped"] == 0.0
+
+
+def test_an_all_truncated_batch_trains_nothing_and_stays_finite(tmp_path, toy_model):
+    # no stop token can be emitted (the stop id is outside the vocabulary) and truncated
+    # completions are masked: every row is out of the loss.
+    config = toy_config(tmp_path, toy_model, "grpo", steps=2, checkpoint={"enabled": False},
+                        rollout={"stop_token_ids": [999]}, rewards={"mask_truncated": True})
+    result = train(config, records=toy_prompts(16))
+    finite_history(result)
+    for row in result.history:
+        assert row["response/truncation_rate"] == 1.0
+        assert row["loss"] == 0.0 and row["grad_norm"] == 0.0
+
+
+def test_nan_rewards_are_rejected_with_a_clear_error(tmp_path, toy_model):
+    config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
+                        rewards={"functions": {"tests.rl_toy:nan_reward": 1.0}})
+    with pytest.raises(NonFiniteRewardError, match="reward component 'fn/tests.rl_toy:nan_reward' is nan for completion 0"):
+        train(config, records=toy_prompts(16))
+
+
+def test_stop_token_stays_in_the_mask_when_pad_equals_eos(tmp_path, toy_model):
+    config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
+                        rollout={"max_new_tokens": 24, "num_samples": 8})
+    trainer = OnlineTrainer(config, records=toy_prompts(16))
+    eos = trainer.tokenizer.eos_token_id
+    assert eos == trainer.tokenizer.pad_token_id
+    import jax
+
+    batch = next(trainer.data.iterator("train"))
+    groups, _, _ = trainer.sampler.sample(trainer.sampling_state(trainer.initial_params), batch, jax.random.key(3))
+    stopped = np.flatnonzero(groups.stopped)
+    assert stopped.size > 0
+    for r in stopped:
+        length = int(groups.response_mask[r].sum())
+        assert groups.tokens[r, length - 1] == eos  # the real end-of-turn token is a response token
+        assert np.all(groups.response_mask[r, length:] == 0) and np.all(groups.tokens[r, length:] == eos)
+
+
+def test_loss_reads_response_tokens_only(tmp_path, toy_model):
+    """Prompt padding and the tokens after a completion's end change neither loss nor gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
+                        rollout={"max_new_tokens": 12})
+    trainer = OnlineTrainer(config, records=toy_prompts(16))
+    params = trainer.initial_params
+    rng = np.random.default_rng(0)
+    r, n, p = trainer.rows, trainer.max_new, trainer.prompt_len
+    prompt_mask = np.ones((r, p), np.int32)
+    prompt_mask[:, : p // 2] = 0  # left padding
+    response_mask = np.ones((r, n), np.float32)
+    response_mask[:, n // 2 :] = 0  # every completion ended halfway
+    tokens = rng.integers(4, 20, size=(r, p + n)).astype(np.int32)
+    attention = np.concatenate([prompt_mask, response_mask.astype(np.int32)], 1)
+    positions = np.maximum(np.cumsum(attention, 1) - 1, 0).astype(np.int32)
+    mb = {"tokens": tokens, "positions": positions, "attention_mask": attention, "mask": response_mask,
+          "old_logps": np.full((r, n), -2.0, np.float32), "sampler_logps": np.full((r, n), -2.0, np.float32),
+          "ref_logps": np.full((r, n), -2.5, np.float32), "advantages": rng.normal(size=(r, n)).astype(np.float32),
+          "old_values": np.zeros((r, n), np.float32), "returns": np.zeros((r, n), np.float32)}
+    norms = {"num_tokens": response_mask.sum(), "num_seqs": float(r)}
+    grad = jax.jit(jax.grad(lambda prm, b: trainer._loss_fn(prm, {}, b, norms, None)[0]))
+    base = grad(params, {k: jnp.asarray(v) for k, v in mb.items()})
+    changed = dict(mb)
+    noisy = tokens.copy()
+    noisy[:, : p // 2] = rng.integers(4, 20, size=(r, p // 2))  # prompt padding
+    noisy[:, p + n // 2 :] = rng.integers(4, 20, size=(r, n - n // 2))  # after the completions' end
+    changed["tokens"] = noisy
+    other = grad(params, {k: jnp.asarray(v) for k, v in changed.items()})
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(other)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_resume_through_a_rollout_boundary_is_bit_identical(tmp_path, toy_model):
+    records = toy_prompts(32)
+    full = train(toy_config(tmp_path / "full", toy_model, "grpo", steps=4), records=records)
+    first = train(toy_config(tmp_path / "split", toy_model, "grpo", steps=2), records=records)
+    resumed = train(toy_config(tmp_path / "split", toy_model, "grpo", steps=4), records=records)
+    assert first.loop.last_step == 2 and [h["step"] for h in resumed.history] == [3, 4]
+    for key in ("reward/total", "loss", "grad_norm", "kl/ref_seq", "entropy"):
+        assert [h[key] for h in full.history[2:]] == [h[key] for h in resumed.history], key
+    ckpt = Checkpointer(str(tmp_path / "split" / "checkpoints"))
+    assert ckpt.has_reference() and ckpt.latest_step() == 4
+    ckpt.close()
+
+
+VARIANTS = {
+    "dapo": dict(grpo={"policy_loss": "ppo", "clip_eps_low": 0.2, "clip_eps_high": 0.28, "aggregation": "token-mean",
+                       "dynamic_sampling": True, "kl_coef": 0.0},
+                 rewards={"overlong_buffer": 4, "mask_truncated": False}),
+    "dr_grpo": dict(grpo={"advantage": "dr_grpo", "aggregation": "seq-mean-token-sum-norm"}),
+    "gspo": dict(grpo={"policy_loss": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4}),
+    "cispo": dict(grpo={"policy_loss": "cispo", "clip_eps_low": None, "clip_eps_high": 0.28}),
+    "rloo": dict(grpo={"advantage": "rloo", "policy_loss": "pg", "kl_placement": "reward", "kl_kind": "k1"}),
+    "remax": dict(grpo={"advantage": "remax", "policy_loss": "pg"}, rollout={"num_samples": 1}),
+    "reinforce_pp": dict(grpo={"advantage": "reinforce_pp", "reinforce_baseline": True, "policy_loss": "pg"}),
+    "process": dict(grpo={"advantage": "process", "step_delimiter": "no",
+                          "process_reward": "tests.rl_toy:toy_process_reward"}),
+    "ppo_shared_critic": dict(ppo={"critic": "shared", "adaptive_kl": True, "kl_target": 0.5, "target_kl": 0.01}),
+    "sampler_logps_tis": dict(rollout={"old_logps": "sampler", "tis_cap": 2.0, "top_p": 0.9}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_each_variant_runs(tmp_path, toy_model, variant):
+    sections = VARIANTS[variant]
+    algorithm = "ppo" if "ppo" in sections else "grpo"
+    config = toy_config(tmp_path, toy_model, algorithm, steps=2, checkpoint={"enabled": False}, **sections)
+    result = train(config, records=toy_prompts(32))
+    finite_history(result)
+    last = result.history[-1]
+    if variant == "dapo":
+        assert "groups/refills" in last and last["groups/zero_variance_fraction"] <= 1.0
+        assert "reward/overlong" in last
+    if variant == "remax":
+        assert "reward/greedy_baseline" in last
+    if variant == "process":
+        assert last["process/steps_per_completion"] >= 1.0
+    if variant == "ppo_shared_critic":
+        assert last["epochs_run"] >= 1 and "value/loss" in last
+    if variant == "sampler_logps_tis":
+        assert last["mismatch/sampler_trainer_abs"] > 0.0 and "tis_weight_mean" in last
