@@ -1,0 +1,442 @@
+"""The on-device sampler on a tiny random Llama.
+
+References: transformers' ``generate(do_sample=False)`` on the same weights (greedy
+tokens), transformers' forward logits turned into the temperature/top-k/top-p
+distribution by a float64 NumPy loop written from the definitions (sampling
+frequencies and sampling log-probs), and our own full forward pass without a cache (the
+trainer's recomputation of log-probs). Expensive generations are module-scoped and
+shared between tests; every distinct ``SamplingConfig`` is one compilation.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import jax
+import jax.numpy as jnp
+
+from alignax.models import CausalLM, from_hf_state_dict, positions_from_mask
+from alignax.sampling import SamplingConfig, generate, left_pad, sampling_logprobs
+
+V = 64
+PAD = 0
+HF_CONFIG = dict(
+    model_type="llama",
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=48,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+)
+# Prompt lengths 1, 4, 7, 9: left padding of 8, 5, 2 and 0 slots.
+PROMPTS = [[5], [17, 3, 40, 22], [9, 9, 31, 60, 2, 11, 48], [33, 7, 19, 52, 44, 1, 26, 38, 14]]
+N = 12
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """``(transformers model, our model, graphdef, state)`` on the same weights."""
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in HF_CONFIG.items() if k != "model_type"})
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # spread the logits: random init at std 0.02 is nearly uniform
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    tensors = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    model = from_hf_state_dict(HF_CONFIG, tensors)
+    graphdef, state = nnx.split(model)
+    return hf, model, graphdef, state
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return left_pad(PROMPTS, pad_id=PAD)
+
+
+def hf_greedy(hf, tokens, mask, max_new_tokens, stop_ids):
+    """transformers' greedy continuation ``[B, <= max_new_tokens]`` (pads after eos)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor(tokens, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(stop_ids) or None,
+            pad_token_id=PAD,
+        )
+    return out[:, tokens.shape[1] :].numpy()
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny, prompts):
+    """Greedy, no stop token: every row runs the full budget."""
+    _, _, graphdef, state = tiny
+    config = SamplingConfig(max_new_tokens=N, greedy=True, pad_id=PAD)
+    return jax.device_get(generate(graphdef, state, *prompts, jax.random.key(0), config=config))
+
+
+def first_stop_lengths(tokens, stop_ids):
+    """Per row: index of the first stop token + 1, or the full width; by a plain loop."""
+    lengths = []
+    for row in tokens:
+        length = len(row)
+        for j, t in enumerate(row):
+            if t in stop_ids:
+                length = j + 1
+                break
+        lengths.append(length)
+    return np.array(lengths)
+
+
+# ------------------------------------------------------------------------ greedy
+
+
+def test_greedy_equals_transformers(tiny, prompts, greedy):
+    hf = tiny[0]
+    ref = hf_greedy(hf, *prompts, N, ())
+    np.testing.assert_array_equal(greedy.tokens, ref)
+    assert greedy.response_mask.min() == 1 and (greedy.lengths == N).all()
+    assert not greedy.stopped.any() and greedy.truncated.all() and int(greedy.num_steps) == N
+    assert (greedy.sampling_logps == 0).all()  # a point mass
+    np.testing.assert_array_equal(greedy.prompt_tokens, prompts[0])
+    np.testing.assert_array_equal(greedy.prompt_mask, prompts[1])
+
+
+def test_greedy_with_stop_tokens_equals_transformers_and_exits_early(tiny, prompts, greedy):
+    _, _, graphdef, state = tiny
+    base = greedy.tokens
+    # Stop ids taken from early columns so every row stops before N (several ids).
+    stop_ids = (int(base[0, 3]), int(base[1, 1]), int(base[2, 4]), int(base[3, 2]))
+    lengths = first_stop_lengths(base, stop_ids)
+    assert lengths.max() < N and len(set(lengths)) > 1
+    config = SamplingConfig(max_new_tokens=N, greedy=True, pad_id=PAD, stop_token_ids=stop_ids)
+    out = jax.device_get(generate(graphdef, state, *prompts, jax.random.key(0), config=config))
+
+    ref = hf_greedy(tiny[0], *prompts, N, stop_ids)  # transformers stops when all rows did
+    assert ref.shape[1] == lengths.max()
+    np.testing.assert_array_equal(out.tokens[:, : ref.shape[1]], ref)
+    for b, length in enumerate(lengths):
+        np.testing.assert_array_equal(out.tokens[b, :length], base[b, :length])
+        assert out.tokens[b, length - 1] in stop_ids  # the stop token is kept ...
+        assert (out.tokens[b, length:] == PAD).all()  # ... and nothing real after it
+        np.testing.assert_array_equal(out.response_mask[b], np.arange(N) < length)
+        np.testing.assert_allclose(out.logps[b, :length], greedy.logps[b, :length], atol=1e-6)
+        assert (out.logps[b, length:] == 0).all()
+    np.testing.assert_array_equal(out.lengths, lengths)
+    assert out.stopped.all() and not out.truncated.any()
+    # the loop ended as soon as the last row stopped, not after N tokens
+    assert int(out.num_steps) == lengths.max() < N
+
+
+# ------------------------------------------------------------------------ log-probs
+
+
+def full_forward_logprobs(model, out, temperature=1.0):
+    """Trainer's view: one forward over prompt + response, no cache; ``[R, N, V]`` log-softmax."""
+    tokens, attention_mask, _ = out.sequences()
+    tokens, attention_mask = jnp.asarray(tokens), jnp.asarray(attention_mask)
+    logits = model(tokens, positions_from_mask(attention_mask), attention_mask).logits
+    P = out.prompt_tokens.shape[1]
+    return np.asarray(jax.nn.log_softmax(logits[:, P - 1 : -1] / temperature, axis=-1), np.float64)
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny, prompts):
+    """Temperature 1, no truncation, 3 samples per prompt, one stop id."""
+    _, _, graphdef, state = tiny
+    config = SamplingConfig(max_new_tokens=N, stop_token_ids=(7,), pad_id=PAD, num_samples=3)
+    return config, jax.device_get(generate(graphdef, state, *prompts, jax.random.key(42), config=config))
+
+
+def test_logps_equal_full_forward_at_temperature_one(tiny, sampled):
+    _, out = sampled
+    logp = full_forward_logprobs(tiny[1], out)
+    want = np.take_along_axis(logp, out.tokens[..., None].astype(np.int64), axis=-1)[..., 0]
+    m = out.response_mask.astype(bool)
+    assert m.sum() > 40
+    assert np.abs(out.logps - want)[m].max() <= 1e-5
+    assert np.abs(out.sampling_logps - want)[m].max() <= 1e-5  # T = 1, nothing truncated
+    assert (out.logps[~m] == 0).all() and (out.sampling_logps[~m] == 0).all()
+
+
+def reference_logq(logits, temperature, top_k, top_p):
+    """log q by the definitions, float64, one row at a time (top-k ties kept, nucleus by prefix mass)."""
+    z = np.asarray(logits, np.float64) / temperature
+    out = np.full(z.shape, -np.inf)
+    for b, row in enumerate(z):
+        keep = np.ones(len(row), bool)
+        if top_k:
+            kth = np.sort(row)[::-1][top_k - 1]
+            keep &= row >= kth
+        if top_p < 1:
+            p = np.exp(row - row[keep].max()) * keep
+            p /= p.sum()
+            order = np.argsort(-row, kind="stable")
+            before = 0.0
+            nucleus = np.zeros(len(row), bool)
+            for v in order:
+                if not keep[v]:
+                    continue
+                if before < top_p:
+                    nucleus[v] = True
+                    # the test's own setup must not sit on a rounding edge
+                    assert abs(before - top_p) > 1e-4
+                before += p[v]
+            keep &= nucleus
+        kept = row[keep]
+        lse = kept.max() + np.log(np.exp(kept - kept.max()).sum())
+        out[b, keep] = row[keep] - lse
+    return out
+
+
+def test_tempered_truncated_logps(tiny, prompts):
+    """T != 1 with top-k and top-p: ``logps`` stay untempered; ``sampling_logps`` are log q."""
+    _, model, graphdef, state = tiny
+    config = SamplingConfig(max_new_tokens=6, temperature=0.7, top_k=9, top_p=0.8, pad_id=PAD, num_samples=2)
+    out = jax.device_get(generate(graphdef, state, *prompts, jax.random.key(3), config=config))
+    logp = full_forward_logprobs(model, out)
+    tok = out.tokens[..., None].astype(np.int64)
+    m = out.response_mask.astype(bool)
+    np.testing.assert_allclose(out.logps[m], np.take_along_axis(logp, tok, -1)[..., 0][m], atol=1e-5)
+    R, T, _ = logp.shape
+    logq = reference_logq(logp.reshape(R * T, V), 0.7, 9, 0.8).reshape(R, T, V)
+    chosen = np.take_along_axis(logq, tok, -1)[..., 0]
+    assert np.isfinite(chosen[m]).all()  # every sampled token is inside the kept set
+    np.testing.assert_allclose(out.sampling_logps[m], chosen[m], atol=1e-5)
+
+
+SAMPLES_PER_PROMPT = 6000
+DISTRIBUTIONS = [
+    dict(temperature=0.6),
+    dict(temperature=1.4, top_k=5),
+    dict(temperature=1.0, top_p=0.7),
+    dict(temperature=0.8, top_k=12, top_p=0.6),
+]
+
+
+@pytest.mark.parametrize("kwargs", DISTRIBUTIONS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_sampling_frequencies_match_adjusted_distribution(tiny, prompts, kwargs):
+    """First-token frequencies over 6,000 samples per prompt (4 prompts, one call).
+
+    Tolerance: every token's frequency within 5 binomial standard deviations
+    ``sqrt(q (1 - q) / n)`` of its probability q (plus 1/n for tiny q), and exactly 0
+    outside the kept set; the per-row sampling log-prob equals log q.
+    """
+    hf, _, graphdef, state = tiny
+    tokens, mask = prompts
+    config = SamplingConfig(max_new_tokens=1, pad_id=PAD, num_samples=SAMPLES_PER_PROMPT, **kwargs)
+    out = jax.device_get(generate(graphdef, state, tokens, mask, jax.random.key(11), config=config))
+    with torch.no_grad():
+        positions = torch.tensor(np.maximum(np.cumsum(mask, 1) - 1, 0))
+        logits = hf(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask), position_ids=positions)
+    logq = reference_logq(logits.logits[:, -1].double().numpy(), kwargs.get("temperature", 1.0),
+                          kwargs.get("top_k", 0), kwargs.get("top_p", 1.0))
+    q = np.exp(logq)
+    n = SAMPLES_PER_PROMPT
+    first = out.tokens[:, 0].reshape(len(PROMPTS), n)
+    for b in range(len(PROMPTS)):
+        freq = np.bincount(first[b], minlength=V) / n
+        assert (freq[q[b] == 0] == 0).all()
+        tol = 5 * np.sqrt(q[b] * (1 - q[b]) / n) + 1.0 / n
+        assert (np.abs(freq - q[b]) <= tol).all(), np.abs(freq - q[b]).max()
+        np.testing.assert_allclose(out.sampling_logps[b * n : (b + 1) * n, 0], logq[b, first[b]], atol=1e-5)
+    if "top_k" in kwargs or "top_p" in kwargs:
+        assert (q == 0).any(axis=1).all()  # truncation actually removed tokens
+
+
+def test_sampling_logprobs_pieces():
+    """Hand-worked: logits log([0.5, 0.3, 0.15, 0.05]) at T = 1."""
+    p = np.array([[0.5, 0.3, 0.15, 0.05]])
+    logits = jnp.asarray(np.log(p), jnp.float32)
+    # top-p 0.7: mass before the tokens in order is 0, 0.5, 0.8, 0.95 -> keep {0, 1}.
+    got = np.exp(np.asarray(sampling_logprobs(logits, top_p=0.7)))
+    np.testing.assert_allclose(got, [[0.625, 0.375, 0, 0]], atol=1e-6)
+    # top-k 3: renormalise over 0.95.
+    got = np.exp(np.asarray(jax.jit(lambda x: sampling_logprobs(x, top_k=3))(logits)))
+    np.testing.assert_allclose(got, [[0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]], atol=1e-6)
+    # T = 0.5 squares the probabilities before renormalising.
+    got = np.exp(np.asarray(sampling_logprobs(logits, temperature=0.5)))
+    np.testing.assert_allclose(got, p**2 / (p**2).sum(), atol=1e-6)
+
+
+# ------------------------------------------------------------------------ groups
+
+
+def test_num_samples_groups(tiny, prompts, sampled, greedy):
+    _, out = sampled
+    B, G = len(PROMPTS), 3
+    assert out.tokens.shape == (B * G, N)
+    np.testing.assert_array_equal(out.group_ids, np.repeat(np.arange(B), G))
+    np.testing.assert_array_equal(out.prompt_tokens, np.repeat(prompts[0], G, axis=0))
+    groups = out.tokens.reshape(B, G, N)
+    for b in range(B):  # samples of one prompt differ
+        assert len({tuple(row) for row in groups[b]}) > 1
+    # greedy samples of a group are identical and equal the single-sample run
+    _, _, graphdef, state = tiny
+    config = SamplingConfig(max_new_tokens=N, greedy=True, pad_id=PAD, num_samples=2)
+    g2 = jax.device_get(generate(graphdef, state, *prompts, jax.random.key(0), config=config))
+    np.testing.assert_array_equal(g2.tokens, np.repeat(greedy.tokens, 2, axis=0))
+    np.testing.assert_allclose(g2.logps, np.repeat(greedy.logps, 2, axis=0), atol=1e-6)
+
+
+def test_prefill_runs_once_per_prompt(tiny, prompts, monkeypatch):
+    """The traced program calls the model once on the [B, P] prompts, then on [B * G, 1]."""
+    _, _, graphdef, state = tiny
+    calls = []
+    original = CausalLM.__call__
+
+    def spy(self, tokens, *args, **kwargs):
+        calls.append(tuple(tokens.shape))
+        return original(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "__call__", spy)
+    config = SamplingConfig(max_new_tokens=3, pad_id=PAD, num_samples=5)
+    jax.eval_shape(lambda s, t, m: generate(graphdef, s, t, m, jax.random.key(0), config=config), state, *prompts)
+    B, P = prompts[0].shape
+    assert calls == [(B, P), (B * 5, 1)]
+
+
+# ------------------------------------------------------------------------ errors, compiles
+
+
+def test_context_full_errors(tiny):
+    _, _, graphdef, state = tiny  # max_position_embeddings = 48
+    key = jax.random.key(0)
+    full = np.ones((2, 48), np.int32)
+    with pytest.raises(ValueError, match=r"already fill the context: padded prompt length 48 >= .* 48"):
+        generate(graphdef, state, full, full, key, config=SamplingConfig(max_new_tokens=1))
+    long = np.ones((2, 40), np.int32)
+    with pytest.raises(ValueError, match=r"prompt length 40 \+ max_new_tokens 9 = 49 exceeds .* 48"):
+        generate(graphdef, state, long, long, key, config=SamplingConfig(max_new_tokens=9))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        generate(graphdef, state, long, long[:, 1:], key, config=SamplingConfig(max_new_tokens=2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be a positive integer; got 0"),
+        (dict(max_new_tokens=4, temperature=0.0), "temperature must be > 0 when sampling; got 0.0"),
+        (dict(max_new_tokens=4, top_k=-1), "top_k must be an integer >= 0"),
+        (dict(max_new_tokens=4, top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(max_new_tokens=4, num_samples=0), "num_samples must be a positive integer"),
+    ],
+)
+def test_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**kwargs)
+
+
+def test_config_is_hashable_and_normalises_stop_ids():
+    a = SamplingConfig(max_new_tokens=4, stop_token_ids=[2, 5])
+    assert a == SamplingConfig(max_new_tokens=4, stop_token_ids=(2, 5)) and hash(a) == hash(SamplingConfig(max_new_tokens=4, stop_token_ids=(2, 5)))
+    assert SamplingConfig(max_new_tokens=4, stop_token_ids=2).stop_token_ids == (2,)
+    assert SamplingConfig(max_new_tokens=4, temperature=0.0, greedy=True).greedy
+
+
+def test_recompiles_only_when_shapes_or_config_change(tiny, prompts, greedy):
+    hf, _, graphdef, state = tiny
+    config = SamplingConfig(max_new_tokens=N, greedy=True, pad_id=PAD)  # compiled by `greedy`
+    start = generate._cache_size()
+    # new weights of the same structure (a second model built from other tensors), new
+    # prompt values, new key: the compiled program is reused
+    tensors = {k: v.detach().numpy() * 1.01 for k, v in hf.state_dict().items()}
+    graphdef2, state2 = nnx.split(from_hf_state_dict(HF_CONFIG, tensors))
+    other = left_pad([[1, 2], [3], [4, 5, 6], [7] * 9], pad_id=PAD)
+    out = generate(graphdef2, state2, *other, jax.random.key(1), config=config)
+    assert generate._cache_size() == start
+    assert not np.array_equal(np.asarray(out.tokens), greedy.tokens)
+    # a new config or a new prompt length compiles again
+    generate(graphdef, state, *prompts, jax.random.key(0), config=SamplingConfig(max_new_tokens=5, pad_id=PAD))
+    assert generate._cache_size() == start + 1
+    generate(graphdef, state, *left_pad(PROMPTS, pad_id=PAD, length=10), jax.random.key(0), config=config)
+    assert generate._cache_size() == start + 2
+
+
+def test_left_pad():
+    tokens, mask = left_pad([[4, 5], [6]], pad_id=9, length=3)
+    np.testing.assert_array_equal(tokens, [[9, 4, 5], [9, 9, 6]])
+    np.testing.assert_array_equal(mask, [[0, 1, 1], [0, 0, 1]])
+    with pytest.raises(ValueError, match="sequence 0 has 2 tokens; length is 1"):
+        left_pad([[4, 5]], pad_id=0, length=1)
+    with pytest.raises(ValueError, match="sequence 1 is empty"):
+        left_pad([[4], []], pad_id=0)
+
+
+# ------------------------------------------------------------------------ mesh
+
+MESH_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    from flax import nnx
+    from alignax.models import CausalLM, ModelConfig
+    from alignax.parallel import batch_sharding, make_mesh, place_array, shard_model
+    from alignax.sampling import SamplingConfig, generate, left_pad
+
+    assert len(jax.devices()) == 8
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, intermediate_size=48, norm_eps=1e-5,
+                         max_position_embeddings=64)
+    model = CausalLM(config, rngs=nnx.Rngs(3))
+    state = jax.tree.map(lambda x: x * 6.0, nnx.state(model))  # spread the logits
+    nnx.update(model, state)
+    rng = np.random.RandomState(0)
+    tokens, mask = left_pad([list(rng.randint(1, 64, n)) for n in (3, 8, 1, 5, 7, 2, 6, 4)], pad_id=0)
+    key = jax.random.key(5)
+    greedy = SamplingConfig(max_new_tokens=10, greedy=True, stop_token_ids=(3, 4), pad_id=0)
+    sample = SamplingConfig(max_new_tokens=10, stop_token_ids=(3,), pad_id=0, num_samples=2)
+
+    graphdef, state = nnx.split(model)
+    single = {c: jax.device_get(generate(graphdef, state, tokens, mask, key, config=c)) for c in (greedy, sample)}
+
+    mesh = make_mesh((2, 2, 2))
+    shard_model(model, mesh)
+    graphdef, state = nnx.split(model)
+    kernel = nnx.state(model)["model"]["layers"][0]["attn"]["q_kernel"].get_value()
+    assert len(kernel.sharding.device_set) == 8, kernel.sharding
+    data = batch_sharding(mesh)
+    t, m = place_array(tokens, data), place_array(mask, data)
+    for c in (greedy, sample):
+        with jax.set_mesh(mesh):
+            out = generate(graphdef, state, t, m, key, config=c)
+        for x in (out.tokens, out.logps, out.lengths):
+            assert x.sharding.is_equivalent_to(batch_sharding(mesh, x.ndim), x.ndim), x.sharding
+        results = [jax.device_get(out)]
+        if c is greedy:  # without a mesh in context XLA propagates the input shardings
+            results.append(jax.device_get(generate(graphdef, state, t, m, key, config=c)))
+        ref = single[c]
+        for got in results:
+            np.testing.assert_array_equal(got.tokens, ref.tokens)
+            np.testing.assert_array_equal(got.response_mask, ref.response_mask)
+            # the tensor axis splits reductions: float32 sums in another order
+            np.testing.assert_allclose(got.logps, ref.logps, atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(got.sampling_logps, ref.sampling_logps, atol=1e-4, rtol=1e-4)
+    assert single[greedy].response_mask.sum() > 0
+    print("OK", single[greedy].lengths.tolist(), single[sample].lengths.tolist())
+    """
+)
+
+
+def test_sharded_batch_equals_single_device():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("OK"), proc.stdout
