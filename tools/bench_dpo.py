@@ -1,0 +1,233 @@
+"""DPO step time: alignax's trainer vs Google Tunix's DPOTrainer, same shapes, same run.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_dpo.py --model tiny
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_dpo.py --model smollm2-135m --steps 3 --out runs/bench/dpo.json
+
+One step: 8 preference pairs x 128 tokens (prompt 64 + response 64, every token real,
+random ids), sigmoid DPO loss (beta 0.1) on response log-probs summed per sequence,
+AdamW (lr 1e-5, weight decay 1e-4 as optax.adamw's default, constant schedule),
+float32. Chosen and rejected go through the policy in one forward (2B rows); the frozen
+reference is live, so every step also runs its forward.
+
+alignax side: what ``alignax train`` with ``algorithm: dpo`` and ``dpo.reference: live``
+runs, built from a TrainConfig through the trainer's own pieces (build_model,
+preference.make_task, build_optimizer, init_train_state, make_train_step jitted with the
+same donation and shardings as alignax.trainers.run.train) and driven by the trainer's
+own loop (alignax.trainers.loop.run_loop: place the batch, step, read the non-finite
+streak, pull the metrics to the host). Step times are the loop's ``perf/step_time_s``.
+
+Tunix side: tools/peers/tunix_dpo.py in .venv-bench (reference forward in
+``_prepare_inputs`` + the jitted train step, both blocked).
+
+Gradient clipping is off on our side (``optim.max_grad_norm: null``) because Tunix's DPO
+step has none. Prints one JSON object (see ``--help``); ``speedup`` = Tunix median step
+time / alignax median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as common  # noqa: E402
+
+common.offline_environment()
+
+BATCH, SEQ, PROMPT = 8, 128, 64
+BETA, LR, WEIGHT_DECAY = 0.1, 1e-5, 1e-4
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(parser, steps=5, warmup=1)
+    args = parser.parse_args(argv)
+    common.check_common_args(parser, args)
+    return args
+
+
+def train_config(args):
+    from alignax.data import DataConfig
+    from alignax.trainers.config import MeshSection, PreferenceSection, TrainConfig, TrainSection
+    from alignax.trainers.optim import OptimConfig
+
+    return TrainConfig(
+        algorithm="dpo",
+        output_dir="runs/bench-dpo",
+        model=common.model_spec(args),
+        data=DataConfig(format="preference", max_length=SEQ, max_prompt_length=PROMPT, batch_size=BATCH),
+        optim=OptimConfig(name="adamw", learning_rate=LR, schedule="constant", weight_decay=WEIGHT_DECAY,
+                          max_grad_norm=None),
+        train=TrainSection(total_steps=args.warmup + args.steps, seed=args.seed),
+        dpo=PreferenceSection(loss="dpo", variant="sigmoid", beta=BETA, reference="live"),
+        mesh=MeshSection(shape=(1, 1, 1)),
+    )
+
+
+def make_batches(n: int, *, vocab: int, seed: int) -> list[dict]:
+    """``n`` preference batches in the data pipeline's layout (right-padded, here full)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    response = SEQ - PROMPT
+    positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), (BATCH, SEQ)).copy()
+    ones = np.ones((BATCH, SEQ), np.int32)
+    response_mask = np.concatenate([np.zeros((BATCH, PROMPT), np.int32), np.ones((BATCH, response), np.int32)], 1)
+    batches = []
+    for _ in range(n):
+        prompt = rng.integers(3, vocab, size=(BATCH, PROMPT), dtype=np.int32)
+        batch = {"example_mask": np.ones((BATCH,), np.int32), "record_index": np.arange(BATCH, dtype=np.int32)}
+        for side in ("chosen", "rejected"):
+            tokens = np.concatenate([prompt, rng.integers(3, vocab, size=(BATCH, response), dtype=np.int32)], 1)
+            batch |= {f"{side}_tokens": tokens, f"{side}_positions": positions, f"{side}_attention_mask": ones,
+                      f"{side}_response_mask": response_mask}
+        batches.append(batch)
+    return batches
+
+
+class _Batches:
+    """The data iterator protocol run_loop expects, over in-memory batches."""
+
+    def __init__(self, batches):
+        self.batches, self.position = batches, 0
+
+    def __next__(self):
+        batch = self.batches[self.position]
+        self.position += 1
+        return batch
+
+    def get_state(self):
+        return {"position": self.position}
+
+    def set_state(self, state):
+        self.position = state["position"]
+
+
+def bench_alignax(args) -> tuple[dict, dict]:
+    """``(timings, model summary)`` of alignax's DPO steps through the trainer's loop."""
+    import jax
+    import jax.numpy as jnp
+
+    from alignax.metrics import MultiWriter
+    from alignax.parallel.sharding import tree_shardings
+    from alignax.trainers import preference
+    from alignax.trainers.common import BatchPlacer, build_mesh, build_model, split_params
+    from alignax.trainers.loop import LoopConfig, run_loop
+    from alignax.trainers.optim import build_optimizer
+    from alignax.trainers.step import init_train_state, make_train_step
+
+    clock = common.CompileClock()
+    config = train_config(args)
+    t0 = time.perf_counter()
+    # The setup of alignax.trainers.run.train, minus data files, checkpoints and writers.
+    mesh = build_mesh(config.mesh)
+    model = build_model(config.model, kind="causal_lm", mesh=mesh)
+    graphdef, params, rest = split_params(model)
+    task = preference.make_task(config, graphdef, rest)
+    optimizer, schedule = build_optimizer(config.optim, config.train.total_steps)
+    init = lambda p: init_train_state(p, optimizer, jax.random.key(config.train.seed))  # noqa: E731
+    shardings = tree_shardings(jax.eval_shape(init, params), mesh)
+    state = jax.jit(init, out_shardings=shardings)(params)
+    reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
+    frozen = {"reference": reference}
+    step_fn = jax.jit(
+        make_train_step(task.loss_fn, optimizer, normalisers_fn=task.normalisers_fn,
+                        grad_accum_steps=config.train.grad_accum_steps, schedule=schedule),
+        donate_argnums=(0,),
+        out_shardings=(shardings, None),
+    )
+    jax.block_until_ready(state)
+    build_s = time.perf_counter() - t0
+    summary = common.model_summary(args, params)
+
+    marks = []  # compile-clock readings around each step
+
+    def marked_step(st, fr, batch):
+        marks.append(clock.snapshot())
+        out = step_fn(st, fr, batch)
+        jax.block_until_ready(out)  # the loop blocks right after (non-finite streak); marks need it here
+        marks.append(clock.snapshot())
+        return out
+
+    total = args.warmup + args.steps
+    batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1)
+    result = run_loop(
+        config=LoopConfig(total_steps=total, log_every=1), state=state, frozen=frozen, step_fn=marked_step,
+        batches=_Batches(batches), place_batch=BatchPlacer(mesh), writer=MultiWriter([]),
+    )
+    history = result.history
+    step_times = [h["perf/step_time_s"] for h in history[args.warmup:]]
+    compile_in = lambda i, k: marks[2 * i + 1][k] - marks[2 * i][k]  # noqa: E731
+    warm_compile = sum(compile_in(i, 0) for i in range(args.warmup))
+    timed_compile = sum(compile_in(i, 0) for i in range(args.warmup, total))
+    timings = {
+        "step_time_s_median": common.median(step_times),
+        "step_times_s": step_times,
+        "first_step_time_s": history[0]["perf/step_time_s"],
+        "compile_time_s": warm_compile,
+        "xla_compile_time_s": sum(compile_in(i, 1) for i in range(args.warmup)),
+        "xla_compiles_warmup": sum(compile_in(i, 2) for i in range(args.warmup)),
+        "compile_time_timed_steps_s": timed_compile,
+        "build_time_s": build_s,
+        "tokens_per_s": 2 * BATCH * SEQ / common.median(step_times),
+        "loss_first_last": [history[0]["loss"], history[-1]["loss"]],
+        "grad_norm_first": history[0]["grad_norm"],
+        "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__,
+        "what": "alignax.trainers.loop.run_loop over the jitted make_train_step(preference.make_task(...).loss_fn) "
+                "with the live reference: per step place batch + policy fwd/bwd on 2B rows + reference fwd + "
+                "AdamW, non-finite streak and metrics pulled to the host (perf/step_time_s of the loop)",
+    }
+    return timings, summary
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    load_start = os.getloadavg()
+    ours, model = bench_alignax(args)
+    notes = [
+        "alignax: optim.max_grad_norm=null (Tunix's DPO step clips nothing); weight_decay 1e-4 on matrices only "
+        "(optax.adamw's default 1e-4 on every parameter on the Tunix side); constant learning rate on both.",
+        "alignax: model.logprob_chunk_size null (default): log-probs from full [2B, T-1, V] logits, as Tunix.",
+        "alignax's step is one jit (policy + reference + update), so no ref/train split is reported for it.",
+    ]
+    if ours["compile_time_timed_steps_s"] > 0.5:
+        notes.append(f"alignax compiled {ours['compile_time_timed_steps_s']:.2f}s during timed steps.")
+    peer = None
+    if not args.skip_peer:
+        peer_args = ["--batch", str(BATCH), "--seq", str(SEQ), "--prompt-len", str(PROMPT), "--steps",
+                     str(args.steps), "--warmup", str(args.warmup), "--beta", str(BETA), "--lr", str(LR),
+                     *common.peer_model_args(args)]
+        peer, failure = common.run_peer("tunix_dpo.py", peer_args, timeout=args.peer_timeout)
+        if failure:
+            notes.append(f"Tunix run failed: {failure}")
+        else:
+            notes.extend(common.shape_notes(model, peer))
+    result = {
+        "task": "dpo",
+        "model": model,
+        "shapes": {"pairs": BATCH, "seq": SEQ, "prompt_len": PROMPT, "response_len": SEQ - PROMPT,
+                   "sequences_per_step": 2 * BATCH, "dtype": "float32"},
+        "hyper": {"loss": "dpo sigmoid", "beta": BETA, "label_smoothing": 0.0,
+                  "logps": "summed over response tokens", "reference": "live",
+                  "optimizer": f"adamw lr {LR} constant, b1 0.9 b2 0.999 eps 1e-8, weight decay {WEIGHT_DECAY}",
+                  "max_grad_norm": None, "grad_accum_steps": 1},
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "alignax": ours,
+        "tunix": peer,
+        "speedup": common.speedup(ours, peer),
+        "target_speedup": 1.5,
+        "load_average_start": list(load_start),
+        "load_average": list(os.getloadavg()),
+        "cpu_count": os.cpu_count(),
+        "notes": notes,
+    }
+    common.finish(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
