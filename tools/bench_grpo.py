@@ -1,0 +1,253 @@
+"""GRPO step time (generation + update): alignax's OnlineTrainer vs Google Tunix's
+GRPOLearner, same shapes, same run.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_grpo.py --model tiny
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_grpo.py --model smollm2-135m --steps 2 --out runs/bench/grpo.json
+
+One step: 8 prompts of 64 real tokens (random ids), G = 2 completions each of exactly 64
+sampled tokens (no stop token on either side), temperature 0.9, top_p 1.0, a cheap rule
+reward on the host, group advantages ``(r - mean) / (std_unbiased + eps)``, the clipped
+loss (eps 0.2) with k1 KL to the frozen reference in the loss (beta 0.04),
+seq-mean-token-mean aggregation, 1 epoch x 1 minibatch, AdamW lr 1e-6 (weight decay 1e-4,
+constant schedule, no clipping), float32.
+
+alignax side: ``OnlineTrainer.rl_step`` itself, the trainer's whole rollout step:
+sampling (the one-jit sampler), decoding and scoring, old log-probs (recomputed, the
+default) and reference log-probs, advantages, the jitted update, metrics. The trainer is
+built from a TrainConfig; the state, the jitted update and the frozen reference are set
+up as ``OnlineTrainer.train`` does (that method also runs the loop, checkpoints and
+writers, so its setup lines are repeated here). Prompt batches are fed directly: the
+tiny model's vocabulary (4096) is smaller than its tokenizer's (SmolLM2, 49152), so the
+prompts are random ids below the model's vocabulary; the tokenizer decodes them like any
+others. The parts come from the step's own figures: ``perf/generation_s``,
+``perf/logprob_s``, ``perf/training_s``; the step time is the wall time of the call.
+
+Tunix side: tools/peers/tunix_grpo.py in .venv-bench (its own ``GRPOLearner.train`` loop,
+timers around generate / reference log-probs / update). ``speedup`` = Tunix median step
+time / alignax median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as common  # noqa: E402
+
+common.offline_environment()
+
+PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 8, 2, 64, 64
+TEMPERATURE, TOP_P = 0.9, 1.0
+BETA, CLIP, LR, WEIGHT_DECAY = 0.04, 0.2, 1e-6, 1e-4
+REWARD = "bench_common:even_char_share"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(parser, steps=3, warmup=1)
+    args = parser.parse_args(argv)
+    common.check_common_args(parser, args)
+    return args
+
+
+def train_config(args):
+    from alignax.data import DataConfig
+    from alignax.trainers.config import (CheckpointSection, GRPOSection, LoggingSection, MeshSection, RLRewardSection,
+                                         RolloutSection, TrainConfig, TrainSection)
+    from alignax.trainers.optim import OptimConfig
+
+    vocab = int(common.SHAPES[args.model]["vocab_size"])
+    return TrainConfig(
+        algorithm="grpo",
+        output_dir="runs/bench-grpo",
+        model=common.model_spec(args),
+        data=DataConfig(format="prompt", max_prompt_length=PROMPT_LEN, batch_size=PROMPTS, read_threads=0),
+        # An id outside the vocabulary is never sampled: every completion has exactly
+        # NEW_TOKENS tokens, as on the Tunix side (eos_tokens=[-1]).
+        rollout=RolloutSection(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, top_k=0, top_p=TOP_P,
+                               num_samples=GROUP, stop_token_ids=(vocab,), old_logps="recompute"),
+        rewards=RLRewardSection(verifier_weight=0.0, format_weight=0.0, functions={REWARD: 1.0}),
+        grpo=GRPOSection(advantage="grpo", unbiased_std=True, policy_loss="ppo", clip_eps_low=CLIP,
+                         clip_eps_high=None, aggregation="seq-mean-token-mean", kl_coef=BETA, kl_kind="k1",
+                         kl_placement="loss", entropy_coef=0.0, epochs=1, minibatches=1),
+        optim=OptimConfig(name="adamw", learning_rate=LR, schedule="constant", weight_decay=WEIGHT_DECAY,
+                          max_grad_norm=None),
+        train=TrainSection(total_steps=args.warmup + args.steps, seed=args.seed),
+        checkpoint=CheckpointSection(enabled=False),
+        logging=LoggingSection(console=False, jsonl=False, tensorboard=False),
+        mesh=MeshSection(shape=(1, 1, 1)),
+    )
+
+
+def prompt_batches(n: int, *, vocab: int, seed: int) -> list[dict]:
+    """``n`` prompt batches in the data pipeline's layout (left-padded; here full)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "prompt_tokens": rng.integers(3, vocab, size=(PROMPTS, PROMPT_LEN), dtype=np.int32),
+            "prompt_attention_mask": np.ones((PROMPTS, PROMPT_LEN), np.int32),
+            "references": tuple({"prompt": "", "answer": ""} for _ in range(PROMPTS)),
+        }
+        for _ in range(n)
+    ]
+
+
+def prepare(trainer):
+    """``(state, frozen)`` and ``trainer.update``, exactly as ``OnlineTrainer.train`` sets them up."""
+    import jax
+    import jax.numpy as jnp
+
+    from alignax.parallel.sharding import tree_shardings
+    from alignax.trainers.step import init_train_state
+
+    config = trainer.config
+    extra = {"kl_coef": trainer.kl_controller.init(), "rollouts": jnp.zeros((), jnp.int32)}
+    init = lambda p: init_train_state(p, trainer.optimizer, jax.random.key(config.train.seed), extra)  # noqa: E731
+    shardings = tree_shardings(jax.eval_shape(init, trainer.initial_params), trainer.mesh)
+    state = jax.jit(init, out_shardings=shardings)(trainer.initial_params)
+    trainer.update = jax.jit(trainer._make_step(), donate_argnums=(0,), out_shardings=(shardings, None))
+    frozen = {}
+    if trainer.uses_reference:
+        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
+        frozen = {"reference": copy(trainer.policy_params(trainer.initial_params))}
+    return state, frozen
+
+
+def bench_alignax(args) -> tuple[dict, dict]:
+    """``(timings, model summary)`` of alignax's GRPO rollout steps."""
+    import jax
+
+    from alignax.trainers.online import OnlineTrainer
+
+    clock = common.CompileClock()
+    config = train_config(args)
+    t0 = time.perf_counter()
+    # The data section needs records to build; the steps are fed prompt batches directly.
+    records = [{"prompt": "hi", "answer": ""} for _ in range(PROMPTS)]
+    trainer = OnlineTrainer(config, records=records)
+    state, frozen = prepare(trainer)
+    jax.block_until_ready((state, frozen))
+    build_s = time.perf_counter() - t0
+    summary = common.model_summary(args, trainer.policy_params(state.params))
+
+    total = args.warmup + args.steps
+    batches = prompt_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1)
+    walls, figures_per_step, compile_per_step = [], [], []
+    for batch in batches:
+        before = clock.snapshot()
+        start = time.perf_counter()
+        state, figures = trainer.rl_step(state, frozen, batch, iter(()))
+        jax.block_until_ready(state)
+        walls.append(time.perf_counter() - start)
+        after = clock.snapshot()
+        figures_per_step.append(figures)
+        compile_per_step.append(tuple(a - b for a, b in zip(after, before)))
+
+    timed = slice(args.warmup, total)
+    part = lambda key: [f[key] for f in figures_per_step[timed]]  # noqa: E731
+    step_times = walls[timed]
+    generation, logprob, update = part("perf/generation_s"), part("perf/logprob_s"), part("perf/training_s")
+    other = [s - g - lp - u for s, g, lp, u in zip(step_times, generation, logprob, update)]
+    last = figures_per_step[-1]
+    timings = {
+        "step_time_s_median": common.median(step_times),
+        "step_times_s": step_times,
+        "generation_s": common.median(generation),
+        "generation_times_s": generation,
+        "logprob_s": common.median(logprob),
+        "update_s": common.median(update),
+        "update_times_s": update,
+        "other_s": common.median(other),
+        "first_step_time_s": walls[0],
+        "compile_time_s": sum(c[0] for c in compile_per_step[: args.warmup]),
+        "xla_compile_time_s": sum(c[1] for c in compile_per_step[: args.warmup]),
+        "xla_compiles_warmup": sum(c[2] for c in compile_per_step[: args.warmup]),
+        "compile_time_timed_steps_s": sum(c[0] for c in compile_per_step[timed]),
+        "build_time_s": build_s,
+        "generated_tokens_per_s": PROMPTS * GROUP * NEW_TOKENS / common.median(generation),
+        "completion_length_mean": last["response/length_mean"],
+        "reward_mean_last": last["reward/total"],
+        "first_minibatch_ratio_mean_last": last["first_minibatch/ratio_mean"],
+        "kl_ref_k1_last": last["kl/ref_k1"],
+        "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__,
+        "what": "OnlineTrainer.rl_step wall time (blocked on the new state): generation = perf/generation_s "
+                "(the jitted sampler incl. device->host), logprob = perf/logprob_s (policy forward recomputing "
+                "old log-probs + reference forward, both with entropy, at temperature 0.9), update = "
+                "perf/training_s (the jitted make_train_step, metrics to host), other = decoding, reward, "
+                "advantages, host figures",
+    }
+    return timings, summary
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    load_start = os.getloadavg()
+    ours, model = bench_alignax(args)
+    notes = [
+        "alignax: optim.max_grad_norm=null (Tunix's GRPO update clips nothing); weight_decay 1e-4 on matrices "
+        "only (optax.adamw's default on every parameter on the Tunix side); constant learning rate on both.",
+        "alignax: rollout.old_logps=recompute (default): one policy forward for old log-probs besides the "
+        "reference forward; Tunix with num_iterations=1 takes old = stop_gradient(new) and skips that forward.",
+        "top_p=1.0: alignax keeps the whole vocabulary without sorting; Tunix 0.1.7 still sorts the vocabulary "
+        "every decode step at top_p=1.0 (its top-p path).",
+        f"reward: alignax {REWARD} (share of even code points of the decoded text); Tunix parity_reward (share "
+        "of even token ids); both host Python over 16 short strings.",
+        "no early stop: alignax rollout.stop_token_ids=[vocab_size] (never sampled), Tunix eos_tokens=[-1].",
+    ]
+    if ours["compile_time_timed_steps_s"] > 0.5:
+        notes.append(f"alignax compiled {ours['compile_time_timed_steps_s']:.2f}s during timed steps.")
+    peer = None
+    if not args.skip_peer:
+        peer_args = ["--batch", str(PROMPTS), "--num-generations", str(GROUP), "--seq", str(PROMPT_LEN + NEW_TOKENS),
+                     "--prompt-len", str(PROMPT_LEN), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                     "--beta", str(BETA), "--epsilon", str(CLIP), "--kl-mode", "kl",
+                     "--loss-agg", "sequence-mean-token-mean", "--temperature", str(TEMPERATURE),
+                     "--top-p", str(TOP_P), "--lr", str(LR), *common.peer_model_args(args)]
+        peer, failure = common.run_peer("tunix_grpo.py", peer_args, timeout=args.peer_timeout)
+        if failure:
+            notes.append(f"Tunix run failed: {failure}")
+        else:
+            notes.extend(common.shape_notes(model, peer))
+    parts = None
+    if peer is not None:
+        ours_train = ours["logprob_s"] + ours["update_s"]
+        peer_train = peer["ref_logps_time_s_median"] + peer["update_time_s_median"]
+        parts = {
+            "generation": peer["generation_time_s_median"] / ours["generation_s"],
+            "logprobs_plus_update": peer_train / ours_train,
+            "what": "tunix / alignax medians; logprobs_plus_update: tunix ref + update vs alignax logprob + update",
+        }
+    result = {
+        "task": "grpo",
+        "model": model,
+        "shapes": {"prompts": PROMPTS, "num_generations": GROUP, "rows": PROMPTS * GROUP, "prompt_len": PROMPT_LEN,
+                   "new_tokens": NEW_TOKENS, "seq": PROMPT_LEN + NEW_TOKENS, "dtype": "float32"},
+        "hyper": {"advantage": "grpo (unbiased std)", "policy_loss": "ppo clip", "clip_eps": CLIP, "kl_coef": BETA,
+                  "kl_kind": "k1", "kl_placement": "loss", "aggregation": "seq-mean-token-mean", "epochs": 1,
+                  "minibatches": 1, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": 0,
+                  "optimizer": f"adamw lr {LR} constant, weight decay {WEIGHT_DECAY}", "max_grad_norm": None,
+                  "reward": REWARD},
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "alignax": ours,
+        "tunix": peer,
+        "speedup": common.speedup(ours, peer),
+        "speedup_parts": parts,
+        "target_speedup": 1.5,
+        "load_average_start": list(load_start),
+        "load_average": list(os.getloadavg()),
+        "cpu_count": os.cpu_count(),
+        "notes": notes,
+    }
+    common.finish(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
