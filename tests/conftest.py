@@ -17,3 +17,14 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".pytest_cache", "jax-compilation"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def toy_model(tmp_path_factory):
+    """The toy word-level model folder (tests/toy_model.py), written once per session."""
+    from tests.toy_model import make_toy_model
+
+    return make_toy_model(tmp_path_factory.mktemp("toy-model"))

@@ -14,13 +14,14 @@ import numpy as np
 from flax import nnx
 
 from alignax.trainers.run import train
-from tests.trainer_helpers import SHORT, separable_pairs, tiny_config
+from tests.toy_model import make_toy_model
+from tests.trainer_helpers import separable_pairs, tiny_config
 
 
-def run(shape):
+def run(model_dir, shape):
     with tempfile.TemporaryDirectory() as tmp:
-        config = tiny_config(tmp, "dpo", steps=2, checkpoint={"enabled": False}, mesh={"shape": list(shape)},
-                             train={"grad_accum_steps": 2}, **SHORT)
+        config = tiny_config(tmp, "dpo", steps=2, model_dir=model_dir, checkpoint={"enabled": False},
+                             mesh={"shape": list(shape)}, train={"grad_accum_steps": 2})
         result = train(config, records=separable_pairs(40))
     params = nnx.state(result.model, nnx.Param)
     return result, params
@@ -28,8 +29,10 @@ def run(shape):
 
 def main() -> int:
     assert jax.device_count() == 8, jax.devices()
-    single, single_params = run((1, 1, 1))
-    sharded, sharded_params = run((2, 2, 2))
+    with tempfile.TemporaryDirectory() as model_dir:
+        make_toy_model(model_dir)
+        single, single_params = run(model_dir, (1, 1, 1))
+        sharded, sharded_params = run(model_dir, (2, 2, 2))
     specs = {
         "/".join(map(str, path)): str(leaf.sharding.spec)
         for path, leaf in jax.tree_util.tree_leaves_with_path(sharded_params)

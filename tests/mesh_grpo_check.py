@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 
 from alignax.trainers.online import train
-from tests.rl_toy import make_toy_model, toy_config, toy_prompts
+from tests.rl_toy import toy_config, toy_prompts
+from tests.toy_model import make_toy_model
 
 
 def run(model_dir, shape):

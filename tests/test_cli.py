@@ -11,19 +11,19 @@ import yaml
 from alignax.checkpoint import Checkpointer
 from alignax.data import write_jsonl
 from alignax.metrics import read_jsonl
-from tests.trainer_helpers import TINY_MODEL, separable_pairs
+from tests.trainer_helpers import separable_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def write_recipe(tmp_path, **train):
+def write_recipe(tmp_path, model_dir, **train):
     data_path = tmp_path / "pairs.jsonl"
     write_jsonl(separable_pairs(40), data_path)
     recipe = {
         "algorithm": "dpo",
         "output_dir": str(tmp_path / "run"),
-        "model": TINY_MODEL,
-        "data": {"paths": [str(data_path)], "format": "preference", "max_length": 64, "max_prompt_length": 48,
+        "model": {"name": model_dir},
+        "data": {"paths": [str(data_path)], "format": "preference", "max_length": 32, "max_prompt_length": 24,
                  "batch_size": 8, "eval_fraction": 0.2},
         "train": {"total_steps": 4, "log_every": 1, **train},
         "logging": {"tensorboard": True},
@@ -40,8 +40,8 @@ def alignax(*args, **kwargs):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
-def test_unknown_and_ill_typed_keys_exit_2_naming_the_key(tmp_path):
-    recipe = write_recipe(tmp_path)
+def test_unknown_and_ill_typed_keys_exit_2_naming_the_key(tmp_path, toy_model):
+    recipe = write_recipe(tmp_path, toy_model)
     proc = alignax("train", str(recipe), "dpo.betta=0.2")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
@@ -54,8 +54,8 @@ def test_unknown_and_ill_typed_keys_exit_2_naming_the_key(tmp_path):
     assert proc.returncode == 2 and "dpo.loss: 'ppo' is not a valid choice; valid: 'dpo', 'simpo'" in err
 
 
-def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path):
-    recipe = write_recipe(tmp_path, total_steps=500)
+def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path, toy_model):
+    recipe = write_recipe(tmp_path, toy_model, total_steps=500)
     proc = alignax("train", str(recipe))
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 600

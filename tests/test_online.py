@@ -10,12 +10,7 @@ import pytest
 from alignax.checkpoint import Checkpointer
 from alignax.trainers.online import OnlineTrainer, train
 from alignax.trainers.rl_rewards import NonFiniteRewardError
-from tests.rl_toy import ensure_dir, make_toy_model, toy_config, toy_prompts
-
-
-@pytest.fixture(scope="module")
-def toy_model(tmp_path_factory):
-    return make_toy_model(ensure_dir(tmp_path_factory.mktemp("toy-model")))
+from tests.rl_toy import toy_config, toy_prompts
 
 
 def rewards_of(result):

@@ -1,5 +1,5 @@
-"""Shared pieces of the trainer tests: a tiny random model on SmolLM2's tokenizer, and
-small synthetic datasets whose answers are known."""
+"""Shared pieces of the trainer tests: the tiny recipes of configs/, the toy word-level
+model (tests/toy_model.py), and small synthetic datasets whose answers are known."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ CONFIGS = os.path.join(ROOT, "configs")
 # The tiny model of configs/tiny-*.yaml (scripts that write their own recipe use it).
 TINY_MODEL = config_io.load_yaml(os.path.join(CONFIGS, "tiny-dpo.yaml"))["model"]
 
-WORDS = ("apple river stone cloud maple ember north quiet silver harbor lantern meadow cedar "
-         "falcon copper willow summit breeze canyon violet").split()
+from tests.toy_model import TOY_WORDS
+
+# Content words of the synthetic records ("yes" / "no" are kept for the answers).
+WORDS = [w for w in TOY_WORDS if w not in ("yes", "no")]
 
 
 def separable_pairs(n: int, seed: int = 0) -> list[dict]:
@@ -27,7 +29,7 @@ def separable_pairs(n: int, seed: int = 0) -> list[dict]:
     for _ in range(n):
         topic = " ".join(rng.sample(WORDS, 3))
         word = rng.choice(WORDS)
-        records.append({"prompt": f"Say something about {topic}.", "chosen": f"yes {word}", "rejected": f"no {word}"})
+        records.append({"prompt": f"what is {topic}", "chosen": f"yes {word}", "rejected": f"no {word}"})
     return records
 
 
@@ -36,7 +38,7 @@ def sft_conversations(n: int, seed: int = 0) -> list[dict]:
     out = []
     for _ in range(n):
         word = rng.choice(WORDS)
-        out.append({"messages": [{"role": "user", "content": f"Repeat: {word}"},
+        out.append({"messages": [{"role": "user", "content": f"what is {word}"},
                                  {"role": "assistant", "content": f"{word} {word}"}]})
     return out
 
@@ -47,7 +49,7 @@ def unpaired_feedback(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         word = rng.choice(WORDS)
         good = i % 2 == 0
-        out.append({"prompt": f"Answer about {word}.", "completion": ("yes " if good else "no ") + word, "label": good})
+        out.append({"prompt": f"what is {word}", "completion": ("yes " if good else "no ") + word, "label": good})
     return out
 
 
@@ -58,10 +60,15 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def tiny_config(tmp_path, recipe: str, *, steps: int = 4, overrides: tuple[str, ...] = (), **sections):
+def tiny_config(tmp_path, recipe: str, *, steps: int = 4, model_dir: str | None = None,
+                overrides: tuple[str, ...] = (), **sections):
     """``configs/tiny-<recipe>.yaml`` writing under ``tmp_path``, quiet, with ``sections``
-    merged over it (e.g. ``dpo={"beta": 0.5}``) and dotted ``overrides`` applied last."""
+    merged over it (e.g. ``dpo={"beta": 0.5}``) and dotted ``overrides`` applied last.
+    ``model_dir``: train that model folder (e.g. the toy model) instead of the recipe's."""
     raw = config_io.load_yaml(os.path.join(CONFIGS, f"tiny-{recipe}.yaml"))
+    if model_dir is not None:
+        raw["model"] = {"name": str(model_dir)}
+        raw.setdefault("data", {}).update(max_length=32, max_prompt_length=24)
     raw = _merge(raw, {
         "output_dir": str(tmp_path),
         "train": {"total_steps": steps, "log_every": 1},
@@ -71,6 +78,3 @@ def tiny_config(tmp_path, recipe: str, *, steps: int = 4, overrides: tuple[str, 
     raw = _merge(raw, sections)
     return load_config(data=raw, overrides=overrides)
 
-
-# Synthetic records are short: a shorter sequence budget keeps their runs fast.
-SHORT = {"data": {"max_length": 64, "max_prompt_length": 48}}
