@@ -82,3 +82,16 @@ def test_clear_errors_for_references_the_scorer_cannot_use():
         verifier_rewards(["a", "b"], [REF])
     with pytest.raises(TypeError, match="not one string"):
         format_reward("<answer>1</answer>")
+
+
+def test_last_number_extraction_is_a_fallback_for_untagged_answers():
+    assert extract_answer("4 + 3 = 7.", extraction="tag_or_last_number") == "7"
+    assert extract_answer("<answer>5</answer> then 9", extraction="tag_or_last_number") == "5"  # a tag wins
+    assert extract_answer("it is -12.5 or so", extraction="tag_or_last_number") == "-12.5"
+    assert extract_answer("no digits here", extraction="tag_or_last_number") is None
+    assert extract_answer("4 + 3 = 7.") is None  # the default reads tags only
+    with pytest.raises(ValueError, match="valid: tag, tag_or_last_number"):
+        extract_answer("7", extraction="number")
+    reference = {"answer": "7", "task": "chain_sum", "metadata": {}}
+    _, parts = verifier_rewards(["4 + 3 = 7.", "4 + 3 = 8."], [reference, reference], extraction="tag_or_last_number")
+    assert parts["correct"].tolist() == [1.0, 0.0] and parts["format"].tolist() == [0.0, 0.0]

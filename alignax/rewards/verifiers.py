@@ -29,11 +29,27 @@ from typing import Any
 import numpy as np
 
 
-def extract_answer(completion: str, *, tag: str = "answer") -> str | None:
-    """The stripped content of the last ``<tag>...</tag>`` in ``completion``, or ``None``."""
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+EXTRACTIONS = ("tag", "tag_or_last_number")
+
+
+def extract_answer(completion: str, *, tag: str = "answer", extraction: str = "tag") -> str | None:
+    """The answer a completion gives, or ``None``.
+
+    ``tag``: the stripped content of the last ``<tag>...</tag>`` (reasoning-gym's own
+    extractor). ``tag_or_last_number``: that, or when there is no tag the last number in
+    the text (``"... so 4 + 3 = 7."`` -> ``"7"``) — for small models that answer
+    arithmetic in prose; the format reward still tells the two apart.
+    """
     from reasoning_gym.utils import extract_answer as rg_extract
 
-    return rg_extract(completion, tag_name=tag, strip=True)
+    if extraction not in EXTRACTIONS:
+        raise ValueError(f"unknown answer extraction {extraction!r}; valid: {', '.join(EXTRACTIONS)}")
+    answer = rg_extract(completion, tag_name=tag, strip=True)
+    if answer is None and extraction == "tag_or_last_number":
+        numbers = _NUMBER.findall(completion)
+        answer = numbers[-1] if numbers else None
+    return answer
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,6 +97,7 @@ def answer_reward(
     *,
     tag: str = "answer",
     task: str | None = None,
+    extraction: str = "tag",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Task score of each completion's extracted answer, and which scorers failed.
 
@@ -91,6 +108,7 @@ def answer_reward(
       references: ``N`` records with ``answer`` and the task (see the module docstring).
       tag: the answer tag.
       task: the task for references that name none.
+      extraction: how the answer is read (:func:`extract_answer`).
 
     Returns ``(scores [N] float32, scorer_errors [N] float32)``: a scorer that raises on a
     completion (malformed model output) scores 0 and is flagged with 1. A reference
@@ -103,7 +121,7 @@ def answer_reward(
     for i, (completion, reference) in enumerate(zip(completions, references)):
         name = _task_of(reference, i, task)
         scorer = task_scorer(name)
-        answer = extract_answer(completion, tag=tag)
+        answer = extract_answer(completion, tag=tag, extraction=extraction)
         try:
             score = scorer(answer, reference)
         except KeyError as e:
@@ -152,6 +170,7 @@ def verifier_rewards(
     strict_format: bool = False,
     tag: str = "answer",
     task: str | None = None,
+    extraction: str = "tag",
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Weighted verifier reward with its components.
 
@@ -161,7 +180,7 @@ def verifier_rewards(
     ``format`` (0/1), ``correct`` (1 where the task score is 1) and ``scorer_error``
     (1 where the scorer raised), each float32 ``[N]``; log their means.
     """
-    answer, errors = answer_reward(completions, references, tag=tag, task=task)
+    answer, errors = answer_reward(completions, references, tag=tag, task=task, extraction=extraction)
     fmt = format_reward(completions, tag=tag, strict=strict_format)
     rewards = (np.float32(answer_weight) * answer + np.float32(format_weight) * fmt).astype(np.float32)
     components = {

@@ -198,7 +198,8 @@ class RLRewardSection:
       verifier_weight: weight of the reasoning-gym answer score (0 disables it).
       format_weight: weight of the answer-tag format reward; ``strict_format``: the
         completion must be only ``<think>..</think>`` then one ``<answer>`` block.
-      answer_tag: the tag the verifier reads the answer from.
+      answer_tag: the tag the verifier reads the answer from; ``answer_extraction``:
+        ``tag``, or ``tag_or_last_number`` (no tag: the last number in the text).
       functions: extra rule-based rewards, ``{"package.module:function": weight}``; each
         function maps ``(completions, references)`` to one float per completion.
       reward_models: local HF folders of trained reward models (``alignax export`` of a
@@ -218,6 +219,7 @@ class RLRewardSection:
     format_weight: float = 0.0
     strict_format: bool = False
     answer_tag: str = "answer"
+    answer_extraction: Literal["tag", "tag_or_last_number"] = "tag"
     functions: dict[str, float] = dataclasses.field(default_factory=dict)
     reward_models: tuple[str, ...] = ()
     reward_model_weight: float = 1.0

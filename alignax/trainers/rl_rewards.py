@@ -106,7 +106,8 @@ class RewardScorer:
         extra: dict[str, np.ndarray] = {}
         if s.verifier_weight != 0 or s.format_weight != 0:
             _, parts = verifier_rewards(completions, references, answer_weight=s.verifier_weight,
-                                        format_weight=s.format_weight, strict_format=s.strict_format, tag=s.answer_tag)
+                                        format_weight=s.format_weight, strict_format=s.strict_format, tag=s.answer_tag,
+                                        extraction=s.answer_extraction)
             weighted["answer"] = s.verifier_weight * parts["answer"]
             weighted["format"] = s.format_weight * parts["format"]
             extra["correct"] = parts["correct"]
