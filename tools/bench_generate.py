@@ -11,8 +11,11 @@ is measured on the first call and reported separately (excluded from tokens/s).
     HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_generate.py            # prints JSON
 
 ``tokens_per_s = batch * new_tokens / median seconds`` (prefill included on both sides).
-``ratio = alignax / transformers``. The JSON records the load average before and after,
-since other processes share the CPUs.
+transformers runs once per ``--torch-threads`` setting (default: torch's own default and
+1 thread; on a shared, oversubscribed machine PyTorch's spinning OpenMP workers can make
+more threads much slower) and ``ratio`` is taken against its fastest setting:
+``ratio = alignax tokens/s / best transformers tokens/s``. The JSON records the load
+average before each batch size and at the end, since other processes share the CPUs.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def _timed(fn):
 
 
 def bench_batch(graphdef, state, hf, batch: int, args, vocab: int) -> dict:
+    load = os.getloadavg()
     rng = np.random.RandomState(batch)
     prompts = rng.randint(3, vocab, (batch, args.prompt_len)).astype(np.int32)
     mask = np.ones_like(prompts)
@@ -93,15 +97,9 @@ def bench_batch(graphdef, state, hf, batch: int, args, vocab: int) -> dict:
         jax.block_until_ready(out.tokens)
         return out
 
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if args.mode == "sample" else dict(do_sample=False)
     gen_cfg = transformers.GenerationConfig(
-        max_new_tokens=args.new_tokens,
-        min_new_tokens=args.new_tokens,
-        do_sample=args.mode == "sample",
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        eos_token_id=None,
-        pad_token_id=0,
+        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0, **sampling
     )
     prompts_t, mask_t = torch.tensor(prompts, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
 
@@ -111,6 +109,7 @@ def bench_batch(graphdef, state, hf, batch: int, args, vocab: int) -> dict:
 
     first = _timed(run_ours)
     out = run_ours()
+    torch.set_num_threads(args.torch_threads[-1])
     theirs = run_theirs()
     n_ours = int(np.asarray(out.lengths).sum())
     n_theirs = int(theirs[:, args.prompt_len :].numel())
@@ -121,20 +120,28 @@ def bench_batch(graphdef, state, hf, batch: int, args, vocab: int) -> dict:
     if args.mode == "greedy":
         agree = float(np.mean(np.asarray(out.tokens) == theirs[:, args.prompt_len :].numpy()))
 
-    ours_t, theirs_t = [], []
+    # alternate the sides so a change in load hits both
+    ours_t, theirs_t = [], {n: [] for n in args.torch_threads}
     for _ in range(args.repeats):
         ours_t.append(_timed(run_ours))
-        theirs_t.append(_timed(run_theirs))
-    ours_s, theirs_s = statistics.median(ours_t), statistics.median(theirs_t)
+        for threads in args.torch_threads:
+            torch.set_num_threads(threads)
+            theirs_t[threads].append(_timed(run_theirs))
+    ours_s = statistics.median(ours_t)
+    theirs_s = {n: statistics.median(t) for n, t in theirs_t.items()}
+    best = min(theirs_s, key=theirs_s.get)
     return {
         "batch": batch,
         "alignax_tokens_per_s": expected / ours_s,
-        "transformers_tokens_per_s": expected / theirs_s,
-        "ratio": theirs_s / ours_s,
+        "transformers_tokens_per_s": expected / theirs_s[best],
+        "ratio": theirs_s[best] / ours_s,
+        "transformers_best_threads": best,
+        "transformers_tokens_per_s_by_threads": {str(n): expected / t for n, t in theirs_s.items()},
         "alignax_seconds": ours_t,
-        "transformers_seconds": theirs_t,
+        "transformers_seconds_by_threads": {str(n): t for n, t in theirs_t.items()},
         "alignax_compile_seconds": first - ours_s,
         "greedy_token_agreement": agree,
+        "load_average_before": load,
     }
 
 
@@ -148,9 +155,14 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="alignax compute dtype")
     parser.add_argument("--scan-layers", action="store_true", help="alignax: layers under lax.scan")
     parser.add_argument("--random", action="store_true", help="random SmolLM2-shaped weights instead of the real ones")
+    parser.add_argument("--torch-threads", type=int, nargs="+", default=None,
+                        help="torch.set_num_threads settings to time (default: torch's default and 1)")
     parser.add_argument("--output", help="also write the JSON here")
     args = parser.parse_args(argv)
+    if args.torch_threads is None:
+        args.torch_threads = sorted({torch.get_num_threads(), 1}, reverse=True)
 
+    start = time.perf_counter()
     load_before = os.getloadavg()
     model, hf, source = _models(args)
     graphdef, state = nnx.split(model)
@@ -163,11 +175,13 @@ def main(argv=None):
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "alignax": {"dtype": args.dtype, "param_dtype": "float32", "scan_layers": args.scan_layers},
-        "transformers": {"dtype": "float32", "torch_threads": torch.get_num_threads()},
+        "transformers": {"dtype": "float32", "torch_threads": args.torch_threads},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax_backend": jax.default_backend()},
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
+        "seconds_total": time.perf_counter() - start,
         "results": results,
     }
     text = json.dumps(report, indent=2)
