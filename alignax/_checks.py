@@ -6,6 +6,7 @@ their errors name the argument that is wrong and what would be right.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -47,3 +48,22 @@ def check_choice(name: str, value: str, choices: Iterable[str]) -> None:
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(choices)}")
+
+
+def is_concrete_number(value) -> bool:
+    """A plain Python/NumPy number (not a bool, not a traced or device array)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def check_interval(name: str, value, low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> None:
+    """``value`` lies in the interval; checked only for plain numbers, so hyper-parameters
+    may also be passed as traced arrays (e.g. a KL coefficient carried in the state)."""
+    if not is_concrete_number(value):
+        return
+    v = float(value)
+    below = v <= low if low_open else v < low
+    above = v >= high if high_open else v > high
+    if below or above or math.isnan(v):
+        lb = "(" if low_open else "["
+        rb = ")" if high_open else "]"
+        raise ValueError(f"{name} must lie in {lb}{low}, {high}{rb}; got {value}")

@@ -70,7 +70,7 @@ import jax.numpy as jnp
 
 from alignax import kl as kl_lib
 from alignax import ops
-from alignax._checks import check_choice, check_rank, check_same_shape
+from alignax._checks import check_choice, check_rank, check_same_shape, is_concrete_number
 
 Array = jax.Array
 Scalar = Array | float
@@ -101,13 +101,9 @@ def _f32(x) -> Array:
     return jnp.asarray(x, jnp.float32)
 
 
-def _is_concrete_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _check_nonnegative(**named) -> None:
     for name, value in named.items():
-        if value is not None and _is_concrete_number(value) and value < 0:
+        if value is not None and is_concrete_number(value) and value < 0:
             raise ValueError(f"{name} must be >= 0; got {value}")
 
 
@@ -168,7 +164,7 @@ def _policy_loss(
             check_same_shape(logps=logps, **{name: value})
     check_choice("aggregation", aggregation, ops.AGGREGATION_MODES)
     check_choice("kl_kind", kl_kind, kl_lib.KL_KINDS)
-    if _is_concrete_number(tis_cap) and tis_cap <= 0:
+    if is_concrete_number(tis_cap) and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
 
     keep = jnp.asarray(mask).astype(bool)
@@ -275,7 +271,7 @@ def ppo_policy_loss(
     """
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     _check_nonnegative(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
-    if dual_clip_c is not None and _is_concrete_number(dual_clip_c) and dual_clip_c <= 1.0:
+    if dual_clip_c is not None and is_concrete_number(dual_clip_c) and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1 (Ye et al. 2020 use 3); got {dual_clip_c}")
 
     def surrogate(tok: _Tokens) -> _Surrogate:

@@ -26,10 +26,10 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from alignax import ops
-from alignax._checks import check_choice, check_rank, check_same_shape
+from alignax._checks import check_choice, check_interval, is_concrete_number
+from alignax.losses._pairwise import batch_mean, check_scalar, check_vectors, f32, weighted_means
 
 Array = jax.Array
 
@@ -57,66 +57,16 @@ _EXO_DEFAULT_EPS = 1e-3
 _ORPO_LOGP_CEILING = -1e-6
 
 
-def _f32(x) -> Array:
-    return jnp.asarray(x, jnp.float32)
-
-
-def _is_concrete_number(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-def _check_interval(name: str, value, low: float, high: float, *, low_open: bool, high_open: bool) -> None:
-    """Range check for a hyper-parameter given as a Python number (skipped when traced)."""
-    if not _is_concrete_number(value):
-        return
-    v = float(value)
-    below = v <= low if low_open else v < low
-    above = v >= high if high_open else v > high
-    if below or above or math.isnan(v):
-        lb = "(" if low_open else "["
-        rb = ")" if high_open else "]"
-        raise ValueError(f"{name} must lie in {lb}{low}, {high}{rb}; got {value}")
-
-
-def _check_vectors(**named) -> None:
-    """Each named array (``None`` skipped) is ``[B]`` with one common ``B``."""
-    given = {n: v for n, v in named.items() if v is not None}
-    check_rank(**{n: (v, 1) for n, v in given.items()})
-    check_same_shape(**given)
-
-
-def _check_scalar(**named) -> None:
-    check_rank(**{n: (v, 0) for n, v in named.items() if v is not None})
-
-
-def batch_mean(values: Array, weights: Array | None = None, normaliser: Array | float | None = None) -> Array:
-    """``sum_i w_i v_i / N``, float32; ``N = normaliser`` or ``sum_i w_i``; 0 when ``N`` is 0.
-
-    Entries with ``w_i = 0`` are selected out (``ops.masked_sum``), so a non-finite
-    value on a dropped pair reaches neither the result nor the other pairs' gradients.
-    """
-    values = _f32(values)
-    w = jnp.ones_like(values) if weights is None else _f32(weights)
-    total = ops.masked_sum(w * values, w)
-    denom = jnp.sum(w) if normaliser is None else _f32(normaliser)
-    return total / jnp.where(denom > 0, denom, 1.0)
-
-
-def _metrics(values: dict[str, Array], weights: Array | None) -> dict[str, Array]:
-    """Local weighted means of per-pair values, as stop-gradiented float32 scalars."""
-    return {name: jax.lax.stop_gradient(batch_mean(v, weights)) for name, v in values.items()}
-
-
 def _pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, weights) -> dict[str, Array]:
     values = {
         "rewards/chosen": chosen_rewards,
         "rewards/rejected": rejected_rewards,
-        "rewards/accuracies": _f32(chosen_rewards > rejected_rewards),
+        "rewards/accuracies": f32(chosen_rewards > rejected_rewards),
         "rewards/margins": chosen_rewards - rejected_rewards,
         "logps/chosen": chosen_logps,
         "logps/rejected": rejected_logps,
     }
-    return _metrics(values, weights)
+    return weighted_means(values, weights)
 
 
 def _smoothed_sigmoid_loss(z: Array, label_smoothing) -> Array:
@@ -205,7 +155,7 @@ def dpo_loss(
     length-normalised). A worked value: ``h = 0`` under ``sigmoid`` gives ``log 2``.
     """
     check_choice("variant", variant, DPO_VARIANTS)
-    _check_vectors(
+    check_vectors(
         policy_chosen_logps=policy_chosen_logps,
         policy_rejected_logps=policy_rejected_logps,
         ref_chosen_logps=ref_chosen_logps,
@@ -214,15 +164,15 @@ def dpo_loss(
         rejected_lengths=rejected_lengths,
         weights=weights,
     )
-    _check_scalar(num_pairs=num_pairs)
-    _check_interval("beta", beta, 0.0, math.inf, low_open=True, high_open=True)
+    check_scalar(num_pairs=num_pairs)
+    check_interval("beta", beta, 0.0, math.inf, low_open=True, high_open=True)
     if variant == "sigmoid":
-        _check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=False)
+        check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=False)
     elif variant == "robust":
-        _check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=True)
+        check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=True)
     elif variant == "exo_pair":
-        _check_interval("label_smoothing", label_smoothing, 0.0, 1.0, low_open=False, high_open=True)
-    elif _is_concrete_number(label_smoothing) and label_smoothing != 0:
+        check_interval("label_smoothing", label_smoothing, 0.0, 1.0, low_open=False, high_open=True)
+    elif is_concrete_number(label_smoothing) and label_smoothing != 0:
         raise ValueError(
             f"label_smoothing={label_smoothing} has no meaning for variant {variant!r}; "
             f"it is used by {', '.join(_SMOOTHED_VARIANTS)} only (set it to 0)"
@@ -230,9 +180,9 @@ def dpo_loss(
     if length_normalize is None:
         length_normalize = variant == "ipo"
 
-    pol_c, pol_r = _f32(policy_chosen_logps), _f32(policy_rejected_logps)
-    ref_c = jax.lax.stop_gradient(_f32(ref_chosen_logps))
-    ref_r = jax.lax.stop_gradient(_f32(ref_rejected_logps))
+    pol_c, pol_r = f32(policy_chosen_logps), f32(policy_rejected_logps)
+    ref_c = jax.lax.stop_gradient(f32(ref_chosen_logps))
+    ref_r = jax.lax.stop_gradient(f32(ref_rejected_logps))
     if length_normalize:
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError(
@@ -240,13 +190,13 @@ def dpo_loss(
                 "tokens (as TRL does for ipo); pass chosen_lengths and rejected_lengths [B], or set "
                 "length_normalize=False for summed log-probs"
             )
-        len_c = jnp.maximum(_f32(chosen_lengths), 1.0)
-        len_r = jnp.maximum(_f32(rejected_lengths), 1.0)
+        len_c = jnp.maximum(f32(chosen_lengths), 1.0)
+        len_r = jnp.maximum(f32(rejected_lengths), 1.0)
         pol_c, ref_c = pol_c / len_c, ref_c / len_c
         pol_r, ref_r = pol_r / len_r, ref_r / len_r
 
-    beta = _f32(beta)
-    eps = _f32(label_smoothing)
+    beta = f32(beta)
+    eps = f32(label_smoothing)
     chosen_logratio = pol_c - ref_c
     rejected_logratio = pol_r - ref_r
     margin = chosen_logratio - rejected_logratio
@@ -264,7 +214,7 @@ def dpo_loss(
         ) / (1.0 - 2.0 * eps)
     elif variant == "dpop":
         penalty = jax.nn.relu(ref_c - pol_c)
-        per_pair = -jax.nn.log_sigmoid(beta * (margin - _f32(dpop_lambda) * penalty))
+        per_pair = -jax.nn.log_sigmoid(beta * (margin - f32(dpop_lambda) * penalty))
     elif variant == "exo_pair":
         eps = jnp.where(eps == 0, _EXO_DEFAULT_EPS, eps)
         per_pair = jax.nn.sigmoid(z) * (jax.nn.log_sigmoid(z) - jnp.log1p(-eps)) + jax.nn.sigmoid(-z) * (
@@ -314,30 +264,30 @@ def simpo_loss(
     ``b log pi(y_c)/|y_c|``, ``rewards/rejected``, ``rewards/accuracies``,
     ``rewards/margins``, ``logps/chosen`` and ``logps/rejected`` (length-averaged).
     """
-    _check_vectors(
+    check_vectors(
         policy_chosen_logps=policy_chosen_logps,
         policy_rejected_logps=policy_rejected_logps,
         chosen_lengths=chosen_lengths,
         rejected_lengths=rejected_lengths,
         weights=weights,
     )
-    _check_scalar(num_pairs=num_pairs)
-    _check_interval("beta", beta, 0.0, math.inf, low_open=True, high_open=True)
-    _check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=False)
-    avg_c = _f32(policy_chosen_logps) / jnp.maximum(_f32(chosen_lengths), 1.0)
-    avg_r = _f32(policy_rejected_logps) / jnp.maximum(_f32(rejected_lengths), 1.0)
-    beta = _f32(beta)
-    z = beta * (avg_c - avg_r) - _f32(gamma)
-    per_pair = _smoothed_sigmoid_loss(z, _f32(label_smoothing))
+    check_scalar(num_pairs=num_pairs)
+    check_interval("beta", beta, 0.0, math.inf, low_open=True, high_open=True)
+    check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=False)
+    avg_c = f32(policy_chosen_logps) / jnp.maximum(f32(chosen_lengths), 1.0)
+    avg_r = f32(policy_rejected_logps) / jnp.maximum(f32(rejected_lengths), 1.0)
+    beta = f32(beta)
+    z = beta * (avg_c - avg_r) - f32(gamma)
+    per_pair = _smoothed_sigmoid_loss(z, f32(label_smoothing))
     loss = batch_mean(per_pair, weights, num_pairs)
     return loss, _pair_metrics(beta * avg_c, beta * avg_r, avg_c, avg_r, weights)
 
 
 def _chosen_nll(policy_chosen_logps, chosen_lengths, weights, num_chosen_tokens) -> Array:
     """Token-mean NLL of the chosen responses: ``-sum_i w_i log pi(y_c,i) / sum_i w_i |y_c,i|``."""
-    w = jnp.ones_like(_f32(policy_chosen_logps)) if weights is None else _f32(weights)
-    tokens = jnp.sum(w * _f32(chosen_lengths)) if num_chosen_tokens is None else _f32(num_chosen_tokens)
-    total = ops.masked_sum(-w * _f32(policy_chosen_logps), w)
+    w = jnp.ones_like(f32(policy_chosen_logps)) if weights is None else f32(weights)
+    tokens = jnp.sum(w * f32(chosen_lengths)) if num_chosen_tokens is None else f32(num_chosen_tokens)
+    total = ops.masked_sum(-w * f32(policy_chosen_logps), w)
     return total / jnp.where(tokens > 0, tokens, 1.0)
 
 
@@ -368,20 +318,20 @@ def cpo_loss(
     ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``,
     ``nll_loss``.
     """
-    _check_vectors(
+    check_vectors(
         policy_chosen_logps=policy_chosen_logps,
         policy_rejected_logps=policy_rejected_logps,
         chosen_lengths=chosen_lengths,
         weights=weights,
     )
-    _check_scalar(num_pairs=num_pairs, num_chosen_tokens=num_chosen_tokens)
-    _check_interval("beta", beta, 0.0, math.inf, low_open=True, high_open=True)
-    _check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=False)
-    pol_c, pol_r = _f32(policy_chosen_logps), _f32(policy_rejected_logps)
-    beta = _f32(beta)
-    per_pair = _smoothed_sigmoid_loss(beta * (pol_c - pol_r), _f32(label_smoothing))
+    check_scalar(num_pairs=num_pairs, num_chosen_tokens=num_chosen_tokens)
+    check_interval("beta", beta, 0.0, math.inf, low_open=True, high_open=True)
+    check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=False)
+    pol_c, pol_r = f32(policy_chosen_logps), f32(policy_rejected_logps)
+    beta = f32(beta)
+    per_pair = _smoothed_sigmoid_loss(beta * (pol_c - pol_r), f32(label_smoothing))
     nll = _chosen_nll(pol_c, chosen_lengths, weights, num_chosen_tokens)
-    loss = batch_mean(per_pair, weights, num_pairs) + _f32(alpha) * nll
+    loss = batch_mean(per_pair, weights, num_pairs) + f32(alpha) * nll
     metrics = _pair_metrics(beta * pol_c, beta * pol_r, pol_c, pol_r, weights)
     metrics["nll_loss"] = jax.lax.stop_gradient(_chosen_nll(pol_c, chosen_lengths, weights, None))
     return loss, metrics
@@ -394,7 +344,7 @@ def log1mexp(x: Array) -> Array:
     inputs where it is finite, so the unused branch cannot put a NaN in the gradient.
     ``x = 0`` gives ``-inf``; callers clamp below 0 first.
     """
-    x = _f32(x)
+    x = f32(x)
     near_zero = x > -math.log(2.0)
     safe_near = jnp.where(near_zero, x, -math.log(2.0))
     safe_far = jnp.where(near_zero, -math.log(2.0), x)
@@ -431,27 +381,27 @@ def orpo_loss(
     and ``logps/rejected`` (length-averaged), ``nll_loss``, ``log_odds_ratio``
     (mean ``log s(.)``), ``log_odds_chosen`` (mean log odds difference).
     """
-    _check_vectors(
+    check_vectors(
         policy_chosen_logps=policy_chosen_logps,
         policy_rejected_logps=policy_rejected_logps,
         chosen_lengths=chosen_lengths,
         rejected_lengths=rejected_lengths,
         weights=weights,
     )
-    _check_scalar(num_pairs=num_pairs, num_chosen_tokens=num_chosen_tokens)
-    _check_interval("beta", beta, 0.0, math.inf, low_open=False, high_open=True)
-    pol_c = _f32(policy_chosen_logps)
-    avg_c = pol_c / jnp.maximum(_f32(chosen_lengths), 1.0)
-    avg_r = _f32(policy_rejected_logps) / jnp.maximum(_f32(rejected_lengths), 1.0)
+    check_scalar(num_pairs=num_pairs, num_chosen_tokens=num_chosen_tokens)
+    check_interval("beta", beta, 0.0, math.inf, low_open=False, high_open=True)
+    pol_c = f32(policy_chosen_logps)
+    avg_c = pol_c / jnp.maximum(f32(chosen_lengths), 1.0)
+    avg_r = f32(policy_rejected_logps) / jnp.maximum(f32(rejected_lengths), 1.0)
     avg_c_safe = jnp.minimum(avg_c, _ORPO_LOGP_CEILING)
     avg_r_safe = jnp.minimum(avg_r, _ORPO_LOGP_CEILING)
     log_odds = (avg_c_safe - log1mexp(avg_c_safe)) - (avg_r_safe - log1mexp(avg_r_safe))
     log_sig = jax.nn.log_sigmoid(log_odds)
-    beta = _f32(beta)
+    beta = f32(beta)
     nll = _chosen_nll(pol_c, chosen_lengths, weights, num_chosen_tokens)
     loss = nll + beta * batch_mean(-log_sig, weights, num_pairs)
     metrics = _pair_metrics(beta * avg_c, beta * avg_r, avg_c, avg_r, weights)
-    metrics.update(_metrics({"log_odds_ratio": log_sig, "log_odds_chosen": log_odds}, weights))
+    metrics.update(weighted_means({"log_odds_ratio": log_sig, "log_odds_chosen": log_odds}, weights))
     metrics["nll_loss"] = jax.lax.stop_gradient(_chosen_nll(pol_c, chosen_lengths, weights, None))
     return loss, metrics
 
@@ -465,8 +415,8 @@ def kto_reference_point(kl_policy_logps: Array, kl_ref_logps: Array, *, weights:
     stop-gradiented float32 scalar for ``kto_loss(kl_ref_point=...)``. Under data
     parallelism, average across shards before passing it (TRL gathers it globally).
     """
-    _check_vectors(kl_policy_logps=kl_policy_logps, kl_ref_logps=kl_ref_logps, weights=weights)
-    kl = batch_mean(_f32(kl_policy_logps) - _f32(kl_ref_logps), weights)
+    check_vectors(kl_policy_logps=kl_policy_logps, kl_ref_logps=kl_ref_logps, weights=weights)
+    kl = batch_mean(f32(kl_policy_logps) - f32(kl_ref_logps), weights)
     return jax.lax.stop_gradient(jnp.maximum(kl, 0.0))
 
 
@@ -508,26 +458,26 @@ def kto_loss(
     Metrics: ``rewards/chosen`` and ``rewards/rejected`` (mean ``b r`` over desirable /
     undesirable examples, 0 if none), ``logps/chosen``, ``logps/rejected``, ``kl`` (``z``).
     """
-    _check_vectors(policy_logps=policy_logps, ref_logps=ref_logps, labels=labels, weights=weights)
-    _check_scalar(kl_ref_point=kl_ref_point, num_examples=num_examples)
-    _check_interval("beta", beta, 0.0, math.inf, low_open=True, high_open=True)
-    logratio = _f32(policy_logps) - jax.lax.stop_gradient(_f32(ref_logps))
+    check_vectors(policy_logps=policy_logps, ref_logps=ref_logps, labels=labels, weights=weights)
+    check_scalar(kl_ref_point=kl_ref_point, num_examples=num_examples)
+    check_interval("beta", beta, 0.0, math.inf, low_open=True, high_open=True)
+    logratio = f32(policy_logps) - jax.lax.stop_gradient(f32(ref_logps))
     if kl_ref_point is None:
         kl_ref_point = batch_mean(logratio, weights)
-    z = jax.lax.stop_gradient(jnp.maximum(_f32(kl_ref_point), 0.0))
-    beta = _f32(beta)
+    z = jax.lax.stop_gradient(jnp.maximum(f32(kl_ref_point), 0.0))
+    beta = f32(beta)
     desirable = jnp.asarray(labels).astype(bool)
     per_example = jnp.where(
         desirable,
-        _f32(desirable_weight) * (1.0 - jax.nn.sigmoid(beta * (logratio - z))),
-        _f32(undesirable_weight) * (1.0 - jax.nn.sigmoid(beta * (z - logratio))),
+        f32(desirable_weight) * (1.0 - jax.nn.sigmoid(beta * (logratio - z))),
+        f32(undesirable_weight) * (1.0 - jax.nn.sigmoid(beta * (z - logratio))),
     )
     loss = batch_mean(per_example, weights, num_examples)
-    w = jnp.ones_like(logratio) if weights is None else _f32(weights)
-    w_chosen = w * _f32(desirable)
-    w_rejected = w * _f32(~desirable)
+    w = jnp.ones_like(logratio) if weights is None else f32(weights)
+    w_chosen = w * f32(desirable)
+    w_rejected = w * f32(~desirable)
     rewards = beta * logratio
-    logps = _f32(policy_logps)
+    logps = f32(policy_logps)
     metrics = {
         "rewards/chosen": batch_mean(rewards, w_chosen),
         "rewards/rejected": batch_mean(rewards, w_rejected),

@@ -13,8 +13,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from alignax._checks import check_choice, check_rank
-from alignax.losses.preference import _check_interval, _check_scalar, _check_vectors, _f32, _metrics, batch_mean
+from alignax._checks import check_choice, check_interval, check_rank
+from alignax.losses._pairwise import batch_mean, check_scalar, check_vectors, f32, weighted_means
 
 Array = jax.Array
 
@@ -51,25 +51,25 @@ def bradley_terry_loss(
     Metrics (local weighted means): ``accuracy`` (fraction with ``r_c > r_r``),
     ``margin`` (mean ``r_c - r_r``), ``rewards/chosen``, ``rewards/rejected``.
     """
-    _check_vectors(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards, weights=weights)
-    _check_scalar(num_pairs=num_pairs)
+    check_vectors(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards, weights=weights)
+    check_scalar(num_pairs=num_pairs)
     if margin is not None:
         check_rank(margin=(margin, (0, 1)))
         if jnp.ndim(margin) == 1:
-            _check_vectors(chosen_rewards=chosen_rewards, margin=margin)
-    _check_interval("center_coef", center_coef, 0.0, float("inf"), low_open=False, high_open=True)
-    r_c, r_r = _f32(chosen_rewards), _f32(rejected_rewards)
+            check_vectors(chosen_rewards=chosen_rewards, margin=margin)
+    check_interval("center_coef", center_coef, 0.0, float("inf"), low_open=False, high_open=True)
+    r_c, r_r = f32(chosen_rewards), f32(rejected_rewards)
     diff = r_c - r_r
-    logits = diff if margin is None else diff - _f32(margin)
-    per_pair = -jax.nn.log_sigmoid(logits) + _f32(center_coef) * jnp.square(r_c + r_r)
+    logits = diff if margin is None else diff - f32(margin)
+    per_pair = -jax.nn.log_sigmoid(logits) + f32(center_coef) * jnp.square(r_c + r_r)
     loss = batch_mean(per_pair, weights, num_pairs)
     values = {
-        "accuracy": _f32(r_c > r_r),
+        "accuracy": f32(r_c > r_r),
         "margin": diff,
         "rewards/chosen": r_c,
         "rewards/rejected": r_r,
     }
-    return loss, _metrics(values, weights)
+    return loss, weighted_means(values, weights)
 
 
 def ensemble_rewards(rewards: Array, *, method: EnsembleMethod = "mean", k: float | Array = 1.0) -> Array:
@@ -90,8 +90,8 @@ def ensemble_rewards(rewards: Array, *, method: EnsembleMethod = "mean", k: floa
     """
     check_rank(rewards=(rewards, 2))
     check_choice("method", method, ENSEMBLE_METHODS)
-    _check_interval("k", k, 0.0, float("inf"), low_open=False, high_open=True)
-    rewards = _f32(rewards)
+    check_interval("k", k, 0.0, float("inf"), low_open=False, high_open=True)
+    rewards = f32(rewards)
     if method == "min":
         return jnp.min(rewards, axis=0)
     mean = jnp.mean(rewards, axis=0)
@@ -99,8 +99,8 @@ def ensemble_rewards(rewards: Array, *, method: EnsembleMethod = "mean", k: floa
         return mean
     var = jnp.mean(jnp.square(rewards - mean), axis=0)
     if method == "mean_minus_var":
-        return mean - _f32(k) * var
+        return mean - f32(k) * var
     # sqrt has an infinite derivative at 0; route identical members to a zero gradient.
     positive = var > 0
     std = jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
-    return mean - _f32(k) * std
+    return mean - f32(k) * std

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from alignax import ops
-from alignax._checks import check_choice, check_rank, check_same_shape
+from alignax._checks import check_choice, check_rank, check_same_shape, is_concrete_number
 
 Array = jax.Array
 Scalar = Array | float
@@ -84,7 +84,7 @@ def value_loss(
     check_rank(values=(values, 2))
     check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     check_choice("aggregation", aggregation, ops.AGGREGATION_MODES)
-    if clip_eps is not None and isinstance(clip_eps, (int, float)) and clip_eps < 0:
+    if clip_eps is not None and is_concrete_number(clip_eps) and clip_eps < 0:
         raise ValueError(f"clip_eps must be >= 0 or None; got {clip_eps}")
 
     keep = jnp.asarray(mask).astype(bool)

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
