@@ -192,3 +192,46 @@ def test_each_variant_runs(tmp_path, toy_model, variant):
         assert last["epochs_run"] >= 1 and "value/loss" in last
     if variant == "sampler_logps_tis":
         assert last["mismatch/sampler_trainer_abs"] > 0.0 and "tis_weight_mean" in last
+
+
+@pytest.fixture(scope="module")
+def toy_reward_model(tmp_path_factory, toy_model):
+    """A reward model trained (briefly) on the toy model and exported as an HF folder."""
+    from alignax.trainers.run import export
+    from alignax.trainers.run import train as train_offline
+    from tests.trainer_helpers import separable_pairs, tiny_config
+
+    tmp = tmp_path_factory.mktemp("toy-reward")
+    config = tiny_config(tmp, "reward", steps=4, model_dir=toy_model)
+    train_offline(config, records=separable_pairs(32))
+    return export(config, str(tmp / "export"))
+
+
+def test_reward_model_ensemble_scores_rollouts(tmp_path, toy_model, toy_reward_model):
+    config = toy_config(tmp_path, toy_model, "grpo", steps=2, checkpoint={"enabled": False},
+                        rewards={"functions": {}, "reward_models": [toy_reward_model, toy_reward_model],
+                                 "ensemble": "mean_minus_std", "ensemble_k": 1.0})
+    result = train(config, records=toy_prompts(16))
+    finite_history(result)
+    last = result.history[-1]
+    assert "reward/reward_model" in last and last["reward/reward_model_std"] == 0.0  # two copies agree
+    np.testing.assert_allclose(last["reward/total"], last["reward/reward_model"], rtol=1e-6)
+
+
+def test_ppo_critic_from_a_reward_model_and_ptx(tmp_path, toy_model, toy_reward_model):
+    from alignax.data import write_jsonl
+    from tests.trainer_helpers import sft_conversations
+
+    ptx_path = tmp_path / "ptx.jsonl"
+    write_jsonl(sft_conversations(16), ptx_path)
+    ptx = {"paths": [str(ptx_path)], "format": "sft", "max_length": 32, "max_prompt_length": 24, "batch_size": 4,
+           "read_threads": 0}
+    config = toy_config(tmp_path, toy_model, "ppo", steps=2, checkpoint={"enabled": False},
+                        ppo={"critic_init": "reward_model", "critic_path": toy_reward_model, "ptx_coef": 0.5,
+                             "ptx_data": ptx})
+    result = train(config, records=toy_prompts(16))
+    finite_history(result)
+    last = result.history[-1]
+    assert "ptx/loss" in last and last["ptx/loss"] > 0
+    # the critic starts from the reward model's head, so its first values are not all zero
+    assert result.history[0]["value/values_mean"] != 0.0

@@ -53,6 +53,7 @@ from alignax.trainers.rl_rewards import RewardModels, RewardScorer
 from alignax.trainers.rollout import (
     Groups,
     Sampler,
+    evaluate_greedy,
     group_reward_std,
     load_callable,
     process_step_rewards,
@@ -438,28 +439,11 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, params) -> dict[str, float]:
-        """Greedy decoding on held-out prompts, scored by the verifiers (and reward models)."""
+        """Greedy decoding on held-out prompts, scored like the rollouts."""
         if self.data.stats.get("eval", 0) == 0:
             return {}
-        limit = self.config.rollout.greedy_eval_prompts
-        seen, sums = 0, {}
-        state = self.sampling_state(params)
-        for batch in self.data.iterator("eval"):
-            groups, _, _ = self.sampler.sample(state, batch, jax.random.key(0), config=self.greedy)
-            keep = np.asarray(batch["example_mask"]) > 0
-            keep &= np.cumsum(keep) <= (limit - seen)
-            figures = {"reward": groups.rewards, "length": groups.response_mask.sum(axis=1).astype(np.float32),
-                       **{k: v for k, v in groups.components.items()}}
-            for key, values in figures.items():
-                sums[key] = sums.get(key, 0.0) + float(np.sum(np.asarray(values)[keep]))
-            seen += int(keep.sum())
-            if seen >= limit:
-                break
-        out = {k: v / max(seen, 1) for k, v in sums.items()}
-        if "correct" in out:
-            out["accuracy"] = out.pop("correct")
-        out["prompts"] = float(seen)
-        return out
+        return evaluate_greedy(self.sampler, self.sampling_state(params), self.data.iterator("eval"),
+                               limit=self.config.rollout.greedy_eval_prompts, config=self.greedy)
 
     # ------------------------------------------------------------------ the run
     def train(self) -> TrainResult:

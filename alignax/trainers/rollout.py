@@ -142,6 +142,29 @@ class Sampler:
         )
 
 
+def evaluate_greedy(sampler: Sampler, state: nnx.State, batches, *, limit: int, config: SamplingConfig) -> dict[str, float]:
+    """Greedy completions for up to ``limit`` prompts of ``batches`` (prompt-format batches
+    with ``example_mask``), scored by the sampler's scorer: mean reward, mean length, each
+    component's mean, ``accuracy`` (share of verifier-correct answers) and ``prompts``."""
+    seen, sums = 0, {}
+    for batch in batches:
+        groups, _, _ = sampler.sample(state, batch, jax.random.key(0), config=config)
+        keep = np.asarray(batch["example_mask"]) > 0
+        keep &= np.cumsum(keep) <= (limit - seen)
+        figures = {"reward": groups.rewards, "length": groups.response_mask.sum(axis=1).astype(np.float32),
+                   **groups.components}
+        for key, values in figures.items():
+            sums[key] = sums.get(key, 0.0) + float(np.sum(np.asarray(values)[keep]))
+        seen += int(keep.sum())
+        if seen >= limit:
+            break
+    out = {k: v / max(seen, 1) for k, v in sums.items()}
+    if "correct" in out:
+        out["accuracy"] = out.pop("correct")
+    out["prompts"] = float(seen)
+    return out
+
+
 def group_reward_std(rewards: np.ndarray, group_size: int) -> np.ndarray:
     """Per-group population std of rewards, ``[R] -> [R / G]``."""
     return rewards.reshape(-1, group_size).std(axis=1)
