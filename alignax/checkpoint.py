@@ -17,7 +17,9 @@ abstract target carries, so a run saved on one mesh resumes on another.
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,10 +35,23 @@ class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
+        # Leftovers of an interrupted save are removed here, before anything is written:
+        # Orbax's own cleanup runs in the background and could delete the reference while
+        # save_reference is writing it into this directory.
+        for leftover in glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")):
+            shutil.rmtree(leftover, ignore_errors=True)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+            enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=False,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for item, save, restore, handler in (
+            ("state", ocp.args.StandardSave, ocp.args.StandardRestore, ocp.StandardCheckpointHandler),
+            ("meta", ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler),
+        ):
+            registry.add(item, save, handler)
+            registry.add(item, restore, handler)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
 
     # ---- the frozen reference -------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ after ``--dpo`` / ``--grpo`` overrides that stage's config.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -132,6 +133,7 @@ def main(argv=None) -> int:
     summary["base"] = judge(base, tokenizer)
     print(f"verifier accuracy {summary['base']['accuracy'] * HELD_OUT:.0f}/{HELD_OUT}")
     del base
+    gc.collect()
 
     print(f"\n== DPO: {dpo_config.train.total_steps} steps of {dpo_config.data.batch_size} pairs")
     t = time.time()
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
     print(f"held-out preference accuracy {before['eval/rewards/accuracies']:.3f} -> {after['eval/rewards/accuracies']:.3f}"
           f" ({dpo.data_stats['eval']} pairs); verifier accuracy "
           f"{summary['dpo']['verifier']['accuracy'] * HELD_OUT:.0f}/{HELD_OUT}; exported to {export_dir}")
+    del dpo  # the DPO policy, its reference and optimiser state: memory the GRPO stage needs
+    gc.collect()
 
     print(f"\n== GRPO: {grpo_config.train.total_steps} steps of {grpo_config.data.batch_size} prompts x "
           f"{grpo_config.rollout.num_samples} samples, from the DPO policy")
