@@ -137,3 +137,27 @@ def test_bad_algorithm_data_pairing_is_a_clear_error(tmp_path):
     config = tiny_config(tmp_path, "dpo", steps=1, data={"format": "sft"})
     with pytest.raises(ValueError, match="dpo.loss=dpo needs data.format=preference"):
         train(config, records=sft_conversations(16))
+
+
+def test_scoring_a_response_window_equals_scoring_every_position(toy_model):
+    """The LM head may run on each row's response window only: same sequence log-probs."""
+    from alignax.models import from_pretrained
+    from alignax.trainers.common import response_logps, sequence_logps
+
+    model = from_pretrained(toy_model)
+    rng = np.random.default_rng(0)
+    b, t = 4, 20
+    tokens = rng.integers(3, 22, size=(b, t)).astype(np.int32)
+    attention = np.ones((b, t), np.int32)
+    response = np.zeros((b, t), np.int32)
+    for row, (start, length) in enumerate([(5, 3), (9, 6), (2, 1), (12, 6)]):
+        response[row, start : start + length] = 1
+        attention[row, start + length :] = 0  # right padding after the response
+    positions = np.maximum(np.cumsum(attention, 1) - 1, 0)
+    full = sequence_logps(*response_logps(model, tokens, positions, attention, response))
+    windowed = sequence_logps(*response_logps(model, tokens, positions, attention, response, window=6))
+    np.testing.assert_allclose(windowed[0], full[0], rtol=1e-6)
+    np.testing.assert_array_equal(windowed[1], full[1])
+    # a window running past the end of a row is cut there, not wrapped
+    np.testing.assert_allclose(sequence_logps(*response_logps(model, tokens, positions, attention, response,
+                                                              window=10))[0], full[0], rtol=1e-6)

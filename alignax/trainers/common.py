@@ -112,21 +112,34 @@ def response_logps(
     response_mask: jax.Array,
     *,
     chunk_size: int | None = None,
+    window: int | None = None,
     with_entropy: bool = False,
 ):
-    """Per-token log-probs of ``tokens[:, 1:]`` given their prefixes, and their mask.
+    """Per-token log-probs of the response tokens given their prefixes, and their mask.
 
-    Returns ``(logps [B, T-1], mask [B, T-1])`` — or ``(logps, entropy, mask)`` with
-    ``with_entropy`` — where ``mask = response_mask[:, 1:]``: position ``t`` scores the
-    token at ``t + 1``, so the first response token is scored by the last prompt position.
-    Float32 whatever the compute dtype.
+    Without ``window``: ``(logps [B, T-1], mask [B, T-1])`` for ``tokens[:, 1:]``, with
+    ``mask = response_mask[:, 1:]`` (position ``t`` scores the token at ``t + 1``).
+
+    With ``window = W``: only the ``W`` positions from each row's first response token
+    on are scored — ``(logps [B, W], mask [B, W])`` — so the LM head (a ``V``-wide
+    matmul per position) never runs over the prompt. ``W`` must be at least the longest
+    response: the trainers pass ``data.max_response_length``, which the data pipeline
+    enforces on every example.
+
+    ``with_entropy`` adds the entropy of each scored position's distribution. Float32
+    whatever the compute dtype.
     """
-    out = model(tokens, positions, attention_mask, return_logits=False)
+    hidden = model(tokens, positions, attention_mask, return_logits=False).hidden[:, :-1]
     targets = tokens[:, 1:]
     mask = response_mask[:, 1:].astype(jnp.float32)
-    result = models.token_logprobs_from_hidden(
-        out.hidden[:, :-1], model, targets, chunk_size=chunk_size, with_entropy=with_entropy
-    )
+    if window is not None and window < targets.shape[1]:
+        first = jnp.argmax(mask > 0, axis=1)  # first scored position of each row
+        index = jnp.minimum(first[:, None] + jnp.arange(window)[None, :], targets.shape[1] - 1)
+        in_range = (first[:, None] + jnp.arange(window)[None, :]) < targets.shape[1]
+        hidden = jnp.take_along_axis(hidden, index[:, :, None], axis=1)
+        targets = jnp.take_along_axis(targets, index, axis=1)
+        mask = jnp.take_along_axis(mask, index, axis=1) * in_range
+    result = models.token_logprobs_from_hidden(hidden, model, targets, chunk_size=chunk_size, with_entropy=with_entropy)
     if with_entropy:
         logps, entropy = result
         return logps, entropy, mask

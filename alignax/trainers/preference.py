@@ -30,24 +30,25 @@ def _example_weights(batch: Mapping[str, Array], key: str) -> Array:
     return jnp.ones(batch[key].shape[:1], jnp.float32)
 
 
-def _pair_logps(model, batch, chunk_size):
+def _pair_logps(model, batch, chunk_size, window):
     """Summed response log-probs and lengths of chosen and rejected: 4 arrays ``[B]``."""
     both = {
         k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])
         for k in ("tokens", "positions", "attention_mask", "response_mask")
     }
     logps, mask = response_logps(
-        model, both["tokens"], both["positions"], both["attention_mask"], both["response_mask"], chunk_size=chunk_size
+        model, both["tokens"], both["positions"], both["attention_mask"], both["response_mask"], chunk_size=chunk_size,
+        window=window,
     )
     seq, lengths = sequence_logps(logps, mask)
     b = batch["chosen_tokens"].shape[0]
     return seq[:b], seq[b:], lengths[:b], lengths[b:]
 
 
-def _single_logps(model, batch, prefix, chunk_size):
+def _single_logps(model, batch, prefix, chunk_size, window):
     logps, mask = response_logps(
         model, batch[f"{prefix}tokens"], batch[f"{prefix}positions"], batch[f"{prefix}attention_mask"],
-        batch[f"{prefix}response_mask"], chunk_size=chunk_size,
+        batch[f"{prefix}response_mask"], chunk_size=chunk_size, window=window,
     )
     return sequence_logps(logps, mask)
 
@@ -55,6 +56,7 @@ def _single_logps(model, batch, prefix, chunk_size):
 def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> Task:
     section = config.dpo
     chunk = config.model.logprob_chunk_size
+    window = config.data.max_response_length  # the LM head runs on response positions only
     loss_name = section.loss
     uses_reference = loss_name not in REFERENCE_FREE
     if loss_name == "kto" and config.data.format != "unpaired":
@@ -71,11 +73,11 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
         if "ref_logps" in frozen:
             idx = batch["record_index"]
             return frozen["ref_logps"]["chosen"][idx], frozen["ref_logps"]["rejected"][idx]
-        ref_c, ref_r, _, _ = _pair_logps(model_of(frozen["reference"]), batch, chunk)
+        ref_c, ref_r, _, _ = _pair_logps(model_of(frozen["reference"]), batch, chunk, window)
         return jax.lax.stop_gradient(ref_c), jax.lax.stop_gradient(ref_r)
 
     def paired_loss(params, frozen, batch, weights, num_pairs, num_chosen_tokens):
-        pol_c, pol_r, len_c, len_r = _pair_logps(model_of(params), batch, chunk)
+        pol_c, pol_r, len_c, len_r = _pair_logps(model_of(params), batch, chunk, window)
         if loss_name == "dpo":
             ref_c, ref_r = reference_pair(frozen, batch)
             return pref.dpo_loss(
@@ -95,15 +97,15 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
 
     def kto(params, frozen, batch, weights, num_examples):
         model = model_of(params)
-        policy, _ = _single_logps(model, batch, "", chunk)
-        kl_policy, _ = _single_logps(model, batch, "kl_", chunk)
+        policy, _ = _single_logps(model, batch, "", chunk, window)
+        kl_policy, _ = _single_logps(model, batch, "kl_", chunk, window)
         if "ref_logps" in frozen:
             idx = batch["record_index"]
             ref, kl_ref = frozen["ref_logps"]["completion"][idx], frozen["ref_logps"]["kl"][idx]
         else:
             reference = model_of(frozen["reference"])
-            ref = jax.lax.stop_gradient(_single_logps(reference, batch, "", chunk)[0])
-            kl_ref = jax.lax.stop_gradient(_single_logps(reference, batch, "kl_", chunk)[0])
+            ref = jax.lax.stop_gradient(_single_logps(reference, batch, "", chunk, window)[0])
+            kl_ref = jax.lax.stop_gradient(_single_logps(reference, batch, "kl_", chunk, window)[0])
         ref_point = pref.kto_reference_point(kl_policy, kl_ref, weights=weights)
         return pref.kto_loss(
             policy, ref, batch["label"], beta=section.beta, desirable_weight=section.kto_desirable_weight,
@@ -135,7 +137,7 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
         figures = {"loss": loss, **metrics}
         return {k: (v * count, count) for k, v in figures.items()}
 
-    precompute = _precompute_reference(loss_name, chunk, model_of) if section.reference == "precomputed" else None
+    precompute = _precompute_reference(loss_name, chunk, window, model_of) if section.reference == "precomputed" else None
     return Task(
         model_kind="causal_lm",
         loss_fn=loss_fn,
@@ -147,17 +149,17 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
     )
 
 
-def _precompute_reference(loss_name, chunk, model_of):
+def _precompute_reference(loss_name, chunk, window, model_of):
     """A pass over every record computing reference log-probs once (``ref_logps``)."""
 
     def forward(reference_params, batch):
         reference = model_of(reference_params)
         if loss_name == "kto":
             return {
-                "completion": _single_logps(reference, batch, "", chunk)[0],
-                "kl": _single_logps(reference, batch, "kl_", chunk)[0],
+                "completion": _single_logps(reference, batch, "", chunk, window)[0],
+                "kl": _single_logps(reference, batch, "kl_", chunk, window)[0],
             }
-        ref_c, ref_r, _, _ = _pair_logps(reference, batch, chunk)
+        ref_c, ref_r, _, _ = _pair_logps(reference, batch, chunk, window)
         return {"chosen": ref_c, "rejected": ref_r}
 
     return forward

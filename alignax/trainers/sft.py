@@ -17,16 +17,18 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
         raise ValueError(f"algorithm sft needs data.format=sft; got {config.data.format!r}")
     aggregation = config.sft.aggregation
     chunk = config.model.logprob_chunk_size
+    window = config.data.max_response_length  # the LM head runs on response positions only
 
     def token_logps(params, batch):
         model = nnx.merge(graphdef, params, rest)
         logps, mask = response_logps(model, batch["tokens"], batch["positions"], batch["attention_mask"],
-                                     batch["response_mask"], chunk_size=chunk)
+                                     batch["response_mask"], chunk_size=chunk, window=window)
         if "example_mask" in batch:
             mask = mask * batch["example_mask"][:, None].astype(mask.dtype)
         return logps, mask
 
     def normalisers_fn(batch):
+        # Counts only (tokens, sequences): the same whether or not a window is used.
         mask = batch["response_mask"][:, 1:].astype(jnp.float32)
         if "example_mask" in batch:
             mask = mask * batch["example_mask"][:, None].astype(jnp.float32)
