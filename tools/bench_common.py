@@ -76,6 +76,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, warmup: int)
     parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first (the first compiles)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-peer", action="store_true", help="time alignax only")
+    parser.add_argument("--peer-first", action="store_true",
+                        help="run Tunix before alignax (a check that the order, i.e. a change of machine load "
+                             "during the run, does not decide the ratio)")
     parser.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds before the Tunix run is killed")
     parser.add_argument("--out", default=None, help="also write the JSON object to this file")
 
@@ -211,10 +214,31 @@ def finish(result: dict, out: str | None) -> None:
         Path(out).write_text(text + "\n", encoding="utf-8")
 
 
-def speedup(ours: dict, peer: dict | None, key: str = "step_time_s_median") -> float | None:
-    if peer is None or not ours.get(key) or peer.get(key) is None:
-        return None
-    return float(peer[key]) / float(ours[key])
+def speedups(ours: dict, peer: dict | None) -> dict:
+    """``speedup`` (ratio of median step times) and ``speedup_min`` (of the fastest steps).
+
+    Other processes on the machine only ever add time to a step, so the fastest step is
+    the steadier figure when the load average moves during a run.
+    """
+    if peer is None:
+        return {"speedup": None, "speedup_min": None}
+    return {"speedup": float(peer["step_time_s_median"]) / float(ours["step_time_s_median"]),
+            "speedup_min": min(peer["step_times_s"]) / min(ours["step_times_s"])}
+
+
+def run_both(args, ours_fn, peer_script: str, peer_args: Sequence[str]):
+    """``(ours_fn(), peer result or None, failure or None)``, in the order ``--peer-first`` asks for."""
+    peer, failure = None, None
+
+    def peer_run():
+        return run_peer(peer_script, [*peer_args, *peer_model_args(args)], timeout=args.peer_timeout)
+
+    if args.peer_first and not args.skip_peer:
+        peer, failure = peer_run()
+    ours = ours_fn()
+    if not args.peer_first and not args.skip_peer:
+        peer, failure = peer_run()
+    return ours, peer, failure
 
 
 def offline_environment() -> None:

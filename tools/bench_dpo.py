@@ -19,6 +19,9 @@ streak, pull the metrics to the host). Step times are the loop's ``perf/step_tim
 Tunix side: tools/peers/tunix_dpo.py in .venv-bench (reference forward in
 ``_prepare_inputs`` + the jitted train step, both blocked).
 
+``--reference precomputed`` times alignax's other reference mode (log-probs computed in
+one pass before training) against the same Tunix step, as an extra figure.
+
 Gradient clipping is off on our side (``optim.max_grad_norm: null``) because Tunix's DPO
 step has none. Prints one JSON object (see ``--help``); ``speedup`` = Tunix median step
 time / alignax median step time.
@@ -44,6 +47,9 @@ BETA, LR, WEIGHT_DECAY = 0.1, 1e-5, 1e-4
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, steps=5, warmup=1)
+    parser.add_argument("--reference", default="live", choices=("live", "precomputed"),
+                        help="dpo.reference: live (the parity setting: Tunix always runs its reference each step) "
+                             "or precomputed (alignax's one pass before training; timed apart)")
     args = parser.parse_args(argv)
     common.check_common_args(parser, args)
     return args
@@ -62,7 +68,7 @@ def train_config(args):
         optim=OptimConfig(name="adamw", learning_rate=LR, schedule="constant", weight_decay=WEIGHT_DECAY,
                           max_grad_norm=None),
         train=TrainSection(total_steps=args.warmup + args.steps, seed=args.seed),
-        dpo=PreferenceSection(loss="dpo", variant="sigmoid", beta=BETA, reference="live"),
+        dpo=PreferenceSection(loss="dpo", variant="sigmoid", beta=BETA, reference=args.reference),
         mesh=MeshSection(shape=(1, 1, 1)),
     )
 
@@ -77,9 +83,10 @@ def make_batches(n: int, *, vocab: int, seed: int) -> list[dict]:
     ones = np.ones((BATCH, SEQ), np.int32)
     response_mask = np.concatenate([np.zeros((BATCH, PROMPT), np.int32), np.ones((BATCH, response), np.int32)], 1)
     batches = []
-    for _ in range(n):
+    for i in range(n):
         prompt = rng.integers(3, vocab, size=(BATCH, PROMPT), dtype=np.int32)
-        batch = {"example_mask": np.ones((BATCH,), np.int32), "record_index": np.arange(BATCH, dtype=np.int32)}
+        batch = {"example_mask": np.ones((BATCH,), np.int32),
+                 "record_index": np.arange(i * BATCH, (i + 1) * BATCH, dtype=np.int32)}
         for side in ("chosen", "rejected"):
             tokens = np.concatenate([prompt, rng.integers(3, vocab, size=(BATCH, response), dtype=np.int32)], 1)
             batch |= {f"{side}_tokens": tokens, f"{side}_positions": positions, f"{side}_attention_mask": ones,
@@ -110,6 +117,7 @@ def bench_alignax(args) -> tuple[dict, dict]:
     """``(timings, model summary)`` of alignax's DPO steps through the trainer's loop."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from alignax.metrics import MultiWriter
     from alignax.parallel.sharding import tree_shardings
@@ -133,6 +141,21 @@ def bench_alignax(args) -> tuple[dict, dict]:
     state = jax.jit(init, out_shardings=shardings)(params)
     reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
     frozen = {"reference": reference}
+    total = args.warmup + args.steps
+    batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1)
+    placer = BatchPlacer(mesh)
+    precompute_s = None
+    if task.precompute is not None:
+        # alignax.trainers.run._precompute_reference: one pass over every record.
+        t_pre = time.perf_counter()
+        forward = jax.jit(task.precompute)
+        tables = {}
+        for batch in batches:
+            for key, value in jax.device_get(forward(reference, placer(batch))).items():
+                tables.setdefault(key, np.zeros(total * BATCH, np.float32))[batch["record_index"]] = value
+        frozen = {"ref_logps": {k: jnp.asarray(v) for k, v in tables.items()}}
+        del reference
+        precompute_s = time.perf_counter() - t_pre
     step_fn = jax.jit(
         make_train_step(task.loss_fn, optimizer, normalisers_fn=task.normalisers_fn,
                         grad_accum_steps=config.train.grad_accum_steps, schedule=schedule),
@@ -152,11 +175,9 @@ def bench_alignax(args) -> tuple[dict, dict]:
         marks.append(clock.snapshot())
         return out
 
-    total = args.warmup + args.steps
-    batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1)
     result = run_loop(
         config=LoopConfig(total_steps=total, log_every=1), state=state, frozen=frozen, step_fn=marked_step,
-        batches=_Batches(batches), place_batch=BatchPlacer(mesh), writer=MultiWriter([]),
+        batches=_Batches(batches), place_batch=placer, writer=MultiWriter([]),
     )
     history = result.history
     step_times = [h["perf/step_time_s"] for h in history[args.warmup:]]
@@ -166,20 +187,23 @@ def bench_alignax(args) -> tuple[dict, dict]:
     timings = {
         "step_time_s_median": common.median(step_times),
         "step_times_s": step_times,
+        "step_time_s_min": min(step_times),
         "first_step_time_s": history[0]["perf/step_time_s"],
         "compile_time_s": warm_compile,
         "xla_compile_time_s": sum(compile_in(i, 1) for i in range(args.warmup)),
         "xla_compiles_warmup": sum(compile_in(i, 2) for i in range(args.warmup)),
         "compile_time_timed_steps_s": timed_compile,
         "build_time_s": build_s,
+        "reference": args.reference,
+        "reference_precompute_time_s": precompute_s,
         "tokens_per_s": 2 * BATCH * SEQ / common.median(step_times),
         "loss_first_last": [history[0]["loss"], history[-1]["loss"]],
         "grad_norm_first": history[0]["grad_norm"],
         "devices": [str(d) for d in jax.devices()],
         "jax": jax.__version__,
-        "what": "alignax.trainers.loop.run_loop over the jitted make_train_step(preference.make_task(...).loss_fn) "
-                "with the live reference: per step place batch + policy fwd/bwd on 2B rows + reference fwd + "
-                "AdamW, non-finite streak and metrics pulled to the host (perf/step_time_s of the loop)",
+        "what": "alignax.trainers.loop.run_loop over the jitted make_train_step(preference.make_task(...).loss_fn): "
+                "per step place batch + policy fwd/bwd on 2B rows (+ reference fwd when live) + AdamW, "
+                "non-finite streak and metrics pulled to the host (perf/step_time_s of the loop)",
     }
     return timings, summary
 
@@ -187,39 +211,39 @@ def bench_alignax(args) -> tuple[dict, dict]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     load_start = os.getloadavg()
-    ours, model = bench_alignax(args)
+    peer_args = ["--batch", str(BATCH), "--seq", str(SEQ), "--prompt-len", str(PROMPT), "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), "--beta", str(BETA), "--lr", str(LR)]
+    (ours, model), peer, failure = common.run_both(args, lambda: bench_alignax(args), "tunix_dpo.py", peer_args)
     notes = [
         "alignax: optim.max_grad_norm=null (Tunix's DPO step clips nothing); weight_decay 1e-4 on matrices only "
         "(optax.adamw's default 1e-4 on every parameter on the Tunix side); constant learning rate on both.",
         "alignax: model.logprob_chunk_size null (default): log-probs from full [2B, T-1, V] logits, as Tunix.",
         "alignax's step is one jit (policy + reference + update), so no ref/train split is reported for it.",
     ]
+    if args.reference == "precomputed":
+        notes.append("dpo.reference=precomputed: alignax's steps run no reference forward (one pass before "
+                     "training, reference_precompute_time_s, compile included); Tunix still runs it every step.")
     if ours["compile_time_timed_steps_s"] > 0.5:
         notes.append(f"alignax compiled {ours['compile_time_timed_steps_s']:.2f}s during timed steps.")
-    peer = None
-    if not args.skip_peer:
-        peer_args = ["--batch", str(BATCH), "--seq", str(SEQ), "--prompt-len", str(PROMPT), "--steps",
-                     str(args.steps), "--warmup", str(args.warmup), "--beta", str(BETA), "--lr", str(LR),
-                     *common.peer_model_args(args)]
-        peer, failure = common.run_peer("tunix_dpo.py", peer_args, timeout=args.peer_timeout)
-        if failure:
-            notes.append(f"Tunix run failed: {failure}")
-        else:
-            notes.extend(common.shape_notes(model, peer))
+    if failure:
+        notes.append(f"Tunix run failed: {failure}")
+    elif peer is not None:
+        notes.extend(common.shape_notes(model, peer))
     result = {
         "task": "dpo",
         "model": model,
         "shapes": {"pairs": BATCH, "seq": SEQ, "prompt_len": PROMPT, "response_len": SEQ - PROMPT,
                    "sequences_per_step": 2 * BATCH, "dtype": "float32"},
         "hyper": {"loss": "dpo sigmoid", "beta": BETA, "label_smoothing": 0.0,
-                  "logps": "summed over response tokens", "reference": "live",
+                  "logps": "summed over response tokens", "reference": args.reference,
                   "optimizer": f"adamw lr {LR} constant, b1 0.9 b2 0.999 eps 1e-8, weight decay {WEIGHT_DECAY}",
                   "max_grad_norm": None, "grad_accum_steps": 1},
         "steps": args.steps,
         "warmup": args.warmup,
+        "order": "tunix first" if args.peer_first else "alignax first",
         "alignax": ours,
         "tunix": peer,
-        "speedup": common.speedup(ours, peer),
+        **common.speedups(ours, peer),
         "target_speedup": 1.5,
         "load_average_start": list(load_start),
         "load_average": list(os.getloadavg()),

@@ -158,6 +158,7 @@ def bench_alignax(args) -> tuple[dict, dict]:
     timings = {
         "step_time_s_median": common.median(step_times),
         "step_times_s": step_times,
+        "step_time_s_min": min(step_times),
         "generation_s": common.median(generation),
         "generation_times_s": generation,
         "logprob_s": common.median(logprob),
@@ -189,7 +190,12 @@ def bench_alignax(args) -> tuple[dict, dict]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     load_start = os.getloadavg()
-    ours, model = bench_alignax(args)
+    peer_args = ["--batch", str(PROMPTS), "--num-generations", str(GROUP), "--seq", str(PROMPT_LEN + NEW_TOKENS),
+                 "--prompt-len", str(PROMPT_LEN), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                 "--beta", str(BETA), "--epsilon", str(CLIP), "--kl-mode", "kl",
+                 "--loss-agg", "sequence-mean-token-mean", "--temperature", str(TEMPERATURE), "--top-p", str(TOP_P),
+                 "--lr", str(LR)]
+    (ours, model), peer, failure = common.run_both(args, lambda: bench_alignax(args), "tunix_grpo.py", peer_args)
     notes = [
         "alignax: optim.max_grad_norm=null (Tunix's GRPO update clips nothing); weight_decay 1e-4 on matrices "
         "only (optax.adamw's default on every parameter on the Tunix side); constant learning rate on both.",
@@ -203,20 +209,11 @@ def main(argv=None) -> None:
     ]
     if ours["compile_time_timed_steps_s"] > 0.5:
         notes.append(f"alignax compiled {ours['compile_time_timed_steps_s']:.2f}s during timed steps.")
-    peer = None
-    if not args.skip_peer:
-        peer_args = ["--batch", str(PROMPTS), "--num-generations", str(GROUP), "--seq", str(PROMPT_LEN + NEW_TOKENS),
-                     "--prompt-len", str(PROMPT_LEN), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                     "--beta", str(BETA), "--epsilon", str(CLIP), "--kl-mode", "kl",
-                     "--loss-agg", "sequence-mean-token-mean", "--temperature", str(TEMPERATURE),
-                     "--top-p", str(TOP_P), "--lr", str(LR), *common.peer_model_args(args)]
-        peer, failure = common.run_peer("tunix_grpo.py", peer_args, timeout=args.peer_timeout)
-        if failure:
-            notes.append(f"Tunix run failed: {failure}")
-        else:
-            notes.extend(common.shape_notes(model, peer))
     parts = None
-    if peer is not None:
+    if failure:
+        notes.append(f"Tunix run failed: {failure}")
+    elif peer is not None:
+        notes.extend(common.shape_notes(model, peer))
         ours_train = ours["logprob_s"] + ours["update_s"]
         peer_train = peer["ref_logps_time_s_median"] + peer["update_time_s_median"]
         parts = {
@@ -236,9 +233,10 @@ def main(argv=None) -> None:
                   "reward": REWARD},
         "steps": args.steps,
         "warmup": args.warmup,
+        "order": "tunix first" if args.peer_first else "alignax first",
         "alignax": ours,
         "tunix": peer,
-        "speedup": common.speedup(ours, peer),
+        **common.speedups(ours, peer),
         "speedup_parts": parts,
         "target_speedup": 1.5,
         "load_average_start": list(load_start),
