@@ -72,7 +72,10 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, warmup: int)
     parser.add_argument("--weights", default="random", choices=("random", "real"),
                         help="real: SmolLM2-135M-Instruct's weights on both sides (alignax's converted cache "
                              "directory; Tunix loads the same safetensors); needs --model smollm2-135m")
-    parser.add_argument("--steps", type=int, default=steps, help="timed steps per side")
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per side and round")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternate the sides this many times (alignax, Tunix, alignax, Tunix, ...); the "
+                             "figures pool every round's timed steps")
     parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first (the first compiles)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-peer", action="store_true", help="time alignax only")
@@ -84,8 +87,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, warmup: int)
 
 
 def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps must be >= 1 and --warmup >= 0; got {args.steps} and {args.warmup}")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error(f"--steps and --rounds must be >= 1, --warmup >= 0; got {args.steps}, {args.rounds}, "
+                     f"{args.warmup}")
     if args.weights == "real" and args.model != "smollm2-135m":
         parser.error(f"--weights real loads SmolLM2-135M-Instruct; it needs --model smollm2-135m, not {args.model}")
 
@@ -226,19 +230,60 @@ def speedups(ours: dict, peer: dict | None) -> dict:
             "speedup_min": min(peer["step_times_s"]) / min(ours["step_times_s"])}
 
 
-def run_both(args, ours_fn, peer_script: str, peer_args: Sequence[str]):
-    """``(ours_fn(), peer result or None, failure or None)``, in the order ``--peer-first`` asks for."""
-    peer, failure = None, None
+def alternate(args, ours, peer_script: str, peer_args: Sequence[str]) -> tuple[dict | None, list[str]]:
+    """Time both sides in ``args.rounds`` alternating rounds; ``(pooled peer result, failures)``.
 
-    def peer_run():
-        return run_peer(peer_script, [*peer_args, *peer_model_args(args)], timeout=args.peer_timeout)
+    ``ours`` has ``warm()`` (build, compile, warmup steps) and ``run(n)`` (n more timed
+    steps, state carried over). A round is ``ours.run(args.steps)`` then one Tunix run of
+    ``args.warmup + args.steps`` steps (the other way round with ``--peer-first``), so a
+    change of machine load during the benchmark falls on both sides.
+    """
+    runs, failures = [], []
+    ours.warm()
+    for _ in range(args.rounds):
+        for side in (("peer", "ours") if args.peer_first else ("ours", "peer")):
+            if side == "ours":
+                ours.run(args.steps)
+            elif not args.skip_peer:
+                peer, failure = run_peer(peer_script, [*peer_args, *peer_model_args(args)], timeout=args.peer_timeout)
+                if peer is not None:
+                    runs.append(peer)
+                else:
+                    failures.append(failure)
+    return pool_runs(runs), failures
 
-    if args.peer_first and not args.skip_peer:
-        peer, failure = peer_run()
-    ours = ours_fn()
-    if not args.peer_first and not args.skip_peer:
-        peer, failure = peer_run()
-    return ours, peer, failure
+
+def pool_runs(runs: Sequence[dict]) -> dict | None:
+    """One peer result from several runs: per-step lists joined, medians over the joined
+    lists (or, for a figure reported only as a median, the median of the runs' medians)."""
+    if not runs:
+        return None
+    if len(runs) == 1:
+        return dict(runs[0])
+    pooled = dict(runs[0])
+    for key, value in runs[0].items():
+        if key.endswith("_times_s") and isinstance(value, list):
+            pooled[key] = [x for run in runs for x in run[key]]
+    for key in runs[0]:
+        if key.endswith("_time_s_median"):
+            joined = pooled.get(key.replace("_time_s_median", "_times_s"))
+            pooled[key] = median(joined) if isinstance(joined, list) else median([run[key] for run in runs])
+    pooled["runs"] = [{k: run.get(k) for k in ("step_times_s", "compile_time_s", "process_wall_time_s")}
+                      for run in runs]
+    return pooled
+
+
+def source_state() -> dict:
+    """The commit measured and any uncommitted changes under alignax/ (figures depend on them)."""
+    def git(*argv):
+        try:
+            return subprocess.run(["git", *argv], capture_output=True, text=True, cwd=ROOT, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    changed = git("status", "--porcelain", "--", "alignax")
+    return {"commit": git("rev-parse", "HEAD").strip() or None,
+            "uncommitted_alignax_files": [line[3:] for line in changed.splitlines()]}
 
 
 def offline_environment() -> None:

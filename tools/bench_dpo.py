@@ -64,10 +64,12 @@ def train_config(args):
         algorithm="dpo",
         output_dir="runs/bench-dpo",
         model=common.model_spec(args),
-        data=DataConfig(format="preference", max_length=SEQ, max_prompt_length=PROMPT, batch_size=BATCH),
+        # max_response_length as the recipes set it: the LM head scores the response window only.
+        data=DataConfig(format="preference", max_length=SEQ, max_prompt_length=PROMPT,
+                        max_response_length=SEQ - PROMPT, batch_size=BATCH),
         optim=OptimConfig(name="adamw", learning_rate=LR, schedule="constant", weight_decay=WEIGHT_DECAY,
                           max_grad_norm=None),
-        train=TrainSection(total_steps=args.warmup + args.steps, seed=args.seed),
+        train=TrainSection(total_steps=args.warmup + args.rounds * args.steps, seed=args.seed),
         dpo=PreferenceSection(loss="dpo", variant="sigmoid", beta=BETA, reference=args.reference),
         mesh=MeshSection(shape=(1, 1, 1)),
     )
@@ -113,99 +115,118 @@ class _Batches:
         self.position = state["position"]
 
 
-def bench_alignax(args) -> tuple[dict, dict]:
-    """``(timings, model summary)`` of alignax's DPO steps through the trainer's loop."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+class AlignaxDPO:
+    """alignax's DPO steps through the trainer's own loop; ``warm()`` then ``run(n)`` rounds."""
 
-    from alignax.metrics import MultiWriter
-    from alignax.parallel.sharding import tree_shardings
-    from alignax.trainers import preference
-    from alignax.trainers.common import BatchPlacer, build_mesh, build_model, split_params
-    from alignax.trainers.loop import LoopConfig, run_loop
-    from alignax.trainers.optim import build_optimizer
-    from alignax.trainers.step import init_train_state, make_train_step
+    def __init__(self, args):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
 
-    clock = common.CompileClock()
-    config = train_config(args)
-    t0 = time.perf_counter()
-    # The setup of alignax.trainers.run.train, minus data files, checkpoints and writers.
-    mesh = build_mesh(config.mesh)
-    model = build_model(config.model, kind="causal_lm", mesh=mesh)
-    graphdef, params, rest = split_params(model)
-    task = preference.make_task(config, graphdef, rest)
-    optimizer, schedule = build_optimizer(config.optim, config.train.total_steps)
-    init = lambda p: init_train_state(p, optimizer, jax.random.key(config.train.seed))  # noqa: E731
-    shardings = tree_shardings(jax.eval_shape(init, params), mesh)
-    state = jax.jit(init, out_shardings=shardings)(params)
-    reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
-    frozen = {"reference": reference}
-    total = args.warmup + args.steps
-    batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1)
-    placer = BatchPlacer(mesh)
-    precompute_s = None
-    if task.precompute is not None:
-        # alignax.trainers.run._precompute_reference: one pass over every record.
-        t_pre = time.perf_counter()
-        forward = jax.jit(task.precompute)
-        tables = {}
-        for batch in batches:
-            for key, value in jax.device_get(forward(reference, placer(batch))).items():
-                tables.setdefault(key, np.zeros(total * BATCH, np.float32))[batch["record_index"]] = value
-        frozen = {"ref_logps": {k: jnp.asarray(v) for k, v in tables.items()}}
-        del reference
-        precompute_s = time.perf_counter() - t_pre
-    step_fn = jax.jit(
-        make_train_step(task.loss_fn, optimizer, normalisers_fn=task.normalisers_fn,
-                        grad_accum_steps=config.train.grad_accum_steps, schedule=schedule),
-        donate_argnums=(0,),
-        out_shardings=(shardings, None),
-    )
-    jax.block_until_ready(state)
-    build_s = time.perf_counter() - t0
-    summary = common.model_summary(args, params)
+        from alignax.parallel.sharding import tree_shardings
+        from alignax.trainers import preference
+        from alignax.trainers.common import BatchPlacer, build_mesh, build_model, split_params
+        from alignax.trainers.optim import build_optimizer
+        from alignax.trainers.step import init_train_state, make_train_step
 
-    marks = []  # compile-clock readings around each step
+        self.args = args
+        self.clock = common.CompileClock()
+        config = train_config(args)
+        t0 = time.perf_counter()
+        # The setup of alignax.trainers.run.train, minus data files, checkpoints and writers.
+        mesh = build_mesh(config.mesh)
+        model = build_model(config.model, kind="causal_lm", mesh=mesh)
+        graphdef, params, rest = split_params(model)
+        task = preference.make_task(config, graphdef, rest)
+        optimizer, schedule = build_optimizer(config.optim, config.train.total_steps)
+        init = lambda p: init_train_state(p, optimizer, jax.random.key(config.train.seed))  # noqa: E731
+        shardings = tree_shardings(jax.eval_shape(init, params), mesh)
+        self.state = jax.jit(init, out_shardings=shardings)(params)
+        reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
+        self.frozen = {"reference": reference}
+        total = args.warmup + args.rounds * args.steps
+        batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1)
+        self.placer = BatchPlacer(mesh)
+        self.precompute_s = None
+        if task.precompute is not None:
+            # alignax.trainers.run._precompute_reference: one pass over every record.
+            t_pre = time.perf_counter()
+            forward = jax.jit(task.precompute)
+            tables = {}
+            for batch in batches:
+                for key, value in jax.device_get(forward(reference, self.placer(batch))).items():
+                    tables.setdefault(key, np.zeros(total * BATCH, np.float32))[batch["record_index"]] = value
+            self.frozen = {"ref_logps": {k: jnp.asarray(v) for k, v in tables.items()}}
+            del reference
+            self.precompute_s = time.perf_counter() - t_pre
+        self.step_fn = jax.jit(
+            make_train_step(task.loss_fn, optimizer, normalisers_fn=task.normalisers_fn,
+                            grad_accum_steps=config.train.grad_accum_steps, schedule=schedule),
+            donate_argnums=(0,),
+            out_shardings=(shardings, None),
+        )
+        jax.block_until_ready(self.state)
+        self.build_s = time.perf_counter() - t0
+        self.model = common.model_summary(args, params)
+        self.batches = _Batches(batches)
+        self.history = []  # the loop's logged figures, one entry per step
+        self.compiles = []  # compile-clock deltas, one per step
 
-    def marked_step(st, fr, batch):
-        marks.append(clock.snapshot())
-        out = step_fn(st, fr, batch)
-        jax.block_until_ready(out)  # the loop blocks right after (non-finite streak); marks need it here
-        marks.append(clock.snapshot())
+    def _marked_step(self, state, frozen, batch):
+        import jax
+
+        before = self.clock.snapshot()
+        out = self.step_fn(state, frozen, batch)
+        jax.block_until_ready(out)  # the loop blocks right after (non-finite streak); the clock needs it here
+        self.compiles.append(tuple(a - b for a, b in zip(self.clock.snapshot(), before)))
         return out
 
-    result = run_loop(
-        config=LoopConfig(total_steps=total, log_every=1), state=state, frozen=frozen, step_fn=marked_step,
-        batches=_Batches(batches), place_batch=placer, writer=MultiWriter([]),
-    )
-    history = result.history
-    step_times = [h["perf/step_time_s"] for h in history[args.warmup:]]
-    compile_in = lambda i, k: marks[2 * i + 1][k] - marks[2 * i][k]  # noqa: E731
-    warm_compile = sum(compile_in(i, 0) for i in range(args.warmup))
-    timed_compile = sum(compile_in(i, 0) for i in range(args.warmup, total))
-    timings = {
-        "step_time_s_median": common.median(step_times),
-        "step_times_s": step_times,
-        "step_time_s_min": min(step_times),
-        "first_step_time_s": history[0]["perf/step_time_s"],
-        "compile_time_s": warm_compile,
-        "xla_compile_time_s": sum(compile_in(i, 1) for i in range(args.warmup)),
-        "xla_compiles_warmup": sum(compile_in(i, 2) for i in range(args.warmup)),
-        "compile_time_timed_steps_s": timed_compile,
-        "build_time_s": build_s,
-        "reference": args.reference,
-        "reference_precompute_time_s": precompute_s,
-        "tokens_per_s": 2 * BATCH * SEQ / common.median(step_times),
-        "loss_first_last": [history[0]["loss"], history[-1]["loss"]],
-        "grad_norm_first": history[0]["grad_norm"],
-        "devices": [str(d) for d in jax.devices()],
-        "jax": jax.__version__,
-        "what": "alignax.trainers.loop.run_loop over the jitted make_train_step(preference.make_task(...).loss_fn): "
-                "per step place batch + policy fwd/bwd on 2B rows (+ reference fwd when live) + AdamW, "
-                "non-finite streak and metrics pulled to the host (perf/step_time_s of the loop)",
-    }
-    return timings, summary
+    def _loop(self, n: int) -> None:
+        from alignax.metrics import MultiWriter
+        from alignax.trainers.loop import LoopConfig, run_loop
+
+        if n == 0:
+            return
+        result = run_loop(
+            config=LoopConfig(total_steps=len(self.history) + n, log_every=1), state=self.state, frozen=self.frozen,
+            step_fn=self._marked_step, batches=self.batches, place_batch=self.placer, writer=MultiWriter([]),
+        )
+        self.state = result.state
+        self.history.extend(result.history)
+
+    def warm(self) -> None:
+        self._loop(self.args.warmup)
+
+    def run(self, n: int) -> None:
+        self._loop(n)
+
+    def summary(self) -> dict:
+        import jax
+
+        warmup = self.args.warmup
+        history, compiles = self.history, self.compiles
+        step_times = [h["perf/step_time_s"] for h in history[warmup:]]
+        return {
+            "step_time_s_median": common.median(step_times),
+            "step_times_s": step_times,
+            "step_time_s_min": min(step_times),
+            "first_step_time_s": history[0]["perf/step_time_s"],
+            "compile_time_s": sum(c[0] for c in compiles[:warmup]),
+            "xla_compile_time_s": sum(c[1] for c in compiles[:warmup]),
+            "xla_compiles_warmup": sum(c[2] for c in compiles[:warmup]),
+            "compile_time_timed_steps_s": sum(c[0] for c in compiles[warmup:]),
+            "build_time_s": self.build_s,
+            "reference": self.args.reference,
+            "reference_precompute_time_s": self.precompute_s,
+            "tokens_per_s": 2 * BATCH * SEQ / common.median(step_times),
+            "loss_first_last": [history[0]["loss"], history[-1]["loss"]],
+            "grad_norm_first": history[0]["grad_norm"],
+            "devices": [str(d) for d in jax.devices()],
+            "jax": jax.__version__,
+            "what": "alignax.trainers.loop.run_loop over the jitted make_train_step(preference.make_task(...)"
+                    ".loss_fn): per step place batch + policy fwd/bwd on 2B rows (+ reference fwd when live) + "
+                    "AdamW, non-finite streak and metrics pulled to the host (perf/step_time_s of the loop)",
+        }
 
 
 def main(argv=None) -> None:
@@ -213,11 +234,15 @@ def main(argv=None) -> None:
     load_start = os.getloadavg()
     peer_args = ["--batch", str(BATCH), "--seq", str(SEQ), "--prompt-len", str(PROMPT), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--beta", str(BETA), "--lr", str(LR)]
-    (ours, model), peer, failure = common.run_both(args, lambda: bench_alignax(args), "tunix_dpo.py", peer_args)
+    bench = AlignaxDPO(args)
+    peer, failures = common.alternate(args, bench, "tunix_dpo.py", peer_args)
+    ours, model = bench.summary(), bench.model
     notes = [
         "alignax: optim.max_grad_norm=null (Tunix's DPO step clips nothing); weight_decay 1e-4 on matrices only "
         "(optax.adamw's default 1e-4 on every parameter on the Tunix side); constant learning rate on both.",
-        "alignax: model.logprob_chunk_size null (default): log-probs from full [2B, T-1, V] logits, as Tunix.",
+        "alignax: model.logprob_chunk_size null (default); data.max_response_length 64 (as configs/dpo.yaml "
+        "sets it): the LM head runs on each row's 64-position response window; Tunix computes [2B, T, V] "
+        "logits and slices the completion part.",
         "alignax's step is one jit (policy + reference + update), so no ref/train split is reported for it.",
     ]
     if args.reference == "precomputed":
@@ -225,9 +250,8 @@ def main(argv=None) -> None:
                      "training, reference_precompute_time_s, compile included); Tunix still runs it every step.")
     if ours["compile_time_timed_steps_s"] > 0.5:
         notes.append(f"alignax compiled {ours['compile_time_timed_steps_s']:.2f}s during timed steps.")
-    if failure:
-        notes.append(f"Tunix run failed: {failure}")
-    elif peer is not None:
+    notes.extend(f"Tunix run failed: {failure}" for failure in failures)
+    if peer is not None:
         notes.extend(common.shape_notes(model, peer))
     result = {
         "task": "dpo",
@@ -240,6 +264,7 @@ def main(argv=None) -> None:
                   "max_grad_norm": None, "grad_accum_steps": 1},
         "steps": args.steps,
         "warmup": args.warmup,
+        "rounds": args.rounds,
         "order": "tunix first" if args.peer_first else "alignax first",
         "alignax": ours,
         "tunix": peer,
@@ -248,6 +273,7 @@ def main(argv=None) -> None:
         "load_average_start": list(load_start),
         "load_average": list(os.getloadavg()),
         "cpu_count": os.cpu_count(),
+        "alignax_source": common.source_state(),
         "notes": notes,
     }
     common.finish(result, args.out)

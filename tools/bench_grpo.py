@@ -76,7 +76,7 @@ def train_config(args):
                          kl_placement="loss", entropy_coef=0.0, epochs=1, minibatches=1),
         optim=OptimConfig(name="adamw", learning_rate=LR, schedule="constant", weight_decay=WEIGHT_DECAY,
                           max_grad_norm=None),
-        train=TrainSection(total_steps=args.warmup + args.steps, seed=args.seed),
+        train=TrainSection(total_steps=args.warmup + args.rounds * args.steps, seed=args.seed),
         checkpoint=CheckpointSection(enabled=False),
         logging=LoggingSection(console=False, jsonl=False, tensorboard=False),
         mesh=MeshSection(shape=(1, 1, 1)),
@@ -119,72 +119,89 @@ def prepare(trainer):
     return state, frozen
 
 
-def bench_alignax(args) -> tuple[dict, dict]:
-    """``(timings, model summary)`` of alignax's GRPO rollout steps."""
-    import jax
+class AlignaxGRPO:
+    """alignax's GRPO rollout steps, ``OnlineTrainer.rl_step``; ``warm()`` then ``run(n)`` rounds."""
 
-    from alignax.trainers.online import OnlineTrainer
+    def __init__(self, args):
+        import jax
 
-    clock = common.CompileClock()
-    config = train_config(args)
-    t0 = time.perf_counter()
-    # The data section needs records to build; the steps are fed prompt batches directly.
-    records = [{"prompt": "hi", "answer": ""} for _ in range(PROMPTS)]
-    trainer = OnlineTrainer(config, records=records)
-    state, frozen = prepare(trainer)
-    jax.block_until_ready((state, frozen))
-    build_s = time.perf_counter() - t0
-    summary = common.model_summary(args, trainer.policy_params(state.params))
+        from alignax.trainers.online import OnlineTrainer
 
-    total = args.warmup + args.steps
-    batches = prompt_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1)
-    walls, figures_per_step, compile_per_step = [], [], []
-    for batch in batches:
-        before = clock.snapshot()
-        start = time.perf_counter()
-        state, figures = trainer.rl_step(state, frozen, batch, iter(()))
-        jax.block_until_ready(state)
-        walls.append(time.perf_counter() - start)
-        after = clock.snapshot()
-        figures_per_step.append(figures)
-        compile_per_step.append(tuple(a - b for a, b in zip(after, before)))
+        self.args = args
+        self.clock = common.CompileClock()
+        config = train_config(args)
+        t0 = time.perf_counter()
+        # The data section needs records to build; the steps are fed prompt batches directly.
+        records = [{"prompt": "hi", "answer": ""} for _ in range(PROMPTS)]
+        self.trainer = OnlineTrainer(config, records=records)
+        self.state, self.frozen = prepare(self.trainer)
+        jax.block_until_ready((self.state, self.frozen))
+        self.build_s = time.perf_counter() - t0
+        self.model = common.model_summary(args, self.trainer.policy_params(self.state.params))
+        total = args.warmup + args.rounds * args.steps
+        self.batches = iter(prompt_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]),
+                                           seed=args.seed + 1))
+        self.walls, self.figures, self.compiles = [], [], []
 
-    timed = slice(args.warmup, total)
-    part = lambda key: [f[key] for f in figures_per_step[timed]]  # noqa: E731
-    step_times = walls[timed]
-    generation, logprob, update = part("perf/generation_s"), part("perf/logprob_s"), part("perf/training_s")
-    other = [s - g - lp - u for s, g, lp, u in zip(step_times, generation, logprob, update)]
-    last = figures_per_step[-1]
-    timings = {
-        "step_time_s_median": common.median(step_times),
-        "step_times_s": step_times,
-        "step_time_s_min": min(step_times),
-        "generation_s": common.median(generation),
-        "generation_times_s": generation,
-        "logprob_s": common.median(logprob),
-        "update_s": common.median(update),
-        "update_times_s": update,
-        "other_s": common.median(other),
-        "first_step_time_s": walls[0],
-        "compile_time_s": sum(c[0] for c in compile_per_step[: args.warmup]),
-        "xla_compile_time_s": sum(c[1] for c in compile_per_step[: args.warmup]),
-        "xla_compiles_warmup": sum(c[2] for c in compile_per_step[: args.warmup]),
-        "compile_time_timed_steps_s": sum(c[0] for c in compile_per_step[timed]),
-        "build_time_s": build_s,
-        "generated_tokens_per_s": PROMPTS * GROUP * NEW_TOKENS / common.median(generation),
-        "completion_length_mean": last["response/length_mean"],
-        "reward_mean_last": last["reward/total"],
-        "first_minibatch_ratio_mean_last": last["first_minibatch/ratio_mean"],
-        "kl_ref_k1_last": last["kl/ref_k1"],
-        "devices": [str(d) for d in jax.devices()],
-        "jax": jax.__version__,
-        "what": "OnlineTrainer.rl_step wall time (blocked on the new state): generation = perf/generation_s "
-                "(the jitted sampler incl. device->host), logprob = perf/logprob_s (policy forward recomputing "
-                "old log-probs + reference forward, both with entropy, at temperature 0.9), update = "
-                "perf/training_s (the jitted make_train_step, metrics to host), other = decoding, reward, "
-                "advantages, host figures",
-    }
-    return timings, summary
+    def _steps(self, n: int) -> None:
+        import jax
+
+        for _ in range(n):
+            batch = next(self.batches)
+            before = self.clock.snapshot()
+            start = time.perf_counter()
+            self.state, figures = self.trainer.rl_step(self.state, self.frozen, batch, iter(()))
+            jax.block_until_ready(self.state)
+            self.walls.append(time.perf_counter() - start)
+            self.compiles.append(tuple(a - b for a, b in zip(self.clock.snapshot(), before)))
+            self.figures.append(figures)
+
+    def warm(self) -> None:
+        self._steps(self.args.warmup)
+
+    def run(self, n: int) -> None:
+        self._steps(n)
+
+    def summary(self) -> dict:
+        import jax
+
+        warmup = self.args.warmup
+        timed_figures = self.figures[warmup:]
+        part = lambda key: [f[key] for f in timed_figures]  # noqa: E731
+        step_times = self.walls[warmup:]
+        generation, logprob, update = part("perf/generation_s"), part("perf/logprob_s"), part("perf/training_s")
+        other = [s - g - lp - u for s, g, lp, u in zip(step_times, generation, logprob, update)]
+        last = self.figures[-1]
+        compiles = self.compiles
+        return {
+            "step_time_s_median": common.median(step_times),
+            "step_times_s": step_times,
+            "step_time_s_min": min(step_times),
+            "generation_s": common.median(generation),
+            "generation_times_s": generation,
+            "logprob_s": common.median(logprob),
+            "update_s": common.median(update),
+            "update_times_s": update,
+            "other_s": common.median(other),
+            "first_step_time_s": self.walls[0],
+            "compile_time_s": sum(c[0] for c in compiles[:warmup]),
+            "xla_compile_time_s": sum(c[1] for c in compiles[:warmup]),
+            "xla_compiles_warmup": sum(c[2] for c in compiles[:warmup]),
+            "compile_time_timed_steps_s": sum(c[0] for c in compiles[warmup:]),
+            "build_time_s": self.build_s,
+            "generated_tokens_per_s": PROMPTS * GROUP * NEW_TOKENS / common.median(generation),
+            "completion_length_mean": last["response/length_mean"],
+            "reward_mean_last": last["reward/total"],
+            "first_minibatch_ratio_mean_last": last["first_minibatch/ratio_mean"],
+            "kl_ref_k1_last": last["kl/ref_k1"],
+            "devices": [str(d) for d in jax.devices()],
+            "jax": jax.__version__,
+            "what": "OnlineTrainer.rl_step wall time (blocked on the new state): generation = perf/generation_s "
+                    "(the jitted sampler incl. device->host), logprob = perf/logprob_s (policy forward recomputing "
+                    "old log-probs + reference forward, both with entropy, at temperature 0.9), update = "
+                    "perf/training_s (the jitted make_train_step, metrics to host), other = decoding, reward, "
+                    "advantages, host figures",
+        }
 
 
 def main(argv=None) -> None:
@@ -195,7 +212,9 @@ def main(argv=None) -> None:
                  "--beta", str(BETA), "--epsilon", str(CLIP), "--kl-mode", "kl",
                  "--loss-agg", "sequence-mean-token-mean", "--temperature", str(TEMPERATURE), "--top-p", str(TOP_P),
                  "--lr", str(LR)]
-    (ours, model), peer, failure = common.run_both(args, lambda: bench_alignax(args), "tunix_grpo.py", peer_args)
+    bench = AlignaxGRPO(args)
+    peer, failures = common.alternate(args, bench, "tunix_grpo.py", peer_args)
+    ours, model = bench.summary(), bench.model
     notes = [
         "alignax: optim.max_grad_norm=null (Tunix's GRPO update clips nothing); weight_decay 1e-4 on matrices "
         "only (optax.adamw's default on every parameter on the Tunix side); constant learning rate on both.",
@@ -210,9 +229,8 @@ def main(argv=None) -> None:
     if ours["compile_time_timed_steps_s"] > 0.5:
         notes.append(f"alignax compiled {ours['compile_time_timed_steps_s']:.2f}s during timed steps.")
     parts = None
-    if failure:
-        notes.append(f"Tunix run failed: {failure}")
-    elif peer is not None:
+    notes.extend(f"Tunix run failed: {failure}" for failure in failures)
+    if peer is not None:
         notes.extend(common.shape_notes(model, peer))
         ours_train = ours["logprob_s"] + ours["update_s"]
         peer_train = peer["ref_logps_time_s_median"] + peer["update_time_s_median"]
@@ -233,6 +251,7 @@ def main(argv=None) -> None:
                   "reward": REWARD},
         "steps": args.steps,
         "warmup": args.warmup,
+        "rounds": args.rounds,
         "order": "tunix first" if args.peer_first else "alignax first",
         "alignax": ours,
         "tunix": peer,
@@ -242,6 +261,7 @@ def main(argv=None) -> None:
         "load_average_start": list(load_start),
         "load_average": list(os.getloadavg()),
         "cpu_count": os.cpu_count(),
+        "alignax_source": common.source_state(),
         "notes": notes,
     }
     common.finish(result, args.out)
