@@ -344,7 +344,8 @@ def test_config_errors(kwargs, message):
 
 def test_config_is_hashable_and_normalises_stop_ids():
     a = SamplingConfig(max_new_tokens=4, stop_token_ids=[2, 5])
-    assert a == SamplingConfig(max_new_tokens=4, stop_token_ids=(2, 5)) and hash(a) == hash(SamplingConfig(max_new_tokens=4, stop_token_ids=(2, 5)))
+    b = SamplingConfig(max_new_tokens=4, stop_token_ids=(2, 5))
+    assert a == b and hash(a) == hash(b)
     assert SamplingConfig(max_new_tokens=4, stop_token_ids=2).stop_token_ids == (2,)
     assert SamplingConfig(max_new_tokens=4, temperature=0.0, greedy=True).greedy
 

@@ -97,7 +97,10 @@ def bench_batch(graphdef, state, hf, batch: int, args, vocab: int) -> dict:
         jax.block_until_ready(out.tokens)
         return out
 
-    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if args.mode == "sample" else dict(do_sample=False)
+    if args.mode == "sample":
+        sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    else:
+        sampling = dict(do_sample=False)
     gen_cfg = transformers.GenerationConfig(
         max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0, **sampling
     )

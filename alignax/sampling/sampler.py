@@ -213,7 +213,6 @@ def _check_context(prompt_len: int, config: SamplingConfig, max_positions: int) 
 
 def _draw(logits: Array, key: Array, config: SamplingConfig) -> tuple[Array, Array, Array]:
     """``(token [R] int32, sampling logp [R], untempered logp [R])`` from ``[R, V]`` logits."""
-    full = jax.nn.log_softmax(logits, axis=-1)
     if config.greedy:
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         sampling_logp = jnp.zeros(token.shape, jnp.float32)
@@ -221,7 +220,7 @@ def _draw(logits: Array, key: Array, config: SamplingConfig) -> tuple[Array, Arr
         logq = sampling_logprobs(logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
         token = jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)
         sampling_logp = jnp.take_along_axis(logq, token[:, None], axis=-1)[:, 0]
-    logp = jnp.take_along_axis(full, token[:, None], axis=-1)[:, 0]
+    logp = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
     return token, sampling_logp, logp
 
 
@@ -278,7 +277,9 @@ def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: Sampli
     """
     model = nnx.merge(graphdef, state)
     if not hasattr(model, "logits"):
-        raise TypeError(f"generate needs a model with an LM head (CausalLM, PolicyValueModel); got {type(model).__name__}")
+        raise TypeError(
+            f"generate needs a model with an LM head (CausalLM, PolicyValueModel); got {type(model).__name__}"
+        )
     check_rank(prompt_tokens=(prompt_tokens, 2))
     check_same_shape(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask)
     B, P = prompt_tokens.shape
@@ -322,7 +323,8 @@ def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: Sampli
     def body(s: _LoopState):
         alive = ~s.done
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)  # [R, 1]
-        step_out = model(last, s.position[:, None], alive[:, None].astype(jnp.int32), cache=s.cache, return_logits=False)
+        feed_mask = alive[:, None].astype(jnp.int32)
+        step_out = model(last, s.position[:, None], feed_mask, cache=s.cache, return_logits=False)
         s = s.replace(
             cache=step_out.cache,
             logits=model.logits(step_out.hidden[:, 0]),
@@ -346,7 +348,9 @@ def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: Sampli
     )
 
 
-def left_pad(sequences: Sequence[Sequence[int]], *, pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def left_pad(
+    sequences: Sequence[Sequence[int]], *, pad_id: int, length: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Left-pad token lists into ``(tokens [B, P] int32, mask [B, P] int32)`` for :func:`generate`.
 
     ``length`` defaults to the longest sequence; a longer sequence raises, naming it.
