@@ -133,7 +133,11 @@ class Attention(nnx.Module):
         allowed: Array,
         kv: tuple[Array, Array] | None,
         index: Array | None,
+        layer: Array | int = 0,
     ) -> tuple[Array, tuple[Array, Array] | None]:
+        """``kv`` is the whole stacked cache ``([L, B, S, K, H], [L, B, S, K, H])``: this
+        layer writes its new keys/values at ``[layer, :, index:index+T]`` in place and
+        reads ``[layer]`` — no copy of the other layers' slots per step."""
         c = self.config
         q = self._project(x, self.q_kernel, self.q_bias)  # [B, T, N, H]
         k = self._project(x, self.k_kernel, self.k_bias)  # [B, T, K, H]
@@ -143,12 +147,13 @@ class Attention(nnx.Module):
         if sin_cos is not None:
             q, k = apply_rope(q, *sin_cos), apply_rope(k, *sin_cos)
         if kv is not None:
-            k_cache, v_cache = kv
-            start = (0, index, 0, 0)
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
-            k, v = k_cache.astype(x.dtype), v_cache.astype(x.dtype)
-            kv = (k_cache, v_cache)
+            k_all, v_all = kv
+            start = (layer, 0, index, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+            k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False).astype(x.dtype)
+            v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False).astype(x.dtype)
+            kv = (k_all, v_all)
         B, T, N, H = q.shape
         q = q.reshape(B, T, c.num_kv_heads, c.num_groups, H)
         scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
@@ -206,8 +211,8 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
         self.mlp = MLP(c, rngs=rngs)
 
-    def __call__(self, x, sin_cos, allowed, kv, index):
-        h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index)
+    def __call__(self, x, sin_cos, allowed, kv, index, layer=0):
+        h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index, layer)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x))
         return x, kv

@@ -148,34 +148,34 @@ class Decoder(nnx.Module):
         return hidden, KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=index + T)
 
     def _run_layers(self, x, sin_cos, allowed, kv, index):
+        """Run every layer; ``kv`` (the stacked cache, or ``None``) is threaded through
+        them whole and each layer updates its own slice in place."""
         c = self.config
         if c.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
-            def body(h, xs):
-                layer_state, layer_kv = xs
-                return nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index)
+            def body(carry, xs):
+                h, layer_kv = carry
+                layer_state, layer = xs
+                h, layer_kv = nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index, layer)
+                return (h, layer_kv), None
 
             if c.remat:
                 body = jax.checkpoint(body, prevent_cse=False)
-            return jax.lax.scan(body, x, (state, kv))
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (state, jnp.arange(c.num_layers)))
+            return x, kv
 
-        new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            layer_kv = None if kv is None else (kv[0][i], kv[1][i])
             if c.remat:
                 graphdef, state = nnx.split(layer)
 
-                def run(layer_state, h, layer_kv, graphdef=graphdef):
-                    return nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index)
+                def run(layer_state, h, layer_kv, graphdef=graphdef, i=i):
+                    return nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index, i)
 
-                x, layer_kv = jax.checkpoint(run)(state, x, layer_kv)
+                x, kv = jax.checkpoint(run)(state, x, kv)
             else:
-                x, layer_kv = layer(x, sin_cos, allowed, layer_kv, index)
-            if kv is not None:
-                new_k.append(layer_kv[0])
-                new_v.append(layer_kv[1])
-        return x, (None if kv is None else (jnp.stack(new_k), jnp.stack(new_v)))
+                x, kv = layer(x, sin_cos, allowed, kv, index, i)
+        return x, kv
 
 
 def _prepare(tokens, positions, attention_mask, cache):
