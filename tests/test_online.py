@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from alignax.checkpoint import Checkpointer
-from alignax.trainers.online import OnlineTrainer, train
+from alignax.trainers.online import make_trainer, train
 from alignax.trainers.rl_rewards import NonFiniteRewardError
 from tests.rl_toy import toy_config, toy_prompts
 
@@ -93,7 +93,7 @@ def test_nan_rewards_are_rejected_with_a_clear_error(tmp_path, toy_model):
 def test_stop_token_stays_in_the_mask_when_pad_equals_eos(tmp_path, toy_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
                         rollout={"max_new_tokens": 24, "num_samples": 8})
-    trainer = OnlineTrainer(config, records=toy_prompts(16))
+    trainer = make_trainer(config, records=toy_prompts(16))
     eos = trainer.tokenizer.eos_token_id
     assert eos == trainer.tokenizer.pad_token_id
     import jax
@@ -115,7 +115,7 @@ def test_loss_reads_response_tokens_only(tmp_path, toy_model):
 
     config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
                         rollout={"max_new_tokens": 12})
-    trainer = OnlineTrainer(config, records=toy_prompts(16))
+    trainer = make_trainer(config, records=toy_prompts(16))
     params = trainer.initial_params
     rng = np.random.default_rng(0)
     r, n, p = trainer.rows, trainer.max_new, trainer.prompt_len

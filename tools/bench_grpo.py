@@ -98,34 +98,13 @@ def prompt_batches(n: int, *, vocab: int, seed: int) -> list[dict]:
     ]
 
 
-def prepare(trainer):
-    """``(state, frozen)`` and ``trainer.update``, exactly as ``OnlineTrainer.train`` sets them up."""
-    import jax
-    import jax.numpy as jnp
-
-    from alignax.parallel.sharding import tree_shardings
-    from alignax.trainers.step import init_train_state
-
-    config = trainer.config
-    extra = {"kl_coef": trainer.kl_controller.init(), "rollouts": jnp.zeros((), jnp.int32)}
-    init = lambda p: init_train_state(p, trainer.optimizer, jax.random.key(config.train.seed), extra)  # noqa: E731
-    shardings = tree_shardings(jax.eval_shape(init, trainer.initial_params), trainer.mesh)
-    state = jax.jit(init, out_shardings=shardings)(trainer.initial_params)
-    trainer.update = jax.jit(trainer._make_step(), donate_argnums=(0,), out_shardings=(shardings, None))
-    frozen = {}
-    if trainer.uses_reference:
-        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
-        frozen = {"reference": copy(trainer.policy_params(trainer.initial_params))}
-    return state, frozen
-
-
 class AlignaxGRPO:
     """alignax's GRPO rollout steps, ``OnlineTrainer.rl_step``; ``warm()`` then ``run(n)`` rounds."""
 
     def __init__(self, args):
         import jax
 
-        from alignax.trainers.online import OnlineTrainer
+        from alignax.trainers.online import make_trainer
 
         self.args = args
         self.clock = common.CompileClock()
@@ -133,8 +112,8 @@ class AlignaxGRPO:
         t0 = time.perf_counter()
         # The data section needs records to build; the steps are fed prompt batches directly.
         records = [{"prompt": "hi", "answer": ""} for _ in range(PROMPTS)]
-        self.trainer = OnlineTrainer(config, records=records)
-        self.state, self.frozen = prepare(self.trainer)
+        self.trainer = make_trainer(config, records=records)
+        self.state, self.frozen = self.trainer.init_state()  # as OnlineTrainer.train sets them up
         jax.block_until_ready((self.state, self.frozen))
         self.build_s = time.perf_counter() - t0
         self.model = common.model_summary(args, self.trainer.policy_params(self.state.params))

@@ -1,23 +1,24 @@
-"""Online RL: PPO with a critic, and the GRPO family, on the on-device sampler.
+"""The online-RL trainer both families share: rollout → reward → advantage → updates.
 
 One rollout step (``OnlineTrainer.rl_step``):
 
-1. sample ``G`` completions for each of ``B`` prompts (DAPO's dynamic sampling keeps
-   sampling prompt batches until ``B`` groups have rewards that vary);
+1. sample ``G`` completions for each of ``B`` prompts (:meth:`OnlineTrainer.collect`;
+   the GRPO family can refill the batch, DAPO's dynamic sampling);
 2. decode and score them (verifiers, reward models, shaping: :mod:`rl_rewards`);
 3. old log-probs (recomputed by a forward pass, or the sampler's), reference log-probs,
    values (PPO); the sampler/trainer log-prob mismatch is measured either way;
-4. advantages: GAE on per-token rewards with the KL penalty (PPO), or group-relative
-   (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``remax`` with a greedy baseline
-   rollout, ``process`` from step rewards);
+4. advantages, by the algorithm: GAE on per-token rewards with the KL penalty
+   (:mod:`alignax.trainers.ppo`), or group-relative (:mod:`alignax.trainers.grpo`);
 5. ``epochs`` passes of ``minibatches`` clipped, KL-regularised updates (the shared
-   jitted step: non-finite guard, clipping, optimiser), PPO stopping early at
-   ``target_kl``;
-6. the adaptive KL controller, metrics and alarms.
+   jitted step: non-finite guard, clipping, optimiser); an algorithm may stop the
+   epochs early (PPO's ``target_kl``);
+6. the KL controller, metrics and alarms.
 
-The host loop around it (logging, eval, checkpoints at rollout boundaries, SIGTERM) is
-:func:`alignax.trainers.loop.run_loop`; a resumed run repeats the same rollouts because
-each one's randomness is derived from the seed and the rollout index alone.
+A subclass supplies the algorithm through the hooks marked below; :func:`train` picks
+it from ``config.algorithm``. The host loop around a step (logging, eval, checkpoints
+at rollout boundaries, SIGTERM) is :func:`alignax.trainers.loop.run_loop`; a resumed run
+repeats the same rollouts because each one's randomness is derived from the seed and the
+rollout index alone.
 """
 
 from __future__ import annotations
@@ -34,99 +35,63 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from alignax import advantages as adv_lib
 from alignax import config as config_io
 from alignax import kl as kl_lib
-from alignax import models, ops
+from alignax import ops
 from alignax.checkpoint import Checkpointer
 from alignax.data import prepare_dataset
-from alignax.losses import cispo_policy_loss, gspo_policy_loss, pg_loss, ppo_policy_loss, sft_loss, value_loss
+from alignax.losses import cispo_policy_loss, gspo_policy_loss, pg_loss, ppo_policy_loss
 from alignax.metrics import to_host
 from alignax.parallel.sharding import batch_sharding, place_array, tree_shardings
 from alignax.sampling import SamplingConfig
-from alignax.trainers.common import build_mesh, build_model, load_tokenizer, response_logps, split_params
+from alignax.trainers.common import build_mesh, build_model, load_tokenizer, split_params
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.loop import LoopConfig, run_loop
 from alignax.trainers.monitoring import Alarms
 from alignax.trainers.optim import build_optimizer
 from alignax.trainers.rl_rewards import RewardModels, RewardScorer
-from alignax.trainers.rollout import (
-    Groups,
-    Sampler,
-    evaluate_greedy,
-    group_reward_std,
-    load_callable,
-    process_step_rewards,
-    response_forward,
-    select_informative_groups,
-    sequence_kl,
-    step_boundaries,
-)
+from alignax.trainers.rollout import Groups, Sampler, evaluate_greedy, group_reward_std, response_forward, sequence_kl
 from alignax.trainers.run import TrainResult, _writers
 from alignax.trainers.step import init_train_state, make_train_step
 
 log = logging.getLogger("alignax")
 
-ONLINE_ALGORITHMS = ("ppo", "grpo")
 POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss}
 
 
-def check_algorithm(name: str) -> None:
-    if name not in ONLINE_ALGORITHMS:
-        raise ValueError(f"algorithm {name!r} is not an online trainer; valid: {', '.join(ONLINE_ALGORITHMS)}")
-
-
 class OnlineTrainer:
-    """Everything a PPO / GRPO-family run holds between rollout steps."""
+    """Everything an online-RL run holds between rollout steps; subclassed per family."""
+
+    algorithm: str = ""  # the config.algorithm a subclass runs
+    policy_kind: str = "causal_lm"  # models.MODEL_KINDS entry of the policy
 
     def __init__(self, config: TrainConfig, *, records: Sequence[Mapping] | None = None):
-        check_algorithm(config.algorithm)
+        if config.algorithm != self.algorithm:
+            raise ValueError(f"{type(self).__name__} runs algorithm {self.algorithm!r}; got {config.algorithm!r}")
         if config.data.format != "prompt":
             raise ValueError(f"algorithm {config.algorithm} needs data.format=prompt; got {config.data.format!r}")
         self.config = config
-        self.is_ppo = config.algorithm == "ppo"
-        rc, gc, pc = config.rollout, config.grpo, config.ppo
+        rc = config.rollout
         self.group_size = rc.num_samples
         self.num_prompts = config.data.batch_size
         self.rows = self.num_prompts * self.group_size
         self.max_new = rc.max_new_tokens
-        if not self.is_ppo and gc.advantage != "remax" and self.group_size < 2:
-            raise ValueError(f"grpo.advantage={gc.advantage} compares samples of a prompt: rollout.num_samples "
-                             f"must be >= 2; got {self.group_size}")
-        epochs, minibatches = (pc.epochs, pc.minibatches) if self.is_ppo else (gc.epochs, gc.minibatches)
-        if self.rows % minibatches:
+        self.epochs, self.minibatches = self.update_schedule()
+        if self.rows % self.minibatches:
             raise ValueError(f"{self.rows} rollout rows (data.batch_size x rollout.num_samples) do not split into "
-                             f"{minibatches} minibatches")
-        self.epochs, self.minibatches = epochs, minibatches
+                             f"{self.minibatches} minibatches")
 
         self.mesh = build_mesh(config.mesh)
         self.tokenizer = load_tokenizer(config.model)
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
         self.prompt_len = config.data.max_prompt_length
 
-        self.shared_critic = self.is_ppo and pc.critic == "shared"
-        self.separate_critic = self.is_ppo and pc.critic == "separate"
-        policy = build_model(config.model, kind="policy_value" if self.shared_critic else "causal_lm", mesh=self.mesh)
+        policy = build_model(config.model, kind=self.policy_kind, mesh=self.mesh)
         self.graphdef, policy_params, self.rest = split_params(policy)
-        params: Any = policy_params
-        if self.separate_critic:
-            if pc.critic_init == "reward_model":
-                if not pc.critic_path:
-                    raise ValueError("ppo.critic_init=reward_model needs ppo.critic_path (a reward model folder)")
-                critic = models.from_pretrained(pc.critic_path, kind="value", mesh=self.mesh)
-            else:
-                critic = build_model(config.model, kind="value", mesh=self.mesh)
-            self.critic_graphdef, critic_params, self.critic_rest = split_params(critic)
-            params = {"policy": policy_params, "critic": critic_params}
-        self.initial_params = params
+        self.initial_params = self.build_params(policy_params)
 
-        self.kl_coef = pc.kl_coef if self.is_ppo else gc.kl_coef
-        self.uses_reference = self.kl_coef > 0 or (self.is_ppo and pc.adaptive_kl)
-        self.kl_in_loss = not self.is_ppo and gc.kl_placement == "loss" and self.kl_coef > 0
-        if self.is_ppo and pc.adaptive_kl:
-            self.kl_controller = kl_lib.AdaptiveKLController(pc.kl_coef, target=pc.kl_target, horizon=pc.kl_horizon)
-        else:
-            self.kl_controller = kl_lib.FixedKLController(self.kl_coef)
+        self.kl_coef, self.kl_controller = self.kl_setup()
+        self.uses_reference = self.kl_coef > 0 or isinstance(self.kl_controller, kl_lib.AdaptiveKLController)
 
         eos = self.tokenizer.eos_token_id
         self.stop_ids = tuple(rc.stop_token_ids) if rc.stop_token_ids else (eos,)
@@ -144,92 +109,105 @@ class OnlineTrainer:
                                    reward_models=reward_models)
         self.sampler = Sampler(self.graphdef, self.tokenizer, self.scorer, self.sampling, mesh=self.mesh,
                                place=self.place)
-        self.process_fn = load_callable(gc.process_reward) if (not self.is_ppo and gc.advantage == "process") else None
-        self.ptx = None
-        if self.is_ppo and pc.ptx_coef > 0:
-            if pc.ptx_data is None or pc.ptx_data.format != "sft":
-                raise ValueError("ppo.ptx_coef > 0 needs ppo.ptx_data with format sft")
-            self.ptx = prepare_dataset(pc.ptx_data, self.tokenizer).iterator("train")
         self.alarms = Alarms()
         self._build_functions()
+
+    # ------------------------------------------------------------------ algorithm hooks
+    def update_schedule(self) -> tuple[int, int]:
+        """``(epochs, minibatches)`` per rollout."""
+        raise NotImplementedError
+
+    def build_params(self, policy_params: nnx.State) -> Any:
+        """The trained parameter tree (the policy's, plus a separate critic's if any)."""
+        return policy_params
+
+    def policy_params(self, params):
+        """The policy's part of the trained tree."""
+        return params
+
+    def kl_setup(self) -> tuple[float, Any]:
+        """``(KL coefficient, KL controller)``; a zero fixed coefficient drops the reference."""
+        raise NotImplementedError
+
+    def loss_setup(self) -> tuple[Any, dict[str, Any], str, float]:
+        """``(policy loss function, its clip keywords, aggregation mode, entropy coefficient)``."""
+        raise NotImplementedError
+
+    def loss_kl_options(self) -> dict[str, Any]:
+        """``kl_coef``/``kl_kind`` when the policy loss carries the KL to the reference."""
+        return {}
+
+    def extra_loss(self, params, mb, normalisers, values) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Terms added to the policy loss (PPO: value loss, ptx), traced in the jitted step;
+        ``values`` are the policy's own value head's (``None`` without one)."""
+        del params, mb, normalisers, values
+        return jnp.zeros((), jnp.float32), {}
+
+    def old_values(self, params, tokens, positions, attention, shared_values) -> jax.Array:
+        """The critic's values of the rollout (zeros without a critic)."""
+        del params, positions, attention, shared_values
+        return jnp.zeros(tokens.shape[:1] + (self.max_new,), jnp.float32)
+
+    def minibatch_extras(self) -> dict[str, jax.Array]:
+        """Arrays added to every minibatch (PPO-ptx's SFT batch)."""
+        return {}
+
+    def final_rewards(self, rewards: np.ndarray, rollout: Mapping[str, jax.Array]) -> np.ndarray:
+        """The sequence rewards the advantages see (GRPO: minus the KL when it is placed there)."""
+        del rollout
+        return rewards
+
+    def advantages(self, state, groups: Groups, rewards: np.ndarray, rollout: Mapping[str, jax.Array],
+                   figures: dict[str, float]) -> tuple[jax.Array, jax.Array]:
+        """``(advantages [R, N], returns [R, N])``; may add figures."""
+        raise NotImplementedError
+
+    def stop_epochs(self, rollout_index: int, epoch: int, epoch_metrics: Sequence[Mapping[str, float]]) -> bool:
+        """Whether to skip the remaining epochs of this rollout."""
+        del rollout_index, epoch, epoch_metrics
+        return False
 
     # ------------------------------------------------------------------ placement
     def place(self, value: np.ndarray) -> jax.Array:
         value = np.asarray(value)
         return place_array(value, batch_sharding(self.mesh, value.ndim))
 
-    def policy_params(self, params):
-        return params["policy"] if self.separate_critic else params
-
     def sampling_state(self, params) -> nnx.State:
         return nnx.merge_state(self.policy_params(params), self.rest)
 
     # ------------------------------------------------------------------ compiled pieces
+    def policy_forward(self, policy_params, tokens, positions, attention):
+        """``(log-probs, entropy, shared-head values or None)`` of the response window."""
+        model = nnx.merge(self.graphdef, policy_params, self.rest)
+        return response_forward(model, tokens, positions, attention, prompt_len=self.prompt_len,
+                                temperature=self.config.rollout.temperature,
+                                chunk_size=self.config.model.logprob_chunk_size)
+
     def _build_functions(self) -> None:
         config = self.config
-        rc, gc, pc = config.rollout, config.grpo, config.ppo
-        chunk = config.model.logprob_chunk_size
-        temperature = rc.temperature
-        prompt_len, n = self.prompt_len, self.max_new
-
-        def policy_forward(policy_params, tokens, positions, attention):
-            model = nnx.merge(self.graphdef, policy_params, self.rest)
-            return response_forward(model, tokens, positions, attention, prompt_len=prompt_len,
-                                    temperature=temperature, chunk_size=chunk)
-
-        def critic_values(critic_params, tokens, positions, attention):
-            critic = nnx.merge(self.critic_graphdef, critic_params, self.critic_rest)
-            return critic(tokens, positions, attention).values[:, prompt_len - 1 : -1]
-
-        self._policy_forward = jax.jit(policy_forward)
-        self._critic_values = jax.jit(critic_values) if self.separate_critic else None
-
-        loss_name = "ppo" if self.is_ppo else gc.policy_loss
-        policy_loss = POLICY_LOSSES[loss_name]
-        if self.is_ppo:
-            clip = dict(clip_eps_low=pc.clip_eps, clip_eps_high=pc.clip_eps)
-            aggregation, entropy_coef = pc.aggregation, pc.entropy_coef
-        else:
-            clip = {"ppo": dict(clip_eps_low=gc.clip_eps_low, clip_eps_high=gc.clip_eps_high, dual_clip_c=gc.dual_clip_c),
-                    "gspo": dict(clip_eps_low=gc.clip_eps_low, clip_eps_high=gc.clip_eps_high),
-                    "cispo": dict(clip_eps_low=gc.clip_eps_low, clip_eps_high=gc.clip_eps_high),
-                    "pg": {}}[loss_name]
-            if loss_name in ("gspo", "cispo") and clip.get("clip_eps_high") is None:
-                clip.pop("clip_eps_high")  # the loss's own default
-            aggregation, entropy_coef = gc.aggregation, gc.entropy_coef
+        rc = config.rollout
+        n = self.max_new
+        self._policy_forward = jax.jit(self.policy_forward)
+        policy_loss, clip, aggregation, entropy_coef = self.loss_setup()
+        kl_options = self.loss_kl_options()
 
         def loss_fn(params, frozen, mb, normalisers, rng):
             del frozen, rng
-            logps, entropy, values = policy_forward(self.policy_params(params), mb["tokens"], mb["positions"],
+            logps, entropy, values = self.policy_forward(self.policy_params(params), mb["tokens"], mb["positions"],
                                                     mb["attention_mask"])
             options = dict(aggregation=aggregation, num_tokens=normalisers["num_tokens"],
                            num_seqs=normalisers["num_seqs"], norm_length=n, entropy=entropy,
                            entropy_coef=entropy_coef)
-            if self.kl_in_loss:
-                options.update(ref_logps=mb["ref_logps"], kl_coef=gc.kl_coef, kl_kind=gc.kl_kind)
+            if kl_options:
+                options.update(ref_logps=mb["ref_logps"], **kl_options)
             if rc.tis_cap is not None:
                 options.update(sampler_logps=mb["sampler_logps"], tis_cap=rc.tis_cap)
             loss, metrics = policy_loss(logps, mb["old_logps"], mb["advantages"], mb["mask"], **clip, **options)
             metrics = dict(metrics)
             metrics["policy_loss"] = loss
-            if self.is_ppo:
-                if self.separate_critic:
-                    values = critic_values(params["critic"], mb["tokens"], mb["positions"], mb["attention_mask"])
-                v_loss, v_metrics = value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
-                                               clip_eps=pc.value_clip, aggregation=aggregation,
-                                               num_tokens=normalisers["num_tokens"], num_seqs=normalisers["num_seqs"],
-                                               norm_length=n)
-                loss = loss + pc.vf_coef * v_loss
-                metrics.update({f"value/{k}": v for k, v in v_metrics.items()})
-                metrics["value/loss"] = v_loss
-            if self.ptx is not None:
-                model = nnx.merge(self.graphdef, self.policy_params(params), self.rest)
-                ptx_logps, ptx_mask = response_logps(model, mb["ptx_tokens"], mb["ptx_positions"],
-                                                     mb["ptx_attention_mask"], mb["ptx_response_mask"], chunk_size=chunk)
-                ptx_loss, _ = sft_loss(ptx_logps, ptx_mask)
-                loss = loss + pc.ptx_coef * ptx_loss
-                metrics["ptx/loss"] = ptx_loss
-            return loss, metrics
+            extra, extra_metrics = self.extra_loss(params, mb, normalisers, values)
+            metrics.update(extra_metrics)
+            return loss + extra, metrics
 
         def normalisers_fn(mb):
             return ops.aggregation_normalisers(mb["mask"])
@@ -240,117 +218,63 @@ class OnlineTrainer:
         self._make_step = lambda: make_train_step(loss_fn, self.optimizer, normalisers_fn=normalisers_fn,
                                                   grad_accum_steps=config.train.grad_accum_steps, schedule=schedule)
 
-        method = "ppo" if self.is_ppo else gc.advantage
-
-        def advantages_fn(rewards, mask, old_logps, ref_logps, old_values, kl_coef, group_ids, baseline):
-            """``(advantages [R, N], returns [R, N])`` for the configured method."""
-            if method == "ppo":
-                penalty = kl_lib.kl_penalty(old_logps, ref_logps, mask, beta=kl_coef, kind=pc.kl_kind)
-                token_rewards = adv_lib.token_rewards(rewards, mask, kl_penalty=penalty)
-                advantages, returns = adv_lib.gae(token_rewards, old_values, mask, gamma=pc.gamma, lam=pc.lam)
-                if pc.whiten_advantages:
-                    advantages = ops.masked_whiten(advantages, mask)
-                return advantages, returns
-            if method == "process":
-                raise AssertionError("process advantages are computed from step rewards")
-            kwargs = dict(method=method, group_ids=group_ids, num_groups=self.num_prompts)
-            if method == "grpo":
-                kwargs["unbiased_std"] = gc.unbiased_std
-            if method == "reinforce_pp":
-                kwargs["subtract_group_mean"] = gc.reinforce_baseline
-            if method == "remax":
-                kwargs = dict(method="remax", baseline=baseline)
-            seq = adv_lib.group_advantages(rewards, **kwargs)
-            return seq[:, None] * mask, jnp.zeros_like(mask)
-
-        self._advantages = jax.jit(advantages_fn)
-        self._process_advantages = jax.jit(
-            lambda step_rewards, step_mask, mask, group_ids: adv_lib.process_advantages(
-                step_rewards, step_mask, mask, group_ids=group_ids, num_groups=self.num_prompts,
-                unbiased_std=gc.unbiased_std))
+    def init_state(self):
+        """``(train state, frozen)`` placed on the mesh, and ``self.update`` compiled for them."""
+        config = self.config
+        extra = {"kl_coef": self.kl_controller.init(), "rollouts": jnp.zeros((), jnp.int32)}
+        init = lambda p: init_train_state(p, self.optimizer, jax.random.key(config.train.seed), extra)  # noqa: E731
+        shardings = tree_shardings(jax.eval_shape(init, self.initial_params), self.mesh)
+        state = jax.jit(init, out_shardings=shardings)(self.initial_params)
+        self.update = jax.jit(self._make_step(), donate_argnums=(0,), out_shardings=(shardings, None))
+        frozen = {}
+        if self.uses_reference:
+            copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
+            frozen["reference"] = copy(self.policy_params(self.initial_params))
+        return state, frozen
 
     # ------------------------------------------------------------------ one rollout step
-    def collect(self, state, prompt_batch, batches) -> tuple[Groups, dict[str, float]]:
-        """Sample and score this step's groups (refilling under dynamic sampling)."""
-        config = self.config
+    def rollout_key(self, state) -> tuple[int, jax.Array]:
         rollout_index = int(jax.device_get(state.extra["rollouts"]))
-        key = jax.random.fold_in(jax.random.key(config.train.seed), rollout_index)
-        sampling_state = self.sampling_state(state.params)
-        groups, gen_s, gen_tokens = self.sampler.sample(sampling_state, prompt_batch, jax.random.fold_in(key, 0))
-        figures = {"groups/refills": 0.0}
-        if not self.is_ppo and config.grpo.dynamic_sampling:
-            parts = [groups]
-            informative = int(np.sum(group_reward_std(groups.rewards, self.group_size) > 0))
-            refills = 0
-            while informative < self.num_prompts and refills < config.grpo.max_refills:
-                refills += 1
-                extra, s, t = self.sampler.sample(sampling_state, next(batches), jax.random.fold_in(key, refills))
-                parts.append(extra)
-                gen_s, gen_tokens = gen_s + s, gen_tokens + t
-                informative += int(np.sum(group_reward_std(extra.rewards, self.group_size) > 0))
-            groups, informative = select_informative_groups(parts, num_groups=self.num_prompts,
-                                                            group_size=self.group_size)
-            figures["groups/refills"] = float(refills)
-            figures["groups/sampled"] = float(sum(p.size for p in parts) // self.group_size)
-        figures["perf/generation_s"] = gen_s
-        figures["perf/generation_tokens_per_s"] = gen_tokens / gen_s if gen_s > 0 else 0.0
-        return groups, figures
+        return rollout_index, jax.random.fold_in(jax.random.key(self.config.train.seed), rollout_index)
+
+    def collect(self, state, prompt_batch, batches) -> tuple[Groups, dict[str, float]]:
+        """Sample and score this step's groups."""
+        del batches
+        _, key = self.rollout_key(state)
+        groups, gen_s, gen_tokens = self.sampler.sample(self.sampling_state(state.params), prompt_batch,
+                                                        jax.random.fold_in(key, 0))
+        return groups, generation_figures(gen_s, gen_tokens)
 
     def rl_step(self, state, frozen, prompt_batch, batches):
         config = self.config
-        rc, gc, pc = config.rollout, config.grpo, config.ppo
+        rc = config.rollout
         t_start = time.perf_counter()
         groups, figures = self.collect(state, prompt_batch, batches)
-        rollout_index = int(jax.device_get(state.extra["rollouts"]))
+        rollout_index, _ = self.rollout_key(state)
 
         # ---- per-token quantities of the rollout under the current policy ----
         t_fwd = time.perf_counter()
         tokens, positions, attention = (self.place(a) for a in groups.full_sequences())
         response_mask = self.place(groups.response_mask.astype(np.float32))
         sampler_logps = self.place(groups.sampler_logps)
-        policy_params = self.policy_params(state.params)
-        recomputed, entropy, shared_values = self._policy_forward(policy_params, tokens, positions, attention)
+        recomputed, entropy, shared_values = self._policy_forward(self.policy_params(state.params), tokens,
+                                                                  positions, attention)
         old_logps = recomputed if rc.old_logps == "recompute" else sampler_logps
         ref_logps = (self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
                      if self.uses_reference else jnp.zeros_like(old_logps))
-        if self.separate_critic:
-            old_values = self._critic_values(state.params["critic"], tokens, positions, attention)
-        else:
-            old_values = shared_values if self.shared_critic else jnp.zeros_like(old_logps)
+        old_values = self.old_values(state.params, tokens, positions, attention, shared_values)
         loss_mask = groups.response_mask.astype(np.float32)
         if config.rewards.mask_truncated:
             loss_mask = loss_mask * groups.stopped[:, None].astype(np.float32)
-        mask = self.place(loss_mask)
+        rollout = {"tokens": tokens, "positions": positions, "attention_mask": attention,
+                   "mask": self.place(loss_mask), "response_mask": response_mask, "old_logps": old_logps,
+                   "sampler_logps": sampler_logps, "ref_logps": ref_logps, "old_values": old_values}
 
         # ---- rewards and advantages ----
-        rewards = groups.rewards.astype(np.float32)
         seq_kl = np.asarray(sequence_kl(old_logps, ref_logps, response_mask, "k1"))
-        kl_coef = state.extra["kl_coef"].coef
-        if not self.is_ppo and gc.kl_placement == "reward" and self.kl_coef > 0:
-            rewards = rewards - self.kl_coef * np.asarray(sequence_kl(old_logps, ref_logps, response_mask, gc.kl_kind))
-        group_ids = self.place(np.repeat(np.arange(self.num_prompts, dtype=np.int32), self.group_size))
-        baseline = None
-        if not self.is_ppo and gc.advantage == "remax":
-            prompts = {"prompt_tokens": groups.prompt_tokens[:: self.group_size],
-                       "prompt_attention_mask": groups.prompt_mask[:: self.group_size],
-                       "references": groups.references[:: self.group_size]}
-            greedy, _, _ = self.sampler.sample(self.sampling_state(state.params), prompts, jax.random.key(0),
-                                               config=self.greedy)
-            baseline = np.repeat(greedy.rewards, self.group_size)
-            figures["reward/greedy_baseline"] = float(np.mean(greedy.rewards))
-        if not self.is_ppo and gc.advantage == "process":
-            step_mask, texts = step_boundaries(self.tokenizer, groups.tokens, groups.response_mask, gc.step_delimiter)
-            step_rewards = process_step_rewards(self.process_fn, step_mask, texts, groups.references)
-            advantages = self._process_advantages(self.place(step_rewards), self.place(step_mask), mask, group_ids)
-            returns = jnp.zeros_like(advantages)
-            figures["process/steps_per_completion"] = float(step_mask.sum() / max(groups.size, 1))
-        else:
-            advantages, returns = self._advantages(
-                self.place(rewards), mask, old_logps, ref_logps, old_values, kl_coef, group_ids,
-                None if baseline is None else self.place(baseline.astype(np.float32)))
-        rollout = {"tokens": tokens, "positions": positions, "attention_mask": attention, "mask": mask,
-                   "old_logps": old_logps, "sampler_logps": sampler_logps, "ref_logps": ref_logps,
-                   "advantages": advantages, "old_values": old_values, "returns": returns}
+        rewards = self.final_rewards(groups.rewards.astype(np.float32), rollout)
+        rollout["advantages"], rollout["returns"] = self.advantages(state, groups, rewards, rollout, figures)
+        del rollout["response_mask"]
         t_update = time.perf_counter()
 
         # ---- updates ----
@@ -363,22 +287,15 @@ class OnlineTrainer:
             for rows in np.split(order_rng.permutation(self.rows), self.minibatches):
                 index = self.place(np.sort(rows).astype(np.int32))
                 minibatch = {k: jnp.take(v, index, axis=0) for k, v in rollout.items()}
-                if self.ptx is not None:
-                    ptx_batch = next(self.ptx)
-                    minibatch.update({f"ptx_{k}": self.place(ptx_batch[k]) for k in
-                                      ("tokens", "positions", "attention_mask", "response_mask")})
+                minibatch.update(self.minibatch_extras())
                 state, metrics = self.update(state, frozen, minibatch)
                 metrics = to_host(metrics)
                 first = first or metrics
                 epoch_metrics.append(metrics)
             update_metrics.extend(epoch_metrics)
             epochs_run += 1
-            if self.is_ppo and pc.target_kl is not None:
-                epoch_kl = float(np.mean([m["approx_kl"] for m in epoch_metrics]))
-                if epoch_kl > 1.5 * pc.target_kl:
-                    log.info("rollout %d: approx KL %.4g > 1.5 x target %.4g after epoch %d; stopping early",
-                             rollout_index + 1, epoch_kl, pc.target_kl, epoch + 1)
-                    break
+            if self.stop_epochs(rollout_index, epoch, epoch_metrics):
+                break
         t_end = time.perf_counter()
 
         # ---- carried state: rollout count and the KL controller ----
@@ -386,7 +303,7 @@ class OnlineTrainer:
         state = state._replace(extra={"kl_coef": new_coef, "rollouts": state.extra["rollouts"] + 1})
 
         figures.update(self._rollout_figures(groups, rewards, seq_kl, old_logps, ref_logps, recomputed, sampler_logps,
-                                             response_mask, entropy, advantages))
+                                             response_mask, entropy, rollout["advantages"]))
         for key in update_metrics[0]:
             figures[key] = float(np.mean([m[key] for m in update_metrics]))
         figures["grad_norm_max"] = float(np.max([m["grad_norm"] for m in update_metrics]))
@@ -451,30 +368,21 @@ class OnlineTrainer:
         os.makedirs(config.output_dir, exist_ok=True)
         with open(os.path.join(config.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
             yaml.safe_dump(config_io.to_dict(config), f, sort_keys=False)
-        extra = {"kl_coef": self.kl_controller.init(), "rollouts": jnp.zeros((), jnp.int32)}
-        init = lambda p: init_train_state(p, self.optimizer, jax.random.key(config.train.seed), extra)  # noqa: E731
-        shardings = tree_shardings(jax.eval_shape(init, self.initial_params), self.mesh)
-        state = jax.jit(init, out_shardings=shardings)(self.initial_params)
-        self.update = jax.jit(self._make_step(), donate_argnums=(0,), out_shardings=(shardings, None))
-
+        state, frozen = self.init_state()
         checkpointer = (Checkpointer(os.path.join(config.output_dir, "checkpoints"), keep=config.checkpoint.keep,
                                      async_save=config.checkpoint.async_save) if config.checkpoint.enabled else None)
         batches = self.data.iterator("train")
-        reference = None
-        if self.uses_reference:
-            reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(self.policy_params(self.initial_params))
         resumed = False
         if checkpointer is not None and config.checkpoint.resume and checkpointer.latest_step() is not None:
             state, meta = checkpointer.restore(state)
             batches.set_state(meta["data"])
             self.alarms.set_state(meta.get("alarms", {}))
-            if reference is not None:
-                reference = checkpointer.restore_reference(reference)
+            if "reference" in frozen:
+                frozen["reference"] = checkpointer.restore_reference(frozen["reference"])
             resumed = True
             log.info("resumed at rollout %d from %s", int(state.extra["rollouts"]), checkpointer.directory)
-        elif checkpointer is not None and reference is not None:
-            checkpointer.save_reference(reference)
-        frozen = {"reference": reference} if reference is not None else {}
+        elif checkpointer is not None and "reference" in frozen:
+            checkpointer.save_reference(frozen["reference"])
 
         writer = _writers(config, ("reward/total", "reward/answer", "kl/ref_seq", "entropy", "response/length_mean"))
         if not resumed:
@@ -503,6 +411,25 @@ class OnlineTrainer:
                            data_stats=dict(self.data.stats))
 
 
+def generation_figures(seconds: float, tokens: int) -> dict[str, float]:
+    return {"perf/generation_s": seconds, "perf/generation_tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+
+
+def trainer_class(algorithm: str) -> type[OnlineTrainer]:
+    """The :class:`OnlineTrainer` subclass that runs ``algorithm`` (``ppo`` or ``grpo``)."""
+    from alignax.trainers.grpo import GRPOTrainer
+    from alignax.trainers.ppo import PPOTrainer
+
+    classes = {cls.algorithm: cls for cls in (PPOTrainer, GRPOTrainer)}
+    if algorithm not in classes:
+        raise ValueError(f"algorithm {algorithm!r} is not an online trainer; valid: {', '.join(classes)}")
+    return classes[algorithm]
+
+
+def make_trainer(config: TrainConfig, *, records: Sequence[Mapping] | None = None) -> OnlineTrainer:
+    return trainer_class(config.algorithm)(config, records=records)
+
+
 def train(config: TrainConfig, *, records: Sequence[Mapping] | None = None) -> TrainResult:
     """Run a PPO / GRPO-family recipe to ``train.total_steps`` rollout steps."""
-    return OnlineTrainer(config, records=records).train()
+    return make_trainer(config, records=records).train()
