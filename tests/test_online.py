@@ -54,6 +54,47 @@ def test_first_minibatch_ratio_is_one_when_old_logps_are_recomputed(tmp_path, to
     assert any(abs(row["ratio_max"] - 1) > 1e-3 for row in result.history)  # later minibatches are off-policy
 
 
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_single_update_reuses_its_forward_pass_and_matches_the_separate_pass(tmp_path, toy_model,
+                                                                            grad_accum_steps):
+    """One update per rollout (GRPO's default): old log-probs, entropy and the mismatch
+    figures come from the update's own forward pass; the step equals the two-pass one."""
+    import jax
+
+    config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
+                        train={"grad_accum_steps": grad_accum_steps})
+    records = toy_prompts(16)
+    runs = {}
+    for reuse in (True, False):
+        trainer = make_trainer(config, records=records)
+        assert trainer.logps_from_update
+        trainer.logps_from_update = reuse  # read when the step is first traced, and by rl_step
+        state, frozen = trainer.init_state()
+        batch = next(trainer.data.iterator("train"))
+        state, figures = trainer.rl_step(state, frozen, batch, iter(()))
+        runs[reuse] = (jax.device_get(state.params), figures)
+    (params_a, fig_a), (params_b, fig_b) = runs[True], runs[False]
+    assert fig_a["reward/total"] == fig_b["reward/total"]  # the same rollout
+    assert fig_a["first_minibatch/ratio_min"] == fig_a["first_minibatch/ratio_max"] == 1.0
+    for key in ("loss", "grad_norm", "entropy", "kl/ref_seq", "kl/ref_k3", "mismatch/sampler_trainer_abs",
+                "mismatch/sampler_trainer_max", "approx_kl", "advantages/abs_mean"):
+        np.testing.assert_allclose(fig_a[key], fig_b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # Adam's first step is ~lr * g / |g|: float noise in a near-zero gradient entry moves
+    # its parameter by up to ~1e-5 here (lr 2e-2), so parameters get a looser tolerance.
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_several_updates_or_kl_in_the_reward_keep_the_separate_forward_pass(tmp_path, toy_model):
+    records = toy_prompts(16)
+    for sections in (dict(grpo={"minibatches": 2}), dict(grpo={"epochs": 2}),
+                     dict(grpo={"kl_placement": "reward", "kl_kind": "k1"})):
+        assert not make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, **sections),
+                                records=records).logps_from_update, sections
+    assert not make_trainer(toy_config(tmp_path, toy_model, "ppo", steps=1, ppo={"epochs": 1}),
+                            records=records).logps_from_update
+
+
 def test_sampler_log_probs_agree_with_the_trainer_at_temperature_one(tmp_path, toy_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False})
     result = train(config, records=toy_prompts(16))

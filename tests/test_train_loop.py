@@ -84,6 +84,27 @@ def test_accumulated_micro_batches_equal_one_full_batch_step():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_per_row_metrics_come_back_in_row_order_across_micro_batches():
+    def with_rows(params, frozen, batch, normalisers, rng):
+        loss, metrics = loss_fn(params, frozen, batch, normalisers, rng)
+        pred = batch["x"] @ params["w"] + params["b"]
+        return loss, dict(metrics, pred=pred, pair=jnp.stack([pred, batch["y"]], axis=-1))
+
+    opt = optax.sgd(0.1)
+    batch = next(ToyBatches(batch_size=8))
+    params = {"w": jnp.asarray([0.5, -1.0, 2.0]), "b": jnp.asarray(0.1)}
+    state = init_train_state(params, opt, jax.random.key(0))
+    expected = np.asarray(batch["x"]) @ np.asarray([0.5, -1.0, 2.0]) + 0.1
+    for accum in (1, 4):
+        step = jax.jit(make_train_step(with_rows, opt, normalisers_fn=normalisers_fn, grad_accum_steps=accum))
+        _, metrics = step(state, None, batch)
+        assert metrics["pred"].shape == (8,) and metrics["pair"].shape == (8, 2)
+        np.testing.assert_allclose(metrics["pred"], expected, rtol=1e-6)
+        np.testing.assert_allclose(metrics["pair"][:, 1], batch["y"], rtol=1e-6)
+        assert metrics["abs_err"].shape == ()  # scalars are still averaged
+        np.testing.assert_allclose(metrics["abs_err"], np.mean(np.abs(expected - batch["y"])), rtol=1e-6)
+
+
 def test_nonfinite_update_is_skipped_and_counted():
     opt = optax.adam(0.1)
     step = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn))

@@ -163,6 +163,24 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
+def timing_figures(step_times: Sequence[float], compiles: Sequence[tuple[float, float, int]], *, warmup: int,
+                   build_s: float) -> dict:
+    """Step-time and compile figures of a side: ``step_times`` and ``compiles``
+    (:meth:`CompileClock.snapshot` deltas) have one entry per step, warm-up steps first."""
+    timed = list(step_times[warmup:])
+    return {
+        "step_time_s_median": median(timed),
+        "step_times_s": timed,
+        "step_time_s_min": min(timed),
+        "first_step_time_s": step_times[0],
+        "compile_time_s": sum(c[0] for c in compiles[:warmup]),
+        "xla_compile_time_s": sum(c[1] for c in compiles[:warmup]),
+        "xla_compiles_warmup": sum(c[2] for c in compiles[:warmup]),
+        "compile_time_timed_steps_s": sum(c[0] for c in compiles[warmup:]),
+        "build_time_s": build_s,
+    }
+
+
 def run_peer(script: str, args: Sequence[str], *, timeout: float) -> tuple[dict | None, str | None]:
     """``(result, None)`` from ``.venv-bench/bin/python tools/peers/<script> args``, or
     ``(None, why)`` when it cannot run or fails (its stderr tail says why)."""

@@ -203,22 +203,14 @@ class AlignaxDPO:
     def summary(self) -> dict:
         import jax
 
-        warmup = self.args.warmup
-        history, compiles = self.history, self.compiles
-        step_times = [h["perf/step_time_s"] for h in history[warmup:]]
+        history = self.history
+        figures = common.timing_figures([h["perf/step_time_s"] for h in history], self.compiles,
+                                        warmup=self.args.warmup, build_s=self.build_s)
         return {
-            "step_time_s_median": common.median(step_times),
-            "step_times_s": step_times,
-            "step_time_s_min": min(step_times),
-            "first_step_time_s": history[0]["perf/step_time_s"],
-            "compile_time_s": sum(c[0] for c in compiles[:warmup]),
-            "xla_compile_time_s": sum(c[1] for c in compiles[:warmup]),
-            "xla_compiles_warmup": sum(c[2] for c in compiles[:warmup]),
-            "compile_time_timed_steps_s": sum(c[0] for c in compiles[warmup:]),
-            "build_time_s": self.build_s,
+            **figures,
             "reference": self.args.reference,
             "reference_precompute_time_s": self.precompute_s,
-            "tokens_per_s": 2 * BATCH * SEQ / common.median(step_times),
+            "tokens_per_s": 2 * BATCH * SEQ / figures["step_time_s_median"],
             "loss_first_last": [history[0]["loss"], history[-1]["loss"]],
             "grad_norm_first": history[0]["grad_norm"],
             "devices": [str(d) for d in jax.devices()],

@@ -12,11 +12,11 @@ seq-mean-token-mean aggregation, 1 epoch x 1 minibatch, AdamW lr 1e-6 (weight de
 constant schedule, no clipping), float32.
 
 alignax side: ``OnlineTrainer.rl_step`` itself, the trainer's whole rollout step:
-sampling (the one-jit sampler), decoding and scoring, old log-probs (recomputed, the
-default) and reference log-probs, advantages, the jitted update, metrics. The trainer is
-built from a TrainConfig; the state, the jitted update and the frozen reference are set
-up as ``OnlineTrainer.train`` does (that method also runs the loop, checkpoints and
-writers, so its setup lines are repeated here). Prompt batches are fed directly: the
+sampling (the one-jit sampler), decoding and scoring, reference log-probs, advantages,
+the jitted update (one update per rollout: the old log-probs are its own forward pass's,
+gradient stopped), metrics. The trainer is built from a TrainConfig; the state, the
+jitted update and the frozen reference come from ``OnlineTrainer.init_state``, as
+``OnlineTrainer.train`` sets them up. Prompt batches are fed directly: the
 tiny model's vocabulary (4096) is smaller than its tokenizer's (SmolLM2, 49152), so the
 prompts are random ids below the model's vocabulary; the tokenizer decodes them like any
 others. The parts come from the step's own figures: ``perf/generation_s``,
@@ -151,23 +151,14 @@ class AlignaxGRPO:
         generation, logprob, update = part("perf/generation_s"), part("perf/logprob_s"), part("perf/training_s")
         other = [s - g - lp - u for s, g, lp, u in zip(step_times, generation, logprob, update)]
         last = self.figures[-1]
-        compiles = self.compiles
         return {
-            "step_time_s_median": common.median(step_times),
-            "step_times_s": step_times,
-            "step_time_s_min": min(step_times),
+            **common.timing_figures(self.walls, self.compiles, warmup=warmup, build_s=self.build_s),
             "generation_s": common.median(generation),
             "generation_times_s": generation,
             "logprob_s": common.median(logprob),
             "update_s": common.median(update),
             "update_times_s": update,
             "other_s": common.median(other),
-            "first_step_time_s": self.walls[0],
-            "compile_time_s": sum(c[0] for c in compiles[:warmup]),
-            "xla_compile_time_s": sum(c[1] for c in compiles[:warmup]),
-            "xla_compiles_warmup": sum(c[2] for c in compiles[:warmup]),
-            "compile_time_timed_steps_s": sum(c[0] for c in compiles[warmup:]),
-            "build_time_s": self.build_s,
             "generated_tokens_per_s": PROMPTS * GROUP * NEW_TOKENS / common.median(generation),
             "completion_length_mean": last["response/length_mean"],
             "reward_mean_last": last["reward/total"],
@@ -176,8 +167,9 @@ class AlignaxGRPO:
             "devices": [str(d) for d in jax.devices()],
             "jax": jax.__version__,
             "what": "OnlineTrainer.rl_step wall time (blocked on the new state): generation = perf/generation_s "
-                    "(the jitted sampler incl. device->host), logprob = perf/logprob_s (policy forward recomputing "
-                    "old log-probs + reference forward, both with entropy, at temperature 0.9), update = "
+                    "(the jitted sampler incl. device->host), logprob = perf/logprob_s (the reference forward at "
+                    "temperature 0.9; one update per rollout, so the old log-probs are the update's own forward "
+                    "pass's), update = "
                     "perf/training_s (the jitted make_train_step, metrics to host), other = decoding, reward, "
                     "advantages, host figures",
         }
@@ -197,8 +189,9 @@ def main(argv=None) -> None:
     notes = [
         "alignax: optim.max_grad_norm=null (Tunix's GRPO update clips nothing); weight_decay 1e-4 on matrices "
         "only (optax.adamw's default on every parameter on the Tunix side); constant learning rate on both.",
-        "alignax: rollout.old_logps=recompute (default): one policy forward for old log-probs besides the "
-        "reference forward; Tunix with num_iterations=1 takes old = stop_gradient(new) and skips that forward.",
+        "old log-probs: one update per rollout on both sides, so both take old = stop_gradient(new) from the "
+        "update's own forward pass (alignax: rollout.old_logps=recompute with 1 epoch x 1 minibatch) and run "
+        "no separate policy forward.",
         "top_p=1.0: alignax keeps the whole vocabulary without sorting; Tunix 0.1.7 still sorts the vocabulary "
         "every decode step at top_p=1.0 (its top-p path).",
         f"reward: alignax {REWARD} (share of even code points of the decoded text); Tunix parity_reward (share "

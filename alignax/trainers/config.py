@@ -173,7 +173,10 @@ class RolloutSection:
       stop_token_ids: ids ending a completion; ``null``: the tokenizer's EOS.
       old_logps: ``recompute`` (a forward pass of the policy before the update; exact
         on-policy ratios) or ``sampler`` (the sampler's log-probs, no extra pass). The
-        mismatch between the two is measured every step either way.
+        mismatch between the two is measured every step either way. With one update per
+        rollout (1 epoch x 1 minibatch) and nothing before it reading the policy (GRPO
+        with the KL in the loss), ``recompute`` costs no extra pass: the update's own
+        forward pass is that policy, so its log-probs, gradient stopped, are the old ones.
       tis_cap: truncated importance weight ``min(pi_old / pi_sampler, cap)`` on the loss,
         correcting sampler/trainer mismatch (``null``: off).
       greedy_eval_prompts: held-out prompts scored with greedy decoding at eval time.

@@ -56,6 +56,11 @@ class GRPOTrainer(OnlineTrainer):
     def kl_setup(self):
         return self.config.grpo.kl_coef, kl_lib.FixedKLController(self.config.grpo.kl_coef)
 
+    def reads_policy_before_update(self) -> bool:
+        # The sequence KL subtracted from the reward reads the recomputed old log-probs.
+        gc = self.config.grpo
+        return gc.kl_placement == "reward" and gc.kl_coef > 0 and self.config.rollout.old_logps == "recompute"
+
     def loss_kl_options(self):
         gc = self.config.grpo
         if gc.kl_placement == "loss" and self.kl_coef > 0:

@@ -6,7 +6,12 @@ One rollout step (``OnlineTrainer.rl_step``):
    the GRPO family can refill the batch, DAPO's dynamic sampling);
 2. decode and score them (verifiers, reward models, shaping: :mod:`rl_rewards`);
 3. old log-probs (recomputed by a forward pass, or the sampler's), reference log-probs,
-   values (PPO); the sampler/trainer log-prob mismatch is measured either way;
+   values (PPO); the sampler/trainer log-prob mismatch is measured either way. When a
+   rollout gets exactly one update and nothing before it reads the policy's log-probs
+   (GRPO with the KL in the loss), the separate forward pass is skipped: that update's
+   own forward pass is the policy the rollout came from, so the old log-probs are its
+   log-probs with the gradient stopped (ratio exactly 1, as TRL and Tunix do), and the
+   figures read the log-probs and entropy the update returns;
 4. advantages, by the algorithm: GAE on per-token rewards with the KL penalty
    (:mod:`alignax.trainers.ppo`), or group-relative (:mod:`alignax.trainers.grpo`);
 5. ``epochs`` passes of ``minibatches`` clipped, KL-regularised updates (the shared
@@ -56,6 +61,9 @@ from alignax.trainers.step import init_train_state, make_train_step
 
 log = logging.getLogger("alignax")
 
+# Metric-name prefix of per-row outputs of the update (log-probs, entropy) in single-update mode.
+ROWS = "rows/"
+
 POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss}
 
 
@@ -92,6 +100,7 @@ class OnlineTrainer:
 
         self.kl_coef, self.kl_controller = self.kl_setup()
         self.uses_reference = self.kl_coef > 0 or isinstance(self.kl_controller, kl_lib.AdaptiveKLController)
+        self.logps_from_update = self.epochs * self.minibatches == 1 and not self.reads_policy_before_update()
 
         eos = self.tokenizer.eos_token_id
         self.stop_ids = tuple(rc.stop_token_ids) if rc.stop_token_ids else (eos,)
@@ -124,6 +133,11 @@ class OnlineTrainer:
     def policy_params(self, params):
         """The policy's part of the trained tree."""
         return params
+
+    def reads_policy_before_update(self) -> bool:
+        """Whether rewards or advantages read the policy's log-probs or values (computed
+        by a forward pass before the update); otherwise a single update supplies them."""
+        return True
 
     def kl_setup(self) -> tuple[float, Any]:
         """``(KL coefficient, KL controller)``; a zero fixed coefficient drops the reference."""
@@ -202,9 +216,16 @@ class OnlineTrainer:
                 options.update(ref_logps=mb["ref_logps"], **kl_options)
             if rc.tis_cap is not None:
                 options.update(sampler_logps=mb["sampler_logps"], tis_cap=rc.tis_cap)
-            loss, metrics = policy_loss(logps, mb["old_logps"], mb["advantages"], mb["mask"], **clip, **options)
+            if self.logps_from_update and rc.old_logps == "recompute":
+                old_logps = jax.lax.stop_gradient(logps)  # this forward pass is the rollout's policy
+            else:
+                old_logps = mb["old_logps"]
+            loss, metrics = policy_loss(logps, old_logps, mb["advantages"], mb["mask"], **clip, **options)
             metrics = dict(metrics)
             metrics["policy_loss"] = loss
+            if self.logps_from_update:  # per-row outputs: the step concatenates them over micro-batches
+                metrics[ROWS + "logps"] = jax.lax.stop_gradient(logps)
+                metrics[ROWS + "entropy"] = jax.lax.stop_gradient(entropy)
             extra, extra_metrics = self.extra_loss(params, mb, normalisers, values)
             metrics.update(extra_metrics)
             return loss + extra, metrics
@@ -257,11 +278,14 @@ class OnlineTrainer:
         tokens, positions, attention = (self.place(a) for a in groups.full_sequences())
         response_mask = self.place(groups.response_mask.astype(np.float32))
         sampler_logps = self.place(groups.sampler_logps)
-        recomputed, entropy, shared_values = self._policy_forward(self.policy_params(state.params), tokens,
-                                                                  positions, attention)
-        old_logps = recomputed if rc.old_logps == "recompute" else sampler_logps
+        if self.logps_from_update:
+            recomputed = entropy = shared_values = None  # the update returns them
+        else:
+            recomputed, entropy, shared_values = self._policy_forward(self.policy_params(state.params), tokens,
+                                                                      positions, attention)
+        old_logps = sampler_logps if rc.old_logps == "sampler" else recomputed
         ref_logps = (self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
-                     if self.uses_reference else jnp.zeros_like(old_logps))
+                     if self.uses_reference else jnp.zeros_like(sampler_logps))
         old_values = self.old_values(state.params, tokens, positions, attention, shared_values)
         loss_mask = groups.response_mask.astype(np.float32)
         if config.rewards.mask_truncated:
@@ -271,10 +295,11 @@ class OnlineTrainer:
                    "sampler_logps": sampler_logps, "ref_logps": ref_logps, "old_values": old_values}
 
         # ---- rewards and advantages ----
-        seq_kl = np.asarray(sequence_kl(old_logps, ref_logps, response_mask, "k1"))
         rewards = self.final_rewards(groups.rewards.astype(np.float32), rollout)
         rollout["advantages"], rollout["returns"] = self.advantages(state, groups, rewards, rollout, figures)
         del rollout["response_mask"]
+        if rollout["old_logps"] is None:  # taken from the update's own forward pass
+            del rollout["old_logps"]
         t_update = time.perf_counter()
 
         # ---- updates ----
@@ -289,6 +314,7 @@ class OnlineTrainer:
                 minibatch = {k: jnp.take(v, index, axis=0) for k, v in rollout.items()}
                 minibatch.update(self.minibatch_extras())
                 state, metrics = self.update(state, frozen, minibatch)
+                rows = {k[len(ROWS):]: metrics.pop(k) for k in list(metrics) if k.startswith(ROWS)}
                 metrics = to_host(metrics)
                 first = first or metrics
                 epoch_metrics.append(metrics)
@@ -297,8 +323,12 @@ class OnlineTrainer:
             if self.stop_epochs(rollout_index, epoch, epoch_metrics):
                 break
         t_end = time.perf_counter()
+        if self.logps_from_update:  # one update over every row, in rollout order
+            recomputed, entropy = rows["logps"], rows["entropy"]
+            old_logps = recomputed if old_logps is None else old_logps
 
         # ---- carried state: rollout count and the KL controller ----
+        seq_kl = np.asarray(sequence_kl(old_logps, ref_logps, response_mask, "k1"))
         new_coef = self.kl_controller.update(state.extra["kl_coef"], float(np.mean(seq_kl)), self.rows)
         state = state._replace(extra={"kl_coef": new_coef, "rollouts": state.extra["rollouts"] + 1})
 

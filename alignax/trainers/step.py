@@ -8,7 +8,9 @@ Every trainer supplies a loss function
 (reference policy, reward model, ...), ``normalisers`` the global counts of the FULL
 batch (tokens, sequences, pairs), so per-micro-batch losses add up to the full-batch
 loss exactly; the step sums losses and gradients over micro-batches and never divides
-by their number. Metrics are averaged over micro-batches (all have equal size).
+by their number. Scalar metrics are averaged over micro-batches (all have equal size);
+a metric with a leading row dimension (a per-row output such as the log-probs the
+forward pass computed) is concatenated over them, back into the batch's row order.
 
 A step whose loss or gradients are not finite changes nothing but the counters: params
 and optimiser state are kept, ``nonfinite_streak`` and ``nonfinite_total`` rise, and the
@@ -71,7 +73,8 @@ def accumulate_gradients(
     loss_fn: LossFn, params: Any, frozen: Any, batch: Any, normalisers: Mapping[str, Array], rng: Array,
     *, num_micro: int,
 ) -> tuple[Array, Any, dict[str, Array]]:
-    """Sum of micro-batch losses and gradients, mean of their metrics (a ``lax.scan``)."""
+    """Sum of micro-batch losses and gradients, mean of their scalar metrics and
+    concatenation of their per-row ones (a ``lax.scan``)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if num_micro == 1:
         (loss, metrics), grads = grad_fn(params, frozen, batch, normalisers, rng)
@@ -87,7 +90,10 @@ def accumulate_gradients(
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (micro_batches, rngs))
-    return loss, grads, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+    def combine(m):  # stacked over micro-batches: [A] for scalars, [A, rows, ...] for per-row
+        return jnp.mean(m, axis=0) if m.ndim == 1 else m.reshape(-1, *m.shape[2:])
+
+    return loss, grads, jax.tree.map(combine, metrics)
 
 
 def make_train_step(
