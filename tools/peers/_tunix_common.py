@@ -12,7 +12,8 @@ What lives here:
     normalised to one dict with HF key names.
   * ``build_llama``: a Tunix ``tunix.models.llama3`` model, random (seeded, std 0.02,
     RMSNorm weights 1) or loaded from a local HF safetensors directory.
-  * ``CompileClock``: sums JAX's own compile-time events (trace, lower, XLA compile).
+  * ``CompileClock``: sums JAX's own compile-time events (trace, lower, XLA compile),
+    shared with tools/bench_common.py.
   * ``IntTokenizer``: a whitespace-separated-integers tokenizer, so prompts have exact
     token lengths and no tokenizer files are needed.
 """
@@ -23,7 +24,6 @@ import ipaddress
 import json
 import os
 import socket
-import statistics
 import sys
 from pathlib import Path
 
@@ -295,36 +295,13 @@ def count_params(model) -> int:
 # ---------------------------------------------------------------------- timing
 
 
-class CompileClock:
-    """Sums JAX's compile events: jaxpr tracing, lowering to MLIR, XLA compilation."""
+# CompileClock (sums JAX's compile events) and median are bench_common's: that module
+# imports only the standard library at import time, so this venv can use it too.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench_common  # noqa: E402
 
-    EVENTS = (
-        "/jax/core/compile/jaxpr_trace_duration",
-        "/jax/core/compile/jaxpr_to_mlir_module_duration",
-        "/jax/core/compile/backend_compile_duration",
-    )
-
-    def __init__(self):
-        import jax
-
-        self.total = 0.0
-        self.backend = 0.0
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-
-    def _listen(self, event, duration, **_):
-        if event in self.EVENTS:
-            self.total += duration
-            if event == self.EVENTS[2]:
-                self.backend += duration
-                self.count += 1
-
-    def snapshot(self) -> tuple[float, float, int]:
-        return self.total, self.backend, self.count
-
-
-def median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
+CompileClock = bench_common.CompileClock
+median = bench_common.median
 
 
 def versions() -> dict:
