@@ -78,6 +78,8 @@ def add_common_args(parser: argparse.ArgumentParser, *, steps: int, warmup: int)
                              "figures pool every round's timed steps")
     parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first (the first compiles)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="alignax: model.scan_layers (one layer compiled, scanned; faster compiles)")
     parser.add_argument("--skip-peer", action="store_true", help="time alignax only")
     parser.add_argument("--peer-first", action="store_true",
                         help="run Tunix before alignax (a check that the order, i.e. a change of machine load "
@@ -103,18 +105,20 @@ def model_spec(args: argparse.Namespace):
     from alignax.trainers.config import ModelSpec
 
     if args.weights == "real":
-        return ModelSpec(name=REGISTRY_MODEL, seed=args.seed, logprob_chunk_size=None)
+        return ModelSpec(name=REGISTRY_MODEL, seed=args.seed, logprob_chunk_size=None, scan_layers=args.scan_layers)
     shape = dict(SHAPES[args.model])
     theta = shape.pop("rope_theta")
     shape["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-    return ModelSpec(name=REGISTRY_MODEL, random_init=shape, seed=args.seed, logprob_chunk_size=None)
+    return ModelSpec(name=REGISTRY_MODEL, random_init=shape, seed=args.seed, logprob_chunk_size=None,
+                     scan_layers=args.scan_layers)
 
 
 def model_summary(args: argparse.Namespace, params) -> dict:
     import jax
 
     return {"preset": args.model, "weights": args.weights, **SHAPES[args.model],
-            "n_params": int(sum(x.size for x in jax.tree.leaves(params))), "dtype": "float32"}
+            "n_params": int(sum(x.size for x in jax.tree.leaves(params))), "dtype": "float32",
+            "scan_layers": args.scan_layers}
 
 
 def peer_model_args(args: argparse.Namespace) -> list[str]:
