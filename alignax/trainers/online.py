@@ -300,6 +300,7 @@ class OnlineTrainer:
         del rollout["response_mask"]
         if rollout["old_logps"] is None:  # taken from the update's own forward pass
             del rollout["old_logps"]
+        jax.block_until_ready(rollout)  # so perf/logprob_s times the forward passes, not their dispatch
         t_update = time.perf_counter()
 
         # ---- updates ----
