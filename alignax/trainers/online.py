@@ -28,6 +28,7 @@ rollout index alone.
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import time
@@ -67,7 +68,7 @@ ROWS = "rows/"
 POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss}
 
 
-class OnlineTrainer:
+class OnlineTrainer(abc.ABC):
     """Everything an online-RL run holds between rollout steps; subclassed per family."""
 
     algorithm: str = ""  # the config.algorithm a subclass runs
@@ -122,9 +123,9 @@ class OnlineTrainer:
         self._build_functions()
 
     # ------------------------------------------------------------------ algorithm hooks
+    @abc.abstractmethod
     def update_schedule(self) -> tuple[int, int]:
         """``(epochs, minibatches)`` per rollout."""
-        raise NotImplementedError
 
     def build_params(self, policy_params: nnx.State) -> Any:
         """The trained parameter tree (the policy's, plus a separate critic's if any)."""
@@ -139,13 +140,13 @@ class OnlineTrainer:
         by a forward pass before the update); otherwise a single update supplies them."""
         return True
 
+    @abc.abstractmethod
     def kl_setup(self) -> tuple[float, Any]:
         """``(KL coefficient, KL controller)``; a zero fixed coefficient drops the reference."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def loss_setup(self) -> tuple[Any, dict[str, Any], str, float]:
         """``(policy loss function, its clip keywords, aggregation mode, entropy coefficient)``."""
-        raise NotImplementedError
 
     def loss_kl_options(self) -> dict[str, Any]:
         """``kl_coef``/``kl_kind`` when the policy loss carries the KL to the reference."""
@@ -171,10 +172,10 @@ class OnlineTrainer:
         del rollout
         return rewards
 
+    @abc.abstractmethod
     def advantages(self, state, groups: Groups, rewards: np.ndarray, rollout: Mapping[str, jax.Array],
                    figures: dict[str, float]) -> tuple[jax.Array, jax.Array]:
         """``(advantages [R, N], returns [R, N])``; may add figures."""
-        raise NotImplementedError
 
     def stop_epochs(self, rollout_index: int, epoch: int, epoch_metrics: Sequence[Mapping[str, float]]) -> bool:
         """Whether to skip the remaining epochs of this rollout."""
