@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from alignax.models.config import ModelConfig
+from alignax.models.dense import dense
 
 Array = jax.Array
 
@@ -123,7 +124,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def _project(self, x: Array, kernel: nnx.Param, bias: nnx.Param | None) -> Array:
-        y = jnp.einsum("BTD,DNH->BTNH", x, kernel[...].astype(x.dtype))
+        y = dense(x, kernel[...].astype(x.dtype))  # [B, T, D] x [D, N, H]
         return y if bias is None else y + bias[...].astype(x.dtype)
 
     def __call__(
@@ -173,7 +174,7 @@ class Attention(nnx.Module):
             probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype).reshape(B, K, G * T, S)
             out = jnp.einsum("BKMS,BKSH->BKMH", probs, v).reshape(B, K, G, T, H)
             out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-        y = jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(x.dtype))
+        y = dense(out, self.o_kernel[...].astype(x.dtype), in_axes=2)  # [B, T, N, H] x [N, H, D]
         if self.o_bias is not None:
             y = y + self.o_bias[...].astype(x.dtype)
         return y, kv
@@ -198,18 +199,18 @@ class MLP(nnx.Module):
             self.gate_bias = self.up_bias = self.down_bias = None
 
     @staticmethod
-    def _dense(x, kernel, bias):
-        y = jnp.einsum("BTD,DF->BTF", x, kernel[...].astype(x.dtype))
+    def _linear(x, kernel, bias):
+        y = dense(x, kernel[...].astype(x.dtype))
         return y if bias is None else y + bias[...].astype(x.dtype)
 
     def __call__(self, x: Array) -> Array:
         act = activation_fn(self.activation)
-        h = self._dense(x, self.up_kernel, self.up_bias)
+        h = self._linear(x, self.up_kernel, self.up_bias)
         if self.gate_kernel is not None:
-            h = act(self._dense(x, self.gate_kernel, self.gate_bias)) * h
+            h = act(self._linear(x, self.gate_kernel, self.gate_bias)) * h
         else:
             h = act(h)
-        return self._dense(h, self.down_kernel, self.down_bias)
+        return self._linear(h, self.down_kernel, self.down_bias)
 
 
 class Block(nnx.Module):
