@@ -9,6 +9,11 @@ All share one forward signature::
   row unpadded: use :func:`positions_from_mask` (``cumsum(mask) - 1``, clipped at 0).
   When ``positions`` is ``None`` and there is no cache it is derived that way.
 - The mask is causal (slot order) and drops pad keys; pad queries give finite garbage.
+- ``segment_ids [B, T]`` (LM and policy+value models, no cache) pack one prefix with
+  several continuations in a row: a key of segment 0 (the shared prefix) is seen by every
+  later query, a key of segment ``k > 0`` only by queries of segment ``k``. With restarted
+  positions per continuation, each continuation's outputs equal those of the
+  prefix + continuation row on its own (see ``alignax.trainers.packing``).
 - ``cache`` (:class:`alignax.models.cache.KVCache`) is written and returned in
   ``ModelOutput.cache``; see cache.py for the layout and the mask over cache slots.
 
@@ -29,6 +34,7 @@ from alignax import ops
 from alignax._checks import check_rank, check_same_shape
 from alignax.models.cache import KVCache
 from alignax.models.config import ModelConfig, rope_inv_freq
+from alignax.models.dense import dense
 from alignax.models.layers import Block, Norm, normal_param, param, rope_sin_cos
 
 Array = jax.Array
@@ -108,12 +114,22 @@ class Decoder(nnx.Module):
         self.final_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
 
     def __call__(
-        self, tokens: Array, positions: Array, attention_mask: Array, *, cache: KVCache | None = None
+        self,
+        tokens: Array,
+        positions: Array,
+        attention_mask: Array,
+        *,
+        cache: KVCache | None = None,
+        segment_ids: Array | None = None,
     ) -> tuple[Array, KVCache | None]:
         """``(hidden [B, T, D], cache)``; see the module docstring."""
         c = self.config
         check_rank(tokens=(tokens, 2))
         check_same_shape(tokens=tokens, positions=positions, attention_mask=attention_mask)
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids are for full forward passes; a cached decode step cannot take them")
+            check_same_shape(tokens=tokens, segment_ids=segment_ids)
         dtype = jnp.dtype(c.dtype)
         mask = attention_mask.astype(bool)
         T = tokens.shape[1]
@@ -126,6 +142,9 @@ class Decoder(nnx.Module):
         if cache is None:
             t = jnp.arange(T)
             allowed = (t[None, :] <= t[:, None])[None] & mask[:, None, :]  # [B, T, T]
+            if segment_ids is not None:  # segment 0 is a shared prefix; others see only themselves
+                seg = jnp.asarray(segment_ids)
+                allowed = allowed & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
             index, kv, slot_mask = None, None, None
         else:
             if cache.k.shape[1] != tokens.shape[0] or cache.k.shape[0] != c.num_layers:
@@ -204,9 +223,9 @@ class _LMHeadMixin:
         """``hidden [..., D] -> logits [..., V]`` in float32 (accumulated in float32)."""
         if self.lm_head is None:
             w = self.model.embed[...].astype(hidden.dtype)
-            return jnp.einsum("...D,VD->...V", hidden, w, preferred_element_type=jnp.float32)
+            return dense(hidden, w, transposed=True, out_dtype=jnp.float32)
         w = self.lm_head[...].astype(hidden.dtype)
-        return jnp.einsum("...D,DV->...V", hidden, w, preferred_element_type=jnp.float32)
+        return dense(hidden, w, out_dtype=jnp.float32)
 
 
 class CausalLM(_LMHeadMixin, nnx.Module):
@@ -217,10 +236,12 @@ class CausalLM(_LMHeadMixin, nnx.Module):
         self.model = Decoder(config, rngs=rngs)
         self._init_lm_head(config, rngs)
 
-    def __call__(self, tokens, positions=None, attention_mask=None, *, cache=None, return_logits: bool = True):
+    def __call__(
+        self, tokens, positions=None, attention_mask=None, *, cache=None, segment_ids=None, return_logits: bool = True
+    ):
         """``ModelOutput(logits, hidden, cache)``; ``return_logits=False`` skips the LM head."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache)
+        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache, segment_ids=segment_ids)
         logits = self.logits(hidden) if return_logits else None
         return ModelOutput(logits=logits, hidden=hidden, cache=cache)
 
@@ -235,7 +256,7 @@ def _head_param(config: ModelConfig, rngs: nnx.Rngs, num_out: int, zero_init: bo
 
 
 def _score(hidden: Array, kernel: nnx.Param) -> Array:
-    return jnp.einsum("...D,DL->...L", hidden, kernel[...].astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return dense(hidden, kernel[...].astype(hidden.dtype), out_dtype=jnp.float32)
 
 
 class ValueModel(nnx.Module):
@@ -287,10 +308,12 @@ class PolicyValueModel(_LMHeadMixin, nnx.Module):
             raise ValueError("the reward model must have num_labels=1 and the same hidden_size")
         self.value_head[...] = jnp.asarray(reward_model.score[...], self.value_head[...].dtype)
 
-    def __call__(self, tokens, positions=None, attention_mask=None, *, cache=None, return_logits: bool = True):
+    def __call__(
+        self, tokens, positions=None, attention_mask=None, *, cache=None, segment_ids=None, return_logits: bool = True
+    ):
         """``ModelOutput(logits, hidden, values [B, T], cache)``."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache)
+        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache, segment_ids=segment_ids)
         logits = self.logits(hidden) if return_logits else None
         values = _score(hidden, self.value_head)[..., 0]
         return ModelOutput(logits=logits, hidden=hidden, values=values, cache=cache)
