@@ -6,8 +6,10 @@
 One step: 8 preference pairs x 128 tokens (prompt 64 + response 64, every token real,
 random ids), sigmoid DPO loss (beta 0.1) on response log-probs summed per sequence,
 AdamW (lr 1e-5, weight decay 1e-4 as optax.adamw's default, constant schedule),
-float32. Chosen and rejected go through the policy in one forward (2B rows); the frozen
-reference is live, so every step also runs its forward.
+float32. Each pair is one packed row (prompt once, then chosen, then rejected: 192 tokens
+instead of 2 x 128; alignax.trainers.packing), as the data pipeline's batches are;
+``--unpacked`` runs chosen and rejected as two full rows like Tunix. The frozen reference
+is live, so every step also runs its forward.
 
 alignax side: what ``alignax train`` with ``algorithm: dpo`` and ``dpo.reference: live``
 runs, built from a TrainConfig through the trainer's own pieces (build_model,
@@ -50,6 +52,9 @@ def parse_args(argv=None):
     parser.add_argument("--reference", default="live", choices=("live", "precomputed"),
                         help="dpo.reference: live (the parity setting: Tunix always runs its reference each step) "
                              "or precomputed (alignax's one pass before training; timed apart)")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="leave prompt_length out of the batches, so chosen and rejected run as two rows "
+                             "each holding the prompt (as Tunix does) instead of one packed row per pair")
     args = parser.parse_args(argv)
     common.check_common_args(parser, args)
     return args
@@ -75,8 +80,9 @@ def train_config(args):
     )
 
 
-def make_batches(n: int, *, vocab: int, seed: int) -> list[dict]:
-    """``n`` preference batches in the data pipeline's layout (right-padded, here full)."""
+def make_batches(n: int, *, vocab: int, seed: int, packed: bool = True) -> list[dict]:
+    """``n`` preference batches in the data pipeline's layout (right-padded, here full);
+    ``packed=False`` drops ``prompt_length``, which turns shared-prompt packing off."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -89,6 +95,8 @@ def make_batches(n: int, *, vocab: int, seed: int) -> list[dict]:
         prompt = rng.integers(3, vocab, size=(BATCH, PROMPT), dtype=np.int32)
         batch = {"example_mask": np.ones((BATCH,), np.int32),
                  "record_index": np.arange(i * BATCH, (i + 1) * BATCH, dtype=np.int32)}
+        if packed:
+            batch["prompt_length"] = np.full((BATCH,), PROMPT, np.int32)
         for side in ("chosen", "rejected"):
             tokens = np.concatenate([prompt, rng.integers(3, vocab, size=(BATCH, response), dtype=np.int32)], 1)
             batch |= {f"{side}_tokens": tokens, f"{side}_positions": positions, f"{side}_attention_mask": ones,
@@ -145,7 +153,8 @@ class AlignaxDPO:
         reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
         self.frozen = {"reference": reference}
         total = args.warmup + args.rounds * args.steps
-        batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1)
+        batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1,
+                               packed=not args.unpacked)
         self.placer = BatchPlacer(mesh)
         self.precompute_s = None
         if task.precompute is not None:
@@ -236,6 +245,10 @@ def main(argv=None) -> None:
         "sets it): the LM head runs on each row's 64-position response window; Tunix computes [2B, T, V] "
         "logits and slices the completion part.",
         "alignax's step is one jit (policy + reference + update), so no ref/train split is reported for it.",
+        "alignax: chosen and rejected as two rows of 128 tokens (--unpacked), as Tunix runs them."
+        if args.unpacked else
+        "alignax: shared-prompt packing (the default for the data pipeline's preference batches): each pair is "
+        "one row [prompt 64 | chosen 64 | rejected 64], 192 trunk tokens instead of 256; Tunix runs 2 rows of 128.",
     ]
     if args.reference == "precomputed":
         notes.append("dpo.reference=precomputed: alignax's steps run no reference forward (one pass before "
@@ -252,6 +265,7 @@ def main(argv=None) -> None:
                    "sequences_per_step": 2 * BATCH, "dtype": "float32"},
         "hyper": {"loss": "dpo sigmoid", "beta": BETA, "label_smoothing": 0.0,
                   "logps": "summed over response tokens", "reference": args.reference,
+                  "packing": "unpacked" if args.unpacked else "shared prompt",
                   "optimizer": f"adamw lr {LR} constant, b1 0.9 b2 0.999 eps 1e-8, weight decay {WEIGHT_DECAY}",
                   "max_grad_norm": None, "grad_accum_steps": 1},
         "steps": args.steps,

@@ -456,6 +456,8 @@ class Encoder:
             prefix = "" if name == "response" else f"{name}_"
             for key, value in _right_padded(encoded.prompt, ids, mask, self.max_length, self.pad_id).items():
                 out[prefix + key] = value
+        if len(encoded.responses) > 1:  # pairs share their prompt (packed by the trainers)
+            out["prompt_length"] = np.int32(len(encoded.prompt))
         if encoded.label is not None:
             out["label"] = np.int32(encoded.label)
             # Kept unpadded so the batch can pair prompt i with completion i+1 (KTO's KL term).

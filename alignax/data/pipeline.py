@@ -21,7 +21,8 @@ Batch keys (``B`` = batch_size / process_count rows, ``T`` = max_length,
 ``P`` = max_prompt_length; int32 arrays):
 
 - ``preference``: ``chosen_{tokens,positions,attention_mask,response_mask}`` and the
-  same for ``rejected_``, each ``[B, T]``, right-padded.
+  same for ``rejected_``, each ``[B, T]``, right-padded; ``prompt_length`` ``[B]``: the
+  prompt both rows start with (``alignax.trainers.packing`` runs it once per pair).
 - ``unpaired``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]``,
   ``label`` ``[B]`` (1 desirable, 0 undesirable), and the same four with a ``kl_``
   prefix: prompt ``i`` followed by the completion of row ``(i + 1) % B`` of this

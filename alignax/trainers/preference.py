@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from alignax.losses import preference as pref
+from alignax.trainers import packing
 from alignax.trainers.common import response_logps, sequence_logps
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.task import Task
@@ -31,7 +32,22 @@ def _example_weights(batch: Mapping[str, Array], key: str) -> Array:
 
 
 def _pair_logps(model, batch, chunk_size, window):
-    """Summed response log-probs and lengths of chosen and rejected: 4 arrays ``[B]``."""
+    """Summed response log-probs and lengths of chosen and rejected: 4 arrays ``[B]``.
+
+    With ``prompt_length`` in the batch (the data pipeline's preference batches) and a
+    response window shorter than the rows, the pair is one packed row (the prompt once,
+    then chosen, then rejected; see :mod:`alignax.trainers.packing`); otherwise chosen and
+    rejected are two rows of one forward pass.
+    """
+    rows = batch["chosen_tokens"].shape[1]
+    if "prompt_length" in batch and window is not None and window < rows:
+        sides = [{k: batch[f"{side}_{k}"] for k in ("tokens", "attention_mask", "response_mask")}
+                 for side in ("chosen", "rejected")]
+        logps, mask = packing.packed_response_logps(
+            model, packing.pack(sides, batch["prompt_length"], window), chunk_size=chunk_size
+        )
+        (seq_c, seq_r), (len_c, len_r) = sequence_logps(logps, mask)
+        return seq_c, seq_r, len_c, len_r
     both = {
         k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])
         for k in ("tokens", "positions", "attention_mask", "response_mask")

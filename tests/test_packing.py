@@ -1,0 +1,158 @@
+"""Shared-prompt packing: one packed forward equals the unpacked rows it replaces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from alignax.models import ModelConfig, create_model
+from alignax.trainers import packing
+from alignax.trainers.common import response_logps, sequence_logps
+
+V, T, WINDOW = 50, 16, 7
+CONFIG = ModelConfig.from_hf_config(
+    dict(model_type="llama", vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+         num_key_value_heads=2, head_dim=8, intermediate_size=48, max_position_embeddings=64, rms_norm_eps=1e-5,
+         tie_word_embeddings=False)
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(CONFIG, seed=3)
+
+
+def right_padded(prompts, responses, masks=None):
+    """Rows ``prompt + response`` padded to T, as alignax.data builds them."""
+    B = len(prompts)
+    out = {k: np.zeros((B, T), np.int32) for k in ("tokens", "positions", "attention_mask", "response_mask")}
+    out["tokens"][:] = 1  # the pad id
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        n = len(p) + len(r)
+        out["tokens"][b, :n] = p + r
+        out["positions"][b, :n] = np.arange(n)
+        out["attention_mask"][b, :n] = 1
+        out["response_mask"][b, len(p) : n] = 1 if masks is None else masks[b]
+    return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+def sample_group(n_cont, seed):
+    rng = np.random.default_rng(seed)
+    lengths = [(9, [7, 2, 5]), (3, [1, 7, 6]), (1, [7, 7, 4]), (5, [4, 3, 7])]  # (prompt, continuations)
+    prompts = [list(rng.integers(2, V, p)) for p, _ in lengths]
+    rows = []
+    for k in range(n_cont):
+        responses = [list(rng.integers(2, V, ls[k])) for _, ls in lengths]
+        # a multi-turn style hole in one response's loss mask
+        masks = [None] * len(lengths)
+        masks[1] = [1] * len(responses[1])
+        if len(responses[1]) > 2:
+            masks[1][1] = 0
+        masks = [m if m is not None else [1] * len(r) for m, r in zip(masks, responses)]
+        rows.append(right_padded(prompts, responses, masks))
+    return rows, jnp.asarray([p for p, _ in lengths], jnp.int32)
+
+
+@pytest.mark.parametrize("n_cont", [2, 3])
+def test_packed_logps_equal_unpacked(model, n_cont):
+    rows, prompt_length = sample_group(n_cont, seed=n_cont)
+    packed = packing.pack(rows, prompt_length, WINDOW)
+    assert packed.tokens.shape == (4, packing.packed_width(T, n_cont, WINDOW))
+    assert bool(jnp.all(packed.fits))
+    logps, mask = jax.jit(lambda: packing.packed_response_logps(model, packed))()
+    for k, row in enumerate(rows):
+        ref, ref_mask = response_logps(
+            model, row["tokens"], row["positions"], row["attention_mask"], row["response_mask"], window=WINDOW
+        )
+        np.testing.assert_array_equal(np.asarray(mask[k]), np.asarray(ref_mask))
+        np.testing.assert_allclose(np.asarray(logps[k] * mask[k]), np.asarray(ref * ref_mask), atol=2e-5)
+        np.testing.assert_allclose(sequence_logps(logps[k], mask[k])[0], sequence_logps(ref, ref_mask)[0], atol=1e-4)
+    # the packed row holds each token once: prompt, then every continuation in turn
+    lengths = [int(jnp.sum(r["attention_mask"][0])) - 9 for r in rows]
+    assert int(jnp.sum(packed.attention_mask[0])) == 9 + sum(lengths)
+    np.testing.assert_array_equal(np.asarray(packed.segment_ids[0, :9]), 0)
+    np.testing.assert_array_equal(np.asarray(packed.positions[0, 9 : 9 + lengths[0]]), np.arange(9, 9 + lengths[0]))
+    second = 9 + lengths[0]
+    np.testing.assert_array_equal(np.asarray(packed.positions[0, second : second + lengths[1]]),
+                                  np.arange(9, 9 + lengths[1]))
+    np.testing.assert_array_equal(np.asarray(packed.segment_ids[0, second : second + lengths[1]]), 2)
+
+
+def test_packed_gradients_equal_unpacked(model):
+    rows, prompt_length = sample_group(2, seed=7)
+    graphdef, params = nnx.split(model)
+
+    def packed_loss(params):
+        logps, mask = packing.packed_response_logps(nnx.merge(graphdef, params), packing.pack(rows, prompt_length, WINDOW))
+        seq = sequence_logps(logps, mask)[0]
+        return jnp.sum(jax.nn.log_sigmoid(seq[0] - seq[1]))
+
+    def unpacked_loss(params):
+        m = nnx.merge(graphdef, params)
+        seq = [sequence_logps(*response_logps(m, r["tokens"], r["positions"], r["attention_mask"],
+                                              r["response_mask"], window=WINDOW))[0] for r in rows]
+        return jnp.sum(jax.nn.log_sigmoid(seq[0] - seq[1]))
+
+    a, ga = jax.jit(jax.value_and_grad(packed_loss))(params)
+    b, gb = jax.jit(jax.value_and_grad(unpacked_loss))(params)
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=1e-4)
+
+
+def test_a_continuation_longer_than_the_window_gives_nan(model):
+    rows, prompt_length = sample_group(2, seed=1)
+    packed = packing.pack(rows, prompt_length, WINDOW - 1)  # row 0..3 hold 7-token continuations
+    logps, mask = packing.packed_response_logps(model, packed)
+    fits = np.asarray(packed.fits)
+    assert not fits.all() and fits.any()
+    seq = np.asarray(sequence_logps(logps, mask)[0])
+    assert np.isnan(seq[:, ~fits]).any(axis=0).all()
+    assert np.isfinite(seq[:, fits]).all()
+
+
+def test_segment_ids_refuse_a_cache(model):
+    from alignax.models import init_cache
+
+    cache = init_cache(CONFIG, 1, 8)
+    tokens = jnp.ones((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(tokens, jnp.zeros((1, 2), jnp.int32), tokens, cache=cache, segment_ids=tokens)
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "policy_value"])
+def test_packed_groups_equal_unpacked_rollout_rows(kind):
+    """Rollout rows (left-padded prompt, response window with stops and padding inside):
+    one packed row per group gives the rows' own log-probs, entropies and values."""
+    from alignax.trainers.rollout import response_forward
+
+    model = create_model(CONFIG, kind=kind, seed=5)
+    if kind == "policy_value":  # a non-zero value head, so values are compared for real
+        model.value_head[...] = jax.random.normal(jax.random.key(0), model.value_head[...].shape) * 0.1
+    rng = np.random.default_rng(0)
+    P, N, G, prompts = 6, 5, 3, 2
+    prompt_mask = np.ones((prompts, P), np.int32)
+    prompt_mask[1, :4] = 0  # a 2-token prompt
+    prompt = rng.integers(2, V, (prompts, P)) * prompt_mask
+    response_mask = np.ones((prompts * G, N), np.int32)
+    response_mask[1, 3:] = 0  # stopped early
+    response_mask[4, 1:] = 0
+    rows = np.repeat(np.concatenate([prompt, prompt_mask], 1), G, axis=0)
+    tokens = np.concatenate([rows[:, :P], rng.integers(2, V, (prompts * G, N)) * response_mask], 1)
+    attention = np.concatenate([rows[:, P:], response_mask], 1)
+    positions = np.maximum(np.cumsum(attention, 1) - 1, 0)
+    args = [jnp.asarray(a, jnp.int32) for a in (tokens, positions, attention)]
+    run = lambda group: jax.jit(lambda *a: response_forward(model, *a, prompt_len=P, temperature=0.7,  # noqa: E731
+                                                            chunk_size=None, group=group))(*args)
+    ref, packed = run(1), run(G)
+    real = response_mask.astype(bool)
+    for name, a, b in zip(("logps", "entropy", "values"), packed, ref):
+        if b is None:
+            assert a is None and kind == "causal_lm"
+            continue
+        assert a.shape == (prompts * G, N), name
+        np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], atol=2e-5, err_msg=name)
