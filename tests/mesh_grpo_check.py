@@ -26,6 +26,13 @@ def run(model_dir, shape):
     return result, nnx.state(result.model, nnx.Param)
 
 
+def param_diffs(a, b) -> dict[str, float]:
+    """Largest and 99.9th-percentile absolute difference over every parameter entry."""
+    diff = np.concatenate([np.abs(np.asarray(x) - np.asarray(y)).ravel()
+                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))])
+    return {"max_param_diff": float(diff.max()), "param_diff_p999": float(np.quantile(diff, 0.999))}
+
+
 def main() -> int:
     assert jax.device_count() == 8, jax.devices()
     with tempfile.TemporaryDirectory() as model_dir:
@@ -37,10 +44,7 @@ def main() -> int:
         "devices": jax.device_count(),
         **{f"single/{k}": [h[k] for h in single.history] for k in keys},
         **{f"sharded/{k}": [h[k] for h in sharded.history] for k in keys},
-        "max_param_diff": max(
-            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-            for a, b in zip(jax.tree.leaves(single_params), jax.tree.leaves(sharded_params))
-        ),
+        **param_diffs(single_params, sharded_params),
         "sharded_param_devices": max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded_params)),
     }
     print(json.dumps(out))

@@ -276,3 +276,51 @@ def test_ppo_critic_from_a_reward_model_and_ptx(tmp_path, toy_model, toy_reward_
     assert "ptx/loss" in last and last["ptx/loss"] > 0
     # the critic starts from the reward model's head, so its first values are not all zero
     assert result.history[0]["value/values_mean"] != 0.0
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_packed_groups_give_the_unpacked_step(tmp_path, toy_model, grad_accum_steps):
+    """rollout.pack_groups=on runs each group's 4 completions as one row with the prompt
+    once; the rollout step (reference log-probs, update, figures) is the unpacked one."""
+    import jax
+
+    records = toy_prompts(16)
+    runs = {}
+    for pack in ("on", "off"):
+        config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
+                            train={"grad_accum_steps": grad_accum_steps}, rollout={"pack_groups": pack})
+        trainer = make_trainer(config, records=records)
+        assert trainer.pack_group == (4 if pack == "on" else 1)
+        state, frozen = trainer.init_state()
+        state, figures = trainer.rl_step(state, frozen, next(trainer.data.iterator("train")), iter(()))
+        runs[pack] = (jax.device_get(state.params), figures)
+    (params_a, fig_a), (params_b, fig_b) = runs["on"], runs["off"]
+    assert fig_a["reward/total"] == fig_b["reward/total"]
+    for key in ("loss", "grad_norm", "entropy", "kl/ref_seq", "kl/ref_k3", "mismatch/sampler_trainer_abs",
+                "approx_kl", "advantages/abs_mean"):
+        np.testing.assert_allclose(fig_a[key], fig_b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_group_packing_decision(tmp_path, toy_model):
+    records = toy_prompts(16)
+
+    def group(**sections):
+        return make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, **sections), records=records).pack_group
+
+    # toy shapes: prompt 24, 8 new tokens, G = 4: a packed row (56) is within twice an unpacked one (32)
+    assert group() == 4
+    assert group(rollout={"num_samples": 8}) == 1  # auto: 24 + 8 x 8 > 2 x (24 + 8)
+    assert group(rollout={"num_samples": 8, "pack_groups": "on"}) == 8
+    assert group(rollout={"pack_groups": "off"}) == 1
+    # minibatches of whole groups, drawn group by group
+    trainer = make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, grpo={"minibatches": 2}),
+                           records=records)
+    parts = trainer._minibatch_rows(np.random.default_rng(0))
+    assert len(parts) == 2 and sorted(np.concatenate(parts).tolist()) == list(range(16))
+    for rows in parts:
+        by_group = rows.reshape(-1, 4)
+        assert (by_group == by_group[:, :1] + np.arange(4)).all() and (by_group[:, 0] % 4 == 0).all()
+    with pytest.raises(ValueError, match="pack_groups=on needs whole groups"):
+        group(rollout={"pack_groups": "on"}, grpo={"minibatches": 8})  # 4 prompts, 8 minibatches

@@ -14,4 +14,8 @@ def test_grpo_steps_on_a_mesh_match_one_device():
     assert out["sharded/response/length_mean"] == out["single/response/length_mean"]
     for key in ("loss", "grad_norm", "kl/ref_seq", "entropy"):
         np.testing.assert_allclose(out[f"sharded/{key}"], out[f"single/{key}"], rtol=1e-4, atol=1e-6, err_msg=key)
-    assert out["max_param_diff"] < 1e-4
+    # Four Adam steps at lr 2e-2 (2 rollouts x 2 minibatches, groups packed): Adam moves an
+    # entry by ~lr * g / |g|, so float32 noise in a near-zero gradient entry (a few of the
+    # 2048 of one toy MLP kernel) moves it by up to ~2e-4; 99.9% of entries agree to ~1e-5.
+    assert out["param_diff_p999"] < 5e-5
+    assert out["max_param_diff"] < 1e-3

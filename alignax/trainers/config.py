@@ -180,6 +180,13 @@ class RolloutSection:
       tis_cap: truncated importance weight ``min(pi_old / pi_sampler, cap)`` on the loss,
         correcting sampler/trainer mismatch (``null``: off).
       greedy_eval_prompts: held-out prompts scored with greedy decoding at eval time.
+      pack_groups: run the ``G`` completions of a prompt as one row holding the prompt
+        once (``alignax.trainers.packing``) in the trainer's forward passes (policy,
+        reference, update); the outputs are the unpacked ones, the trunk sees
+        ``P + G N`` tokens instead of ``G (P + N)``. ``auto``: when ``G > 1`` and a packed
+        row is at most twice an unpacked one (``G N <= P + 2 N``), so attention work and
+        memory do not grow; ``on``: whenever ``G > 1``; ``off``: never. Packed updates
+        shuffle whole groups into minibatches.
     """
 
     max_new_tokens: int = 128
@@ -191,6 +198,7 @@ class RolloutSection:
     old_logps: Literal["recompute", "sampler"] = "recompute"
     tis_cap: float | None = None
     greedy_eval_prompts: int = 16
+    pack_groups: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,6 +90,8 @@ class OnlineTrainer(abc.ABC):
             raise ValueError(f"{self.rows} rollout rows (data.batch_size x rollout.num_samples) do not split into "
                              f"{self.minibatches} minibatches")
 
+        self.pack_group = self._packed_group_size()
+
         self.mesh = build_mesh(config.mesh)
         self.tokenizer = load_tokenizer(config.model)
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
@@ -121,6 +123,27 @@ class OnlineTrainer(abc.ABC):
                                place=self.place)
         self.alarms = Alarms()
         self._build_functions()
+
+    def _packed_group_size(self) -> int:
+        """``G`` when the trainer's forward passes pack each group into one row, else 1.
+
+        Packing needs every minibatch and micro-batch to hold whole groups (minibatches
+        are then drawn group by group); ``pack_groups: on`` says so when they cannot.
+        """
+        rc, config = self.config.rollout, self.config
+        G, P, N = self.group_size, config.data.max_prompt_length, rc.max_new_tokens
+        if rc.pack_groups == "off" or G < 2 or (rc.pack_groups == "auto" and G * N > P + 2 * N):
+            return 1
+        rows_per_micro = self.rows // (self.minibatches * config.train.grad_accum_steps)
+        if self.num_prompts % self.minibatches or rows_per_micro % G:
+            if rc.pack_groups == "on":
+                raise ValueError(
+                    f"rollout.pack_groups=on needs whole groups of {G} in every minibatch and micro-batch; "
+                    f"{self.num_prompts} prompts into {self.minibatches} minibatches x "
+                    f"{config.train.grad_accum_steps} micro-batches do not give that"
+                )
+            return 1
+        return G
 
     # ------------------------------------------------------------------ algorithm hooks
     @abc.abstractmethod
@@ -196,7 +219,7 @@ class OnlineTrainer(abc.ABC):
         model = nnx.merge(self.graphdef, policy_params, self.rest)
         return response_forward(model, tokens, positions, attention, prompt_len=self.prompt_len,
                                 temperature=self.config.rollout.temperature,
-                                chunk_size=self.config.model.logprob_chunk_size)
+                                chunk_size=self.config.model.logprob_chunk_size, group=self.pack_group)
 
     def _build_functions(self) -> None:
         config = self.config
@@ -267,6 +290,15 @@ class OnlineTrainer(abc.ABC):
                                                         jax.random.fold_in(key, 0))
         return groups, generation_figures(gen_s, gen_tokens)
 
+    def _minibatch_rows(self, order_rng: np.random.Generator) -> list[np.ndarray]:
+        """One epoch's minibatches of rollout rows: a random split of the rows, or of the
+        groups when groups are packed (each group's rows stay together)."""
+        if self.pack_group == 1:
+            return np.split(order_rng.permutation(self.rows), self.minibatches)
+        G = self.pack_group
+        groups = np.split(order_rng.permutation(self.num_prompts), self.minibatches)
+        return [(np.sort(g)[:, None] * G + np.arange(G)[None, :]).reshape(-1) for g in groups]
+
     def rl_step(self, state, frozen, prompt_batch, batches):
         config = self.config
         rc = config.rollout
@@ -311,7 +343,7 @@ class OnlineTrainer(abc.ABC):
         epochs_run = 0
         for epoch in range(self.epochs):
             epoch_metrics = []
-            for rows in np.split(order_rng.permutation(self.rows), self.minibatches):
+            for rows in self._minibatch_rows(order_rng):
                 index = self.place(np.sort(rows).astype(np.int32))
                 minibatch = {k: jnp.take(v, index, axis=0) for k, v in rollout.items()}
                 minibatch.update(self.minibatch_extras())

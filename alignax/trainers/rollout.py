@@ -22,22 +22,32 @@ from flax import nnx
 
 from alignax.models import token_logprobs_from_hidden
 from alignax.sampling import SamplingConfig, generate
+from alignax.trainers import packing
 from alignax.trainers.rl_rewards import RewardScorer
 
 
 def response_forward(model, tokens, positions, attention_mask, *, prompt_len: int, temperature: float,
-                     chunk_size: int | None):
+                     chunk_size: int | None, group: int = 1):
     """``(logps [R, N], entropy [R, N], values [R, N] or None)`` of the response tokens.
 
     One forward over prompt + response; the LM head only runs on the ``N`` positions that
-    predict response tokens, at ``temperature`` (the sampler's), in float32.
+    predict response tokens, at ``temperature`` (the sampler's), in float32. With
+    ``group > 1`` the ``group`` rows that share a prompt run as one packed row (the prompt
+    once; :func:`alignax.trainers.packing.pack_groups`): same outputs, fewer tokens.
     """
-    out = model(tokens, positions, attention_mask, return_logits=False)
-    hidden = out.hidden[:, prompt_len - 1 : -1]
+    if group > 1:
+        packed_tokens, packed_positions, packed_mask, segments = packing.pack_groups(
+            tokens, positions, attention_mask, prompt_len=prompt_len, group=group)
+        out = model(packed_tokens, packed_positions, packed_mask, segment_ids=segments, return_logits=False)
+        states = lambda x: packing.group_scoring_states(x, prompt_len=prompt_len, group=group)  # noqa: E731
+    else:
+        out = model(tokens, positions, attention_mask, return_logits=False)
+        states = lambda x: x[:, prompt_len - 1 : -1]  # noqa: E731
     logps, entropy = token_logprobs_from_hidden(
-        hidden, model, tokens[:, prompt_len:], chunk_size=chunk_size, temperature=temperature, with_entropy=True
+        states(out.hidden), model, tokens[:, prompt_len:], chunk_size=chunk_size, temperature=temperature,
+        with_entropy=True,
     )
-    values = None if out.values is None else out.values[:, prompt_len - 1 : -1]
+    values = None if out.values is None else states(out.values)
     return logps, entropy, values
 
 
