@@ -309,10 +309,11 @@ def test_group_packing_decision(tmp_path, toy_model):
     def group(**sections):
         return make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, **sections), records=records).pack_group
 
-    # toy shapes: prompt 24, 8 new tokens, G = 4: a packed row (56) is within twice an unpacked one (32)
+    # toy shapes: prompt 24, 8 new tokens, G = 4: one row of 56 tokens instead of 4 of 32
     assert group() == 4
-    assert group(rollout={"num_samples": 8}) == 1  # auto: 24 + 8 x 8 > 2 x (24 + 8)
-    assert group(rollout={"num_samples": 8, "pack_groups": "on"}) == 8
+    # 64 new tokens, G = 8: rows of 536 tokens, whose attention outweighs the saved prompts
+    assert group(rollout={"num_samples": 8, "max_new_tokens": 64}) == 1
+    assert group(rollout={"num_samples": 8, "max_new_tokens": 64, "pack_groups": "on"}) == 8
     assert group(rollout={"pack_groups": "off"}) == 1
     # minibatches of whole groups, drawn group by group
     trainer = make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, grpo={"minibatches": 2}),

@@ -156,3 +156,16 @@ def test_packed_groups_equal_unpacked_rollout_rows(kind):
             continue
         assert a.shape == (prompts * G, N), name
         np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], atol=2e-5, err_msg=name)
+
+
+def test_group_packing_pays_by_the_flop_count():
+    smollm2 = ModelConfig.from_hf_config(
+        dict(model_type="llama", vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, head_dim=64, intermediate_size=1536, max_position_embeddings=8192,
+             rms_norm_eps=1e-5, tie_word_embeddings=True)
+    )
+    pays = lambda p, n, g: packing.group_packing_pays(smollm2, prompt_len=p, new_tokens=n, group=g)  # noqa: E731
+    assert pays(64, 64, 2)  # the GRPO benchmark: 192 tokens instead of 256
+    assert pays(64, 24, 6)  # the demo: 208 instead of 528
+    assert not pays(256, 1024, 16)  # 16,640-token rows: attention would dominate
+    assert not pays(0, 64, 4)  # no prompt to share

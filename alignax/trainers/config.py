@@ -183,10 +183,10 @@ class RolloutSection:
       pack_groups: run the ``G`` completions of a prompt as one row holding the prompt
         once (``alignax.trainers.packing``) in the trainer's forward passes (policy,
         reference, update); the outputs are the unpacked ones, the trunk sees
-        ``P + G N`` tokens instead of ``G (P + N)``. ``auto``: when ``G > 1`` and a packed
-        row is at most twice an unpacked one (``G N <= P + 2 N``), so attention work and
-        memory do not grow; ``on``: whenever ``G > 1``; ``off``: never. Packed updates
-        shuffle whole groups into minibatches.
+        ``P + G N`` tokens instead of ``G (P + N)``. ``auto``: when ``G > 1`` and the
+        forward FLOPs (projections + dense attention) drop with attention scores at most
+        twice the unpacked ones (``packing.group_packing_pays``); ``on``: whenever
+        ``G > 1``; ``off``: never. Packed updates draw whole groups into minibatches.
     """
 
     max_new_tokens: int = 128

@@ -50,6 +50,7 @@ from alignax.losses import cispo_policy_loss, gspo_policy_loss, pg_loss, ppo_pol
 from alignax.metrics import to_host
 from alignax.parallel.sharding import batch_sharding, place_array, tree_shardings
 from alignax.sampling import SamplingConfig
+from alignax.trainers import packing
 from alignax.trainers.common import build_mesh, build_model, load_tokenizer, split_params
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.loop import LoopConfig, run_loop
@@ -90,8 +91,6 @@ class OnlineTrainer(abc.ABC):
             raise ValueError(f"{self.rows} rollout rows (data.batch_size x rollout.num_samples) do not split into "
                              f"{self.minibatches} minibatches")
 
-        self.pack_group = self._packed_group_size()
-
         self.mesh = build_mesh(config.mesh)
         self.tokenizer = load_tokenizer(config.model)
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
@@ -100,6 +99,7 @@ class OnlineTrainer(abc.ABC):
         policy = build_model(config.model, kind=self.policy_kind, mesh=self.mesh)
         self.graphdef, policy_params, self.rest = split_params(policy)
         self.initial_params = self.build_params(policy_params)
+        self.pack_group = self._packed_group_size(policy.config)
 
         self.kl_coef, self.kl_controller = self.kl_setup()
         self.uses_reference = self.kl_coef > 0 or isinstance(self.kl_controller, kl_lib.AdaptiveKLController)
@@ -124,7 +124,7 @@ class OnlineTrainer(abc.ABC):
         self.alarms = Alarms()
         self._build_functions()
 
-    def _packed_group_size(self) -> int:
+    def _packed_group_size(self, model_config) -> int:
         """``G`` when the trainer's forward passes pack each group into one row, else 1.
 
         Packing needs every minibatch and micro-batch to hold whole groups (minibatches
@@ -132,7 +132,10 @@ class OnlineTrainer(abc.ABC):
         """
         rc, config = self.config.rollout, self.config
         G, P, N = self.group_size, config.data.max_prompt_length, rc.max_new_tokens
-        if rc.pack_groups == "off" or G < 2 or (rc.pack_groups == "auto" and G * N > P + 2 * N):
+        if rc.pack_groups == "off" or G < 2:
+            return 1
+        if rc.pack_groups == "auto" and not packing.group_packing_pays(model_config, prompt_len=P, new_tokens=N,
+                                                                      group=G):
             return 1
         rows_per_micro = self.rows // (self.minibatches * config.train.grad_accum_steps)
         if self.num_prompts % self.minibatches or rows_per_micro % G:

@@ -167,3 +167,25 @@ def group_scoring_states(x: Array, *, prompt_len: int, group: int) -> Array:
     responses = x[:, prompt_len:].reshape(rows, group, n, *x.shape[2:])
     parts = [jnp.concatenate([last_prompt, responses[:, k, : n - 1]], axis=1) for k in range(group)]
     return jnp.stack(parts, axis=1).reshape(rows * group, n, *x.shape[2:])
+
+
+def group_packing_pays(config, *, prompt_len: int, new_tokens: int, group: int) -> bool:
+    """Whether one packed row per group costs less than ``group`` unpacked rows.
+
+    Per token and layer a forward pass costs ``2 * (layer parameters)`` FLOPs in the
+    projections plus ``4 * T * N * H`` in attention over ``T`` key slots (computed densely,
+    masked or not). Packing cuts tokens from ``G (P + N)`` to ``P + G N`` but lengthens
+    the rows, so attention per token grows; it pays when the total is lower and the
+    attention scores held at once stay within twice the unpacked ones. ``config`` is the
+    policy's :class:`alignax.models.ModelConfig`.
+    """
+    c = config
+    q_dim = c.num_heads * c.head_dim
+    layer_params = 2 * c.hidden_size * (q_dim + c.num_kv_heads * c.head_dim)
+    layer_params += c.hidden_size * c.intermediate_size * (3 if c.gated_mlp else 2)
+    unpacked_len, packed_len = prompt_len + new_tokens, prompt_len + group * new_tokens
+
+    def flops(tokens):
+        return tokens * (2 * layer_params + 4 * tokens * q_dim)
+
+    return flops(packed_len) < group * flops(unpacked_len) and packed_len**2 <= 2 * group * unpacked_len**2
