@@ -441,3 +441,19 @@ def test_sharded_batch_equals_single_device():
     proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("OK"), proc.stdout
+
+
+def test_first_argmax_and_gumbel_draw_equal_jax_argmax_and_categorical():
+    from alignax.sampling.distribution import draw_from_logprobs, first_argmax
+
+    rng = np.random.default_rng(0)
+    ties = jnp.asarray(rng.integers(0, 4, (64, 37)).astype(np.float32))  # many ties: the first index wins
+    np.testing.assert_array_equal(np.asarray(first_argmax(ties)), np.asarray(jnp.argmax(ties, axis=-1)))
+    logq = jnp.asarray(rng.normal(size=(16, 300)).astype(np.float32))
+    logq = jnp.where(jnp.asarray(rng.random((16, 300)) < 0.7), -jnp.inf, logq)  # excluded tokens
+    logq = logq.at[:, 0].set(0.0)  # every row keeps at least one token
+    for seed in range(5):
+        key = jax.random.key(seed)
+        ours = np.asarray(jax.jit(draw_from_logprobs)(key, logq))
+        np.testing.assert_array_equal(ours, np.asarray(jax.random.categorical(key, logq, axis=-1)))
+        assert np.isfinite(np.asarray(logq)[np.arange(16), ours]).all()

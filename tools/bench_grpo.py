@@ -9,7 +9,9 @@ sampled tokens (no stop token on either side), temperature 0.9, top_p 1.0, a che
 reward on the host, group advantages ``(r - mean) / (std_unbiased + eps)``, the clipped
 loss (eps 0.2) with k1 KL to the frozen reference in the loss (beta 0.04),
 seq-mean-token-mean aggregation, 1 epoch x 1 minibatch, AdamW lr 1e-6 (weight decay 1e-4,
-constant schedule, no clipping), float32.
+constant schedule, no clipping), float32. alignax's reference and update forwards run
+each prompt's two completions as one packed row with the prompt once
+(``rollout.pack_groups: auto``); Tunix runs each completion with its own prompt copy.
 
 alignax side: ``OnlineTrainer.rl_step`` itself, the trainer's whole rollout step:
 sampling (the one-jit sampler), decoding and scoring, reference log-probs, advantages,
@@ -197,6 +199,9 @@ def main(argv=None) -> None:
         f"reward: alignax {REWARD} (share of even code points of the decoded text); Tunix parity_reward (share "
         "of even token ids); both host Python over 16 short strings.",
         "no early stop: alignax rollout.stop_token_ids=[vocab_size] (never sampled), Tunix eos_tokens=[-1].",
+        f"alignax: rollout.pack_groups=auto packs each prompt's {GROUP} completions into one row with the "
+        f"prompt once ({PROMPT_LEN} + {GROUP} x {NEW_TOKENS} tokens instead of {GROUP} x {PROMPT_LEN + NEW_TOKENS}) "
+        "in the reference and update forwards; Tunix runs every completion with its own copy of the prompt.",
     ]
     if ours["compile_time_timed_steps_s"] > 0.5:
         notes.append(f"alignax compiled {ours['compile_time_timed_steps_s']:.2f}s during timed steps.")

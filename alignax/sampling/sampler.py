@@ -57,7 +57,7 @@ from alignax._checks import check_rank, check_same_shape
 from alignax.models.cache import CACHE_AXES, KVCache, init_cache
 from alignax.models.modeling import positions_from_mask
 from alignax.parallel import logical_to_spec
-from alignax.sampling.distribution import sampling_logprobs
+from alignax.sampling.distribution import draw_from_logprobs, first_argmax, sampling_logprobs
 
 Array = jax.Array
 
@@ -214,11 +214,11 @@ def _check_context(prompt_len: int, config: SamplingConfig, max_positions: int) 
 def _draw(logits: Array, key: Array, config: SamplingConfig) -> tuple[Array, Array, Array]:
     """``(token [R] int32, sampling logp [R], untempered logp [R])`` from ``[R, V]`` logits."""
     if config.greedy:
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        token = first_argmax(logits)
         sampling_logp = jnp.zeros(token.shape, jnp.float32)
     else:
         logq = sampling_logprobs(logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
-        token = jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)
+        token = draw_from_logprobs(key, logq)
         sampling_logp = jnp.take_along_axis(logq, token[:, None], axis=-1)[:, 0]
     logp = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
     return token, sampling_logp, logp
