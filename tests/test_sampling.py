@@ -449,6 +449,7 @@ def test_first_argmax_and_gumbel_draw_equal_jax_argmax_and_categorical():
     rng = np.random.default_rng(0)
     ties = jnp.asarray(rng.integers(0, 4, (64, 37)).astype(np.float32))  # many ties: the first index wins
     np.testing.assert_array_equal(np.asarray(first_argmax(ties)), np.asarray(jnp.argmax(ties, axis=-1)))
+    assert int(first_argmax(ties[0].at[3].set(jnp.nan))) == 36  # a NaN row: the last index, as documented
     logq = jnp.asarray(rng.normal(size=(16, 300)).astype(np.float32))
     logq = jnp.where(jnp.asarray(rng.random((16, 300)) < 0.7), -jnp.inf, logq)  # excluded tokens
     logq = logq.at[:, 0].set(0.0)  # every row keeps at least one token

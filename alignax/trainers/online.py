@@ -295,12 +295,13 @@ class OnlineTrainer(abc.ABC):
 
     def _minibatch_rows(self, order_rng: np.random.Generator) -> list[np.ndarray]:
         """One epoch's minibatches of rollout rows: a random split of the rows, or of the
-        groups when groups are packed (each group's rows stay together)."""
+        groups when groups are packed (each group's rows stay together; the caller sorts
+        the rows, which keeps every group contiguous)."""
         if self.pack_group == 1:
             return np.split(order_rng.permutation(self.rows), self.minibatches)
         G = self.pack_group
         groups = np.split(order_rng.permutation(self.num_prompts), self.minibatches)
-        return [(np.sort(g)[:, None] * G + np.arange(G)[None, :]).reshape(-1) for g in groups]
+        return [(g[:, None] * G + np.arange(G)[None, :]).reshape(-1) for g in groups]
 
     def rl_step(self, state, frozen, prompt_batch, batches):
         config = self.config

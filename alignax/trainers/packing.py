@@ -110,15 +110,12 @@ def pack(rows: Sequence[Mapping[str, Array]], prompt_length: Array, window: int)
     )
 
 
-def packed_response_logps(
-    model, packed: Packed, *, chunk_size: int | None = None, with_entropy: bool = False
-):
+def packed_response_logps(model, packed: Packed, *, chunk_size: int | None = None) -> tuple[Array, Array]:
     """Per-token log-probs of every continuation's scored window from one packed forward.
 
-    Returns ``(logps [n, B, window], mask [n, B, window])`` (and the entropy before the
-    mask when ``with_entropy``), the values :func:`alignax.trainers.common.response_logps`
-    gives for each unpacked row with the same window. Rows that do not fit get NaN
-    log-probs.
+    Returns ``(logps [n, B, window], mask [n, B, window])``, the values
+    :func:`alignax.trainers.common.response_logps` gives for each unpacked row with the
+    same window. Rows that do not fit get NaN log-probs.
     """
     hidden = model(
         packed.tokens, packed.positions, packed.attention_mask, segment_ids=packed.segment_ids, return_logits=False
@@ -127,13 +124,10 @@ def packed_response_logps(
     flat = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, n * window)  # [n, B, W] -> [B, n * W]
     h = jnp.take_along_axis(hidden, flat(packed.score_hidden)[:, :, None], axis=1)
     targets = jnp.take_along_axis(packed.tokens, flat(packed.score_target), axis=1)
-    result = models.token_logprobs_from_hidden(h, model, targets, chunk_size=chunk_size, with_entropy=with_entropy)
-    unflat = lambda x: jnp.moveaxis(x.reshape(B, n, window), 1, 0)
+    logps = models.token_logprobs_from_hidden(h, model, targets, chunk_size=chunk_size)
+    logps = jnp.moveaxis(logps.reshape(B, n, window), 1, 0)
     poison = jnp.where(packed.fits, 0.0, jnp.nan)[None, :, None]
-    if with_entropy:
-        logps, entropy = result
-        return unflat(logps) + poison, unflat(entropy), packed.score_mask
-    return unflat(result) + poison, packed.score_mask
+    return logps + poison, packed.score_mask
 
 
 def pack_groups(tokens: Array, positions: Array, attention_mask: Array, *, prompt_len: int, group: int):
