@@ -1,7 +1,9 @@
 """Argument checks shared by the functional core: ranks, shapes and names of choices.
 
 They run at trace time on static shapes, so they cost nothing inside ``jax.jit``, and
-their errors name the argument that is wrong and what would be right.
+their errors name the argument that is wrong and what would be right. Rank and shape
+checks are chex's (``chex.assert_rank``, ``chex.assert_equal_shape``), re-raised as a
+``ValueError`` that names the argument, so callers catch one exception type.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import chex
 import numpy as np
 
 
@@ -16,22 +19,33 @@ def _shape(x) -> tuple[int, ...]:
     return tuple(np.shape(x))
 
 
+class _Shaped:
+    """A shape-only stand-in, so chex checks Python scalars and lists like arrays."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape
+
+
 def check_rank(**named: tuple[object, int | tuple[int, ...]]) -> None:
     """``check_rank(logits=(logits, 3), mask=(mask, (1, 2)))``: raise naming the argument."""
     for name, (value, ranks) in named.items():
         allowed = (ranks,) if isinstance(ranks, int) else tuple(ranks)
-        rank = len(_shape(value))
-        if rank not in allowed:
+        try:
+            chex.assert_rank(_Shaped(_shape(value)), set(allowed))
+        except AssertionError:
             want = " or ".join(str(r) for r in allowed)
-            raise ValueError(f"{name} must have rank {want}; got shape {_shape(value)} (rank {rank})")
+            rank = len(_shape(value))
+            raise ValueError(f"{name} must have rank {want}; got shape {_shape(value)} (rank {rank})") from None
 
 
 def check_same_shape(**named: object) -> None:
     """All named arrays have one shape; the error lists every argument with its shape."""
     shapes = {name: _shape(value) for name, value in named.items()}
-    if len(set(shapes.values())) > 1:
+    try:
+        chex.assert_equal_shape([_Shaped(shape) for shape in shapes.values()])
+    except AssertionError:
         listed = ", ".join(f"{n}={s}" for n, s in shapes.items())
-        raise ValueError(f"shape mismatch: {listed}")
+        raise ValueError(f"shape mismatch: {listed}") from None
 
 
 def check_leading_shape(reference: str, ref_value: object, **named: object) -> None:

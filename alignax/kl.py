@@ -13,7 +13,8 @@ overflow when the policy has drifted far from the reference on one token.
 
 Placement: PPO (Ziegler et al. 2019; Ouyang et al. 2022) subtracts ``beta * KL`` from the
 per-token reward (:func:`kl_penalty`); GRPO (Shao et al. 2024) adds ``beta * KL`` to the
-loss (:func:`kl_loss`). Coefficients come from :class:`FixedKLController` or
+loss (:func:`kl_loss`). :func:`sequence_kl` sums the estimate over each response, the
+per-sequence KL that controllers and monitors read. Coefficients come from :class:`FixedKLController` or
 :class:`AdaptiveKLController`, both pure state updates usable inside ``jax.jit``.
 """
 
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from alignax import ops
-from alignax._checks import check_choice, check_same_shape
+from alignax._checks import check_choice, check_rank, check_same_shape
 
 Array = jax.Array
 
@@ -71,6 +72,7 @@ def kl_penalty(
     are data. Worked case: log-ratios [0.1, 0.2, -0.05], k1, beta 0.04 -> penalties sum
     to 0.04 * 0.25 = 0.01.
     """
+    check_rank(logps=(logps, 2))
     check_same_shape(logps=logps, ref_logps=ref_logps, mask=mask)
     kl = kl_estimate(jax.lax.stop_gradient(logps), jax.lax.stop_gradient(ref_logps), kind=kind, clamp=clamp)
     return jnp.where(mask.astype(bool), beta * kl, 0.0)
@@ -89,6 +91,7 @@ def kl_loss(
     exactly zero gradient even with ``clamp=None``: their log-ratio is set to 0 before
     the estimator, so a huge log-ratio on padding cannot turn ``0 * inf`` into NaN.
     """
+    check_rank(logps=(logps, 2))
     check_same_shape(logps=logps, ref_logps=ref_logps, mask=mask)
     ref_logps = jax.lax.stop_gradient(ref_logps)
     logps = jnp.where(jnp.asarray(mask).astype(bool), logps, ref_logps)
@@ -96,6 +99,37 @@ def kl_loss(
     return ops.aggregate(
         kl, mask, mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length
     )
+
+
+def sequence_kl(
+    logps: Array, ref_logps: Array, mask: Array, *, kind: KLKind = "k1", clamp: float | None = 20.0
+) -> Array:
+    """Per-sequence KL(pi || ref): the per-token estimate summed over each row's response.
+
+        KL_i = sum_{t : mask_it > 0} k(logps_it - ref_logps_it)
+
+    with ``k`` the estimator ``kind`` (:func:`kl_estimate`; Schulman 2020). With ``k1`` and
+    tokens sampled from ``pi`` this is the single-sample estimate of the sequence-level
+    ``KL(pi(.|x) || pi_ref(.|x))`` that Ziegler et al. 2019 (§2.2) feed to the adaptive
+    controller; monitors log its batch mean.
+
+    Args:
+      logps: ``[B, T]`` log pi(a_t | s_t) of the sampled tokens.
+      ref_logps: ``[B, T]`` log pi_ref(a_t | s_t).
+      mask: ``[B, T]``, counted where ``mask > 0`` (response tokens).
+      kind, clamp: as in :func:`kl_estimate`.
+
+    Returns ``[B]`` float32; a row with no response token gives 0. Both inputs are set to 0
+    on masked positions before the estimator, so garbage there (even ``-inf``) reaches
+    neither the value nor the gradient, which flows into both inputs as in :func:`kl_estimate`.
+    """
+    check_rank(logps=(logps, 2))
+    check_same_shape(logps=logps, ref_logps=ref_logps, mask=mask)
+    keep = jnp.asarray(mask) > 0
+    logps = jnp.where(keep, jnp.asarray(logps, jnp.float32), 0.0)
+    ref_logps = jnp.where(keep, jnp.asarray(ref_logps, jnp.float32), 0.0)
+    kl = kl_estimate(logps, ref_logps, kind=kind, clamp=clamp)
+    return jnp.sum(jnp.where(keep, kl, 0.0), axis=-1)
 
 
 class KLControllerState(NamedTuple):

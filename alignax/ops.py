@@ -225,6 +225,8 @@ def _logprobs_entropy(logits: Array, targets: Array, temperature: float, chunk_s
     check_rank(logits=(logits, 3), targets=(targets, 2))
     if logits.shape[:2] != targets.shape:
         raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree on [B, T]")
+    if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
+        raise ValueError(f"targets must be integer token ids; got dtype {jnp.result_type(targets)}")
     if chunk_size is None or chunk_size >= logits.shape[1]:
         return _logprob_and_entropy(logits, targets, temperature)
     if chunk_size < 1:

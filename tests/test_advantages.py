@@ -4,83 +4,20 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from alignax import advantages as adv_lib
+from tests import references
 
 TOL = dict(rtol=1e-6, atol=1e-6)
-JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-
-
-def _maybe_jit(fn, jit, **static):
-    bound = functools.partial(fn, **static)
-    return jax.jit(bound) if jit else bound
 
 
 # --------------------------------------------------------------------------- references
-
-
-def gae_reference(rewards, values, mask, gamma, lam):
-    """Textbook backward recursion per row over the response tokens (masked ones skipped)."""
-    rewards, values, mask = (np.asarray(a, np.float64) for a in (rewards, values, mask))
-    advantages = np.zeros_like(rewards)
-    for b in range(rewards.shape[0]):
-        next_value, next_adv = 0.0, 0.0  # nothing after the last response token
-        for t in reversed(range(rewards.shape[1])):
-            if mask[b, t] == 0:
-                continue
-            delta = rewards[b, t] + gamma * next_value - values[b, t]
-            advantages[b, t] = delta + gamma * lam * next_adv
-            next_value, next_adv = values[b, t], advantages[b, t]
-    returns = np.where(mask > 0, advantages + values, 0.0)
-    return advantages, returns
-
-
-def group_reference(rewards, group_ids, method, eps=1e-6, ddof=1, baseline=None, subtract_group_mean=False):
-    """Explicit Python grouping: dict of member lists, statistics by loops."""
-    rewards = [float(x) for x in np.asarray(rewards, np.float64)]
-    groups: dict[int, list[int]] = {}
-    for i, g in enumerate(np.asarray(group_ids).tolist()):
-        groups.setdefault(g, []).append(i)
-
-    def mean(xs):
-        return sum(xs) / len(xs)
-
-    def std(xs):
-        m = mean(xs)
-        return (sum((x - m) ** 2 for x in xs) / (len(xs) - ddof)) ** 0.5 if len(xs) > ddof else 0.0
-
-    out = [0.0] * len(rewards)
-    if method == "remax":
-        return np.asarray(rewards) - np.asarray(baseline, np.float64)
-    if method == "reinforce_pp":
-        values = list(rewards)
-        if subtract_group_mean:
-            for members in groups.values():
-                m = mean([rewards[i] for i in members])
-                for i in members:
-                    values[i] = rewards[i] - m
-        m, s = mean(values), std(values)
-        if s == 0.0:
-            return np.zeros(len(values))
-        return np.array([(v - m) / (s + eps) for v in values])
-    for members in groups.values():
-        xs = [rewards[i] for i in members]
-        if len(xs) < 2 or max(xs) == min(xs):
-            continue  # zero-variance or singleton group: 0
-        m = mean(xs)
-        for i in members:
-            if method == "grpo":
-                out[i] = (rewards[i] - m) / (std(xs) + eps)
-            elif method == "dr_grpo":
-                out[i] = rewards[i] - m
-            elif method == "rloo":
-                others = [rewards[j] for j in members if j != i]
-                out[i] = rewards[i] - sum(others) / len(others)
-    return np.asarray(out)
 
 
 def process_reference(step_rewards, step_mask, mask, group_ids, eps=1e-6, ddof=1):
@@ -95,8 +32,7 @@ def process_reference(step_rewards, step_mask, mask, group_ids, eps=1e-6, ddof=1
     normed = {}
     for members in steps.values():
         xs = [step_rewards[b, t] for b, t in members]
-        m = sum(xs) / len(xs)
-        s = (sum((x - m) ** 2 for x in xs) / (len(xs) - ddof)) ** 0.5 if len(xs) > ddof else 0.0
+        m, s = references.mean(xs), references.variance(xs, ddof) ** 0.5
         for (b, t), x in zip(members, xs):
             normed[(b, t)] = 0.0 if (len(xs) < 2 or max(xs) == min(xs)) else (x - m) / (s + eps)
     out = np.zeros((bsz, length))
@@ -127,18 +63,19 @@ def _ragged_batch(seed=0):
 # --------------------------------------------------------------------------- gae
 
 
-@JIT
-@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
-def test_gae_matches_backward_recursion(jit, gamma, lam):
-    rewards, values, mask = _ragged_batch()
-    fn = _maybe_jit(adv_lib.gae, jit, gamma=gamma, lam=lam)
-    advantages, returns = fn(rewards, values, mask)
-    ref_adv, ref_ret = gae_reference(rewards, values, mask, gamma, lam)
-    assert advantages.dtype == jnp.float32 and advantages.shape == mask.shape
-    np.testing.assert_allclose(advantages, ref_adv, **TOL)
-    np.testing.assert_allclose(returns, ref_ret, **TOL)
-    assert np.all(np.asarray(advantages)[mask == 0] == 0.0)
-    assert np.all(np.asarray(returns)[mask == 0] == 0.0)
+class GAEVariantsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("mc", 1.0, 1.0), ("gae", 0.99, 0.95), ("td", 0.9, 0.0))
+    def test_gae_matches_backward_recursion(self, gamma, lam):
+        rewards, values, mask = _ragged_batch()
+        advantages, returns = self.variant(functools.partial(adv_lib.gae, gamma=gamma, lam=lam))(rewards, values, mask)
+        ref_adv, ref_ret = references.gae(rewards, values, mask, gamma, lam)
+        chex.assert_type([advantages, returns], jnp.float32)
+        chex.assert_shape([advantages, returns], mask.shape)
+        np.testing.assert_allclose(advantages, ref_adv, **TOL)
+        np.testing.assert_allclose(returns, ref_ret, **TOL)
+        assert np.all(np.asarray(advantages)[mask == 0] == 0.0)
+        assert np.all(np.asarray(returns)[mask == 0] == 0.0)
 
 
 def test_gae_hand_cases_td_error_and_return_minus_value():
@@ -173,7 +110,7 @@ def test_gae_skips_a_masked_gap_inside_the_response():
     rewards = rng.normal(size=mask.shape).astype(np.float32)
     values = rng.normal(size=mask.shape).astype(np.float32)
     advantages, _ = adv_lib.gae(rewards, values, mask, gamma=0.95, lam=0.9)
-    np.testing.assert_allclose(advantages, gae_reference(rewards, values, mask, 0.95, 0.9)[0], **TOL)
+    np.testing.assert_allclose(advantages, references.gae(rewards, values, mask, 0.95, 0.9)[0], **TOL)
 
 
 def test_gae_traced_hyperparameters_and_no_gradient():
@@ -184,7 +121,7 @@ def test_gae_traced_hyperparameters_and_no_gradient():
         return adv_lib.gae(rewards, values, mask, gamma=gamma, lam=lam)
 
     advantages, _ = run(jnp.float32(0.99), jnp.float32(0.95), values)
-    np.testing.assert_allclose(advantages, gae_reference(rewards, values, mask, 0.99, 0.95)[0], **TOL)
+    np.testing.assert_allclose(advantages, references.gae(rewards, values, mask, 0.99, 0.95)[0], **TOL)
     # Advantages and returns are targets: no gradient reaches the critic through them.
     grad = jax.grad(lambda v: jnp.sum(run(0.99, 0.95, v)[1]))(jnp.asarray(values))
     assert np.all(np.asarray(grad) == 0.0)
@@ -214,16 +151,17 @@ def token_rewards_reference(scores, mask, kl):
     return out
 
 
-@JIT
-def test_token_rewards(jit):
-    _, _, mask = _ragged_batch()
-    rng = np.random.default_rng(4)
-    scores = rng.normal(size=mask.shape[0]).astype(np.float32)
-    kl = rng.normal(size=mask.shape).astype(np.float32)
-    fn = jax.jit(adv_lib.token_rewards) if jit else adv_lib.token_rewards
-    np.testing.assert_allclose(fn(scores, mask, kl_penalty=kl), token_rewards_reference(scores, mask, kl), **TOL)
-    np.testing.assert_allclose(fn(scores, mask), token_rewards_reference(scores, mask, None), **TOL)
-    assert np.all(np.asarray(fn(scores, mask, kl_penalty=kl))[4] == 0.0)  # the empty row
+class TokenRewardsVariantsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_token_rewards(self):
+        _, _, mask = _ragged_batch()
+        rng = np.random.default_rng(4)
+        scores = rng.normal(size=mask.shape[0]).astype(np.float32)
+        kl = rng.normal(size=mask.shape).astype(np.float32)
+        fn = self.variant(adv_lib.token_rewards)
+        np.testing.assert_allclose(fn(scores, mask, kl_penalty=kl), token_rewards_reference(scores, mask, kl), **TOL)
+        np.testing.assert_allclose(fn(scores, mask), token_rewards_reference(scores, mask, None), **TOL)
+        assert np.all(np.asarray(fn(scores, mask, kl_penalty=kl))[4] == 0.0)  # the empty row
 
 
 def test_token_rewards_errors():
@@ -253,6 +191,9 @@ METHOD_CASES = [
     ("reinforce_pp", {}),
     ("reinforce_pp", {"subtract_group_mean": True}),
 ]
+NAMED_METHOD_CASES = [
+    ("_".join([method, *(f"{k}_{v}" for k, v in kwargs.items())]), method, kwargs) for method, kwargs in METHOD_CASES
+]
 
 
 def _ref_kwargs(kwargs):
@@ -260,35 +201,44 @@ def _ref_kwargs(kwargs):
             "subtract_group_mean": kwargs.get("subtract_group_mean", False)}
 
 
-@JIT
-@pytest.mark.parametrize("method,kwargs", METHOD_CASES, ids=lambda x: str(x))
-def test_group_advantages_pg_layout(jit, method, kwargs):
-    rewards = _pg_rewards()
-    fn = _maybe_jit(adv_lib.group_advantages, jit, method=method, **kwargs)
-    out = fn(rewards)
-    ids = np.repeat(np.arange(4), 6)
-    ref = group_reference(rewards.reshape(-1), ids, method, **_ref_kwargs(kwargs)).reshape(4, 6)
-    assert out.shape == rewards.shape and out.dtype == jnp.float32
-    np.testing.assert_allclose(out, ref, **TOL)
-    if method != "reinforce_pp" or kwargs:
-        # Zero-variance groups: exactly zero, not eps-noise.
-        assert np.all(np.asarray(out)[1:3] == 0.0)
+class GroupAdvantagesVariantsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(NAMED_METHOD_CASES)
+    def test_group_advantages_pg_layout(self, method, kwargs):
+        rewards = _pg_rewards()
+        out = self.variant(functools.partial(adv_lib.group_advantages, method=method, **kwargs))(rewards)
+        ids = np.repeat(np.arange(4), 6)
+        want = references.group_advantages(rewards.reshape(-1), ids, method, **_ref_kwargs(kwargs)).reshape(4, 6)
+        chex.assert_type(out, jnp.float32)
+        chex.assert_shape(out, rewards.shape)
+        np.testing.assert_allclose(out, want, **TOL)
+        if method != "reinforce_pp" or kwargs:
+            # Zero-variance groups: exactly zero, not eps-noise.
+            assert np.all(np.asarray(out)[1:3] == 0.0)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(NAMED_METHOD_CASES)
+    def test_group_advantages_flat_unsorted_unequal_groups(self, method, kwargs):
+        # Groups of sizes 3, 1, 4, 3 (and an empty group id 4), interleaved; group 3 is three
+        # copies of 0.9, whose float32 mean is not 0.9.
+        group_ids = np.array([2, 0, 3, 2, 1, 0, 2, 3, 0, 2, 3], np.int32)
+        rewards = np.array([0.5, 1.0, 0.9, -0.3, 4.0, 0.0, 1.5, 0.9, 1.0, 0.9, 0.9], np.float32)
+        fn = self.variant(functools.partial(adv_lib.group_advantages, method=method, num_groups=5, **kwargs))
+        out = fn(rewards, group_ids=group_ids)
+        want = references.group_advantages(rewards, group_ids, method, **_ref_kwargs(kwargs))
+        np.testing.assert_allclose(out, want, **TOL)
+        if method != "reinforce_pp":
+            assert out[4] == 0.0  # the singleton group
+            assert out[2] == 0.0 and out[7] == 0.0 and out[10] == 0.0  # group 3: equal rewards
 
-@JIT
-@pytest.mark.parametrize("method,kwargs", METHOD_CASES, ids=lambda x: str(x))
-def test_group_advantages_flat_unsorted_unequal_groups(jit, method, kwargs):
-    # Groups of sizes 3, 1, 4, 3 (and an empty group id 4), interleaved; group 3 is three
-    # copies of 0.9, whose float32 mean is not 0.9.
-    group_ids = np.array([2, 0, 3, 2, 1, 0, 2, 3, 0, 2, 3], np.int32)
-    rewards = np.array([0.5, 1.0, 0.9, -0.3, 4.0, 0.0, 1.5, 0.9, 1.0, 0.9, 0.9], np.float32)
-    fn = _maybe_jit(adv_lib.group_advantages, jit, method=method, num_groups=5, **kwargs)
-    out = fn(rewards, group_ids=group_ids)
-    ref = group_reference(rewards, group_ids, method, **_ref_kwargs(kwargs))
-    np.testing.assert_allclose(out, ref, **TOL)
-    if method != "reinforce_pp":
-        assert out[4] == 0.0  # the singleton group
-        assert out[2] == 0.0 and out[7] == 0.0 and out[10] == 0.0  # group 3: equal rewards
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_remax_hand_case(self):
+        fn = self.variant(functools.partial(adv_lib.group_advantages, method="remax"))
+        out = fn(np.array([1.0, 0.0], np.float32), baseline=np.array([0.6, 0.6], np.float32))
+        np.testing.assert_allclose(out, [0.4, -0.6], **TOL)
+        rewards = _pg_rewards()
+        baseline = np.random.default_rng(6).normal(size=rewards.shape).astype(np.float32)
+        np.testing.assert_allclose(fn(rewards, baseline=baseline), rewards.astype(np.float64) - baseline, **TOL)
 
 
 @pytest.mark.parametrize("method,kwargs", METHOD_CASES, ids=lambda x: str(x))
@@ -301,16 +251,6 @@ def test_group_advantages_flat_shuffled_equals_pg_permuted(method, kwargs):
         rewards.reshape(-1)[perm], method=method, group_ids=group_ids, num_groups=4, **kwargs
     )
     np.testing.assert_allclose(flat, pg[perm], **TOL)
-
-
-@JIT
-def test_remax_hand_case(jit):
-    fn = _maybe_jit(adv_lib.group_advantages, jit, method="remax")
-    out = fn(np.array([1.0, 0.0], np.float32), baseline=np.array([0.6, 0.6], np.float32))
-    np.testing.assert_allclose(out, [0.4, -0.6], **TOL)
-    rewards = _pg_rewards()
-    baseline = np.random.default_rng(6).normal(size=rewards.shape).astype(np.float32)
-    np.testing.assert_allclose(fn(rewards, baseline=baseline), rewards.astype(np.float64) - baseline, **TOL)
 
 
 def test_group_hand_cases():
@@ -376,30 +316,34 @@ def test_process_advantages_hand_case():
     np.testing.assert_allclose(out, [[0, 0.0, -1.0, -1.0, 0], [0, 0.0, 0.0, 0, 0]], **TOL)
 
 
-@JIT
-@pytest.mark.parametrize("unbiased_std", [True, False])
-def test_process_advantages_matches_reference(jit, unbiased_std):
-    rng = np.random.default_rng(7)
-    _, _, mask = _ragged_batch()
-    mask = np.concatenate([mask, mask[:3]])  # 8 rows
-    step_mask = (rng.random(mask.shape) < 0.4).astype(np.float32)  # some fall off the response
-    step_rewards = np.where(step_mask > 0, rng.normal(size=mask.shape), np.nan).astype(np.float32)
-    group_ids = np.array([1, 0, 2, 1, 0, 2, 1, 3], np.int32)
-    # Group 3 (row 7, a full-length response) gets three equal step rewards whose float32
-    # mean is not exactly 0.9: exact zeros expected all the same.
-    step_mask[7] = 0.0
-    step_mask[7, [1, 4, 8]] = 1.0
-    step_rewards[7] = np.where(step_mask[7] > 0, 0.9, np.nan)
-    fn = _maybe_jit(adv_lib.process_advantages, jit, num_groups=4, unbiased_std=unbiased_std)
-    out = fn(step_rewards, step_mask, mask, group_ids=group_ids)
-    ref = process_reference(step_rewards, step_mask, mask, group_ids, ddof=1 if unbiased_std else 0)
-    assert np.all(np.isfinite(np.asarray(out)))
-    np.testing.assert_allclose(out, ref, **TOL)
-    assert np.all(np.asarray(out)[7] == 0.0)
-    # Without group_ids the whole batch is one group.
-    whole = adv_lib.process_advantages(step_rewards, step_mask, mask, unbiased_std=unbiased_std)
-    ref = process_reference(step_rewards, step_mask, mask, np.zeros(8, int), ddof=1 if unbiased_std else 0)
-    np.testing.assert_allclose(whole, ref, **TOL)
+class ProcessAdvantagesVariantsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("unbiased", True), ("population", False))
+    def test_process_advantages_matches_reference(self, unbiased_std):
+        rng = np.random.default_rng(7)
+        _, _, mask = _ragged_batch()
+        mask = np.concatenate([mask, mask[:3]])  # 8 rows
+        step_mask = (rng.random(mask.shape) < 0.4).astype(np.float32)  # some fall off the response
+        step_rewards = np.where(step_mask > 0, rng.normal(size=mask.shape), np.nan).astype(np.float32)
+        group_ids = np.array([1, 0, 2, 1, 0, 2, 1, 3], np.int32)
+        # Group 3 (row 7, a full-length response) gets three equal step rewards whose float32
+        # mean is not exactly 0.9: exact zeros expected all the same.
+        step_mask[7] = 0.0
+        step_mask[7, [1, 4, 8]] = 1.0
+        step_rewards[7] = np.where(step_mask[7] > 0, 0.9, np.nan)
+        ddof = 1 if unbiased_std else 0
+        fn = self.variant(functools.partial(adv_lib.process_advantages, num_groups=4, unbiased_std=unbiased_std))
+        out = fn(step_rewards, step_mask, mask, group_ids=group_ids)
+        want = process_reference(step_rewards, step_mask, mask, group_ids, ddof=ddof)
+        assert np.all(np.isfinite(np.asarray(out)))
+        np.testing.assert_allclose(out, want, **TOL)
+        assert np.all(np.asarray(out)[7] == 0.0)
+        # Without group_ids the whole batch is one group.
+        whole = self.variant(functools.partial(adv_lib.process_advantages, unbiased_std=unbiased_std))(
+            step_rewards, step_mask, mask
+        )
+        want = process_reference(step_rewards, step_mask, mask, np.zeros(8, int), ddof=ddof)
+        np.testing.assert_allclose(whole, want, **TOL)
 
 
 def test_process_advantages_errors():
@@ -410,3 +354,22 @@ def test_process_advantages_errors():
         adv_lib.process_advantages(mask, mask, mask, group_ids=np.zeros(2, np.int32))
     with pytest.raises(ValueError, match="group_ids has shape"):
         adv_lib.process_advantages(mask, mask, mask, group_ids=np.zeros(3, np.int32), num_groups=1)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda r, v, m: adv_lib.token_rewards(r[:, 0], m[0]), "mask must have rank 2"),
+        (lambda r, v, m: adv_lib.token_rewards(r, m), "scores must have rank 1"),
+        (lambda r, v, m: adv_lib.gae(r[None], v[None], m[None], gamma=1.0, lam=1.0), "rewards must have rank 2"),
+        (lambda r, v, m: adv_lib.group_advantages(r[None], method="grpo"), "rewards must have rank 1 or 2"),
+        (lambda r, v, m: adv_lib.group_advantages(r[:, 0], method="grpo", group_ids=m[:, :1].astype(int),
+                                                  num_groups=1), "group_ids must have rank 1"),
+        (lambda r, v, m: adv_lib.process_advantages(r[0], v[0], m[0]), "step_rewards must have rank 2"),
+    ],
+    ids=["token_rewards_mask", "token_rewards_scores", "gae", "group_advantages", "group_ids", "process_advantages"],
+)
+def test_wrong_rank_raises_naming_the_argument(call, message):
+    rewards, values, mask = _ragged_batch()
+    with pytest.raises(ValueError, match=message):
+        call(rewards, values, mask)

@@ -4,33 +4,17 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from alignax import kl
+from tests import references
 
 TOL = dict(rtol=1e-6, atol=1e-6)
-JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-
-
-def estimator_reference(logps, ref_logps, kind, clamp=None):
-    """Schulman, "Approximating KL Divergence": r = log pi - log pi_ref, tokens from pi."""
-    out = np.zeros(np.shape(logps))
-    for idx in np.ndindex(out.shape):
-        r = float(logps[idx]) - float(ref_logps[idx])
-        if clamp is not None:
-            r = min(max(r, -clamp), clamp)
-        if kind == "k1":
-            out[idx] = r
-        elif kind == "k2":
-            out[idx] = 0.5 * r * r
-        elif kind == "k3":
-            out[idx] = np.exp(-r) - 1.0 + r  # (ratio - 1) - log ratio, ratio = pi_ref / pi
-        else:
-            out[idx] = abs(r)
-    return out
 
 
 def _logps(seed=0, shape=(3, 5)):
@@ -40,19 +24,74 @@ def _logps(seed=0, shape=(3, 5)):
     mask = np.zeros(shape, np.float32)
     mask[0, 1:4] = 1
     mask[1, :] = 1
-    mask[2, 3:] = 1
+    mask[2, 3:] = 1  # further rows, if any: no response token
     return logps, ref_logps, mask
 
 
-@JIT
-@pytest.mark.parametrize("kind", kl.KL_KINDS)
-def test_estimators_match_formulas(jit, kind):
-    logps, ref_logps, _ = _logps()
-    fn = functools.partial(kl.kl_estimate, kind=kind)
-    fn = jax.jit(fn) if jit else fn
-    out = fn(logps, ref_logps)
-    assert out.dtype == jnp.float32 and out.shape == logps.shape
-    np.testing.assert_allclose(out, estimator_reference(logps, ref_logps, kind), **TOL)
+class KLVariantsTest(chex.TestCase):
+    """Estimators, placement, sequence sums and the controller, jitted and not (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((kind, kind) for kind in kl.KL_KINDS)
+    def test_estimators_match_formulas(self, kind):
+        logps, ref_logps, _ = _logps()
+        out = self.variant(functools.partial(kl.kl_estimate, kind=kind))(logps, ref_logps)
+        chex.assert_type(out, jnp.float32)
+        chex.assert_shape(out, logps.shape)
+        np.testing.assert_allclose(out, references.kl_estimate(logps, ref_logps, kind), **TOL)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kl_penalty_hand_case(self):
+        # Log-ratios [0.1, 0.2, -0.05], beta 0.04, k1: per token [.004, .008, -.002], sum .01.
+        logps = np.array([[-1.0, -2.0, -0.5, -7.0]], np.float32)
+        ref_logps = logps - np.array([[0.1, 0.2, -0.05, 3.0]], np.float32)
+        mask = np.array([[1, 1, 1, 0]], np.float32)
+        penalty = self.variant(functools.partial(kl.kl_penalty, beta=0.04, kind="k1"))(logps, ref_logps, mask)
+        np.testing.assert_allclose(penalty, [[0.004, 0.008, -0.002, 0.0]], **TOL)
+        np.testing.assert_allclose(jnp.sum(penalty), 0.01, **TOL)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("k1", "k1"), ("k3", "k3"))
+    def test_kl_loss_value_and_gradients(self, kind):
+        logps, ref_logps, mask = _logps(seed=3)
+        # Garbage on masked positions (padding log-probs far from the reference).
+        logps = np.where(mask > 0, logps, -500.0).astype(np.float32)
+        fn = functools.partial(kl.kl_loss, kind=kind, aggregation="token-mean")
+        value = self.variant(fn)(logps, ref_logps, mask)
+        want = references.kl_estimate(logps, ref_logps, kind)
+        np.testing.assert_allclose(value, (want * mask).sum() / mask.sum(), **TOL)
+
+        grad_fn = self.variant(jax.grad(lambda a, b: fn(a, b, mask), argnums=(0, 1)))
+        g_logps, g_ref = grad_fn(jnp.asarray(logps), jnp.asarray(ref_logps))
+        g_logps, g_ref = np.asarray(g_logps), np.asarray(g_ref)
+        assert np.all(g_ref == 0.0)  # the reference is constant
+        assert np.all(g_logps[mask == 0] == 0.0)  # masked tokens get exactly zero gradient
+        # On response tokens: d/dr of the estimator, divided by the token count.
+        r = logps.astype(np.float64) - ref_logps
+        dk = np.ones_like(r) if kind == "k1" else 1.0 - np.exp(-r)
+        np.testing.assert_allclose(g_logps[mask > 0], (dk / mask.sum())[mask > 0], **TOL)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((kind, kind) for kind in kl.KL_KINDS)
+    def test_sequence_kl_matches_row_loop(self, kind):
+        logps, ref_logps, mask = _logps(seed=5, shape=(4, 5))  # row 3: no response token
+        out = self.variant(functools.partial(kl.sequence_kl, kind=kind))(logps, ref_logps, mask)
+        chex.assert_type(out, jnp.float32)
+        chex.assert_shape(out, (4,))
+        np.testing.assert_allclose(out, references.sequence_kl(logps, ref_logps, mask, kind), **TOL)
+        assert float(out[3]) == 0.0
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        # target 6, horizon 10,000, n = 256; coef 0.1.
+        ("clip_up", 9.0, 0.1 * (1 + 0.2 * 256 / 10_000)),  # 9/6 - 1 = 0.5 -> clipped to +0.2: 0.100512
+        ("clip_down", 3.0, 0.1 * (1 - 0.2 * 256 / 10_000)),  # 3/6 - 1 = -0.5 -> clipped to -0.2: 0.099488
+        ("inside", 6.6, 0.1 * (1 + 0.1 * 256 / 10_000)),  # 0.1 inside the clip: 0.100256
+    )
+    def test_adaptive_controller_ziegler_update(self, current_kl, expected):
+        controller = kl.AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10_000)
+        state = self.variant(controller.update)(controller.init(), jnp.float32(current_kl), 256)
+        np.testing.assert_allclose(state.coef, expected, rtol=1e-6)
 
 
 def test_k3_and_k2_nonnegative_k1_signed():
@@ -63,19 +102,6 @@ def test_k3_and_k2_nonnegative_k1_signed():
     assert k1.min() < 0 < k1.max()
 
 
-@JIT
-def test_kl_penalty_hand_case(jit):
-    # Log-ratios [0.1, 0.2, -0.05], beta 0.04, k1: per token [.004, .008, -.002], sum .01.
-    logps = np.array([[-1.0, -2.0, -0.5, -7.0]], np.float32)
-    ref_logps = logps - np.array([[0.1, 0.2, -0.05, 3.0]], np.float32)
-    mask = np.array([[1, 1, 1, 0]], np.float32)
-    fn = functools.partial(kl.kl_penalty, beta=0.04, kind="k1")
-    fn = jax.jit(fn) if jit else fn
-    penalty = fn(logps, ref_logps, mask)
-    np.testing.assert_allclose(penalty, [[0.004, 0.008, -0.002, 0.0]], **TOL)
-    np.testing.assert_allclose(jnp.sum(penalty), 0.01, **TOL)
-
-
 def test_kl_penalty_is_data_without_gradient():
     logps, ref_logps, mask = _logps(seed=2)
     grads = jax.grad(lambda a, b: jnp.sum(kl.kl_penalty(a, b, mask, beta=0.1, kind="k3")), argnums=(0, 1))(
@@ -83,7 +109,7 @@ def test_kl_penalty_is_data_without_gradient():
     )
     assert all(np.all(np.asarray(g) == 0.0) for g in grads)
     penalty = kl.kl_penalty(logps, ref_logps, mask, beta=0.1, kind="k3")
-    np.testing.assert_allclose(penalty, 0.1 * estimator_reference(logps, ref_logps, "k3") * mask, **TOL)
+    np.testing.assert_allclose(penalty, 0.1 * references.kl_estimate(logps, ref_logps, "k3") * mask, **TOL)
 
 
 def test_clamp_keeps_k3_finite():
@@ -98,29 +124,6 @@ def test_clamp_keeps_k3_finite():
     assert np.all(np.isfinite(np.asarray(grad)))
 
 
-@JIT
-@pytest.mark.parametrize("kind", ["k1", "k3"])
-def test_kl_loss_value_and_gradients(jit, kind):
-    logps, ref_logps, mask = _logps(seed=3)
-    # Garbage on masked positions (padding log-probs far from the reference).
-    logps = np.where(mask > 0, logps, -500.0).astype(np.float32)
-    fn = functools.partial(kl.kl_loss, kind=kind, aggregation="token-mean")
-    fn = jax.jit(fn) if jit else fn
-    value = fn(logps, ref_logps, mask)
-    ref = estimator_reference(logps, ref_logps, kind)
-    np.testing.assert_allclose(value, (ref * mask).sum() / mask.sum(), **TOL)
-
-    grad_fn = jax.grad(lambda a, b: fn(a, b, mask), argnums=(0, 1))
-    g_logps, g_ref = grad_fn(jnp.asarray(logps), jnp.asarray(ref_logps))
-    g_logps, g_ref = np.asarray(g_logps), np.asarray(g_ref)
-    assert np.all(g_ref == 0.0)  # the reference is constant
-    assert np.all(g_logps[mask == 0] == 0.0)  # masked tokens get exactly zero gradient
-    # On response tokens: d/dr of the estimator, divided by the token count.
-    r = logps.astype(np.float64) - ref_logps
-    dk = np.ones_like(r) if kind == "k1" else 1.0 - np.exp(-r)
-    np.testing.assert_allclose(g_logps[mask > 0], (dk / mask.sum())[mask > 0], **TOL)
-
-
 @pytest.mark.parametrize("garbage", [-500.0, -np.inf], ids=["huge", "inf"])
 def test_kl_loss_masked_garbage_without_clamp_gives_zero_gradient(garbage):
     # With clamp=None, exp(500) overflows on a padding token; 0 * inf must not become NaN.
@@ -129,8 +132,8 @@ def test_kl_loss_masked_garbage_without_clamp_gives_zero_gradient(garbage):
     value, g_logps = jax.value_and_grad(lambda a: kl.kl_loss(a, ref_logps, mask, kind="k3", clamp=None))(
         jnp.asarray(logps)
     )
-    ref = estimator_reference(np.where(mask > 0, logps, ref_logps), ref_logps, "k3")
-    np.testing.assert_allclose(value, (ref * mask).sum() / mask.sum(), **TOL)
+    want = references.kl_estimate(np.where(mask > 0, logps, ref_logps), ref_logps, "k3")
+    np.testing.assert_allclose(value, (want * mask).sum() / mask.sum(), **TOL)
     g_logps = np.asarray(g_logps)
     assert np.all(np.isfinite(g_logps))
     assert np.all(g_logps[mask == 0] == 0.0)
@@ -144,24 +147,6 @@ def test_fixed_controller_unchanged():
     assert new.coef == state.coef
 
 
-@JIT
-@pytest.mark.parametrize(
-    "current_kl,expected",
-    [
-        # target 6, horizon 10,000, n = 256; coef 0.1.
-        (9.0, 0.1 * (1 + 0.2 * 256 / 10_000)),  # 9/6 - 1 = 0.5 -> clipped to +0.2: 0.100512
-        (3.0, 0.1 * (1 - 0.2 * 256 / 10_000)),  # 3/6 - 1 = -0.5 -> clipped to -0.2: 0.099488
-        (6.6, 0.1 * (1 + 0.1 * 256 / 10_000)),  # 0.1 inside the clip: 0.100256
-    ],
-    ids=["clip-up", "clip-down", "inside"],
-)
-def test_adaptive_controller_ziegler_update(jit, current_kl, expected):
-    controller = kl.AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10_000)
-    update = jax.jit(controller.update) if jit else controller.update
-    state = update(controller.init(), jnp.float32(current_kl), 256)
-    np.testing.assert_allclose(state.coef, expected, rtol=1e-6)
-
-
 def test_errors_name_the_argument():
     logps, ref_logps, mask = _logps()
     with pytest.raises(ValueError, match="k1, k2, k3, abs"):
@@ -172,3 +157,38 @@ def test_errors_name_the_argument():
         kl.kl_penalty(logps, ref_logps, mask[:, :-1], beta=0.1)
     with pytest.raises(ValueError, match="target > 0"):
         kl.AdaptiveKLController(init_coef=0.1, target=0.0, horizon=100)
+
+
+def test_sequence_kl_ignores_masked_garbage_in_value_and_gradient():
+    logps, ref_logps, mask = _logps(seed=6)
+    clean = kl.sequence_kl(logps, ref_logps, mask, kind="k3", clamp=None)
+    dirty_logps = np.where(mask > 0, logps, -np.inf).astype(np.float32)
+    dirty_ref = np.where(mask > 0, ref_logps, np.inf).astype(np.float32)
+    value, grad = jax.value_and_grad(
+        lambda a: jnp.sum(kl.sequence_kl(a, dirty_ref, mask, kind="k3", clamp=None))
+    )(jnp.asarray(dirty_logps))
+    np.testing.assert_allclose(value, jnp.sum(clean), **TOL)
+    grad = np.asarray(grad)
+    assert np.all(np.isfinite(grad)) and np.all(grad[mask == 0] == 0.0)
+    # k3's derivative in log pi is 1 - exp(-r) on response tokens.
+    r = logps.astype(np.float64) - ref_logps
+    np.testing.assert_allclose(grad[mask > 0], (1.0 - np.exp(-r))[mask > 0], **TOL)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        functools.partial(kl.kl_penalty, beta=0.1),
+        kl.kl_loss,
+        kl.sequence_kl,
+    ],
+    ids=["kl_penalty", "kl_loss", "sequence_kl"],
+)
+def test_wrong_rank_raises_naming_the_argument(fn):
+    logps, ref_logps, mask = _logps()
+    with pytest.raises(ValueError, match="logps must have rank 2"):
+        fn(logps[0], ref_logps[0], mask[0])
+    with pytest.raises(ValueError, match="logps must have rank 2"):
+        jax.jit(fn)(logps[None], ref_logps[None], mask[None])
+    with pytest.raises(ValueError, match=r"mask=\(3, 4\)"):
+        fn(logps, ref_logps, mask[:, :4])

@@ -1,21 +1,17 @@
 """alignax.ops against NumPy loops written from the definitions, jitted and not."""
 
+import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from alignax import ops
-
-JIT = [False, True]
-
-
-def maybe_jit(fn, jit, **static):
-    if not jit:
-        return lambda *a, **k: fn(*a, **k, **static)
-    return jax.jit(lambda *a: fn(*a, **static))
+from tests import references
 
 
 def batch(seed=0, b=4, t=7):
@@ -26,65 +22,74 @@ def batch(seed=0, b=4, t=7):
     return x, mask
 
 
-def ref_aggregate(x, mask, mode, norm_length=None):
-    b, t = x.shape
-    total, count, seqs, per_seq_means, per_seq_sums = 0.0, 0.0, 0, [], []
+def ref_logprob_entropy(logits, targets, temperature=1.0):
+    """``log p = z - lse(z)`` at the target and ``H = -sum_k p_k log p_k``, ``z = logits / tau``."""
+    b, t, v = logits.shape
+    lp = np.zeros((b, t))
+    ent = np.zeros((b, t))
     for i in range(b):
-        s, n = 0.0, 0
         for j in range(t):
-            if mask[i, j]:
-                s += float(x[i, j])
-                n += 1
-        total += s
-        count += n
-        if n:
-            seqs += 1
-            per_seq_means.append(s / n)
-            per_seq_sums.append(s)
-    if mode == "token-sum":
-        return total
-    if mode == "token-mean":
-        return total / count
-    if mode == "seq-mean-token-mean":
-        return sum(per_seq_means) / seqs
-    if mode == "seq-mean-token-sum":
-        return sum(per_seq_sums) / seqs
-    return total / (seqs * (t if norm_length is None else norm_length))
+            z = logits[i, j].astype(np.float64) / temperature
+            m = max(z)
+            lse = m + math.log(sum(math.exp(zk - m) for zk in z))
+            lp[i, j] = z[targets[i, j]] - lse
+            ent[i, j] = -sum(math.exp(zk - lse) * (zk - lse) for zk in z)
+    return lp, ent
 
 
-@pytest.mark.parametrize("jit", JIT)
-def test_masked_reductions_match_loops(jit):
-    x, mask = batch()
-    vals = [float(x[i, j]) for i in range(x.shape[0]) for j in range(x.shape[1]) if mask[i, j]]
-    n = len(vals)
-    mean = sum(vals) / n
-    var = sum((v - mean) ** 2 for v in vals) / (n - 1)
-    np.testing.assert_allclose(maybe_jit(ops.masked_sum, jit)(x, mask), sum(vals), rtol=1e-6)
-    np.testing.assert_allclose(maybe_jit(ops.masked_mean, jit)(x, mask), mean, rtol=1e-6)
-    np.testing.assert_allclose(maybe_jit(ops.masked_var, jit)(x, mask), var, rtol=1e-6)
-    white = maybe_jit(ops.masked_whiten, jit)(x, mask)
-    for i in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            want = (x[i, j] - mean) / math.sqrt(var + 1e-8) if mask[i, j] else 0.0
-            assert abs(float(white[i, j]) - want) < 1e-5
-    kept = maybe_jit(ops.masked_whiten, jit, shift_mean=False)(x, mask)
-    np.testing.assert_allclose(kept[0, mask[0] > 0], white[0, mask[0] > 0] + mean, atol=1e-6)
-    row_means = maybe_jit(ops.masked_mean, jit, axis=-1)(x, mask)
-    np.testing.assert_allclose(row_means[-1], 0.0)  # empty row: 0, not NaN
+class OpsVariantsTest(chex.TestCase):
+    """Each function jitted and not (chex variants), against the loops."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_masked_reductions_match_loops(self):
+        x, mask = batch()
+        vals = references.masked_values(x, mask)
+        mean, var = references.mean(vals), references.variance(vals, ddof=1)
+        np.testing.assert_allclose(self.variant(ops.masked_sum)(x, mask), sum(vals), rtol=1e-6)
+        np.testing.assert_allclose(self.variant(ops.masked_mean)(x, mask), mean, rtol=1e-6)
+        np.testing.assert_allclose(self.variant(ops.masked_var)(x, mask), var, rtol=1e-6)
+        white = self.variant(ops.masked_whiten)(x, mask)
+        for i in range(x.shape[0]):
+            for j in range(x.shape[1]):
+                want = (x[i, j] - mean) / math.sqrt(var + 1e-8) if mask[i, j] else 0.0
+                assert abs(float(white[i, j]) - want) < 1e-5
+        kept = self.variant(functools.partial(ops.masked_whiten, shift_mean=False))(x, mask)
+        np.testing.assert_allclose(kept[0, mask[0] > 0], white[0, mask[0] > 0] + mean, atol=1e-6)
+        row_means = self.variant(functools.partial(ops.masked_mean, axis=-1))(x, mask)
+        np.testing.assert_allclose(row_means[-1], 0.0)  # empty row: 0, not NaN
 
-@pytest.mark.parametrize("jit", JIT)
-@pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
-def test_aggregate_matches_loop(mode, jit):
-    x, mask = batch(seed=1)
-    got = maybe_jit(ops.aggregate, jit, mode=mode)(x, mask)
-    np.testing.assert_allclose(got, ref_aggregate(x, mask, mode), rtol=1e-6)
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((mode, mode) for mode in ops.AGGREGATION_MODES)
+    def test_aggregate_matches_loop(self, mode):
+        x, mask = batch(seed=1)
+        got = self.variant(functools.partial(ops.aggregate, mode=mode))(x, mask)
+        np.testing.assert_allclose(got, references.aggregate(x, mask, mode), rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("direct", None), ("chunked", 3))
+    def test_token_logprobs_and_entropy_match_loop(self, chunk_size):
+        rng = np.random.default_rng(5)
+        logits = rng.normal(size=(2, 7, 11)).astype(np.float32) * 3
+        targets = rng.integers(0, 11, size=(2, 7))
+        want_lp, want_ent = ref_logprob_entropy(logits, targets, temperature=0.7)
+        hp = dict(temperature=0.7, chunk_size=chunk_size)
+        lp = self.variant(functools.partial(ops.token_logprobs, **hp))(logits, targets)
+        ent = self.variant(functools.partial(ops.entropy_from_logits, **hp))(logits)
+        both = self.variant(functools.partial(ops.token_logprobs_and_entropy, **hp))(logits, targets)
+        # float32 rounding of log-softmax is relative to the logits' scale, not the result's.
+        atol = 1e-6 * np.abs(logits / 0.7).max()
+        np.testing.assert_allclose(lp, want_lp, atol=atol)
+        np.testing.assert_allclose(ent, want_ent, atol=atol)
+        np.testing.assert_allclose(both[0], want_lp, atol=atol)
+        np.testing.assert_allclose(both[1], want_ent, atol=atol)
+        chex.assert_type([lp, ent, *both], jnp.float32)
 
 
 def test_seq_mean_token_sum_norm_uses_given_length():
     x, mask = batch(seed=2)
     got = ops.aggregate(x, mask, mode="seq-mean-token-sum-norm", norm_length=100.0)
-    np.testing.assert_allclose(got, ref_aggregate(x, mask, "seq-mean-token-sum-norm", 100.0), rtol=1e-6)
+    want = references.aggregate(x, mask, "seq-mean-token-sum-norm", norm_length=100.0)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
@@ -121,39 +126,6 @@ def test_token_logprobs_hand_worked():
     logits = np.log(probs) + 3.0  # a shift changes nothing
     lp = ops.token_logprobs(jnp.asarray(logits), jnp.array([[0, 0, 0]]))
     np.testing.assert_allclose(float(lp.sum()), -3.2189, atol=1e-4)
-
-
-def ref_logprob_entropy(logits, targets, temperature=1.0):
-    b, t, v = logits.shape
-    lp = np.zeros((b, t))
-    ent = np.zeros((b, t))
-    for i in range(b):
-        for j in range(t):
-            z = logits[i, j].astype(np.float64) / temperature
-            m = max(z)
-            lse = m + math.log(sum(math.exp(zk - m) for zk in z))
-            lp[i, j] = z[targets[i, j]] - lse
-            ent[i, j] = -sum(math.exp(zk - lse) * (zk - lse) for zk in z)
-    return lp, ent
-
-
-@pytest.mark.parametrize("jit", JIT)
-@pytest.mark.parametrize("chunk_size", [None, 3])
-def test_token_logprobs_and_entropy_match_loop(jit, chunk_size):
-    rng = np.random.default_rng(5)
-    logits = rng.normal(size=(2, 7, 11)).astype(np.float32) * 3
-    targets = rng.integers(0, 11, size=(2, 7))
-    want_lp, want_ent = ref_logprob_entropy(logits, targets, temperature=0.7)
-    lp = maybe_jit(ops.token_logprobs, jit, temperature=0.7, chunk_size=chunk_size)(logits, targets)
-    ent = maybe_jit(ops.entropy_from_logits, jit, temperature=0.7, chunk_size=chunk_size)(logits)
-    both = maybe_jit(ops.token_logprobs_and_entropy, jit, temperature=0.7, chunk_size=chunk_size)(logits, targets)
-    # float32 rounding of log-softmax is relative to the logits' scale, not the result's.
-    atol = 1e-6 * np.abs(logits / 0.7).max()
-    np.testing.assert_allclose(lp, want_lp, atol=atol)
-    np.testing.assert_allclose(ent, want_ent, atol=atol)
-    np.testing.assert_allclose(both[0], want_lp, atol=atol)
-    np.testing.assert_allclose(both[1], want_ent, atol=atol)
-    assert lp.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -209,3 +181,28 @@ def test_bad_inputs_name_the_argument():
         ops.token_logprobs(jnp.zeros((2, 3)), jnp.zeros((2, 3), jnp.int32))
     with pytest.raises(ValueError, match="disagree"):
         ops.token_logprobs(jnp.zeros((2, 3, 5)), jnp.zeros((2, 4), jnp.int32))
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda x, m: ops.aggregate(x[None], m[None]), "per_token must have rank 2"),
+        (lambda x, m: ops.aggregation_normalisers(m[0]), "mask must have rank 2"),
+        (lambda x, m: ops.entropy_from_logits(x), "logits must have rank 3"),
+        (lambda x, m: ops.token_logprobs_and_entropy(x[..., None, None], m.astype(int)), "logits must have rank 3"),
+        (lambda x, m: ops.token_logprobs(x[..., None], m.astype(np.int32)[..., None]), "targets must have rank 2"),
+    ],
+    ids=["aggregate", "aggregation_normalisers", "entropy_from_logits", "token_logprobs_and_entropy", "token_logprobs"],
+)
+def test_wrong_rank_raises_naming_the_argument(call, message):
+    x, mask = batch()
+    with pytest.raises(ValueError, match=message):
+        call(x, mask)
+    with pytest.raises(ValueError, match=message):  # the check is static: it fires while tracing
+        jax.jit(call)(x, mask)
+
+
+def test_float_targets_are_refused():
+    logits = jnp.zeros((2, 3, 5))
+    with pytest.raises(ValueError, match="targets must be integer token ids; got dtype float32"):
+        ops.token_logprobs(logits, jnp.zeros((2, 3)))

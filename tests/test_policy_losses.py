@@ -10,44 +10,31 @@ from __future__ import annotations
 import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from alignax import ops
-from alignax.losses.policy import cispo_policy_loss, gspo_policy_loss, pg_loss, ppo_policy_loss
+from alignax.losses.policy import (
+    POLICY_LOSSES,
+    cispo_policy_loss,
+    gspo_policy_loss,
+    pg_loss,
+    policy_loss_clip_keywords,
+    ppo_policy_loss,
+)
+from tests import references
+from tests.references import clip
 
-MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+MODES = references.AGGREGATION_MODES
 TOL = dict(rtol=1e-6, atol=1e-6)
 
 # ---------------------------------------------------------------------------------------
 # NumPy references (float64, per-token loops)
 # ---------------------------------------------------------------------------------------
-
-
-def ref_aggregate(x, mask, mode, num_tokens=None, num_seqs=None, norm_length=None):
-    batch, length = x.shape
-    lengths = [sum(mask[i][t] for t in range(length)) for i in range(batch)]
-    sums = [sum(x[i][t] for t in range(length) if mask[i][t]) for i in range(batch)]
-    n_tok = sum(lengths) if num_tokens is None else num_tokens
-    n_seq = sum(1 for n in lengths if n > 0) if num_seqs is None else num_seqs
-    if mode == "token-sum":
-        return sum(sums)
-    if mode == "token-mean":
-        return sum(sums) / max(n_tok, 1)
-    if mode == "seq-mean-token-mean":
-        return sum(s / n for s, n in zip(sums, lengths) if n > 0) / max(n_seq, 1)
-    if mode == "seq-mean-token-sum":
-        return sum(sums) / max(n_seq, 1)
-    if mode == "seq-mean-token-sum-norm":
-        budget = length if norm_length is None else norm_length
-        return sum(sums) / (max(n_seq, 1) * budget)
-    raise AssertionError(mode)
-
-
-def clip(x, lo, hi):
-    return min(max(x, lo), hi)
 
 
 def ref_token_losses(kind, lp, old, adv, mask, hp):
@@ -66,14 +53,12 @@ def ref_token_losses(kind, lp, old, adv, mask, hp):
             a = adv[i][t]
             r = math.exp(lp[i][t] - old[i][t])
             if kind == "ppo":  # Schulman et al. 2017 eq. (7), DAPO clip-higher, dual clip
-                lo, hi = 1 - hp["clip_eps_low"], 1 + hp["clip_eps_high"]
-                l_t = max(-a * r, -a * clip(r, lo, hi))
+                l_t = references.ppo_clip(r, a, hp["clip_eps_low"], hp["clip_eps_high"])
                 if hp.get("dual_clip_c") is not None and a < 0:
                     l_t = min(l_t, -hp["dual_clip_c"] * a)
             elif kind == "gspo":
-                lo, hi = 1 - hp["clip_eps_low"], 1 + hp["clip_eps_high"]
                 r = s_i
-                l_t = max(-a * r, -a * clip(r, lo, hi))
+                l_t = references.ppo_clip(r, a, hp["clip_eps_low"], hp["clip_eps_high"])
             elif kind == "cispo":  # MiniMax-M1 eq. (4)
                 lo = -math.inf if hp.get("clip_eps_low") is None else 1 - hp["clip_eps_low"]
                 w = clip(r, lo, 1 + hp["clip_eps_high"])
@@ -92,7 +77,7 @@ def ref_loss_and_metrics(kind, data, hp, opts, mode, normalisers=None):
         adv = np.repeat(adv[:, None], lp.shape[1], axis=1)
     batch, length = lp.shape
     normalisers = normalisers or {}
-    agg = functools.partial(ref_aggregate, mask=mask, mode=mode, **normalisers)
+    agg = functools.partial(references.aggregate, mask=mask, mode=mode, **normalisers)
     per_token, ratio = ref_token_losses(kind, lp, old, adv, mask, hp)
     tis = np.ones((batch, length))
     if "sampler_logps" in opts:
@@ -112,9 +97,8 @@ def ref_loss_and_metrics(kind, data, hp, opts, mode, normalisers=None):
     if "ref_logps" in opts:
         ref = np.asarray(opts["ref_logps"], np.float64)
         k3 = np.zeros((batch, length))
-        for i, t in tokens:  # Schulman 2020: k3 = pi_ref/pi - 1 - log(pi_ref/pi)
-            x = ref[i][t] - lp[i][t]
-            k3[i][t] = math.exp(x) - 1 - x
+        for i, t in tokens:
+            k3[i][t] = references.kl_of_log_ratio(lp[i][t] - ref[i][t], "k3")
         loss += opts["kl_coef"] * agg(k3)
         metrics["kl"] = sum(k3[i][t] for i, t in tokens) / n
     if "sampler_logps" in opts:
@@ -135,7 +119,8 @@ def ref_loss_and_metrics(kind, data, hp, opts, mode, normalisers=None):
     metrics.update(
         clipfrac_low=low / n,
         clipfrac_high=high / n,
-        approx_kl=sum(r - 1 - math.log(r) for r in token_ratio) / n,
+        # k3 of KL(pi_old || pi_theta) on tokens from pi_old: log-ratio log(pi_old / pi_theta).
+        approx_kl=sum(references.kl_of_log_ratio(-math.log(r), "k3") for r in token_ratio) / n,
         ratio_mean=sum(ratio[i][t] for i, t in tokens) / n,
         ratio_min=min((ratio[i][t] for i, t in tokens), default=0.0),
         ratio_max=max((ratio[i][t] for i, t in tokens), default=0.0),
@@ -152,7 +137,7 @@ def agg_weights(mask, mode, normalisers=None):
         for t in range(mask.shape[1]):
             onehot = np.zeros(mask.shape)
             onehot[i, t] = 1.0
-            w[i, t] = ref_aggregate(onehot, mask, mode, **(normalisers or {}))
+            w[i, t] = references.aggregate(onehot, mask, mode, **(normalisers or {}))
     return w
 
 
@@ -160,7 +145,6 @@ def agg_weights(mask, mode, normalisers=None):
 # Data
 # ---------------------------------------------------------------------------------------
 
-LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss}
 # Hyper-parameters for the parity tests; GSPO's range is widened so some sequences are
 # clipped and some are not on this data (the coverage test below checks it).
 HPARAMS = {
@@ -217,7 +201,7 @@ def _run_all_modes(kind, logps, old_logps, advantages, mask, opts, normalisers):
     out = {}
     for mode in MODES:
         def f(lp, mode=mode):
-            return LOSSES[kind](
+            return POLICY_LOSSES[kind](
                 lp, old_logps, advantages, mask, aggregation=mode, **HPARAMS[kind], **opts, **normalisers
             )
 
@@ -232,26 +216,18 @@ def _run_all_modes(kind, logps, old_logps, advantages, mask, opts, normalisers):
 _RUN_ALL_MODES_JIT = jax.jit(_run_all_modes, static_argnums=0)
 
 
-def all_modes(kind, data, *, opts=None, normalisers=None, jit=True):
+def all_modes(kind, data, *, opts=None, normalisers=None, run=_RUN_ALL_MODES_JIT):
+    """``run`` (``_run_all_modes``, jitted by default) on float32 copies of the inputs."""
     args = [jnp.asarray(data[k]) for k in DATA_KEYS]
     opts = {k: jnp.asarray(v, jnp.float32) for k, v in (opts or {}).items()}
     norms = {k: jnp.asarray(v, jnp.float32) for k, v in (normalisers or {}).items()}
-    out = (_RUN_ALL_MODES_JIT if jit else _run_all_modes)(kind, *args, opts, norms)
+    out = run(kind, *args, opts, norms)
     result = {}
     for mode, (loss, metrics, grad) in out.items():
         assert loss.dtype == jnp.float32 and loss.shape == ()
         assert all(v.dtype == jnp.float32 and v.shape == () for v in metrics.values())
         result[mode] = (float(loss), {k: float(v) for k, v in metrics.items()}, np.asarray(grad))
     return result
-
-
-def call(kind, data, *, mode, jit, hp=None, opts=None):
-    """One loss, one mode, hyper-parameters bound statically."""
-    hp = HPARAMS[kind] if hp is None else hp
-    fn = functools.partial(LOSSES[kind], aggregation=mode, **hp, **(opts or {}))
-    if jit:
-        fn = jax.jit(fn)
-    return fn(*(jnp.asarray(data[k]) for k in DATA_KEYS))
 
 
 def assert_metrics(got, want, msg=""):
@@ -278,35 +254,40 @@ def test_fixture_exercises_every_branch():
     assert (tis > OPTS["tis_cap"]).any() and (tis < OPTS["tis_cap"]).any()
 
 
-@pytest.mark.parametrize("kind", sorted(LOSSES))
-def test_matches_reference_all_options_every_mode(kind):
-    """Every option on (clip-higher, dual clip, TIS, entropy, KL), jitted and not."""
-    jitted = all_modes(kind, DATA, opts=OPTS, jit=True)
-    eager = all_modes(kind, DATA, opts=OPTS, jit=False)
-    for mode in MODES:
-        want_loss, want_metrics = ref_loss_and_metrics(kind, DATA, HPARAMS[kind], OPTS, mode)
-        for name, out in (("jit", jitted), ("eager", eager)):
-            loss, metrics, _ = out[mode]
-            np.testing.assert_allclose(loss, want_loss, err_msg=f"{mode} {name}", **TOL)
-            assert_metrics(metrics, want_metrics, f"{mode} {name}")
-        np.testing.assert_allclose(jitted[mode][2], eager[mode][2], err_msg=mode, **TOL)
+KINDS = [(kind, kind) for kind in sorted(POLICY_LOSSES)]
 
 
-@pytest.mark.parametrize("kind", sorted(LOSSES))
-def test_matches_reference_defaults_and_sequence_advantages(kind):
-    """Default hyper-parameters, no options, and advantages given per sequence ``[B]``."""
-    defaults = {
-        "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.2),
-        "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),
-        "cispo": dict(clip_eps_low=None, clip_eps_high=0.28),
-        "pg": dict(),
-    }[kind]
-    mode = "seq-mean-token-mean" if kind == "gspo" else "token-mean"
-    data = dict(DATA, advantages=np.array([0.7, -0.4, 5.0, -1.1, 0.3], np.float32))
-    want_loss, want_metrics = ref_loss_and_metrics(kind, data, defaults, {}, mode)
-    args = [jnp.asarray(data[k]) for k in DATA_KEYS]
-    for fn in (LOSSES[kind], jax.jit(LOSSES[kind])):
-        loss, metrics = fn(*args)
+class PolicyLossVariantsTest(chex.TestCase):
+    """Parity with the references, jitted and not (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(KINDS)
+    def test_matches_reference_all_options_every_mode(self, kind):
+        """Every option on (clip-higher, dual clip, TIS, entropy, KL); the gradient equals the
+        shared jitted program's, which the gradient tests below check against references."""
+        out = all_modes(kind, DATA, opts=OPTS, run=self.variant(_run_all_modes, static_argnums=0))
+        jitted = all_modes(kind, DATA, opts=OPTS)
+        for mode in MODES:
+            want_loss, want_metrics = ref_loss_and_metrics(kind, DATA, HPARAMS[kind], OPTS, mode)
+            loss, metrics, grad = out[mode]
+            np.testing.assert_allclose(loss, want_loss, err_msg=mode, **TOL)
+            assert_metrics(metrics, want_metrics, mode)
+            np.testing.assert_allclose(grad, jitted[mode][2], err_msg=mode, **TOL)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(KINDS)
+    def test_matches_reference_defaults_and_sequence_advantages(self, kind):
+        """Default hyper-parameters, no options, and advantages given per sequence ``[B]``."""
+        defaults = {
+            "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.2),
+            "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),
+            "cispo": dict(clip_eps_low=None, clip_eps_high=0.28),
+            "pg": dict(),
+        }[kind]
+        mode = "seq-mean-token-mean" if kind == "gspo" else "token-mean"
+        data = dict(DATA, advantages=np.array([0.7, -0.4, 5.0, -1.1, 0.3], np.float32))
+        want_loss, want_metrics = ref_loss_and_metrics(kind, data, defaults, {}, mode)
+        loss, metrics = self.variant(POLICY_LOSSES[kind])(*(jnp.asarray(data[k]) for k in DATA_KEYS))
         np.testing.assert_allclose(float(loss), want_loss, **TOL)
         assert_metrics(metrics, want_metrics)
 
@@ -314,17 +295,6 @@ def test_matches_reference_defaults_and_sequence_advantages(kind):
 # ---------------------------------------------------------------------------------------
 # Gradients
 # ---------------------------------------------------------------------------------------
-
-
-def finite_difference(fn, x, h=1e-6):
-    x = np.asarray(x, np.float64)
-    grad = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        up, down = x.copy(), x.copy()
-        up[idx] += h
-        down[idx] -= h
-        grad[idx] = (fn(up) - fn(down)) / (2 * h)
-    return grad
 
 
 def assert_away_from_kinks(kind, data, hp):
@@ -369,7 +339,7 @@ def test_ppo_gradient_matches_finite_differences():
         def ref(lp, mode=mode):
             return ref_loss_and_metrics("ppo", dict(DATA, logps=lp), HPARAMS["ppo"], OPTS, mode)[0]
 
-        want = finite_difference(ref, DATA["logps"])
+        want = references.finite_difference(ref, DATA["logps"])
         np.testing.assert_allclose(out[mode][2], want, rtol=1e-5, atol=1e-6, err_msg=mode)
 
 
@@ -410,7 +380,7 @@ def test_gspo_equals_sequence_level_gspo_for_sequence_advantages():
 
     (loss, _), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(DATA["logps"]))
     np.testing.assert_allclose(float(loss), sequence_gspo(DATA["logps"].astype(np.float64)), **TOL)
-    want = finite_difference(sequence_gspo, DATA["logps"])
+    want = references.finite_difference(sequence_gspo, DATA["logps"])
     np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-6)
     assert np.abs(want).max() > 0.01  # some sequence is unclipped, so the check has teeth
 
@@ -420,7 +390,7 @@ def test_gspo_equals_sequence_level_gspo_for_sequence_advantages():
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", sorted(LOSSES))
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
 def test_first_step_ratio_is_exactly_one(kind):
     data = dict(DATA, old_logps=DATA["logps"].copy())
     for mode, (_, m, _) in all_modes(kind, data, opts=OPTS).items():
@@ -430,7 +400,7 @@ def test_first_step_ratio_is_exactly_one(kind):
             assert m[key] == 0.0, (mode, key)
 
 
-@pytest.mark.parametrize("kind", sorted(LOSSES))
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
 def test_masked_garbage_gets_exactly_zero_gradient(kind):
     """Huge and infinite values under the mask change nothing, and their gradient is 0."""
     off = DATA["mask"] == 0
@@ -452,7 +422,7 @@ def test_masked_garbage_gets_exactly_zero_gradient(kind):
         np.testing.assert_allclose(grad, clean[mode][2], err_msg=mode, **TOL)
 
 
-@pytest.mark.parametrize("kind", sorted(LOSSES))
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
 def test_all_masked_batch_is_finite_zero(kind):
     data = dict(DATA, mask=np.zeros_like(DATA["mask"]))
     for mode, (loss, metrics, grad) in all_modes(kind, data, opts=OPTS).items():
@@ -461,7 +431,7 @@ def test_all_masked_batch_is_finite_zero(kind):
         assert np.all(grad == 0.0), mode
 
 
-@pytest.mark.parametrize("kind", sorted(LOSSES))
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
 def test_micro_batches_with_global_normalisers_sum_to_full_batch(kind):
     mask = DATA["mask"]
     normalisers = dict(ops.aggregation_normalisers(jnp.asarray(mask)), norm_length=8.0)
@@ -613,9 +583,9 @@ def test_entropy_and_kl_terms_hand_worked():
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", sorted(LOSSES))
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
 def test_bad_inputs_name_the_argument(kind):
-    fn = LOSSES[kind]
+    fn = POLICY_LOSSES[kind]
     lp, old, adv, mask = (jnp.asarray(DATA[k]) for k in ("logps", "old_logps", "advantages", "mask"))
     with pytest.raises(ValueError, match="logps must have rank 2"):
         fn(lp[0], old[0], adv[0], mask[0])
@@ -649,3 +619,73 @@ def test_bad_hyper_parameters_name_the_argument():
         gspo_policy_loss(lp, old, adv, mask, clip_eps_low=-1e-4)
     with pytest.raises(ValueError, match="clip_eps_low must be >= 0"):
         cispo_policy_loss(lp, old, adv, mask, clip_eps_low=-0.2)
+
+
+# ---------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------
+
+# Each paper's clip band (eps_low, eps_high); None: that side is not clipped.
+PAPER_CLIP_BANDS = {
+    "ppo": (0.2, 0.2),  # Schulman et al. 2017: eps = 0.2
+    "gspo": (3e-4, 4e-4),  # Zheng et al. 2025
+    "cispo": (None, 0.28),  # MiniMax-M1: no lower bound; eps_high unpublished, 0.28 is DAPO's
+    "pg": (None, None),  # REINFORCE: no ratio to clip
+}
+STEP = 1e-4  # how far inside / outside a band edge the probing ratios sit
+
+
+def clip_fractions(loss_fn, ratio, advantage):
+    """``(clipfrac_low, clipfrac_high)`` of ``loss_fn`` with its defaults on one token with
+    importance ratio ``ratio`` and advantage ``advantage``."""
+    logps = jnp.asarray([[math.log(ratio)]], jnp.float32)
+    _, metrics = loss_fn(logps, jnp.zeros_like(logps), jnp.asarray([advantage], jnp.float32), jnp.ones_like(logps))
+    return float(metrics["clipfrac_low"]), float(metrics["clipfrac_high"])
+
+
+def test_registry_is_exported_and_complete():
+    import alignax.losses
+
+    assert alignax.losses.POLICY_LOSSES is POLICY_LOSSES
+    assert dict(POLICY_LOSSES) == {
+        "ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss,
+    }
+    assert set(PAPER_CLIP_BANDS) == set(POLICY_LOSSES)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_registry_defaults_clip_at_the_papers_band(name):
+    """Probe each side of each band edge: the clip-fraction metric flips exactly there."""
+    loss_fn = POLICY_LOSSES[name]
+    eps_low, eps_high = PAPER_CLIP_BANDS[name]
+    # Upper edge, positive advantage (the side a PPO-style objective clips).
+    if eps_high is None:
+        assert clip_fractions(loss_fn, 10.0, 1.0) == (0.0, 0.0)
+    else:
+        assert clip_fractions(loss_fn, 1 + eps_high - STEP, 1.0) == (0.0, 0.0)
+        assert clip_fractions(loss_fn, 1 + eps_high + STEP, 1.0) == (0.0, 1.0)
+    # Lower edge, negative advantage.
+    if eps_low is None:
+        assert clip_fractions(loss_fn, 0.01, -1.0) == (0.0, 0.0)  # however far below: no clip
+    else:
+        assert clip_fractions(loss_fn, 1 - eps_low + STEP, -1.0) == (0.0, 0.0)
+        assert clip_fractions(loss_fn, 1 - eps_low - STEP, -1.0) == (1.0, 0.0)
+
+
+def test_clip_keywords_follow_the_signatures():
+    assert policy_loss_clip_keywords("ppo") == ("clip_eps_low", "clip_eps_high", "dual_clip_c")
+    assert policy_loss_clip_keywords("gspo") == ("clip_eps_low", "clip_eps_high")
+    assert policy_loss_clip_keywords("cispo") == ("clip_eps_low", "clip_eps_high")
+    assert policy_loss_clip_keywords("pg") == ()
+    args = [jnp.asarray(DATA[k]) for k in DATA_KEYS]
+    for name, loss_fn in POLICY_LOSSES.items():
+        # The keywords named are the ones that set the band: a band wider than any ratio
+        # in the data (at most e^1.5 here) clips nothing.
+        keywords = policy_loss_clip_keywords(name)
+        _, metrics = loss_fn(*args, **{k: 10.0 for k in keywords})
+        assert float(metrics["clipfrac_low"]) == float(metrics["clipfrac_high"]) == 0.0, name
+        assert float(metrics.get("dual_clipfrac", 0.0)) == 0.0, name
+    with pytest.raises(TypeError):
+        pg_loss(*args, clip_eps_low=0.2)
+    with pytest.raises(ValueError, match="unknown policy loss 'dpo'; valid: ppo, gspo, cispo, pg"):
+        policy_loss_clip_keywords("dpo")

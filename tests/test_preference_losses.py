@@ -4,12 +4,15 @@ References run in float64 Python on the same float32 inputs; values worked by ha
 written out as numbers.
 """
 
+import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from alignax.losses.preference import (
     DPO_VARIANTS,
@@ -21,23 +24,9 @@ from alignax.losses.preference import (
     orpo_loss,
     simpo_loss,
 )
+from tests.references import log_sigmoid, sigmoid
 
-JIT = [False, True]
 TOL = dict(rtol=1e-6, atol=1e-6)
-
-
-def maybe_jit(fn, jit, **static):
-    if not jit:
-        return lambda *a: fn(*a, **static)
-    return jax.jit(lambda *a: fn(*a, **static))
-
-
-def log_sigmoid(x):
-    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
-
-
-def sigmoid(x):
-    return math.exp(log_sigmoid(x))
 
 
 def pairs(seed=0, b=5):
@@ -123,34 +112,46 @@ def ref_dpo(pol_c, pol_r, ref_c, ref_r, len_c, len_r, *, beta, variant, eps, lam
 SMOOTHING = {"sigmoid": 0.1, "robust": 0.2, "exo_pair": 0.05}
 
 
-@pytest.mark.parametrize("jit", JIT)
-@pytest.mark.parametrize("variant", DPO_VARIANTS)
-def test_dpo_variants_match_loops(variant, jit):
-    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=1)
-    hp = dict(beta=0.3, variant=variant, label_smoothing=SMOOTHING.get(variant, 0.0), dpop_lambda=5.0)
-    loss, metrics = maybe_jit(dpo_loss, jit, **hp)(pol_c, pol_r, ref_c, ref_r, len_c, len_r)
-    want, want_metrics = ref_dpo(
-        pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.3, variant=variant,
-        eps=hp["label_smoothing"], lam=5.0, length_normalize=variant == "ipo",
-    )
-    assert loss.shape == () and loss.dtype == jnp.float32
-    np.testing.assert_allclose(float(loss), want, **TOL)
-    assert_metrics(metrics, want_metrics)
+class DPOVariantsTest(chex.TestCase):
+    """The DPO family against the loops, jitted and not (chex variants)."""
 
-
-@pytest.mark.parametrize("jit", JIT)
-def test_dpo_length_normalize_switch(jit):
-    """IPO on summed log-probs (the paper's form) and length-averaged sigmoid DPO."""
-    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=2)
-    for variant, flag in (("ipo", False), ("sigmoid", True)):
-        fn = maybe_jit(dpo_loss, jit, beta=0.2, variant=variant, length_normalize=flag)
-        loss, metrics = fn(pol_c, pol_r, ref_c, ref_r, len_c, len_r)
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((variant, variant) for variant in DPO_VARIANTS)
+    def test_dpo_variants_match_loops(self, variant):
+        pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=1)
+        hp = dict(beta=0.3, variant=variant, label_smoothing=SMOOTHING.get(variant, 0.0), dpop_lambda=5.0)
+        loss, metrics = self.variant(functools.partial(dpo_loss, **hp))(pol_c, pol_r, ref_c, ref_r, len_c, len_r)
         want, want_metrics = ref_dpo(
-            pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.2, variant=variant, eps=0.0, lam=0.0,
-            length_normalize=flag,
+            pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.3, variant=variant,
+            eps=hp["label_smoothing"], lam=5.0, length_normalize=variant == "ipo",
         )
+        assert loss.shape == () and loss.dtype == jnp.float32
         np.testing.assert_allclose(float(loss), want, **TOL)
         assert_metrics(metrics, want_metrics)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_dpo_length_normalize_switch(self):
+        """IPO on summed log-probs (the paper's form) and length-averaged sigmoid DPO."""
+        pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=2)
+        for variant, flag in (("ipo", False), ("sigmoid", True)):
+            fn = self.variant(functools.partial(dpo_loss, beta=0.2, variant=variant, length_normalize=flag))
+            loss, metrics = fn(pol_c, pol_r, ref_c, ref_r, len_c, len_r)
+            want, want_metrics = ref_dpo(
+                pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.2, variant=variant, eps=0.0, lam=0.0,
+                length_normalize=flag,
+            )
+            np.testing.assert_allclose(float(loss), want, **TOL)
+            assert_metrics(metrics, want_metrics)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_dpo_zero_margin_is_log2(self):
+        """Policy equal to the reference: every pair's loss is -log sigma(0) = log 2 = 0.693147."""
+        x = jnp.array([-3.0, -11.5, -0.25], jnp.float32)
+        y = jnp.array([-7.0, -2.0, -40.0], jnp.float32)
+        loss, metrics = self.variant(functools.partial(dpo_loss, beta=0.1))(x, y, x, y)
+        np.testing.assert_allclose(float(loss), 0.6931471805599453, **TOL)
+        assert float(metrics["rewards/margins"]) == 0.0
+        assert float(metrics["rewards/accuracies"]) == 0.0
 
 
 def test_exo_zero_smoothing_uses_1e_3():
@@ -159,17 +160,6 @@ def test_exo_zero_smoothing_uses_1e_3():
     want, _ = ref_dpo(pol_c, pol_r, ref_c, ref_r, None, None, beta=0.1, variant="exo_pair", eps=0.0, lam=0.0,
                       length_normalize=False)
     np.testing.assert_allclose(float(loss), want, **TOL)
-
-
-@pytest.mark.parametrize("jit", JIT)
-def test_dpo_zero_margin_is_log2(jit):
-    """Policy equal to the reference: every pair's loss is -log sigma(0) = log 2 = 0.693147."""
-    x = jnp.array([-3.0, -11.5, -0.25], jnp.float32)
-    y = jnp.array([-7.0, -2.0, -40.0], jnp.float32)
-    loss, metrics = maybe_jit(dpo_loss, jit, beta=0.1)(x, y, x, y)
-    np.testing.assert_allclose(float(loss), 0.6931471805599453, **TOL)
-    assert float(metrics["rewards/margins"]) == 0.0
-    assert float(metrics["rewards/accuracies"]) == 0.0
 
 
 def test_dpo_gradient_by_hand():
@@ -235,42 +225,6 @@ def test_dpo_bad_inputs_name_the_argument():
 # ---------------------------------------------------------------------------- SimPO, CPO, ORPO
 
 
-@pytest.mark.parametrize("jit", JIT)
-def test_simpo_matches_loop(jit):
-    pol_c, pol_r, _, _, len_c, len_r = pairs(seed=7)
-    beta, gamma, eps = 2.0, 0.5, 0.1
-    loss, metrics = maybe_jit(simpo_loss, jit, beta=beta, gamma=gamma, label_smoothing=eps)(pol_c, pol_r, len_c, len_r)
-    losses, rc, rr, acc = [], [], [], []
-    for i in range(len(pol_c)):
-        avg_w, avg_l = float(pol_c[i]) / int(len_c[i]), float(pol_r[i]) / int(len_r[i])
-        z = beta * avg_w - beta * avg_l - gamma  # Meng et al. eq. 6: gamma is the reward margin
-        losses.append(-(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z))
-        rc.append(beta * avg_w)
-        rr.append(beta * avg_l)
-        acc.append(float(rc[-1] > rr[-1]))
-    n = len(losses)
-    np.testing.assert_allclose(float(loss), sum(losses) / n, **TOL)
-    assert_metrics(metrics, {
-        "rewards/chosen": sum(rc) / n, "rewards/rejected": sum(rr) / n, "rewards/accuracies": sum(acc) / n,
-        "logps/chosen": sum(rc) / n / beta, "logps/rejected": sum(rr) / n / beta,
-    })
-
-
-@pytest.mark.parametrize("jit", JIT)
-def test_cpo_matches_loop(jit):
-    pol_c, pol_r, _, _, len_c, _ = pairs(seed=8)
-    beta, alpha = 0.2, 0.7
-    loss, metrics = maybe_jit(cpo_loss, jit, beta=beta, alpha=alpha)(pol_c, pol_r, len_c)
-    pref, nll_sum, tokens = 0.0, 0.0, 0
-    for i in range(len(pol_c)):
-        pref += -log_sigmoid(beta * (float(pol_c[i]) - float(pol_r[i])))
-        nll_sum += -float(pol_c[i])
-        tokens += int(len_c[i])
-    n = len(pol_c)
-    np.testing.assert_allclose(float(loss), pref / n + alpha * nll_sum / tokens, **TOL)
-    assert_metrics(metrics, {"nll_loss": nll_sum / tokens, "logps/chosen": float(np.mean(pol_c.astype(np.float64)))})
-
-
 def ref_orpo(pol_c, pol_r, len_c, len_r, lam):
     nll_sum, tokens, ratio_terms, log_odds_all = 0.0, 0, [], []
     for i in range(len(pol_c)):
@@ -289,13 +243,52 @@ def ref_orpo(pol_c, pol_r, len_c, len_r, lam):
                   "log_odds_chosen": sum(log_odds_all) / n}
 
 
-@pytest.mark.parametrize("jit", JIT)
-def test_orpo_matches_loop(jit):
-    pol_c, pol_r, _, _, len_c, len_r = pairs(seed=9)
-    loss, metrics = maybe_jit(orpo_loss, jit, beta=0.25)(pol_c, pol_r, len_c, len_r)
-    want, want_metrics = ref_orpo(pol_c, pol_r, len_c, len_r, 0.25)
-    np.testing.assert_allclose(float(loss), want, **TOL)
-    assert_metrics(metrics, want_metrics)
+class ReferenceFreeVariantsTest(chex.TestCase):
+    """SimPO, CPO and ORPO against the loops, jitted and not."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_simpo_matches_loop(self):
+        pol_c, pol_r, _, _, len_c, len_r = pairs(seed=7)
+        beta, gamma, eps = 2.0, 0.5, 0.1
+        fn = self.variant(functools.partial(simpo_loss, beta=beta, gamma=gamma, label_smoothing=eps))
+        loss, metrics = fn(pol_c, pol_r, len_c, len_r)
+        losses, rc, rr, acc = [], [], [], []
+        for i in range(len(pol_c)):
+            avg_w, avg_l = float(pol_c[i]) / int(len_c[i]), float(pol_r[i]) / int(len_r[i])
+            z = beta * avg_w - beta * avg_l - gamma  # Meng et al. eq. 6: gamma is the reward margin
+            losses.append(-(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z))
+            rc.append(beta * avg_w)
+            rr.append(beta * avg_l)
+            acc.append(float(rc[-1] > rr[-1]))
+        n = len(losses)
+        np.testing.assert_allclose(float(loss), sum(losses) / n, **TOL)
+        assert_metrics(metrics, {
+            "rewards/chosen": sum(rc) / n, "rewards/rejected": sum(rr) / n, "rewards/accuracies": sum(acc) / n,
+            "logps/chosen": sum(rc) / n / beta, "logps/rejected": sum(rr) / n / beta,
+        })
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_cpo_matches_loop(self):
+        pol_c, pol_r, _, _, len_c, _ = pairs(seed=8)
+        beta, alpha = 0.2, 0.7
+        loss, metrics = self.variant(functools.partial(cpo_loss, beta=beta, alpha=alpha))(pol_c, pol_r, len_c)
+        pref, nll_sum, tokens = 0.0, 0.0, 0
+        for i in range(len(pol_c)):
+            pref += -log_sigmoid(beta * (float(pol_c[i]) - float(pol_r[i])))
+            nll_sum += -float(pol_c[i])
+            tokens += int(len_c[i])
+        n = len(pol_c)
+        np.testing.assert_allclose(float(loss), pref / n + alpha * nll_sum / tokens, **TOL)
+        want_metrics = {"nll_loss": nll_sum / tokens, "logps/chosen": float(np.mean(pol_c.astype(np.float64)))}
+        assert_metrics(metrics, want_metrics)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_orpo_matches_loop(self):
+        pol_c, pol_r, _, _, len_c, len_r = pairs(seed=9)
+        loss, metrics = self.variant(functools.partial(orpo_loss, beta=0.25))(pol_c, pol_r, len_c, len_r)
+        want, want_metrics = ref_orpo(pol_c, pol_r, len_c, len_r, 0.25)
+        np.testing.assert_allclose(float(loss), want, **TOL)
+        assert_metrics(metrics, want_metrics)
 
 
 def test_orpo_near_certain_responses_stay_accurate_and_finite():
@@ -377,23 +370,26 @@ def kto_batch(seed=12, b=6):
     return pol, ref, labels
 
 
-@pytest.mark.parametrize("jit", JIT)
-def test_kto_matches_loop(jit):
-    pol, ref, labels = kto_batch()
-    hp = dict(beta=0.3, desirable_weight=1.2, undesirable_weight=0.9)
-    # reference point estimated from the batch: max(0, mean log-ratio)
-    z_batch = max(0.0, sum(float(p) - float(q) for p, q in zip(pol, ref)) / len(pol))
-    assert z_batch > 0
-    loss, metrics = maybe_jit(kto_loss, jit, **hp)(pol, ref, labels)
-    want, want_metrics = ref_kto(pol, ref, labels, 0.3, 1.2, 0.9, z_batch)
-    np.testing.assert_allclose(float(loss), want, **TOL)
-    assert_metrics(metrics, want_metrics)
-    # a given reference point, and a negative one clamped to 0
-    for given, used in ((0.37, 0.37), (-2.0, 0.0)):
-        loss, metrics = maybe_jit(kto_loss, jit, kl_ref_point=given, **hp)(pol, ref, labels)
-        want, want_metrics = ref_kto(pol, ref, labels, 0.3, 1.2, 0.9, used)
+class KTOVariantsTest(chex.TestCase):
+    """KTO against the loop, jitted and not."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kto_matches_loop(self):
+        pol, ref, labels = kto_batch()
+        hp = dict(beta=0.3, desirable_weight=1.2, undesirable_weight=0.9)
+        # reference point estimated from the batch: max(0, mean log-ratio)
+        z_batch = max(0.0, sum(float(p) - float(q) for p, q in zip(pol, ref)) / len(pol))
+        assert z_batch > 0
+        loss, metrics = self.variant(functools.partial(kto_loss, **hp))(pol, ref, labels)
+        want, want_metrics = ref_kto(pol, ref, labels, 0.3, 1.2, 0.9, z_batch)
         np.testing.assert_allclose(float(loss), want, **TOL)
         assert_metrics(metrics, want_metrics)
+        # a given reference point, and a negative one clamped to 0
+        for given, used in ((0.37, 0.37), (-2.0, 0.0)):
+            loss, metrics = self.variant(functools.partial(kto_loss, kl_ref_point=given, **hp))(pol, ref, labels)
+            want, want_metrics = ref_kto(pol, ref, labels, 0.3, 1.2, 0.9, used)
+            np.testing.assert_allclose(float(loss), want, **TOL)
+            assert_metrics(metrics, want_metrics)
 
 
 def test_kto_reference_point_gets_no_gradient():
@@ -427,3 +423,24 @@ def test_kto_shard_sum_and_bad_inputs():
         kto_loss(pol, ref, labels[:5])
     with pytest.raises(ValueError, match="kl_ref_point must have rank 0"):
         kto_loss(pol, ref, labels, kl_ref_point=np.zeros(6))
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda c, r, n: dpo_loss(c[:, None], r, c, r), "policy_chosen_logps must have rank 1"),
+        (lambda c, r, n: simpo_loss(c, r, n, n[:, None]), "rejected_lengths must have rank 1"),
+        (lambda c, r, n: cpo_loss(c, r[None], n), "policy_rejected_logps must have rank 1"),
+        (lambda c, r, n: orpo_loss(c, r, n, n, weights=n[None]), "weights must have rank 1"),
+        (lambda c, r, n: kto_loss(c, r, n[:, None]), "labels must have rank 1"),
+        (lambda c, r, n: kto_reference_point(c[None], r[None]), "kl_policy_logps must have rank 1"),
+        (lambda c, r, n: dpo_loss(c, r, c, r, num_pairs=n), "num_pairs must have rank 0"),
+    ],
+    ids=["dpo", "simpo", "cpo", "orpo", "kto", "kto_reference_point", "num_pairs"],
+)
+def test_wrong_rank_raises_naming_the_argument(call, message):
+    pol_c, pol_r, _, _, len_c, _ = pairs(seed=13)
+    with pytest.raises(ValueError, match=message):
+        call(pol_c, pol_r, len_c)
+    with pytest.raises(ValueError, match=message):  # a static check: it fires while tracing
+        jax.jit(call)(pol_c, pol_r, len_c)

@@ -1,26 +1,19 @@
 """alignax.losses.reward against pair-by-pair loops, jitted and not."""
 
+import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from alignax.losses.reward import ENSEMBLE_METHODS, bradley_terry_loss, ensemble_rewards
+from tests import references
 
-JIT = [False, True]
 TOL = dict(rtol=1e-6, atol=1e-6)
-
-
-def maybe_jit(fn, jit, **static):
-    if not jit:
-        return lambda *a: fn(*a, **static)
-    return jax.jit(lambda *a: fn(*a, **static))
-
-
-def log_sigmoid(x):
-    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
 def rewards(seed=0, b=6):
@@ -44,27 +37,29 @@ def ref_bradley_terry(r_c, r_r, margins, center):
                                             "rewards/rejected": sum(map(float, r_r)) / n}
 
 
-@pytest.mark.parametrize("jit", JIT)
-def test_bradley_terry_matches_loop(jit):
-    r_c, r_r = rewards()
-    per_pair_margin = np.array([0.0, 1.0, 0.5, 0.0, 2.0, 1.0], np.float32)
-    cases = [
-        ({}, [0.0] * 6, 0.0),
-        ({"margin": 0.3}, [0.3] * 6, 0.0),
-        ({"center_coef": 0.01}, [0.0] * 6, 0.01),
-    ]
-    for kwargs, margins, center in cases:
-        loss, metrics = maybe_jit(bradley_terry_loss, jit, **kwargs)(r_c, r_r)
-        want, want_metrics = ref_bradley_terry(r_c, r_r, margins, center)
-        np.testing.assert_allclose(float(loss), want, **TOL, err_msg=str(kwargs))
-        for k, v in want_metrics.items():
-            assert metrics[k].shape == () and metrics[k].dtype == jnp.float32
-            np.testing.assert_allclose(float(metrics[k]), v, **TOL, err_msg=k)
-    # a per-pair margin array is data: pass it through jit as an argument
-    fn = jax.jit(lambda a, b, m: bradley_terry_loss(a, b, margin=m)) if jit else (
-        lambda a, b, m: bradley_terry_loss(a, b, margin=m))
-    loss, _ = fn(r_c, r_r, per_pair_margin)
-    np.testing.assert_allclose(float(loss), ref_bradley_terry(r_c, r_r, per_pair_margin, 0.0)[0], **TOL)
+class BradleyTerryVariantsTest(chex.TestCase):
+    """Bradley-Terry against the loop, jitted and not (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_bradley_terry_matches_loop(self):
+        r_c, r_r = rewards()
+        per_pair_margin = np.array([0.0, 1.0, 0.5, 0.0, 2.0, 1.0], np.float32)
+        cases = [
+            ({}, [0.0] * 6, 0.0),
+            ({"margin": 0.3}, [0.3] * 6, 0.0),
+            ({"center_coef": 0.01}, [0.0] * 6, 0.01),
+        ]
+        for kwargs, margins, center in cases:
+            loss, metrics = self.variant(functools.partial(bradley_terry_loss, **kwargs))(r_c, r_r)
+            want, want_metrics = ref_bradley_terry(r_c, r_r, margins, center)
+            np.testing.assert_allclose(float(loss), want, **TOL, err_msg=str(kwargs))
+            for k, v in want_metrics.items():
+                assert metrics[k].shape == () and metrics[k].dtype == jnp.float32
+                np.testing.assert_allclose(float(metrics[k]), v, **TOL, err_msg=k)
+        # a per-pair margin array is data: pass it through jit as an argument
+        fn = self.variant(lambda a, b, m: bradley_terry_loss(a, b, margin=m))
+        loss, _ = fn(r_c, r_r, per_pair_margin)
+        np.testing.assert_allclose(float(loss), ref_bradley_terry(r_c, r_r, per_pair_margin, 0.0)[0], **TOL)
 
 
 def test_bradley_terry_hand_values_and_gradient():
@@ -94,27 +89,35 @@ def test_bradley_terry_bad_inputs():
         bradley_terry_loss(r_c, r_r, margin=np.ones(4))
     with pytest.raises(ValueError, match="center_coef must lie in"):
         bradley_terry_loss(r_c, r_r, center_coef=-1.0)
+    with pytest.raises(ValueError, match="chosen_rewards must have rank 1"):
+        bradley_terry_loss(r_c[:, None], r_r[:, None])
+    with pytest.raises(ValueError, match="margin must have rank 0 or 1"):
+        jax.jit(lambda a, b, m: bradley_terry_loss(a, b, margin=m))(r_c, r_r, np.ones((6, 1)))
 
 
 def ref_ensemble(rs, method, k):
+    """Coste et al. 2023, column by column: mean, min, and mean minus k std / k variance
+    (population variance over the ensemble)."""
     out = []
     n_models, b = rs.shape
     for j in range(b):
         col = [float(rs[i, j]) for i in range(n_models)]
-        mu = sum(col) / n_models
-        var = sum((x - mu) ** 2 for x in col) / n_models  # population variance over the ensemble
+        mu, var = references.mean(col), references.variance(col)
         out.append({"mean": mu, "min": min(col), "mean_minus_std": mu - k * math.sqrt(var),
                     "mean_minus_var": mu - k * var}[method])
     return out
 
 
-@pytest.mark.parametrize("jit", JIT)
-@pytest.mark.parametrize("method", ENSEMBLE_METHODS)
-def test_ensemble_matches_loop(method, jit):
-    rs = np.random.default_rng(2).normal(size=(3, 5)).astype(np.float32)
-    got = maybe_jit(ensemble_rewards, jit, method=method, k=0.7)(rs)
-    assert got.shape == (5,) and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), ref_ensemble(rs, method, 0.7), **TOL)
+class EnsembleVariantsTest(chex.TestCase):
+    """Ensembles against the loop, jitted and not (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((method, method) for method in ENSEMBLE_METHODS)
+    def test_ensemble_matches_loop(self, method):
+        rs = np.random.default_rng(2).normal(size=(3, 5)).astype(np.float32)
+        got = self.variant(functools.partial(ensemble_rewards, method=method, k=0.7))(rs)
+        assert got.shape == (5,) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), ref_ensemble(rs, method, 0.7), **TOL)
 
 
 def test_ensemble_hand_values_and_bad_inputs():

@@ -1,23 +1,20 @@
 """alignax.losses.sft against token-by-token loops and a hand-worked example, jitted and not."""
 
+import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from alignax import ops
 from alignax.losses.sft import sft_loss
+from tests import references
 
-JIT = [False, True]
 TOL = dict(rtol=1e-6, atol=1e-6)
-
-
-def maybe_jit(fn, jit, **static):
-    if not jit:
-        return lambda *a: fn(*a, **static)
-    return jax.jit(lambda *a: fn(*a, **static))
 
 
 def token_batch(seed=0, b=4, t=6):
@@ -32,61 +29,45 @@ def token_batch(seed=0, b=4, t=6):
 
 
 def ref_sft(logps, mask, mode):
-    """NLL token by token, then each aggregation from its definition."""
-    b, t = logps.shape
-    total, tokens, seq_means, seq_sums = 0.0, 0, [], []
-    for i in range(b):
-        s, n = 0.0, 0
-        for j in range(t):
-            if mask[i, j]:
-                s += -float(logps[i, j])
-                n += 1
-        total += s
-        tokens += n
-        if n:
-            seq_means.append(s / n)
-            seq_sums.append(s)
-    loss = {
-        "token-mean": total / tokens,
-        "token-sum": total,
-        "seq-mean-token-mean": sum(seq_means) / len(seq_means),
-        "seq-mean-token-sum": sum(seq_sums) / len(seq_sums),
-        "seq-mean-token-sum-norm": total / (len(seq_sums) * t),
-    }[mode]
-    return loss, {"nll": total / tokens, "ppl": math.exp(total / tokens), "num_tokens": float(tokens)}
+    """NLL ``-log pi(y_t)`` token by token, aggregated by ``mode``; metrics over all tokens."""
+    nll = [-v for v in references.masked_values(logps, mask)]
+    loss = references.aggregate(-np.asarray(logps, np.float64), mask, mode)
+    return loss, {"nll": references.mean(nll), "ppl": math.exp(references.mean(nll)), "num_tokens": float(len(nll))}
 
 
-@pytest.mark.parametrize("jit", JIT)
-@pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
-def test_sft_matches_loop(mode, jit):
-    logps, mask = token_batch()
-    loss, metrics = maybe_jit(sft_loss, jit, aggregation=mode)(logps, mask)
-    want, want_metrics = ref_sft(logps, mask, mode)
-    assert loss.shape == () and loss.dtype == jnp.float32
-    np.testing.assert_allclose(float(loss), want, **TOL)
-    for k, v in want_metrics.items():
-        assert metrics[k].shape == () and metrics[k].dtype == jnp.float32
-        np.testing.assert_allclose(float(metrics[k]), v, **TOL, err_msg=k)
+class SFTVariantsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((mode, mode) for mode in ops.AGGREGATION_MODES)
+    def test_sft_matches_loop(self, mode):
+        logps, mask = token_batch()
+        loss, metrics = self.variant(functools.partial(sft_loss, aggregation=mode))(logps, mask)
+        want, want_metrics = ref_sft(logps, mask, mode)
+        chex.assert_shape(loss, ())
+        chex.assert_type(loss, jnp.float32)
+        np.testing.assert_allclose(float(loss), want, **TOL)
+        for k, v in want_metrics.items():
+            chex.assert_shape(metrics[k], ())
+            chex.assert_type(metrics[k], jnp.float32)
+            np.testing.assert_allclose(float(metrics[k]), v, **TOL, err_msg=k)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_hand_worked_three_tokens(self):
+        """Response tokens with probabilities 0.5, 0.4, 0.2 after a one-token prompt.
 
-@pytest.mark.parametrize("jit", JIT)
-def test_hand_worked_three_tokens(jit):
-    """Response tokens with probabilities 0.5, 0.4, 0.2 after a one-token prompt.
-
-    log 0.5 + log 0.4 + log 0.2 = log 0.04 = -3.2188758; token-mean NLL 1.0729586.
-    """
-    probs = np.array([0.9, 0.5, 0.4, 0.2])  # position 0 is the prompt token (masked out)
-    # two-symbol vocabulary with logits [log p, log(1 - p)], target symbol 0
-    logits = np.stack([np.log(probs), np.log1p(-probs)], axis=-1)[None].astype(np.float32)
-    targets = np.zeros((1, 4), np.int32)
-    mask = np.array([[0, 1, 1, 1]], np.float32)
-    logps = ops.token_logprobs(jnp.asarray(logits), jnp.asarray(targets))
-    total, _ = maybe_jit(sft_loss, jit, aggregation="token-sum")(logps, mask)
-    np.testing.assert_allclose(-float(total), -3.2188758, atol=1e-6)
-    mean, metrics = maybe_jit(sft_loss, jit)(logps, mask)
-    np.testing.assert_allclose(float(mean), 1.0729586, atol=1e-6)
-    np.testing.assert_allclose(float(metrics["ppl"]), 0.04 ** (-1 / 3), rtol=1e-6)
-    assert float(metrics["num_tokens"]) == 3.0
+        log 0.5 + log 0.4 + log 0.2 = log 0.04 = -3.2188758; token-mean NLL 1.0729586.
+        """
+        probs = np.array([0.9, 0.5, 0.4, 0.2])  # position 0 is the prompt token (masked out)
+        # two-symbol vocabulary with logits [log p, log(1 - p)], target symbol 0
+        logits = np.stack([np.log(probs), np.log1p(-probs)], axis=-1)[None].astype(np.float32)
+        targets = np.zeros((1, 4), np.int32)
+        mask = np.array([[0, 1, 1, 1]], np.float32)
+        logps = ops.token_logprobs(jnp.asarray(logits), jnp.asarray(targets))
+        total, _ = self.variant(functools.partial(sft_loss, aggregation="token-sum"))(logps, mask)
+        np.testing.assert_allclose(-float(total), -3.2188758, atol=1e-6)
+        mean, metrics = self.variant(sft_loss)(logps, mask)
+        np.testing.assert_allclose(float(mean), 1.0729586, atol=1e-6)
+        np.testing.assert_allclose(float(metrics["ppl"]), 0.04 ** (-1 / 3), rtol=1e-6)
+        assert float(metrics["num_tokens"]) == 3.0
 
 
 def test_masked_tokens_get_zero_gradient():

@@ -4,35 +4,20 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 from alignax import ops
 from alignax.losses.value import explained_variance, value_loss
+from tests import references
 
-MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+MODES = references.AGGREGATION_MODES
 TOL = dict(rtol=1e-6, atol=1e-6)
 DATA_KEYS = ("values", "old_values", "returns", "mask")
-
-
-def ref_aggregate(x, mask, mode, num_tokens=None, num_seqs=None, norm_length=None):
-    batch, length = x.shape
-    lengths = [sum(mask[i][t] for t in range(length)) for i in range(batch)]
-    sums = [sum(x[i][t] for t in range(length) if mask[i][t]) for i in range(batch)]
-    n_tok = sum(lengths) if num_tokens is None else num_tokens
-    n_seq = sum(1 for n in lengths if n > 0) if num_seqs is None else num_seqs
-    if mode == "token-sum":
-        return sum(sums)
-    if mode == "token-mean":
-        return sum(sums) / max(n_tok, 1)
-    if mode == "seq-mean-token-mean":
-        return sum(s / n for s, n in zip(sums, lengths) if n > 0) / max(n_seq, 1)
-    if mode == "seq-mean-token-sum":
-        return sum(sums) / max(n_seq, 1)
-    budget = length if norm_length is None else norm_length
-    return sum(sums) / (max(n_seq, 1) * budget)
 
 
 def ref_value_loss(data, clip_eps, mode, normalisers=None):
@@ -59,17 +44,14 @@ def ref_value_loss(data, clip_eps, mode, normalisers=None):
         "values_mean": sum(v[i][t] for i, t in tokens) / n,
         "returns_mean": sum(r) / n,
     }
-    return ref_aggregate(per_token, mask, mode, **(normalisers or {})), metrics
+    return references.aggregate(per_token, mask, mode, **(normalisers or {})), metrics
 
 
 def ref_explained_variance(returns, residuals):
-    def var(xs):
-        mean = sum(xs) / len(xs)
-        return sum((x - mean) ** 2 for x in xs) / len(xs)
-
-    if len(returns) == 0 or var(returns) == 0:
+    """``1 - Var[R - V] / Var[R]`` (population variances); 0 when ``Var[R]`` is 0."""
+    if references.variance(returns) == 0:
         return 0.0
-    return 1.0 - var(residuals) / var(returns)
+    return 1.0 - references.variance(residuals) / references.variance(returns)
 
 
 def make_data(seed=1):
@@ -104,10 +86,11 @@ def _run_all_modes(values, old_values, returns, mask, clip_eps, normalisers):
 _RUN_JIT = jax.jit(_run_all_modes, static_argnums=4)
 
 
-def all_modes(data, *, clip_eps, normalisers=None, jit=True):
+def all_modes(data, *, clip_eps, normalisers=None, run=_RUN_JIT):
+    """``run`` (``_run_all_modes``, jitted by default) on the data as jax arrays."""
     args = [jnp.asarray(data[k]) for k in DATA_KEYS]
     norms = {k: jnp.asarray(v, jnp.float32) for k, v in (normalisers or {}).items()}
-    out = (_RUN_JIT if jit else _run_all_modes)(*args, clip_eps, norms)
+    out = run(*args, clip_eps, norms)
     result = {}
     for mode, (loss, metrics, grad) in out.items():
         assert loss.dtype == jnp.float32 and loss.shape == ()
@@ -116,35 +99,27 @@ def all_modes(data, *, clip_eps, normalisers=None, jit=True):
     return result
 
 
-def finite_difference(fn, x, h=1e-6):
-    x = np.asarray(x, np.float64)
-    grad = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        up, down = x.copy(), x.copy()
-        up[idx] += h
-        down[idx] -= h
-        grad[idx] = (fn(up) - fn(down)) / (2 * h)
-    return grad
-
-
 def test_fixture_exercises_the_clip():
     _, m = ref_value_loss(DATA, CLIP, "token-mean")
     assert 0 < m["vf_clipfrac"] < 1
 
 
-@pytest.mark.parametrize("clip_eps", [None, CLIP])
-def test_matches_reference_every_mode_jit_and_eager(clip_eps):
-    jitted = all_modes(DATA, clip_eps=clip_eps, jit=True)
-    eager = all_modes(DATA, clip_eps=clip_eps, jit=False)
-    for mode in MODES:
-        want_loss, want_metrics = ref_value_loss(DATA, clip_eps, mode)
-        for name, out in (("jit", jitted), ("eager", eager)):
-            loss, metrics, _ = out[mode]
-            np.testing.assert_allclose(loss, want_loss, err_msg=f"{mode} {name}", **TOL)
+class ValueLossVariantsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("unclipped", None), ("clipped", CLIP))
+    def test_matches_reference_every_mode(self, clip_eps):
+        """Loss and metrics against the loops; the gradient equals the shared jitted
+        program's, which test_gradient_matches_finite_differences checks."""
+        out = all_modes(DATA, clip_eps=clip_eps, run=self.variant(_run_all_modes, static_argnums=4))
+        jitted = all_modes(DATA, clip_eps=clip_eps)
+        for mode in MODES:
+            want_loss, want_metrics = ref_value_loss(DATA, clip_eps, mode)
+            loss, metrics, grad = out[mode]
+            np.testing.assert_allclose(loss, want_loss, err_msg=mode, **TOL)
             assert set(metrics) == set(want_metrics)
             for key, want in want_metrics.items():
-                np.testing.assert_allclose(metrics[key], want, err_msg=f"{mode} {name} {key}", **TOL)
-        np.testing.assert_allclose(jitted[mode][2], eager[mode][2], err_msg=mode, **TOL)
+                np.testing.assert_allclose(metrics[key], want, err_msg=f"{mode} {key}", **TOL)
+            np.testing.assert_allclose(grad, jitted[mode][2], err_msg=mode, **TOL)
 
 
 @pytest.mark.parametrize("clip_eps", [None, CLIP])
@@ -157,7 +132,7 @@ def test_gradient_matches_finite_differences(clip_eps):
         def ref(values, mode=mode):
             return ref_value_loss(dict(DATA, values=values), clip_eps, mode)[0]
 
-        want = finite_difference(ref, DATA["values"])
+        want = references.finite_difference(ref, DATA["values"])
         np.testing.assert_allclose(out[mode][2], want, rtol=1e-5, atol=1e-6, err_msg=mode)
         assert np.all(out[mode][2][mask == 0] == 0.0)
 

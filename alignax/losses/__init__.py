@@ -2,7 +2,8 @@
 
 - policy: ``ppo_policy_loss`` (clip-higher, dual clip), ``gspo_policy_loss``,
   ``cispo_policy_loss``, ``pg_loss`` — with entropy bonus, KL-in-loss and truncated
-  importance weights as options of each.
+  importance weights as options of each; ``POLICY_LOSSES`` maps their config names to
+  them, ``policy_loss_clip_keywords`` lists the clip keywords each takes.
 - value: ``value_loss`` (clipped), ``explained_variance``.
 - preference: ``dpo_loss`` (variants in ``DPO_VARIANTS``), ``simpo_loss``, ``cpo_loss``,
   ``orpo_loss``, ``kto_loss`` (+ ``kto_reference_point``).
@@ -10,7 +11,14 @@
 - sft: ``sft_loss``.
 """
 
-from alignax.losses.policy import cispo_policy_loss, gspo_policy_loss, pg_loss, ppo_policy_loss
+from alignax.losses.policy import (
+    POLICY_LOSSES,
+    cispo_policy_loss,
+    gspo_policy_loss,
+    pg_loss,
+    policy_loss_clip_keywords,
+    ppo_policy_loss,
+)
 from alignax.losses.preference import (
     DPO_VARIANTS,
     cpo_loss,
@@ -27,6 +35,7 @@ from alignax.losses.value import explained_variance, value_loss
 __all__ = [
     "DPO_VARIANTS",
     "ENSEMBLE_METHODS",
+    "POLICY_LOSSES",
     "bradley_terry_loss",
     "cispo_policy_loss",
     "cpo_loss",
@@ -38,6 +47,7 @@ __all__ = [
     "kto_reference_point",
     "orpo_loss",
     "pg_loss",
+    "policy_loss_clip_keywords",
     "ppo_policy_loss",
     "sft_loss",
     "simpo_loss",

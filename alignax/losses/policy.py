@@ -58,11 +58,16 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
 
 The log-ratio ``log pi_theta - log pi_old`` is clipped to ``[-20, 20]`` before ``exp`` (as
 in verl), so one far-drifted token cannot overflow float32.
+
+:data:`POLICY_LOSSES` maps a config name (``ppo``, ``gspo``, ``cispo``, ``pg``) to its loss,
+and :func:`policy_loss_clip_keywords` says which clip keywords each one takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import types
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import jax
@@ -459,3 +464,25 @@ def pg_loss(
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
+
+
+PolicyLoss = Callable[..., tuple[Array, dict[str, Array]]]
+
+# Read-only: a loss is added here, next to its definition, not registered from elsewhere.
+POLICY_LOSSES: Mapping[str, PolicyLoss] = types.MappingProxyType(
+    {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss}
+)
+
+_CLIP_KEYWORDS = ("clip_eps_low", "clip_eps_high", "dual_clip_c")
+
+
+def policy_loss_clip_keywords(name: str) -> tuple[str, ...]:
+    """The clip keywords the policy loss ``name`` accepts, read off its signature.
+
+    ``ppo``: ``clip_eps_low, clip_eps_high, dual_clip_c``; ``gspo`` and ``cispo``:
+    ``clip_eps_low, clip_eps_high``; ``pg``: none. A trainer passes only these, so each
+    loss keeps its own default for the others.
+    """
+    check_choice("policy loss", name, POLICY_LOSSES)
+    accepted = inspect.signature(POLICY_LOSSES[name]).parameters
+    return tuple(keyword for keyword in _CLIP_KEYWORDS if keyword in accepted)
