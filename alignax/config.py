@@ -6,15 +6,41 @@ value against its annotation (``int``, ``float``, ``bool``, ``str``, ``Literal``
 names itself, its path and the valid keys; an ill-typed value names its path, the type
 wanted and the value given. ``apply_overrides`` takes ``dotted.key=value`` strings from
 the command line, values parsed as YAML scalars.
+
+Numbers. PyYAML reads YAML 1.1, where ``1e-3`` is a *string* (a 1.1 float needs a dot
+and a signed exponent). :class:`YamlLoader`, used by :func:`load_yaml` and
+:func:`apply_overrides`, reads floats as YAML 1.2 does, so every form a person types is a
+float: ``1e-3``, ``1E-3``, ``5e-7``, ``1.0e+3``, ``1.5``, ``1.``, ``.5``, ``-.5``,
+``-2e-4``, ``+1e3``, ``1_000.5`` (underscores between digits, as YAML 1.1 and Python
+allow), ``.inf``, ``-.inf``, ``.nan``. Bare ``inf`` / ``nan`` are strings to YAML, and
+YAML 1.1's base-60 floats (``1:30.5``) are strings, as in YAML 1.2; ints, bools, nulls
+and dates read as before. The typed conversion then decides by the field's annotation:
+
+- ``float`` fields take any int or float, and also numeric text (a quoted ``'1e-3'``,
+  a dict built in Python): the forms above plus ``inf``/``-inf``/``infinity``.
+  ``inf`` is allowed (a bound meaning "no limit"); NaN is refused, it is never a usable
+  hyper-parameter (every comparison with it is false).
+- ``int`` fields take integers, and a float or numeric text only when it is a whole
+  number: ``max_steps: 1e5`` is ``100000``; ``2.5`` is "expected an integer". Floats
+  beyond 2**53 are refused (not exact); write the digits.
+- ``str`` fields keep text as text; an unquoted number (``1e-3``, ``7``, ``0.5``) in a
+  ``str`` field is an error that says to quote it (the typed text would be lost).
+- ``bool`` fields take only ``true``/``false``.
+
+``load_callable("package.module:function")`` imports the object a config names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
+import importlib
+import math
+import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import yaml
@@ -24,6 +50,91 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config key or value is wrong; the message names the dotted path."""
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason  # what a union's "expected A | B" message should pass on
+
+
+# --- YAML with YAML 1.2 floats -----------------------------------------------------------
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_DIGITS = r"[0-9][0-9_]*"
+# YAML 1.2 core-schema floats, plus the underscores YAML 1.1 allowed. YAML 1.1's
+# sexagesimal floats (``1:30.5`` == 90.5) are gone, as in YAML 1.2: such text is a string.
+_FLOAT_RE = re.compile(
+    rf"""^(?:[-+]?(?:{_DIGITS}\.[0-9_]*(?:[eE][-+]?{_DIGITS})?    # 1.  1.5  1.5e3  1_000.5
+                 |\.{_DIGITS}(?:[eE][-+]?{_DIGITS})?             # .5  -.5e-3
+                 |{_DIGITS}[eE][-+]?{_DIGITS}                     # 1e-3  5E7  +1e3
+                 |\.(?:inf|Inf|INF))                              # .inf  -.inf
+          |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_INT_TEXT_RE = re.compile(rf"^[-+]?{_DIGITS}$")
+_INF_NAN_TEXT_RE = re.compile(r"^[-+]?(?:\.?inf|infinity|\.?nan)$", re.I)
+_EXACT_FLOAT_INT = 2**53
+
+
+class YamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` reading floats as YAML 1.2 does (``1e-3`` is a float, not text).
+
+    Only the float resolver differs from SafeLoader; ints, bools, nulls, dates are as
+    before.
+    """
+
+
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, _FLOAT_RE if tag == _FLOAT_TAG else regexp) for tag, regexp in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def yaml_load(stream: Any) -> Any:
+    """``yaml.safe_load`` with YAML 1.2 floats (:class:`YamlLoader`)."""
+    return yaml.load(stream, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _number_from_text(text: str) -> decimal.Decimal | None:
+    """The number a string spells (the float forms above, decimal ints, inf/nan), else None."""
+    s = text.strip()
+    if not (_FLOAT_RE.match(s) or _INT_TEXT_RE.match(s) or _INF_NAN_TEXT_RE.match(s)):
+        return None
+    s = s.replace("_", "").lower().replace(".inf", "inf").replace(".nan", "nan")
+    try:
+        return decimal.Decimal(s)
+    except decimal.InvalidOperation:
+        return None
+
+
+def _to_int(value: Any, path: str) -> int:
+    number: Any = value
+    if isinstance(value, str):
+        number = _number_from_text(value)
+    if isinstance(number, int) and not isinstance(number, bool):
+        return number
+    if isinstance(number, float):
+        if number.is_integer() and abs(number) <= _EXACT_FLOAT_INT:
+            return int(number)
+        if number.is_integer() and math.isfinite(number):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}, too large to read exactly "
+                              "from a float; write its digits")
+    if isinstance(number, decimal.Decimal) and number.is_finite() and number == number.to_integral_value():
+        return int(number)
+    raise ConfigError(f"{path}: expected an integer, got {value!r}")
+
+
+def _to_float(value: Any, path: str) -> float:
+    number: Any = value
+    if isinstance(value, str):
+        number = _number_from_text(value)
+        number = None if number is None else float(number)
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    number = float(number)
+    if math.isnan(number):
+        reason = "NaN is not a usable value; give a number (inf is allowed)"
+        raise ConfigError(f"{path}: {reason}", reason=reason)
+    return number
 
 
 def _type_name(tp: Any) -> str:
@@ -49,15 +160,16 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        reasons = []
         for option in args:
             if option is type(None):
                 continue
             try:
                 return _convert(option, value, path)
             except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+                reasons += [err.reason] if err.reason else []
+        detail = "".join(f"; {r}" for r in reasons)
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}{detail}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -84,14 +196,17 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected true or false, got {value!r}")
         return value
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
+        return _to_int(value, path)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
+        return _to_float(value, path)
     if tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            key = path.rpartition(".")[2] or path
+            reason = (f"quote the value to keep it as text (YAML: {key}: '...', command line: "
+                      f"{path}=\"'...'\")")
+            raise ConfigError(f"{path}: expected a string, got the number {value!r}; {reason}", reason=reason)
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
         return value
@@ -144,7 +259,8 @@ def to_dict(config: Any) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` strings to a nested dict (values parsed as YAML scalars)."""
+    """Apply ``a.b.c=value`` strings to a nested dict (values parsed as YAML, 1.2 floats:
+    ``optim.learning_rate=1e-3`` is a float)."""
     data = _deep_copy(data)
     for item in overrides:
         if "=" not in item:
@@ -159,7 +275,11 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ConfigError(f"override {key!r}: {part!r} is a value, not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from err
+        node[parts[-1]] = value
     return data
 
 
@@ -172,10 +292,59 @@ def _deep_copy(data: Any) -> Any:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
+    """The mapping in a YAML file (read with :class:`YamlLoader`: ``1e-3`` is a float)."""
     with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f)
+        data = yaml_load(f)
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of config sections")
     return data
+
+
+_SPEC_EXAMPLE = "'my_package.rewards:score'"
+_IDENTIFIER_PATH = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> that function (or any callable the module holds).
+
+    After the colon a dotted path reaches into the module (``"pkg.mod:Class.method"``).
+    Every failure is a :class:`ConfigError` naming ``spec`` and what would be right: a
+    malformed spec, a module that cannot be found, an attribute the module lacks (with
+    the closest names), an object that is not callable. An error raised while the module
+    itself imports (a missing dependency) is reported as such, chained to the original.
+    """
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ConfigError(f"callable spec {spec!r} is malformed: expected 'package.module:function' "
+                          f"with exactly one colon, e.g. {_SPEC_EXAMPLE}")
+    module_name, _, attr_path = (part.strip() for part in spec.partition(":"))
+    for part, what in ((module_name, "module path before the colon"), (attr_path, "name after the colon")):
+        if not _IDENTIFIER_PATH.match(part):
+            raise ConfigError(f"callable spec {spec!r} is malformed: the {what} {part!r} is not a dotted "
+                              f"Python name; expected 'package.module:function', e.g. {_SPEC_EXAMPLE}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise ConfigError(f"callable spec {spec!r}: no module named {err.name!r}; the part before the "
+                              "colon must be an importable module (installed, or on sys.path)") from err
+        raise ConfigError(f"callable spec {spec!r}: module {module_name!r} was found but importing it "
+                          f"failed: {err}") from err
+    except ImportError as err:
+        raise ConfigError(f"callable spec {spec!r}: importing module {module_name!r} failed: {err}") from err
+    reached: list[str] = []
+    for name in attr_path.split("."):
+        if not hasattr(obj, name):
+            owner = ".".join([module_name, *reached])
+            close = difflib.get_close_matches(name, [n for n in dir(obj) if not n.startswith("_")], n=3)
+            hint = "; did you mean " + " or ".join(
+                repr(f"{module_name}:{'.'.join([*reached, c])}") for c in close) + "?" if close else ""
+            raise ConfigError(f"callable spec {spec!r}: {owner!r} has no attribute {name!r}{hint}")
+        obj = getattr(obj, name)
+        reached.append(name)
+    if not callable(obj):
+        raise ConfigError(f"callable spec {spec!r} names a {type(obj).__name__}, not a function or other "
+                          "callable")
+    return obj
+
