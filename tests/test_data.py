@@ -7,6 +7,7 @@ pad == eos == ``<|im_end|>`` as in SmolLM2.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -355,7 +356,7 @@ def test_identical_after_tokenisation_is_caught(tok):
 
 
 def test_config_errors_name_the_field_and_choices():
-    with pytest.raises(ValueError, match=r"unknown data.format 'pairs'; valid: preference, unpaired, sft, prompt"):
+    with pytest.raises(ValueError, match=r"unknown data.format 'pairs'; valid: preference, unpaired, sft, prompt, text"):
         DataConfig(paths="x.jsonl", format="pairs")
     with pytest.raises(ValueError, match=r"unknown data.truncation 'left'; valid: keep_end, truncate_response, reject"):
         DataConfig(paths="x.jsonl", truncation="left")
@@ -378,14 +379,172 @@ def test_unpaired_batches_carry_kto_mismatched_pairs(tok, tmp_path):
                      max_length=6, max_prompt_length=3, batch_size=2)
     prepared = prepare_dataset(cfg, tok)
     assert prepared.stats["label/desirable"] == 1 and prepared.stats["label/undesirable"] == 1
+    assert (prepared.kl_partner(0), prepared.kl_partner(1)) == (1, 0)  # two records: each other's
     batch = next(prepared.iterator(process_index=0, process_count=1))
     np.testing.assert_array_equal(batch["label"], [1, 0])
     np.testing.assert_array_equal(batch["tokens"], [tiny.ids("hi", "yes", E, E, E, E), tiny.ids("what", "is", "no", "now", E, E)])
-    # prompt i + completion of row i+1: "hi no now <eos>", "what is yes <eos>"
+    # prompt i + completion of its partner: "hi no now <eos>", "what is yes <eos>"
     np.testing.assert_array_equal(batch["kl_tokens"], [tiny.ids("hi", "no", "now", E, E, E), tiny.ids("what", "is", "yes", E, E, E)])
     np.testing.assert_array_equal(batch["kl_response_mask"], [[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]])
     np.testing.assert_array_equal(batch["kl_attention_mask"], [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0]])
-    assert "_kl_parts" not in batch
+    np.testing.assert_array_equal(batch["kl_positions"], [[0, 1, 2, 3, 0, 0], [0, 1, 2, 3, 0, 0]])
+
+
+def _kto_records(n):
+    words = ["hi", "there", "bye", "now", "two", "four", "ok", "sure"]
+    # records 2k and 2k+1 share a prompt (as unpaired data made from pairs does)
+    return [{"prompt": f"what is {words[(i // 2) % 8]} {words[(i // 16) % 8]}", "completion": ("yes " if i % 2 else "no ") + words[i % 8],
+             "label": bool(i % 2)} for i in range(n)]
+
+
+def test_kto_mismatched_row_is_a_function_of_the_record_not_the_batch(tok):
+    """A record's KL row is the same in shuffled batches, ordered passes, any batch size
+    and any process count: precomputed reference log-probs stay paired with it."""
+    records = _kto_records(40)
+    cfg = DataConfig(format="unpaired", apply_chat_template=False, max_length=10, max_prompt_length=6, batch_size=4,
+                     eval_fraction=0.25, read_threads=0, seed=5)
+    prepared = prepare_dataset(cfg, tok, records=records)
+    train, held_out = set(prepared.train_indices.tolist()), set(prepared.eval_indices.tolist())
+    partners = {i: prepared.kl_partner(i) for i in train | held_out}
+    for i, j in partners.items():
+        assert j != i and records[j]["prompt"] != records[i]["prompt"]  # mismatched, never its sibling
+        assert (j in train) == (i in train)  # within its own split
+    assert sorted(partners[i] for i in train) == sorted(train)  # each completion used once
+    # a seeded permutation, not the file order's neighbour
+    assert sum(partners[i] in (i + 1, i + 2) for i in train) < len(train) // 2
+    rows = {}
+
+    def collect(batch):
+        for r, index in enumerate(batch["record_index"]):
+            row = {k: batch[k][r] for k in ("kl_tokens", "kl_response_mask", "kl_attention_mask", "kl_positions")}
+            if int(index) in rows:
+                for k, v in row.items():
+                    np.testing.assert_array_equal(v, rows[int(index)][k])
+            rows[int(index)] = row
+
+    for batch in prepared.iterator("train", ordered=True, process_index=0, process_count=1):
+        collect(batch)
+    shuffled = prepared.iterator("train", process_index=0, process_count=1)
+    for _ in range(20):  # more than two epochs, reshuffled
+        collect(next(shuffled))
+    for p in range(2):
+        collect(next(prepared.iterator("train", process_index=p, process_count=2)))
+    small = prepare_dataset(dataclasses.replace(cfg, batch_size=2), tok, records=records)
+    for _ in range(5):
+        collect(next(small.iterator("train", process_index=0, process_count=1)))
+    for i in train:
+        prompt_ids = tok.encode(records[i]["prompt"])
+        completion_ids = tok.encode(records[partners[i]]["completion"]) + [EOS]
+        n = len(prompt_ids) + len(completion_ids)
+        np.testing.assert_array_equal(rows[i]["kl_tokens"][:n], prompt_ids + completion_ids)
+        np.testing.assert_array_equal(rows[i]["kl_response_mask"][:n], [0] * len(prompt_ids) + [1] * len(completion_ids))
+    other_seed = prepare_dataset(dataclasses.replace(cfg, seed=6), tok, records=records)
+    assert any(other_seed.kl_partner(i) != partners[i] for i in other_seed.train_indices)
+
+
+def test_kto_single_record_split_is_its_own_partner(tok):
+    cfg = DataConfig(format="unpaired", apply_chat_template=False, max_length=10, max_prompt_length=6, batch_size=1)
+    prepared = prepare_dataset(cfg, tok, records=_kto_records(1))
+    assert prepared.kl_partner(0) == 0
+    batch = next(prepared.iterator(process_index=0, process_count=1))
+    np.testing.assert_array_equal(batch["kl_tokens"], batch["tokens"])
+
+
+# ------------------------------------------------------------------ margin
+
+
+def test_preference_margin_is_carried_as_a_float_per_pair(tok):
+    enc = encoder(tok)
+    out = enc.arrays(enc.encode({**GOOD, "margin": 2}))
+    assert out["margin"].dtype == np.float32 and out["margin"] == 2.0
+    assert enc.arrays(enc.encode(GOOD))["margin"] == 0.0  # absent: 0
+    assert enc.encode({**GOOD, "margin": None}).margin is None
+    mapped = encoder(tok, field_map={"margin": "gap"})
+    assert mapped.encode({**GOOD, "gap": -0.5}).margin == -0.5
+    for bad in ("big", True, float("nan"), [1.0]):
+        with pytest.raises(BadRecordError, match=r"field 'margin': must be a finite number"):
+            enc.encode({**GOOD, "margin": bad})
+    cfg = DataConfig(format="preference", batch_size=2, max_length=24, max_prompt_length=16, read_threads=0, shuffle=False)
+    prepared = prepare_dataset(cfg, tok, records=[{**GOOD, "margin": 1.5}, GOOD, {**GOOD, "margin": 0.25}])
+    assert prepared.stats["margin/present"] == 2
+    batch = next(prepared.iterator(process_index=0, process_count=1))
+    assert batch["margin"].dtype == np.float32
+    np.testing.assert_array_equal(batch["margin"], [1.5, 0.0])
+
+
+def test_required_margin_names_the_record_and_field(tok, tmp_path):
+    path = tmp_path / "graded.jsonl"
+    _write_lines(path, [json.dumps({**GOOD, "margin": 1.0}).encode(), json.dumps(GOOD).encode()])
+    cfg = DataConfig(paths=str(path), batch_size=1, max_length=24, max_prompt_length=16)
+    with pytest.raises(BadRecordError, match=rf"^{path}, line 2: field 'margin': record has no 'margin' "
+                                             r"\(for margin, required here\)") as info:
+        prepare_dataset(cfg, tok, required_fields=("margin",))
+    assert info.value.reason == "missing_field"
+    _write_lines(path, [json.dumps({**GOOD, "margin": None}).encode()])
+    with pytest.raises(BadRecordError, match=r"line 1: field 'margin': is null \(margin is required here\)"):
+        prepare_dataset(cfg, tok, required_fields=("margin",))
+    with pytest.raises(ValueError, match="required_fields names label, not optional fields of format 'preference'"):
+        prepare_dataset(cfg, tok, required_fields=("label",))
+
+
+# ------------------------------------------------------------------ text
+
+
+def test_text_trains_every_token_after_the_first(tok):
+    enc = encoder(tok, "text", max_length=8, max_prompt_length=4)
+    e = enc.encode({"text": "what is two plus four"})
+    assert e.prompt == tiny.ids("what") and not e.truncated_response
+    out = enc.arrays(e)
+    assert set(out) == {"tokens", "positions", "attention_mask", "response_mask"}  # as format sft
+    np.testing.assert_array_equal(out["tokens"], tiny.ids("what", "is", "two", "plus", "four", E, E, E))
+    np.testing.assert_array_equal(out["response_mask"], [0, 1, 1, 1, 1, 1, 0, 0])  # eos appended and trained
+    np.testing.assert_array_equal(out["attention_mask"], [1] * 6 + [0, 0])
+    np.testing.assert_array_equal(out["positions"], [0, 1, 2, 3, 4, 5, 0, 0])
+    assert enc.encode({"text": f"hi there {E}"}).responses["response"] == (tiny.ids("there", E), [1, 1])  # no second eos
+    mapped = encoder(tok, "text", field_map={"text": "content"})
+    assert mapped.encode({"content": "hi there"}).prompt == tiny.ids("hi")
+
+
+def test_text_truncation_and_bad_records(tok):
+    enc = encoder(tok, "text", max_length=8, max_prompt_length=4, max_response_length=3)
+    e = enc.encode({"text": "what is two plus four"})  # 6 tokens; 1 + 3 fit
+    assert e.truncated_response and e.prompt + e.responses["response"][0] == tiny.ids("what", "is", "two", "plus")
+    rejecting = encoder(tok, "text", max_length=8, max_prompt_length=4, truncation="reject")
+    with pytest.raises(BadRecordError, match=r"field 'text': text has 9 tokens; at most .* = 8 fit") as info:
+        rejecting.encode({"text": "what is two plus four and two plus"})
+    assert info.value.reason == "too_long"
+    for record, reason, text in [
+        ({"content": "hi"}, "missing_field", "field 'text': record has no 'text'"),
+        ({"text": ["hi"]}, "invalid", "field 'text': must be a string, got list"),
+        ({"text": "  "}, "empty", "field 'text': empty text"),
+        ({"text": E}, "empty", "field 'text': fewer than 2 tokens"),
+    ]:
+        with pytest.raises(BadRecordError, match=text) as info:
+            enc.encode(record)
+        assert info.value.reason == reason
+
+
+def test_text_batches_through_the_pipeline(tok, tmp_path):
+    path = tmp_path / "text.jsonl"
+    _write_lines(path, [json.dumps({"text": "hi there"}).encode(), json.dumps({"text": 3}).encode(),
+                        json.dumps({"text": "two plus two"}).encode()])
+    cfg = DataConfig(paths=str(path), format="text", max_length=6, max_prompt_length=2, batch_size=2, shuffle=False)
+    with pytest.raises(BadRecordError, match=rf"^{path}, line 2: field 'text': must be a string, got int"):
+        prepare_dataset(cfg, tok)
+    prepared = prepare_dataset(dataclasses.replace(cfg, on_bad_record="skip"), tok)
+    assert prepared.stats["skipped/invalid"] == 1 and prepared.stats["kept"] == 2
+    batch = next(prepared.iterator(process_index=0, process_count=1))
+    assert {k: v.shape for k, v in batch.items()} == {
+        "tokens": (2, 6), "positions": (2, 6), "attention_mask": (2, 6), "response_mask": (2, 6),
+        "example_mask": (2,), "record_index": (2,),
+    }
+    np.testing.assert_array_equal(batch["response_mask"], [[0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0]])
+
+
+def test_text_needs_no_chat_template():
+    plain = tiny.word_tokenizer()
+    plain.chat_template = None
+    assert Encoder(plain, format="text").encode({"text": "hi there"}).prompt == tiny.ids("hi")
 
 
 def test_sft_conversations_that_cannot_be_masked(tok):

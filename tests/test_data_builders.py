@@ -137,3 +137,20 @@ def test_reasoning_gym_sft_and_unpaired_specs_carry_verified_answers():
         assert (good["completion"], good["label"]) == (pair["chosen"], True)
         assert (bad["completion"], bad["label"]) == (pair["rejected"], False)
         assert good["prompt"] == bad["prompt"] == pair["prompt"]
+
+
+def test_reasoning_gym_text_spec_is_the_verified_conversation_as_plain_text():
+    sft = generate_records("reasoning_gym:chain_sum?size=6&seed=1", "sft")
+    text = generate_records("reasoning_gym:chain_sum?size=6&seed=1", "text")
+    assert len(text) == len(sft) > 0
+    for plain, conversation in zip(text, sft):
+        user, assistant = conversation["messages"]
+        assert plain["text"] == f"{user['content']}\n{assistant['content']}" and plain["answer"] == conversation["answer"]
+    bpe = tiny.bpe_tokenizer()
+    batch = next(build_dataset(DataConfig(paths="reasoning_gym:chain_sum?size=6&seed=1", format="text", batch_size=2,
+                                          max_length=256, max_prompt_length=8), bpe, process_index=0, process_count=1))
+    assert batch["tokens"].shape == (2, 256)
+    np.testing.assert_array_equal(batch["response_mask"][:, 0], [0, 0])
+    np.testing.assert_array_equal(batch["response_mask"][:, 1:].sum(1), batch["attention_mask"].sum(1) - 1)
+    with pytest.raises(ValueError, match="gives formats preference, unpaired; data.format is 'text'"):
+        build_dataset(DataConfig(paths="champ", format="text"), tiny.word_tokenizer())

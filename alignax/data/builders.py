@@ -295,8 +295,9 @@ def generate(spec: str, format: str) -> list[dict]:
     """The records of a generator spec for a data format.
 
     ``reasoning_gym:<task>?size=..&seed=..&<task options>``: pairs for ``preference``,
-    prompts for ``prompt``, verified answers for ``sft``, chosen/rejected answers as
-    desirable/undesirable for ``unpaired``. ``champ[:<version>]?max_pairs_per_problem=..&seed=..``:
+    prompts for ``prompt``, verified answers for ``sft`` (and, as one plain text of
+    question and answer, for ``text``), chosen/rejected answers as desirable/undesirable
+    for ``unpaired``. ``champ[:<version>]?max_pairs_per_problem=..&seed=..``:
     pairs for ``preference`` (and ``unpaired``).
     """
     generator, target, options = parse_generator_spec(spec)
@@ -309,7 +310,13 @@ def generate(spec: str, format: str) -> list[dict]:
             return reasoning_gym_prompts(target, **options)
         if format == "sft":
             return reasoning_gym_sft(target, **options)
-        return unpaired_from_pairs(reasoning_gym_pairs(target, **options))
+        if format == "text":
+            return [{"text": "\n".join(m["content"] for m in r["messages"]), "answer": r["answer"], "task": r["task"]}
+                    for r in reasoning_gym_sft(target, **options)]
+        if format == "unpaired":
+            return unpaired_from_pairs(reasoning_gym_pairs(target, **options))
+        raise ValueError(f"generator {spec!r} gives formats preference, unpaired, sft, prompt, text; "
+                         f"data.format is {format!r}")
     if format not in ("preference", "unpaired"):
         raise ValueError(f"generator {spec!r} gives formats preference, unpaired; data.format is {format!r}")
     pairs = champ_pairs(target or "v0", **options)

@@ -1,14 +1,23 @@
 """Record formats: dict records -> token ids with response masks -> fixed-shape numpy arrays.
 
-Four formats (``DataConfig.format``), with their canonical fields (renamed through
+Five formats (``DataConfig.format``), with their canonical fields (renamed through
 ``DataConfig.field_map``, e.g. ``{"prompt": "question"}``):
 
 - ``preference``: ``prompt``, ``chosen``, ``rejected`` — DPO family and reward models.
   Each value is plain text or a list of chat messages. ``prompt`` may be absent when
   ``chosen`` and ``rejected`` are full conversations sharing their leading messages
-  (Anthropic-HH style): the shared messages become the prompt.
+  (Anthropic-HH style): the shared messages become the prompt. Optional ``margin``: a
+  number per pair, how much better ``chosen`` is (Llama 2's graded preferences, used by
+  the reward model with ``reward.use_margin``); absent (or null) it is 0, unless the
+  encoder is told it is required (``required_fields``).
 - ``unpaired``: ``prompt``, ``completion``, ``label`` (bool or 0/1) — KTO.
 - ``sft``: ``messages`` (a conversation); the loss covers assistant turns only.
+- ``text``: ``text`` (a plain string) — raw text, every token trained on (continued
+  pre-training, PPO-ptx). Never templated: tokenised with the tokenizer's special tokens
+  (e.g. BOS), ``eos_token`` appended unless it already ends with it (as TRL does for
+  language-modelling data). The first token is the "prompt" (it has no prefix to be
+  predicted from), every later token is response; a text over ``min(T, R + 1)`` tokens
+  is cut at its end (``reject``: a ``too_long`` bad record).
 - ``prompt``: ``prompt`` (or ``question``) and optionally ``answer`` — prompt sets for
   online RL; the whole record travels with the batch as the reference the verifiers need.
 
@@ -46,16 +55,20 @@ import numpy as np
 
 from alignax.data.sources import BadRecordError
 
-FORMATS = ("preference", "unpaired", "sft", "prompt")
+FORMATS = ("preference", "unpaired", "sft", "prompt", "text")
 TRUNCATIONS = ("keep_end", "truncate_response", "reject")
 
 # Canonical field -> record keys tried in order when field_map does not name one.
 DEFAULT_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
-    "preference": {"prompt": ("prompt",), "chosen": ("chosen",), "rejected": ("rejected",)},
+    "preference": {"prompt": ("prompt",), "chosen": ("chosen",), "rejected": ("rejected",), "margin": ("margin",)},
     "unpaired": {"prompt": ("prompt",), "completion": ("completion",), "label": ("label",)},
     "sft": {"messages": ("messages",)},
     "prompt": {"prompt": ("prompt", "question"), "answer": ("answer",)},
+    "text": {"text": ("text",)},
 }
+# Fields a record may lack; ``required_fields`` makes them mandatory (e.g. ``margin``
+# under ``reward.use_margin``).
+OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"preference": ("prompt", "margin"), "prompt": ("answer",)}
 
 _MISSING = object()
 
@@ -65,14 +78,16 @@ class Encoded:
     """One tokenised record before padding.
 
     ``prompt``: prompt ids. ``responses``: name -> (ids, mask) with mask 1 on trained
-    tokens (one entry ``"response"`` for unpaired/sft, ``"chosen"``/``"rejected"`` for
-    pairs, none for prompt sets). ``label``: KTO label. ``reference``: the record, for
-    prompt sets. ``truncated_prompt`` / ``truncated_response``: what truncation did.
+    tokens (one entry ``"response"`` for unpaired/sft/text, ``"chosen"``/``"rejected"``
+    for pairs, none for prompt sets). ``label``: KTO label. ``margin``: a pair's margin
+    (``None`` when the record has none). ``reference``: the record, for prompt sets.
+    ``truncated_prompt`` / ``truncated_response``: what truncation did.
     """
 
     prompt: list[int]
     responses: dict[str, tuple[list[int], list[int]]]
     label: int | None = None
+    margin: float | None = None
     reference: dict | None = None
     truncated_prompt: bool = False
     truncated_response: bool = False
@@ -106,6 +121,9 @@ class Encoder:
       field_map: canonical field -> record key.
       apply_chat_template, system_prompt, max_length, max_prompt_length,
       max_response_length, truncation: as in :class:`alignax.data.DataConfig`.
+      required_fields: optional fields of the format (:data:`OPTIONAL_FIELDS`) that
+        every record must carry here (a record without one is a ``missing_field`` bad
+        record), e.g. ``("margin",)`` for a reward model trained with margins.
     """
 
     def __init__(
@@ -120,6 +138,7 @@ class Encoder:
         max_prompt_length: int = 512,
         max_response_length: int | None = None,
         truncation: str = "keep_end",
+        required_fields: Sequence[str] = (),
     ):
         if format not in FORMATS:
             raise ValueError(f"unknown data.format {format!r}; valid: {', '.join(FORMATS)}")
@@ -132,6 +151,13 @@ class Encoder:
                 f"data.field_map names {', '.join(sorted(unknown))}, not fields of format {format!r}; "
                 f"valid: {', '.join(DEFAULT_FIELDS[format])}"
             )
+        not_optional = sorted(set(required_fields) - set(OPTIONAL_FIELDS.get(format, ())))
+        if not_optional:
+            raise ValueError(
+                f"required_fields names {', '.join(not_optional)}, not optional fields of format {format!r}; "
+                f"valid: {', '.join(OPTIONAL_FIELDS.get(format, ())) or 'none'}"
+            )
+        self.required_fields = tuple(required_fields)
         self.tokenizer = tokenizer
         self.format = format
         self.fields = {k: ((field_map[k],) if k in field_map else v) for k, v in DEFAULT_FIELDS[format].items()}
@@ -146,7 +172,7 @@ class Encoder:
         self.eot = tokenizer.eos_token
         self.eot_id = int(tokenizer.eos_token_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eot_id)
-        needs_template = format in ("sft",) or apply_chat_template
+        needs_template = format == "sft" or (apply_chat_template and format != "text")
         if needs_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"format {format!r} with apply_chat_template={apply_chat_template} needs a tokenizer "
@@ -158,9 +184,10 @@ class Encoder:
         for key in self.fields[name]:
             if key in record:
                 return record[key]
-        if required:
+        if required or name in self.required_fields:
             tried = " or ".join(repr(k) for k in self.fields[name])
-            raise BadRecordError("missing_field", self.fields[name][0], f"record has no {tried} (for {name})")
+            why = f" (for {name})" if name not in self.required_fields else f" (for {name}, required here)"
+            raise BadRecordError("missing_field", self.fields[name][0], f"record has no {tried}{why}")
         return _MISSING
 
     # --------------------------------------------------------------- tokenise
@@ -376,12 +403,25 @@ class Encoder:
             raise BadRecordError("invalid", p_field, "the prompt tokenises differently before chosen and rejected")
         if c_ids == r_ids:
             raise BadRecordError("identical", r_field, f"tokenises identically to {c_field!r}")
+        margin = self._margin(record)
         prompt_ids, fitted, cut_p, cut_r = self._fit(
             p_c,
             {"chosen": (c_ids, c_mask), "rejected": (r_ids, r_mask)},
             {"prompt": p_field, "chosen": c_field, "rejected": r_field},
         )
-        return Encoded(prompt_ids, fitted, truncated_prompt=cut_p, truncated_response=cut_r)
+        return Encoded(prompt_ids, fitted, margin=margin, truncated_prompt=cut_p, truncated_response=cut_r)
+
+    def _margin(self, record: Mapping) -> float | None:
+        """The pair's ``margin``: a finite number, or ``None`` when absent (or null)."""
+        field = next((k for k in self.fields["margin"] if k in record), self.fields["margin"][0])
+        value = self._get(record, "margin", required=False)
+        if value is _MISSING or value is None:
+            if "margin" in self.required_fields:
+                raise BadRecordError("missing_field", field, "is null (margin is required here)")
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            raise BadRecordError("invalid", field, f"must be a finite number, got {value!r}")
+        return float(value)
 
     def _encode_unpaired(self, record: Mapping) -> Encoded:
         prompt = self._get(record, "prompt")
@@ -415,6 +455,30 @@ class Encoder:
             p_ids, {"response": (ids, mask)}, {"prompt": field, "response": field}
         )
         return Encoded(prompt_ids, fitted, truncated_prompt=cut_p, truncated_response=cut_r)
+
+    def _encode_text(self, record: Mapping) -> Encoded:
+        field = self.fields["text"][0]
+        value = self._get(record, "text")
+        if not isinstance(value, str):
+            raise BadRecordError("invalid", field, f"must be a string, got {type(value).__name__}")
+        if not value.strip():
+            raise BadRecordError("empty", field, "empty text")
+        ids = self._ids(value, special=True)
+        if not ids or ids[-1] != self.eot_id:
+            ids.append(self.eot_id)
+        if len(ids) < 2:
+            raise BadRecordError("empty", field, "fewer than 2 tokens: no token to predict from a prefix")
+        limit = min(self.max_length, (self.max_response_length or self.max_length) + 1)
+        cut = len(ids) > limit
+        if cut:
+            if self.truncation == "reject":
+                raise BadRecordError(
+                    "too_long", field,
+                    f"text has {len(ids):,} tokens; at most min(max_length, max_response_length + 1) = "
+                    f"{limit:,} fit (data.truncation='reject')",
+                )
+            ids = ids[:limit]
+        return Encoded(ids[:1], {"response": (ids[1:], [1] * (len(ids) - 1))}, truncated_response=cut)
 
     def _encode_prompt(self, record: Mapping) -> Encoded:
         prompt = self._get(record, "prompt")
@@ -458,27 +522,28 @@ class Encoder:
                 out[prefix + key] = value
         if len(encoded.responses) > 1:  # pairs share their prompt (packed by the trainers)
             out["prompt_length"] = np.int32(len(encoded.prompt))
+        if self.format == "preference":
+            out["margin"] = np.float32(0.0 if encoded.margin is None else encoded.margin)
         if encoded.label is not None:
             out["label"] = np.int32(encoded.label)
-            # Kept unpadded so the batch can pair prompt i with completion i+1 (KTO's KL term).
-            out["_kl_parts"] = (encoded.prompt, encoded.responses["response"])
         return out
 
-    def mismatched(self, parts: Sequence[tuple[list[int], tuple[list[int], list[int]]]]) -> dict[str, np.ndarray]:
-        """KTO's mismatched pairs: prompt ``i`` with the completion of row ``(i + 1) % B``.
+    def mismatched(self, encoded: Encoded, other: Encoded) -> dict[str, np.ndarray]:
+        """KTO's mismatched pair of one example: its prompt with ``other``'s completion.
 
         Ethayarajh et al. (2024) estimate the reference point ``KL(pi || pi_ref)`` on
-        completions that do not answer their prompt; this builds those ``[B, T]`` rows
-        (``kl_tokens``, ``kl_positions``, ``kl_attention_mask``, ``kl_response_mask``),
-        dropping prompt tokens from the start if a pair is over ``max_length``.
+        completions that do not answer their prompt. The pipeline picks ``other`` from the
+        record alone (:meth:`alignax.data.PreparedData.kl_partner`), never from the batch,
+        so a record's row is the same in every batch, epoch, process count, and in the
+        pass that precomputes reference log-probs. Returns ``kl_tokens``,
+        ``kl_positions``, ``kl_attention_mask``, ``kl_response_mask`` ``[T]``, dropping
+        prompt tokens from the start if the pair is over ``max_length``.
         """
-        rows = []
-        for i in range(len(parts)):
-            prompt = parts[i][0]
-            ids, mask = parts[(i + 1) % len(parts)][1]
-            prompt = prompt[max(0, len(prompt) + len(ids) - self.max_length) :]
-            rows.append(_right_padded(prompt, ids, mask, self.max_length, self.pad_id))
-        return {f"kl_{key}": np.stack([r[key] for r in rows]) for key in rows[0]}
+        prompt = encoded.prompt
+        ids, mask = other.responses["response"]
+        prompt = prompt[max(0, len(prompt) + len(ids) - self.max_length) :]
+        row = _right_padded(prompt, ids, mask, self.max_length, self.pad_id)
+        return {f"kl_{key}": value for key, value in row.items()}
 
 
 def _right_padded(prompt: Sequence[int], response: Sequence[int], mask: Sequence[int], length: int, pad_id: int):

@@ -22,12 +22,17 @@ Batch keys (``B`` = batch_size / process_count rows, ``T`` = max_length,
 
 - ``preference``: ``chosen_{tokens,positions,attention_mask,response_mask}`` and the
   same for ``rejected_``, each ``[B, T]``, right-padded; ``prompt_length`` ``[B]``: the
-  prompt both rows start with (``alignax.trainers.packing`` runs it once per pair).
+  prompt both rows start with (``alignax.trainers.engine.packing`` runs it once per pair);
+  ``margin`` ``[B]`` float32: the record's ``margin`` field, 0 where it has none.
 - ``unpaired``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]``,
   ``label`` ``[B]`` (1 desirable, 0 undesirable), and the same four with a ``kl_``
-  prefix: prompt ``i`` followed by the completion of row ``(i + 1) % B`` of this
-  process's batch, for KTO's mismatched-pair KL estimate.
-- ``sft``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]``.
+  prefix, for KTO's mismatched-pair KL estimate: the row's prompt followed by the
+  completion of its record's *KL partner*, another record of the same split fixed once
+  by a seeded permutation (:meth:`PreparedData.kl_partner`). The row depends on the
+  record alone, not on the batch it lands in, so reference log-probs precomputed per
+  record match the rows the policy sees in any shuffled batch.
+- ``sft``, ``text``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]``
+  (``text``: ``response_mask`` 1 on every real token but the first).
 - ``prompt``: ``prompt_tokens, prompt_positions, prompt_attention_mask`` ``[B, P]``,
   left-padded for generation, and ``references``: a tuple of B record dicts (the prompt,
   ``answer`` and any metadata), for the verifiers — pop it before sending the batch to
@@ -46,7 +51,6 @@ may use the eos id (SmolLM2: pad == eos); masks, never token ids, say what is pa
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import threading
@@ -75,7 +79,7 @@ class DataConfig:
         format ``preference``, prompts with answers for format ``prompt``) or
         ``champ`` / ``champ:v0`` (champ-dataset's human-labelled solution pairs); see
         :mod:`alignax.data.builders`.
-      format: ``preference`` | ``unpaired`` | ``sft`` | ``prompt`` (see
+      format: ``preference`` | ``unpaired`` | ``sft`` | ``prompt`` | ``text`` (see
         :mod:`alignax.data.formats` for the fields each expects).
       split: the split to read from a dataset folder.
       field_map: canonical field -> the record's key, e.g. ``{"prompt": "question"}``.
@@ -162,7 +166,7 @@ def _open_sources(config: DataConfig):
     return sources[0] if len(sources) == 1 else ConcatSource(sources)
 
 
-def _encoder(config: DataConfig, tokenizer) -> Encoder:
+def _encoder(config: DataConfig, tokenizer, required_fields: Sequence[str] = ()) -> Encoder:
     return Encoder(
         tokenizer,
         format=config.format,
@@ -173,7 +177,9 @@ def _encoder(config: DataConfig, tokenizer) -> Encoder:
         max_prompt_length=config.max_prompt_length,
         max_response_length=config.max_response_length,
         truncation=config.truncation,
+        required_fields=required_fields,
     )
+
 
 
 class PreparedData:
@@ -182,16 +188,23 @@ class PreparedData:
     ``stats`` (ints, loggable as they are): ``records`` read, ``kept``, ``skipped``,
     ``skipped/<reason>`` per reason (``malformed``, ``not_utf8``, ``missing_field``,
     ``empty``, ``identical``, ``too_long``, ``invalid``), ``truncated/prompt``,
-    ``truncated/response``, ``train``, ``eval``, and for ``unpaired``
-    ``label/desirable`` / ``label/undesirable``.
+    ``truncated/response``, ``train``, ``eval``, for ``preference`` ``margin/present``
+    (records carrying a margin), and for ``unpaired`` ``label/desirable`` /
+    ``label/undesirable``.
+
+    ``required_fields``: optional fields of the format every record must carry (see
+    :class:`~alignax.data.formats.Encoder`).
     """
 
-    def __init__(self, config: DataConfig, tokenizer, source=None):
+    def __init__(self, config: DataConfig, tokenizer, source=None, *, required_fields: Sequence[str] = ()):
         self.config = config
         self.source = source if source is not None else _open_sources(config)
-        self.encoder = _encoder(config, tokenizer)
+        self.encoder = _encoder(config, tokenizer, required_fields)
         stats: Counter = Counter({"records": 0, "skipped": 0, "truncated/prompt": 0, "truncated/response": 0})
         valid = []
+        prompt_keys: dict[int, int] = {}
+        if config.format == "preference":
+            stats["margin/present"] = 0
         for i in range(len(self.source)):
             stats["records"] += 1
             try:
@@ -208,6 +221,9 @@ class PreparedData:
             stats["truncated/response"] += encoded.truncated_response
             if encoded.label is not None:
                 stats["label/desirable" if encoded.label else "label/undesirable"] += 1
+                prompt_keys[i] = hash(tuple(encoded.prompt))
+            if encoded.margin is not None:
+                stats["margin/present"] += 1
         valid = np.asarray(valid, np.int64)
         n_eval = int(round(config.eval_fraction * len(valid)))
         order = np.random.default_rng(config.seed).permutation(len(valid))
@@ -217,10 +233,38 @@ class PreparedData:
         stats["train"] = len(self.train_indices)
         stats["eval"] = len(self.eval_indices)
         self.stats: dict[str, int] = dict(sorted(stats.items()))
+        self._kl_partners = np.full(len(self.source) if config.format == "unpaired" else 0, -1, np.int64)
+        if config.format == "unpaired":
+            for stream, indices in ((1, self.train_indices), (2, self.eval_indices)):
+                records, partners = _kl_partners(indices, prompt_keys, (config.seed, stream))
+                self._kl_partners[records] = partners
+
+    def kl_partner(self, record_index: int) -> int:
+        """The record whose completion makes ``record_index``'s mismatched KL row (``unpaired``).
+
+        Within each split, the records are grouped by prompt (identical prompt ids), the
+        groups and their members laid out in an order drawn with ``data.seed``, and each
+        record's partner is the record ``m`` places further along, cyclically, ``m`` the
+        largest group's size. That is a bijection (every completion serves one KL row) in
+        which no record meets its own prompt, as long as no prompt has more than half of
+        the split's records. A fixed function of the record, so its row is the same
+        whatever batch it lands in. A split of one record is its own partner.
+        """
+        partner = int(self._kl_partners[int(record_index)]) if self.config.format == "unpaired" else -1
+        if partner < 0:
+            raise ValueError(f"record {record_index} has no KL partner (format {self.config.format!r}, or not a "
+                             "kept record)")
+        return partner
 
     def example(self, record_index: int) -> dict[str, Any]:
         """The padded arrays of one record (by its index in the source)."""
-        return self.encoder.arrays(self.encoder.encode(self.source[int(record_index)]))
+        encoded = self.encoder.encode(self.source[int(record_index)])
+        out = self.encoder.arrays(encoded)
+        if self.config.format == "unpaired":
+            partner = self.kl_partner(record_index)
+            other = encoded if partner == int(record_index) else self.encoder.encode(self.source[partner])
+            out.update(self.encoder.mismatched(encoded, other))
+        return out
 
     def iterator(
         self, split: str = "train", *, process_index: int | None = None, process_count: int | None = None,
@@ -243,12 +287,26 @@ class PreparedData:
         return DataIterator(self, split, process_index, process_count, ordered=ordered or split == "eval")
 
 
-def _batch_fn(encoder: Encoder, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _kl_partners(indices: np.ndarray, prompt_keys: Mapping[int, int], seed) -> tuple[np.ndarray, np.ndarray]:
+    """``(records, their KL partners)`` within ``indices`` (see :meth:`PreparedData.kl_partner`)."""
+    n = len(indices)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    groups: dict[int, list[int]] = {}
+    for record in indices[np.random.default_rng(seed).permutation(n)]:
+        groups.setdefault(prompt_keys[int(record)], []).append(int(record))
+    order = [record for members in groups.values() for record in members]
+    shift = max(len(members) for members in groups.values())
+    if shift == n:  # one prompt only: no mismatched pair exists; the next completion then
+        shift = 1 if n > 1 else 0
+    records = np.asarray(order, np.int64)
+    return records, np.roll(records, -shift)
+
+
+def _batch_fn(examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     batch: dict[str, Any] = {}
     for key in examples[0]:
-        if key == "_kl_parts":
-            batch.update(encoder.mismatched([e[key] for e in examples]))
-        elif key == "reference":
+        if key == "reference":
             batch["references"] = tuple(e["reference"] for e in examples)
         elif key == "example_mask":
             batch[key] = np.asarray([e[key] for e in examples], np.int32)
@@ -304,7 +362,7 @@ class DataIterator:
             example["record_index"] = np.int32(indices[position])
             return example
 
-        batch_fn = functools.partial(_batch_fn, prepared.encoder)
+        batch_fn = _batch_fn
         if not ordered:
             ds = grain.MapDataset.range(n)
             if config.shuffle:
@@ -385,14 +443,16 @@ class DataIterator:
         self._iterator.set_state({"next_index": int(state["next_index"])})
 
 
-def prepare_dataset(config: DataConfig, tokenizer, *, records: Sequence[Mapping] | None = None) -> PreparedData:
+def prepare_dataset(config: DataConfig, tokenizer, *, records: Sequence[Mapping] | None = None,
+                    required_fields: Sequence[str] = ()) -> PreparedData:
     """Read, validate and count ``config.paths`` (or in-memory ``records``) once.
 
     Call ``.iterator("train")`` and ``.iterator("eval")`` on the result to get both
-    splits from one pass over the data.
+    splits from one pass over the data. ``required_fields``: optional fields of the
+    format that every record must carry here (e.g. ``("margin",)``).
     """
     source = ListSource(records, "records", unit="record") if records is not None else None
-    return PreparedData(config, tokenizer, source)
+    return PreparedData(config, tokenizer, source, required_fields=required_fields)
 
 
 def build_dataset(
@@ -403,7 +463,8 @@ def build_dataset(
     records: Sequence[Mapping] | None = None,
     process_index: int | None = None,
     process_count: int | None = None,
+    required_fields: Sequence[str] = (),
 ) -> DataIterator:
     """The batch iterator of ``split`` for this JAX process: ``prepare_dataset(...).iterator(split)``."""
-    prepared = prepare_dataset(config, tokenizer, records=records)
+    prepared = prepare_dataset(config, tokenizer, records=records, required_fields=required_fields)
     return prepared.iterator(split, process_index=process_index, process_count=process_count)
