@@ -2,7 +2,9 @@
 
     alignax train  CONFIG.yaml [dotted.key=value ...]
     alignax eval   CONFIG.yaml [--step N] [dotted.key=value ...]
-    alignax export CONFIG.yaml [--out DIR] [--step N] [dotted.key=value ...]
+    alignax export CONFIG.yaml [--out DIR] [--step N] [--critic] [dotted.key=value ...]
+
+Every algorithm of ``alignax.trainers.api.ALGORITHMS`` supports all three.
 
 A config error (unknown key, wrong type, bad choice) prints one line naming the key and
 exits with status 2; a run stopped by SIGTERM exits 143 after its checkpoint is saved.
@@ -30,24 +32,21 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
         if name == "export":
             p.add_argument("--out", default=None, help="destination (default: <output_dir>/export)")
+            p.add_argument("--critic", action="store_true",
+                           help="PPO with a separate critic: also write the critic to <out>/critic")
     return parser
 
 
 def _load(args):
-    from alignax.trainers.config import load_config
+    from alignax.trainers.api import load_config
 
     return load_config(args.config, args.overrides)
 
 
 def _train(config) -> int:
-    if config.algorithm in ("ppo", "grpo"):
-        from alignax.trainers.online import train as train_online
+    from alignax.trainers import api
 
-        result = train_online(config)
-    else:
-        from alignax.trainers.run import train
-
-        result = train(config)
+    result = api.train(config)
     if result.loop.stopped_by_signal:
         print(f"stopped by SIGTERM at step {result.loop.last_step}; checkpoint saved", file=sys.stderr)
         return 143
@@ -68,14 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "train":
         return _train(config)
+    from alignax.trainers import api
+
     if args.command == "eval":
-        from alignax.trainers.run import evaluate
-
-        print(json.dumps(evaluate(config, step=args.step)))
+        print(json.dumps(api.evaluate(config, step=args.step)))
         return 0
-    from alignax.trainers.run import export
-
-    print(export(config, args.out, step=args.step))
+    print(api.export(config, args.out, step=args.step, critic=args.critic))
     return 0
 
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from alignax.trainers.run import train
+from alignax.trainers.api import train
 from tests.toy_model import make_toy_model
 from tests.trainer_helpers import separable_pairs, tiny_config
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from alignax.trainers.online import train
+from alignax.trainers.api import train
 from tests.rl_toy import toy_config, toy_prompts
 from tests.toy_model import make_toy_model
 

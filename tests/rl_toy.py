@@ -48,10 +48,11 @@ def toy_config(tmp_path, model_dir: str, algorithm: str, *, steps: int, override
     """configs/tiny-<algorithm>.yaml on the toy model with the "yes"-share reward."""
     base = {
         "data": {"max_prompt_length": 24, "batch_size": 4, "eval_fraction": 0.25},
-        "rollout": {"max_new_tokens": 8, "greedy_eval_prompts": 4},
-        "rewards": {"verifier_weight": 0.0, "format_weight": 0.0, "functions": {"tests.rl_toy:yes_share": 1.0}},
         "optim": {"learning_rate": 2e-2},
     }
+    if algorithm in ("grpo", "ppo"):  # an offline run reads no rollout, rewards nor evaluation settings
+        base.update(rollout={"max_new_tokens": 8}, evaluation={"max_prompts": 4}, rewards={
+            "verifier_weight": 0.0, "format_weight": 0.0, "functions": {"tests.rl_toy:yes_share": 1.0}})
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}
     return tiny_config(tmp_path, algorithm, steps=steps, model_dir=model_dir, overrides=tuple(overrides), **base)

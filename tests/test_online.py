@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from alignax.checkpoint import Checkpointer
-from alignax.trainers.online import make_trainer, train
-from alignax.trainers.rl_rewards import NonFiniteRewardError
+from alignax.trainers.api import build_trainer as make_trainer
+from alignax.trainers.api import train
+from alignax.trainers.online.rollout import Minibatch, Rollout
+from alignax.rewards.composite import NonFiniteRewardError
 from tests.rl_toy import toy_config, toy_prompts
 
 
@@ -68,11 +70,11 @@ def test_single_update_reuses_its_forward_pass_and_matches_the_separate_pass(tmp
     for reuse in (True, False):
         trainer = make_trainer(config, records=records)
         assert trainer.logps_from_update
-        trainer.logps_from_update = reuse  # read when the step is first traced, and by rl_step
-        state, frozen = trainer.init_state()
+        trainer.logps_from_update = reuse  # read when the step is first traced, and by rollout_step
+        state, frozen = trainer.start()
         batch = next(trainer.data.iterator("train"))
-        state, figures = trainer.rl_step(state, frozen, batch, iter(()))
-        runs[reuse] = (jax.device_get(state.params), figures)
+        state, out = trainer.rollout_step(state, frozen, batch, iter(()))
+        runs[reuse] = (jax.device_get(state.params), out.metrics)
     (params_a, fig_a), (params_b, fig_b) = runs[True], runs[False]
     assert fig_a["reward/total"] == fig_b["reward/total"]  # the same rollout
     assert fig_a["first_minibatch/ratio_min"] == fig_a["first_minibatch/ratio_max"] == 1.0
@@ -167,19 +169,24 @@ def test_loss_reads_response_tokens_only(tmp_path, toy_model):
     tokens = rng.integers(4, 20, size=(r, p + n)).astype(np.int32)
     attention = np.concatenate([prompt_mask, response_mask.astype(np.int32)], 1)
     positions = np.maximum(np.cumsum(attention, 1) - 1, 0).astype(np.int32)
-    mb = {"tokens": tokens, "positions": positions, "attention_mask": attention, "mask": response_mask,
+    mb = {"tokens": tokens, "positions": positions, "attention_mask": attention, "loss_mask": response_mask,
           "old_logps": np.full((r, n), -2.0, np.float32), "sampler_logps": np.full((r, n), -2.0, np.float32),
           "ref_logps": np.full((r, n), -2.5, np.float32), "advantages": rng.normal(size=(r, n)).astype(np.float32),
           "old_values": np.zeros((r, n), np.float32), "returns": np.zeros((r, n), np.float32)}
     norms = {"num_tokens": response_mask.sum(), "num_seqs": float(r)}
-    grad = jax.jit(jax.grad(lambda prm, b: trainer._loss_fn(prm, {}, b, norms, None)[0]))
-    base = grad(params, {k: jnp.asarray(v) for k, v in mb.items()})
+    grad = jax.jit(jax.grad(lambda prm, b: trainer.loss_fn(prm, {}, b, norms, None)[0]))
+
+    def minibatch(fields):
+        return Minibatch(rollout=Rollout(**{k: jnp.asarray(v) for k, v in fields.items()}),
+                         kl_coef=jnp.asarray(0.04), schedule_position=jnp.asarray(0))
+
+    base = grad(params, minibatch(mb))
     changed = dict(mb)
     noisy = tokens.copy()
     noisy[:, : p // 2] = rng.integers(4, 20, size=(r, p // 2))  # prompt padding
     noisy[:, p + n // 2 :] = rng.integers(4, 20, size=(r, n - n // 2))  # after the completions' end
     changed["tokens"] = noisy
-    other = grad(params, {k: jnp.asarray(v) for k, v in changed.items()})
+    other = grad(params, minibatch(changed))
     for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(other)):
         np.testing.assert_array_equal(a, b)
 
@@ -210,7 +217,8 @@ VARIANTS = {
     "process": dict(grpo={"advantage": "process", "step_delimiter": "no",
                           "process_reward": "tests.rl_toy:toy_process_reward"}),
     "ppo_shared_critic": dict(ppo={"critic": "shared", "adaptive_kl": True, "kl_target": 0.5, "target_kl": 0.01}),
-    "sampler_logps_tis": dict(rollout={"old_logps": "sampler", "tis_cap": 2.0, "top_p": 0.9}),
+    "sampler_logps": dict(rollout={"old_logps": "sampler", "top_p": 0.9}),
+    "tis": dict(rollout={"tis_cap": 2.0}),
 }
 
 
@@ -231,15 +239,15 @@ def test_each_variant_runs(tmp_path, toy_model, variant):
         assert last["process/steps_per_completion"] >= 1.0
     if variant == "ppo_shared_critic":
         assert last["epochs_run"] >= 1 and "value/loss" in last
-    if variant == "sampler_logps_tis":
+    if variant == "tis":
         assert last["mismatch/sampler_trainer_abs"] > 0.0 and "tis_weight_mean" in last
 
 
 @pytest.fixture(scope="module")
 def toy_reward_model(tmp_path_factory, toy_model):
     """A reward model trained (briefly) on the toy model and exported as an HF folder."""
-    from alignax.trainers.run import export
-    from alignax.trainers.run import train as train_offline
+    from alignax.trainers.api import export
+    from alignax.trainers.api import train as train_offline
     from tests.trainer_helpers import separable_pairs, tiny_config
 
     tmp = tmp_path_factory.mktemp("toy-reward")
@@ -291,9 +299,9 @@ def test_packed_groups_give_the_unpacked_step(tmp_path, toy_model, grad_accum_st
                             train={"grad_accum_steps": grad_accum_steps}, rollout={"pack_groups": pack})
         trainer = make_trainer(config, records=records)
         assert trainer.pack_group == (4 if pack == "on" else 1)
-        state, frozen = trainer.init_state()
-        state, figures = trainer.rl_step(state, frozen, next(trainer.data.iterator("train")), iter(()))
-        runs[pack] = (jax.device_get(state.params), figures)
+        state, frozen = trainer.start()
+        state, out = trainer.rollout_step(state, frozen, next(trainer.data.iterator("train")), iter(()))
+        runs[pack] = (jax.device_get(state.params), out.metrics)
     (params_a, fig_a), (params_b, fig_b) = runs["on"], runs["off"]
     assert fig_a["reward/total"] == fig_b["reward/total"]
     for key in ("loss", "grad_norm", "entropy", "kl/ref_seq", "kl/ref_k3", "mismatch/sampler_trainer_abs",

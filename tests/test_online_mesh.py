@@ -19,3 +19,23 @@ def test_grpo_steps_on_a_mesh_match_one_device():
     # 2048 of one toy MLP kernel) moves it by up to ~2e-4; 99.9% of entries agree to ~1e-5.
     assert out["param_diff_p999"] < 5e-5
     assert out["max_param_diff"] < 1e-3
+
+
+def test_ppo_steps_with_a_separate_critic_on_a_mesh_match_one_device():
+    out = run_check("mesh_ppo_check.py")
+    assert out["devices"] == 8
+    assert out["sharded_policy_devices"] == 8 and out["sharded_critic_devices"] == 8
+    # same samples, so the same rewards and lengths exactly
+    assert out["sharded/reward/total"] == out["single/reward/total"]
+    assert out["sharded/response/length_mean"] == out["single/response/length_mean"]
+    assert out["single/epochs_run"] == out["sharded/epochs_run"] == [2.0, 2.0]
+    assert min(out["single/grad_norm"]) > 0 and min(out["single/advantages/abs_mean"]) > 0  # not a no-op
+    for key in ("loss", "grad_norm", "value/loss", "pg_loss", "kl/ref_seq", "entropy", "advantages/abs_mean",
+                "approx_kl"):
+        np.testing.assert_allclose(out[f"sharded/{key}"], out[f"single/{key}"], rtol=1e-4, atol=1e-6, err_msg=key)
+    # Eight Adam steps at lr 2e-2 (2 rollouts x 2 epochs x 2 minibatches) for the policy and
+    # the critic; measured on CPU: every entry within ~1e-5. As in the GRPO check, float32
+    # noise in a near-zero gradient entry could move it by up to ~lr, hence the looser max.
+    for part in ("policy", "critic"):
+        assert out[f"{part}_p999_diff"] < 5e-5, (part, out[f"{part}_p999_diff"])
+        assert out[f"{part}_max_diff"] < 1e-3, (part, out[f"{part}_max_diff"])

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from alignax.models import ModelConfig, create_model
-from alignax.trainers import packing
-from alignax.trainers.common import response_logps, sequence_logps
+from alignax.trainers.engine import packing
+from alignax.trainers.engine.setup import response_logps, sequence_logps
 
 V, T, WINDOW = 50, 16, 7
 CONFIG = ModelConfig.from_hf_config(
@@ -128,7 +128,7 @@ def test_segment_ids_refuse_a_cache(model):
 def test_packed_groups_equal_unpacked_rollout_rows(kind):
     """Rollout rows (left-padded prompt, response window with stops and padding inside):
     one packed row per group gives the rows' own log-probs, entropies and values."""
-    from alignax.trainers.rollout import response_forward
+    from alignax.trainers.online.rollout import response_forward
 
     model = create_model(CONFIG, kind=kind, seed=5)
     if kind == "policy_value":  # a non-zero value head, so values are compared for real

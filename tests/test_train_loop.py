@@ -15,8 +15,8 @@ import pytest
 
 from alignax.checkpoint import Checkpointer
 from alignax.metrics import JsonlWriter, read_jsonl
-from alignax.trainers.loop import LoopConfig, NonFiniteError, run_loop
-from alignax.trainers.step import init_train_state, make_train_step
+from alignax.trainers.engine.loop import LoopConfig, NonFiniteError, run_loop
+from alignax.trainers.engine.step import LossAux, init_train_state, make_train_step
 
 
 def loss_fn(params, frozen, batch, normalisers, rng):
@@ -78,17 +78,17 @@ def test_accumulated_micro_batches_equal_one_full_batch_step():
     four = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn, grad_accum_steps=4))
     s1, m1 = one(fresh_state(opt), None, batch)
     s4, m4 = four(fresh_state(opt), None, batch)
-    np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-6)
-    np.testing.assert_allclose(m4["grad_norm"], m1["grad_norm"], rtol=1e-6)
+    np.testing.assert_allclose(m4.metrics["loss"], m1.metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m4.metrics["grad_norm"], m1.metrics["grad_norm"], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(s4.params), jax.tree.leaves(s1.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_per_row_metrics_come_back_in_row_order_across_micro_batches():
+def test_per_row_outputs_come_back_in_row_order_across_micro_batches():
     def with_rows(params, frozen, batch, normalisers, rng):
         loss, metrics = loss_fn(params, frozen, batch, normalisers, rng)
         pred = batch["x"] @ params["w"] + params["b"]
-        return loss, dict(metrics, pred=pred, pair=jnp.stack([pred, batch["y"]], axis=-1))
+        return loss, LossAux(metrics, rows={"pred": pred, "pair": jnp.stack([pred, batch["y"]], axis=-1)})
 
     opt = optax.sgd(0.1)
     batch = next(ToyBatches(batch_size=8))
@@ -97,10 +97,11 @@ def test_per_row_metrics_come_back_in_row_order_across_micro_batches():
     expected = np.asarray(batch["x"]) @ np.asarray([0.5, -1.0, 2.0]) + 0.1
     for accum in (1, 4):
         step = jax.jit(make_train_step(with_rows, opt, normalisers_fn=normalisers_fn, grad_accum_steps=accum))
-        _, metrics = step(state, None, batch)
-        assert metrics["pred"].shape == (8,) and metrics["pair"].shape == (8, 2)
-        np.testing.assert_allclose(metrics["pred"], expected, rtol=1e-6)
-        np.testing.assert_allclose(metrics["pair"][:, 1], batch["y"], rtol=1e-6)
+        _, out = step(state, None, batch)
+        rows, metrics = out.rows, out.metrics
+        assert rows["pred"].shape == (8,) and rows["pair"].shape == (8, 2)
+        np.testing.assert_allclose(rows["pred"], expected, rtol=1e-6)
+        np.testing.assert_allclose(rows["pair"][:, 1], batch["y"], rtol=1e-6)
         assert metrics["abs_err"].shape == ()  # scalars are still averaged
         np.testing.assert_allclose(metrics["abs_err"], np.mean(np.abs(expected - batch["y"])), rtol=1e-6)
 
@@ -111,13 +112,13 @@ def test_nonfinite_update_is_skipped_and_counted():
     good = next(ToyBatches())
     bad = next(ToyBatches(poison_from=0))
     state, _ = step(fresh_state(opt), None, good)
-    after_bad, metrics = step(state, None, bad)
-    assert float(metrics["update_skipped"]) == 1.0
+    after_bad, out = step(state, None, bad)
+    assert float(out.metrics["update_skipped"]) == 1.0
     assert int(after_bad.nonfinite_streak) == 1 and int(after_bad.nonfinite_total) == 1
     for a, b in zip(jax.tree.leaves((after_bad.params, after_bad.opt_state)), jax.tree.leaves((state.params, state.opt_state))):
         np.testing.assert_array_equal(a, b)
-    recovered, metrics = step(after_bad, None, good)
-    assert float(metrics["update_skipped"]) == 0.0 and int(recovered.nonfinite_streak) == 0
+    recovered, out = step(after_bad, None, good)
+    assert float(out.metrics["update_skipped"]) == 0.0 and int(recovered.nonfinite_streak) == 0
     assert int(recovered.nonfinite_total) == 1
 
 

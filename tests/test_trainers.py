@@ -1,6 +1,6 @@
 """End-to-end runs of the offline trainers on tiny models: SFT, reward model, DPO family.
 
-Each run goes through the real entry (``alignax.trainers.run.train``) with a recipe from
+Each run goes through the real entry (``alignax.trainers.api.train``) with a recipe from
 configs/tiny-*.yaml: data pipeline, jitted step, eval, checkpoints and metrics files.
 Tests that assert learning, resume or export train the toy word-level model
 (tests/toy_model.py) on synthetic records whose right answer is known; the recipes
@@ -15,10 +15,14 @@ import numpy as np
 import pytest
 
 from alignax.checkpoint import Checkpointer
+from alignax.config import ConfigError
+from alignax.data import BadRecordError
 from alignax.metrics import read_jsonl
-from alignax.trainers.config import load_config
-from alignax.trainers.run import evaluate, export, train
-from tests.trainer_helpers import CONFIGS, separable_pairs, sft_conversations, tiny_config
+from alignax.trainers.api import load_config
+from alignax.trainers.api import build_trainer, evaluate, export, train
+from alignax.trainers.offline import reward as reward_task
+from tests.references import log_sigmoid
+from tests.trainer_helpers import CONFIGS, WORDS, separable_pairs, sft_conversations, tiny_config, unpaired_feedback
 
 
 def finite(history, key):
@@ -82,6 +86,86 @@ def test_precomputed_reference_matches_live_reference(tmp_path, toy_model):
     np.testing.assert_allclose(live.eval_history[-1]["eval/loss"], pre.eval_history[-1]["eval/loss"], rtol=1e-5)
 
 
+def test_kto_precomputed_reference_matches_live_on_shuffled_data(tmp_path, toy_model):
+    """The KL rows' reference log-probs, precomputed per record in file order, belong to the
+    same mismatched sequences as the policy's rows in shuffled batches: every step's loss
+    and KL reference point equal the live reference's."""
+    records = unpaired_feedback(40)
+    runs = {}
+    for reference in ("live", "precomputed"):
+        config = tiny_config(tmp_path / reference, "kto", steps=4, model_dir=toy_model, checkpoint={"enabled": False},
+                             dpo={"reference": reference}, optim={"learning_rate": 3e-2})
+        assert config.data.shuffle
+        runs[reference] = train(config, records=records)
+    live, pre = runs["live"].history, runs["precomputed"].history
+    assert len(live) == len(pre) == 4
+    for a, b in zip(live, pre):
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
+        np.testing.assert_allclose(b["kl"], a["kl"], rtol=1e-4, atol=1e-6)
+    assert live[0]["kl"] == 0.0  # policy == reference at the first step
+    assert max(h["kl"] for h in live[1:]) > 1e-3  # later, the reference point is in play
+    np.testing.assert_allclose(runs["precomputed"].eval_history[-1]["eval/kl"],
+                               runs["live"].eval_history[-1]["eval/kl"], rtol=1e-4, atol=1e-6)
+
+
+def _graded_pairs(n: int) -> list[dict]:
+    """Separable pairs with Llama 2 style margins (0, 1/3, 2/3, 1 in turn)."""
+    return [dict(r, margin=[0.0, 1 / 3, 2 / 3, 1.0][i % 4]) for i, r in enumerate(separable_pairs(n))]
+
+
+def test_reward_margin_enters_the_bradley_terry_loss(tmp_path, toy_model):
+    records = _graded_pairs(32)
+    config = tiny_config(tmp_path, "reward", steps=1, model_dir=toy_model, checkpoint={"enabled": False},
+                         reward={"use_margin": True})
+    first = train(config, records=records).history[0]["loss"]
+    # The same first batch scored by the same initial reward model, outside the trainer.
+    trainer = build_trainer(config, records=records)
+    batch = next(trainer.data.iterator("train"))
+    model = trainer.model_from(trainer.params)
+    chosen, rejected = (np.asarray(model(batch[f"{s}_tokens"], batch[f"{s}_positions"],
+                                         batch[f"{s}_attention_mask"]).rewards, np.float64)
+                        for s in ("chosen", "rejected"))
+    margins = [records[i]["margin"] for i in batch["record_index"]]
+    np.testing.assert_allclose(batch["margin"], margins, rtol=1e-6)
+    assert len(set(margins)) > 1
+    with_margin = np.mean([-log_sigmoid(c - r - m) for c, r, m in zip(chosen, rejected, margins)])
+    without = np.mean([-log_sigmoid(c - r) for c, r in zip(chosen, rejected)])
+    np.testing.assert_allclose(first, with_margin, rtol=1e-5)
+    assert with_margin - without > 0.05  # positive margins raise the loss: the margin is in it
+    # without use_margin the same batch's loss is plain Bradley-Terry
+    plain = reward_task.make_task(tiny_config(tmp_path / "plain", "reward", model_dir=toy_model),
+                                  trainer.graphdef, trainer.rest)
+    placed = trainer.placer(batch)
+    loss, _ = plain.loss_fn(trainer.params, {}, placed, plain.normalisers_fn(placed), None)
+    np.testing.assert_allclose(float(loss), without, rtol=1e-5)
+
+
+def test_reward_margin_is_required_of_every_record_with_use_margin(tmp_path):
+    config = tiny_config(tmp_path, "reward", reward={"use_margin": True})
+    assert reward_task.make_task(config, None, None).required_fields == ("margin",)
+    config = tiny_config(tmp_path, "reward")
+    assert reward_task.make_task(config, None, None).required_fields == ()
+
+
+def test_reward_use_margin_with_a_record_lacking_one_is_an_error(tmp_path, toy_model):
+    records = _graded_pairs(16)
+    del records[5]["margin"]
+    config = tiny_config(tmp_path, "reward", model_dir=toy_model, reward={"use_margin": True})
+    with pytest.raises(BadRecordError, match=r"^records, record 5: field 'margin': record has no 'margin'"):
+        build_trainer(config, records=records)
+
+
+def test_sft_on_raw_text_is_continued_pretraining(tmp_path, toy_model):
+    rng = np.random.default_rng(0)
+    records = [{"text": " ".join(["hi", "there"] + [str(w) for w in rng.choice(WORDS, 3)])} for _ in range(32)]
+    config = tiny_config(tmp_path, "sft", steps=20, model_dir=toy_model, checkpoint={"enabled": False},
+                         data={"format": "text"}, optim={"learning_rate": 2e-2})
+    result = train(config, records=records)
+    before, after = result.eval_history[0], result.eval_history[-1]
+    assert after["eval/nll"] < before["eval/nll"] - 1.0
+    finite(result.history, "loss")
+
+
 def test_sft_lowers_held_out_nll(tmp_path, toy_model):
     config = tiny_config(tmp_path, "sft", steps=30, model_dir=toy_model, checkpoint={"enabled": False},
                          optim={"learning_rate": 2e-2})
@@ -134,15 +218,14 @@ def test_eval_and_export_from_a_checkpoint(tmp_path, toy_model):
 
 
 def test_bad_algorithm_data_pairing_is_a_clear_error(tmp_path):
-    config = tiny_config(tmp_path, "dpo", steps=1, data={"format": "sft"})
-    with pytest.raises(ValueError, match="dpo.loss=dpo needs data.format=preference"):
-        train(config, records=sft_conversations(16))
+    with pytest.raises(ConfigError, match="data.format=sft does not fit dpo.loss=dpo: it reads data.format=preference"):
+        tiny_config(tmp_path, "dpo", steps=1, data={"format": "sft"})
 
 
 def test_scoring_a_response_window_equals_scoring_every_position(toy_model):
     """The LM head may run on each row's response window only: same sequence log-probs."""
     from alignax.models import from_pretrained
-    from alignax.trainers.common import response_logps, sequence_logps
+    from alignax.trainers.engine.setup import response_logps, sequence_logps
 
     model = from_pretrained(toy_model)
     rng = np.random.default_rng(0)

@@ -7,7 +7,7 @@ import os
 import random
 
 from alignax import config as config_io
-from alignax.trainers.config import load_config
+from alignax.trainers.api import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -68,7 +68,10 @@ def tiny_config(tmp_path, recipe: str, *, steps: int = 4, model_dir: str | None 
     raw = config_io.load_yaml(os.path.join(CONFIGS, f"tiny-{recipe}.yaml"))
     if model_dir is not None:
         raw["model"] = {"name": str(model_dir)}
-        raw.setdefault("data", {}).update(max_length=32, max_prompt_length=24)
+        data = raw.setdefault("data", {})
+        data["max_prompt_length"] = 24
+        if data.get("format") != "prompt":  # prompt batches have no max_length (rollout.max_new_tokens)
+            data["max_length"] = 32
     raw = _merge(raw, {
         "output_dir": str(tmp_path),
         "train": {"total_steps": steps, "log_every": 1},

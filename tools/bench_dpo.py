@@ -7,15 +7,15 @@ One step: 8 preference pairs x 128 tokens (prompt 64 + response 64, every token 
 random ids), sigmoid DPO loss (beta 0.1) on response log-probs summed per sequence,
 AdamW (lr 1e-5, weight decay 1e-4 as optax.adamw's default, constant schedule),
 float32. Each pair is one packed row (prompt once, then chosen, then rejected: 192 tokens
-instead of 2 x 128; alignax.trainers.packing), as the data pipeline's batches are;
+instead of 2 x 128; alignax.trainers.engine.packing), as the data pipeline's batches are;
 ``--unpacked`` runs chosen and rejected as two full rows like Tunix. The frozen reference
 is live, so every step also runs its forward.
 
 alignax side: what ``alignax train`` with ``algorithm: dpo`` and ``dpo.reference: live``
-runs, built from a TrainConfig through the trainer's own pieces (build_model,
-preference.make_task, build_optimizer, init_train_state, make_train_step jitted with the
-same donation and shardings as alignax.trainers.run.train) and driven by the trainer's
-own loop (alignax.trainers.loop.run_loop: place the batch, step, read the non-finite
+runs: the trainer ``alignax.trainers.api.build_trainer`` builds from a TrainConfig, its
+jitted step (``OfflineTrainer.start``: same donation and shardings as ``alignax train``)
+and reference precompute, driven by the trainer's
+own loop (alignax.trainers.engine.loop.run_loop: place the batch, step, read the non-finite
 streak, pull the metrics to the host). Step times are the loop's ``perf/step_time_s``.
 
 Tunix side: tools/peers/tunix_dpo.py in .venv-bench (reference forward in
@@ -63,7 +63,7 @@ def parse_args(argv=None):
 def train_config(args):
     from alignax.data import DataConfig
     from alignax.trainers.config import MeshSection, PreferenceSection, TrainConfig, TrainSection
-    from alignax.trainers.optim import OptimConfig
+    from alignax.trainers.engine.optim import OptimConfig
 
     return TrainConfig(
         algorithm="dpo",
@@ -128,52 +128,29 @@ class AlignaxDPO:
 
     def __init__(self, args):
         import jax
-        import jax.numpy as jnp
-        import numpy as np
 
-        from alignax.parallel.sharding import tree_shardings
-        from alignax.trainers import preference
-        from alignax.trainers.common import BatchPlacer, build_mesh, build_model, split_params
-        from alignax.trainers.optim import build_optimizer
-        from alignax.trainers.step import init_train_state, make_train_step
+        from alignax.trainers import api
 
         self.args = args
         self.clock = common.CompileClock()
         config = train_config(args)
         t0 = time.perf_counter()
-        # The setup of alignax.trainers.run.train, minus data files, checkpoints and writers.
-        mesh = build_mesh(config.mesh)
-        model = build_model(config.model, kind="causal_lm", mesh=mesh)
-        graphdef, params, rest = split_params(model)
-        task = preference.make_task(config, graphdef, rest)
-        optimizer, schedule = build_optimizer(config.optim, config.train.total_steps)
-        init = lambda p: init_train_state(p, optimizer, jax.random.key(config.train.seed))  # noqa: E731
-        shardings = tree_shardings(jax.eval_shape(init, params), mesh)
-        self.state = jax.jit(init, out_shardings=shardings)(params)
-        reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
+        # The trainer of `alignax train` (alignax.trainers.api), minus data files, checkpoints and writers.
+        trainer = api.build_trainer(config, with_data=False)
+        params = trainer.params
+        self.state, reference = trainer.start()
         self.frozen = {"reference": reference}
         total = args.warmup + args.rounds * args.steps
         batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1,
                                packed=not args.unpacked)
-        self.placer = BatchPlacer(mesh)
+        self.placer = trainer.placer
         self.precompute_s = None
-        if task.precompute is not None:
-            # alignax.trainers.run._precompute_reference: one pass over every record.
-            t_pre = time.perf_counter()
-            forward = jax.jit(task.precompute)
-            tables = {}
-            for batch in batches:
-                for key, value in jax.device_get(forward(reference, self.placer(batch))).items():
-                    tables.setdefault(key, np.zeros(total * BATCH, np.float32))[batch["record_index"]] = value
-            self.frozen = {"ref_logps": {k: jnp.asarray(v) for k, v in tables.items()}}
+        if trainer.task.precompute is not None:
+            t_pre = time.perf_counter()  # the trainer's one pass over every record
+            self.frozen = trainer.precompute_reference(reference, batches, num_records=total * BATCH)
             del reference
             self.precompute_s = time.perf_counter() - t_pre
-        self.step_fn = jax.jit(
-            make_train_step(task.loss_fn, optimizer, normalisers_fn=task.normalisers_fn,
-                            grad_accum_steps=config.train.grad_accum_steps, schedule=schedule),
-            donate_argnums=(0,),
-            out_shardings=(shardings, None),
-        )
+        self.step_fn = trainer.step
         jax.block_until_ready(self.state)
         self.build_s = time.perf_counter() - t0
         self.model = common.model_summary(args, params)
@@ -192,7 +169,7 @@ class AlignaxDPO:
 
     def _loop(self, n: int) -> None:
         from alignax.metrics import MultiWriter
-        from alignax.trainers.loop import LoopConfig, run_loop
+        from alignax.trainers.engine.loop import LoopConfig, run_loop
 
         if n == 0:
             return
@@ -224,8 +201,8 @@ class AlignaxDPO:
             "grad_norm_first": history[0]["grad_norm"],
             "devices": [str(d) for d in jax.devices()],
             "jax": jax.__version__,
-            "what": "alignax.trainers.loop.run_loop over the jitted make_train_step(preference.make_task(...)"
-                    ".loss_fn): per step place batch + policy fwd/bwd on 2B rows (+ reference fwd when live) + "
+            "what": "alignax.trainers.engine.loop.run_loop over OfflineTrainer.step (the jitted make_train_step of "
+                    "the DPO task's loss_fn): per step place batch + policy fwd/bwd on 2B rows (+ reference fwd when live) + "
                     "AdamW, non-finite streak and metrics pulled to the host (perf/step_time_s of the loop)",
         }
 

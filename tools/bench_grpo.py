@@ -13,11 +13,11 @@ constant schedule, no clipping), float32. alignax's reference and update forward
 each prompt's two completions as one packed row with the prompt once
 (``rollout.pack_groups: auto``); Tunix runs each completion with its own prompt copy.
 
-alignax side: ``OnlineTrainer.rl_step`` itself, the trainer's whole rollout step:
+alignax side: ``OnlineTrainer.rollout_step`` itself, the trainer's whole rollout step:
 sampling (the one-jit sampler), decoding and scoring, reference log-probs, advantages,
 the jitted update (one update per rollout: the old log-probs are its own forward pass's,
 gradient stopped), metrics. The trainer is built from a TrainConfig; the state, the
-jitted update and the frozen reference come from ``OnlineTrainer.init_state``, as
+jitted update and the frozen reference come from ``OnlineTrainer.start``, as
 ``OnlineTrainer.train`` sets them up. Prompt batches are fed directly: the
 tiny model's vocabulary (4096) is smaller than its tokenizer's (SmolLM2, 49152), so the
 prompts are random ids below the model's vocabulary; the tokenizer decodes them like any
@@ -58,9 +58,9 @@ def parse_args(argv=None):
 
 def train_config(args):
     from alignax.data import DataConfig
-    from alignax.trainers.config import (CheckpointSection, GRPOSection, LoggingSection, MeshSection, RLRewardSection,
+    from alignax.trainers.config import (CheckpointSection, GRPOSection, LoggingSection, MeshSection, RewardConfig,
                                          RolloutSection, TrainConfig, TrainSection)
-    from alignax.trainers.optim import OptimConfig
+    from alignax.trainers.engine.optim import OptimConfig
 
     vocab = int(common.SHAPES[args.model]["vocab_size"])
     return TrainConfig(
@@ -72,7 +72,7 @@ def train_config(args):
         # NEW_TOKENS tokens, as on the Tunix side (eos_tokens=[-1]).
         rollout=RolloutSection(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, top_k=0, top_p=TOP_P,
                                num_samples=GROUP, stop_token_ids=(vocab,), old_logps="recompute"),
-        rewards=RLRewardSection(verifier_weight=0.0, format_weight=0.0, functions={REWARD: 1.0}),
+        rewards=RewardConfig(verifier_weight=0.0, format_weight=0.0, functions={REWARD: 1.0}),
         grpo=GRPOSection(advantage="grpo", unbiased_std=True, policy_loss="ppo", clip_eps_low=CLIP,
                          clip_eps_high=None, aggregation="seq-mean-token-mean", kl_coef=BETA, kl_kind="k1",
                          kl_placement="loss", entropy_coef=0.0, epochs=1, minibatches=1),
@@ -101,12 +101,12 @@ def prompt_batches(n: int, *, vocab: int, seed: int) -> list[dict]:
 
 
 class AlignaxGRPO:
-    """alignax's GRPO rollout steps, ``OnlineTrainer.rl_step``; ``warm()`` then ``run(n)`` rounds."""
+    """alignax's GRPO rollout steps, ``OnlineTrainer.rollout_step``; ``warm()`` then ``run(n)`` rounds."""
 
     def __init__(self, args):
         import jax
 
-        from alignax.trainers.online import make_trainer
+        from alignax.trainers.api import build_trainer as make_trainer
 
         self.args = args
         self.clock = common.CompileClock()
@@ -115,7 +115,7 @@ class AlignaxGRPO:
         # The data section needs records to build; the steps are fed prompt batches directly.
         records = [{"prompt": "hi", "answer": ""} for _ in range(PROMPTS)]
         self.trainer = make_trainer(config, records=records)
-        self.state, self.frozen = self.trainer.init_state()  # as OnlineTrainer.train sets them up
+        self.state, self.frozen = self.trainer.start()  # as OnlineTrainer.train sets them up
         jax.block_until_ready((self.state, self.frozen))
         self.build_s = time.perf_counter() - t0
         self.model = common.model_summary(args, self.trainer.policy_params(self.state.params))
@@ -131,7 +131,8 @@ class AlignaxGRPO:
             batch = next(self.batches)
             before = self.clock.snapshot()
             start = time.perf_counter()
-            self.state, figures = self.trainer.rl_step(self.state, self.frozen, batch, iter(()))
+            self.state, out = self.trainer.rollout_step(self.state, self.frozen, batch, iter(()))
+            figures = out.metrics
             jax.block_until_ready(self.state)
             self.walls.append(time.perf_counter() - start)
             self.compiles.append(tuple(a - b for a, b in zip(self.clock.snapshot(), before)))
@@ -168,7 +169,7 @@ class AlignaxGRPO:
             "kl_ref_k1_last": last["kl/ref_k1"],
             "devices": [str(d) for d in jax.devices()],
             "jax": jax.__version__,
-            "what": "OnlineTrainer.rl_step wall time (blocked on the new state): generation = perf/generation_s "
+            "what": "OnlineTrainer.rollout_step wall time (blocked on the new state): generation = perf/generation_s "
                     "(the jitted sampler incl. device->host), logprob = perf/logprob_s (the reference forward at "
                     "temperature 0.9; one update per rollout, so the old log-probs are the update's own forward "
                     "pass's), update = "

@@ -13,7 +13,7 @@ All share one forward signature::
   several continuations in a row: a key of segment 0 (the shared prefix) is seen by every
   later query, a key of segment ``k > 0`` only by queries of segment ``k``. With restarted
   positions per continuation, each continuation's outputs equal those of the
-  prefix + continuation row on its own (see ``alignax.trainers.packing``).
+  prefix + continuation row on its own (see ``alignax.trainers.engine.packing``).
 - ``cache`` (:class:`alignax.models.cache.KVCache`) is written and returned in
   ``ModelOutput.cache``; see cache.py for the layout and the mask over cache slots.
 

@@ -16,6 +16,7 @@ on every mesh; such a dim is replicated over that axis instead.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -23,6 +24,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+log = logging.getLogger("alignax")
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -77,6 +80,17 @@ def make_mesh(
         raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices; {n} are available")
     return jax.make_mesh(tuple(shape), axis_names, axis_types=(AxisType.Auto,) * len(axis_names), devices=devices)
 
+
+
+def mesh_for_shape(shape: Sequence[int]) -> Mesh:
+    """:func:`make_mesh` of ``shape``; a shape with fewer devices than present uses the
+    first ones (with a warning) instead of failing."""
+    shape = tuple(shape)
+    size = int(np.prod(shape))
+    if -1 not in shape and 0 < size < jax.device_count():
+        log.warning("mesh %s uses %d of %d devices", shape, size, jax.device_count())
+        return make_mesh(shape, devices=jax.devices()[:size])
+    return make_mesh(shape)
 
 def logical_to_spec(
     names: Sequence[str | None],

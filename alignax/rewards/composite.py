@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +25,55 @@ import numpy as np
 from flax import nnx
 
 from alignax import models
+from alignax.config import load_callable
 from alignax.losses import ensemble_rewards
 from alignax.rewards import shaping
 from alignax.rewards.verifiers import verifier_rewards
-from alignax.trainers.config import RLRewardSection
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """The reward of a completion: verifiers, reward models, shaping, in one weighted sum.
+
+    Fields:
+      verifier_weight: weight of the reasoning-gym answer score (0 disables it).
+      format_weight: weight of the answer-tag format reward; ``strict_format``: the
+        completion must be only ``<think>..</think>`` then one ``<answer>`` block.
+      answer_tag: the tag the verifier reads the answer from; ``answer_extraction``:
+        ``tag``, or ``tag_or_last_number`` (no tag: the last number in the text).
+      functions: extra rule-based rewards, ``{"package.module:function": weight}``; each
+        function maps ``(completions, references)`` to one float per completion.
+      reward_models: local HF folders of trained reward models (``alignax export`` of a
+        reward run); ``reward_model_weight`` weighs their combined score, combined by
+        ``ensemble`` (``mean`` | ``min`` | ``mean_minus_std`` | ``mean_minus_var``, with
+        ``ensemble_k``).
+      length_penalty_coef / length_target: ``-coef * max(0, L - target)`` tokens.
+      missing_eos_penalty: added to completions that never emitted a stop token.
+      overlong_buffer: DAPO's soft overlong punishment over the last ``buffer`` tokens of
+        ``max_new_tokens`` (``null``: off), scaled by ``overlong_scale``.
+      clip: clip the total reward to ``[low, high]``.
+      mask_truncated: completions that hit ``max_new_tokens`` get no loss (DAPO's
+        overlong filtering).
+    """
+
+    verifier_weight: float = 1.0
+    format_weight: float = 0.0
+    strict_format: bool = False
+    answer_tag: str = "answer"
+    answer_extraction: Literal["tag", "tag_or_last_number"] = "tag"
+    functions: dict[str, float] = dataclasses.field(default_factory=dict)
+    reward_models: tuple[str, ...] = ()
+    reward_model_weight: float = 1.0
+    ensemble: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = "mean"
+    ensemble_k: float = 1.0
+    length_penalty_coef: float = 0.0
+    length_target: int = 0
+    missing_eos_penalty: float | None = None
+    overlong_buffer: int | None = None
+    overlong_scale: float = 1.0
+    clip: tuple[float, float] | None = None
+    mask_truncated: bool = False
+
 
 
 class NonFiniteRewardError(ValueError):
@@ -72,15 +117,13 @@ class RewardModels:
 class RewardScorer:
     """Scores a rollout: ``score(completions, references, tokens, response_mask, ...)``."""
 
-    def __init__(self, section: RLRewardSection, *, max_new_tokens: int, stop_token_ids: Sequence[int],
+    def __init__(self, section: RewardConfig, *, max_new_tokens: int, stop_token_ids: Sequence[int],
                  reward_models: RewardModels | None = None):
         self.section = section
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = tuple(stop_token_ids)
         self.reward_models = reward_models
         self._score_rm = reward_models.score_fn() if reward_models is not None else None
-        from alignax.trainers.rollout import load_callable
-
         self.functions = {spec: (load_callable(spec), weight) for spec, weight in section.functions.items()}
         if section.overlong_buffer is not None and not 0 < section.overlong_buffer <= max_new_tokens:
             raise ValueError(

@@ -1,6 +1,12 @@
-"""Trainers: the shared step and loop, and one module per algorithm family.
+"""Trainers: the one map of algorithms (``api``), the engine every run shares, and two wings.
 
-``alignax.trainers.run.train(config)`` runs SFT, reward-model and DPO-family recipes;
-``alignax.trainers.online.train(config)`` runs PPO (``trainers.ppo``) and the GRPO family
-(``trainers.grpo``) on the shared online trainer (``trainers.online``).
+- :mod:`alignax.trainers.api`: ``ALGORITHMS`` (family, model kinds, builder), ``load_config``, ``train``,
+  ``evaluate``, ``export`` for every algorithm; ``alignax.cli`` calls it.
+- :mod:`alignax.trainers.config`: the typed run config (``TrainConfig``); ``api.load_config``
+  reads and validates one (:mod:`alignax.trainers.validation`).
+- ``engine/``: the run session (output dir, writers, checkpoints, resume, SIGTERM), the host
+  loop, the jitted step, optimiser, shared-prompt packing, model/tokenizer/mesh setup.
+- ``offline/``: SFT, reward-model and preference (DPO family, KTO) tasks on fixed data.
+- ``online/``: rollout → reward → advantage → update; the GRPO and PPO families as
+  :class:`~alignax.trainers.online.algorithm.OnlineAlgorithm` bundles; monitoring.
 """

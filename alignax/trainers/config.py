@@ -2,7 +2,7 @@
 
 A recipe YAML has these sections (every key optional unless noted)::
 
-    algorithm: dpo            # sft | reward | dpo | ppo | grpo   (required)
+    algorithm: dpo            # a name of alignax.trainers.api.ALGORITHMS   (required)
     output_dir: runs/dpo      # checkpoints, metrics.jsonl, TensorBoard events, export
     model: {...}              # ModelSpec
     data: {...}               # alignax.data.DataConfig
@@ -13,24 +13,23 @@ A recipe YAML has these sections (every key optional unless noted)::
     mesh: {...}               # MeshSection
     sft / reward / dpo / ppo / grpo: {...}   # the chosen algorithm's own settings
     rollout / rewards: {...}  # online RL (ppo, grpo): generation and the reward function
+    evaluation: {...}         # alignax.evaluation.EvaluationConfig: greedy accuracy, pass@k
 
-``load_config(path, overrides)`` reads it; an unknown or ill-typed key is an error naming
-its dotted path and the valid choices.
+``alignax.trainers.api.load_config(path, overrides)`` reads it; an unknown or ill-typed
+key is an error naming its dotted path and the valid choices, and so is a key the
+algorithm cannot use (:mod:`alignax.trainers.validation`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any, Literal
 
-from alignax import config as config_io
 from alignax.data import DataConfig
+from alignax.evaluation import EvaluationConfig
 from alignax.ops import AggregationMode
-from alignax.trainers.optim import OptimConfig
-
-ALGORITHMS = ("sft", "reward", "dpo", "ppo", "grpo")
-
+from alignax.rewards.composite import RewardConfig
+from alignax.trainers.engine.optim import OptimConfig
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -101,12 +100,13 @@ class CheckpointSection:
 @dataclasses.dataclass(frozen=True)
 class LoggingSection:
     """Fields: ``console`` (progress bar / lines), ``jsonl`` (``metrics.jsonl``),
-    ``tensorboard`` (event files under ``tensorboard/``), ``console_keys``."""
+    ``tensorboard`` (event files under ``tensorboard/``), ``console_keys`` (the figures on
+    the progress line; ``null``: the algorithm's own choice)."""
 
     console: bool = True
     jsonl: bool = True
     tensorboard: bool = True
-    console_keys: tuple[str, ...] = ("loss", "rewards/accuracies", "rewards/margins", "grad_norm")
+    console_keys: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,8 @@ class SFTSection:
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
     """Bradley-Terry reward model. ``center_coef``: TRL's centring term weight;
-    ``use_margin``: subtract the record's ``margin`` field (Llama 2) when present."""
+    ``use_margin``: subtract the record's ``margin`` field (Llama 2); every record must
+    carry one (a record without it is a data error naming the record)."""
 
     center_coef: float = 0.0
     use_margin: bool = False
@@ -146,7 +147,8 @@ class PreferenceSection:
       kto_desirable_weight / kto_undesirable_weight: KTO class weights.
       reference: ``live`` (the frozen reference runs beside the policy each step) or
         ``precomputed`` (one pass over the data before training; no reference in memory
-        during training). Reference-free losses (simpo, cpo, orpo) ignore it.
+        during training); ``precomputed`` is an error with simpo, cpo, orpo.
+      Keys the chosen loss does not read are an error when the config loads.
     """
 
     loss: Literal["dpo", "simpo", "cpo", "orpo", "kto"] = "dpo"
@@ -179,9 +181,8 @@ class RolloutSection:
         forward pass is that policy, so its log-probs, gradient stopped, are the old ones.
       tis_cap: truncated importance weight ``min(pi_old / pi_sampler, cap)`` on the loss,
         correcting sampler/trainer mismatch (``null``: off).
-      greedy_eval_prompts: held-out prompts scored with greedy decoding at eval time.
       pack_groups: run the ``G`` completions of a prompt as one row holding the prompt
-        once (``alignax.trainers.packing``) in the trainer's forward passes (policy,
+        once (``alignax.trainers.engine.packing``) in the trainer's forward passes (policy,
         reference, update); the outputs are the unpacked ones, the trunk sees
         ``P + G N`` tokens instead of ``G (P + N)``. ``auto``: when ``G > 1`` and the
         forward FLOPs (projections + dense attention) drop with attention scores at most
@@ -197,52 +198,7 @@ class RolloutSection:
     stop_token_ids: tuple[int, ...] | None = None
     old_logps: Literal["recompute", "sampler"] = "recompute"
     tis_cap: float | None = None
-    greedy_eval_prompts: int = 16
     pack_groups: Literal["auto", "on", "off"] = "auto"
-
-
-@dataclasses.dataclass(frozen=True)
-class RLRewardSection:
-    """The reward of a completion: verifiers, reward models, shaping, in one weighted sum.
-
-    Fields:
-      verifier_weight: weight of the reasoning-gym answer score (0 disables it).
-      format_weight: weight of the answer-tag format reward; ``strict_format``: the
-        completion must be only ``<think>..</think>`` then one ``<answer>`` block.
-      answer_tag: the tag the verifier reads the answer from; ``answer_extraction``:
-        ``tag``, or ``tag_or_last_number`` (no tag: the last number in the text).
-      functions: extra rule-based rewards, ``{"package.module:function": weight}``; each
-        function maps ``(completions, references)`` to one float per completion.
-      reward_models: local HF folders of trained reward models (``alignax export`` of a
-        reward run); ``reward_model_weight`` weighs their combined score, combined by
-        ``ensemble`` (``mean`` | ``min`` | ``mean_minus_std`` | ``mean_minus_var``, with
-        ``ensemble_k``).
-      length_penalty_coef / length_target: ``-coef * max(0, L - target)`` tokens.
-      missing_eos_penalty: added to completions that never emitted a stop token.
-      overlong_buffer: DAPO's soft overlong punishment over the last ``buffer`` tokens of
-        ``max_new_tokens`` (``null``: off), scaled by ``overlong_scale``.
-      clip: clip the total reward to ``[low, high]``.
-      mask_truncated: completions that hit ``max_new_tokens`` get no loss (DAPO's
-        overlong filtering).
-    """
-
-    verifier_weight: float = 1.0
-    format_weight: float = 0.0
-    strict_format: bool = False
-    answer_tag: str = "answer"
-    answer_extraction: Literal["tag", "tag_or_last_number"] = "tag"
-    functions: dict[str, float] = dataclasses.field(default_factory=dict)
-    reward_models: tuple[str, ...] = ()
-    reward_model_weight: float = 1.0
-    ensemble: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = "mean"
-    ensemble_k: float = 1.0
-    length_penalty_coef: float = 0.0
-    length_target: int = 0
-    missing_eos_penalty: float | None = None
-    overlong_buffer: int | None = None
-    overlong_scale: float = 1.0
-    clip: tuple[float, float] | None = None
-    mask_truncated: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,11 +211,15 @@ class GRPOSection:
       unbiased_std / reinforce_baseline: ``group_advantages`` options.
       policy_loss: ``ppo`` (clipped; DAPO's clip-higher via ``clip_eps_high``) | ``gspo`` |
         ``cispo`` | ``pg``.
-      clip_eps_low / clip_eps_high / dual_clip_c: the clip ranges (``null`` high: = low).
+      clip_eps_low / clip_eps_high / dual_clip_c: the clip ranges; ``null`` (the default)
+        means the chosen loss's own default, its paper's: PPO-clip 0.2 / = low, GSPO
+        3e-4 / 4e-4, CISPO no lower clip / 0.28. ``dual_clip_c`` is PPO-clip's only.
       aggregation: loss aggregation (``token-mean`` for DAPO, ``seq-mean-token-sum-norm``
         for Dr. GRPO, ``seq-mean-token-mean`` for GRPO).
       kl_coef / kl_kind / kl_placement: KL to the reference, ``loss`` (GRPO, k3) or
         ``reward`` (subtracted from the sequence reward); ``kl_coef: 0`` drops the reference.
+      adaptive_kl / kl_target / kl_horizon: Ziegler et al. 2019's adaptive coefficient,
+        steering the sequence KL towards ``kl_target``.
       entropy_coef: entropy bonus.
       epochs / minibatches: passes over each rollout, and minibatches per pass.
       dynamic_sampling: DAPO: keep sampling prompt batches until the rollout holds
@@ -272,13 +232,16 @@ class GRPOSection:
     unbiased_std: bool = True
     reinforce_baseline: bool = False
     policy_loss: Literal["ppo", "gspo", "cispo", "pg"] = "ppo"
-    clip_eps_low: float | None = 0.2
+    clip_eps_low: float | None = None
     clip_eps_high: float | None = None
     dual_clip_c: float | None = None
     aggregation: AggregationMode = "seq-mean-token-mean"
     kl_coef: float = 0.04
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
     kl_placement: Literal["loss", "reward"] = "loss"
+    adaptive_kl: bool = False
+    kl_target: float = 6.0
+    kl_horizon: float = 10000.0
     entropy_coef: float = 0.0
     epochs: int = 1
     minibatches: int = 1
@@ -297,14 +260,20 @@ class PPOSection:
         a ``reward_model`` folder at ``critic_path``) or ``shared`` (a value head on the
         policy trunk).
       gamma / lam: GAE discount and lambda.
-      kl_coef / kl_kind: per-token KL penalty in the reward (k1 by default);
-        ``adaptive_kl`` with ``kl_target`` / ``kl_horizon`` (Ziegler et al. 2019).
+      kl_coef / kl_kind / kl_placement: the KL to the reference as a per-token penalty in
+        the reward (``reward``, k1 by default: Ziegler et al. 2019) or in the loss
+        (``loss``, as GRPO); ``adaptive_kl`` with ``kl_target`` / ``kl_horizon``.
       whiten_advantages: standardise advantages over the rollout.
-      clip_eps / value_clip / vf_coef / entropy_coef: the PPO-clip losses.
+      clip_eps / value_clip / vf_coef / entropy_coef: the PPO-clip losses;
+        ``clip_eps_high`` (``null``: = ``clip_eps``) is DAPO's clip-higher and
+        ``dual_clip_c`` the dual clip (Ye et al. 2020) for negative advantages.
+      critic_learning_rate: the critic's own peak learning rate (the separate critic, or
+        the shared trunk's value head); ``null``: ``optim.learning_rate``.
       aggregation: loss aggregation.
       epochs / minibatches: passes over each rollout, minibatches per pass; ``target_kl``
         stops the remaining epochs once the epoch's mean approx KL exceeds 1.5x it.
-      ptx_coef: PPO-ptx, an SFT loss on ``ptx_data`` (format sft) mixed in with this weight.
+      ptx_coef: PPO-ptx, an SFT loss on ``ptx_data`` (format ``sft`` for chat data or ``text``
+        for raw text) mixed in with this weight, normalised over the minibatch's tokens.
     """
 
     critic: Literal["separate", "shared"] = "separate"
@@ -314,11 +283,15 @@ class PPOSection:
     lam: float = 0.95
     kl_coef: float = 0.05
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k1"
+    kl_placement: Literal["reward", "loss"] = "reward"
     adaptive_kl: bool = False
     kl_target: float = 6.0
     kl_horizon: float = 10000.0
     whiten_advantages: bool = True
     clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip_c: float | None = None
+    critic_learning_rate: float | None = None
     value_clip: float | None = 0.2
     vf_coef: float = 0.5
     entropy_coef: float = 0.0
@@ -334,7 +307,7 @@ class PPOSection:
 class TrainConfig:
     """A whole run; see the module docstring for the YAML layout."""
 
-    algorithm: Literal["sft", "reward", "dpo", "ppo", "grpo"]
+    algorithm: str  # a name of alignax.trainers.api.ALGORITHMS (checked when the config loads)
     output_dir: str = "runs/default"
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -347,13 +320,7 @@ class TrainConfig:
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     dpo: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
-    rewards: RLRewardSection = dataclasses.field(default_factory=RLRewardSection)
+    rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)
     ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
-
-
-def load_config(path: str | None = None, overrides: Sequence[str] = (), *, data: dict | None = None) -> TrainConfig:
-    """``TrainConfig`` from a YAML file (or a dict) plus ``dotted.key=value`` overrides."""
-    raw = config_io.load_yaml(path) if path is not None else dict(data or {})
-    raw = config_io.apply_overrides(raw, overrides)
-    return config_io.from_dict(TrainConfig, raw)
+    evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)

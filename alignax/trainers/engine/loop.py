@@ -3,7 +3,7 @@
 It owns what happens between jitted steps: fetching and placing batches, writing
 metrics (with step time and tokens/s), periodic evaluation, checkpoints (periodic, final,
 and on SIGTERM), resuming, and stopping a run whose updates keep coming out non-finite.
-What a step computes is the trainer's business (``alignax.trainers.step``).
+What a step computes is the trainer's business (``alignax.trainers.engine.step``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from alignax.checkpoint import Checkpointer
 from alignax.metrics import MetricWriter, to_host
-from alignax.trainers.step import TrainState
+from alignax.trainers.engine.step import StepOutput, TrainState
 
 log = logging.getLogger("alignax")
 
@@ -103,7 +103,7 @@ def run_loop(
     config: LoopConfig,
     state: TrainState,
     frozen: Any,
-    step_fn: Callable[[TrainState, Any, Any], tuple[TrainState, dict[str, jax.Array]]],
+    step_fn: Callable[[TrainState, Any, Any], tuple[TrainState, StepOutput]],
     batches: BatchIterator,
     place_batch: Callable[[Mapping[str, np.ndarray]], Any],
     writer: MetricWriter,
@@ -151,7 +151,7 @@ def run_loop(
             host_batch = next(batches)
             if count_tokens is not None:
                 tokens_since_log += count_tokens(host_batch)
-            state, metrics = step_fn(state, frozen, place_batch(host_batch))
+            state, output = step_fn(state, frozen, place_batch(host_batch))
             step += 1
             steps_since_log += 1
             streak = int(jax.device_get(state.nonfinite_streak))
@@ -165,7 +165,7 @@ def run_loop(
                     "Lower the learning rate or inspect the data of the last batches."
                 )
             if step % config.log_every == 0 or step == config.total_steps:
-                figures = to_host(metrics)
+                figures = to_host(output.metrics)
                 elapsed = time.perf_counter() - tick
                 figures.setdefault("perf/step_time_s", elapsed / steps_since_log)
                 if count_tokens is not None:

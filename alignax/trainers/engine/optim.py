@@ -1,5 +1,11 @@
 """Optimiser and learning-rate schedule from config: AdamW, warmup + cosine/linear decay,
 global-norm clipping, weight decay on matrices only.
+
+The learning rate is read at a position the train step passes
+(``optimizer.update(..., schedule_step=n)``), not at a count the optimiser keeps: offline
+that is the number of updates applied so far (what ``optax.adamw``'s own count would be);
+online it is the rollout's place in the run (``rollout * epochs * minibatches + update``),
+so epochs cut short by PPO's target KL neither stretch nor cut the schedule.
 """
 
 from __future__ import annotations
@@ -8,6 +14,7 @@ import dataclasses
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -64,19 +71,41 @@ def learning_rate_schedule(config: OptimConfig, total_steps: int) -> optax.Sched
     return optax.join_schedules([warmup, decay], [config.warmup_steps])
 
 
+def scale_by_schedule_at(schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
+    """``updates -> -schedule(n) * updates`` with ``n = schedule_step`` when the caller
+    passes it to ``update`` (an extra argument that ``optax.chain`` and ``optax.partition``
+    pass through), else the transformation's own count of updates, as
+    ``optax.scale_by_learning_rate`` does."""
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, *, schedule_step=None, **extra_args):
+        del params, extra_args
+        rate = schedule(state.count if schedule_step is None else schedule_step)
+        updates = jax.tree.map(lambda u: (-rate * u).astype(u.dtype), updates)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def _decay_mask(params):
     return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
 
 
 def build_optimizer(config: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """``(optimizer, schedule)``; gradients are clipped before the update rule."""
+    """``(optimizer, schedule)``; gradients are clipped before the update rule, and the
+    optimiser's ``update`` takes ``schedule_step`` (see the module docstring).
+
+    The rules are optax's own compositions (``optax.adamw`` is ``scale_by_adam``, then
+    ``add_decayed_weights``, then the learning rate), with the learning rate read at
+    ``schedule_step``."""
     schedule = learning_rate_schedule(config, total_steps)
+    parts = [] if config.max_grad_norm is None else [optax.clip_by_global_norm(config.max_grad_norm)]
+    if config.name in ("adamw", "adam"):
+        parts.append(optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps))
     if config.name == "adamw":
-        rule = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
-                           weight_decay=config.weight_decay, mask=_decay_mask)
-    elif config.name == "adam":
-        rule = optax.adam(schedule, b1=config.b1, b2=config.b2, eps=config.eps)
-    else:
-        rule = optax.sgd(schedule)
-    parts = [rule] if config.max_grad_norm is None else [optax.clip_by_global_norm(config.max_grad_norm), rule]
+        parts.append(optax.add_decayed_weights(config.weight_decay, mask=_decay_mask))
+    parts.append(scale_by_schedule_at(schedule))
     return optax.chain(*parts), schedule

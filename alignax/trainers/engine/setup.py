@@ -19,20 +19,15 @@ from flax import nnx
 from alignax import models
 from alignax.models import registry
 from alignax._checks import check_choice
-from alignax.parallel.sharding import batch_sharding, make_mesh, place_array
+from alignax.parallel.sharding import batch_sharding, mesh_for_shape, place_array
 from alignax.trainers.config import MeshSection, ModelSpec
 
 log = logging.getLogger("alignax")
 
 
 def build_mesh(section: MeshSection) -> jax.sharding.Mesh:
-    """The run's mesh; a shape with fewer devices than present uses the first ones."""
-    shape = tuple(section.shape)
-    size = int(np.prod(shape))
-    if -1 not in shape and 0 < size < jax.device_count():
-        log.warning("mesh %s uses %d of %d devices", shape, size, jax.device_count())
-        return make_mesh(shape, devices=jax.devices()[:size])
-    return make_mesh(shape)
+    """The run's mesh (``mesh.shape``); see :func:`alignax.parallel.sharding.mesh_for_shape`."""
+    return mesh_for_shape(section.shape)
 
 
 def model_directory(spec: ModelSpec) -> str:
@@ -150,8 +145,3 @@ def sequence_logps(token_logps: jax.Array, mask: jax.Array) -> tuple[jax.Array, 
     """``(sum of masked token log-probs [B], number of masked tokens [B])``."""
     mask = mask.astype(jnp.float32)
     return jnp.sum(jnp.where(mask > 0, token_logps, 0.0), axis=-1), jnp.sum(mask, axis=-1)
-
-
-def place_model_state(tree: Any, like: Any) -> Any:
-    """Copy ``tree`` (e.g. a reference's params) onto the shardings of ``like``."""
-    return jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), tree, like)

@@ -8,9 +8,11 @@ Every trainer supplies a loss function
 (reference policy, reward model, ...), ``normalisers`` the global counts of the FULL
 batch (tokens, sequences, pairs), so per-micro-batch losses add up to the full-batch
 loss exactly; the step sums losses and gradients over micro-batches and never divides
-by their number. Scalar metrics are averaged over micro-batches (all have equal size);
-a metric with a leading row dimension (a per-row output such as the log-probs the
-forward pass computed) is concatenated over them, back into the batch's row order.
+by their number. ``metrics`` is a flat dict of scalars (averaged over micro-batches, all
+of equal size), or a :class:`LossAux` that adds loss parts to sum over micro-batches and
+per-row outputs (a pytree of ``[rows, ...]`` arrays, e.g. the log-probs the forward pass
+computed), concatenated over micro-batches back into the batch's row order. The step
+returns the new state and a :class:`StepOutput`.
 
 A step whose loss or gradients are not finite changes nothing but the counters: params
 and optimiser state are kept, ``nonfinite_streak`` and ``nonfinite_total`` rise, and the
@@ -29,6 +31,26 @@ import optax
 Array = jax.Array
 LossFn = Callable[[Any, Any, Any, Mapping[str, Array], Array], tuple[Array, dict[str, Array]]]
 NormalisersFn = Callable[[Any], dict[str, Array]]
+
+
+class LossAux(NamedTuple):
+    """What a loss function returns beside the loss when a plain metrics dict is not enough.
+
+    ``metrics``: scalars that are means over the micro-batch (averaged over micro-batches);
+    ``sums``: scalars that, like the loss, are computed with the whole batch's normalisers
+    and so add up over micro-batches (the parts of a loss: ``pg_loss``, ``value/loss``);
+    ``rows``: a pytree of ``[rows, ...]`` per-row outputs, gradient stopped."""
+
+    metrics: dict[str, Array]
+    rows: Any = ()
+    sums: dict[str, Array] = {}
+
+
+class StepOutput(NamedTuple):
+    """What one jitted step returns beside the new state."""
+
+    metrics: dict[str, Array]  # float32 scalars: the loss's, plus loss, grad_norm, update_skipped, learning_rate
+    rows: Any = ()  # the loss's per-row outputs over the whole batch, in row order
 
 
 class TrainState(NamedTuple):
@@ -54,9 +76,12 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: 
 
 
 def split_micro_batches(batch: Any, num_micro: int) -> Any:
-    """``[A * m, ...]`` leaves → ``[A, m, ...]`` (A = ``num_micro``)."""
+    """``[A * m, ...]`` leaves → ``[A, m, ...]`` (A = ``num_micro``); a scalar leaf (a
+    value every row shares, e.g. a KL coefficient) is repeated for each micro-batch."""
 
     def split(x):
+        if x.ndim == 0:
+            return jnp.broadcast_to(x, (num_micro,))
         if x.shape[0] % num_micro:
             raise ValueError(f"batch dimension {x.shape[0]} is not divisible by grad_accum_steps={num_micro}")
         return x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:])
@@ -72,28 +97,32 @@ def tree_all_finite(tree: Any) -> Array:
 def accumulate_gradients(
     loss_fn: LossFn, params: Any, frozen: Any, batch: Any, normalisers: Mapping[str, Array], rng: Array,
     *, num_micro: int,
-) -> tuple[Array, Any, dict[str, Array]]:
+) -> tuple[Array, Any, LossAux]:
     """Sum of micro-batch losses and gradients, mean of their scalar metrics and
-    concatenation of their per-row ones (a ``lax.scan``)."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    concatenation of their per-row outputs (a ``lax.scan``)."""
+    def typed_loss(*args):
+        loss, aux = loss_fn(*args)
+        return loss, aux if isinstance(aux, LossAux) else LossAux(dict(aux))
+
+    grad_fn = jax.value_and_grad(typed_loss, has_aux=True)
     if num_micro == 1:
-        (loss, metrics), grads = grad_fn(params, frozen, batch, normalisers, rng)
-        return loss, grads, metrics
+        (loss, aux), grads = grad_fn(params, frozen, batch, normalisers, rng)
+        return loss, grads, aux
     micro_batches = split_micro_batches(batch, num_micro)
     rngs = jax.random.split(rng, num_micro)
 
     def body(carry, inputs):
         loss_sum, grad_sum = carry
         micro, key = inputs
-        (loss, metrics), grads = grad_fn(params, frozen, micro, normalisers, key)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), metrics
+        (loss, aux), grads = grad_fn(params, frozen, micro, normalisers, key)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), aux
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (micro_batches, rngs))
-    def combine(m):  # stacked over micro-batches: [A] for scalars, [A, rows, ...] for per-row
-        return jnp.mean(m, axis=0) if m.ndim == 1 else m.reshape(-1, *m.shape[2:])
-
-    return loss, grads, jax.tree.map(combine, metrics)
+    (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (micro_batches, rngs))
+    # Stacked over micro-batches: scalars [A] are averaged, per-row [A, rows, ...] concatenated.
+    return loss, grads, LossAux(metrics=jax.tree.map(lambda m: jnp.mean(m, axis=0), aux.metrics),
+                                rows=jax.tree.map(lambda r: r.reshape(-1, *r.shape[2:]), aux.rows),
+                                sums=jax.tree.map(lambda m: jnp.sum(m, axis=0), aux.sums))
 
 
 def make_train_step(
@@ -103,26 +132,38 @@ def make_train_step(
     normalisers_fn: NormalisersFn,
     grad_accum_steps: int = 1,
     schedule: optax.Schedule | None = None,
-) -> Callable[[TrainState, Any, Any], tuple[TrainState, dict[str, Array]]]:
-    """``step(state, frozen, batch) -> (state, metrics)``, pure and ready for ``jax.jit``.
+    schedule_position: Callable[[TrainState, Any], Array] | None = None,
+) -> Callable[[TrainState, Any, Any], tuple[TrainState, StepOutput]]:
+    """``step(state, frozen, batch) -> (state, StepOutput)``, pure and ready for ``jax.jit``.
+
+    ``optimizer.update`` gets ``schedule_step``: ``schedule_position(state, batch)``, by
+    default the number of updates applied so far (``step - nonfinite_total``); optimisers
+    that take no extra arguments ignore it. ``schedule`` (for the ``learning_rate``
+    metric) is read at the same position.
 
     Metrics added to the loss's own: ``loss``, ``grad_norm`` (before clipping),
     ``update_skipped`` (1.0 when the non-finite guard fired), ``learning_rate``.
     """
 
-    def step(state: TrainState, frozen: Any, batch: Any) -> tuple[TrainState, dict[str, Array]]:
+    optimizer = optax.with_extra_args_support(optimizer)
+
+    def step(state: TrainState, frozen: Any, batch: Any) -> tuple[TrainState, StepOutput]:
         rng = jax.random.wrap_key_data(state.rng)
         rng, step_key = jax.random.split(rng)
         step_key = jax.random.fold_in(step_key, state.step)
         normalisers = normalisers_fn(batch)
-        loss, grads, metrics = accumulate_gradients(
+        loss, grads, aux = accumulate_gradients(
             loss_fn, state.params, frozen, batch, normalisers, step_key, num_micro=grad_accum_steps
         )
         finite = jnp.isfinite(loss) & tree_all_finite(grads)
         # Zero out non-finite gradients before they reach the optimiser, so its moments
         # stay finite even on the branch that is thrown away.
         safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-        updates, new_opt_state = optimizer.update(safe_grads, state.opt_state, state.params)
+        if schedule_position is None:
+            position = state.step - state.nonfinite_total
+        else:
+            position = schedule_position(state, batch)
+        updates, new_opt_state = optimizer.update(safe_grads, state.opt_state, state.params, schedule_step=position)
         new_params = optax.apply_updates(state.params, updates)
 
         def keep_if_finite(new, old):
@@ -137,12 +178,13 @@ def make_train_step(
             nonfinite_streak=streak.astype(jnp.int32),
             nonfinite_total=state.nonfinite_total + jnp.where(finite, 0, 1).astype(jnp.int32),
         )
-        metrics = dict(metrics)
+        metrics = {**aux.metrics, **aux.sums}
         metrics["loss"] = loss
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["update_skipped"] = 1.0 - finite.astype(jnp.float32)
         if schedule is not None:
-            metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
-        return new_state, jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
+            metrics["learning_rate"] = jnp.asarray(schedule(position), jnp.float32)
+        metrics = {k: jnp.asarray(m, jnp.float32) for k, m in metrics.items()}
+        return new_state, StepOutput(metrics=metrics, rows=aux.rows)
 
     return step

@@ -15,16 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from alignax.losses import preference as pref
-from alignax.trainers import packing
-from alignax.trainers.common import response_logps, sequence_logps
+from alignax.trainers.engine import packing
+from alignax.trainers.engine.setup import response_logps, sequence_logps
 from alignax.trainers.config import TrainConfig
-from alignax.trainers.task import Task
+from alignax.trainers.offline.task import Task
 
 Array = jax.Array
 PAIRED_LOSSES = ("dpo", "simpo", "cpo", "orpo")
 REFERENCE_FREE = ("simpo", "cpo", "orpo")
-
-
 def _example_weights(batch: Mapping[str, Array], key: str) -> Array:
     if "example_mask" in batch:
         return batch["example_mask"].astype(jnp.float32)
@@ -36,7 +34,7 @@ def _pair_logps(model, batch, chunk_size, window):
 
     With ``prompt_length`` in the batch (the data pipeline's preference batches) and a
     response window shorter than the rows, the pair is one packed row (the prompt once,
-    then chosen, then rejected; see :mod:`alignax.trainers.packing`); otherwise chosen and
+    then chosen, then rejected; see :mod:`alignax.trainers.engine.packing`); otherwise chosen and
     rejected are two rows of one forward pass.
     """
     rows = batch["chosen_tokens"].shape[1]
@@ -155,7 +153,6 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
 
     precompute = _precompute_reference(loss_name, chunk, window, model_of) if section.reference == "precomputed" else None
     return Task(
-        model_kind="causal_lm",
         loss_fn=loss_fn,
         normalisers_fn=normalisers_fn,
         eval_fn=eval_fn,

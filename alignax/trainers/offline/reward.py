@@ -1,5 +1,9 @@
 """Reward-model training: a Bradley-Terry loss on preference pairs, scored by a reward
 head on the last real token of each sequence. Held-out pair accuracy is the eval figure.
+
+With ``reward.use_margin`` the loss is ``-log s(r_c - r_r - m)``, ``m`` the record's
+``margin`` field (Llama 2's graded preferences; the data's ``margin [B]``), and every
+record must carry one (the task's ``required_fields``).
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from flax import nnx
 
 from alignax.losses.reward import bradley_terry_loss
 from alignax.trainers.config import TrainConfig
-from alignax.trainers.task import Task
+from alignax.trainers.offline.task import Task
 
 
 def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> Task:
@@ -37,7 +41,7 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
     def loss_fn(params, frozen, batch, normalisers, rng):
         del frozen, rng
         chosen, rejected = rewards(params, batch)
-        margin = batch["margin"] if section.use_margin and "margin" in batch else None
+        margin = batch["margin"] if section.use_margin else None
         return bradley_terry_loss(chosen, rejected, margin=margin, center_coef=section.center_coef,
                                   weights=weights_of(batch), num_pairs=normalisers["num_pairs"])
 
@@ -46,5 +50,6 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
         count = jnp.sum(weights_of(batch))
         return {k: (v * count, count) for k, v in {"loss": loss, **metrics}.items()}
 
-    return Task(model_kind="reward", loss_fn=loss_fn, normalisers_fn=normalisers_fn, eval_fn=eval_fn,
-                console_keys=("loss", "accuracy", "margin", "grad_norm"))
+    return Task(loss_fn=loss_fn, normalisers_fn=normalisers_fn, eval_fn=eval_fn,
+                console_keys=("loss", "accuracy", "margin", "grad_norm"),
+                required_fields=("margin",) if section.use_margin else ())

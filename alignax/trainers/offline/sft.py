@@ -1,4 +1,8 @@
-"""Supervised fine-tuning: prompt-masked negative log-likelihood of the response tokens."""
+"""Supervised fine-tuning: prompt-masked negative log-likelihood of the response tokens.
+
+``data.format: sft`` trains on assistant turns; ``data.format: text`` on every token of
+raw text but the first (continued pre-training).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,14 @@ from flax import nnx
 
 from alignax import ops
 from alignax.losses.sft import sft_loss
-from alignax.trainers.common import response_logps
+from alignax.trainers.engine.setup import response_logps
 from alignax.trainers.config import TrainConfig
-from alignax.trainers.task import Task
+from alignax.trainers.offline.task import Task
 
 
 def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> Task:
-    if config.data.format != "sft":
-        raise ValueError(f"algorithm sft needs data.format=sft; got {config.data.format!r}")
+    if config.data.format not in ("sft", "text"):
+        raise ValueError(f"algorithm sft needs data.format=sft (or text); got {config.data.format!r}")
     aggregation = config.sft.aggregation
     chunk = config.model.logprob_chunk_size
     window = config.data.max_response_length  # the LM head runs on response positions only
@@ -47,5 +51,5 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
         # Token-level NLL (and its perplexity at the end) whatever the training aggregation.
         return {"nll": (nll, tokens)}
 
-    return Task(model_kind="causal_lm", loss_fn=loss_fn, normalisers_fn=normalisers_fn, eval_fn=eval_fn,
+    return Task(loss_fn=loss_fn, normalisers_fn=normalisers_fn, eval_fn=eval_fn,
                 console_keys=("loss", "ppl", "grad_norm"))

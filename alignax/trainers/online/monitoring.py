@@ -1,4 +1,5 @@
-"""Alarms for online RL: the failure patterns worth a warning while a run is still cheap.
+"""What online RL watches: each rollout's figures (:func:`rollout_figures`) and alarms for
+the failure patterns worth a warning while a run is still cheap.
 
 Each rollout step's figures go in; alarms come out as ``alarm/<name>`` metrics (1.0 when
 raised) and a logged warning naming the figures behind it:
@@ -19,6 +20,12 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Mapping
+
+import numpy as np
+
+from alignax import kl as kl_lib
+from alignax.sampling.scored import Groups
+from alignax.trainers.online.grpo import group_reward_std
 
 log = logging.getLogger("alignax")
 
@@ -81,3 +88,46 @@ class Alarms:
                 log.warning("step %d: mean response length moved %.4g -> %.4g while the task reward did not rise "
                             "(%.4g -> %.4g)", step, start_len, length, start_reward, reward)
         return {f"alarm/{k}": float(v) for k, v in raised.items()}
+
+
+def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recomputed, sampler_logps, response_mask,
+                    entropy, advantages, *, group_size: int) -> dict[str, float]:
+    """The monitoring list of one rollout (host floats): rewards and their components,
+    response lengths, stop/truncation rates, KL to the reference (sequence, k1, k3),
+    entropy, sampler/trainer log-prob mismatch, advantages, zero-variance groups.
+
+    ``rewards [R]``: what the advantages saw (after a KL placed in the reward);
+    per-token arrays ``[R, N]`` are averaged over ``response_mask``.
+    """
+    mask = np.asarray(response_mask)
+    lengths = mask.sum(axis=1)
+    n_tokens = max(mask.sum(), 1.0)
+
+    def masked_mean(x) -> float:
+        return float(np.sum(np.where(mask > 0, np.asarray(x), 0.0)) / n_tokens)
+
+    diff = np.asarray(recomputed) - np.asarray(sampler_logps)
+    figures = {
+        "reward/total": float(np.mean(groups.rewards)),
+        "reward/std": float(np.std(groups.rewards)),
+        "reward/after_kl": float(np.mean(rewards)),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_min": float(lengths.min()),
+        "response/length_max": float(lengths.max()),
+        "response/stop_rate": float(np.mean(groups.stopped)),
+        "response/truncation_rate": float(np.mean(~groups.stopped)),
+        "kl/ref_seq": float(np.mean(seq_kl)),
+        "kl/ref_k1": masked_mean(np.asarray(old_logps) - np.asarray(ref_logps)),
+        "kl/ref_k3": masked_mean(kl_lib.kl_estimate(old_logps, ref_logps, kind="k3")),
+        "entropy": masked_mean(entropy),
+        "mismatch/sampler_trainer_abs": masked_mean(np.abs(diff)),
+        "mismatch/sampler_trainer_max": float(np.max(np.where(mask > 0, np.abs(diff), 0.0))),
+        "mismatch/sampler_trainer_k3": masked_mean(kl_lib.kl_estimate(sampler_logps, recomputed, kind="k3")),
+        "advantages/mean": masked_mean(advantages),
+        "advantages/abs_mean": masked_mean(np.abs(np.asarray(advantages))),
+    }
+    for name, values in groups.components.items():
+        figures[f"reward/{name}"] = float(np.mean(values))
+    if group_size > 1:
+        figures["groups/zero_variance_fraction"] = float(np.mean(group_reward_std(groups.rewards, group_size) == 0))
+    return figures

@@ -1,0 +1,148 @@
+"""The one map of algorithms, and ``train`` / ``evaluate`` / ``export`` for every one of them.
+
+Each algorithm of a recipe's ``algorithm:`` key has an entry: its family (``offline``: a
+fixed dataset; ``online``: rollout → reward → advantage → update), the model kinds it
+builds (``alignax.models.MODEL_KINDS``), and the builder of its trainer. ``alignax.cli``,
+``tools/demo.py`` and the benchmarks come through here; no other module lists algorithms.
+
+A trainer (:class:`~alignax.trainers.offline.trainer.OfflineTrainer` or
+:class:`~alignax.trainers.online.trainer.OnlineTrainer`) offers the same four things:
+``train()``, ``init_state()`` (the fresh state and its shardings, the template a checkpoint
+is restored into), ``evaluate(params, frozen)`` and ``export_models(params, critic=...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from alignax import config as config_io
+from alignax.checkpoint import Checkpointer
+from alignax.config import ConfigError
+from alignax.models import save_pretrained
+from alignax.trainers.config import TrainConfig
+from alignax.trainers.engine.session import TrainResult, checkpoint_dir
+from alignax.trainers.offline import preference, reward, sft
+from alignax.trainers.offline.trainer import OfflineTrainer
+from alignax.trainers.online import grpo, ppo
+from alignax.trainers.online.trainer import OnlineTrainer
+from alignax.trainers.validation import validate
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """An entry of the map.
+
+    Fields:
+      name: the ``algorithm:`` value.
+      family: ``offline`` (``make`` is a task builder, ``(config, graphdef, rest) -> Task``)
+        or ``online`` (``make`` is an algorithm builder, ``config -> OnlineAlgorithm``).
+      model_kinds: the model kinds the trainer may hold; the first is the one an offline
+        trainer trains (an online algorithm names its policy's kind, ``policy_kind``, and
+        PPO's separate critic is a ``value`` model).
+    """
+
+    name: str
+    family: Literal["offline", "online"]
+    model_kinds: tuple[str, ...]
+    make: Callable[..., Any]
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("sft", "offline", ("causal_lm",), sft.make_task),
+        Algorithm("reward", "offline", ("reward",), reward.make_task),
+        Algorithm("dpo", "offline", ("causal_lm",), preference.make_task),
+        Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm),
+        Algorithm("ppo", "online", ("causal_lm", "policy_value", "value"), ppo.build_algorithm),
+    )
+}
+
+
+def algorithm(name: str) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def build_trainer(config: TrainConfig, *, records: Sequence[Mapping] | None = None,
+                  with_data: bool = True) -> OfflineTrainer | OnlineTrainer:
+    """The trainer of ``config.algorithm`` (models, data, compiled functions).
+
+    ``with_data=False`` (export, benchmarks) skips reading an offline run's data; an online
+    trainer always reads its prompts."""
+    entry = algorithm(config.algorithm)
+    if entry.family == "offline":
+        return OfflineTrainer(config, task_builder=entry.make, model_kind=entry.model_kinds[0], records=records,
+                              with_data=with_data)
+    return OnlineTrainer(config, entry.make(config), records=records)
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = (), *, data: dict | None = None) -> TrainConfig:
+    """``TrainConfig`` from a YAML file (or a dict) plus ``dotted.key=value`` overrides,
+    checked before any model or data is read: every key and type
+    (:func:`alignax.config.from_dict`), the algorithm's name, and the keys across sections
+    (:func:`alignax.trainers.validation.validate`: a key the algorithm cannot use, or values
+    that disagree, is a ``ConfigError`` naming them)."""
+    raw = config_io.load_yaml(path) if path is not None else dict(data or {})
+    raw = config_io.apply_overrides(raw, overrides)
+    config = config_io.from_dict(TrainConfig, raw)
+    if config.algorithm not in ALGORITHMS:
+        raise ConfigError(f"algorithm: {config.algorithm!r} is not a valid choice; valid: "
+                          f"{', '.join(map(repr, ALGORITHMS))}")
+    validate(config)
+    return config
+
+
+def train(config: TrainConfig, *, records: Sequence[Mapping] | None = None) -> TrainResult:
+    """Run ``config`` to ``train.total_steps`` (resuming from its checkpoints when allowed).
+
+    ``records`` replaces the files of ``data.paths`` (in-memory data, tests and tools)."""
+    return build_trainer(config, records=records).train()
+
+
+def restore_params(trainer, config: TrainConfig, step: int | None = None):
+    """The trained params of a run's checkpoint (the latest when ``step`` is None).
+
+    A run with no checkpoint is an error naming the directory: evaluating or exporting the
+    untrained starting weights by mistake would look like a result."""
+    directory = checkpoint_dir(config)
+    steps = []
+    if os.path.isdir(directory):
+        with Checkpointer(directory) as checkpointer:
+            steps = checkpointer.all_steps()
+            if steps and (step is None or step in steps):
+                template, _ = trainer.init_state()
+                state, _ = checkpointer.restore(template, step)
+                return state.params
+    where = f"step {step}" if step is not None and steps else "checkpoint"
+    found = f"; steps there: {', '.join(map(str, sorted(steps)))}" if steps else ""
+    raise FileNotFoundError(f"no {where} under {directory} (train the run first, or check output_dir){found}")
+
+
+def evaluate(config: TrainConfig, *, step: int | None = None,
+             records: Sequence[Mapping] | None = None) -> dict[str, float]:
+    """Eval figures of a run's checkpoint (latest, or ``step``): the eval split's loss
+    figures for offline runs, generation-based figures (``alignax.evaluation``) for online
+    runs and for offline runs whose config names ``evaluation.prompts``."""
+    trainer = build_trainer(config, records=records)
+    params = restore_params(trainer, config, step)
+    return trainer.evaluate(params, trainer.eval_frozen())
+
+
+def export(config: TrainConfig, destination: str | None = None, *, step: int | None = None,
+           critic: bool = False) -> str:
+    """Write a run's trained model (latest checkpoint, or ``step``) as Hugging Face
+    safetensors + tokenizer into ``destination`` (default ``<output_dir>/export``); with
+    ``critic`` (PPO with a separate critic), the critic goes to ``<destination>/critic``."""
+    trainer = build_trainer(config, with_data=False)
+    params = restore_params(trainer, config, step)
+    destination = destination or os.path.join(config.output_dir, "export")
+    for name, model in trainer.export_models(params, critic=critic).items():
+        target = os.path.join(destination, name) if name else destination
+        save_pretrained(model, target)
+        trainer.tokenizer.save_pretrained(target)
+    return destination

@@ -1,0 +1,1 @@
+"""What every run shares: session, loop, jitted step, optimiser, packing, setup."""

@@ -1,0 +1,1 @@
+"""Offline training on fixed data: SFT, reward models, DPO family and KTO."""

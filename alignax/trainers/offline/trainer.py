@@ -1,0 +1,171 @@
+"""The offline trainer: a :class:`~alignax.trainers.offline.task.Task` (SFT, reward model,
+DPO family, KTO) over a fixed dataset, run by the engine's session.
+
+It builds the mesh, tokenizer, data and model, the jitted step and the eval pass over the
+eval split; a reference-based task gets a frozen copy of the initial policy (saved once
+with the checkpoints), or the reference log-probs of every record computed once before
+training (``dpo.reference: precomputed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from alignax import evaluation
+from alignax.data import prepare_dataset
+from alignax.trainers.config import TrainConfig
+from alignax.trainers.engine.optim import build_optimizer
+from alignax.trainers.engine.session import Session, TrainResult, frozen_copy, init_state_on_mesh
+from alignax.trainers.engine.setup import BatchPlacer, build_mesh, build_model, load_tokenizer, split_params
+from alignax.trainers.engine.step import TrainState, make_train_step
+from alignax.trainers.offline.task import Task
+
+TaskBuilder = Callable[[TrainConfig, nnx.GraphDef, nnx.State], Task]
+
+
+class OfflineTrainer:
+    """One offline run's pieces, shared by train, eval and export."""
+
+    def __init__(self, config: TrainConfig, *, task_builder: TaskBuilder, model_kind: str,
+                 records: Sequence[Mapping] | None = None, with_data: bool = True):
+        self.config = config
+        self.mesh = build_mesh(config.mesh)
+        self.tokenizer = load_tokenizer(config.model)
+        model = build_model(config.model, kind=model_kind, mesh=self.mesh)
+        self.vocab_size = model.config.vocab_size
+        self.graphdef, self.params, self.rest = split_params(model)
+        del model
+        self.task = task_builder(config, self.graphdef, self.rest)
+        self.data = (prepare_dataset(config.data, self.tokenizer, records=records,
+                                     required_fields=self.task.required_fields) if with_data else None)
+        self.placer = BatchPlacer(self.mesh)
+        self.optimizer, self.schedule = build_optimizer(config.optim, config.train.total_steps)
+
+    # ---- what api.py reads -----------------------------------------------------------
+    def init_state(self) -> tuple[TrainState, Any]:
+        """The fresh train state on the mesh, and its shardings."""
+        return init_state_on_mesh(self.params, self.optimizer, seed=self.config.train.seed, mesh=self.mesh)
+
+    def export_models(self, params, *, critic: bool = False) -> dict[str, nnx.Module]:
+        """``{"": the trained model}`` (a policy, or a reward model for ``reward``)."""
+        if critic:
+            raise ValueError(f"algorithm {self.config.algorithm} has no critic to export")
+        return {"": self.model_from(params)}
+
+    def model_from(self, params) -> nnx.Module:
+        return nnx.merge(self.graphdef, params, self.rest)
+
+    def frozen_inputs(self, reference) -> dict[str, Any]:
+        """What the loss reads besides the params: the live reference or its log-probs."""
+        if reference is None:
+            return {}
+        if self.task.precompute is not None:
+            return self.precompute_reference(reference)
+        return {"reference": reference}
+
+    def eval_frozen(self) -> dict[str, Any]:
+        """The frozen inputs of an evaluation outside training: the initial params are the
+        reference (the run saved exactly them as its reference)."""
+        return self.frozen_inputs(self.params if self.task.uses_reference else None)
+
+    def has_evaluation(self) -> bool:
+        """Whether there is anything to evaluate: an eval split, or ``evaluation.prompts``."""
+        return self.data.stats.get("eval", 0) > 0 or self.config.evaluation.prompts is not None
+
+    def evaluate(self, params, frozen: Any) -> dict[str, float]:
+        """The task's figures over the eval split (or its first ``train.eval_batches``), and
+        generation-based figures (``generation/...``, :mod:`alignax.evaluation`) on
+        ``evaluation.prompts`` when the config names a prompt set."""
+        if not self.has_evaluation():
+            raise ValueError("nothing to evaluate: the eval split is empty; set data.eval_fraction > 0, "
+                             "or evaluation.prompts (a prompt set)")
+        out = self._split_figures(params, frozen) if self.data.stats.get("eval", 0) > 0 else {}
+        if self.config.evaluation.prompts is not None:
+            if not hasattr(self, "_sampler"):
+                self._sampler = evaluation.build_sampler(self.graphdef, self.tokenizer, self.config, mesh=self.mesh,
+                                                         vocab_size=self.vocab_size)
+            batches = evaluation.prompt_batches(self.config, self.tokenizer)
+            state = nnx.merge_state(params, self.rest)
+            figures = evaluation.evaluate_policy(self._sampler, state, batches, self.config.evaluation,
+                                                 seed=self.config.train.seed)
+            out.update({f"generation/{k}": v for k, v in figures.items()})
+        return out
+
+    def _split_figures(self, params, frozen: Any) -> dict[str, float]:
+        fn = self._eval_fn()
+        limit = self.config.train.eval_batches
+        sums: dict[str, list[float]] = {}
+        for i, batch in enumerate(self.data.iterator("eval")):
+            if limit is not None and i >= limit:
+                break
+            figures = jax.device_get(fn(params, frozen, self.placer(batch)))
+            for key, (total, weight) in figures.items():
+                acc = sums.setdefault(key, [0.0, 0.0])
+                acc[0] += float(total)
+                acc[1] += float(weight)
+        out = {k: (t / w if w > 0 else float("nan")) for k, (t, w) in sums.items()}
+        if "nll" in out:
+            out["ppl"] = float(np.exp(out["nll"]))
+        return out
+
+    def _eval_fn(self):
+        if not hasattr(self, "_jitted_eval"):
+            self._jitted_eval = jax.jit(self.task.eval_fn)
+        return self._jitted_eval
+
+    def precompute_reference(self, reference_params, batches=None, num_records: int | None = None) -> dict[str, Any]:
+        """Reference log-probs of every record, indexed by record index (``[num_records]``):
+        one pass over the train split (in file order) and the eval split, or over ``batches``."""
+        forward = jax.jit(self.task.precompute)
+        if batches is None:
+            num_records = int(self.data.stats["records"])
+            batches = [self.data.iterator(split, ordered=True) if split == "train" else self.data.iterator(split)
+                       for split in ("train", "eval") if self.data.stats.get(split, 0) > 0]
+            batches = (batch for split in batches for batch in split)
+        tables: dict[str, np.ndarray] = {}
+        for batch in batches:
+            values = jax.device_get(forward(reference_params, self.placer(batch)))
+            keep = batch["example_mask"] > 0 if "example_mask" in batch else slice(None)
+            for key, value in values.items():
+                table = tables.setdefault(key, np.zeros(num_records, np.float32))
+                table[batch["record_index"][keep]] = np.asarray(value)[keep]
+        return {"ref_logps": {k: jnp.asarray(v) for k, v in tables.items()}}
+
+    def start(self) -> tuple[TrainState, Any]:
+        """``(fresh train state, reference or None)`` on the mesh; compiles :attr:`step` for
+        the state. The reference is a frozen copy of the initial params when the task uses one."""
+        state, shardings = self.init_state()
+        task = self.task
+        self.step = jax.jit(
+            make_train_step(task.loss_fn, self.optimizer, normalisers_fn=task.normalisers_fn,
+                            grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule),
+            donate_argnums=(0,), out_shardings=(shardings, None),
+        )
+        reference = frozen_copy(self.params) if task.uses_reference else None
+        return state, reference
+
+    # ---- the run ---------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        """Run to ``train.total_steps`` (resuming from the run's checkpoints when allowed)."""
+        config, task = self.config, self.task
+        state, reference = self.start()
+        self.params = None  # the state holds the trained params from here on
+        batches = self.data.iterator("train")
+        with Session(config, console_keys=task.console_keys) as session:
+            state, reference = session.resume(state, batches, reference)
+            frozen = self.frozen_inputs(reference)
+            del reference  # precomputed: no reference in memory during training
+            result = session.run(
+                state=state, frozen=frozen, step_fn=self.step, batches=batches, data_stats=self.data.stats,
+                place_batch=self.placer,
+                eval_fn=session.reporting_eval(lambda st: self.evaluate(st.params, frozen))
+                if self.has_evaluation() else None,
+            )
+        return TrainResult(config=config, model=self.model_from(result.state.params), tokenizer=self.tokenizer,
+                           loop=result, data_stats=dict(self.data.stats))

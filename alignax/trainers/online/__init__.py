@@ -1,0 +1,1 @@
+"""Online RL: rollout → reward → advantage → update, for the GRPO and PPO families."""

@@ -1,0 +1,136 @@
+"""An online-RL algorithm as data and pure functions, and the typed values it works on.
+
+The online trainer (:mod:`alignax.trainers.online.trainer`) runs the same rollout →
+reward → advantage → update step for every algorithm; what differs is an
+:class:`OnlineAlgorithm`, built from the config by a family module
+(:func:`alignax.trainers.online.grpo.build_algorithm`,
+:func:`alignax.trainers.online.ppo.build_algorithm`):
+
+- ``objective``: the policy loss (:data:`alignax.losses.POLICY_LOSSES`) with its clip
+  keywords, aggregation, entropy bonus and whether the KL to the reference sits in it;
+- ``kl``: coefficient, controller (fixed or adaptive), estimator and placement (``loss``,
+  ``sequence_reward``: subtracted from each completion's reward, ``token_reward``: a
+  per-token penalty in the rewards GAE sees);
+- ``advantages``: a pure ``AdvantageInputs -> (advantages [R, N], returns [R, N])``,
+  jitted by the trainer;
+- ``critic`` (PPO) and ``ptx`` (PPO-ptx) when present; ``stop_after_epoch``: a pure host
+  rule on an epoch's update metrics (PPO's target KL);
+- what the rollout must gather: a greedy ``baseline`` (ReMax), process step rewards,
+  DAPO's dynamic sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+from flax import struct
+
+from alignax import kl as kl_lib
+from alignax.data import DataConfig
+from alignax.trainers.engine.optim import OptimConfig
+
+Array = jax.Array
+KLPlacement = Literal["loss", "sequence_reward", "token_reward"]
+
+
+@struct.dataclass
+class AdvantageInputs:
+    """What an advantage estimator may read, on device. Per-token arrays ``[R, N]``.
+
+    ``rewards [R]``: sequence rewards (after a ``sequence_reward`` KL); ``loss_mask``: the
+    tokens that get loss; ``group_ids [R]``; ``kl_coef``: the controller's current value;
+    ``baseline [R]``: ReMax's greedy reward (zeros otherwise); ``step_rewards``/``step_mask``:
+    process rewards on step-end tokens (zeros otherwise).
+    """
+
+    rewards: Array
+    loss_mask: Array
+    group_ids: Array
+    old_logps: Array
+    ref_logps: Array
+    old_values: Array
+    kl_coef: Array
+    baseline: Array
+    step_rewards: Array
+    step_mask: Array
+
+
+AdvantageFn = Callable[[AdvantageInputs], tuple[Array, Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyObjective:
+    """The policy loss of the update.
+
+    ``loss_fn(logps, old_logps, advantages, mask, **keywords, aggregation=..., ...)``;
+    ``keywords`` hold only the clip settings the user set, so a key left out means the
+    loss's own default (GSPO's and CISPO's papers' ranges differ from PPO's).
+    """
+
+    loss_fn: Callable
+    keywords: Mapping[str, Any]
+    aggregation: str
+    entropy_coef: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class KLSetup:
+    """KL to the reference: ``coef`` (initial), ``controller``, ``kind`` and ``placement``.
+    A zero fixed coefficient drops the reference model altogether."""
+
+    coef: float
+    controller: Any  # kl_lib.FixedKLController | kl_lib.AdaptiveKLController
+    kind: str
+    placement: KLPlacement
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.coef > 0 or isinstance(self.controller, kl_lib.AdaptiveKLController)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSetup:
+    """PPO's critic: a value head on the policy trunk (``shared``) or its own decoder
+    (``separate``, from the policy's weights or a reward model folder ``path``), trained
+    with the clipped value loss at weight ``vf_coef``; ``optim``: its own optimiser
+    settings (``None``: the policy's)."""
+
+    kind: Literal["shared", "separate"]
+    init: Literal["policy", "reward_model"]
+    path: str | None
+    vf_coef: float
+    value_clip: float | None
+    optim: OptimConfig | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxSetup:
+    """PPO-ptx: an SFT loss on ``data`` (chat SFT or raw text) at weight ``coef``,
+    normalised over the whole minibatch's tokens."""
+
+    coef: float
+    data: DataConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineAlgorithm:
+    """Everything that makes one online-RL algorithm what it is (see the module docstring)."""
+
+    name: str
+    policy_kind: str  # models.MODEL_KINDS entry of the policy
+    epochs: int
+    minibatches: int
+    objective: PolicyObjective
+    kl: KLSetup
+    advantages: AdvantageFn
+    min_group_size: int = 1  # group-relative estimators compare samples of a prompt
+    critic: CriticSetup | None = None
+    ptx: PtxSetup | None = None
+    stop_after_epoch: Callable[[Sequence[Mapping[str, float]]], bool] | None = None
+    greedy_baseline: bool = False  # ReMax
+    process_reward: Callable | None = None  # step rewards: alignax.rewards.process
+    step_delimiter: str = "\n"
+    dynamic_sampling_refills: int | None = None  # DAPO: None = off

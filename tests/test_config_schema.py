@@ -1,0 +1,659 @@
+"""The config schema against the algorithms (alignax/trainers/validation.py).
+
+- The key table covers every key of the schema, and names only keys that exist.
+- The sweep: for each algorithm's tiny recipe (configs/tiny-*.yaml; KTO and PPO-ptx and
+  generation-based evaluation of an offline run included), every key of the schema is set
+  to a valid non-default value in turn; validation either refuses it with a message naming
+  the key, or the key is read when that recipe runs. "Read" is measured once per recipe:
+  one instrumented step (with eval) records every attribute read of the config's sections.
+- One test per rule, with its message; every recipe in configs/ validates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import glob
+import os
+import re
+import sys
+import types
+import typing
+
+import pytest
+
+from alignax import config as config_io
+from alignax.config import ConfigError
+from alignax.data.formats import FORMATS
+from alignax.losses.preference import DPO_VARIANTS
+from alignax.trainers import validation
+from alignax.trainers.config import TrainConfig
+from alignax.trainers.api import load_config
+from tests.trainer_helpers import CONFIGS
+
+SCHEMA = list(validation.schema_keys())
+
+# ---------------------------------------------------------------------------- the recipes swept
+# A base: configs/tiny-<recipe>.yaml with these sections merged over it.
+GENERATOR = "reasoning_gym:chain_sum?size=16&seed=3"
+EVAL_PROMPTS = {"paths": [GENERATOR], "format": "prompt", "max_prompt_length": 96, "batch_size": 4}
+PTX_DATA = {"paths": [GENERATOR], "format": "sft", "max_length": 128, "max_prompt_length": 96, "batch_size": 4}
+BASES = {
+    # an offline policy evaluated by generation on a prompt set: rewards and rollout's budget are read
+    "sft": ("sft", {"evaluation": {"prompts": EVAL_PROMPTS, "max_prompts": 4}, "rollout": {"max_new_tokens": 8}}),
+    "reward": ("reward", {}),
+    "dpo": ("dpo", {}),
+    "kto": ("kto", {}),
+    "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
+    "ppo": ("ppo", {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}, "evaluation": {"max_prompts": 4}}),
+}
+# A section the sweep sets from nothing (its keys under a base without it) starts valid.
+SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "evaluation.prompts": EVAL_PROMPTS}
+# Keys read on a path one tiny step cannot reach, and where that path is tested.
+READ_ELSEWHERE = {
+    "data.on_bad_record": "read when a record is bad (tests/test_data.py)",
+    "ppo.ptx_data.on_bad_record": "read when a record is bad (tests/test_data.py)",
+    "evaluation.prompts.on_bad_record": "read when a record is bad (tests/test_data.py)",
+}
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+# Keys a recipe sets that its algorithm cannot use, dropped until the recipe drops them.
+RECIPE_FIXES = {"reward": [("model", "logprob_chunk_size")]}
+
+
+def base_raw(name: str) -> dict:
+    recipe, extra = BASES[name]
+    raw = config_io.load_yaml(os.path.join(CONFIGS, f"tiny-{recipe}.yaml"))
+    for section, key in RECIPE_FIXES.get(recipe, ()):
+        raw.get(section, {}).pop(key, None)
+    return _merge(raw, copy.deepcopy(extra))
+
+
+# ---------------------------------------------------------------------------- recording reads
+def _config_classes() -> list[type]:
+    found: list[type] = []
+
+    def walk(cls):
+        if cls in found:
+            return
+        found.append(cls)
+        for tp in typing.get_type_hints(cls).values():
+            for arg in (tp, *typing.get_args(tp)):
+                if dataclasses.is_dataclass(arg):
+                    walk(arg)
+
+    walk(TrainConfig)
+    return found
+
+
+# Reads that are not uses: dataclass machinery, serialisation, the configs' own checks, and
+# validation (here, and the preference task's own check of its section).
+_NOT_USES = {"__post_init__", "to_dict", "_jsonable", "asdict", "astuple", "replace", "unusable_keys",
+             "check_section"}
+_COMPREHENSIONS = {"<dictcomp>", "<listcomp>", "<setcomp>", "<genexpr>"}
+
+
+class ReadRecorder:
+    """While active, records the dotted key of every attribute read of ``config``'s
+    sections (and of sections ``dataclasses.replace`` derives from them) made by run code."""
+
+    def __init__(self, config: TrainConfig):
+        self.paths: dict[int, tuple[object, str]] = {}
+        self.reads: set[str] = set()
+        self._register(config, "")
+
+    def _register(self, obj, prefix: str) -> None:
+        self.paths[id(obj)] = (obj, prefix)
+        for field in dataclasses.fields(obj):
+            value = object.__getattribute__(obj, field.name)
+            if dataclasses.is_dataclass(value):
+                self._register(value, f"{prefix}{field.name}.")
+
+    def _record(self, obj, name: str) -> None:
+        entry = self.paths.get(id(obj))
+        if entry is None or entry[0] is not obj:
+            return
+        frame = sys._getframe(2)
+        while frame.f_code.co_name in _COMPREHENSIONS:
+            frame = frame.f_back
+        code = frame.f_code
+        if code.co_name in _NOT_USES or code.co_filename in ("<string>", dataclasses.__file__, validation.__file__):
+            return
+        self.reads.add(entry[1] + name)
+
+    @contextlib.contextmanager
+    def active(self):
+        recorder, saved = self, {}
+        for cls in _config_classes():
+            names = frozenset(f.name for f in dataclasses.fields(cls))
+            saved[cls] = cls.__dict__.get("__getattribute__")
+
+            def getattribute(obj, name, _names=names):
+                if name in _names:
+                    recorder._record(obj, name)
+                return object.__getattribute__(obj, name)
+
+            cls.__getattribute__ = getattribute
+        replace = dataclasses.replace
+
+        def recording_replace(obj, /, **changes):
+            new = replace(obj, **changes)
+            entry = recorder.paths.get(id(obj))
+            if entry is not None and entry[0] is obj:
+                recorder._register(new, entry[1])
+            return new
+
+        dataclasses.replace = recording_replace
+        try:
+            yield self
+        finally:
+            dataclasses.replace = replace
+            for cls, original in saved.items():
+                if original is None:
+                    del cls.__getattribute__
+                else:
+                    cls.__getattribute__ = original
+
+
+_READS: dict[str, set[str]] = {}
+
+
+@pytest.fixture(scope="module")
+def reads(tmp_path_factory):
+    """``reads(base)``: the keys one instrumented step (and its evaluations) of that base reads."""
+    from alignax.trainers import api
+
+    def run(name: str) -> set[str]:
+        if name not in _READS:
+            # one step; no TensorBoard writer (its import is most of a tiny run's time; the
+            # logging.tensorboard key is read either way)
+            raw = _merge(base_raw(name), {"output_dir": str(tmp_path_factory.mktemp(f"schema-{name}")),
+                                          "train": {"total_steps": 1}, "logging": {"tensorboard": False}})
+            config = load_config(data=raw)
+            recorder = ReadRecorder(config)
+            with recorder.active():
+                api.train(config)
+            _READS[name] = recorder.reads
+        return _READS[name]
+
+    return run
+
+
+# ---------------------------------------------------------------------------- the sweep
+def _field(key: str) -> tuple[type, dataclasses.Field]:
+    cls, parts = TrainConfig, key.split(".")
+    for part in parts[:-1]:
+        tp = typing.get_type_hints(cls)[part]
+        cls = tp if dataclasses.is_dataclass(tp) else next(
+            a for a in typing.get_args(tp) if dataclasses.is_dataclass(a))
+    field = next(f for f in dataclasses.fields(cls) if f.name == parts[-1])
+    return typing.get_type_hints(cls)[parts[-1]], field
+
+
+SWEEP_VALUES = {
+    "algorithm": ["sft", "reward", "dpo", "grpo", "ppo"],
+    "output_dir": ["runs/elsewhere"],
+    "model.name": ["runs/some-model"],
+    "model.random_init": [{"num_hidden_layers": 1}],
+    "mesh.shape": [[1, 1, 1]],
+    "logging.console_keys": [["loss"]],
+    "dpo.variant": list(DPO_VARIANTS),
+    "grpo.step_delimiter": ["\n\n"],
+    "grpo.process_reward": ["alignax.rewards.process:well_formed_steps"],
+    "ppo.critic_path": ["runs/reward-model"],
+    "rollout.stop_token_ids": [[2]],
+    "rewards.answer_tag": ["final"],
+    "rewards.functions": [{"tests.rl_toy:yes_share": 1.0}],
+    "rewards.reward_models": [["runs/reward-model"]],
+    "rewards.clip": [[-1.0, 1.0]],
+    "evaluation.pass_k": [[1, 2]],
+    "ppo.ptx_data": [PTX_DATA],
+    "evaluation.prompts": [EVAL_PROMPTS],
+    "evaluation.prompts.format": ["prompt"],  # the only format of a prompt set
+}
+DATA_VALUES = {
+    "paths": [["tests/data/some.jsonl"]],
+    "format": list(FORMATS),
+    "split": ["test"],
+    "field_map": [{"prompt": "question"}],
+    "system_prompt": ["Answer briefly."],
+    "truncation": ["truncate_response", "reject"],
+    "on_bad_record": ["skip"],
+    "max_length": [100],
+    "max_prompt_length": [64],
+    "max_response_length": [16],
+}
+
+
+def sweep_values(key: str, current):
+    """Valid values for ``key`` other than its default (its current value when already set)."""
+    if key in SWEEP_VALUES:
+        return SWEEP_VALUES[key]
+    leaf = key.rpartition(".")[2]
+    if key.rpartition(".")[0] in ("data", "ppo.ptx_data", "evaluation.prompts") and leaf in DATA_VALUES:
+        return DATA_VALUES[leaf]
+    tp, field = _field(key)
+    default = validation._default(None, field)
+    if current is not None and current != default:
+        return [current]
+    optional = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(optional) == 1:
+        tp = optional[0]
+    if typing.get_origin(tp) is typing.Literal:
+        return [v for v in typing.get_args(tp) if v != default]
+    if tp is bool:
+        return [not default]
+    if tp is int:
+        return [2 if default is None else default + 1]
+    if tp is float:
+        return [0.5 if default in (None, 0.0) else default * 0.5]
+    raise AssertionError(f"no sweep value for {key} ({tp}); add one to SWEEP_VALUES")
+
+
+def with_key(raw: dict, key: str, value) -> dict:
+    """``raw`` with ``key`` set to ``value`` (an optional section on the way is seeded)."""
+    out = copy.deepcopy(raw)
+    node, parts = out, key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        prefix = ".".join(parts[: i + 1])
+        if not isinstance(node.get(part), dict):
+            node[part] = copy.deepcopy(SECTION_SEEDS.get(prefix, {}))
+        node = node[part]
+    node[parts[-1]] = copy.deepcopy(value)
+    return out
+
+
+def names_key(message: str, key: str) -> bool:
+    """Whether ``message`` names ``key`` (or a section holding it) as a whole dotted key."""
+    parts = key.split(".")
+    candidates = [".".join(parts[: i + 1]) for i in range(len(parts))][1 if len(parts) > 1 else 0:]
+    return any(re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", message) for k in candidates)
+
+
+def current_value(config: TrainConfig, key: str):
+    value = validation.get(config, key)
+    return None if value is validation._MISSING else value
+
+
+def sweep(name: str, read: set[str]) -> list[str]:
+    """The sweep of one base: the list of failures, in words (empty when all is well)."""
+    raw = base_raw(name)
+    base = config_io.from_dict(TrainConfig, raw)
+    assert validation.problems(base) == [], f"base {name}: {validation.problems(base)}"
+    failures = []
+    for key in SCHEMA:
+        for value in sweep_values(key, current_value(base, key)):
+            try:
+                config = config_io.from_dict(TrainConfig, with_key(raw, key, value))
+            except (ConfigError, ValueError) as err:
+                failures.append(f"{key}={value!r}: not a valid sweep value ({err}); fix SWEEP_VALUES")
+                continue
+            found = validation.problems(config)
+            if found:
+                if not any(names_key(p, key) for p in found):
+                    failures.append(f"{key}={value!r}: refused without naming the key: {found}")
+            elif key not in read and key not in READ_ELSEWHERE and not _set_as_default(config, key) \
+                    and not _under_absent_section(base, key):
+                failures.append(f"{key}={value!r}: accepted for {name} but never read by its run (a dead key: "
+                                "wire it, or add its condition to validation.KEY_RULES)")
+    return failures
+
+
+def _under_absent_section(base: TrainConfig, key: str) -> bool:
+    """A key under an optional section the base lacks: the base's run reads no key of it;
+    the base that has the section checks them (test_every_optional_section_is_swept)."""
+    return any(key.startswith(section + ".") and current_value(base, section) is None for section in SECTION_SEEDS)
+
+
+def test_every_optional_section_is_swept():
+    for section in SECTION_SEEDS:
+        with_section = [name for name in BASES
+                        if current_value(config_io.from_dict(TrainConfig, base_raw(name)), section) is not None]
+        assert with_section, f"no base sets {section}: its keys are never checked against a run"
+
+
+def _set_as_default(config: TrainConfig, key: str) -> bool:
+    """An optional section's key set to its own default is not set (nothing to read)."""
+    return key not in {k for k, _, _ in validation.set_keys(config)}
+
+
+@pytest.mark.parametrize("name", list(BASES))
+def test_every_key_is_refused_or_read(name, reads):
+    failures = sweep(name, reads(name))
+    assert not failures, f"{len(failures)} keys under base {name}:\n" + "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------- the table itself
+def test_the_key_table_covers_the_whole_schema():
+    uncovered = [k for k in SCHEMA if not any(r.covers(k) for r in validation.KEY_RULES)]
+    assert not uncovered, f"keys with no row in validation.KEY_RULES: {uncovered}"
+    named = {k for r in validation.KEY_RULES for k in r.keys}
+    unknown = sorted(k for k in named if not any(s == k or s.startswith(k + ".") for s in SCHEMA))
+    assert not unknown, f"validation.KEY_RULES names keys the schema lacks: {unknown}"
+
+
+def test_set_keys_are_those_that_differ_from_their_defaults():
+    config = load_config(data={"algorithm": "dpo", "dpo": {"beta": 0.1, "loss": "dpo", "label_smoothing": 0.1}})
+    assert [k for k, _, _ in validation.set_keys(config)] == ["algorithm", "dpo.label_smoothing"]
+
+
+def test_every_recipe_validates():
+    paths = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
+    assert len(paths) >= 15
+    bad = {}
+    for path in paths:
+        found = validation.problems(config_io.from_dict(TrainConfig, config_io.load_yaml(path)))
+        if found:
+            bad[os.path.basename(path)] = found
+    assert not bad, bad
+
+
+def test_validation_runs_in_load_config_before_any_model_is_read():
+    # a model that does not exist: the config error comes first, naming the key
+    with pytest.raises(ConfigError, match=r"ppo\.gamma applies to algorithm=ppo only; got algorithm=grpo"):
+        load_config(data={"algorithm": "grpo", "model": {"name": "/no/such/model"}, "data": {"format": "prompt"},
+                          "ppo": {"gamma": 0.99}})
+
+
+# ---------------------------------------------------------------------------- one test per rule
+def refused(data: dict, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(data=data, overrides=overrides)
+    return str(info.value)
+
+
+GRPO = {"algorithm": "grpo", "data": {"format": "prompt"}}
+PPO = {"algorithm": "ppo", "data": {"format": "prompt"}, "rollout": {"num_samples": 1}}
+DPO = {"algorithm": "dpo"}
+SFT = {"algorithm": "sft", "data": {"format": "sft"}}
+REWARD = {"algorithm": "reward"}
+
+
+def test_sections_of_other_algorithms_are_refused():
+    message = refused(GRPO, ["ppo.kl_coef=0.1", "ppo.epochs=2"])
+    assert "ppo.kl_coef, ppo.epochs apply to algorithm=ppo only; got algorithm=grpo" in message
+    assert "grpo.clip_eps_low applies to algorithm=grpo only; got algorithm=ppo" in refused(
+        PPO, ["grpo.clip_eps_low=0.2"])
+    assert "dpo.beta applies to algorithm=dpo only; got algorithm=sft" in refused(SFT, ["dpo.beta=0.5"])
+    assert "sft.aggregation applies to algorithm=sft only; got algorithm=dpo" in refused(
+        DPO, ["sft.aggregation=token-sum"])
+    assert "reward.center_coef applies to algorithm=reward only; got algorithm=dpo" in refused(
+        DPO, ["reward.center_coef=0.01"])
+    assert "reward.use_margin applies to algorithm=reward only; got algorithm=grpo" in refused(
+        GRPO, ["reward.use_margin=true"])
+    # left at their defaults, other sections are fine
+    load_config(data={**GRPO, "ppo": {"kl_coef": 0.05}, "dpo": {"beta": 0.1}})
+
+
+def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
+    message = refused(DPO, ["rollout.temperature=0.7", "rewards.format_weight=0.2"])
+    assert "rollout.temperature applies to algorithm=grpo|ppo only; got algorithm=dpo" in message
+    assert "rewards.format_weight applies to online training or generation-based evaluation" in message
+    assert "got algorithm=dpo, evaluation.prompts=null" in message
+    assert "rollout.max_new_tokens applies to online training or generation-based evaluation" in refused(
+        SFT, ["rollout.max_new_tokens=32"])
+    assert "evaluation.max_prompts applies to online training or generation-based evaluation" in refused(
+        SFT, ["evaluation.max_prompts=8"])
+    # with a prompt set to evaluate on, an offline policy's rewards, budget and stop ids are read ...
+    prompts = {"evaluation": {"prompts": {"paths": ["p.jsonl"], "format": "prompt"}, "max_prompts": 8}}
+    load_config(data={**SFT, **prompts, "rollout": {"max_new_tokens": 32, "stop_token_ids": [2]},
+                      "rewards": {"format_weight": 0.2}})
+    # ... but not its sampling settings (evaluation has its own), nor the training-only mask
+    assert "rollout.top_p applies to algorithm=grpo|ppo only" in refused(
+        {**SFT, **prompts}, ["rollout.top_p=0.9"])
+    assert "rewards.mask_truncated applies to algorithm=grpo|ppo only" in refused(
+        {**SFT, **prompts}, ["rewards.mask_truncated=true"])
+    # a reward model does not generate
+    assert "evaluation.prompts, evaluation.max_prompts apply to online training or generation-based evaluation" \
+        in refused({**REWARD, **prompts})
+
+
+def test_data_format_must_fit_the_algorithm():
+    assert "data.format=sft does not fit dpo.loss=dpo: it reads data.format=preference" in refused(
+        {"algorithm": "dpo", "data": {"format": "sft"}})
+    assert "data.format=preference does not fit dpo.loss=kto: it reads data.format=unpaired" in refused(
+        {"algorithm": "dpo", "dpo": {"loss": "kto"}})
+    assert "data.format=preference does not fit algorithm grpo: it reads data.format=prompt" in refused(
+        {"algorithm": "grpo"})
+    assert "data.format=prompt does not fit algorithm reward" in refused(
+        {"algorithm": "reward", "data": {"format": "prompt"}})
+    assert "does not fit algorithm sft" in refused({"algorithm": "sft"})
+    if "text" in FORMATS:
+        load_config(data={"algorithm": "sft", "data": {"format": "text"}})
+
+
+def test_ppo_ptx_needs_both_its_weight_and_its_data():
+    ptx = {"paths": ["sft.jsonl"], "format": "sft"}
+    assert "ppo.ptx_coef applies to ppo.ptx_data set only; got ppo.ptx_data=null" in refused(
+        PPO, ["ppo.ptx_coef=0.1"])
+    message = refused({**PPO, "ppo": {"ptx_data": ptx}})
+    assert "ppo.ptx_data applies to ppo.ptx_coef > 0 only; got ppo.ptx_coef=0.0" in message
+    assert "ppo.ptx_data.paths" not in message  # the section is named once
+    assert "ppo.ptx_data.format=preference: PPO-ptx's SFT loss reads ppo.ptx_data.format=sft" in refused(
+        {**PPO, "ppo": {"ptx_coef": 0.1, "ptx_data": {"paths": ["p.jsonl"]}}})
+    assert "ppo.ptx_data.eval_fraction is read by no run" in refused(
+        {**PPO, "ppo": {"ptx_coef": 0.1, "ptx_data": {**ptx, "eval_fraction": 0.1}}})
+    load_config(data={**PPO, "ppo": {"ptx_coef": 0.1, "ptx_data": ptx}})
+
+
+def test_eval_batches_are_offline_only():
+    assert "train.eval_batches applies to algorithm=sft|reward|dpo only; got algorithm=grpo" in refused(
+        {**GRPO, "data": {"format": "prompt", "eval_fraction": 0.1}}, ["train.eval_batches=2"])
+    load_config(data={**DPO, "data": {"eval_fraction": 0.1}, "train": {"eval_batches": 2}})
+    # switching a shared feature off leaves its keys valid (one override turns it off)
+    load_config(data={**DPO, "train": {"save_every": 10, "eval_every": 10}, "logging": {"console_keys": ["loss"]}},
+                overrides=["checkpoint.enabled=false", "logging.console=false"])
+
+
+def test_ppo_critic_keys():
+    assert "ppo.critic_init applies to ppo.critic=separate only; got ppo.critic=shared" in refused(
+        PPO, ["ppo.critic=shared", "ppo.critic_init=reward_model"])
+    assert "ppo.critic_path applies to ppo.critic=separate and ppo.critic_init=reward_model only; " \
+           "got ppo.critic_init=policy" in refused(PPO, ["ppo.critic_path=runs/rm"])
+    assert "ppo.critic_init=reward_model needs ppo.critic_path" in refused(PPO, ["ppo.critic_init=reward_model"])
+    load_config(data=PPO, overrides=["ppo.critic_init=reward_model", "ppo.critic_path=runs/rm"])
+    load_config(data=PPO, overrides=["ppo.critic=shared", "ppo.critic_learning_rate=1e-4"])
+
+
+def test_kl_keys_need_the_kl_and_the_adaptive_controller():
+    assert "ppo.kl_target applies to ppo.adaptive_kl=true only; got ppo.adaptive_kl=false" in refused(
+        PPO, ["ppo.kl_target=3.0"])
+    assert "grpo.kl_horizon applies to grpo.adaptive_kl=true only" in refused(GRPO, ["grpo.kl_horizon=100"])
+    assert "grpo.kl_kind applies to grpo.kl_coef > 0 only; got grpo.kl_coef=0.0" in refused(
+        GRPO, ["grpo.kl_coef=0", "grpo.kl_kind=k1"])
+    assert "ppo.adaptive_kl applies to ppo.kl_coef > 0 only" in refused(PPO, ["ppo.kl_coef=0", "ppo.adaptive_kl=true"])
+    assert "ppo.target_kl applies to ppo.epochs > 1 only; got ppo.epochs=1" in refused(
+        PPO, ["ppo.epochs=1", "ppo.target_kl=0.05"])
+    load_config(data=PPO, overrides=["ppo.adaptive_kl=true", "ppo.kl_target=3.0", "ppo.target_kl=0.05"])
+
+
+def test_grpo_loss_and_advantage_keys():
+    assert "grpo.dual_clip_c applies to grpo.policy_loss=ppo only; got grpo.policy_loss=gspo" in refused(
+        GRPO, ["grpo.policy_loss=gspo", "grpo.dual_clip_c=3.0"])
+    assert "grpo.clip_eps_high applies to grpo.policy_loss=ppo|gspo|cispo only; got grpo.policy_loss=pg" in refused(
+        GRPO, ["grpo.policy_loss=pg", "grpo.clip_eps_high=0.28"])
+    assert "grpo.unbiased_std applies to grpo.advantage=grpo|process only; got grpo.advantage=reinforce_pp" in \
+        refused(GRPO, ["grpo.advantage=reinforce_pp", "grpo.unbiased_std=false"])
+    assert "grpo.reinforce_baseline applies to grpo.advantage=reinforce_pp only; got grpo.advantage=rloo" in \
+        refused(GRPO, ["grpo.advantage=rloo", "grpo.reinforce_baseline=true"])
+    assert "grpo.max_refills applies to grpo.dynamic_sampling=true only" in refused(GRPO, ["grpo.max_refills=2"])
+    assert "grpo.step_delimiter applies to grpo.advantage=process only; got grpo.advantage=grpo" in refused(
+        GRPO, ["grpo.step_delimiter=;"])
+    load_config(data=GRPO, overrides=["grpo.advantage=reinforce_pp", "grpo.reinforce_baseline=true"])
+    load_config(data=GRPO, overrides=["grpo.dynamic_sampling=true", "grpo.max_refills=2"])
+
+
+def test_process_supervision_has_no_sequence_reward_for_a_kl():
+    process = ["grpo.advantage=process"]
+    assert "grpo.kl_placement applies to grpo.kl_coef > 0 and grpo.advantage other than process only; " \
+           "got grpo.advantage=process" in refused(GRPO, [*process, "grpo.kl_placement=reward"])
+    # the rollouts are still scored (logged rewards, dynamic sampling, evaluation): rewards.* are read
+    load_config(data=GRPO, overrides=[*process, "grpo.step_delimiter=;", "rewards.mask_truncated=true",
+                                      "rewards.answer_extraction=tag_or_last_number"])
+
+
+def test_group_sizes_and_minibatches():
+    assert "rollout.num_samples=1: grpo.advantage=grpo compares the samples of a prompt" in refused(
+        GRPO, ["rollout.num_samples=1"])
+    load_config(data=GRPO, overrides=["rollout.num_samples=1", "grpo.advantage=remax"])
+    assert "grpo.minibatches=3 does not divide the 64 rollout rows (data.batch_size=8 x rollout.num_samples=8)" in \
+        refused(GRPO, ["grpo.minibatches=3"])
+    assert "train.grad_accum_steps=3 does not divide the 8 rows of a minibatch" in refused(
+        PPO, ["ppo.minibatches=1", "train.grad_accum_steps=3"])
+    assert "train.grad_accum_steps=3 does not divide data.batch_size=8 (algorithm dpo)" in refused(
+        DPO, ["train.grad_accum_steps=3"])
+    assert "rollout.pack_groups=on needs whole groups" in refused(
+        GRPO, ["rollout.pack_groups='on'", "data.batch_size=3", "grpo.minibatches=2", "rollout.num_samples=2"])
+    assert "rollout.pack_groups applies to rollout.num_samples > 1 only" in refused(PPO, ["rollout.pack_groups='on'"])
+
+
+def test_tis_cap_needs_recomputed_old_logps():
+    assert "rollout.tis_cap applies to rollout.old_logps=recompute only; got rollout.old_logps=sampler" in refused(
+        GRPO, ["rollout.old_logps=sampler", "rollout.tis_cap=2.0"])
+    load_config(data=GRPO, overrides=["rollout.tis_cap=2.0"])
+
+
+def test_dpo_family_keys():
+    cases = [
+        (["dpo.loss=orpo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing applies to (dpo.loss=dpo and "
+         "dpo.variant=sigmoid|robust|exo_pair) or dpo.loss=simpo|cpo only; got dpo.loss=orpo"),
+        (["dpo.variant=ipo", "dpo.label_smoothing=0.1"], "got dpo.variant=ipo"),
+        (["dpo.simpo_gamma=1.0"], "dpo.simpo_gamma applies to dpo.loss=simpo only; got dpo.loss=dpo"),
+        (["dpo.loss=simpo", "dpo.cpo_alpha=0.5"], "dpo.cpo_alpha applies to dpo.loss=cpo only; got dpo.loss=simpo"),
+        (["dpo.kto_desirable_weight=2.0"], "dpo.kto_desirable_weight applies to dpo.loss=kto only"),
+        (["dpo.loss=cpo", "dpo.variant=ipo"], "dpo.variant applies to dpo.loss=dpo only; got dpo.loss=cpo"),
+        (["dpo.dpop_lambda=10"], "dpo.dpop_lambda applies to dpo.loss=dpo and dpo.variant=dpop only; "
+         "got dpo.variant=sigmoid"),
+        (["dpo.loss=simpo", "dpo.reference=precomputed"], "dpo.reference applies to dpo.loss=dpo|kto only"),
+        (["dpo.variant=nope"], "dpo.variant=nope is not a DPO variant"),
+    ]
+    for overrides, expected in cases:
+        assert expected in refused(DPO, overrides), overrides
+    for ok in (["dpo.loss=simpo", "dpo.simpo_gamma=1.0", "dpo.label_smoothing=0.1"],
+               ["dpo.variant=dpop", "dpo.dpop_lambda=10"], ["dpo.variant=robust", "dpo.label_smoothing=0.1"],
+               ["dpo.reference=precomputed"]):
+        load_config(data=DPO, overrides=ok)
+    load_config(data={"algorithm": "dpo", "data": {"format": "unpaired"}},
+                overrides=["dpo.loss=kto", "dpo.kto_undesirable_weight=2.0", "dpo.reference=precomputed"])
+
+
+def test_shared_sections_with_conditions():
+    assert "optim.weight_decay applies to optim.name=adamw only; got optim.name=adam" in refused(
+        DPO, ["optim.name=adam", "optim.weight_decay=0.1"])
+    assert "optim.min_lr_ratio applies to optim.schedule=cosine|linear only; got optim.schedule=constant" in \
+        refused(DPO, ["optim.schedule=constant", "optim.min_lr_ratio=0.1"])
+    assert "model.logprob_chunk_size applies to algorithm other than reward only" in refused(
+        REWARD, ["model.logprob_chunk_size=32"])
+    assert "model.seed applies to model.random_init set or algorithm=reward only" in refused(DPO, ["model.seed=1"])
+    assert "data.max_length applies to data.format other than prompt only; got data.format=prompt" in refused(
+        GRPO, ["data.max_length=256"])
+    assert "data.apply_chat_template applies to data.format=preference|unpaired|prompt only; got data.format=sft" \
+        in refused(SFT, ["data.apply_chat_template=false"])
+    assert "data.split applies to a data.paths entry that is a file or folder" in refused(
+        {**DPO, "data": {"paths": ["reasoning_gym:chain_sum"]}}, ["data.split=test"])
+    assert "data.prefetch_batches applies to data.read_threads > 0 only" in refused(
+        DPO, ["data.read_threads=0", "data.prefetch_batches=4"])
+    load_config(data={**DPO, "data": {"paths": ["data/pairs"], "split": "test"}})
+
+
+def test_rewards_keys_need_the_component_they_tune():
+    assert "rewards.strict_format applies to rewards.format_weight != 0 only" in refused(
+        GRPO, ["rewards.strict_format=true"])
+    assert "rewards.ensemble_k applies to rewards.reward_models set and rewards.ensemble=mean_minus_std|" \
+           "mean_minus_var only; got rewards.reward_models=[]" in refused(GRPO, ["rewards.ensemble_k=2"])
+    assert "rewards.length_target applies to rewards.length_penalty_coef != 0 only" in refused(
+        GRPO, ["rewards.length_target=64"])
+    assert "rewards.overlong_scale applies to rewards.overlong_buffer set only" in refused(
+        GRPO, ["rewards.overlong_scale=0.5"])
+    assert "rewards.overlong_buffer=200 must be in (0, rollout.max_new_tokens=128]" in refused(
+        GRPO, ["rewards.overlong_buffer=200"])
+    assert "rewards: no reward source" in refused(GRPO, ["rewards.verifier_weight=0"])
+    load_config(data=GRPO, overrides=["rewards.reward_models=[runs/rm]", "rewards.ensemble=mean_minus_std",
+                                      "rewards.ensemble_k=2", "rewards.verifier_weight=0"])
+
+
+def test_evaluation_keys():
+    online = {**GRPO, "data": {"format": "prompt", "eval_fraction": 0.1}}
+    assert "evaluation.temperature applies to evaluation.pass_k set only; got evaluation.pass_k=[]" in refused(
+        online, ["evaluation.temperature=0.6"])
+    assert "evaluation.pass_k needs a verdict" in refused(online, ["evaluation.pass_k=[1,4]",
+                                                                   "rewards.verifier_weight=0",
+                                                                   "rewards.functions={'tests.rl_toy:yes_share': 1}"])
+    assert "evaluation.prompts.shuffle is read by no run" in refused(
+        online, ["evaluation.prompts={paths: [p.jsonl], format: prompt, shuffle: false}"])
+    load_config(data=online, overrides=["evaluation.pass_k=[1,4]", "evaluation.temperature=0.6"])
+    # an online run with no eval split keeps its evaluation settings (eval_fraction 0 switches evaluation off)
+    load_config(data=GRPO, overrides=["evaluation.max_prompts=4"])
+
+
+def test_several_problems_are_reported_together():
+    message = refused(GRPO, ["ppo.gamma=0.9", "rollout.num_samples=1"])
+    assert message.startswith("2 problems in the config:")
+    assert "ppo.gamma applies" in message and "rollout.num_samples=1" in message
+
+
+# ---------------------------------------------------------------------------- every variant of the online builders
+# The instrumented runs read one setting of each switch; the builders of the online
+# algorithms (no model) are cheap enough to sweep under every setting of their switches.
+ONLINE_VARIANTS = {
+    "grpo": [{}, *({"grpo": {"advantage": a}} for a in ("dr_grpo", "rloo", "reinforce_pp", "remax", "process")),
+             *({"grpo": {"policy_loss": p}} for p in ("gspo", "cispo", "pg")),
+             {"grpo": {"dynamic_sampling": True}}, {"grpo": {"adaptive_kl": True}}, {"grpo": {"kl_coef": 0.0}}],
+    "ppo": [{}, {"ppo": {"critic": "shared"}}, {"ppo": {"critic_init": "reward_model", "critic_path": "runs/rm"}},
+            {"ppo": {"adaptive_kl": True}}, {"ppo": {"kl_placement": "loss"}}, {"ppo": {"kl_coef": 0.0}},
+            {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}}],
+}
+
+
+def builder_reads(config: TrainConfig) -> set[str]:
+    """The keys ``build_algorithm`` and the advantage function it returns read."""
+    import jax
+    import jax.numpy as jnp
+
+    from alignax.trainers.online import grpo, ppo
+    from alignax.trainers.online.algorithm import AdvantageInputs
+
+    recorder = ReadRecorder(config)
+    with recorder.active():
+        algorithm = {"grpo": grpo.build_algorithm, "ppo": ppo.build_algorithm}[config.algorithm](config)
+        rows, n = config.data.batch_size * config.rollout.num_samples, 3
+        zeros = jnp.zeros((rows, n))
+        jax.eval_shape(algorithm.advantages, AdvantageInputs(
+            rewards=jnp.arange(rows, dtype=jnp.float32), loss_mask=jnp.ones((rows, n)),
+            group_ids=jnp.repeat(jnp.arange(config.data.batch_size), config.rollout.num_samples),
+            old_logps=zeros, ref_logps=zeros, old_values=zeros, kl_coef=jnp.asarray(0.1),
+            baseline=jnp.zeros(rows), step_rewards=zeros, step_mask=zeros))
+    return recorder.reads
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_online_section_keys_are_read_by_the_builder_wherever_accepted(algorithm):
+    base = {"algorithm": algorithm, "data": {"format": "prompt", "batch_size": 2},
+            "rollout": {"num_samples": 2}, "ppo": {"epochs": 2}} if algorithm == "ppo" else \
+        {"algorithm": algorithm, "data": {"format": "prompt", "batch_size": 2}, "rollout": {"num_samples": 2}}
+    keys = [k for k in SCHEMA if k.startswith(algorithm + ".") and not k.startswith("ppo.ptx_data.")]
+    failures = []
+    for variant in ONLINE_VARIANTS[algorithm]:
+        raw = _merge(base, copy.deepcopy(variant))
+        config = config_io.from_dict(TrainConfig, raw)
+        assert validation.problems(config) == [], (variant, validation.problems(config))
+        variant_reads = builder_reads(config)
+        for key in keys:
+            for value in sweep_values(key, current_value(config, key)):
+                swept = config_io.from_dict(TrainConfig, with_key(raw, key, value))
+                if validation.problems(swept) or _set_as_default(swept, key):
+                    continue
+                # a value can only change what is read through a switch (a choice, a flag, a null)
+                tp, field = _field(key)
+                switch = typing.get_origin(tp) is typing.Literal or tp is bool or field.default is None
+                if key not in (builder_reads(swept) if switch else variant_reads):
+                    failures.append(f"{variant}: {key}={value!r} accepted but not read by the builder")
+    assert not failures, "\n".join(failures)
