@@ -333,3 +333,20 @@ def test_group_packing_decision(tmp_path, toy_model):
         assert (by_group == by_group[:, :1] + np.arange(4)).all() and (by_group[:, 0] % 4 == 0).all()
     with pytest.raises(ValueError, match="pack_groups=on needs whole groups"):
         group(rollout={"pack_groups": "on"}, grpo={"minibatches": 8})  # 4 prompts, 8 minibatches
+
+
+def test_lr_schedule_follows_the_rollouts_when_target_kl_stops_epochs_early(tmp_path, toy_model):
+    """The learning rate of rollout k's j-th update is read at k * epochs * minibatches + j:
+    epochs skipped by the target KL neither stretch nor cut the schedule."""
+    lr, epochs, minibatches, steps = 2e-2, 4, 2, 2
+    config = toy_config(tmp_path, toy_model, "ppo", steps=steps, checkpoint={"enabled": False},
+                        optim={"learning_rate": lr, "schedule": "linear", "warmup_steps": 0},
+                        ppo={"epochs": epochs, "minibatches": minibatches, "target_kl": 1e-9},
+                        rewards={"functions": {"tests.test_online_variants:hashed_reward": 1.0}})
+    result = train(config, records=toy_prompts(16))
+    total = steps * epochs * minibatches
+    for k, row in enumerate(result.history):
+        assert row["epochs_run"] == 1  # the second minibatch is off-policy: the tiny target stops the epochs
+        positions = [k * epochs * minibatches + j for j in range(minibatches)]
+        expected = np.mean([lr * (1 - p / total) for p in positions])
+        np.testing.assert_allclose(row["learning_rate"], expected, rtol=1e-6)

@@ -1,0 +1,80 @@
+"""``alignax.trainers.api``: train, evaluate and export for every algorithm, and the
+exports load in transformers with the trained model's outputs.
+
+One tiny run per algorithm on the toy model (sft, reward, dpo, kto, grpo, ppo with a
+separate critic), then ``evaluate`` and ``export`` from its checkpoint as ``alignax eval``
+and ``alignax export`` do.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from alignax.trainers.api import ALGORITHMS, evaluate, export, train
+from tests.rl_toy import toy_config, toy_prompts
+from tests.trainer_helpers import separable_pairs, sft_conversations, tiny_config, unpaired_feedback
+
+pytestmark = pytest.mark.xdist_group("api")
+
+TOKENS = np.array([[1, 17, 3, 12, 9, 4]])
+
+
+def _run(name, tmp_path, toy_model):
+    """``(config, records, the figure every evaluation of it reports)``."""
+    if name in ("grpo", "ppo"):
+        sections = {"ppo": {"epochs": 1}} if name == "ppo" else {}
+        return toy_config(tmp_path, toy_model, name, steps=1, **sections), toy_prompts(16), "reward"
+    records = {"sft": sft_conversations, "reward": separable_pairs, "dpo": separable_pairs,
+               "kto": unpaired_feedback}[name](32)
+    key = {"sft": "nll", "reward": "accuracy", "dpo": "rewards/accuracies", "kto": "loss"}[name]
+    return tiny_config(tmp_path, name, steps=1, model_dir=toy_model), records, key
+
+
+def test_every_algorithm_has_an_entry():
+    assert set(ALGORITHMS) == {"sft", "reward", "dpo", "grpo", "ppo"}
+    for entry in ALGORITHMS.values():
+        assert entry.family in ("offline", "online") and entry.model_kinds and callable(entry.make)
+
+
+@pytest.mark.parametrize("name", ["sft", "reward", "dpo", "kto", "grpo", "ppo"])
+def test_train_evaluate_export_for_every_algorithm(tmp_path, toy_model, name):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config, records, key = _run(name, tmp_path / "run", toy_model)
+    with pytest.raises(FileNotFoundError, match="no checkpoint under .*checkpoints"):
+        export(config, str(tmp_path / "nothing"))  # nothing trained yet: no silent export of the start
+    result = train(config, records=records)
+    figures = evaluate(config, records=records)
+    assert key in figures and np.isfinite(figures[key]), figures
+    assert result.eval_history and f"eval/{key}" in result.eval_history[-1]
+
+    out = export(config, str(tmp_path / "export"), critic=name == "ppo")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    with open(os.path.join(out, "config.json")) as f:
+        architecture = json.load(f)["architectures"][0]
+    with torch.no_grad():
+        if name == "reward":
+            assert architecture.endswith("ForSequenceClassification")
+            hf = AutoModelForSequenceClassification.from_pretrained(out, local_files_only=True).eval()
+            theirs = hf(torch.tensor(TOKENS)).logits.numpy()[:, 0]
+            ours = np.asarray(result.model(TOKENS).rewards)
+        else:
+            assert architecture.endswith("ForCausalLM")
+            hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+            theirs = hf(torch.tensor(TOKENS)).logits.numpy()
+            ours = np.asarray(result.model(TOKENS).logits)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    if name == "ppo":  # the separate critic, on request, as a sequence-classification checkpoint
+        critic = AutoModelForSequenceClassification.from_pretrained(os.path.join(out, "critic"),
+                                                                    local_files_only=True)
+        assert critic.config.num_labels == 1
+
+
+def test_export_refuses_a_critic_where_there_is_none(tmp_path, toy_model):
+    config, records, _ = _run("grpo", tmp_path, toy_model)
+    train(config, records=records)
+    with pytest.raises(ValueError, match="only ppo.critic=separate has a critic model"):
+        export(config, str(tmp_path / "export"), critic=True)
