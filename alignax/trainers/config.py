@@ -31,6 +31,7 @@ from alignax.ops import AggregationMode
 from alignax.rewards.composite import RewardConfig
 from alignax.trainers.engine.optim import OptimConfig
 
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Which model to train and how to hold it.
