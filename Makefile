@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 
-.PHONY: install test test-fast demo demo-long bench-env constraints clean
+.PHONY: install test test-all demo demo-long bench-env constraints clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
+# The default run leaves out tests marked `slow` (each has a faster test of the same property);
+# `make test-all` runs every test.
 test: install
+	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"
+
+test-all: install
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 
 # The main job: DPO then GRPO on SmolLM2-135M-Instruct (reasoning-gym chain_sum), ~15 min
@@ -38,8 +43,6 @@ demo-long: install
 bench-env:
 	tools/peers/setup_tunix_env.sh
 
-test-fast: install
-	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"
 
 constraints: install
 	{ echo '# Exact versions `make` installs on Python 3.11 (pip freeze of .venv).'; \

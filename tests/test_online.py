@@ -204,18 +204,11 @@ def test_resume_through_a_rollout_boundary_is_bit_identical(tmp_path, toy_model)
     ckpt.close()
 
 
+# Settings whose runs tests/test_online_variants.py does not already check against an
+# independent computation (it covers DAPO, Dr. GRPO, GSPO, CISPO, RLOO, REINFORCE++,
+# ReMax with groups and process advantages): these run end to end here.
 VARIANTS = {
-    "dapo": dict(grpo={"policy_loss": "ppo", "clip_eps_low": 0.2, "clip_eps_high": 0.28, "aggregation": "token-mean",
-                       "dynamic_sampling": True, "kl_coef": 0.0},
-                 rewards={"overlong_buffer": 4, "mask_truncated": False}),
-    "dr_grpo": dict(grpo={"advantage": "dr_grpo", "aggregation": "seq-mean-token-sum-norm"}),
-    "gspo": dict(grpo={"policy_loss": "gspo", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4}),
-    "cispo": dict(grpo={"policy_loss": "cispo", "clip_eps_low": None, "clip_eps_high": 0.28}),
-    "rloo": dict(grpo={"advantage": "rloo", "policy_loss": "pg", "kl_placement": "reward", "kl_kind": "k1"}),
-    "remax": dict(grpo={"advantage": "remax", "policy_loss": "pg"}, rollout={"num_samples": 1}),
-    "reinforce_pp": dict(grpo={"advantage": "reinforce_pp", "reinforce_baseline": True, "policy_loss": "pg"}),
-    "process": dict(grpo={"advantage": "process", "step_delimiter": "no",
-                          "process_reward": "tests.rl_toy:toy_process_reward"}),
+    "remax_single_sample": dict(grpo={"advantage": "remax", "policy_loss": "pg"}, rollout={"num_samples": 1}),
     "ppo_shared_critic": dict(ppo={"critic": "shared", "adaptive_kl": True, "kl_target": 0.5, "target_kl": 0.01}),
     "sampler_logps": dict(rollout={"old_logps": "sampler", "top_p": 0.9}),
     "tis": dict(rollout={"tis_cap": 2.0}),
@@ -230,13 +223,8 @@ def test_each_variant_runs(tmp_path, toy_model, variant):
     result = train(config, records=toy_prompts(32))
     finite_history(result)
     last = result.history[-1]
-    if variant == "dapo":
-        assert "groups/refills" in last and last["groups/zero_variance_fraction"] <= 1.0
-        assert "reward/overlong" in last
-    if variant == "remax":
+    if variant == "remax_single_sample":
         assert "reward/greedy_baseline" in last
-    if variant == "process":
-        assert last["process/steps_per_completion"] >= 1.0
     if variant == "ppo_shared_critic":
         assert last["epochs_run"] >= 1 and "value/loss" in last
     if variant == "tis":

@@ -435,6 +435,7 @@ MESH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # the GRPO mesh check (test_online_mesh.py) samples on the same fake mesh
 def test_sharded_batch_equals_single_device():
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     env.pop("XLA_FLAGS", None)
