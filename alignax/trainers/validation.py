@@ -24,6 +24,7 @@ algorithm, the setting that makes the key unusable, and what would be right.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -63,17 +64,19 @@ def show(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------- conditions
-class Cond:
+class Cond(abc.ABC):
     """A condition on a config: ``cond(config) -> bool``; ``text`` says it in recipe terms,
     ``got(config)`` the values that make it fail."""
 
     text: str
 
+    @abc.abstractmethod
     def __call__(self, config: TrainConfig) -> bool:
-        raise NotImplementedError
+        """Whether the condition holds for ``config``."""
 
+    @abc.abstractmethod
     def got(self, config: TrainConfig) -> str:
-        raise NotImplementedError
+        """The values of ``config`` that the condition reads, in recipe terms."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.text}>"
