@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from alignax.data import DataConfig, build_dataset, open_source, prepare_dataset, write_jsonl
+from alignax.data import BadRecordError, DataConfig, build_dataset, open_source, prepare_dataset, write_jsonl
 
 _spec = importlib.util.spec_from_file_location(
     "tiny_tokenizer", os.path.join(os.path.dirname(__file__), "data", "tiny_tokenizer.py")
@@ -209,19 +209,23 @@ def test_process_shards_partition_each_global_batch(tok, prompt_file, process_co
 
 def test_eval_split_is_held_out_and_padded(tok, prompt_file):
     prepared = prepare_dataset(_config(prompt_file, eval_fraction=0.25, seed=11), tok)
-    assert prepared.stats["train"] == 15 and prepared.stats["eval"] == 5
+    # The split is by prompt: prompt_file has 3 prompts ("hi" x 1, 2, 3) of 7, 7 and 6
+    # records, so eval is the first drawn group ("hi hi", records 1, 4, ..., 19), 7
+    # records where round(0.25 * 20) = 5 asks for 5 (the per-record split gave 15/5).
+    assert prepared.stats["train"] == 13 and prepared.stats["eval"] == 7
+    assert prepared.eval_indices.tolist() == list(range(1, N, 3))
     train_ids = set(sum(_take(prepared.iterator("train", process_index=0, process_count=1), 3), []))
     eval_rows = []
     for p in range(2):
         batches = list(prepared.iterator("eval", process_index=p, process_count=2))
-        assert len(batches) == 2  # 5 examples -> 2 global batches of 4, the last padded
+        assert len(batches) == 2  # 7 examples -> 2 global batches of 4, the last padded
         for b in batches:
             assert b["prompt_tokens"].shape == (2, 16)
         eval_rows += [i for b in batches for i in _ids(b)]
         masks = [m for b in batches for m in b["example_mask"]]
-        assert sum(masks) in (2, 3)
+        assert sum(masks) in (3, 4)
     assert sorted(eval_rows) == sorted(int(i) for i in prepared.eval_indices)
-    assert len(eval_rows) == 5 and not train_ids & set(eval_rows)
+    assert len(eval_rows) == 7 and not train_ids & set(eval_rows)
     assert sorted(set(int(i) for i in prepared.train_indices) | set(eval_rows)) == list(range(N))
 
 
@@ -257,3 +261,181 @@ def test_state_round_trips_through_orbax(tok, prompt_file, tmp_path):
     resumed = build_dataset(config, tok, process_index=0, process_count=1)
     resumed.set_state(restored["data"])
     assert _take(resumed, 3) == _take(it, 3)
+
+
+# ------------------------------------------------------- duplicates, prompt-grouped split
+
+
+def _pair(prompt, chosen, rejected, **extra):
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, **extra}
+
+
+# 10 records; lines 6 and 10 repeat line 2, line 8 repeats line 3 (an "id" the encoder
+# does not read differs: the tokenised content is what counts). Lines 2 and 4 share a
+# prompt with other responses, and line 9 differs from line 2 by its margin only: not
+# duplicates.
+DUPLICATE_RECORDS = [
+    _pair("hi", "yes", "no"),
+    _pair("what is two", "four", "two", id=1),
+    _pair("what is two plus two", "four", "no"),
+    _pair("what is two", "four now", "no"),
+    _pair("bye", "bye now", "no"),
+    _pair("what is two", "four", "two", id=2),
+    _pair("is two four", "yes", "no"),
+    _pair("what is two plus two", "four", "no"),
+    _pair("what is two", "four", "two", margin=1.0),
+    _pair("what is two", "four", "two"),
+]
+
+
+@pytest.fixture(scope="module")
+def duplicate_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dups") / "pairs.jsonl"
+    write_jsonl(DUPLICATE_RECORDS, path)
+    return str(path)
+
+
+def _pairs_config(path, **kw):
+    return DataConfig(paths=path, format="preference", apply_chat_template=False, max_length=16,
+                      max_prompt_length=8, batch_size=2, **kw)
+
+
+def test_duplicates_are_counted_and_kept_by_default(tok, duplicate_file):
+    prepared = prepare_dataset(_pairs_config(duplicate_file), tok)
+    assert prepared.stats["duplicates"] == 3
+    assert prepared.stats["kept"] == 10 and prepared.stats["skipped"] == 0
+    assert "skipped/duplicate" not in prepared.stats
+    assert prepared.train_indices.tolist() == list(range(10))
+
+
+def test_duplicates_can_be_skipped(tok, duplicate_file):
+    prepared = prepare_dataset(_pairs_config(duplicate_file, on_duplicate="skip"), tok)
+    stats = prepared.stats
+    assert stats["duplicates"] == 3 and stats["skipped/duplicate"] == 3 and stats["skipped"] == 3
+    assert stats["kept"] == 7 and stats["records"] == 10
+    assert prepared.train_indices.tolist() == [0, 1, 2, 3, 4, 6, 8]  # the first of each kept
+    assert json.loads(json.dumps(stats)) == stats
+
+
+def test_a_duplicate_is_an_error_naming_both_records(tok, duplicate_file):
+    with pytest.raises(BadRecordError) as err:
+        prepare_dataset(_pairs_config(duplicate_file, on_duplicate="error"), tok)
+    message = str(err.value)
+    assert message.startswith(f"{duplicate_file}, line 6: duplicate of {duplicate_file}, line 2:"), message
+    assert "data.on_duplicate='error'" in message and err.value.reason == "duplicate"
+
+
+def test_no_duplicates_counts_zero_and_the_policy_is_validated(tok, prompt_file):
+    prepared = prepare_dataset(_config(prompt_file, on_duplicate="error"), tok)  # answers differ: none
+    assert prepared.stats["duplicates"] == 0 and prepared.stats["kept"] == N
+    with pytest.raises(ValueError, match=r"unknown data.on_duplicate 'drop'; valid: keep, skip, error"):
+        DataConfig(paths="x.jsonl", on_duplicate="drop")
+
+
+def test_a_prompt_sets_duplicates_are_prompt_and_answer(tok, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    write_jsonl([{"prompt": "hi", "answer": "1", "id": 0}, {"prompt": "hi", "answer": "2", "id": 1},
+                 {"prompt": "hi", "answer": "1", "id": 2}], path)
+    assert prepare_dataset(_config(str(path)), tok).stats["duplicates"] == 1
+
+
+# 40 unpaired records, 8 prompts of 5 records each, interleaved: a per-record split leaks.
+REPEATED_PROMPTS = ["hi", "hi there", "what is two", "what is four", "bye", "bye now", "is two four", "ok sure"]
+COMPLETIONS = ["yes", "no", "yes ok", "no now", "sure"]
+
+
+def _repeated_records():
+    return [{"prompt": REPEATED_PROMPTS[i % 8], "completion": COMPLETIONS[i // 8], "label": i % 2 == 0}
+            for i in range(40)]
+
+
+def _unpaired_config(**kw):
+    kw.setdefault("max_length", 12)
+    kw.setdefault("max_prompt_length", 8)
+    return DataConfig(format="unpaired", apply_chat_template=False, batch_size=2, read_threads=0, **kw)
+
+
+def _prompt_ids(prepared, indices):
+    return {tuple(prepared.encoder.encode(prepared.source[int(i)]).prompt) for i in indices}
+
+
+def test_split_keeps_each_prompt_on_one_side(tok):
+    records = _repeated_records()
+    for seed in range(5):
+        config = _unpaired_config(eval_fraction=0.3, seed=seed)
+        prepared = prepare_dataset(config, tok, records=records)
+        assert prepared.stats["duplicates"] == 0
+        assert not _prompt_ids(prepared, prepared.train_indices) & _prompt_ids(prepared, prepared.eval_indices)
+        # whole groups of 5 until round(0.3 * 40) = 12 is reached: 15 records
+        assert prepared.stats["eval"] == 15 and prepared.stats["train"] == 25
+        assert sorted(prepared.train_indices.tolist() + prepared.eval_indices.tolist()) == list(range(40))
+        # the former split, a seeded permutation of the records, put prompts on both sides
+        order = np.random.default_rng(seed).permutation(40)
+        old_eval, old_train = order[:12], order[12:]
+        assert _prompt_ids(prepared, old_train) & _prompt_ids(prepared, old_eval)
+        # KL partners stay within their split and off their own prompt
+        for i in prepared.eval_indices:
+            j = prepared.kl_partner(i)
+            assert j in prepared.eval_indices and records[j]["prompt"] != records[i]["prompt"]
+
+
+def test_split_is_seeded(tok):
+    records = _repeated_records()
+    splits = [prepare_dataset(_unpaired_config(eval_fraction=0.3, seed=s), tok, records=records).eval_indices.tolist()
+              for s in (0, 0, 1, 2, 3)]
+    assert splits[0] == splits[1]
+    assert any(split != splits[0] for split in splits[2:])
+
+
+def test_split_equals_the_per_record_split_when_every_prompt_is_unique(tok):
+    """With no prompt repeated each group is one record, and the split is the former one."""
+    words = ["hi", "there", "bye", "now", "what", "is", "two", "four"]
+    records = [{"prompt": f"{words[i % 8]} {words[i // 8]}", "completion": "yes", "label": True} for i in range(30)]
+    for fraction, seed in ((0.3, 0), (0.1, 4)):
+        prepared = prepare_dataset(_unpaired_config(eval_fraction=fraction, seed=seed), tok, records=records)
+        n_eval = round(fraction * 30)
+        order = np.random.default_rng(seed).permutation(30)
+        assert prepared.eval_indices.tolist() == sorted(order[:n_eval].tolist())
+        assert prepared.train_indices.tolist() == sorted(order[n_eval:].tolist())
+
+
+def test_split_groups_a_prompt_truncated_differently_by_its_responses(tok):
+    # keep_end cuts "what is two plus four" (5 tokens) by the response's length: the
+    # encoded prompts differ, the prompt is the same, and one side holds both records.
+    records = []
+    for k, prompt in enumerate(["what is two plus four", "what is four plus two", "is two plus four two",
+                                "two plus two is four", "what is two plus two", "hi there bye now ok"]):
+        records += [{"prompt": prompt, "completion": "yes", "label": True},
+                    {"prompt": prompt, "completion": "no ok sure now", "label": False}]
+    for seed in range(4):
+        prepared = prepare_dataset(_unpaired_config(max_length=8, max_prompt_length=6, eval_fraction=0.3, seed=seed), tok, records=records)
+        assert prepared.stats["truncated/prompt"] == 6
+        assert len(_prompt_ids(prepared, [0, 1])) == 2  # the encoded prompts differ
+        train = {records[i]["prompt"] for i in prepared.train_indices}
+        held_out = {records[i]["prompt"] for i in prepared.eval_indices}
+        assert held_out and not train & held_out
+
+
+def test_split_never_empties_a_side(tok):
+    records = [{"prompt": p, "completion": c, "label": True} for p in ("hi", "bye") for c in ("yes", "no", "sure")]
+    for fraction in (0.01, 0.5, 0.9):
+        prepared = prepare_dataset(_unpaired_config(eval_fraction=fraction), tok, records=records)
+        assert prepared.stats["eval"] == 3 and prepared.stats["train"] == 3  # one group each
+    assert prepare_dataset(_unpaired_config(), tok, records=records).stats["eval"] == 0
+
+
+def test_single_prompt_with_an_eval_fraction_is_an_error(tok):
+    records = [{"prompt": "hi", "completion": c, "label": True} for c in ("yes", "no", "sure", "ok")]
+    with pytest.raises(ValueError, match="eval split cannot be separated by prompt"):
+        prepare_dataset(_unpaired_config(eval_fraction=0.25), tok, records=records)
+    assert prepare_dataset(_unpaired_config(), tok, records=records).stats["train"] == 4
+
+
+def test_text_records_group_by_their_whole_text(tok):
+    texts = ["hi there", "hi bye", "hi now", "hi there", "what is two", "hi bye"]
+    config = DataConfig(format="text", max_length=8, max_prompt_length=4, batch_size=2, eval_fraction=0.5, seed=1)
+    prepared = prepare_dataset(config, tok, records=[{"text": t} for t in texts])
+    assert prepared.stats["duplicates"] == 2  # lines 4 and 6
+    train = {texts[i] for i in prepared.train_indices}
+    held_out = {texts[i] for i in prepared.eval_indices}
+    assert held_out and train and not train & held_out  # the first token "hi" does not group them

@@ -136,11 +136,13 @@ def test_the_runs_eval_split_is_the_default_prompt_set(toy):
     model, tokenizer, config = toy
     counts = [(i * 7) % 5 for i in range(40)]  # 0..4 correct samples
     records = scripted_records(counts)
-    split = prepare_dataset(config.data, tokenizer, records=records).eval_indices  # eval_fraction 0.25: 10
+    # eval_fraction 0.25 holds out whole prompt groups: the 40 records have 11 prompts (i % 11),
+    # so the held-out set is 11 records, never a prompt that also sits in train
+    split = prepare_dataset(config.data, tokenizer, records=records).eval_indices
     settings = EvaluationConfig(max_prompts=None, pass_k=(2,), success_threshold=1.0)
     figures = evaluate_model(model, tokenizer, config, records=records, evaluation=settings)
     held_out = [counts[i] for i in split]
-    assert figures["prompts"] == len(held_out) == 10
+    assert figures["prompts"] == len(held_out) == 11
     assert figures["accuracy"] == pytest.approx(np.mean([c > 0 for c in held_out]))
     # n = max(pass_k) = 2 samples: a prompt allowing more has both correct
     assert figures["pass@2"] == pytest.approx(expected_pass_at_k([min(c, 2) for c in held_out], 2, 2))

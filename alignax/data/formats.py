@@ -81,7 +81,11 @@ class Encoded:
     tokens (one entry ``"response"`` for unpaired/sft/text, ``"chosen"``/``"rejected"``
     for pairs, none for prompt sets). ``label``: KTO label. ``margin``: a pair's margin
     (``None`` when the record has none). ``reference``: the record, for prompt sets.
-    ``truncated_prompt`` / ``truncated_response``: what truncation did.
+    ``truncated_prompt`` / ``truncated_response``: what truncation did. ``full_prompt``:
+    the prompt ids before truncation cut them (``None`` when ``prompt`` is whole, and for
+    prompt sets, cut at a fixed length): ``keep_end`` cuts a prompt by its responses'
+    lengths, and the pipeline's prompt-grouped train/eval split groups records by prompt
+    whatever their responses.
     """
 
     prompt: list[int]
@@ -91,6 +95,7 @@ class Encoded:
     reference: dict | None = None
     truncated_prompt: bool = False
     truncated_response: bool = False
+    full_prompt: list[int] | None = None
 
 
 def _is_messages(value: Any) -> bool:
@@ -409,7 +414,8 @@ class Encoder:
             {"chosen": (c_ids, c_mask), "rejected": (r_ids, r_mask)},
             {"prompt": p_field, "chosen": c_field, "rejected": r_field},
         )
-        return Encoded(prompt_ids, fitted, margin=margin, truncated_prompt=cut_p, truncated_response=cut_r)
+        return Encoded(prompt_ids, fitted, margin=margin, truncated_prompt=cut_p, truncated_response=cut_r,
+                       full_prompt=p_c if cut_p else None)
 
     def _margin(self, record: Mapping) -> float | None:
         """The pair's ``margin``: a finite number, or ``None`` when absent (or null)."""
@@ -440,7 +446,8 @@ class Encoder:
             {"response": (ids, mask)},
             {"prompt": self.fields["prompt"][0], "response": self.fields["completion"][0]},
         )
-        return Encoded(prompt_ids, fitted, label=label, truncated_prompt=cut_p, truncated_response=cut_r)
+        return Encoded(prompt_ids, fitted, label=label, truncated_prompt=cut_p, truncated_response=cut_r,
+                       full_prompt=p_ids if cut_p else None)
 
     def _encode_sft(self, record: Mapping) -> Encoded:
         field = self.fields["messages"][0]
@@ -454,7 +461,8 @@ class Encoder:
         prompt_ids, fitted, cut_p, cut_r = self._fit(
             p_ids, {"response": (ids, mask)}, {"prompt": field, "response": field}
         )
-        return Encoded(prompt_ids, fitted, truncated_prompt=cut_p, truncated_response=cut_r)
+        return Encoded(prompt_ids, fitted, truncated_prompt=cut_p, truncated_response=cut_r,
+                       full_prompt=p_ids if cut_p else None)
 
     def _encode_text(self, record: Mapping) -> Encoded:
         field = self.fields["text"][0]

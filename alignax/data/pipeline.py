@@ -7,8 +7,10 @@ How a batch is made:
 
 1. **Prepare** (once, identically on every JAX process): every record is read and
    tokenised; bad records raise (``on_bad_record: error``) or are skipped and counted;
-   truncations are counted. The survivors are split into train and eval by a seeded
-   permutation (``eval_fraction``). Memory holds their indices, not their tokens.
+   truncations and duplicates (records whose tokenised content repeats an earlier one's;
+   ``on_duplicate``) are counted. The survivors are split into train and eval by prompt
+   (``eval_fraction``): whole groups of records sharing a prompt go to one side, so no
+   prompt is in both. Memory holds their indices and digests, not their tokens.
 2. **Order**: grain ``MapDataset.range(n).shuffle(seed).repeat()`` — a different,
    deterministic permutation in every epoch; epochs follow each other without a gap.
 3. **Shard**: process ``p`` of ``P`` takes stream elements ``p, p+P, p+2P, ...``; its
@@ -51,6 +53,7 @@ may use the eos id (SmolLM2: pad == eos); masks, never token ids, say what is pa
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import threading
@@ -65,6 +68,7 @@ from alignax.data.formats import FORMATS, TRUNCATIONS, Encoder
 from alignax.data.sources import BadRecordError, ConcatSource, ListSource, open_source
 
 BAD_RECORD_POLICIES = ("error", "skip")
+DUPLICATE_POLICIES = ("keep", "skip", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +97,21 @@ class DataConfig:
         responses lose their end) or ``reject`` (the record is a bad record).
       on_bad_record: ``error`` stops with the file, line/row and field; ``skip`` counts it
         in ``stats`` and goes on.
+      on_duplicate: what to do with a record whose tokenised content (prompt and response
+        ids and masks, label, margin; a prompt set's prompt and ``answer``) equals an
+        earlier kept record's: ``keep`` it (the default: repeated training data can be
+        meant), ``skip`` it, or ``error`` naming both records' file and line/row. Always
+        counted in ``stats["duplicates"]``.
       seed: seeds the per-epoch shuffle and the train/eval split.
       shuffle: shuffle the training stream (eval is never shuffled).
       batch_size: the global batch size, over all JAX processes.
-      eval_fraction: fraction of the (valid) records held out for evaluation, in [0, 1).
+      eval_fraction: fraction of the (kept) records held out for evaluation, in [0, 1),
+        split by prompt: the records sharing a prompt (text: the whole text) form a group,
+        and whole groups, in an order drawn with ``seed``, go to eval until it holds
+        ``round(eval_fraction * kept)`` records (at least one group, never all of them), so
+        no prompt is in both splits. ``stats["eval"]`` can therefore exceed that count by
+        up to a group's size less one. With ``eval_fraction > 0`` the data needs two
+        distinct prompts at least.
       num_epochs: passes over the training set; ``None`` repeats forever.
       read_threads: threads tokenising ahead of the consumer (0: in the caller's thread).
       prefetch_batches: batches buffered ahead when ``read_threads > 0``.
@@ -113,6 +128,7 @@ class DataConfig:
     max_response_length: int | None = None
     truncation: str = "keep_end"
     on_bad_record: str = "error"
+    on_duplicate: str = "keep"
     seed: int = 0
     shuffle: bool = True
     batch_size: int = 8
@@ -131,6 +147,7 @@ class DataConfig:
             ("format", self.format, FORMATS),
             ("truncation", self.truncation, TRUNCATIONS),
             ("on_bad_record", self.on_bad_record, BAD_RECORD_POLICIES),
+            ("on_duplicate", self.on_duplicate, DUPLICATE_POLICIES),
         ):
             if value not in choices:
                 raise ValueError(f"unknown data.{name} {value!r}; valid: {', '.join(choices)}")
@@ -187,10 +204,16 @@ class PreparedData:
 
     ``stats`` (ints, loggable as they are): ``records`` read, ``kept``, ``skipped``,
     ``skipped/<reason>`` per reason (``malformed``, ``not_utf8``, ``missing_field``,
-    ``empty``, ``identical``, ``too_long``, ``invalid``), ``truncated/prompt``,
+    ``empty``, ``identical``, ``too_long``, ``invalid``, and ``duplicate`` under
+    ``on_duplicate: skip``), ``duplicates`` (records repeating an earlier kept record's
+    tokenised content, kept or skipped as ``on_duplicate`` says), ``truncated/prompt``,
     ``truncated/response``, ``train``, ``eval``, for ``preference`` ``margin/present``
     (records carrying a margin), and for ``unpaired`` ``label/desirable`` /
     ``label/undesirable``.
+
+    The train/eval split is by prompt (see ``DataConfig.eval_fraction``): records whose
+    prompt ids are equal, before or after truncation (``text``: whose ids are equal), are
+    one group, and a group is wholly in train or wholly in eval.
 
     ``required_fields``: optional fields of the format every record must carry (see
     :class:`~alignax.data.formats.Encoder`).
@@ -200,9 +223,14 @@ class PreparedData:
         self.config = config
         self.source = source if source is not None else _open_sources(config)
         self.encoder = _encoder(config, tokenizer, required_fields)
-        stats: Counter = Counter({"records": 0, "skipped": 0, "truncated/prompt": 0, "truncated/response": 0})
+        on_duplicate = config.on_duplicate
+        stats: Counter = Counter(
+            {"records": 0, "skipped": 0, "duplicates": 0, "truncated/prompt": 0, "truncated/response": 0}
+        )
         valid = []
-        prompt_keys: dict[int, int] = {}
+        prompt_keys: dict[int, bytes] = {}  # unpaired: record -> its prompt's digest (KL partners)
+        first_of: dict[bytes, int] = {}  # content digest -> the first kept record with it
+        groups = _PromptGroups()
         if config.format == "preference":
             stats["margin/present"] = 0
         for i in range(len(self.source)):
@@ -216,19 +244,37 @@ class PreparedData:
                 stats["skipped"] += 1
                 stats[f"skipped/{e.reason}"] += 1
                 continue
+            content = _content_digest(encoded, config.format)
+            first = first_of.setdefault(content, i)
+            if first != i:
+                stats["duplicates"] += 1
+                if on_duplicate == "error":
+                    raise BadRecordError(
+                        "duplicate", None,
+                        f"duplicate of {self.source.where(first)}: the same tokenised content "
+                        "(data.on_duplicate='error'; 'skip' drops such records, 'keep' trains on them)",
+                        self.source.where(i),
+                    )
+                if on_duplicate == "skip":
+                    stats["skipped"] += 1
+                    stats["skipped/duplicate"] += 1
+                    continue
             valid.append(i)
+            prompt = _digest(encoded.prompt if config.format != "text" else
+                             encoded.prompt + encoded.responses["response"][0])
+            groups.add(i, prompt, None if encoded.full_prompt is None else _digest(encoded.full_prompt))
             stats["truncated/prompt"] += encoded.truncated_prompt
             stats["truncated/response"] += encoded.truncated_response
             if encoded.label is not None:
                 stats["label/desirable" if encoded.label else "label/undesirable"] += 1
-                prompt_keys[i] = hash(tuple(encoded.prompt))
+                prompt_keys[i] = prompt
             if encoded.margin is not None:
                 stats["margin/present"] += 1
         valid = np.asarray(valid, np.int64)
-        n_eval = int(round(config.eval_fraction * len(valid)))
-        order = np.random.default_rng(config.seed).permutation(len(valid))
-        self.eval_indices = np.sort(valid[order[:n_eval]])
-        self.train_indices = np.sort(valid[order[n_eval:]])
+        in_eval = _eval_groups(groups.members(), config.eval_fraction, config.seed)
+        eval_mask = np.isin(valid, in_eval)
+        self.eval_indices = valid[eval_mask]
+        self.train_indices = valid[~eval_mask]
         stats["kept"] = len(valid)
         stats["train"] = len(self.train_indices)
         stats["eval"] = len(self.eval_indices)
@@ -287,12 +333,91 @@ class PreparedData:
         return DataIterator(self, split, process_index, process_count, ordered=ordered or split == "eval")
 
 
-def _kl_partners(indices: np.ndarray, prompt_keys: Mapping[int, int], seed) -> tuple[np.ndarray, np.ndarray]:
+def _digest(ids: Sequence[int]) -> bytes:
+    """A stable digest of token ids (the same in every process and run, unlike ``hash``)."""
+    return hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=16).digest()
+
+
+def _content_digest(encoded, format: str) -> bytes:
+    """A stable digest of everything a record contributes to training: equal for duplicates."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def part(ids: Sequence[int]) -> None:
+        ids = np.asarray(ids, np.int64)
+        h.update(np.int64(len(ids)).tobytes())  # lengths keep the parts' boundaries apart
+        h.update(ids.tobytes())
+
+    part(encoded.prompt)
+    for name in sorted(encoded.responses):
+        ids, mask = encoded.responses[name]
+        h.update(name.encode())
+        part(ids)
+        part(mask)
+    h.update(repr((encoded.label, encoded.margin)).encode())
+    if format == "prompt" and encoded.reference is not None:  # a prompt set's answer is its target
+        h.update(json.dumps(encoded.reference.get("answer"), sort_keys=True, default=str).encode())
+    return h.digest()
+
+
+class _PromptGroups:
+    """Records grouped by prompt: records sharing a key (their prompt's digest, or that of
+    the prompt before truncation) are one group (union-find over the keys)."""
+
+    def __init__(self):
+        self._parent: dict[bytes, bytes] = {}
+        self._key_of: dict[int, bytes] = {}  # record -> one of its keys, in insertion order
+
+    def _root(self, key: bytes) -> bytes:
+        parent = self._parent
+        root = parent.setdefault(key, key)
+        while parent[root] != root:
+            root = parent[root]
+        while parent[key] != root:  # path compression
+            parent[key], key = root, parent[key]
+        return root
+
+    def add(self, record: int, key: bytes, other: bytes | None = None) -> None:
+        self._key_of[record] = key
+        root = self._root(key)
+        if other is not None:
+            other_root = self._root(other)
+            if other_root != root:
+                self._parent[other_root] = root
+
+    def members(self) -> list[list[int]]:
+        """The groups' records, groups in order of their first record (deterministic)."""
+        out: dict[bytes, list[int]] = {}
+        for record, key in self._key_of.items():
+            out.setdefault(self._root(key), []).append(record)
+        return list(out.values())
+
+
+def _eval_groups(groups: Sequence[Sequence[int]], eval_fraction: float, seed: int) -> np.ndarray:
+    """The records of the eval split: whole prompt groups, in an order drawn with ``seed``,
+    until ``round(eval_fraction * records)`` are taken (at least one group, never all)."""
+    if eval_fraction <= 0 or not groups:
+        return np.zeros(0, np.int64)
+    if len(groups) == 1:
+        raise ValueError(
+            f"data.eval_fraction is {eval_fraction} but every kept record ({len(groups[0])}) has the same prompt: "
+            "the eval split cannot be separated by prompt from the training split; set data.eval_fraction: 0 "
+            "or add records with other prompts"
+        )
+    target = max(1, int(round(eval_fraction * sum(len(g) for g in groups))))
+    taken: list[int] = []
+    for g in np.random.default_rng(seed).permutation(len(groups))[:-1]:  # the last drawn stays in train
+        taken.extend(groups[g])
+        if len(taken) >= target:
+            break
+    return np.asarray(sorted(taken), np.int64)
+
+
+def _kl_partners(indices: np.ndarray, prompt_keys: Mapping[int, bytes], seed) -> tuple[np.ndarray, np.ndarray]:
     """``(records, their KL partners)`` within ``indices`` (see :meth:`PreparedData.kl_partner`)."""
     n = len(indices)
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    groups: dict[int, list[int]] = {}
+    groups: dict[bytes, list[int]] = {}
     for record in indices[np.random.default_rng(seed).permutation(n)]:
         groups.setdefault(prompt_keys[int(record)], []).append(int(record))
     order = [record for members in groups.values() for record in members]
