@@ -258,27 +258,67 @@ def to_dict(config: Any) -> Any:
     return config
 
 
+_OVERRIDE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
+
+
+def _override_key(item: str, key: str) -> list[str]:
+    """The parts of an override's dotted ``key``; a malformed key is a :class:`ConfigError`
+    naming the override ``item`` and what is wrong with it."""
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r}: the key before '=' is empty; expected dotted.key=value, "
+                          "e.g. optim.learning_rate=1e-4")
+    parts = key.split(".")
+    if "" in parts:
+        where = ("starts with a dot" if parts[0] == "" else "ends with a dot" if parts[-1] == ""
+                 else "has two dots in a row")
+        raise ConfigError(f"override {item!r}: the key {key!r} {where} (an empty part); expected dotted.key=value "
+                          "with a name between every two dots")
+    for part in parts:
+        if not _OVERRIDE_PART.match(part):
+            odd = sorted({ch for ch in part if not (ch.isascii() and (ch.isalnum() or ch in "_-"))})
+            what = (f"holds {', '.join('a space' if c == ' ' else repr(c) for c in odd)}" if odd
+                    else "starts with '-'")
+            raise ConfigError(f"override {item!r}: the key part {part!r} {what}; config keys are names of letters, "
+                              "digits and '_' (no spaces; put any space in the value, after '=')")
+    return parts
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: its problem and the column of the value it is at."""
+    problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+    if not problem:
+        return " ".join(str(err).split())
+    return f"{problem} at column {mark.column + 1}" if mark is not None else problem
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` strings to a nested dict (values parsed as YAML, 1.2 floats:
-    ``optim.learning_rate=1e-3`` is a float)."""
+    ``optim.learning_rate=1e-3`` is a float).
+
+    A malformed override is a :class:`ConfigError` naming it: no ``=``, an empty key
+    (``=5``), an empty part (``dpo..beta=1``, ``.x=1``, ``a.b.=1``), a key part that is not a
+    name (spaces, odd characters), a part that is a value rather than a section, a value
+    that is not valid YAML.
+    """
     data = _deep_copy(data)
     for item in overrides:
-        if "=" not in item:
+        if not isinstance(item, str) or "=" not in item:
             raise ConfigError(f"override {item!r} must look like dotted.key=value")
         key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
+        parts = _override_key(item, key)
         node = data
         for part in parts[:-1]:
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"override {key!r}: {part!r} is a value, not a section")
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
             node = child
         try:
             value = yaml_load(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from err
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(err)})") from err
         node[parts[-1]] = value
     return data
 

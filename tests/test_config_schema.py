@@ -55,6 +55,8 @@ READ_ELSEWHERE = {
     "data.on_bad_record": "read when a record is bad (tests/test_data.py)",
     "ppo.ptx_data.on_bad_record": "read when a record is bad (tests/test_data.py)",
     "evaluation.prompts.on_bad_record": "read when a record is bad (tests/test_data.py)",
+    "checkpoint.allow_changes": "read when a run resumes with a changed config (tests/test_run_directory.py)",
+    "checkpoint.resume_step": "read when a run resumes (tests/test_run_directory.py, tests/test_cli.py)",
 }
 
 
@@ -211,6 +213,7 @@ SWEEP_VALUES = {
     "ppo.critic_path": ["runs/reward-model"],
     "rollout.stop_token_ids": [[2]],
     "rewards.answer_tag": ["final"],
+    "rewards.task": ["chain_sum"],
     "rewards.functions": [{"tests.rl_toy:yes_share": 1.0}],
     "rewards.reward_models": [["runs/reward-model"]],
     "rewards.clip": [[-1.0, 1.0]],
@@ -227,6 +230,7 @@ DATA_VALUES = {
     "system_prompt": ["Answer briefly."],
     "truncation": ["truncate_response", "reject"],
     "on_bad_record": ["skip"],
+    "on_duplicate": ["skip", "error"],
     "max_length": [100],
     "max_prompt_length": [64],
     "max_response_length": [16],

@@ -95,3 +95,19 @@ def test_last_number_extraction_is_a_fallback_for_untagged_answers():
     reference = {"answer": "7", "task": "chain_sum", "metadata": {}}
     _, parts = verifier_rewards(["4 + 3 = 7.", "4 + 3 = 8."], [reference, reference], extraction="tag_or_last_number")
     assert parts["correct"].tolist() == [1.0, 0.0] and parts["format"].tolist() == [0.0, 0.0]
+
+
+def test_with_task_fills_only_records_that_name_none():
+    from alignax.rewards.process import outcome_on_last_step
+    from alignax.rewards.verifiers import with_task
+
+    records = [{"answer": "7"}, {"answer": "7", "task": "basic_arithmetic"},
+               {"answer": "7", "metadata": {"source_dataset": "chain_sum"}}]
+    filled = with_task(records, "chain_sum")
+    assert filled[0]["task"] == "chain_sum" and filled[1] is records[1] and filled[2] is records[2]
+    assert with_task(records, None) == records
+    # the process rewards read the task from the record: rewards.task reaches them this way
+    steps = [["so", "<answer>7</answer>"]]
+    with pytest.raises(ValueError, match="names no reasoning-gym task"):
+        outcome_on_last_step(steps, records[:1])
+    assert outcome_on_last_step(steps, with_task(records[:1], "chain_sum"))[0][-1] == 1.0

@@ -41,8 +41,13 @@ class RewardConfig:
         completion must be only ``<think>..</think>`` then one ``<answer>`` block.
       answer_tag: the tag the verifier reads the answer from; ``answer_extraction``:
         ``tag``, or ``tag_or_last_number`` (no tag: the last number in the text).
+      task: the reasoning-gym task for records that name none (a record's own ``task`` or
+        ``metadata["source_dataset"]`` wins); ``null``: every record must name its task.
+        Checked against reasoning-gym's tasks when the config loads.
       functions: extra rule-based rewards, ``{"package.module:function": weight}``; each
-        function maps ``(completions, references)`` to one float per completion.
+        function maps ``(completions, references)`` to one float per completion. A
+        function that raises is a :class:`RewardFunctionError` naming it and the first
+        completion it fails on.
       reward_models: local HF folders of trained reward models (``alignax export`` of a
         reward run); ``reward_model_weight`` weighs their combined score, combined by
         ``ensemble`` (``mean`` | ``min`` | ``mean_minus_std`` | ``mean_minus_var``, with
@@ -61,6 +66,7 @@ class RewardConfig:
     strict_format: bool = False
     answer_tag: str = "answer"
     answer_extraction: Literal["tag", "tag_or_last_number"] = "tag"
+    task: str | None = None
     functions: dict[str, float] = dataclasses.field(default_factory=dict)
     reward_models: tuple[str, ...] = ()
     reward_model_weight: float = 1.0
@@ -75,9 +81,34 @@ class RewardConfig:
     mask_truncated: bool = False
 
 
-
 class NonFiniteRewardError(ValueError):
     """A reward component came out NaN or infinite."""
+
+
+class RewardFunctionError(RuntimeError):
+    """A ``rewards.functions`` entry raised while scoring; the message names the entry, the
+    first completion it fails on (alone), the exception and the completion's start. The
+    original exception is chained (``__cause__``)."""
+
+
+def _call_reward_function(spec: str, fn, completions: Sequence[str], references: Sequence[Any]):
+    """``fn(completions, references)``; an exception becomes :class:`RewardFunctionError`,
+    after calling ``fn`` on each completion alone to find the first one it fails on."""
+    try:
+        return fn(completions, references)
+    except Exception as err:  # noqa: BLE001 - any user-code failure is reported the same way
+        for i in range(len(completions)):
+            try:
+                fn([completions[i]], [references[i]])
+            except Exception as alone:  # noqa: BLE001
+                raise RewardFunctionError(
+                    f"rewards.functions entry {spec!r} raised {type(alone).__name__}: {alone} on completion {i} "
+                    f"(of {len(completions)}); completion starts {completions[i][:80]!r}"
+                ) from err
+        raise RewardFunctionError(
+            f"rewards.functions entry {spec!r} raised {type(err).__name__}: {err} on the batch of "
+            f"{len(completions)} completions, but on none of them alone"
+        ) from err
 
 
 @dataclasses.dataclass
@@ -150,13 +181,13 @@ class RewardScorer:
         if s.verifier_weight != 0 or s.format_weight != 0:
             _, parts = verifier_rewards(completions, references, answer_weight=s.verifier_weight,
                                         format_weight=s.format_weight, strict_format=s.strict_format, tag=s.answer_tag,
-                                        extraction=s.answer_extraction)
+                                        task=s.task, extraction=s.answer_extraction)
             weighted["answer"] = s.verifier_weight * parts["answer"]
             weighted["format"] = s.format_weight * parts["format"]
             extra["correct"] = parts["correct"]
             extra["scorer_error"] = parts["scorer_error"]
         for spec, (fn, weight) in self.functions.items():
-            values = np.asarray(fn(completions, references), np.float32)
+            values = np.asarray(_call_reward_function(spec, fn, completions, references), np.float32)
             if values.shape != (len(completions),):
                 raise ValueError(f"reward function {spec} returned shape {values.shape}; expected ({len(completions)},)")
             weighted[f"fn/{spec}"] = weight * values

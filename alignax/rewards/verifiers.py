@@ -52,15 +52,27 @@ def extract_answer(completion: str, *, tag: str = "answer", extraction: str = "t
     return answer
 
 
+def check_task(task: str) -> str:
+    """``task`` when it names a reasoning-gym task; else ``ValueError`` with the closest
+    names and every valid one."""
+    import difflib
+
+    import reasoning_gym
+
+    if task not in reasoning_gym.factory.DATASETS:
+        names = sorted(reasoning_gym.factory.DATASETS)
+        close = difflib.get_close_matches(str(task), names, n=3)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        raise ValueError(f"unknown reasoning-gym task {task!r}{hint}; valid: {', '.join(names)}")
+    return task
+
+
 @functools.lru_cache(maxsize=None)
 def task_scorer(task: str) -> Callable[[str | None, Mapping[str, Any]], float]:
     """reasoning-gym's ``score_answer`` for ``task`` (one scorer instance per task, cached)."""
     import reasoning_gym
 
-    if task not in reasoning_gym.factory.DATASETS:
-        names = ", ".join(sorted(reasoning_gym.factory.DATASETS))
-        raise ValueError(f"unknown reasoning-gym task {task!r}; valid: {names}")
-    return reasoning_gym.get_score_answer_fn(task)
+    return reasoning_gym.get_score_answer_fn(check_task(task))
 
 
 def _check_lengths(completions: Sequence[str], references: Sequence[Mapping]) -> None:
@@ -73,6 +85,19 @@ def _check_lengths(completions: Sequence[str], references: Sequence[Mapping]) ->
         )
 
 
+def with_task(references: Sequence[Mapping], task: str | None) -> list[Mapping]:
+    """``references`` where each record that names no task (neither ``task`` nor
+    ``metadata['source_dataset']``) gets ``task`` (``rewards.task``), for scorers — the
+    process rewards among them — that read the task from the record."""
+    if task is None:
+        return list(references)
+
+    def named(r: Mapping) -> bool:
+        return bool(r.get("task")) or (isinstance(r.get("metadata"), Mapping) and bool(r["metadata"].get("source_dataset")))
+
+    return [r if named(r) else {**r, "task": task} for r in references]
+
+
 def _task_of(reference: Mapping, index: int, default: str | None) -> str:
     if not isinstance(reference, Mapping):
         raise TypeError(f"reference {index} must be a mapping (a record), got {type(reference).__name__}")
@@ -83,7 +108,7 @@ def _task_of(reference: Mapping, index: int, default: str | None) -> str:
     if task is None:
         raise ValueError(
             f"reference {index} names no reasoning-gym task: give it 'task' or metadata['source_dataset'], "
-            "or pass task=... for references without one"
+            "or set rewards.task (the task of records that name none)"
         )
     if "answer" not in reference:
         keys = ", ".join(sorted(map(str, reference))) or "none"

@@ -1,4 +1,4 @@
-"""Cross-field validation of a run config, before any model or data is read.
+"""Cross-field validation of a run config, before any model is read.
 
 ``alignax.trainers.api.load_config`` calls :func:`validate` on every ``TrainConfig`` it builds. Two tables say
 what a valid config is:
@@ -16,7 +16,13 @@ what a valid config is:
   (``tests/test_config_schema.py`` checks that, and sweeps the schema against each
   algorithm's instrumented run).
 - :data:`CONSTRAINTS`: values that must agree with each other (``data.format`` with the
-  algorithm, batch sizes that split into minibatches and micro-batches, ...).
+  algorithm, batch sizes that split into minibatches and micro-batches, ...), values out
+  of range (``checkpoint.keep``, ``mesh.shape``, ``rewards.task``), and a cheap look at the
+  local files a run would read later: a ``model.name`` folder lacking config.json, weights
+  or tokenizer files; a data file (``data.paths``, ``ppo.ptx_data.paths``,
+  ``evaluation.prompts.paths``) that is empty, or whose first record has the fields of
+  another format than the section's ``format``. Generator specs, folders and paths that
+  do not exist are left to the data pipeline and the model loader, which name them.
 
 Every error is a :class:`~alignax.config.ConfigError` naming the dotted key(s), the
 algorithm, the setting that makes the key unusable, and what would be right.
@@ -26,15 +32,21 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
+import os
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from alignax.config import ConfigError
 from alignax.data.builders import is_generator_spec
-from alignax.data.formats import FORMATS
+from alignax.data.formats import DEFAULT_FIELDS, FORMATS, OPTIONAL_FIELDS
+from alignax.data.sources import DATA_FILE_SUFFIXES
 from alignax.losses.preference import DPO_VARIANTS
+from alignax.models import registry
+from alignax.parallel.sharding import MESH_AXES
 from alignax.rewards.composite import RewardConfig
+from alignax.rewards.verifiers import check_task
 from alignax.trainers.config import RolloutSection, TrainConfig
 
 _MISSING = object()
@@ -274,6 +286,7 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("optim.weight_decay", Is("optim.name", "adamw")),
     rule(["optim.b1", "optim.b2", "optim.eps"], Is("optim.name", "adamw", "adam")),
     rule("optim.min_lr_ratio", Is("optim.schedule", "cosine", "linear"), "the constant schedule does not decay"),
+    rule("checkpoint.resume_step", Is("checkpoint.resume", True), "it picks the step a run resumes from"),
     rule("train.eval_batches", OFFLINE,
          "it caps the offline eval split's loss batches; online runs evaluate by generation (evaluation.*)"),
     # --- data (the run's; PPO-ptx's and the evaluation prompts' below)
@@ -329,7 +342,7 @@ KEY_RULES: tuple[Rule, ...] = (
     rule(_keys_of(RewardConfig, "rewards", but=("mask_truncated",)), GENERATION),
     rule("rewards.mask_truncated", ONLINE, "it takes truncated completions out of the training loss"),
     rule("rewards.strict_format", NonZero("rewards.format_weight")),
-    rule(["rewards.answer_tag", "rewards.answer_extraction"],
+    rule(["rewards.answer_tag", "rewards.answer_extraction", "rewards.task"],
          AnyOf(NonZero("rewards.verifier_weight"), NonZero("rewards.format_weight")), "the verifiers read them"),
     rule(["rewards.reward_model_weight", "rewards.ensemble"], Given("rewards.reward_models")),
     rule("rewards.ensemble_k", All(Given("rewards.reward_models"),
@@ -474,6 +487,174 @@ def _dpo_variant(config):
     return None
 
 
+def _checkpoint_keep(config):
+    keep = config.checkpoint.keep
+    if keep < 1:
+        return (f"checkpoint.keep={keep}: it is how many of the newest step checkpoints are kept, and {keep} would "
+                "delete every one; set checkpoint.keep >= 1 (or checkpoint.enabled=false to save none)")
+    return None
+
+
+def _mesh_shape(config):
+    shape = tuple(config.mesh.shape)
+    for axis, size in zip(MESH_AXES, shape):
+        if size < 1 and size != -1:
+            return (f"mesh.shape={show(shape)}: the {axis} entry is {size}; each entry must be >= 1, or -1 for "
+                    "the remaining devices")
+    if shape.count(-1) > 1:
+        axes = ", ".join(a for a, n in zip(MESH_AXES, shape) if n == -1)
+        return (f"mesh.shape={show(shape)}: {shape.count(-1)} entries are -1 ({axes}); at most one axis may take "
+                "the remaining devices, give the others a size >= 1")
+    return None
+
+
+def _reward_task(config):
+    task = config.rewards.task
+    if task is None:
+        return None
+    try:
+        check_task(task)
+    except ValueError as err:
+        return f"rewards.task={task}: {err}"
+    return None
+
+
+# --- local files, checked at load before any model is read: model folders and data files
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("spiece.model",), ("sentencepiece.bpe.model",),
+                    ("vocab.json", "merges.txt"), ("vocab.txt",))
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # alignax.models.hf.read_hf_tensors
+
+
+def _model_folder(config):
+    """``model.name`` naming a local folder (not a registry name): the files the run reads
+    from it are there (alignax.trainers.engine.setup: config.json, the safetensors weights
+    unless ``model.random_init``, and the tokenizer ``AutoTokenizer`` loads)."""
+    name = config.model.name
+    if name in registry.MODELS or not os.path.isdir(name):
+        return None  # a registry name, or no folder: the build step names it
+    files = set(os.listdir(name))
+    missing = []
+    if "config.json" not in files:
+        missing.append("config.json")
+    if config.model.random_init is None and not files.intersection(_WEIGHT_FILES):
+        missing.append(f"weights ({' or '.join(_WEIGHT_FILES)})")
+    if not any(all(f in files for f in group) for group in _TOKENIZER_FILES):
+        missing.append("tokenizer files (tokenizer.json; or tokenizer.model, or vocab.json + merges.txt)")
+    if missing:
+        return (f"model.name={name}: the model folder lacks {'; '.join(missing)}. A Hugging Face model folder "
+                "holds config.json, model.safetensors and its tokenizer (save the tokenizer beside the weights: "
+                "tokenizer.save_pretrained(folder); alignax export writes all three)")
+    return None
+
+
+def _first_record(path: str) -> tuple[str, Any]:
+    """``("empty", why)``, ``("record", field names of the first record)``, or
+    ``("unknown", None)`` (a type or content this cheap look does not read: the data
+    pipeline reads it, and reports what is wrong with the file and line)."""
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return "empty", "0 bytes"
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(path).metadata
+            if meta.num_rows == 0:
+                return "empty", "a Parquet file of 0 rows"
+            return "record", list(meta.schema.to_arrow_schema().names)
+        if not path.endswith((".jsonl", ".json")):
+            return "unknown", None
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+            if path.endswith(".json") and head.lstrip().startswith(b"["):
+                text = (head + f.read(1 << 20)).decode("utf-8", errors="replace")
+                start = text.index("[") + 1
+                while start < len(text) and text[start].isspace():
+                    start += 1
+                if text[start:start + 1] == "]":
+                    return "empty", "an empty JSON array"
+                record, _ = json.JSONDecoder().raw_decode(text, start)
+            else:
+                f.seek(0)
+                for line in f:
+                    if line.strip():
+                        record = json.loads(line.decode("utf-8"))
+                        break
+                else:
+                    return "empty", "only blank lines"
+    except Exception:  # noqa: BLE001 - unreadable or malformed: the pipeline reports it with its line/row
+        return "unknown", None
+    return ("record", list(record)) if isinstance(record, dict) else ("unknown", None)
+
+
+def _fields_for(keys: Sequence[str], fmt: str, field_map: dict[str, str]) -> list[str] | None:
+    """The record keys that fill format ``fmt``'s fields (alignax.data.formats), or None
+    when a field the format needs is absent."""
+    found = []
+    for field, candidates in DEFAULT_FIELDS[fmt].items():
+        candidates = (field_map[field],) if field in field_map else candidates
+        key = next((k for k in candidates if k in keys), None)
+        if key is not None:
+            found.append(key)
+        elif field not in OPTIONAL_FIELDS.get(fmt, ()):
+            return None
+    return found
+
+
+def _data_files_of(config, prefix: str, reader: str, formats: tuple[str, ...]) -> str | None:
+    section = get(config, prefix)
+    if section is None or section is _MISSING:
+        return None
+    fmt, field_map = section.format, dict(section.field_map)
+    for i, path in enumerate(section.paths):
+        if is_generator_spec(path) or not os.path.isfile(path):
+            continue  # a generator, a folder, or a missing file (the data pipeline names it)
+        if not path.endswith(DATA_FILE_SUFFIXES):
+            continue
+        kind, what = _first_record(path)
+        where = f"{prefix}.paths[{i}] {path}"
+        if kind == "empty":
+            return f"{where}: the data file is empty ({what}); it holds no records"
+        if kind != "record" or fmt not in DEFAULT_FIELDS:
+            continue
+        keys = what
+        mine = _fields_for(keys, fmt, field_map)
+        others = {f: m for f in FORMATS if f != fmt and f in DEFAULT_FIELDS
+                  for m in [_fields_for(keys, f, {})] if m is not None}
+        reads = (f"{reader} reads {prefix}.format={fmt}" if fmt in formats else f"{prefix}.format is {fmt}")
+        if others:
+            other, fields = max(others.items(), key=lambda kv: len(kv[1]))
+            if mine is None or len(fields) > len(mine):
+                own = {k for c in DEFAULT_FIELDS[fmt].values() for k in c} | set(field_map.values())
+                shown = [k for k in fields if k not in own] or fields
+                fix = f"; set {prefix}.format={other}" if other in formats else ""
+                return (f"{where}: its records look like format '{other}' (fields {', '.join(shown)}) but "
+                        f"{reads}{fix}")
+        if mine is None and section.on_bad_record == "error":
+            needed = [f"{field} ({' or '.join((field_map[field],) if field in field_map else names)})"
+                      for field, names in DEFAULT_FIELDS[fmt].items() if field not in OPTIONAL_FIELDS.get(fmt, ())]
+            return (f"{where}: its first record has fields {', '.join(map(str, keys)) or 'none'}; {reads}, whose "
+                    f"records need {', '.join(needed)} (rename a field with {prefix}.field_map)")
+    return None
+
+
+def _data_files(config):
+    formats, by = _formats_of(config)
+    return _data_files_of(config, "data", by, formats)
+
+
+def _ptx_files(config):
+    if config.algorithm != "ppo":
+        return None
+    return _data_files_of(config, "ppo.ptx_data", "PPO-ptx's SFT loss", tuple(f for f in ("sft", "text") if f in FORMATS))
+
+
+def _eval_prompts_files(config):
+    if not GENERATION(config):
+        return None
+    return _data_files_of(config, "evaluation.prompts", "an evaluation", ("prompt",))
+
+
 CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _data_format,
     _ptx_format,
@@ -488,6 +669,13 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _reward_source,
     _overlong_buffer,
     _pass_k_verdict,
+    _checkpoint_keep,
+    _mesh_shape,
+    _reward_task,
+    _model_folder,
+    _data_files,
+    _ptx_files,
+    _eval_prompts_files,
 )
 """Each returns the problem in words (naming its keys), or None."""
 
