@@ -1,13 +1,21 @@
 """The ``alignax`` entrypoint.
 
-    alignax train  CONFIG.yaml [dotted.key=value ...]
+    alignax train  CONFIG.yaml [--overwrite] [--allow-changes] [--step N] [dotted.key=value ...]
     alignax eval   CONFIG.yaml [--step N] [dotted.key=value ...]
     alignax export CONFIG.yaml [--out DIR] [--step N] [--critic] [dotted.key=value ...]
 
 Every algorithm of ``alignax.trainers.api.ALGORITHMS`` supports all three.
 
-A config error (unknown key, wrong type, bad choice) prints one line naming the key and
-exits with status 2; a run stopped by SIGTERM exits 143 after its checkpoint is saved.
+Exit status:
+  0    done.
+  2    an error the user can fix — a config key, value or combination, an override, a
+       missing or unreadable file, a bad data record, an output_dir that is in use or holds
+       another run, a corrupt checkpoint, a reward function that fails: one line naming
+       the key, file or spec (``--debug`` adds the traceback).
+  1    the run stopped itself (non-finite or stalled updates, a non-finite reward, a
+       checkpoint that could not be written): one line saying why; or an internal error,
+       with its traceback.
+  143  stopped by SIGTERM, 130 by SIGINT (Ctrl-C), after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 
 from alignax.config import ConfigError
 
@@ -28,7 +37,15 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="recipe YAML (see configs/)")
         p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-        if name in ("eval", "export"):
+        p.add_argument("--debug", action="store_true", help="show the traceback of any error")
+        if name == "train":
+            p.add_argument("--step", type=int, default=None,
+                           help="resume from this checkpoint step (newer steps are removed)")
+            p.add_argument("--overwrite", action="store_true",
+                           help="replace the run already in output_dir instead of refusing to start")
+            p.add_argument("--allow-changes", action="store_true",
+                           help="resume although the config changes what is trained (changes are logged)")
+        else:
             p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
         if name == "export":
             p.add_argument("--out", default=None, help="destination (default: <output_dir>/export)")
@@ -37,21 +54,56 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args):
-    from alignax.trainers.api import load_config
+def _flag_overrides(args) -> list[str]:
+    """The train flags as the config keys they set (recorded in the run's config.yaml)."""
+    if args.command != "train":
+        return []
+    flags = []
+    if args.step is not None:
+        flags.append(f"checkpoint.resume_step={args.step}")
+    if args.overwrite:
+        flags.append("checkpoint.overwrite=true")
+    if args.allow_changes:
+        flags.append("checkpoint.allow_changes=true")
+    return flags
 
-    return load_config(args.config, args.overrides)
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors a user fixes by changing a config, a file or a command (exit 2)."""
+    from alignax.checkpoint import CorruptCheckpointError
+    from alignax.data.sources import BadRecordError
+    from alignax.rewards.composite import RewardFunctionError
+    from alignax.trainers.engine.rundir import RunDirectoryError
+
+    return (ConfigError, RunDirectoryError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError, BadRecordError, CorruptCheckpointError, RewardFunctionError)
 
 
-def _train(config) -> int:
+def _stopped_errors() -> tuple[type[BaseException], ...]:
+    """A run that stopped itself because training went wrong (exit 1, one line)."""
+    from alignax.rewards.composite import NonFiniteRewardError
+    from alignax.trainers.engine.loop import RunStoppedError
+
+    return (RunStoppedError, NonFiniteRewardError)
+
+
+def _run(args) -> int:
     from alignax.trainers import api
 
-    result = api.train(config)
-    if result.loop.stopped_by_signal:
-        print(f"stopped by SIGTERM at step {result.loop.last_step}; checkpoint saved", file=sys.stderr)
-        return 143
-    if result.eval_history:
-        print(json.dumps({"eval": result.eval_history[-1]}))
+    config = api.load_config(args.config, [*args.overrides, *_flag_overrides(args)])
+    if args.command == "train":
+        result = api.train(config)
+        if result.loop.stopped_by_signal:
+            name = result.loop.signal_name or "SIGTERM"
+            print(f"stopped by {name} at step {result.loop.last_step}; checkpoint saved", file=sys.stderr)
+            return 130 if name == "SIGINT" else 143
+        if result.eval_history:
+            print(json.dumps({"eval": result.eval_history[-1]}))
+        return 0
+    if args.command == "eval":
+        print(json.dumps(api.evaluate(config, step=args.step)))
+        return 0
+    print(api.export(config, args.out, step=args.step, critic=args.critic))
     return 0
 
 
@@ -59,21 +111,31 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge", "orbax"):  # per-save chatter, TPU probing
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may follow the flags too (`train cfg.yaml --step 3 optim.learning_rate=1e-5`)
+    unknown = [item for item in extra if item.startswith("-") or "=" not in item]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
     try:
-        config = _load(args)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"alignax: config error: {err}", file=sys.stderr)
+        return _run(args)
+    except ConfigError as err:
+        _report(args, "config error", err)
         return 2
-    if args.command == "train":
-        return _train(config)
-    from alignax.trainers import api
+    except _user_errors() as err:
+        _report(args, "error", err)
+        return 2
+    except _stopped_errors() as err:
+        _report(args, "run stopped", err)
+        return 1
 
-    if args.command == "eval":
-        print(json.dumps(api.evaluate(config, step=args.step)))
-        return 0
-    print(api.export(config, args.out, step=args.step, critic=args.critic))
-    return 0
+
+def _report(args, kind: str, err: BaseException) -> None:
+    if args.debug:
+        traceback.print_exception(err)
+    hint = "" if args.debug else " (--debug shows the traceback)"
+    print(f"alignax: {kind}: {err}{hint}", file=sys.stderr)
 
 
 if __name__ == "__main__":

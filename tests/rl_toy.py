@@ -32,6 +32,17 @@ def nan_reward(completions, references):
     return [float("nan")] + [0.0] * (len(completions) - 1)
 
 
+SCORED_BATCHES = []
+
+
+def nan_on_second_batch(completions, references):
+    """Finite rewards for the first batch it scores, a NaN in the second (reset
+    ``SCORED_BATCHES`` first)."""
+    del references
+    SCORED_BATCHES.append(len(completions))
+    return [float("nan") if len(SCORED_BATCHES) == 2 else 0.5] + [0.0] * (len(completions) - 1)
+
+
 def toy_process_reward(steps, references):
     """One reward per step: the step's "yes" share."""
     del references

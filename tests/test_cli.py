@@ -72,10 +72,48 @@ def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path, toy_model):
     stopped_at = ckpt.latest_step()
     ckpt.close()
     assert stopped_at is not None and 2 <= stopped_at < 500
-    # the rerun continues from there rather than from 0
+    # a longer run moves the cosine schedule: refused (before any model loads) unless allowed
     proc = alignax("train", str(recipe), f"train.total_steps={stopped_at + 2}")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    assert f"train.total_steps: 500 -> {stopped_at + 2}" in err and "--allow-changes" in err
+    assert "Traceback" not in err
+    # the rerun continues from there rather than from 0
+    proc = alignax("train", str(recipe), f"train.total_steps={stopped_at + 2}", "--allow-changes")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     steps = [r["step"] for r in read_jsonl(str(metrics)) if "loss" in r]
     assert steps[-2:] == [stopped_at + 1, stopped_at + 2]
     assert os.listdir(tmp_path / "run" / "tensorboard")  # event files written
+
+
+def run_cli(capsys, *args):
+    """``alignax ARGS`` in this process (faster than a subprocess): (exit status, stderr)."""
+    from alignax import cli
+
+    code = cli.main(list(args))
+    return code, capsys.readouterr().err
+
+
+def test_a_finished_run_is_neither_mixed_nor_lost(tmp_path, toy_model, capsys):
+    recipe = write_recipe(tmp_path, toy_model, total_steps=3, save_every=1)
+    code, err = run_cli(capsys, "train", str(recipe), "logging.console=false")
+    assert code == 0, err[-3000:]
+    run = tmp_path / "run"
+    # resume=false on a directory holding a run: one line naming it, exit 2, nothing touched
+    code, err = run_cli(capsys, "train", str(recipe), "checkpoint.resume=false")
+    assert code == 2 and "Traceback" not in err
+    assert f"alignax: error: {run} already holds a run (checkpoints at steps 1, 2, 3)" in err
+    assert "--overwrite" in err and "--debug shows the traceback" in err
+    code, err = run_cli(capsys, "train", str(recipe), "checkpoint.resume=false", "--debug")
+    assert code == 2 and "Traceback" in err
+    # --step resumes from an earlier step: the newer ones are replaced by the rerun's
+    code, err = run_cli(capsys, "train", str(recipe), "--step", "1", "logging.console=false")
+    assert code == 0, err[-3000:]
+    steps = [r["step"] for r in read_jsonl(str(run / "metrics.jsonl")) if "loss" in r]
+    assert steps == [1, 2, 3, 2, 3]
+    # --overwrite replaces the run: fresh metrics from step 1
+    code, err = run_cli(capsys, "train", str(recipe), "--overwrite", "logging.console=false")
+    assert code == 0, err[-3000:]
+    steps = [r["step"] for r in read_jsonl(str(run / "metrics.jsonl")) if "loss" in r]
+    assert steps == [1, 2, 3]

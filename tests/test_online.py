@@ -133,6 +133,21 @@ def test_nan_rewards_are_rejected_with_a_clear_error(tmp_path, toy_model):
         train(config, records=toy_prompts(16))
 
 
+def test_a_nan_reward_saves_the_work_before_it_stops_the_run(tmp_path, toy_model):
+    from tests import rl_toy
+
+    rl_toy.SCORED_BATCHES.clear()
+    config = toy_config(tmp_path, toy_model, "grpo", steps=4, data={"eval_fraction": 0.0},
+                        rewards={"functions": {"tests.rl_toy:nan_on_second_batch": 1.0}})
+    with pytest.raises(NonFiniteRewardError, match="is nan for completion 0"):
+        train(config, records=toy_prompts(16))
+    assert len(rl_toy.SCORED_BATCHES) == 2
+    with Checkpointer(str(tmp_path / "checkpoints")) as ckpt:
+        assert ckpt.all_steps() == [1]  # the rollout before the NaN is kept
+        _, meta = ckpt.restore(make_trainer(config, records=toy_prompts(16)).init_state()[0])
+    assert meta["data"] is not None
+
+
 def test_stop_token_stays_in_the_mask_when_pad_equals_eos(tmp_path, toy_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
                         rollout={"max_new_tokens": 24, "num_samples": 8})

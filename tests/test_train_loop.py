@@ -15,7 +15,8 @@ import pytest
 
 from alignax.checkpoint import Checkpointer
 from alignax.metrics import JsonlWriter, read_jsonl
-from alignax.trainers.engine.loop import LoopConfig, NonFiniteError, run_loop
+from alignax.trainers.engine.loop import (CheckpointSaveError, LoopConfig, NonFiniteError, StallWatch,
+                                         StalledRunError, run_loop)
 from alignax.trainers.engine.step import LossAux, init_train_state, make_train_step
 
 
@@ -122,9 +123,10 @@ def test_nonfinite_update_is_skipped_and_counted():
     assert int(recovered.nonfinite_total) == 1
 
 
-def run(tmp_path, total, batches, *, save_every=0, state=None, opt=None, writer=None):
+def run(tmp_path, total, batches, *, save_every=0, state=None, opt=None, writer=None, step=None,
+        max_stalled_streak=5):
     opt = opt or optax.adam(0.05)
-    step = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn))
+    step = step or jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn))
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=5, async_save=True)
     if state is None:
         state = fresh_state(opt)
@@ -133,7 +135,8 @@ def run(tmp_path, total, batches, *, save_every=0, state=None, opt=None, writer=
             batches.set_state(meta["data"])
     with ckpt:
         return run_loop(
-            config=LoopConfig(total_steps=total, save_every=save_every, max_nonfinite_streak=3),
+            config=LoopConfig(total_steps=total, save_every=save_every, max_nonfinite_streak=3,
+                              max_stalled_streak=max_stalled_streak),
             state=state, frozen=None, step_fn=step, batches=batches, place_batch=lambda b: b,
             writer=writer or NullWriter(), checkpointer=ckpt, meta_fn=lambda: {"config": {"toy": True}},
         )
@@ -173,3 +176,76 @@ def test_run_stops_after_a_streak_of_nonfinite_updates(tmp_path):
     rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["update_skipped"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
     assert np.isnan(rows[-1]["loss"])
+
+
+def test_sigint_saves_like_sigterm(tmp_path):
+    pid = os.getpid()
+    batches = ToyBatches(on_next=lambda pos: os.kill(pid, signal.SIGINT) if pos == 3 else None)
+    result = run(tmp_path, 50, batches)
+    assert result.stopped_by_signal and result.signal_name == "SIGINT" and result.last_step == 3
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        assert ckpt.latest_step() == 3
+
+
+def test_stall_watch_rules():
+    watch = StallWatch()
+    assert watch.update(1.0, 0.5, False) == 0
+    assert watch.update(1.0, 0.0, False) == 1  # zero gradient, non-zero loss
+    assert watch.update(2.0, 0.3, False) == 0
+    assert watch.update(2.0, 0.3, False) == 1  # loss and gradient norm frozen
+    assert watch.update(2.0, 0.3, True) == 1  # a skipped update neither counts nor resets
+    assert watch.update(2.0, 0.3, False) == 2
+    assert watch.update(0.0, 0.0, False) == 0  # no signal at all (tied GRPO rewards) is no stall
+    assert watch.update(0.0, 0.0, False) == 0
+
+
+def diverged_step(opt):
+    """The toy step whose gradient vanishes from the third update on (collapsed logits)."""
+    inner = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn))
+
+    def stalled_loss(params, frozen, batch, normalisers, rng):
+        loss, metrics = loss_fn(jax.lax.stop_gradient(params), frozen, batch, normalisers, rng)
+        return loss * 0 + 3.0, metrics
+
+    stalled = jax.jit(make_train_step(stalled_loss, opt, normalisers_fn=normalisers_fn))
+    return lambda state, frozen, batch: (inner if int(state.step) < 2 else stalled)(state, frozen, batch)
+
+
+def test_a_stalled_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    opt = optax.adam(0.05)
+    with pytest.raises(StalledRunError, match=r"4 updates in a row stalled \(step 6.*last checkpoint before the stall is step 2"):
+        run(tmp_path, 20, ToyBatches(), save_every=1, opt=opt, step=diverged_step(opt), max_stalled_streak=4)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        assert ckpt.all_steps() == [1, 2]  # nothing saved during the streak
+    # the alarm can be switched off
+    result = run(tmp_path / "off", 8, ToyBatches(), opt=opt, step=diverged_step(opt), max_stalled_streak=0)
+    assert result.last_step == 8
+
+
+def test_a_failed_save_stops_the_run_at_once(tmp_path, monkeypatch):
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Checkpointer, "save", disk_full)
+    batches = ToyBatches()
+    with pytest.raises(CheckpointSaveError, match="step 2 .*No space left on device"):
+        run(tmp_path, 20, batches, save_every=2)
+    assert batches.position == 2  # stopped at the failed save, not trained on
+
+
+def test_a_step_that_raises_saves_the_state_before_it(tmp_path):
+    opt = optax.adam(0.05)
+    inner = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn))
+
+    def failing_step(state, frozen, batch):
+        if int(state.step) == 3:
+            raise RuntimeError("reward function crashed")
+        return inner(state, frozen, batch)
+
+    batches = ToyBatches()
+    with pytest.raises(RuntimeError, match="reward function crashed"):
+        run(tmp_path, 20, batches, opt=opt, step=failing_step)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        state, meta = ckpt.restore(fresh_state(opt))
+    assert int(state.step) == 3 and meta["step"] == 3
+    assert meta["data"] == {"position": 3}  # the failing batch is read again on resume

@@ -244,3 +244,23 @@ def test_scoring_a_response_window_equals_scoring_every_position(toy_model):
     # a window running past the end of a row is cut there, not wrapped
     np.testing.assert_allclose(sequence_logps(*response_logps(model, tokens, positions, attention, response,
                                                               window=10))[0], full[0], rtol=1e-6)
+
+
+def test_a_diverged_run_stops_with_an_alarm_and_keeps_its_good_checkpoint(tmp_path, toy_model):
+    """Learning rate 1e6: the weights blow up, the logits collapse and the gradient vanishes;
+    the run must not exit as if it had trained."""
+    from alignax.trainers.engine.loop import StalledRunError
+
+    config = tiny_config(tmp_path, "sft", steps=30, model_dir=toy_model,
+                         optim={"learning_rate": 1e6, "warmup_steps": 0}, train={"save_every": 1},
+                         checkpoint={"keep": 2})
+    with pytest.raises(StalledRunError, match="updates in a row stalled") as err:
+        train(config, records=sft_conversations(32))
+    stopped = int(str(err.value).split("(step ")[1].split(":")[0])
+    assert stopped < 30
+    with Checkpointer(os.path.join(config.output_dir, "checkpoints")) as ckpt:
+        kept = ckpt.latest_step()
+    # no checkpoint of the stalled streak: the newest one predates it
+    assert kept is not None and kept <= stopped - config.train.max_stalled_streak
+    rows = [r for r in read_jsonl(os.path.join(config.output_dir, "metrics.jsonl")) if "grad_norm" in r]
+    assert rows[-1]["grad_norm"] == 0.0 or rows[-1]["loss"] == rows[-2]["loss"]

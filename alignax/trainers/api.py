@@ -23,6 +23,7 @@ from alignax.checkpoint import Checkpointer
 from alignax.config import ConfigError
 from alignax.models import save_pretrained
 from alignax.trainers.config import TrainConfig
+from alignax.trainers.engine import rundir
 from alignax.trainers.engine.session import TrainResult, checkpoint_dir
 from alignax.trainers.offline import preference, reward, sft
 from alignax.trainers.offline.trainer import OfflineTrainer
@@ -100,8 +101,12 @@ def load_config(path: str | None = None, overrides: Sequence[str] = (), *, data:
 def train(config: TrainConfig, *, records: Sequence[Mapping] | None = None) -> TrainResult:
     """Run ``config`` to ``train.total_steps`` (resuming from its checkpoints when allowed).
 
-    ``records`` replaces the files of ``data.paths`` (in-memory data, tests and tools)."""
-    return build_trainer(config, records=records).train()
+    ``records`` replaces the files of ``data.paths`` (in-memory data, tests and tools).
+    ``output_dir`` is claimed first (:func:`alignax.trainers.engine.rundir.claim`), so a
+    directory held by another run, an earlier run that would be lost, or a resume with
+    unapproved config changes is refused before any model or data is read."""
+    with rundir.claim(config):
+        return build_trainer(config, records=records).train()
 
 
 def restore_params(trainer, config: TrainConfig, step: int | None = None):
@@ -116,7 +121,8 @@ def restore_params(trainer, config: TrainConfig, step: int | None = None):
             steps = checkpointer.all_steps()
             if steps and (step is None or step in steps):
                 template, _ = trainer.init_state()
-                state, _ = checkpointer.restore(template, step)
+                # eval and export read a run; they never delete its corrupt steps
+                state, _ = checkpointer.restore(template, step, discard_corrupt=False)
                 return state.params
     where = f"step {step}" if step is not None and steps else "checkpoint"
     found = f"; steps there: {', '.join(map(str, sorted(steps)))}" if steps else ""

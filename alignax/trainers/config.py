@@ -69,6 +69,10 @@ class TrainSection:
       log_every / eval_every / save_every: in steps (0 disables periodic eval/saves;
         the run still evaluates and saves at its end).
       max_nonfinite_streak: stop after this many skipped non-finite updates in a row.
+      max_stalled_streak: stop after this many stalled updates in a row — a zero gradient
+        with a non-zero loss, or loss and gradient norm exactly equal to the previous step's
+        (a diverged model whose logits collapsed); 0 turns the alarm off. Checkpoints are
+        not written during a streak, so the last one saved before it is kept.
       eval_batches: cap on eval batches per evaluation (``null``: the whole eval split).
     """
 
@@ -79,23 +83,44 @@ class TrainSection:
     eval_every: int = 0
     save_every: int = 0
     max_nonfinite_streak: int = 5
+    max_stalled_streak: int = 5
     eval_batches: int | None = None
 
     def __post_init__(self):
         for name in ("total_steps", "grad_accum_steps", "log_every", "max_nonfinite_streak"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_stalled_streak < 0:
+            raise ValueError(f"train.max_stalled_streak must be >= 0 (0: off); got {self.max_stalled_streak}")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
-    """Fields: ``enabled``; ``keep`` (newest steps kept); ``async_save``; ``resume``
-    (continue from the latest checkpoint in ``output_dir/checkpoints`` when one exists)."""
+    """Fields:
+      enabled: write checkpoints under ``output_dir/checkpoints``.
+      keep: newest steps kept on disk (>= 1).
+      async_save: write arrays in the background while training goes on.
+      resume: continue from the latest checkpoint of ``output_dir`` when one exists. With
+        ``resume: false`` a directory that already holds a run is refused unless
+        ``overwrite`` is set.
+      overwrite: replace the run in ``output_dir`` (its checkpoints, metrics, TensorBoard
+        files, evaluation reports, export and configs) with a fresh one
+        (``alignax train --overwrite``).
+      allow_changes: resume although the config differs from the one the run was started
+        with in keys that change what is trained (optimiser, schedule, data, algorithm); the
+        changes are logged and the former config kept as ``config.<n>.yaml``
+        (``alignax train --allow-changes``).
+      resume_step: resume from this step instead of the latest intact one; newer steps are
+        removed so the resumed run can save there (``alignax train --step N``).
+    """
 
     enabled: bool = True
     keep: int = 3
     async_save: bool = True
     resume: bool = True
+    overwrite: bool = False
+    allow_changes: bool = False
+    resume_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,21 @@
 
 It owns what happens between jitted steps: fetching and placing batches, writing
 metrics (with step time and tokens/s), periodic evaluation, checkpoints (periodic, final,
-and on SIGTERM), resuming, and stopping a run whose updates keep coming out non-finite.
-What a step computes is the trainer's business (``alignax.trainers.engine.step``).
+and on SIGTERM or SIGINT), resuming, and stopping a run that has gone wrong:
+
+- updates that keep coming out non-finite (:class:`NonFiniteError`; each is skipped);
+- updates that keep stalling (:class:`StalledRunError`): a zero gradient with a non-zero
+  loss, or loss and gradient norm bit-equal to the previous step's — what a diverged
+  model whose logits collapsed produces (a zero loss with a zero gradient, e.g. GRPO
+  groups whose rewards all tie, is no signal, not a stall);
+- a step that raises on the host (a reward function, a NaN reward): the state from before
+  that step is saved first, then the error goes on;
+- a checkpoint that cannot be written (:class:`CheckpointSaveError`, e.g. a full disk):
+  the run stops at once rather than training on without checkpoints.
+
+No checkpoint is written while a non-finite or stalled streak is running, so keep-N
+rotation never removes the last checkpoint saved before it. What a step computes is the
+trainer's business (``alignax.trainers.engine.step``).
 """
 
 from __future__ import annotations
@@ -26,8 +39,20 @@ from alignax.trainers.engine.step import StepOutput, TrainState
 log = logging.getLogger("alignax")
 
 
-class NonFiniteError(RuntimeError):
+class RunStoppedError(RuntimeError):
+    """A run stopped itself because training went wrong; the message says why and what to do."""
+
+
+class NonFiniteError(RunStoppedError):
     """Raised when too many updates in a row had a non-finite loss or gradient."""
+
+
+class StalledRunError(RunStoppedError):
+    """Raised when too many updates in a row stalled (see the module docstring)."""
+
+
+class CheckpointSaveError(RunStoppedError):
+    """A checkpoint could not be written; the run stops instead of training on unsaved."""
 
 
 class BatchIterator(Protocol):
@@ -50,6 +75,7 @@ class LoopConfig:
       eval_every: run the evaluation every N steps (0: only at the end).
       save_every: checkpoint every N steps (0: only at the end and on SIGTERM).
       max_nonfinite_streak: stop with an error after this many skipped updates in a row.
+      max_stalled_streak: stop with an error after this many stalled updates in a row (0: off).
       eval_at_start: evaluate before the first step (the baseline of a fresh run).
     """
 
@@ -58,30 +84,54 @@ class LoopConfig:
     eval_every: int = 0
     save_every: int = 0
     max_nonfinite_streak: int = 5
+    max_stalled_streak: int = 5
     eval_at_start: bool = False
 
 
-class _SigtermFlag:
-    """Turns SIGTERM into a flag the loop polls between steps (a step is never cut)."""
+class _StopSignals:
+    """Turns SIGTERM and the first SIGINT into a flag the loop polls between steps (a step
+    is never cut); a second SIGINT interrupts at once (KeyboardInterrupt)."""
 
     def __init__(self):
-        self.raised = False
+        self.received: str | None = None
 
     @contextlib.contextmanager
     def installed(self):
+        previous = {}
         try:
-            previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no signal handling, nothing to restore
-            yield self
-            return
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: no signal handling
+            pass
         try:
             yield self
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
-        del signum, frame
-        self.raised = True
+        if signum == signal.SIGINT and self.received == "SIGINT":
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            log.warning("SIGINT: finishing this step and saving a checkpoint (press Ctrl-C again to abort)")
+
+
+class StallWatch:
+    """Counts stalled updates in a row (see the module docstring)."""
+
+    def __init__(self):
+        self.streak = 0
+        self.previous: tuple[float, float] | None = None
+
+    def update(self, loss: float, grad_norm: float, skipped: bool) -> int:
+        if skipped:
+            return self.streak
+        zero_signal = loss == 0.0 and grad_norm == 0.0
+        stalled = not zero_signal and (grad_norm == 0.0 or (loss, grad_norm) == self.previous)
+        self.previous = (loss, grad_norm)
+        self.streak = self.streak + 1 if stalled else 0
+        return self.streak
 
 
 @dataclasses.dataclass
@@ -91,6 +141,7 @@ class LoopResult:
     stopped_by_signal: bool
     history: list[dict[str, float]]
     eval_history: list[dict[str, float]]
+    signal_name: str | None = None  # "SIGTERM" or "SIGINT" when stopped by one
 
 
 def count_tokens(batch: Mapping[str, np.ndarray]) -> int:
@@ -126,13 +177,21 @@ def run_loop(
     eval_history: list[dict[str, float]] = []
     start = int(jax.device_get(progress(state)))
     step = start
-    sigterm = _SigtermFlag()
+    signals = _StopSignals()
+    stall = StallWatch()
 
-    def save(at_step: int, *, force: bool = False) -> None:
+    def save(at_step: int, *, force: bool = False, data_state: Any = None) -> None:
         if checkpointer is None or checkpointer.latest_step() == at_step:
             return
-        meta = dict(meta_fn(), data=batches.get_state(), step=at_step)
-        checkpointer.save(at_step, state, meta, force=force)
+        data_state = batches.get_state() if data_state is None else data_state
+        meta = dict(meta_fn(), data=data_state, step=at_step)
+        try:
+            checkpointer.save(at_step, state, meta, force=force)
+            checkpointer.check_for_errors()
+        except Exception as err:
+            raise CheckpointSaveError(f"saving the checkpoint of step {at_step} under {checkpointer.directory} "
+                                      f"failed ({type(err).__name__}: {err}); the run stops here rather than "
+                                      "train on without checkpoints") from err
 
     def evaluate(at_step: int) -> None:
         if eval_fn is None:
@@ -141,29 +200,58 @@ def run_loop(
         eval_history.append({"step": at_step, **figures})
         writer.write(at_step, figures)
 
-    with sigterm.installed():
+    def state_intact() -> bool:
+        return not any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+    with signals.installed():
         if config.eval_at_start:
             evaluate(step)
         tick = time.perf_counter()
         tokens_since_log = 0
         steps_since_log = 0
-        while step < config.total_steps and not sigterm.raised:
+        while step < config.total_steps and signals.received is None:
+            position = batches.get_state() if checkpointer is not None else None
             host_batch = next(batches)
             if count_tokens is not None:
                 tokens_since_log += count_tokens(host_batch)
-            state, output = step_fn(state, frozen, place_batch(host_batch))
+            try:
+                new_state, output = step_fn(state, frozen, place_batch(host_batch))
+            except Exception:
+                if state_intact():  # the step failed before its update: keep the work so far
+                    log.error("step %d failed; saving the checkpoint of step %d first", step + 1, step)
+                    save(step, force=True, data_state=position)
+                    if checkpointer is not None:
+                        checkpointer.wait()
+                raise
+            state = new_state
             step += 1
             steps_since_log += 1
-            streak = int(jax.device_get(state.nonfinite_streak))
+            streak, loss, grad_norm, skipped = jax.device_get((
+                state.nonfinite_streak, output.metrics.get("loss", 0.0), output.metrics.get("grad_norm", 0.0),
+                output.metrics.get("update_skipped", 0.0)))
+            streak = int(streak)
             if streak:
                 log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)", step, streak)
             if streak >= config.max_nonfinite_streak:
-                save(step, force=True)
+                save(step, force=True)  # the skipped updates left the last good params in the state
                 raise NonFiniteError(
                     f"{streak} updates in a row had a non-finite loss or gradient (step {step}); "
                     f"stopping (train.max_nonfinite_streak={config.max_nonfinite_streak}). "
                     "Lower the learning rate or inspect the data of the last batches."
                 )
+            stalled = stall.update(float(loss), float(grad_norm), bool(skipped))
+            if stalled:
+                log.warning("step %d: stalled update (loss %.6g, grad_norm %.6g; %d in a row)", step,
+                            float(loss), float(grad_norm), stalled)
+            if config.max_stalled_streak and stalled >= config.max_stalled_streak:
+                kept = checkpointer.latest_step() if checkpointer is not None else None
+                raise StalledRunError(
+                    f"{stalled} updates in a row stalled (step {step}: loss {float(loss):.6g}, grad_norm "
+                    f"{float(grad_norm):.6g}): a zero gradient or a loss frozen at one value means the model has "
+                    f"diverged (collapsed logits) or stopped learning; stopping (train.max_stalled_streak="
+                    f"{config.max_stalled_streak}). " + (f"The last checkpoint before the stall is step {kept}. "
+                                                         if kept is not None else "")
+                    + "Lower the learning rate.")
             if step % config.log_every == 0 or step == config.total_steps:
                 figures = to_host(output.metrics)
                 elapsed = time.perf_counter() - tick
@@ -176,18 +264,23 @@ def run_loop(
                 tick, tokens_since_log, steps_since_log = time.perf_counter(), 0, 0
             if config.eval_every and step % config.eval_every == 0 and step < config.total_steps:
                 evaluate(step)
-            if config.save_every and step % config.save_every == 0 and step < config.total_steps:
+            healthy = not streak and not stalled
+            if config.save_every and step % config.save_every == 0 and step < config.total_steps and healthy:
                 save(step)
 
-        stopped = sigterm.raised and step < config.total_steps
+        stopped = signals.received is not None and step < config.total_steps
         if stopped:
-            log.warning("SIGTERM at step %d: saving a checkpoint before exit", step)
+            log.warning("%s at step %d: saving a checkpoint before exit", signals.received, step)
             save(step, force=True)
         else:
             if step > start or eval_fn is not None:
                 evaluate(step)
             save(step, force=True)
         if checkpointer is not None:
-            checkpointer.wait()
+            try:
+                checkpointer.wait()
+            except Exception as err:
+                raise CheckpointSaveError(f"writing the last checkpoint under {checkpointer.directory} failed "
+                                          f"({type(err).__name__}: {err})") from err
     return LoopResult(state=state, last_step=step, stopped_by_signal=stopped, history=history,
-                      eval_history=eval_history)
+                      eval_history=eval_history, signal_name=signals.received if stopped else None)

@@ -1,6 +1,8 @@
 """A run session: what every training run does around its steps, whatever the algorithm.
 
-It owns the output directory, the resolved config written there, the metric writers, the
+It owns the output directory (claimed with :func:`alignax.trainers.engine.rundir.claim`:
+one run at a time, no earlier run lost or mixed, config changes on resume named), the
+resolved config written there once the run is accepted, the metric writers, the
 checkpointer (resume, the frozen reference saved once), and the host loop
 (:func:`alignax.trainers.engine.loop.run_loop`: logging, eval, periodic and final saves,
 SIGTERM). A trainer builds its state, frozen inputs and step function, and hands them to
@@ -8,7 +10,8 @@ SIGTERM). A trainer builds its state, frozen inputs and step function, and hands
 
 Output directory layout::
 
-    <output_dir>/config.yaml          the resolved config of the run
+    <output_dir>/config.yaml          the resolved config of the run (config.<n>.yaml: earlier ones)
+    <output_dir>/.alignax.lock        held while a run trains (host, pid)
     <output_dir>/metrics.jsonl        one line per logged step (and eval)
     <output_dir>/tensorboard/         TensorBoard event files
     <output_dir>/checkpoints/         Orbax checkpoints (see alignax.checkpoint)
@@ -26,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import yaml
 from flax import nnx
 
 from alignax import config as config_io
@@ -34,6 +36,7 @@ from alignax.checkpoint import Checkpointer
 from alignax.evaluation import report_path, write_report
 from alignax.metrics import ConsoleWriter, JsonlWriter, MultiWriter, TensorBoardWriter
 from alignax.trainers.config import TrainConfig
+from alignax.trainers.engine import rundir
 from alignax.trainers.engine.loop import BatchIterator, LoopConfig, LoopResult, count_tokens, run_loop
 from alignax.parallel.sharding import tree_shardings
 from alignax.trainers.engine.step import TrainState, init_train_state
@@ -86,13 +89,16 @@ class Session:
 
     def __init__(self, config: TrainConfig, *, console_keys: Sequence[str]):
         self.config = config
-        os.makedirs(config.output_dir, exist_ok=True)
-        with open(os.path.join(config.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
-            yaml.safe_dump(config_io.to_dict(config), f, sort_keys=False)
-        self.checkpointer = (Checkpointer(checkpoint_dir(config), keep=config.checkpoint.keep,
-                                          async_save=config.checkpoint.async_save)
-                             if config.checkpoint.enabled else None)
-        self.writer = make_writers(config, config.logging.console_keys or console_keys)
+        self._claim = rundir.claim(config)
+        self.directory = self._claim.__enter__()
+        try:
+            self.checkpointer = (Checkpointer(checkpoint_dir(config), keep=config.checkpoint.keep,
+                                              async_save=config.checkpoint.async_save)
+                                 if config.checkpoint.enabled else None)
+            self.writer = make_writers(config, config.logging.console_keys or console_keys)
+        except BaseException:
+            self._claim.__exit__(None, None, None)
+            raise
         self.resumed = False
         self.meta: dict[str, Any] = {}
 
@@ -100,9 +106,12 @@ class Session:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.writer.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        try:
+            self.writer.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            self._claim.__exit__(None, None, None)
 
     def reporting_eval(self, evaluate: Callable[[TrainState], dict[str, float]], *,
                        step_of: Callable[[TrainState], Any] = lambda state: state.step):
@@ -121,12 +130,16 @@ class Session:
         return evaluate_and_report
 
     def resume(self, state: TrainState, batches: BatchIterator, reference: Any = None) -> tuple[TrainState, Any]:
-        """Continue from the latest checkpoint when there is one and ``checkpoint.resume``
-        allows; otherwise save ``reference`` (the frozen reference policy, if any) once.
-        Returns ``(state, reference)``; :attr:`resumed` and :attr:`meta` say what was read."""
+        """Continue from the latest intact checkpoint (or ``checkpoint.resume_step``) when
+        there is one and ``checkpoint.resume`` allows; otherwise save ``reference`` (the
+        frozen reference policy, if any) once. Returns ``(state, reference)``;
+        :attr:`resumed` and :attr:`meta` say what was read."""
         ckpt = self.checkpointer
         if ckpt is not None and self.config.checkpoint.resume and ckpt.latest_step() is not None:
-            state, self.meta = ckpt.restore(state)
+            chosen = self.config.checkpoint.resume_step
+            if chosen is not None:
+                ckpt.delete_after(chosen)
+            state, self.meta = ckpt.restore(state, chosen)
             batches.set_state(self.meta["data"])
             if reference is not None:
                 reference = ckpt.restore_reference(reference)
@@ -152,12 +165,14 @@ class Session:
     ) -> LoopResult:
         """Train to ``train.total_steps`` from wherever ``state`` is (see :func:`run_loop`)."""
         config = self.config
+        self.directory.write_config()
         if not self.resumed:
             self.writer.write(0, {f"data/{k}": float(v) for k, v in data_stats.items()})
         loop_config = LoopConfig(
             total_steps=config.train.total_steps, log_every=config.train.log_every,
             eval_every=config.train.eval_every, save_every=config.train.save_every,
             max_nonfinite_streak=config.train.max_nonfinite_streak,
+            max_stalled_streak=config.train.max_stalled_streak,
             eval_at_start=eval_fn is not None and not self.resumed,
         )
         return run_loop(

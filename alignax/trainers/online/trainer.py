@@ -46,6 +46,7 @@ from alignax.metrics import to_host
 from alignax.parallel.sharding import batch_sharding, place_array
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import process_step_rewards, step_boundaries
+from alignax.rewards.verifiers import with_task
 from alignax.sampling import SamplingConfig
 from alignax.sampling.scored import Groups, ScoredSampler
 from alignax.trainers.config import TrainConfig
@@ -373,7 +374,8 @@ class OnlineTrainer:
         step_rewards = step_mask = zeros
         if algo.process_reward is not None:
             step_mask, texts = step_boundaries(self.tokenizer, groups.tokens, groups.response_mask, algo.step_delimiter)
-            step_rewards = process_step_rewards(algo.process_reward, step_mask, texts, groups.references)
+            step_rewards = process_step_rewards(algo.process_reward, step_mask, texts,
+                                                with_task(groups.references, self.config.rewards.task))
             figures["process/steps_per_completion"] = float(step_mask.sum() / max(groups.size, 1))
         baseline = (self.greedy_baseline(state, groups, figures) if algo.greedy_baseline
                     else np.zeros(self.rows, np.float32))

@@ -1,0 +1,320 @@
+"""A run's output directory: who holds it, what it already contains, and its configs.
+
+Before a run reads a model or data, :func:`claim` decides whether it may use
+``output_dir``, so that nothing is lost or mixed without a word:
+
+- **One run at a time.** A lock file (``.alignax.lock``: host, pid, start time) is taken
+  with an exclusive create. A second run on the directory is refused, naming the holder.
+  A lock left by a crash is taken over: on the same host when its process is gone, from
+  another host when its heartbeat (the lock file's modification time, refreshed every
+  ``HEARTBEAT_S`` by a daemon thread of the holder) is older than ``STALE_AFTER_S``.
+- **Resume, or say why not.** A directory that holds a run (checkpoints, metrics) is
+  resumed when ``checkpoint.resume`` is on and it has checkpoints. Otherwise it is refused
+  unless ``checkpoint.overwrite`` is set, which removes that run's files first.
+- **Say what changed.** Resuming compares the new config with the run's ``config.yaml``:
+  keys that only change how a run is watched (logging, evaluation, checkpoint cadence;
+  ``train.total_steps`` under a constant learning rate) pass; any other change — a
+  longer run under a decaying schedule included, since it moves the schedule — is refused
+  unless ``checkpoint.allow_changes`` is set, and then logged. (A change of model shape is refused when the checkpoint is restored, naming the
+  parameter; see :meth:`alignax.checkpoint.Checkpointer.restore`.)
+- **Config history.** The resolved config is written only once the run has been accepted
+  and restored (:meth:`RunDirectory.write_config`); a different earlier ``config.yaml`` is
+  kept as ``config.<n>.yaml``.
+
+Claims are re-entrant within a process (``alignax.trainers.api.train`` claims before
+building the trainer, the trainer's session claims again), and only process 0 of a
+multi-process run holds the lock and writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import yaml
+
+from alignax import config as config_io
+from alignax.trainers.config import TrainConfig
+
+log = logging.getLogger("alignax")
+
+LOCK_NAME = ".alignax.lock"
+CONFIG_NAME = "config.yaml"
+HEARTBEAT_S = 60.0
+STALE_AFTER_S = 600.0
+
+# Files and folders a run writes into output_dir (see alignax.trainers.engine.session);
+# --overwrite removes these and nothing else.
+RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "evaluation", "export")
+
+# Keys that change how a run is watched or saved, never what it computes: a resumed run
+# may change them freely.
+_FREE_PREFIXES = ("logging.", "evaluation.", "checkpoint.", "output_dir")
+_FREE_KEYS = frozenset({"train.log_every", "train.eval_every", "train.save_every", "train.eval_batches",
+                        "train.max_nonfinite_streak", "train.max_stalled_streak"})
+
+
+class RunDirectoryError(RuntimeError):
+    """``output_dir`` cannot be used as asked (held by another run, holds a run that would
+    be lost, or a resume with unapproved changes); the message says what to do."""
+
+
+# ---------------------------------------------------------------------------- the lock
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+class _Lock:
+    """An exclusive-create lock file with a heartbeat thread."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def holder(self) -> dict[str, Any] | None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # unreadable: a lock being written, or garbage; judged by its age
+
+    def _stale(self, holder: dict[str, Any]) -> str | None:
+        """Why the held lock is stale (its run is gone), or None when it may be alive."""
+        try:
+            age = time.time() - os.path.getmtime(self.path)
+        except FileNotFoundError:
+            return "removed meanwhile"
+        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+            if not _process_alive(holder["pid"]):
+                return f"process {holder['pid']} on this host has exited"
+            return None
+        if age > STALE_AFTER_S:
+            return f"no heartbeat for {age:.0f} s"
+        return None
+
+    def acquire(self) -> None:
+        me = {"host": socket.gethostname(), "pid": os.getpid(),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self.holder()
+                if holder is None:
+                    continue
+                why = self._stale(holder)
+                if why is None:
+                    raise RunDirectoryError(
+                        f"{os.path.dirname(self.path)} is in use by another run (host {holder.get('host', '?')}, "
+                        f"pid {holder.get('pid', '?')}, since {holder.get('started', '?')}); wait for it to end, "
+                        f"use another output_dir, or remove {self.path} if that run is gone") from None
+                log.warning("taking over the stale lock %s (held by host %s pid %s: %s)", self.path,
+                            holder.get("host", "?"), holder.get("pid", "?"), why)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(me, f)
+            self._thread = threading.Thread(target=self._beat, name="alignax-lock-heartbeat", daemon=True)
+            self._thread.start()
+            return
+        raise RunDirectoryError(f"could not take the lock {self.path} (other runs keep taking it)")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        holder = self.holder()
+        if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+
+
+# ---------------------------------------------------------------------------- what is there
+def checkpoint_steps(output_dir: str) -> list[int]:
+    """Committed checkpoint steps under ``output_dir/checkpoints`` (read from the folder
+    names, without Orbax: cheap enough to decide before a model loads)."""
+    directory = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory)
+                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
+
+
+def config_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, new value)`` for every dotted key that differs."""
+    a, b = _flatten(saved), _flatten(new)
+    missing = object()
+    changes = []
+    for key in sorted(set(a) | set(b)):
+        old, now = a.get(key, missing), b.get(key, missing)
+        if old != now:
+            changes.append((key, None if old is missing else old, None if now is missing else now))
+    return changes
+
+
+def _is_free(key: str) -> bool:
+    return key in _FREE_KEYS or key.startswith(_FREE_PREFIXES)
+
+
+def _describe(changes: list[tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
+
+
+# ---------------------------------------------------------------------------- the directory
+class RunDirectory:
+    """A claimed ``output_dir``; see the module docstring. Build with :func:`claim`."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.path = config.output_dir
+        self.writer = jax.process_index() == 0
+        self._lock = _Lock(os.path.join(self.path, LOCK_NAME)) if self.writer else None
+
+    def _open(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        if self._lock is not None:
+            self._lock.acquire()
+        try:
+            self._check()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check(self) -> None:
+        config, ck = self.config, self.config.checkpoint
+        steps = checkpoint_steps(self.path)
+        artefacts = [name for name in RUN_ARTEFACTS if os.path.exists(os.path.join(self.path, name))]
+        if ck.overwrite:
+            if artefacts or self._configs():
+                self._remove_run(artefacts)
+            return
+        resuming = ck.enabled and ck.resume and bool(steps)
+        if not resuming:
+            if artefacts:
+                held = f"checkpoints at steps {', '.join(map(str, steps))}" if steps else ", ".join(artefacts)
+                why = ("checkpoint.resume=false" if steps and not ck.resume
+                       else "checkpoint.enabled=false" if steps else "there is no checkpoint to resume from")
+                raise RunDirectoryError(
+                    f"{self.path} already holds a run ({held}) and {why}: a new run would mix with it or "
+                    "lose it. Resume it (checkpoint.resume=true), choose another output_dir, or replace it with "
+                    "--overwrite (checkpoint.overwrite=true)")
+            return
+        if ck.resume_step is not None and ck.resume_step not in steps:
+            raise RunDirectoryError(f"checkpoint.resume_step={ck.resume_step}: no such step under "
+                                    f"{os.path.join(self.path, 'checkpoints')}; steps there: "
+                                    f"{', '.join(map(str, steps))}")
+        saved_path = os.path.join(self.path, CONFIG_NAME)
+        if not os.path.exists(saved_path):
+            return
+        with open(saved_path, encoding="utf-8") as f:
+            saved = config_io.yaml_load(f) or {}
+        changes = config_changes(saved, config_io.to_dict(config))
+        constant_lr = config.optim.schedule == "constant" and saved.get("optim", {}).get("schedule") == "constant"
+        bound = [c for c in changes if not (_is_free(c[0]) or (constant_lr and c[0] == "train.total_steps"))]
+        if bound and not ck.allow_changes:
+            raise RunDirectoryError(
+                f"resuming {self.path} (latest step {steps[-1]}) with a config that changes what is trained: "
+                f"{_describe(bound)}. Resume with these changes with --allow-changes "
+                "(checkpoint.allow_changes=true), undo them, or start over with --overwrite")
+        if bound:
+            log.warning("resuming %s with changes (checkpoint.allow_changes): %s", self.path, _describe(bound))
+        free = [c for c in changes if c not in bound]
+        if free:
+            log.info("resuming %s with changed settings: %s", self.path, _describe(free))
+
+    def _configs(self) -> list[str]:
+        return sorted(name for name in os.listdir(self.path)
+                      if name == CONFIG_NAME or (name.startswith("config.") and name.endswith(".yaml")))
+
+    def _remove_run(self, artefacts: list[str]) -> None:
+        log.warning("checkpoint.overwrite: removing the earlier run in %s (%s)", self.path,
+                    ", ".join(artefacts + self._configs()))
+        for name in artefacts + self._configs():
+            path = os.path.join(self.path, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+    def write_config(self) -> None:
+        """Write the resolved config as ``config.yaml``; an earlier one that differs is kept
+        as ``config.<n>.yaml`` (n = 1, 2, ... in the order they were replaced)."""
+        if not self.writer:
+            return
+        text = yaml.safe_dump(config_io.to_dict(self.config), sort_keys=False)
+        path = os.path.join(self.path, CONFIG_NAME)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                if f.read() == text:
+                    return
+            n = 1
+            while os.path.exists(os.path.join(self.path, f"config.{n}.yaml")):
+                n += 1
+            os.replace(path, os.path.join(self.path, f"config.{n}.yaml"))
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+
+_CLAIMED: dict[str, list] = {}  # realpath -> [RunDirectory, depth]
+
+
+@contextlib.contextmanager
+def claim(config: TrainConfig) -> Iterator[RunDirectory]:
+    """Claim ``config.output_dir`` for a training run (re-entrant within this process)."""
+    key = os.path.realpath(config.output_dir)
+    if key in _CLAIMED:
+        entry = _CLAIMED[key]
+        entry[1] += 1
+        try:
+            yield entry[0]
+        finally:
+            entry[1] -= 1
+        return
+    run_dir = RunDirectory(config)
+    run_dir._open()
+    _CLAIMED[key] = [run_dir, 1]
+    try:
+        yield run_dir
+    finally:
+        del _CLAIMED[key]
+        run_dir.close()
