@@ -169,7 +169,12 @@ def test_sft_on_raw_text_is_continued_pretraining(tmp_path, toy_model):
 def test_sft_lowers_held_out_nll(tmp_path, toy_model):
     config = tiny_config(tmp_path, "sft", steps=30, model_dir=toy_model, checkpoint={"enabled": False},
                          optim={"learning_rate": 2e-2})
-    result = train(config, records=sft_conversations(48))
+    # The eval split holds out whole prompts, so the held-out answers must follow from what
+    # train teaches without having seen the prompt: every prompt gets the same two-word answer.
+    rng = np.random.default_rng(0)
+    records = [{"messages": [{"role": "user", "content": f"what is {' '.join(rng.choice(WORDS, 3))}"},
+                             {"role": "assistant", "content": f"{WORDS[0]} {WORDS[1]}"}]} for _ in range(48)]
+    result = train(config, records=records)
     before, after = result.eval_history[0], result.eval_history[-1]
     assert after["eval/nll"] < before["eval/nll"] - 1.0
     np.testing.assert_allclose(after["eval/ppl"], np.exp(after["eval/nll"]), rtol=1e-6)
