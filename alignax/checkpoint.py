@@ -52,6 +52,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from alignax.config import ConfigError
 
@@ -170,9 +171,15 @@ def _all_processes_agree(ok: bool) -> bool:
     """True when ``ok`` on every process (a collective call when there are several)."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
     return bool(np.all(multihost_utils.process_allgather(np.array(ok, np.int32))))
+
+
+def _process_zero_says(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (what one process sees of a shared directory
+    may lag another's)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.array(flag, np.int32)))
 
 
 class Checkpointer:
@@ -187,8 +194,11 @@ class Checkpointer:
         # Leftovers of an interrupted save are removed here, before anything is written:
         # Orbax's own cleanup runs in the background and could delete the reference while
         # save_reference is writing it into this directory.
-        for leftover in glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")):
-            shutil.rmtree(leftover, ignore_errors=True)
+        if jax.process_index() == 0:
+            for leftover in glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")):
+                shutil.rmtree(leftover, ignore_errors=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("alignax: checkpoint directory ready")
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
             enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=False,
@@ -215,7 +225,7 @@ class Checkpointer:
     def save_reference(self, reference_params: Any) -> None:
         """Write the frozen reference once, with its digest manifest; later calls are
         no-ops (it never changes)."""
-        if self.has_reference():
+        if _process_zero_says(self.has_reference()):  # one answer for all: the save is collective
             return
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(self.reference_path, reference_params)

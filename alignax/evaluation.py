@@ -213,7 +213,8 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
     loaded; they must have the policy's ``vocab_size``), the stop tokens of
     ``rollout.stop_token_ids`` (default: the tokenizer's EOS) and the response budget
     ``rollout.max_new_tokens``; the rollout's temperature / top-k / top-p are not read."""
-    from alignax.parallel.sharding import batch_sharding, place_array
+    from alignax.parallel.multihost import place_local_batch
+    from alignax.parallel.sharding import batch_sharding
 
     rc = config.rollout
     eos = tokenizer.eos_token_id
@@ -230,7 +231,7 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
 
     def place(value):
         value = np.asarray(value)
-        return place_array(value, batch_sharding(mesh, value.ndim))
+        return place_local_batch(value, batch_sharding(mesh, value.ndim))
 
     return ScoredSampler(graphdef, tokenizer, scorer, sampling, mesh=mesh, place=place)
 

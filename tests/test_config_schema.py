@@ -55,6 +55,9 @@ READ_ELSEWHERE = {
     "data.on_bad_record": "read when a record is bad (tests/test_data.py)",
     "ppo.ptx_data.on_bad_record": "read when a record is bad (tests/test_data.py)",
     "evaluation.prompts.on_bad_record": "read when a record is bad (tests/test_data.py)",
+    **{f"distributed.{key}": "read when a process joins a multi-process job (tests/test_multihost.py)"
+       for key in ("coordinator", "num_processes", "process_id", "local_device_ids", "cpu_collectives",
+                   "initialization_timeout_s")},
     "checkpoint.allow_changes": "read when a run resumes with a changed config (tests/test_run_directory.py)",
     "checkpoint.resume_step": "read when a run resumes (tests/test_run_directory.py, tests/test_cli.py)",
 }
@@ -214,6 +217,9 @@ SWEEP_VALUES = {
     "rollout.stop_token_ids": [[2]],
     "rewards.answer_tag": ["final"],
     "rewards.task": ["chain_sum"],
+    "distributed.coordinator": ["10.0.0.1:1234"],
+    "distributed.local_device_ids": [[0, 1]],
+    "distributed.cpu_collectives": ["mpi"],
     "rewards.functions": [{"tests.rl_toy:yes_share": 1.0}],
     "rewards.reward_models": [["runs/reward-model"]],
     "rewards.clip": [[-1.0, 1.0]],

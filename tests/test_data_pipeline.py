@@ -207,6 +207,25 @@ def test_process_shards_partition_each_global_batch(tok, prompt_file, process_co
         assert sorted(sum(parts, [])) == sorted(whole[step])  # same global batch, rows split
 
 
+def test_a_saved_position_resumes_on_any_process_count(tok, prompt_file):
+    """A state saved by process 0 of 2 serves process 1 too, and one process, and four:
+    after it, the processes' batches together are the uninterrupted run's global batches."""
+    prepared = prepare_dataset(_config(prompt_file, seed=5), tok)
+    whole = prepared.iterator(process_index=0, process_count=1)
+    expected = _take(whole, 9)[5:]
+    saver = prepared.iterator(process_index=0, process_count=2)
+    _take(saver, 5)
+    state = json.loads(json.dumps(saver.get_state()))
+    for count in (1, 2, 4):
+        shards = []
+        for p in range(count):
+            it = prepared.iterator(process_index=p, process_count=count)
+            it.set_state(state)
+            shards.append(_take(it, 4))
+        for step in range(4):
+            assert sorted(sum((shard[step] for shard in shards), [])) == sorted(expected[step]), (count, step)
+
+
 def test_eval_split_is_held_out_and_padded(tok, prompt_file):
     prepared = prepare_dataset(_config(prompt_file, eval_fraction=0.25, seed=11), tok)
     # The split is by prompt: prompt_file has 3 prompts ("hi" x 1, 2, 3) of 7, 7 and 6

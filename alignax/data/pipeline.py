@@ -542,12 +542,14 @@ class DataIterator:
             "seed": config.seed,
             "shuffle": config.shuffle,
             "batch_size": self.global_batch_size,
-            "process_count": self.process_count,
-            "process_index": self.process_index,
         }
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-able state: the next batch index and what it is an index into."""
+        """JSON-able state: the next batch index and what it is an index into.
+
+        The index counts global batches, and process ``p`` of ``P`` reads rows ``p, p + P,
+        ...`` of global batch ``k`` as its local batch ``k``, so the same state serves every
+        process, and a run saved with one process count resumes with another."""
         return {"next_index": self.step, "fingerprint": self._fingerprint()}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
@@ -555,16 +557,14 @@ class DataIterator:
         if isinstance(state, (str, bytes)):
             state = json.loads(state)
         saved = dict(state.get("fingerprint", {}))
+        for older in ("process_index", "process_count"):  # written by earlier versions; not binding
+            saved.pop(older, None)
         mine = self._fingerprint()
-        saved_p = saved.pop("process_index", None)
-        mine_p = mine.pop("process_index")
         if saved != mine:
             diff = ", ".join(
                 f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in mine if saved.get(k) != mine.get(k)
             )
             raise ValueError(f"data iterator state does not match this dataset ({diff})")
-        if saved_p is not None and saved_p != mine_p:
-            raise ValueError(f"data iterator state is for process {saved_p}; this is process {mine_p}")
         self._iterator.set_state({"next_index": int(state["next_index"])})
 
 

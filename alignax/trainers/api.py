@@ -18,10 +18,13 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import jax
+
 from alignax import config as config_io
 from alignax.checkpoint import Checkpointer
 from alignax.config import ConfigError
 from alignax.models import save_pretrained
+from alignax.parallel import multihost
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
 from alignax.trainers.engine.session import TrainResult, checkpoint_dir
@@ -105,6 +108,7 @@ def train(config: TrainConfig, *, records: Sequence[Mapping] | None = None) -> T
     ``output_dir`` is claimed first (:func:`alignax.trainers.engine.rundir.claim`), so a
     directory held by another run, an earlier run that would be lost, or a resume with
     unapproved config changes is refused before any model or data is read."""
+    multihost.initialize(config.distributed)
     with rundir.claim(config):
         return build_trainer(config, records=records).train()
 
@@ -134,6 +138,7 @@ def evaluate(config: TrainConfig, *, step: int | None = None,
     """Eval figures of a run's checkpoint (latest, or ``step``): the eval split's loss
     figures for offline runs, generation-based figures (``alignax.evaluation``) for online
     runs and for offline runs whose config names ``evaluation.prompts``."""
+    multihost.initialize(config.distributed)
     trainer = build_trainer(config, records=records)
     params = restore_params(trainer, config, step)
     return trainer.evaluate(params, trainer.eval_frozen())
@@ -144,11 +149,16 @@ def export(config: TrainConfig, destination: str | None = None, *, step: int | N
     """Write a run's trained model (latest checkpoint, or ``step``) as Hugging Face
     safetensors + tokenizer into ``destination`` (default ``<output_dir>/export``); with
     ``critic`` (PPO with a separate critic), the critic goes to ``<destination>/critic``."""
+    multihost.initialize(config.distributed)
     trainer = build_trainer(config, with_data=False)
     params = restore_params(trainer, config, step)
+    if jax.process_count() > 1:  # every process takes part in gathering; process 0 writes
+        params = multihost.replicated(params, trainer.mesh)
     destination = destination or os.path.join(config.output_dir, "export")
-    for name, model in trainer.export_models(params, critic=critic).items():
-        target = os.path.join(destination, name) if name else destination
-        save_pretrained(model, target)
-        trainer.tokenizer.save_pretrained(target)
+    models = trainer.export_models(params, critic=critic)
+    if multihost.is_writer():
+        for name, model in models.items():
+            target = os.path.join(destination, name) if name else destination
+            save_pretrained(model, target)
+            trainer.tokenizer.save_pretrained(target)
     return destination

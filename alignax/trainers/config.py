@@ -28,6 +28,7 @@ from typing import Any, Literal
 from alignax.data import DataConfig
 from alignax.evaluation import EvaluationConfig
 from alignax.ops import AggregationMode
+from alignax.parallel.multihost import DistributedConfig
 from alignax.rewards.composite import RewardConfig
 from alignax.trainers.engine.optim import OptimConfig
 
@@ -342,6 +343,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     dpo: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)

@@ -279,7 +279,8 @@ _PREF_SMOOTHED = ("sigmoid", "robust", "exo_pair")  # alignax.losses.preference:
 
 KEY_RULES: tuple[Rule, ...] = (
     # --- shared by every algorithm
-    rule(["algorithm", "output_dir", "model", "optim", "train", "checkpoint", "logging", "mesh"], ALWAYS),
+    rule(["algorithm", "output_dir", "model", "optim", "train", "checkpoint", "logging", "mesh", "distributed"],
+         ALWAYS),
     rule("model.logprob_chunk_size", IsNot("algorithm", "reward"), "a reward model scores sequences, no log-probs"),
     rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward")),
          "it seeds random initialisation and a reward model's fresh score head"),

@@ -12,8 +12,9 @@ Before a run reads a model or data, :func:`claim` decides whether it may use
   resumed when ``checkpoint.resume`` is on and it has checkpoints. Otherwise it is refused
   unless ``checkpoint.overwrite`` is set, which removes that run's files first.
 - **Say what changed.** Resuming compares the new config with the run's ``config.yaml``:
-  keys that only change how a run is watched (logging, evaluation, checkpoint cadence;
-  ``train.total_steps`` under a constant learning rate) pass; any other change — a
+  keys that only change how a run is watched or laid out (logging, evaluation, checkpoint
+  cadence, the mesh and the process count; ``train.total_steps`` under a constant learning
+  rate) pass; any other change — a
   longer run under a decaying schedule included, since it moves the schedule — is refused
   unless ``checkpoint.allow_changes`` is set, and then logged. (A change of model shape is refused when the checkpoint is restored, naming the
   parameter; see :meth:`alignax.checkpoint.Checkpointer.restore`.)
@@ -41,7 +42,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import yaml
+from jax.experimental import multihost_utils
 
 from alignax import config as config_io
 from alignax.trainers.config import TrainConfig
@@ -59,7 +62,8 @@ RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "evaluation", "e
 
 # Keys that change how a run is watched or saved, never what it computes: a resumed run
 # may change them freely.
-_FREE_PREFIXES = ("logging.", "evaluation.", "checkpoint.", "output_dir")
+_FREE_PREFIXES = ("logging.", "evaluation.", "checkpoint.", "output_dir",
+                  "mesh.", "distributed.")  # a run resumes on another mesh or process count
 _FREE_KEYS = frozenset({"train.log_every", "train.eval_every", "train.save_every", "train.eval_batches",
                         "train.max_nonfinite_streak", "train.max_stalled_streak"})
 
@@ -206,20 +210,31 @@ class RunDirectory:
 
     def _open(self) -> None:
         os.makedirs(self.path, exist_ok=True)
-        if self._lock is not None:
-            self._lock.acquire()
+        error: RunDirectoryError | None = None
         try:
+            if self._lock is not None:
+                self._lock.acquire()
             self._check()
+        except RunDirectoryError as err:
+            error = err
         except BaseException:
             self.close()
             raise
+        if jax.process_count() > 1:  # one verdict for all, and the others wait for an --overwrite
+            refused = np.asarray(multihost_utils.process_allgather(np.array(error is not None, np.int32)))
+            if refused.any() and error is None:
+                error = RunDirectoryError(f"{self.path}: process {int(np.argmax(refused))} refused the output "
+                                          "directory (its log says why)")
+        if error is not None:
+            self.close()
+            raise error
 
     def _check(self) -> None:
         config, ck = self.config, self.config.checkpoint
         steps = checkpoint_steps(self.path)
         artefacts = [name for name in RUN_ARTEFACTS if os.path.exists(os.path.join(self.path, name))]
         if ck.overwrite:
-            if artefacts or self._configs():
+            if self.writer and (artefacts or self._configs()):
                 self._remove_run(artefacts)
             return
         resuming = ck.enabled and ck.resume and bool(steps)

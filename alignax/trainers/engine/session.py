@@ -38,6 +38,7 @@ from alignax.metrics import ConsoleWriter, JsonlWriter, MultiWriter, TensorBoard
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
 from alignax.trainers.engine.loop import BatchIterator, LoopConfig, LoopResult, count_tokens, run_loop
+from alignax.parallel.multihost import is_writer
 from alignax.parallel.sharding import tree_shardings
 from alignax.trainers.engine.step import TrainState, init_train_state
 
@@ -68,8 +69,11 @@ def checkpoint_dir(config: TrainConfig) -> str:
 
 
 def make_writers(config: TrainConfig, keys: Sequence[str]) -> MultiWriter:
-    """Console (with ``keys`` on the progress line), JSONL and TensorBoard, as configured."""
+    """Console (with ``keys`` on the progress line), JSONL and TensorBoard, as configured;
+    none on processes other than 0 (every process sees the same figures)."""
     writers = []
+    if not is_writer():
+        return MultiWriter(writers)
     if config.logging.console:
         writers.append(ConsoleWriter(config.train.total_steps, keys=keys, description=config.algorithm,
                                      print_every=config.train.log_every))
@@ -123,8 +127,9 @@ class Session:
         def evaluate_and_report(state: TrainState) -> dict[str, float]:
             figures = evaluate(state)
             step = int(jax.device_get(step_of(state)))
-            write_report(report_path(self.config.output_dir, step), figures, step=step,
-                         algorithm=self.config.algorithm, evaluation=self.config.evaluation)
+            if is_writer():
+                write_report(report_path(self.config.output_dir, step), figures, step=step,
+                             algorithm=self.config.algorithm, evaluation=self.config.evaluation)
             return figures
 
         return evaluate_and_report

@@ -19,7 +19,8 @@ from flax import nnx
 from alignax import models
 from alignax.models import registry
 from alignax._checks import check_choice
-from alignax.parallel.sharding import batch_sharding, mesh_for_shape, place_array
+from alignax.parallel.multihost import place_local_batch
+from alignax.parallel.sharding import batch_sharding, mesh_for_shape
 from alignax.trainers.config import MeshSection, ModelSpec
 
 log = logging.getLogger("alignax")
@@ -83,7 +84,9 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]
 class BatchPlacer:
     """Host batches (dicts of NumPy arrays) → device arrays sharded over the batch axes.
 
-    Non-array fields (strings, tuples of reference answers) stay on the host and are
+    Each process passes its own rows of the global batch (``alignax.data`` reads ``B / P``
+    rows per process); the arrays placed are global (``B`` rows). Non-array fields
+    (strings, tuples of reference answers) stay on the host and are
     dropped from what goes to the device.
     """
 
@@ -95,7 +98,7 @@ class BatchPlacer:
         for key, value in batch.items():
             if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
                 continue
-            placed[key] = place_array(value, batch_sharding(self.mesh, value.ndim))
+            placed[key] = place_local_batch(value, batch_sharding(self.mesh, value.ndim))
         return placed
 
 

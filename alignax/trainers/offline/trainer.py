@@ -13,12 +13,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from alignax import evaluation
 from alignax.data import prepare_dataset
+from alignax.parallel.multihost import local_rows
+from alignax.parallel.sharding import place_array
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine.optim import build_optimizer
 from alignax.trainers.engine.session import Session, TrainResult, frozen_copy, init_state_on_mesh
@@ -129,13 +132,16 @@ class OfflineTrainer:
                        for split in ("train", "eval") if self.data.stats.get(split, 0) > 0]
             batches = (batch for split in batches for batch in split)
         tables: dict[str, np.ndarray] = {}
-        for batch in batches:
-            values = jax.device_get(forward(reference_params, self.placer(batch)))
+        for batch in batches:  # this process's rows of each global batch
+            values = forward(reference_params, self.placer(batch))
             keep = batch["example_mask"] > 0 if "example_mask" in batch else slice(None)
             for key, value in values.items():
                 table = tables.setdefault(key, np.zeros(num_records, np.float32))
-                table[batch["record_index"][keep]] = np.asarray(value)[keep]
-        return {"ref_logps": {k: jnp.asarray(v) for k, v in tables.items()}}
+                table[batch["record_index"][keep]] = local_rows(value)[keep]
+        if jax.process_count() > 1:  # each record was scored by one process: sum the tables
+            tables = {k: np.sum(multihost_utils.process_allgather(v), axis=0) for k, v in tables.items()}
+        whole = NamedSharding(self.mesh, PartitionSpec())
+        return {"ref_logps": {k: place_array(v, whole) for k, v in tables.items()}}
 
     def start(self) -> tuple[TrainState, Any]:
         """``(fresh train state, reference or None)`` on the mesh; compiles :attr:`step` for

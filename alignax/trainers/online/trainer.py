@@ -43,7 +43,8 @@ from alignax import kl as kl_lib
 from alignax.data import prepare_dataset
 from alignax.losses import sft_loss, value_loss
 from alignax.metrics import to_host
-from alignax.parallel.sharding import batch_sharding, place_array
+from alignax.parallel.multihost import place_local_batch
+from alignax.parallel.sharding import batch_sharding
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import process_step_rewards, step_boundaries
 from alignax.rewards.verifiers import with_task
@@ -186,7 +187,7 @@ class OnlineTrainer:
 
     def place(self, value: np.ndarray) -> jax.Array:
         value = np.asarray(value)
-        return place_array(value, batch_sharding(self.mesh, value.ndim))
+        return place_local_batch(value, batch_sharding(self.mesh, value.ndim))
 
     def policy_params(self, params):
         """The policy's part of the trained tree."""
