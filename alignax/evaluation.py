@@ -43,6 +43,7 @@ from flax import nnx
 
 from alignax.data import DataConfig, DataIterator, PreparedData, prepare_dataset
 from alignax.rewards.composite import RewardModels, RewardScorer
+from alignax.parallel.multihost import allgather_rows, process_rows
 from alignax.parallel.sharding import mesh_for_shape
 from alignax.sampling import SamplingConfig
 from alignax.sampling.scored import Groups, ScoredSampler
@@ -142,7 +143,13 @@ class _Sums:
         self.counts[key] = self.counts.get(key, 0.0) + float(np.sum(keep))
 
     def means(self) -> dict[str, float]:
-        return {k: self.sums[k] / self.counts[k] if self.counts[k] else float("nan") for k in self.sums}
+        """Means over every process's rows (each process summed its own)."""
+        sums, counts = self.sums, self.counts
+        if jax.process_count() > 1 and sums:
+            keys = sorted(sums)
+            both = allgather_rows(np.array([[sums[k] for k in keys], [counts[k] for k in keys]])[None])
+            sums, counts = dict(zip(keys, both[:, 0].sum(axis=0))), dict(zip(keys, both[:, 1].sum(axis=0)))
+        return {k: float(sums[k] / counts[k]) if counts[k] else float("nan") for k in sums}
 
 
 def _row_figures(groups: Groups, correct: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -179,10 +186,13 @@ def evaluate_policy(sampler: ScoredSampler, state: nnx.State, batches: Iterable[
     for index, batch in enumerate(batches):
         if seen >= limit:
             break
-        keep = np.asarray(batch["example_mask"]) > 0
-        keep &= np.cumsum(keep) <= limit - seen
-        if not keep.any():
+        # which prompts count is decided on the global batch (this process holds rows
+        # process_rows of it), so every process samples the same batches
+        real = allgather_rows(np.asarray(batch["example_mask"]) > 0)
+        counted = real & (np.cumsum(real) <= limit - seen)
+        if not counted.any():
             continue
+        keep = counted[process_rows(len(counted))]
         groups, _, _ = sampler.sample(state, batch, jax.random.key(0), config=greedy)
         correct = _correct(groups, config.success_threshold)
         for key, values in _row_figures(groups, correct).items():
@@ -200,7 +210,7 @@ def evaluate_policy(sampler: ScoredSampler, state: nnx.State, batches: Iterable[
             per_prompt = correct.reshape(-1, n).sum(axis=1).round().astype(np.int64)  # [B]
             for k in config.pass_k:
                 sampled_sums.add(f"pass@{k}", pass_at_k(n, per_prompt, k), keep)
-        seen += int(keep.sum())
+        seen += int(counted.sum())
     if seen == 0:
         raise ValueError("no prompts to evaluate: the prompt batches hold no real example (example_mask)")
     return {**greedy_sums.means(), **sampled_sums.means(), "prompts": float(seen)}

@@ -4,9 +4,9 @@
 
 Run by tests/test_multihost.py with ``--xla_force_host_platform_device_count`` set, once
 per process (``NUM_PROCESSES`` 1 runs without ``jax.distributed``). ``JOBS_JSON`` is a list
-of jobs ``{"name", "model_dir", "output_dir", "dpo_reference", "steps", "resume"}``; each
-trains the tiny DPO recipe through ``alignax.trainers.api.train`` on the same records and
-prints one JSON line: the losses of the steps it ran, the step metrics rows it wrote, and a
+of jobs ``{"name", "recipe" (dpo | grpo | ppo), "model_dir", "output_dir", "dpo_reference",
+"steps"}``; each trains that tiny recipe on the toy model through
+``alignax.trainers.api.train`` on the same records and prints one JSON line: the losses of the steps it ran, the step metrics rows it wrote, and a
 digest of the final parameters (sums computed on the global arrays, so every process and
 every layout gives comparable numbers).
 """
@@ -14,6 +14,7 @@ every layout gives comparable numbers).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -24,18 +25,36 @@ import jax.numpy as jnp
 def main() -> None:
     process_id, num_processes, port, jobs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
     from alignax.trainers import api
+    from tests.rl_toy import toy_config, toy_prompts
     from tests.trainer_helpers import separable_pairs, tiny_config
 
     distributed = ({"coordinator": f"127.0.0.1:{port}", "num_processes": num_processes, "process_id": process_id}
                    if num_processes > 1 else {})
+    common = {"mesh": {"shape": [1, -1, 1]}, "distributed": distributed,
+              "logging": {"console": False, "tensorboard": False}}
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("alignax").addHandler(Collect(level=logging.INFO))
+    logging.getLogger("alignax").setLevel(logging.INFO)
     for job in jobs:
-        config = tiny_config(
-            job["output_dir"], "dpo", steps=job["steps"], model_dir=job["model_dir"],
-            data={"batch_size": 8, "eval_fraction": 0.0}, mesh={"shape": [1, -1, 1]},
-            dpo={"reference": job["dpo_reference"]}, distributed=distributed,
-            logging={"console": False, "tensorboard": False},
-        )
-        result = api.train(config, records=separable_pairs(48))
+        messages.clear()
+        recipe = job.get("recipe", "dpo")
+        if recipe == "dpo":
+            config = tiny_config(job["output_dir"], "dpo", steps=job["steps"], model_dir=job["model_dir"],
+                                 data={"batch_size": 8, "eval_fraction": 0.0},
+                                 dpo={"reference": job["dpo_reference"]}, **common)
+            records = separable_pairs(48)
+        else:  # online: 8 prompts x 2 samples, one minibatch (so the rows of an update are the same set)
+            section = {"minibatches": 1, **({"epochs": 2} if recipe == "ppo" else {})}
+            config = toy_config(job["output_dir"], job["model_dir"], recipe, steps=job["steps"],
+                                data={"batch_size": 8}, rollout={"num_samples": 2},
+                                evaluation={"max_prompts": 8}, **{recipe: section}, **common)
+            records = toy_prompts(48)
+        result = api.train(config, records=records)
         params = result.loop.state.params
         leaves = jax.tree.leaves(params)
         digest = jax.jit(lambda ls: [jnp.sum(x.astype(jnp.float32)) for x in ls]
@@ -49,7 +68,8 @@ def main() -> None:
             "job": job["name"], "process": jax.process_index(), "processes": jax.process_count(),
             "devices": jax.device_count(), "local_devices": jax.local_device_count(),
             "losses": [h["loss"] for h in result.history], "steps": [h["step"] for h in result.history],
-            "metric_steps": rows, "digest": [float(x) for x in jax.device_get(digest)],
+            "metric_steps": rows, "eval": result.eval_history,
+            "layout_changed": any("layout changed" in m for m in messages), "digest": [float(x) for x in jax.device_get(digest)],
         }), flush=True)
 
 

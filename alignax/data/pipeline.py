@@ -13,9 +13,10 @@ How a batch is made:
    prompt is in both. Memory holds their indices and digests, not their tokens.
 2. **Order**: grain ``MapDataset.range(n).shuffle(seed).repeat()`` — a different,
    deterministic permutation in every epoch; epochs follow each other without a gap.
-3. **Shard**: process ``p`` of ``P`` takes stream elements ``p, p+P, p+2P, ...``; its
-   ``batch_size / P`` consecutive elements, taken together with the other processes',
-   are exactly global batch ``k`` of the unsharded stream, whatever ``P`` is.
+3. **Shard**: process ``p`` of ``P`` takes block ``p`` of every global batch: of batch
+   ``k``'s elements ``kB ... kB + B - 1``, the ``B / P`` from ``kB + pB/P`` on. Placed in
+   process order (``alignax.parallel.multihost``) the blocks are exactly global batch
+   ``k`` of the unsharded stream, in its order, whatever ``P`` is.
 4. **Tokenise and pad** lazily per element (the same deterministic encoding as step 1),
    batch, and prefetch in ``read_threads`` threads.
 
@@ -428,6 +429,27 @@ def _kl_partners(indices: np.ndarray, prompt_keys: Mapping[int, bytes], seed) ->
     return records, np.roll(records, -shift)
 
 
+class _ProcessBlocks(grain.MapDataset):
+    """Process ``index`` of ``count``'s elements of ``parent``: block ``index`` of each run
+    of ``batch_size`` consecutive elements (one global batch)."""
+
+    def __init__(self, parent: grain.MapDataset, batch_size: int, index: int, count: int):
+        super().__init__(parent)
+        self._batch, self._local, self._offset = batch_size, batch_size // count, index * (batch_size // count)
+
+    def __len__(self) -> int:
+        return len(self._parents[0]) // self._batch * self._local
+
+    def __getitem__(self, position):
+        if isinstance(position, slice):
+            return self.slice(position)
+        batch, within = divmod(position, self._local)
+        return self._parents[0][batch * self._batch + self._offset + within]
+
+    def __str__(self) -> str:
+        return f"_ProcessBlocks(batch_size={self._batch}, local={self._local}, offset={self._offset})"
+
+
 def _batch_fn(examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     batch: dict[str, Any] = {}
     for key in examples[0]:
@@ -493,7 +515,7 @@ class DataIterator:
             if config.shuffle:
                 ds = ds.shuffle(seed=config.seed)
             ds = ds.repeat(config.num_epochs)
-            ds = ds[process_index::process_count].map(lambda pos: load(int(pos)))
+            ds = _ProcessBlocks(ds, config.batch_size, process_index, process_count).map(lambda pos: load(int(pos)))
             ds = ds.batch(self.local_batch_size, drop_remainder=True, batch_fn=batch_fn)
         else:
             padded = -(-n // config.batch_size) * config.batch_size
@@ -505,7 +527,8 @@ class DataIterator:
                 example["example_mask"] = 0
                 return example
 
-            ds = grain.MapDataset.range(padded)[process_index::process_count].map(lambda pos: load_eval(int(pos)))
+            ds = _ProcessBlocks(grain.MapDataset.range(padded), config.batch_size, process_index,
+                                process_count).map(lambda pos: load_eval(int(pos)))
             ds = ds.batch(self.local_batch_size, drop_remainder=True, batch_fn=batch_fn)
         self._dataset = ds
         options = grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=config.prefetch_batches)
@@ -547,9 +570,9 @@ class DataIterator:
     def get_state(self) -> dict[str, Any]:
         """JSON-able state: the next batch index and what it is an index into.
 
-        The index counts global batches, and process ``p`` of ``P`` reads rows ``p, p + P,
-        ...`` of global batch ``k`` as its local batch ``k``, so the same state serves every
-        process, and a run saved with one process count resumes with another."""
+        The index counts global batches, and process ``p`` of ``P`` reads block ``p`` of
+        global batch ``k`` as its local batch ``k``, so the same state serves every process,
+        and a run saved with one process count resumes with another."""
         return {"next_index": self.step, "fingerprint": self._fingerprint()}
 
     def set_state(self, state: Mapping[str, Any]) -> None:

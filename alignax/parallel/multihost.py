@@ -3,8 +3,9 @@
 A multi-host run (a TPU pod slice, GPU nodes, or several CPU processes with gloo
 collectives) is one JAX program per process. Each process reads only its share of every
 global batch (``alignax.data``: ``data.batch_size`` is global, process ``p`` of ``P`` reads
-rows ``p, p + P, ...`` of the global stream), places it with :func:`place_local_batch` as
-its part of one global array, and reads back only its own rows with :func:`local_rows`.
+block ``p`` of each global batch), places it with :func:`place_local_batch` as its part
+of one global array (the blocks in process order: the one-process batch, row for row),
+and reads back only its own rows with :func:`local_rows`.
 Scalars (losses, metrics) come out of compiled steps replicated, so every process sees
 the same figures; process 0 alone writes files (:func:`is_writer`).
 
@@ -62,16 +63,20 @@ class DistributedConfig:
             raise ValueError(f"distributed.cpu_collectives: {self.cpu_collectives!r} is not one of 'gloo', 'mpi'")
 
 
-# Environment variables by which jax.distributed.initialize() finds a cluster on its own.
-_CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS",
-                "OMPI_COMM_WORLD_SIZE")
+# The clusters jax.distributed.initialize() would join on its own (jax's own detectors;
+# mpi4py's is opt-in there and Kubernetes' alone says nothing about a multi-process job).
+_AUTO_CLUSTERS = ("SlurmCluster", "OmpiCluster", "GceTpuCluster", "GkeTpuCluster")
 
 
 def _cluster_detected() -> bool:
-    if any(os.environ.get(name) for name in _CLUSTER_ENV):
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         return True
-    tasks = os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_STEP_NUM_TASKS")
-    return bool(os.environ.get("SLURM_JOB_ID")) and tasks is not None and int(tasks) > 1
+    try:
+        from jax._src import clusters  # no public API lists them
+        return any(c.__name__ in _AUTO_CLUSTERS and c.is_env_present() for c in clusters.ClusterEnv._cluster_types)
+    except Exception as err:  # noqa: BLE001 - a jax without these internals: explicit keys still work
+        log.debug("cluster detection unavailable (%s); set the distributed keys", err)
+        return False
 
 
 def _is_initialized() -> bool:
@@ -107,37 +112,96 @@ def is_writer() -> bool:
     return jax.process_index() == 0
 
 
+def process_rows(num_rows: int) -> slice:
+    """The rows of a global batch of ``num_rows`` that this process provides and reads:
+    block ``p`` of ``P`` equal blocks (process order)."""
+    count, index = jax.process_count(), jax.process_index()
+    if num_rows % count:
+        raise ValueError(f"a global batch of {num_rows} rows does not split over {count} processes")
+    share = num_rows // count
+    return slice(index * share, (index + 1) * share)
+
+
+def _addressable_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> set[tuple[int, int]]:
+    spans = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows = index[0] if index else slice(None)
+        spans.add(rows.indices(shape[0])[:2])
+    return spans
+
+
 def place_local_batch(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """This process's rows of a global batch, placed as its part of the global array.
 
-    ``value`` holds ``B / P`` rows (``P`` processes); the global array has ``B`` rows in
-    process order (process 0's rows first). With one process this is a plain placement.
+    ``value`` holds ``B / P`` rows (``P`` processes); in the global array (``B`` rows) they
+    are rows :func:`process_rows` — process 0's first. With one process this is a plain
+    placement. The mesh must give each process's devices one contiguous block of the
+    batch axes (as ``jax.devices()``' process-major order does).
     """
     value = np.asarray(value)
     if jax.process_count() == 1 or value.ndim == 0:  # a 0-d leaf is the same on every process
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
     global_shape = (value.shape[0] * jax.process_count(), *value.shape[1:])
-    return jax.make_array_from_process_local_data(sharding, value, global_shape)
+    mine = process_rows(global_shape[0])
+    spans = _addressable_rows(sharding, global_shape)
+    if min(a for a, _ in spans) != mine.start or max(b for _, b in spans) != mine.stop:
+        raise ValueError(f"process {jax.process_index()}'s devices hold rows {sorted(spans)} of a batch of "
+                         f"{global_shape[0]}, not its block {mine.start}:{mine.stop}; build the mesh so that each "
+                         "process's devices are one contiguous block of the batch axes")
+    return jax.make_array_from_callback(global_shape, sharding, lambda index: _take_rows(value, index, mine.start))
+
+
+def _take_rows(value: np.ndarray, index: tuple, offset: int) -> np.ndarray:
+    rows = index[0] if index else slice(None)
+    start, stop, _ = rows.indices(offset + value.shape[0])
+    return value[(slice(start - offset, stop - offset), *index[1:])]
 
 
 def local_rows(array: jax.Array) -> np.ndarray:
-    """The rows of a batch-sharded global array that this process holds, as NumPy (the
-    inverse of :func:`place_local_batch`); the whole array when it is fully addressable."""
-    if array.is_fully_addressable:
+    """This process's rows (:func:`process_rows`) of a global batch array, as NumPy — the
+    inverse of :func:`place_local_batch`; the whole array with one process."""
+    if jax.process_count() == 1 or array.ndim == 0:  # a 0-d array is replicated: every process has it
         return np.asarray(jax.device_get(array))
-    pieces: dict[tuple[int, int], np.ndarray] = {}
+    mine = process_rows(array.shape[0])
+    pieces: dict[int, np.ndarray] = {}
     for shard in array.addressable_shards:
         rows = shard.index[0] if shard.index else slice(None)
         start, stop, _ = rows.indices(array.shape[0])
-        if any(s != slice(None) and s.indices(n)[:2] != (0, n) for s, n in zip(shard.index[1:], array.shape[1:])):
-            raise ValueError("local_rows reads arrays sharded over their first axis only; got shard index "
+        if any(s.indices(n)[:2] != (0, n) for s, n in zip(shard.index[1:], array.shape[1:])):
+            raise ValueError(f"local_rows reads arrays sharded over their first axis only; got shard index "
                              f"{shard.index} of shape {array.shape}")
-        pieces.setdefault((start, stop), np.asarray(shard.data))
-    spans = sorted(pieces)
-    for (_, stop), (start, _) in zip(spans, spans[1:]):
-        if stop != start:
-            raise ValueError(f"this process's rows of an array of shape {array.shape} are not contiguous: {spans}")
-    return np.concatenate([pieces[s] for s in spans], axis=0)
+        lo, hi = max(start, mine.start), min(stop, mine.stop)
+        if lo < hi and lo not in pieces:
+            pieces[lo] = np.asarray(shard.data)[lo - start: hi - start]
+    out, at = [], mine.start
+    for lo in sorted(pieces):
+        if lo != at:
+            break
+        out.append(pieces[lo])
+        at = lo + len(pieces[lo])
+    if at != mine.stop:
+        raise ValueError(f"process {jax.process_index()} does not hold its rows {mine.start}:{mine.stop} of an "
+                         f"array of shape {array.shape}")
+    return np.concatenate(out, axis=0)
+
+
+def host_global(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Every array of ``tree`` whole, as NumPy, on every process (a collective with
+    several processes); for per-row figures, not for per-token batches at scale."""
+    if jax.process_count() > 1:
+        tree = replicated(tree, mesh)
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def allgather_rows(value: np.ndarray) -> np.ndarray:
+    """This process's host rows concatenated with every other process's, in process order."""
+    value = np.asarray(value)
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    gathered = np.asarray(multihost_utils.process_allgather(value))
+    return gathered.reshape(-1, *value.shape[1:])
 
 
 def replicated(tree: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -27,6 +27,7 @@ from flax import nnx
 from alignax import models
 from alignax.config import load_callable
 from alignax.losses import ensemble_rewards
+from alignax.parallel.multihost import local_rows
 from alignax.rewards import shaping
 from alignax.rewards.verifiers import verifier_rewards
 
@@ -195,9 +196,9 @@ class RewardScorer:
             tokens, positions, attention = full_sequences
             scores = self._score_rm(self.reward_models.states, tokens, positions, attention)  # [K, R]
             combined = ensemble_rewards(scores, method=s.ensemble, k=s.ensemble_k)
-            weighted["reward_model"] = s.reward_model_weight * np.asarray(combined)
+            weighted["reward_model"] = s.reward_model_weight * local_rows(combined)
             if scores.shape[0] > 1:
-                extra["reward_model_std"] = np.asarray(jnp.std(scores, axis=0))
+                extra["reward_model_std"] = local_rows(jnp.std(scores, axis=0))
         lengths = response_mask.sum(axis=-1).astype(np.float32)
         if s.length_penalty_coef:
             weighted["length"] = np.asarray(shaping.length_penalty(lengths, target_length=s.length_target,

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from alignax.parallel.multihost import local_rows
 from alignax.sampling.sampler import SamplingConfig, generate
 
 
@@ -97,7 +98,7 @@ class ScoredSampler:
         with jax.set_mesh(self.mesh):
             out = self._generate(self.graphdef, state, self.place(prompt_batch["prompt_tokens"]),
                                  self.place(prompt_batch["prompt_attention_mask"]), rng, config=config)
-        out = jax.device_get(out)
+        out = jax.tree.map(local_rows, out)  # the samples of this process's prompts
         seconds = time.perf_counter() - start
         g = config.num_samples
         references = [ref for ref in prompt_batch["references"] for _ in range(g)]

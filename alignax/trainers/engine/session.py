@@ -150,6 +150,10 @@ class Session:
                 reference = ckpt.restore_reference(reference)
             self.resumed = True
             log.info("resumed at step %s from %s", self.meta.get("step"), ckpt.directory)
+            saved, now = self.meta.get("layout"), layout(self.config)
+            if saved is not None and saved != now:
+                log.info("the layout changed since that checkpoint: saved %s, now %s (arrays were resharded)",
+                         saved, now)
         elif ckpt is not None and reference is not None:
             ckpt.save_reference(reference)
         return state, reference
@@ -183,9 +187,15 @@ class Session:
         return run_loop(
             config=loop_config, state=state, frozen=frozen, step_fn=step_fn, batches=batches,
             place_batch=place_batch, writer=self.writer, checkpointer=self.checkpointer,
-            meta_fn=lambda: {"config": config_io.to_dict(config), "data_stats": dict(data_stats), **meta_fn()},
+            meta_fn=lambda: {"config": config_io.to_dict(config), "data_stats": dict(data_stats),
+                             "layout": layout(config), **meta_fn()},
             eval_fn=eval_fn, count_tokens=count_batch_tokens, progress=progress,
         )
+
+
+def layout(config: TrainConfig) -> dict[str, Any]:
+    """Where a run's arrays live: processes, devices and the mesh shape asked for."""
+    return {"processes": jax.process_count(), "devices": jax.device_count(), "mesh": list(config.mesh.shape)}
 
 
 def init_state_on_mesh(params: Any, optimizer, *, seed: int, mesh: jax.sharding.Mesh, extra: Any = ()):

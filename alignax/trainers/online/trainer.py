@@ -27,6 +27,7 @@ the same rollouts because each one's randomness comes from the seed and the roll
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -43,7 +44,8 @@ from alignax import kl as kl_lib
 from alignax.data import prepare_dataset
 from alignax.losses import sft_loss, value_loss
 from alignax.metrics import to_host
-from alignax.parallel.multihost import place_local_batch
+from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
+                                        process_rows)
 from alignax.parallel.sharding import batch_sharding
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import process_step_rewards, step_boundaries
@@ -53,7 +55,8 @@ from alignax.sampling.scored import Groups, ScoredSampler
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import packing
 from alignax.trainers.engine.optim import build_optimizer
-from alignax.trainers.engine.session import Session, TrainResult, frozen_copy, init_state_on_mesh
+from alignax.trainers.engine.precision import cast_params, frozen_params
+from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
 from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer, response_logps, split_params
 from alignax.trainers.engine.step import LossAux, StepOutput, TrainState, make_train_step
 from alignax.trainers.online.algorithm import AdvantageInputs, OnlineAlgorithm
@@ -76,10 +79,18 @@ class OnlineTrainer:
                              f"{algorithm.min_group_size}; got {rc.num_samples}")
         self.config, self.algorithm = config, algorithm
         self.group_size = rc.num_samples
-        self.num_prompts = config.data.batch_size
+        self.num_prompts = config.data.batch_size  # global: every process's prompts
         self.rows = self.num_prompts * self.group_size
+        # This process's share: it samples, scores and picks minibatch rows of its own
+        # prompts (alignax.parallel.multihost); one process holds them all.
+        self.local_prompts = self.num_prompts // jax.process_count()
+        self.local_rows = self.local_prompts * self.group_size
+        self.row_offset = process_rows(self.rows).start if self.num_prompts % jax.process_count() == 0 else 0
         self.max_new = rc.max_new_tokens
         self.prompt_len = config.data.max_prompt_length
+        if self.local_rows % algorithm.minibatches:
+            raise ValueError(f"each of the {jax.process_count()} processes holds {self.local_rows} rollout rows, which "
+                             f"do not split into {algorithm.minibatches} minibatches")
         if self.rows % algorithm.minibatches:
             raise ValueError(f"{self.rows} rollout rows (data.batch_size x rollout.num_samples) do not split into "
                              f"{algorithm.minibatches} minibatches")
@@ -87,7 +98,7 @@ class OnlineTrainer:
         self.mesh = build_mesh(config.mesh)
         self.tokenizer = load_tokenizer(config.model)
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
-        policy = build_model(config.model, kind=algorithm.policy_kind, mesh=self.mesh)
+        policy = build_model(config.model, kind=algorithm.policy_kind, mesh=self.mesh, precision=config.precision)
         self.model_config = policy.config
         self.graphdef, policy_params, self.rest = split_params(policy)
         del policy
@@ -113,6 +124,9 @@ class OnlineTrainer:
         if config.rewards.reward_models:
             reward_models = RewardModels.load(config.rewards.reward_models, mesh=self.mesh,
                                               vocab_size=self.model_config.vocab_size)
+            # held in precision.frozen_dtype (they compute in float32, as RewardModels.load builds them)
+            reward_models = dataclasses.replace(reward_models, states=[
+                cast_params(s, config.precision.frozen) for s in reward_models.states])
         self.scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=self.stop_ids,
                                    reward_models=reward_models)
         self.sampler = ScoredSampler(self.graphdef, self.tokenizer, self.scorer, self.sampling, mesh=self.mesh,
@@ -136,20 +150,21 @@ class OnlineTrainer:
         if critic.init == "reward_model":
             if not critic.path:
                 raise ValueError("ppo.critic_init=reward_model needs ppo.critic_path (a reward model folder)")
-            model = models.from_pretrained(critic.path, kind="value", mesh=self.mesh)
+            model = models.from_pretrained(critic.path, kind="value", mesh=self.mesh,
+                                           **self.config.precision.model_dtypes())
         else:
-            model = build_model(self.config.model, kind="value", mesh=self.mesh)
+            model = build_model(self.config.model, kind="value", mesh=self.mesh, precision=self.config.precision)
         self.critic_graphdef, critic_params, self.critic_rest = split_params(model)
         return {"policy": policy_params, "critic": critic_params}
 
     def _build_optimizer(self, total_updates: int):
         """The policy's optimiser; with a critic learning rate of its own, the critic's
         params (a separate critic, or the shared trunk's value head) get their own."""
-        optimizer, schedule = build_optimizer(self.config.optim, total_updates)
+        optimizer, schedule = build_optimizer(self.config.optim, total_updates, precision=self.config.precision)
         critic = self.algorithm.critic
         if critic is None or critic.optim is None:
             return optimizer, schedule
-        critic_optimizer, _ = build_optimizer(critic.optim, total_updates)
+        critic_optimizer, _ = build_optimizer(critic.optim, total_updates, precision=self.config.precision)
 
         def labels(params):
             if self.separate_critic:
@@ -268,14 +283,18 @@ class OnlineTrainer:
                                   extra=extra)
 
     def start(self) -> tuple[TrainState, dict[str, Any]]:
-        """``(fresh train state, frozen)`` on the mesh, ``frozen`` holding the reference
-        (a copy of the initial policy) when the KL is on; compiles :attr:`update` for them."""
+        """``(fresh train state, frozen)`` on the mesh, ``frozen`` holding the reference (the
+        initial policy params themselves, in ``precision.frozen_dtype``) when the KL is on;
+        compiles :attr:`update` for them. :attr:`initial_params` is None from here on: the
+        state holds buffers of its own."""
         state, shardings = self.init_state()
         step = make_train_step(self.loss_fn, self.optimizer, normalisers_fn=self.normalisers_fn,
                                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule,
                                schedule_position=lambda state, mb: mb.schedule_position)
         self.update = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
-        frozen = {"reference": frozen_copy(self.policy_params(self.initial_params))} if self.uses_reference else {}
+        frozen = ({"reference": frozen_params(self.policy_params(self.initial_params), self.config.precision)}
+                  if self.uses_reference else {})
+        self.initial_params = None
         return state, frozen
 
     # ------------------------------------------------------------------ one rollout step
@@ -295,16 +314,18 @@ class OnlineTrainer:
         parts = [groups]
         informative = int(np.sum(group_reward_std(groups.rewards, self.group_size) > 0))
         refills = 0
-        while informative < self.num_prompts and refills < max_refills:
+        # refill until every process has its share of informative groups (sampling is a
+        # collective: the processes refill together)
+        while refills < max_refills and not np.all(allgather_rows(np.array([informative >= self.local_prompts]))):
             refills += 1
             extra, s, t = self.sampler.sample(sampling_state, next(batches), jax.random.fold_in(key, refills))
             parts.append(extra)
             gen_s, gen_tokens = gen_s + s, gen_tokens + t
             informative += int(np.sum(group_reward_std(extra.rewards, self.group_size) > 0))
-        groups, _ = select_informative_groups(parts, num_groups=self.num_prompts, group_size=self.group_size)
+        groups, _ = select_informative_groups(parts, num_groups=self.local_prompts, group_size=self.group_size)
         figures = generation_figures(gen_s, gen_tokens)
         figures["groups/refills"] = float(refills)
-        figures["groups/sampled"] = float(sum(p.size for p in parts) // self.group_size)
+        figures["groups/sampled"] = float(sum(p.size for p in parts) // self.group_size * jax.process_count())
         return groups, figures
 
     def greedy_baseline(self, state, groups: Groups, figures: dict[str, float]) -> np.ndarray:
@@ -314,7 +335,7 @@ class OnlineTrainer:
                    "references": groups.references[:: self.group_size]}
         greedy, _, _ = self.sampler.sample(self.sampling_state(state.params), prompts, jax.random.key(0),
                                            config=self.greedy)
-        figures["reward/greedy_baseline"] = float(np.mean(greedy.rewards))
+        figures["reward/greedy_baseline"] = float(np.mean(allgather_rows(greedy.rewards)))
         return np.repeat(greedy.rewards, self.group_size).astype(np.float32)
 
     def _minibatch_rows(self, order_rng: np.random.Generator) -> list[np.ndarray]:
@@ -322,11 +343,13 @@ class OnlineTrainer:
         groups when groups are packed (each group's rows stay together; the caller sorts
         the rows, which keeps every group contiguous)."""
         minibatches = self.algorithm.minibatches
+        # each process splits its own rows (the same draw on every process); a minibatch is
+        # every process's part of it, as global row indices
         if self.pack_group == 1:
-            return np.split(order_rng.permutation(self.rows), minibatches)
+            return [self.row_offset + rows for rows in np.split(order_rng.permutation(self.local_rows), minibatches)]
         G = self.pack_group
-        groups = np.split(order_rng.permutation(self.num_prompts), minibatches)
-        return [(g[:, None] * G + np.arange(G)[None, :]).reshape(-1) for g in groups]
+        groups = np.split(order_rng.permutation(self.local_prompts), minibatches)
+        return [self.row_offset + (g[:, None] * G + np.arange(G)[None, :]).reshape(-1) for g in groups]
 
     def next_ptx_batch(self):
         if self.ptx is None:
@@ -370,17 +393,20 @@ class OnlineTrainer:
         rewards = groups.rewards.astype(np.float32)
         if algo.kl.placement == "sequence_reward" and self.uses_reference:
             seq_kl = kl_lib.sequence_kl(old_logps, ref_logps, response_mask, kind=algo.kl.kind)
-            rewards = rewards - float(jax.device_get(kl_coef)) * np.asarray(seq_kl)
+            rewards = rewards - float(jax.device_get(kl_coef)) * local_rows(seq_kl)
         zeros = np.zeros(groups.tokens.shape, np.float32)
         step_rewards = step_mask = zeros
         if algo.process_reward is not None:
             step_mask, texts = step_boundaries(self.tokenizer, groups.tokens, groups.response_mask, algo.step_delimiter)
             step_rewards = process_step_rewards(algo.process_reward, step_mask, texts,
                                                 with_task(groups.references, self.config.rewards.task))
-            figures["process/steps_per_completion"] = float(step_mask.sum() / max(groups.size, 1))
+            counts = allgather_rows(np.array([[step_mask.sum(), groups.size]], np.float64)).sum(axis=0)
+            figures["process/steps_per_completion"] = float(counts[0] / max(counts[1], 1))
         baseline = (self.greedy_baseline(state, groups, figures) if algo.greedy_baseline
-                    else np.zeros(self.rows, np.float32))
-        group_ids = np.repeat(np.arange(self.num_prompts, dtype=np.int32), self.group_size)
+                    else np.zeros(self.local_rows, np.float32))
+        first_prompt = self.row_offset // self.group_size  # group ids are global: no two processes share one
+        group_ids = np.repeat(np.arange(first_prompt, first_prompt + self.local_prompts, dtype=np.int32),
+                              self.group_size)
         # In single-update mode nothing here reads the policy's log-probs (that is what the
         # mode requires), so the sampler's stand in for the inputs' old log-probs.
         inputs = AdvantageInputs(
@@ -425,12 +451,12 @@ class OnlineTrainer:
             old_logps = recomputed if old_logps is None else old_logps
 
         # ---- carried state: rollout count and the KL controller ----
-        seq_kl = np.asarray(kl_lib.sequence_kl(old_logps, ref_logps, response_mask, kind="k1"))
+        seq_kl = host_global(kl_lib.sequence_kl(old_logps, ref_logps, response_mask, kind="k1"), self.mesh)
         new_coef = algo.kl.controller.update(state.extra["kl_coef"], float(np.mean(seq_kl)), self.rows)
         state = state._replace(extra={"kl_coef": new_coef, "rollouts": state.extra["rollouts"] + 1})
 
-        figures.update(rollout_figures(groups, rewards, seq_kl, old_logps, ref_logps, recomputed, sampler_logps,
-                                       response_mask, entropy, advantages, group_size=self.group_size))
+        figures.update(self._rollout_figures(groups, rewards, seq_kl, old_logps, ref_logps, recomputed, sampler_logps,
+                                             response_mask, entropy, advantages))
         for key in update_metrics[0]:
             figures[key] = float(np.mean([m[key] for m in update_metrics]))
         figures["grad_norm_max"] = float(np.max([m["grad_norm"] for m in update_metrics]))
@@ -449,6 +475,17 @@ class OnlineTrainer:
                                           length=figures["response/length_mean"],
                                           reward=figures.get("reward/answer", figures["reward/total"])))
         return state, StepOutput(metrics=figures)
+
+    def _rollout_figures(self, groups: Groups, rewards, seq_kl, *device_arrays) -> dict[str, float]:
+        """:func:`rollout_figures` over every process's rows: the per-row host values are
+        gathered, the device arrays fetched whole (the same figures on every process)."""
+        if jax.process_count() > 1:
+            groups = dataclasses.replace(  # only these fields are read by rollout_figures
+                groups, rewards=allgather_rows(groups.rewards), stopped=allgather_rows(groups.stopped),
+                components={k: allgather_rows(v) for k, v in groups.components.items()})
+            rewards = allgather_rows(rewards)
+        device_arrays = host_global(device_arrays, self.mesh)
+        return rollout_figures(groups, rewards, seq_kl, *device_arrays, group_size=self.group_size)
 
     # ------------------------------------------------------------------ evaluation and export
     def eval_frozen(self) -> None:
@@ -480,7 +517,6 @@ class OnlineTrainer:
     def train(self) -> TrainResult:
         config = self.config
         state, frozen = self.start()
-        self.initial_params = None  # the state holds the trained params from here on
         batches = self.data.iterator("train")
         console_keys = ("reward/total", "reward/answer", "kl/ref_seq", "entropy", "response/length_mean")
         with Session(config, console_keys=console_keys) as session:
