@@ -9,6 +9,11 @@ The kernel is started from a kernelspec written to a temporary directory whose a
 notebooks run against this venv's alignax, and nothing is written under the home directory
 (connection file, IPython profile and history all stay in the temporary directory).
 Matplotlib uses the Agg backend, so figures are drawn but never shown.
+
+The notebooks that run a model (``MODEL_NOTEBOOKS``, on SmolLM2 for a user) run here on a
+tiny random Llama: the toy model's shape (tests/toy_model.py) over a byte-level BPE
+tokenizer with SmolLM2's chat template, so reasoning-gym text tokenises, written to a
+temporary folder and named by ``ALIGNAX_NOTEBOOK_MODEL``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from nbclient import NotebookClient
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
-EXPECTED = {"policy_gradients.ipynb", "preference_gradients.ipynb", "advantages.ipynb"}
+MODEL_NOTEBOOKS = {"token_gradients.ipynb", "aggregation_and_length.ipynb", "layer_gradients.ipynb"}
+EXPECTED = {"policy_gradients.ipynb", "preference_gradients.ipynb", "advantages.ipynb"} | MODEL_NOTEBOOKS
 KERNEL_NAME = "python3"
 PROBE = "import json, sys; print(json.dumps([sys.executable, sys.prefix]))"
 
@@ -51,6 +57,22 @@ def kernel_home(tmp_path_factory) -> Path:
     return home
 
 
+@pytest.fixture(scope="module")
+def notebook_model(toy_model, tmp_path_factory) -> str:
+    """The tiny model folder the model notebooks run on (see the module docstring)."""
+    from alignax.models import ModelConfig, create_model, save_pretrained
+    from tests.data.tiny_tokenizer import bpe_tokenizer
+
+    tokenizer = bpe_tokenizer()
+    config = json.loads((Path(toy_model) / "config.json").read_text())
+    config.update(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"))
+    directory = tmp_path_factory.mktemp("notebook-model")
+    save_pretrained(create_model(ModelConfig.from_hf_config(config)), directory)
+    tokenizer.save_pretrained(str(directory))
+    return str(directory)
+
+
 def _kernel_manager(home: Path, name: str) -> AsyncKernelManager:
     specs = KernelSpecManager(kernel_dirs=[str(home / "kernels")])
     assert specs.get_kernel_spec(KERNEL_NAME).argv[0] == sys.executable
@@ -71,7 +93,7 @@ def test_notebook_is_stored_without_outputs(path: Path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path: Path, kernel_home: Path):
+def test_notebook_runs(path: Path, kernel_home: Path, request):
     nb = nbformat.read(path, as_version=4)
     assert any(cell.cell_type == "code" for cell in nb.cells), f"{path.name} has no code"
     nb.cells.append(nbformat.v4.new_code_cell(PROBE))
@@ -82,6 +104,8 @@ def test_notebook_runs(path: Path, kernel_home: Path):
         "IPYTHONDIR": str(kernel_home / "ipython"),
         "JUPYTER_RUNTIME_DIR": str(kernel_home),
     }
+    if path.name in MODEL_NOTEBOOKS:
+        env["ALIGNAX_NOTEBOOK_MODEL"] = request.getfixturevalue("notebook_model")
     client = NotebookClient(
         nb,
         km=_kernel_manager(kernel_home, path.stem),
