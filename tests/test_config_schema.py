@@ -227,6 +227,7 @@ SWEEP_VALUES = {
     "ppo.ptx_data": [PTX_DATA],
     "evaluation.prompts": [EVAL_PROMPTS],
     "evaluation.prompts.format": ["prompt"],  # the only format of a prompt set
+    "precision.master_dtype": [None],  # its one other value: no master copy
 }
 DATA_VALUES = {
     "paths": [["tests/data/some.jsonl"]],

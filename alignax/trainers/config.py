@@ -5,6 +5,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     algorithm: dpo            # a name of alignax.trainers.api.ALGORITHMS   (required)
     output_dir: runs/dpo      # checkpoints, metrics.jsonl, TensorBoard events, export
     model: {...}              # ModelSpec
+    precision: {...}          # PrecisionConfig: parameter, compute, master, moment and frozen dtypes
     data: {...}               # alignax.data.DataConfig
     optim: {...}              # OptimConfig
     train: {...}              # TrainSection
@@ -31,6 +32,7 @@ from alignax.ops import AggregationMode
 from alignax.parallel.multihost import DistributedConfig
 from alignax.rewards.composite import RewardConfig
 from alignax.trainers.engine.optim import OptimConfig
+from alignax.trainers.engine.precision import PrecisionConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,8 @@ class ModelSpec:
       random_init: when set, the named model's config.json with these fields replaced,
         randomly initialised (tiny test models; its tokenizer is the named model's).
       seed: seed of random initialisation (and of fresh heads).
-      param_dtype / dtype: storage and compute dtypes; log-probs and losses are float32.
+      param_dtype / dtype: no longer read (an error when set): the dtypes are the
+        ``precision`` section's (``precision.param_dtype``, ``precision.compute_dtype``).
       scan_layers: scan over stacked layers (fast compiles for deep models).
       remat: rematerialise layers in the backward pass (less memory, more compute).
       logprob_chunk_size: compute token log-probs this many positions at a time from
@@ -337,6 +340,7 @@ class TrainConfig:
     algorithm: str  # a name of alignax.trainers.api.ALGORITHMS (checked when the config loads)
     output_dir: str = "runs/default"
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)

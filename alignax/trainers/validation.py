@@ -277,10 +277,26 @@ def _data_rules(prefix: str) -> list[Rule]:
 
 _PREF_SMOOTHED = ("sigmoid", "robust", "exo_pair")  # alignax.losses.preference: eps of these only
 
+# Frozen models (alignax.trainers.engine.precision.frozen_params): the reference policy of
+# the DPO family and of online RL with a KL, and the reward models online training scores with.
+FROZEN_MODELS = Named(
+    "a frozen model: a reference policy (algorithm dpo with dpo.loss=dpo|kto; grpo.kl_coef > 0; ppo.kl_coef > 0) "
+    "or reward models of online training (rewards.reward_models with algorithm grpo|ppo)",
+    AnyOf(All(Is("algorithm", "dpo"), Is("dpo.loss", "dpo", "kto")),
+          All(Is("algorithm", "grpo"), Above("grpo.kl_coef", 0)),
+          All(Is("algorithm", "ppo"), Above("ppo.kl_coef", 0)),
+          All(ONLINE, Given("rewards.reward_models"))))
+
 KEY_RULES: tuple[Rule, ...] = (
     # --- shared by every algorithm
-    rule(["algorithm", "output_dir", "model", "optim", "train", "checkpoint", "logging", "mesh", "distributed"],
-         ALWAYS),
+    rule(["algorithm", "output_dir", "model", "precision", "optim", "train", "checkpoint", "logging", "mesh",
+          "distributed"], ALWAYS),
+    rule(["model.param_dtype", "model.dtype"], NEVER,
+         "the dtypes moved to the precision section: set precision.param_dtype and precision.compute_dtype"),
+    rule("precision.master_dtype", Is("precision.param_dtype", "bfloat16"),
+         "float32 parameters are their own master copy"),
+    rule("precision.mu_dtype", Is("optim.name", "adamw", "adam"), "it is the dtype of Adam's first moment"),
+    rule("precision.frozen_dtype", FROZEN_MODELS),
     rule("model.logprob_chunk_size", IsNot("algorithm", "reward"), "a reward model scores sequences, no log-probs"),
     rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward")),
          "it seeds random initialisation and a reward model's fresh score head"),

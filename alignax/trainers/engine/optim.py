@@ -6,6 +6,10 @@ The learning rate is read at a position the train step passes
 that is the number of updates applied so far (what ``optax.adamw``'s own count would be);
 online it is the rollout's place in the run (``rollout * epochs * minibatches + update``),
 so epochs cut short by PPO's target KL neither stretch nor cut the schedule.
+
+The run's precision policy (:mod:`alignax.trainers.engine.precision`) sets the dtype of
+Adam's first moment and, for bfloat16 parameters, wraps the whole optimiser so that it
+computes in float32 on a float32 master copy of the weights.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import optax
+
+from alignax.trainers.engine.precision import PrecisionConfig, with_precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +100,23 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
 
 
-def build_optimizer(config: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build_optimizer(
+    config: OptimConfig, total_steps: int, *, precision: PrecisionConfig = PrecisionConfig()
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """``(optimizer, schedule)``; gradients are clipped before the update rule, and the
     optimiser's ``update`` takes ``schedule_step`` (see the module docstring).
 
     The rules are optax's own compositions (``optax.adamw`` is ``scale_by_adam``, then
     ``add_decayed_weights``, then the learning rate), with the learning rate read at
-    ``schedule_step``."""
+    ``schedule_step``; under a float32 ``precision`` policy that is all there is. Adam's
+    first moment is stored in ``precision.mu_dtype``, and bfloat16 parameters get the
+    float32 arithmetic (and master copy) of :func:`~alignax.trainers.engine.precision.with_precision`."""
     schedule = learning_rate_schedule(config, total_steps)
     parts = [] if config.max_grad_norm is None else [optax.clip_by_global_norm(config.max_grad_norm)]
     if config.name in ("adamw", "adam"):
-        parts.append(optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps))
+        mu_dtype = None if precision.mu_dtype == "float32" else jnp.dtype(precision.mu_dtype)
+        parts.append(optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps, mu_dtype=mu_dtype))
     if config.name == "adamw":
         parts.append(optax.add_decayed_weights(config.weight_decay, mask=_decay_mask))
     parts.append(scale_by_schedule_at(schedule))
-    return optax.chain(*parts), schedule
+    return with_precision(optax.chain(*parts), precision), schedule

@@ -22,6 +22,7 @@ from alignax._checks import check_choice
 from alignax.parallel.multihost import place_local_batch
 from alignax.parallel.sharding import batch_sharding, mesh_for_shape
 from alignax.trainers.config import MeshSection, ModelSpec
+from alignax.trainers.engine.precision import PrecisionConfig
 
 log = logging.getLogger("alignax")
 
@@ -46,9 +47,15 @@ def model_directory(spec: ModelSpec) -> str:
 def load_tokenizer(spec: ModelSpec):
     if spec.name in registry.MODELS:
         return registry.load_tokenizer(spec.name)
+    directory = model_directory(spec)
+    if os.path.exists(os.path.join(directory, "tokenizer.json")):
+        # the fast tokenizer directly: AutoTokenizer would import torch first (seconds)
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_directory(spec), local_files_only=True)
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
 def _read_hf_config(directory: str) -> dict[str, Any]:
@@ -56,17 +63,23 @@ def _read_hf_config(directory: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
-    """The model of ``kind`` (``alignax.models.MODEL_KINDS``) for ``spec``, sharded over ``mesh``.
+def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.Mesh | None = None,
+                precision: PrecisionConfig = PrecisionConfig()) -> nnx.Module:
+    """The model of ``kind`` (``alignax.models.MODEL_KINDS``) for ``spec``, sharded over ``mesh``,
+    its weights in ``precision.param_dtype`` computing in ``precision.compute_dtype``.
 
     ``random_init`` builds a fresh model from the named config with fields replaced. A
     reward model started from a causal-LM checkpoint keeps its trunk and gets a fresh
     score head (seeded by ``spec.seed``); value heads start at zero.
     """
     check_choice("model kind", kind, tuple(models.MODEL_KINDS))
+    for old, new in (("param_dtype", "param_dtype"), ("dtype", "compute_dtype")):
+        if getattr(spec, old) != "float32":
+            raise ValueError(f"model.{old} is no longer read: set precision.{new} (got model.{old}="
+                             f"{getattr(spec, old)})")
     directory = model_directory(spec)
     hf_config = _read_hf_config(directory)
-    policy = dict(param_dtype=spec.param_dtype, dtype=spec.dtype, scan_layers=spec.scan_layers, remat=spec.remat)
+    policy = dict(**precision.model_dtypes(), scan_layers=spec.scan_layers, remat=spec.remat)
     if spec.random_init is not None:
         config = models.ModelConfig.from_hf_config({**hf_config, **spec.random_init}, **policy)
         return models.create_model(config, kind=kind, seed=spec.seed, mesh=mesh)

@@ -99,7 +99,8 @@ def accumulate_gradients(
     *, num_micro: int,
 ) -> tuple[Array, Any, LossAux]:
     """Sum of micro-batch losses and gradients, mean of their scalar metrics and
-    concatenation of their per-row outputs (a ``lax.scan``)."""
+    concatenation of their per-row outputs (a ``lax.scan``). Gradients of parameters
+    narrower than float32 (bfloat16) are summed in float32."""
     def typed_loss(*args):
         loss, aux = loss_fn(*args)
         return loss, aux if isinstance(aux, LossAux) else LossAux(dict(aux))
@@ -115,9 +116,9 @@ def accumulate_gradients(
         loss_sum, grad_sum = carry
         micro, key = inputs
         (loss, aux), grads = grad_fn(params, frozen, micro, normalisers, key)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), aux
+        return (loss_sum + loss, jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)), aux
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)), params)
     (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (micro_batches, rngs))
     # Stacked over micro-batches: scalars [A] are averaged, per-row [A, rows, ...] concatenated.
     return loss, grads, LossAux(metrics=jax.tree.map(lambda m: jnp.mean(m, axis=0), aux.metrics),
@@ -180,7 +181,7 @@ def make_train_step(
         )
         metrics = {**aux.metrics, **aux.sums}
         metrics["loss"] = loss
-        metrics["grad_norm"] = optax.tree.norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
         metrics["update_skipped"] = 1.0 - finite.astype(jnp.float32)
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(position), jnp.float32)

@@ -24,7 +24,8 @@ from alignax.parallel.multihost import local_rows
 from alignax.parallel.sharding import place_array
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine.optim import build_optimizer
-from alignax.trainers.engine.session import Session, TrainResult, frozen_copy, init_state_on_mesh
+from alignax.trainers.engine.precision import frozen_params
+from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
 from alignax.trainers.engine.setup import BatchPlacer, build_mesh, build_model, load_tokenizer, split_params
 from alignax.trainers.engine.step import TrainState, make_train_step
 from alignax.trainers.offline.task import Task
@@ -40,7 +41,7 @@ class OfflineTrainer:
         self.config = config
         self.mesh = build_mesh(config.mesh)
         self.tokenizer = load_tokenizer(config.model)
-        model = build_model(config.model, kind=model_kind, mesh=self.mesh)
+        model = build_model(config.model, kind=model_kind, mesh=self.mesh, precision=config.precision)
         self.vocab_size = model.config.vocab_size
         self.graphdef, self.params, self.rest = split_params(model)
         del model
@@ -48,7 +49,8 @@ class OfflineTrainer:
         self.data = (prepare_dataset(config.data, self.tokenizer, records=records,
                                      required_fields=self.task.required_fields) if with_data else None)
         self.placer = BatchPlacer(self.mesh)
-        self.optimizer, self.schedule = build_optimizer(config.optim, config.train.total_steps)
+        self.optimizer, self.schedule = build_optimizer(config.optim, config.train.total_steps,
+                                                        precision=config.precision)
 
     # ---- what api.py reads -----------------------------------------------------------
     def init_state(self) -> tuple[TrainState, Any]:
@@ -74,8 +76,9 @@ class OfflineTrainer:
 
     def eval_frozen(self) -> dict[str, Any]:
         """The frozen inputs of an evaluation outside training: the initial params are the
-        reference (the run saved exactly them as its reference)."""
-        return self.frozen_inputs(self.params if self.task.uses_reference else None)
+        reference (the run saved exactly them, in ``precision.frozen_dtype``, as its reference)."""
+        return self.frozen_inputs(frozen_params(self.params, self.config.precision) if self.task.uses_reference
+                                  else None)
 
     def has_evaluation(self) -> bool:
         """Whether there is anything to evaluate: an eval split, or ``evaluation.prompts``."""
@@ -145,7 +148,9 @@ class OfflineTrainer:
 
     def start(self) -> tuple[TrainState, Any]:
         """``(fresh train state, reference or None)`` on the mesh; compiles :attr:`step` for
-        the state. The reference is a frozen copy of the initial params when the task uses one."""
+        the state. The reference, when the task uses one, is the initial params themselves (in
+        ``precision.frozen_dtype``); the trainer lets go of them (:attr:`params` is None from
+        here on): the state holds buffers of its own."""
         state, shardings = self.init_state()
         task = self.task
         self.step = jax.jit(
@@ -153,7 +158,8 @@ class OfflineTrainer:
                             grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule),
             donate_argnums=(0,), out_shardings=(shardings, None),
         )
-        reference = frozen_copy(self.params) if task.uses_reference else None
+        reference = frozen_params(self.params, self.config.precision) if task.uses_reference else None
+        self.params = None
         return state, reference
 
     # ---- the run ---------------------------------------------------------------------
@@ -161,7 +167,6 @@ class OfflineTrainer:
         """Run to ``train.total_steps`` (resuming from the run's checkpoints when allowed)."""
         config, task = self.config, self.task
         state, reference = self.start()
-        self.params = None  # the state holds the trained params from here on
         batches = self.data.iterator("train")
         with Session(config, console_keys=task.console_keys) as session:
             state, reference = session.resume(state, batches, reference)

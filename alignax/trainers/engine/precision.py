@@ -1,0 +1,177 @@
+"""The precision policy of a run (the ``precision:`` section) and what applies it: the
+dtypes models are built with, an optax wrapper that keeps a float32 master copy of
+bfloat16 parameters, and the dtype frozen models are held in.
+
+Whatever the policy, these stay float32: logits (the LM head accumulates in float32),
+log-softmax, per-token log-probs and entropies, values and rewards (the heads accumulate
+in float32), KL estimates, advantages and every loss; so do gradient accumulation over
+micro-batches, the gradient norm and the optimiser's arithmetic.
+
+Why a master copy. bfloat16 keeps 8 significant bits: a weight ``w`` moves only when an
+update exceeds half its spacing, at least ``|w| * 2**-9`` (0.2 % of the weight). Adam's steps are
+about the learning rate, so at ``lr = 1e-6`` on weights of ~1e-2 every update rounds away
+and the run does not learn (issue 13). With ``master_dtype: float32`` the optimiser keeps
+the weights in float32 in its state, applies every update there, and writes the bfloat16
+rounding of the result back to the parameters the model computes from.
+
+Memory per parameter (bytes): params + master + Adam's two moments, and the reference:
+
+    float32 policy                            4 + 0 + 4 + 4     reference 4   (16)
+    bfloat16 params, float32 master           2 + 4 + 4 + 4     reference 2   (16)
+    ... and mu_dtype: bfloat16                2 + 4 + 2 + 4     reference 2   (14)
+    bfloat16 params, no master                2 + 0 + 4 + 4     reference 2   (12)
+
+plus the gradients (in the parameter dtype) during a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+DtypeName = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Which dtype holds what.
+
+    Fields:
+      param_dtype: storage of the trained weights the model computes from.
+      compute_dtype: activations and matmuls (weights are cast to it where they are
+        used). Logits, log-probs, losses and the optimiser stay float32 (module docstring).
+      master_dtype: with ``param_dtype: bfloat16``, the optimiser keeps the weights in this
+        dtype in its state (so checkpoints carry them), applies updates there and writes
+        their bfloat16 rounding back to the params. ``null``: updates are added to the
+        bfloat16 params directly, and any update smaller than half a weight's bfloat16
+        spacing (0.2 % of the weight) is lost; saves 4 bytes per parameter.
+      mu_dtype: Adam's first moment (optax's ``mu_dtype``). The second moment stays
+        float32: its running average moves by ``1 - b2`` (0.1 % at ``b2 = 0.999``) a step,
+        less than half a bfloat16 spacing, so a bfloat16 second moment could never decay.
+      frozen_dtype: the reference policy and reward models (weights; reward models compute
+        in float32); ``null``: ``param_dtype``.
+    """
+
+    param_dtype: DtypeName = "float32"
+    compute_dtype: DtypeName = "float32"
+    master_dtype: Literal["float32"] | None = "float32"
+    mu_dtype: DtypeName = "float32"
+    frozen_dtype: DtypeName | None = None
+
+    def model_dtypes(self) -> dict[str, str]:
+        """``param_dtype`` and ``dtype`` (compute) as :class:`alignax.models.ModelConfig` names them."""
+        return {"param_dtype": self.param_dtype, "dtype": self.compute_dtype}
+
+    @property
+    def frozen(self) -> str:
+        """The dtype frozen models are held in."""
+        return self.frozen_dtype or self.param_dtype
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def cast_floating(tree: Any, dtype) -> Any:
+    """``tree`` with its floating-point leaves in ``dtype`` (others unchanged); inside a jit
+    a leaf already of ``dtype`` is passed through, not copied."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, tree)
+
+
+# ---------------------------------------------------------------------------- the optimiser
+class MasterWeightsState(NamedTuple):
+    """``master``: the parameters in the master dtype; ``inner``: the wrapped optimiser's
+    state, built on the master copy (its moments follow the master's dtype)."""
+
+    master: Any
+    inner: Any
+
+
+def master_weights(inner: optax.GradientTransformation, *, dtype=jnp.float32) -> optax.GradientTransformationExtraArgs:
+    """``inner`` run on a ``dtype`` copy of the parameters kept in the optimiser state.
+
+    ``update(grads, state, params)``: the gradients are cast to ``dtype``, ``inner`` updates
+    the master copy (``master + inner_updates``), and the returned updates move each
+    parameter to the master's rounding to the parameter's own dtype:
+    ``u = cast(cast(master, p.dtype), dtype) - p`` in ``dtype``, so ``optax.apply_updates``
+    gives ``params == cast(master, params' dtype)``. (The float32 difference of two
+    bfloat16 numbers is exact unless one is over 2**16 times the other, a weight jumping
+    across zero; then the parameter is off by at most a float32 spacing of the old weight,
+    and the next update rewrites it from the master.)
+
+    Extra arguments of ``update`` (``schedule_step``) reach ``inner``. Pure and jittable;
+    the state is a pytree Orbax saves with the rest of the train state.
+    """
+    dtype = jnp.dtype(dtype)
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        master = cast_floating(params, dtype)
+        return MasterWeightsState(master=master, inner=inner.init(master))
+
+    def update(updates, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError("master_weights needs the params in update(grads, state, params)")
+        steps, inner_state = inner.update(cast_floating(updates, dtype), state.inner, state.master, **extra_args)
+        master = optax.apply_updates(state.master, steps)
+        updates = jax.tree.map(lambda m, p: m.astype(p.dtype).astype(dtype) - p.astype(dtype), master, params)
+        return updates, MasterWeightsState(master=master, inner=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def float32_arithmetic(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``inner`` computing in float32 on narrower parameters, with no master copy: its
+    state (Adam's moments) is built float32, gradients and params are cast up, and the
+    float32 updates are rounded into the parameters by ``optax.apply_updates``."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        return inner.init(cast_floating(params, jnp.float32))
+
+    def update(updates, state, params=None, **extra_args):
+        return inner.update(cast_floating(updates, jnp.float32), state,
+                            None if params is None else cast_floating(params, jnp.float32), **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def with_precision(optimizer: optax.GradientTransformation, policy: PrecisionConfig) -> optax.GradientTransformation:
+    """``optimizer`` under ``policy``: unchanged for float32 parameters; for bfloat16
+    parameters wrapped in :func:`master_weights` (``master_dtype`` set) or
+    :func:`float32_arithmetic` (``master_dtype: null``)."""
+    if policy.param_dtype == "float32":
+        return optimizer
+    if policy.master_dtype is not None:
+        return master_weights(optimizer, dtype=policy.master_dtype)
+    return float32_arithmetic(optimizer)
+
+
+# ---------------------------------------------------------------------------- frozen models
+def cast_params(state: Any, dtype) -> Any:
+    """An ``nnx.State`` (or plain pytree) with its ``nnx.Param`` arrays in ``dtype``; other
+    variables keep theirs. One compiled program; when every floating array already has
+    ``dtype``, ``state`` itself is returned (no copy)."""
+    dtype = jnp.dtype(dtype)
+    if all(not _is_float(x) or x.dtype == dtype for x in jax.tree.leaves(state)):
+        return state
+
+    def cast(leaf):
+        if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param):
+            return leaf
+        return cast_floating(leaf, dtype)
+
+    return jax.jit(lambda s: jax.tree.map(cast, s, is_leaf=lambda v: isinstance(v, nnx.Variable)))(state)
+
+
+def frozen_params(params: Any, policy: PrecisionConfig) -> Any:
+    """The frozen reference made from the initial ``params``, in ``policy.frozen``: the
+    initial arrays themselves when they already have that dtype (the train state holds
+    distinct buffers, so nothing is copied), else their cast."""
+    return cast_params(params, policy.frozen)
