@@ -3,6 +3,8 @@
     alignax train  CONFIG.yaml [--overwrite] [--allow-changes] [--step N] [dotted.key=value ...]
     alignax eval   CONFIG.yaml [--step N] [dotted.key=value ...]
     alignax export CONFIG.yaml [--out DIR] [--step N] [--critic] [dotted.key=value ...]
+    alignax estimate CONFIG.yaml [--devices N] [--device h100|v5e|...] [--device-memory GB]
+                     [--mesh d,f,t] [--model PRESET] [--assumptions standard|seed] [--json]
 
 Every algorithm of ``alignax.trainers.api.ALGORITHMS`` supports all three.
 
@@ -51,6 +53,20 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--out", default=None, help="destination (default: <output_dir>/export)")
             p.add_argument("--critic", action="store_true",
                            help="PPO with a separate critic: also write the critic to <out>/critic")
+    p = sub.add_parser("estimate", help="per-device memory and step FLOPs of a recipe (alignax.estimate)")
+    p.add_argument("config", help="recipe YAML")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.add_argument("--debug", action="store_true", help="show the traceback of any error")
+    p.add_argument("--devices", type=int, default=None, help="devices (default: the product of mesh.shape)")
+    p.add_argument("--device", default=None, help="device kind for memory and peak FLOPs: "
+                   "h100, h200, a100, v4, v5e, v5p, v6e")
+    p.add_argument("--device-memory", type=float, default=None, help="GB per device (overrides --device's)")
+    p.add_argument("--mesh", default=None, help="data,fsdp,tensor (default: mesh.shape)")
+    p.add_argument("--model", default=None, help="a model shape preset instead of model.name "
+                   "(llama-2-7b, llama-2-70b, llama-3-8b, qwen2.5-7b)")
+    p.add_argument("--assumptions", default="standard", choices=("standard", "seed"))
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return parser
 
 
@@ -100,10 +116,36 @@ def _run(args) -> int:
         if result.eval_history:
             print(json.dumps({"eval": result.eval_history[-1]}))
         return 0
+    if args.command == "estimate":
+        return _estimate(args, config)
     if args.command == "eval":
         print(json.dumps(api.evaluate(config, step=args.step)))
         return 0
     print(api.export(config, args.out, step=args.step, critic=args.critic))
+    return 0
+
+
+def _estimate(args, config) -> int:
+    from alignax import estimate as est
+
+    mesh = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else tuple(config.mesh.shape)
+    if len(mesh) != 3:
+        raise ConfigError(f"--mesh {args.mesh!r}: expected data,fsdp,tensor")
+    devices = args.devices
+    if devices is None:
+        if -1 in mesh:
+            raise ConfigError(f"mesh {list(mesh)} has a -1 axis: give --devices")
+        devices = mesh[0] * mesh[1] * mesh[2]
+    if args.device is not None and args.device not in est.PEAK_FLOPS:
+        raise ConfigError(f"--device {args.device!r}: known: {', '.join(est.PEAK_FLOPS)}")
+    memory = args.device_memory if args.device_memory is not None else est.DEVICE_MEMORY.get(args.device)
+    try:
+        model = est.model_config_for(config, args.model)
+        result = est.estimate(config, model=model, devices=devices, mesh=mesh, device_memory_gb=memory,
+                              assumptions=args.assumptions, mfu=args.mfu, peak_flops=est.PEAK_FLOPS.get(args.device))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    print(json.dumps(result.to_dict()) if args.json else result.table())
     return 0
 
 

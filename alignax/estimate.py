@@ -1,0 +1,343 @@
+"""Will it fit? Per-device memory and per-step FLOPs of a recipe, before a pod is booked.
+
+``alignax estimate CONFIG [--devices N] [--device-memory GB] [--mesh d,f,t] [--model NAME]
+[--assumptions standard|seed] [--json]`` prints, per device: the trained model's weights,
+gradients, optimiser moments and float32 master copy; the frozen models (reference, reward
+models) and PPO's critic; activations under the config's remat setting and micro-batch;
+the chunked LM-head buffers; the rollout's KV cache; the total against the device's
+memory, with a "does not fit; try ..." line naming the cheapest change that fits. It also
+gives the FLOPs of one step (policy update, reference and critic passes, generation) and
+the time they take at a stated MFU.
+
+Accounting (``standard``): every array at its dtype, sharded ``fsdp x tensor`` ways
+(replicated over ``data``); gradients have the parameters' dtype; Adam keeps two moments
+(the first in ``precision.mu_dtype``, the second float32) and, for bfloat16 parameters with
+a float32 master, a float32 copy. ``seed`` reproduces the rule of thumb of seed 001 §9.2 (bf16
+weights, a float32 master, Adam moments at 2 bytes, no gradients, frozen models in bf16):
+it leaves out the gradients and counts moments at half their size, so it is lower than
+``standard`` (for a 7B model PPO ~170 GB against ~240 GB; see the README).
+
+Activations are an estimate (the compiler decides what it keeps): with remat, each
+layer's input is kept and one layer's working set is live; without, every layer's
+working set. The states (weights, gradients, moments, master, frozen models) are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from alignax.models.config import ModelConfig
+
+GB = 1e9
+
+# Dense bf16 peak FLOP/s per device (vendor figures).
+PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "v4": 275e12, "v5e": 197e12, "v5p": 459e12,
+              "v6e": 918e12}
+# Memory per device (GB).
+DEVICE_MEMORY = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
+
+# Public Hugging Face config.json fields of common models (for recipes whose model folder
+# is not on this machine): ``--model llama-2-7b``.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
+                   "rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+    "llama-2-70b": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "num_hidden_layers": 80,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
+                    "rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+    "llama-3-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                   "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    "qwen2.5-7b": {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28,
+                   "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+                   "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 1000000.0},
+}
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def parameter_count(model: ModelConfig, *, head: str = "lm") -> int:
+    """Parameters of the decoder with an LM head (``head="lm"``; none when tied) or a
+    scalar head (``"scalar"``: a reward model or a critic)."""
+    D, N, K, H, F, V, L = (model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim,
+                           model.intermediate_size, model.vocab_size, model.num_layers)
+    norm = D * (2 if model.norm_type == "layer" else 1)
+    attention = D * N * H + 2 * D * K * H + N * H * D
+    if model.qkv_bias:
+        attention += N * H + 2 * K * H
+    if model.out_bias:
+        attention += D
+    if model.qk_norm:
+        attention += 2 * H
+    mlp = (3 if model.gated_mlp else 2) * D * F
+    if model.mlp_bias:
+        mlp += (2 * F if model.gated_mlp else F) + D
+    total = V * D + L * (attention + mlp + 2 * norm) + norm
+    if model.position_embedding == "learned":
+        total += model.max_position_embeddings * D
+    if head == "lm":
+        total += 0 if model.tie_word_embeddings else V * D
+    else:
+        total += D * model.num_labels  # a bias-free score / value head
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of state."""
+
+    params: int  # the trained model's weights
+    grads: int | None  # None: not counted (the seed's rule)
+    moments: int  # Adam's two moments together
+    master: int  # a float32 master copy (0: none)
+    frozen: int  # reference / reward models
+    compute: int  # activations and the KV cache
+
+
+SEED = Precision(params=2, grads=None, moments=4, master=4, frozen=2, compute=2)
+
+
+def precision_of(config) -> Precision:
+    """The bytes a run of ``config`` uses (its ``precision`` section,
+    :class:`alignax.trainers.engine.precision.PrecisionConfig`)."""
+    pc = config.precision
+    params = _BYTES[pc.param_dtype]
+    master = 4 if params == 2 and pc.master_dtype == "float32" else 0
+    return Precision(params=params, grads=params, moments=_BYTES[pc.mu_dtype] + 4, master=master,
+                     frozen=_BYTES[pc.frozen], compute=_BYTES[pc.compute_dtype])
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Per-device bytes by item, per-step FLOPs, and the verdict."""
+
+    items: dict[str, float]
+    flops: dict[str, float]
+    devices: int
+    mesh: tuple[int, int, int]
+    device_memory: float | None
+    parameters: int
+    assumptions: str
+    mfu: float
+    peak_flops: float | None
+    rollout_tokens: int | None = None
+    suggestion: str | None = None
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.items.values()))
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.total <= self.device_memory
+
+    @property
+    def step_seconds(self) -> float | None:
+        if not self.peak_flops:
+            return None
+        return sum(self.flops.values()) / (self.devices * self.peak_flops * self.mfu)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_device_bytes": dict(self.items), "total_bytes": self.total,
+                "device_memory_bytes": self.device_memory, "fits": self.fits, "suggestion": self.suggestion,
+                "flops_per_step": dict(self.flops), "step_seconds_at_mfu": self.step_seconds, "mfu": self.mfu,
+                "devices": self.devices, "mesh": list(self.mesh), "parameters": self.parameters,
+                "rollout_tokens": self.rollout_tokens, "assumptions": self.assumptions}
+
+    def table(self) -> str:
+        lines = [f"{'per device':<28}{'GB':>10}"]
+        for name, value in self.items.items():
+            if value:
+                lines.append(f"  {name:<26}{value / GB:>10.2f}")
+        lines.append(f"  {'total':<26}{self.total / GB:>10.2f}")
+        if self.device_memory is not None:
+            verdict = "fits" if self.fits else "does not fit"
+            lines.append(f"  {'device memory':<26}{self.device_memory / GB:>10.2f}   {verdict}")
+        if self.suggestion:
+            lines.append(self.suggestion)
+        lines.append(f"parameters: {self.parameters / 1e9:.3f} B; mesh (data, fsdp, tensor) = {self.mesh} on "
+                     f"{self.devices} devices; accounting: {self.assumptions}")
+        if self.rollout_tokens is not None:
+            lines.append(f"rollout tokens per step: {self.rollout_tokens:,}")
+        flops = sum(self.flops.values())
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in self.flops.items() if v)
+        lines.append(f"FLOPs per step: {flops:.3g} ({parts})")
+        if self.step_seconds is not None:
+            lines.append(f"step time at {self.mfu:.0%} MFU: {self.step_seconds:.2f} s")
+        return "\n".join(lines)
+
+
+def _mesh(shape: tuple[int, int, int], devices: int) -> tuple[int, int, int]:
+    sizes = list(shape)
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape}: at most one -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if devices % known:
+            raise ValueError(f"mesh shape {shape} does not divide {devices} devices")
+        sizes[sizes.index(-1)] = devices // known
+    if math.prod(sizes) != devices:
+        raise ValueError(f"mesh shape {tuple(sizes)} has {math.prod(sizes)} devices, not {devices}")
+    return tuple(sizes)  # type: ignore[return-value]
+
+
+def _trained(params: int, p: Precision, shard: int) -> dict[str, float]:
+    return {"weights": params * p.params / shard, "gradients": params * (p.grads or 0) / shard,
+            "optimizer moments": params * p.moments / shard, "master weights": params * p.master / shard}
+
+
+def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, int] | None = None,
+             device_memory_gb: float | None = None, assumptions: str = "standard", mfu: float = 0.4,
+             peak_flops: float | None = None, suggest: bool = True) -> Estimate:
+    """The estimate of one step of ``config`` (a ``TrainConfig``) for ``model``'s shape on
+    ``devices`` devices laid out as ``mesh`` (default: ``config.mesh.shape``)."""
+    if assumptions not in ("standard", "seed"):
+        raise ValueError(f"assumptions: {assumptions!r} is not one of 'standard', 'seed'")
+    data, fsdp, tensor = _mesh(tuple(mesh or config.mesh.shape), devices)
+    shard = fsdp * tensor
+    p = SEED if assumptions == "seed" else precision_of(config)
+    algorithm = config.algorithm
+    P = parameter_count(model, head="scalar" if algorithm == "reward" else "lm")
+    # the seed's rule counts every model (reward model, critic) at the policy's size
+    scalar = P if assumptions == "seed" else parameter_count(model, head="scalar")
+    items: dict[str, float] = {f"policy {k}": v for k, v in _trained(P, p, shard).items()}
+    frozen = P * p.frozen / shard
+    online = algorithm in ("grpo", "ppo")
+    section = getattr(config, algorithm, None)
+    if algorithm == "dpo":
+        live = config.dpo.loss in ("dpo", "kto") and config.dpo.reference == "live"
+        uses_reference = live or assumptions == "seed"
+    elif online:
+        uses_reference = section.kl_coef > 0 or assumptions == "seed"
+    else:
+        uses_reference = False
+    items["reference"] = frozen if uses_reference else 0.0
+    n_reward_models = len(config.rewards.reward_models or ()) if online else 0
+    if assumptions == "seed" and online:
+        n_reward_models = max(n_reward_models, 1)  # the seed's GRPO/PPO count a reward model
+    items["reward models"] = n_reward_models * scalar * p.frozen / shard
+    critic = algorithm == "ppo" and (config.ppo.critic == "separate" or assumptions == "seed")
+    if critic:
+        for key, value in _trained(scalar, p, shard).items():
+            items[f"critic {key}"] = value
+
+    # ---- activations, LM head, KV cache (per device)
+    accum = config.train.grad_accum_steps
+    if online:
+        samples = config.rollout.num_samples
+        rows = config.data.batch_size * samples
+        minibatches = section.minibatches
+        length = config.data.max_prompt_length + config.rollout.max_new_tokens
+        train_rows = rows / minibatches / accum
+    else:
+        rows = config.data.batch_size * (2 if algorithm in ("dpo", "reward") and config.dpo.loss != "kto" else 1)
+        if algorithm == "dpo" and config.dpo.loss == "kto":
+            rows = config.data.batch_size * 2  # each record and its KL partner
+        length = config.data.max_length
+        train_rows = rows / accum
+    per_device_rows = train_rows / (data * fsdp)
+    tokens = per_device_rows * length
+    D, F, V, L = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
+    heads = model.num_heads / tensor
+    layer_set = tokens * (8 * D + 3 * F / tensor) * p.compute + per_device_rows * heads * length * length * 4 * 2
+    if config.model.remat:
+        items["activations"] = L * tokens * D * p.compute + layer_set
+    else:
+        items["activations"] = L * layer_set
+    chunk = min(config.model.logprob_chunk_size or length, length)
+    items["LM head buffers"] = per_device_rows * chunk * V * 4 * 3 / tensor
+    rollout_tokens = None
+    if online:
+        kv_rows = rows / (data * fsdp)
+        items["KV cache"] = kv_rows * length * L * 2 * (model.num_kv_heads / tensor) * model.head_dim * p.compute
+        rollout_tokens = int(rows * config.rollout.max_new_tokens)
+
+    # ---- FLOPs of one step (all devices)
+    non_embedding = P - V * model.hidden_size
+    attention = 12 * L * D * length  # per token: scores and values, forward + backward
+    if online:
+        trained_tokens = rows * length * section.epochs
+        flops = {"policy update": trained_tokens * (6 * non_embedding + attention),
+                 "generation": 2 * non_embedding * rows * length,
+                 "policy forward": 2 * non_embedding * rows * length,
+                 "reference forward": 2 * non_embedding * rows * length if uses_reference else 0.0}
+        if critic:
+            flops["critic update"] = trained_tokens * (6 * non_embedding + attention)
+            flops["critic forward"] = 2 * non_embedding * rows * length
+        if n_reward_models:
+            flops["reward models"] = n_reward_models * 2 * non_embedding * rows * length
+    else:
+        trained_tokens = rows * length
+        flops = {"policy update": trained_tokens * (6 * non_embedding + attention),
+                 "reference forward": 2 * non_embedding * trained_tokens if uses_reference else 0.0}
+
+    memory = device_memory_gb * GB if device_memory_gb is not None else None
+    result = Estimate(items=items, flops=flops, devices=devices, mesh=(data, fsdp, tensor), device_memory=memory,
+                      parameters=P, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
+                      rollout_tokens=rollout_tokens)
+    if suggest and result.fits is False:
+        result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops)
+    return result
+
+
+def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[int, int, int]]]:
+    """Candidate changes, cheapest first: ``(what to set, new config, new mesh)``."""
+    data, fsdp, tensor = mesh
+    out = []
+    if not config.model.remat:
+        out.append(("model.remat=true", dataclasses.replace(config, model=dataclasses.replace(config.model, remat=True)),
+                    mesh))
+    if config.algorithm == "dpo" and config.dpo.reference == "live" and config.dpo.loss in ("dpo", "kto"):
+        out.append(("dpo.reference=precomputed",
+                    dataclasses.replace(config, dpo=dataclasses.replace(config.dpo, reference="precomputed")), mesh))
+    if data > 1:
+        out.append((f"mesh.shape=[1, {data * fsdp}, {tensor}] (more FSDP)", config, (1, data * fsdp, tensor)))
+    if config.data.batch_size % (config.train.grad_accum_steps * 2) == 0:
+        out.append((f"train.grad_accum_steps={config.train.grad_accum_steps * 2} (a smaller micro-batch)",
+                    dataclasses.replace(config, train=dataclasses.replace(
+                        config.train, grad_accum_steps=config.train.grad_accum_steps * 2)), mesh))
+    pc = config.precision
+    if pc.param_dtype == "float32":
+        out.append(("precision.param_dtype=bfloat16 and compute_dtype=bfloat16 (a float32 master is kept)",
+                    dataclasses.replace(config, precision=dataclasses.replace(
+                        pc, param_dtype="bfloat16", compute_dtype="bfloat16", master_dtype="float32")), mesh))
+    elif pc.mu_dtype == "float32":
+        out.append(("precision.mu_dtype=bfloat16", dataclasses.replace(
+            config, precision=dataclasses.replace(pc, mu_dtype="bfloat16")), mesh))
+    return out
+
+
+def _suggestion(config, model, result: Estimate, **kwargs) -> str:
+    tried = []
+    current, mesh = config, result.mesh
+    for what, changed, new_mesh in _changes(config, result.mesh):
+        candidate = estimate(changed, model=model, devices=result.devices, mesh=new_mesh,
+                             device_memory_gb=result.device_memory / GB, suggest=False, **kwargs)
+        tried.append(what)
+        if candidate.fits:
+            return f"does not fit; try {what} ({candidate.total / GB:.1f} GB per device)"
+        current, mesh = changed, new_mesh
+    combined = " and ".join(tried) if tried else "nothing left to change here"
+    last = estimate(current, model=model, devices=result.devices, mesh=mesh,
+                    device_memory_gb=result.device_memory / GB, suggest=False, **kwargs) if tried else result
+    return (f"does not fit even with {combined} ({last.total / GB:.1f} GB per device); use more devices, "
+            "or LoRA (parameter-efficient training)")
+
+
+def model_config_for(config, model: str | Mapping[str, Any] | None = None) -> ModelConfig:
+    """The shape to estimate: a preset name of :data:`MODEL_PRESETS`, a config.json dict, or
+    (``None``) the config's own ``model.name`` (+ ``random_init``)."""
+    policy = config.precision.model_dtypes()
+    if isinstance(model, str):
+        if model not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {model!r}; known: {', '.join(MODEL_PRESETS)}")
+        return ModelConfig.from_hf_config(MODEL_PRESETS[model], **policy)
+    if isinstance(model, Mapping):
+        return ModelConfig.from_hf_config(model, **policy)
+    from alignax.trainers.engine.setup import _read_hf_config, model_directory
+
+    hf = _read_hf_config(model_directory(config.model))
+    return ModelConfig.from_hf_config({**hf, **(config.model.random_init or {})}, **policy)

@@ -1,0 +1,115 @@
+"""alignax.estimate: exact state accounting, the seed's table, and the compiled step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from alignax import models
+from alignax.estimate import MODEL_PRESETS, estimate, model_config_for, parameter_count
+from alignax.trainers.api import load_config
+from tests.test_models import CONFIGS
+
+BF16 = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16"]
+
+
+def abstract_count(hf_config: dict, kind: str) -> int:
+    config = models.ModelConfig.from_hf_config(hf_config)
+    abstract = nnx.eval_shape(lambda: models.create_model(config, kind=kind))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("kind,head", [("causal_lm", "lm"), ("reward", "scalar")])
+def test_parameter_count_is_the_models(family, kind, head):
+    config = models.ModelConfig.from_hf_config(CONFIGS[family])
+    assert parameter_count(config, head=head) == abstract_count(CONFIGS[family], kind)
+
+
+def test_parameter_count_of_the_presets():
+    assert parameter_count(models.ModelConfig.from_hf_config(MODEL_PRESETS["llama-2-7b"])) == 6_738_415_616
+    assert parameter_count(models.ModelConfig.from_hf_config(MODEL_PRESETS["llama-3-8b"])) == 8_030_261_248
+    assert parameter_count(models.ModelConfig.from_hf_config(MODEL_PRESETS["llama-2-70b"])) == 68_976_648_192
+
+
+def states_gb(name: str, assumptions: str, *overrides: str) -> float:
+    config = load_config(f"configs/{name}.yaml", [*BF16, *overrides])
+    result = estimate(config, model=model_config_for(config, "llama-2-7b"), devices=1, mesh=(1, 1, 1),
+                      assumptions=assumptions)
+    return sum(v for k, v in result.items.items() if k not in ("activations", "LM head buffers", "KV cache")) / 1e9
+
+
+def test_the_seeds_table_and_the_standard_accounting():
+    """Seed 001 §9.2 (7B, bf16 weights, fp32 master, Adam moments at 2 bytes, no
+    gradients): DPO ~84, GRPO ~98, PPO ~170 GB; within 5%. The standard accounting adds
+    bf16 gradients and float32 moments: about 121 / 135 / 240 GB."""
+    rm = 'rewards.reward_models=["runs/reward-model"]'
+    assert states_gb("dpo", "seed") == pytest.approx(84, rel=0.05)
+    assert states_gb("grpo", "seed") == pytest.approx(98, rel=0.05)
+    assert states_gb("ppo", "seed") == pytest.approx(170, rel=0.05)
+    assert states_gb("dpo", "standard") == pytest.approx(121, rel=0.02)
+    assert states_gb("grpo", "standard", rm) == pytest.approx(135, rel=0.02)
+    assert states_gb("ppo", "standard", rm) == pytest.approx(240, rel=0.02)
+    # a precomputed reference drops the reference; bf16 first moments save 2 bytes a parameter
+    assert states_gb("dpo", "standard", "dpo.reference=precomputed") == pytest.approx(121.3 - 13.5, abs=0.1)
+    assert states_gb("dpo", "standard", "precision.mu_dtype=bfloat16") == pytest.approx(121.3 - 13.5, abs=0.1)
+
+
+def test_sharding_divides_the_states_and_a_suggestion_names_a_change_that_fits():
+    config = load_config("configs/dpo.yaml", BF16)
+    model = model_config_for(config, "llama-2-7b")
+    one = estimate(config, model=model, devices=1, mesh=(1, 1, 1))
+    eight = estimate(config, model=model, devices=8, mesh=(1, 8, 1))
+    assert eight.items["policy optimizer moments"] == pytest.approx(one.items["policy optimizer moments"] / 8)
+    replicated = estimate(config, model=model, devices=8, mesh=(8, 1, 1), device_memory_gb=80)
+    assert replicated.fits is False
+    assert replicated.suggestion.startswith("does not fit; try ")
+    assert estimate(config, model=model, devices=8, mesh=(1, 8, 1), device_memory_gb=80).fits
+
+
+def test_rollout_tokens_and_flops():
+    config = load_config("configs/grpo.yaml", ["data.batch_size=512", "rollout.num_samples=8",
+                                               "rollout.max_new_tokens=256", *BF16])
+    result = estimate(config, model=model_config_for(config, "llama-2-7b"), devices=64, mesh=(1, 64, 1),
+                      peak_flops=197e12)
+    assert result.rollout_tokens == 512 * 8 * 256 == 1_048_576
+    non_embedding = result.parameters - 32000 * 4096
+    assert result.flops["generation"] == pytest.approx(2 * non_embedding * 512 * 8 * (128 + 256))
+    assert result.step_seconds > 0
+
+
+def test_cli_prints_the_table_and_json(capsys):
+    from alignax import cli
+
+    assert cli.main(["estimate", "configs/ppo.yaml", "--model", "llama-2-7b", "--devices", "8", "--device", "h100",
+                     *BF16]) == 0
+    out = capsys.readouterr().out
+    assert "policy master weights" in out and "device memory" in out and "step time at 40% MFU" in out
+    assert cli.main(["estimate", "configs/dpo.yaml", "--model", "llama-2-7b", "--mesh", "8,1,1", "--device", "v5e",
+                     "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["fits"] is False and figures["suggestion"].startswith("does not fit")
+    assert cli.main(["estimate", "configs/dpo.yaml", "--model", "gpt-9"]) == 2
+
+
+def test_the_states_are_the_compiled_steps_arguments(tmp_path, toy_model):
+    """The compiled DPO step's arguments are the params, Adam state and reference the
+    estimate counts (plus the batch and a few scalars)."""
+    from alignax.trainers import api
+    from tests.trainer_helpers import separable_pairs, tiny_config
+
+    config = tiny_config(tmp_path, "dpo", steps=1, model_dir=toy_model, data={"batch_size": 8})
+    trainer = api.build_trainer(config, records=separable_pairs(24))
+    state, reference = trainer.start()
+    frozen = trainer.frozen_inputs(reference)
+    batch = trainer.placer(next(trainer.data.iterator("train")))
+    memory = trainer.step.lower(state, frozen, batch).compile().memory_analysis()
+    result = estimate(config, model=model_config_for(config), devices=1, mesh=(1, 1, 1))
+    states = sum(result.items[k] for k in ("policy weights", "policy optimizer moments", "reference"))
+    batch_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+    assert memory.argument_size_in_bytes == pytest.approx(states + batch_bytes, rel=0.01)
