@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -304,14 +306,18 @@ def test_a_bfloat16_run_resumes_bit_for_bit(tmp_path, toy_model):
 
 
 # ---------------------------------------------------------------------------- the initial params are let go
-def weight_buffers(shape) -> list[jax.Array]:
+def weight_buffers(shape, *, ignore=frozenset()) -> list[jax.Array]:
     """The distinct device buffers of live arrays of ``shape`` (an array and the views JAX or
-    Orbax hold of its shards share a buffer: counted once), one array per buffer."""
+    Orbax hold of its shards share a buffer: counted once), one array per buffer; buffers in
+    ``ignore`` (other tests' arrays alive in this process) are left out."""
+    gc.collect()
     seen = {}
     for array in jax.live_arrays():
         if array.shape == shape and not array.is_deleted():
             for shard in array.addressable_shards:
-                seen.setdefault(shard.data.unsafe_buffer_pointer(), array)
+                pointer = shard.data.unsafe_buffer_pointer()
+                if pointer not in ignore:
+                    seen.setdefault(pointer, array)
     return list(seen.values())
 
 
@@ -328,6 +334,9 @@ def test_a_step_holds_only_the_weight_copies_it_needs(tmp_path, toy_model, polic
                          precision=BF16 if policy == "bfloat16" else {})
     trainer = build_trainer(config, records=separable_pairs(32))
     shape = trainer.params["model"]["embed"][...].shape
+    # arrays of the same shape that earlier tests in this process still hold are not this run's
+    mine = {x.addressable_shards[0].data.unsafe_buffer_pointer() for x in jax.tree.leaves(trainer.params)}
+    before = frozenset(a.addressable_shards[0].data.unsafe_buffer_pointer() for a in weight_buffers(shape)) - mine
     others = [x.shape for path, x in jax.tree_util.tree_leaves_with_path(trainer.params) if "embed" not in str(path)]
     assert shape not in others  # the count below is the embedding's alone
     initial = trainer.params["model"]["embed"][...].unsafe_buffer_pointer()
@@ -335,7 +344,7 @@ def test_a_step_holds_only_the_weight_copies_it_needs(tmp_path, toy_model, polic
     seen = []
 
     def count(when):
-        buffers = weight_buffers(shape)
+        buffers = weight_buffers(shape, ignore=before)
         seen.append((when, {d: sum(1 for b in buffers if jnp.dtype(b.dtype).name == d) for d in expected}))
 
     from alignax.trainers.offline.trainer import OfflineTrainer

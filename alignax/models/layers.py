@@ -5,6 +5,15 @@ names (``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, ``vocab``, ``n
 ``positions``, ``labels``; ``layers`` when stacked for scan). ``alignax.parallel`` maps
 them to mesh axes; nothing here knows about meshes (``eager_sharding=False``).
 
+Activations name their dims the same way at each layer's boundaries and inside it
+(:data:`RESIDUAL`: ``[batch, length, activation_embed]``; q/k/v and the attention output
+on ``activation_heads`` / ``activation_kv_heads``; the MLP's hidden on ``activation_mlp``)
+through :func:`alignax.parallel.constrain`, the identity without a mesh. On a mesh this
+pins the residual stream to the batch axes, replicated on its model dim, so XLA
+all-gathers each layer's weights (FSDP) instead of moving activations to where the
+weights lie. Weights are cast to the compute dtype before the matmul (``kernel[...]
+.astype(x.dtype)``), so what is gathered is the compute-dtype copy.
+
 Einsum letters: B batch, T new tokens, S key slots, D model, N heads, K kv heads,
 G query heads per kv head, H head dim, F mlp.
 """
@@ -18,11 +27,18 @@ from flax import nnx
 
 from alignax.models.config import ModelConfig
 from alignax.models.dense import dense
+from alignax.parallel.sharding import constrain
 
 Array = jax.Array
 
 INIT_STD = 0.02  # transformers' initializer_range default for every supported family
 _MASKED = float(np.finfo(np.float32).min)  # finite, so an all-masked row (a pad query) stays NaN-free
+
+# Logical axes of activations (alignax.parallel.LOGICAL_AXIS_RULES).
+RESIDUAL = ("batch", "length", "activation_embed")  # [B, T, D], the residual stream
+QUERY_HEADS = ("batch", "length", "activation_heads", "head_dim")  # [B, T, N, H]
+KV_HEADS = ("batch", "length", "activation_kv_heads", "head_dim")  # [B, T, K, H]
+MLP_HIDDEN = ("batch", "length", "activation_mlp")  # [B, T, F]
 
 
 def param(value: Array, names: tuple[str | None, ...]) -> nnx.Param:
@@ -140,9 +156,9 @@ class Attention(nnx.Module):
         layer writes its new keys/values at ``[layer, :, index:index+T]`` in place and
         reads ``[layer]`` — no copy of the other layers' slots per step."""
         c = self.config
-        q = self._project(x, self.q_kernel, self.q_bias)  # [B, T, N, H]
-        k = self._project(x, self.k_kernel, self.k_bias)  # [B, T, K, H]
-        v = self._project(x, self.v_kernel, self.v_bias)
+        q = constrain(self._project(x, self.q_kernel, self.q_bias), QUERY_HEADS)  # [B, T, N, H]
+        k = constrain(self._project(x, self.k_kernel, self.k_bias), KV_HEADS)  # [B, T, K, H]
+        v = constrain(self._project(x, self.v_kernel, self.v_bias), KV_HEADS)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if sin_cos is not None:
@@ -174,10 +190,11 @@ class Attention(nnx.Module):
             probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype).reshape(B, K, G * T, S)
             out = jnp.einsum("BKMS,BKSH->BKMH", probs, v).reshape(B, K, G, T, H)
             out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+        out = constrain(out, QUERY_HEADS)
         y = dense(out, self.o_kernel[...].astype(x.dtype), in_axes=2)  # [B, T, N, H] x [N, H, D]
         if self.o_bias is not None:
             y = y + self.o_bias[...].astype(x.dtype)
-        return y, kv
+        return constrain(y, RESIDUAL), kv
 
 
 class MLP(nnx.Module):
@@ -205,16 +222,20 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         act = activation_fn(self.activation)
-        h = self._linear(x, self.up_kernel, self.up_bias)
+        h = constrain(self._linear(x, self.up_kernel, self.up_bias), MLP_HIDDEN)
         if self.gate_kernel is not None:
-            h = act(self._linear(x, self.gate_kernel, self.gate_bias)) * h
+            h = act(constrain(self._linear(x, self.gate_kernel, self.gate_bias), MLP_HIDDEN)) * h
         else:
             h = act(h)
-        return self._linear(h, self.down_kernel, self.down_bias)
+        return constrain(self._linear(h, self.down_kernel, self.down_bias), RESIDUAL)
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """One pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Its input, the stream between attention and MLP, and its output are pinned to
+    :data:`RESIDUAL` (the layer boundaries FSDP needs).
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
@@ -225,7 +246,8 @@ class Block(nnx.Module):
         self.mlp = MLP(c, rngs=rngs)
 
     def __call__(self, x, sin_cos, allowed, kv, index, layer=0):
+        x = constrain(x, RESIDUAL)
         h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index, layer)
-        x = x + h
-        x = x + self.mlp(self.mlp_norm(x))
+        x = constrain(x + h, RESIDUAL)
+        x = constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
         return x, kv

@@ -35,7 +35,8 @@ from alignax._checks import check_rank, check_same_shape
 from alignax.models.cache import KVCache
 from alignax.models.config import ModelConfig, rope_inv_freq
 from alignax.models.dense import dense
-from alignax.models.layers import Block, Norm, normal_param, param, rope_sin_cos
+from alignax.models.layers import RESIDUAL, Block, Norm, normal_param, param, rope_sin_cos
+from alignax.parallel.sharding import constrain
 
 Array = jax.Array
 
@@ -137,6 +138,11 @@ class Decoder(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
         if self.pos_embed is not None:
             x = x + jnp.take(self.pos_embed[...], positions, axis=0, mode="clip").astype(dtype)
+        # Rows looked up in the fsdp-sharded table come out split on D; in two steps (batch
+        # over data while D stays on fsdp, then an all-to-all over fsdp) they reach the
+        # batch axes without the table being gathered, where one step makes XLA replicate
+        # them on some meshes (its "involuntary full rematerialization").
+        x = constrain(constrain(x, ("activation_lookup_batch", "length", "embed")), RESIDUAL)
         sin_cos = rope_sin_cos(positions, rope_inv_freq(c)) if c.position_embedding == "rope" else None
 
         if cache is None:
@@ -161,7 +167,7 @@ class Decoder(nnx.Module):
             kv = (cache.k, cache.v)
 
         x, kv = self._run_layers(x, sin_cos, allowed, kv, index)
-        hidden = self.final_norm(x)
+        hidden = constrain(self.final_norm(x), RESIDUAL)
         if cache is None:
             return hidden, None
         return hidden, KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=index + T)
@@ -220,12 +226,19 @@ class _LMHeadMixin:
             )
 
     def logits(self, hidden: Array) -> Array:
-        """``hidden [..., D] -> logits [..., V]`` in float32 (accumulated in float32)."""
+        """``hidden [B, ..., D] -> logits [B, ..., V]`` in float32 (accumulated in float32).
+
+        On a mesh the rows stay on the batch axes and the head's weight is gathered (the
+        same FSDP pinning as the decoder layers'), logits split over vocab by the rules.
+        """
+        rows = ("batch",) + (None,) * (hidden.ndim - 2) if hidden.ndim >= 2 else ()
+        hidden = constrain(hidden, (*rows, "activation_embed"))
         if self.lm_head is None:
             w = self.model.embed[...].astype(hidden.dtype)
-            return dense(hidden, w, transposed=True, out_dtype=jnp.float32)
-        w = self.lm_head[...].astype(hidden.dtype)
-        return dense(hidden, w, out_dtype=jnp.float32)
+            logits = dense(hidden, w, transposed=True, out_dtype=jnp.float32)
+        else:
+            logits = dense(hidden, self.lm_head[...].astype(hidden.dtype), out_dtype=jnp.float32)
+        return constrain(logits, (*rows, "activation_vocab"))
 
 
 class CausalLM(_LMHeadMixin, nnx.Module):

@@ -3,7 +3,9 @@
 from alignax.parallel.sharding import (
     LOGICAL_AXIS_RULES,
     MESH_AXES,
+    activation_constraints,
     batch_sharding,
+    constrain,
     create_sharded,
     logical_to_spec,
     make_mesh,
@@ -16,7 +18,9 @@ from alignax.parallel.sharding import (
 __all__ = [
     "LOGICAL_AXIS_RULES",
     "MESH_AXES",
+    "activation_constraints",
     "batch_sharding",
+    "constrain",
     "create_sharded",
     "logical_to_spec",
     "make_mesh",

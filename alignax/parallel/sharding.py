@@ -12,18 +12,29 @@ alignax/models/layers.py); :data:`LOGICAL_AXIS_RULES` maps each name to mesh axe
 axis is dropped from a dim when it does not divide the dim (e.g. 3 kv heads on
 ``tensor=2``) or is already used by an earlier dim, so every rule yields a valid sharding
 on every mesh; such a dim is replicated over that axis instead.
+
+Activations name their dims too (``batch``, ``length``, ``activation_embed``, ...; the
+``activation_*`` names are MaxText's) and the decoder pins them with :func:`constrain` at
+every layer boundary. That is what makes ``fsdp`` FSDP once compiled: with only the
+parameters sharded, XLA is free to keep a weight where it lies and move the activations to
+it (all-reducing partial sums over ``fsdp``, memory per device rising with the device
+count); with the residual stream pinned to ``[batch over (data, fsdp), length, embed
+replicated]``, the only way to run a layer is to all-gather its weights, and only weight
+gradients are reduced over ``fsdp`` (tests/test_fsdp_compile.py, tools/fsdp_memory.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 log = logging.getLogger("alignax")
 
@@ -33,6 +44,18 @@ MESH_AXES = ("data", "fsdp", "tensor")
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),  # activations and data [B, ...]
     ("length", None),
+    # Activation dims other than batch and length. The residual stream is replicated on
+    # its model dim, so each layer all-gathers its fsdp-sharded weights (FSDP); heads,
+    # MLP width and vocab follow the weights' tensor split (Megatron).
+    ("activation_embed", None),
+    # Embedding rows just looked up: batch over data only, while their model dim is still
+    # on fsdp where the table keeps it (alignax/models/modeling.py, Decoder).
+    ("activation_lookup_batch", "data"),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    # Parameter dims.
     ("embed", "fsdp"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
@@ -132,6 +155,59 @@ def logical_to_spec(
         used.update(kept)
         spec.append(None if not kept else (kept[0] if len(kept) == 1 else tuple(kept)))
     return PartitionSpec(*spec)
+
+
+_CONSTRAINTS_ON = contextvars.ContextVar("alignax_activation_constraints", default=True)
+
+
+@contextlib.contextmanager
+def activation_constraints(enabled: bool = True) -> Iterator[None]:
+    """Turn :func:`constrain` on or off for what is traced inside the block.
+
+    Off, the decoder compiles as it did before it constrained its activations (XLA's
+    propagation alone decides): for measuring what the constraints buy
+    (tools/fsdp_memory.py). Read at trace time, so a function already compiled keeps
+    what it was traced with.
+    """
+    token = _CONSTRAINTS_ON.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _CONSTRAINTS_ON.reset(token)
+
+
+def _constraint_mesh(x) -> AbstractMesh | None:
+    """The mesh to constrain ``x`` on: the one in context (``jax.set_mesh``), else the one
+    ``x`` lives on (its inputs were placed there), if every axis of it is ``Auto``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    if mesh is None or mesh.empty or any(t != AxisType.Auto for t in mesh.axis_types):
+        return None
+    return mesh
+
+
+def constrain(x: jax.Array, names: Sequence[str | None], *, rules=LOGICAL_AXIS_RULES) -> jax.Array:
+    """``x`` pinned to the logical axes ``names`` (one per dim) through the rules.
+
+    The mesh comes from the context (``with jax.set_mesh(mesh):``, as the sampler runs)
+    or, without one, from ``x`` itself: an array computed from inputs placed on a mesh
+    carries that mesh in its type, so a train step jitted over sharded inputs gets its
+    constraints without entering the mesh. With no mesh (one device, unplaced inputs),
+    inside ``shard_map`` (manual axes), on ``Explicit`` axes, or under
+    ``activation_constraints(False)``, this is the identity. A dim whose mesh axes do not
+    divide it is replicated (:func:`logical_to_spec`). Values never change; only where
+    XLA keeps them.
+    """
+    if not _CONSTRAINTS_ON.get():
+        return x
+    if len(names) != x.ndim:
+        raise ValueError(f"{len(names)} axis names {tuple(names)} for an array of shape {x.shape}")
+    mesh = _constraint_mesh(x)
+    if mesh is None:
+        return x
+    spec = logical_to_spec(names, x.shape, mesh, rules=rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _is_variable(x) -> bool:

@@ -34,12 +34,14 @@ How it runs
 Prompts are left-padded (every row's last column is a real token), so one prefill over
 ``[B, P]`` gives each row's next-token logits at column ``P - 1``. For
 ``num_samples > 1`` the prefilled KV cache and those logits are repeated over the batch
-(``jnp.repeat``) instead of running the prompt again per sample. The decode loop feeds
-one token per row per step; a row that has emitted a stop token feeds ``pad_id`` with
-attention mask 0 (its cache slots are never attended), keeps ``response_mask`` 0 and
-stops advancing its position. The loop ends when every row is done or after
-``max_new_tokens``; ``num_steps`` says how many tokens were drawn per row (the model ran
-``num_steps - 1`` decode steps after the prefill).
+(``jnp.repeat``) instead of running the prompt again per sample: a broadcast and a
+reshape, so under a mesh each prompt's copies are made on the devices that hold it (the
+gather ``jnp.repeat`` becomes when given ``total_repeat_length`` needs the whole cache on
+every device). The decode loop feeds one token per row per step; a row that has emitted
+a stop token feeds ``pad_id`` with attention mask 0 (its cache slots are never
+attended), keeps ``response_mask`` 0 and stops advancing its position. The loop ends
+when every row is done or after ``max_new_tokens``; ``num_steps`` says how many tokens
+were drawn per row (the model ran ``num_steps - 1`` decode steps after the prefill).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from flax import nnx, struct
 from alignax._checks import check_rank, check_same_shape
 from alignax.models.cache import CACHE_AXES, KVCache, init_cache
 from alignax.models.modeling import positions_from_mask
-from alignax.parallel import logical_to_spec
+from alignax.parallel import constrain
 from alignax.sampling.distribution import draw_from_logprobs, first_argmax, sampling_logprobs
 
 Array = jax.Array
@@ -161,22 +163,11 @@ class _LoopState:
     logps: Array  # [R, N]
 
 
-def _constrain(x: Array, names: tuple[str | None, ...]) -> Array:
-    """Pin ``x``'s dims to the logical axes ``names`` under the ambient mesh (``jax.set_mesh``).
-
-    Without a mesh in context this is the identity and XLA propagates the shardings of
-    the inputs. With one, the batch dim of the cache and of every loop buffer stays split
-    over ``("data", "fsdp")`` (axes that do not divide the batch are dropped by the
-    rules), rather than whatever the propagation settles on for the loop carry.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
-
-
+# Under a mesh (alignax.parallel.constrain), the batch dim of the cache and of every loop
+# buffer stays split over ("data", "fsdp") (axes that do not divide the batch are dropped
+# by the rules), rather than whatever the propagation settles on for the loop carry.
 def _constrain_cache(cache: KVCache) -> KVCache:
-    return KVCache(**{name: _constrain(getattr(cache, name), axes) for name, axes in CACHE_AXES.items()})
+    return KVCache(**{name: constrain(getattr(cache, name), axes) for name, axes in CACHE_AXES.items()})
 
 
 def _constrain_loop(s: _LoopState) -> _LoopState:
@@ -184,14 +175,14 @@ def _constrain_loop(s: _LoopState) -> _LoopState:
     per_token = ("batch", "length")
     return s.replace(
         cache=_constrain_cache(s.cache),
-        logits=_constrain(s.logits, ("batch", None)),
-        position=_constrain(s.position, rows),
-        done=_constrain(s.done, rows),
-        stopped=_constrain(s.stopped, rows),
-        tokens=_constrain(s.tokens, per_token),
-        response_mask=_constrain(s.response_mask, per_token),
-        sampling_logps=_constrain(s.sampling_logps, per_token),
-        logps=_constrain(s.logps, per_token),
+        logits=constrain(s.logits, ("batch", None)),
+        position=constrain(s.position, rows),
+        done=constrain(s.done, rows),
+        stopped=constrain(s.stopped, rows),
+        tokens=constrain(s.tokens, per_token),
+        response_mask=constrain(s.response_mask, per_token),
+        sampling_logps=constrain(s.sampling_logps, per_token),
+        logps=constrain(s.logps, per_token),
     )
 
 
@@ -295,12 +286,16 @@ def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: Sampli
     position = jnp.sum(prompt_mask, axis=-1)
     cache = out.cache
     if G > 1:
-        repeat = functools.partial(jnp.repeat, repeats=G, total_repeat_length=B * G)
-        cache = KVCache(
+        # No total_repeat_length: with it jnp.repeat is a scatter and a gather (see the
+        # module docstring); without, a broadcast and a reshape that keep rows in place.
+        repeat = functools.partial(jnp.repeat, repeats=G)
+        cache = _constrain_cache(KVCache(
             k=repeat(cache.k, axis=1), v=repeat(cache.v, axis=1), mask=repeat(cache.mask, axis=0), index=cache.index
-        )
-        logits, position = repeat(logits, axis=0), repeat(position, axis=0)
-        prompt_tokens, prompt_mask = repeat(prompt_tokens, axis=0), repeat(prompt_mask, axis=0)
+        ))
+        logits = constrain(repeat(logits, axis=0), ("batch", None))
+        position = constrain(repeat(position, axis=0), ("batch",))
+        prompt_tokens = constrain(repeat(prompt_tokens, axis=0), ("batch", "length"))
+        prompt_mask = constrain(repeat(prompt_mask, axis=0), ("batch", "length"))
     R = B * G
 
     s = _LoopState(
@@ -334,8 +329,8 @@ def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: Sampli
 
     s = jax.lax.while_loop(cond, body, s)
     return SamplingOutput(
-        prompt_tokens=_constrain(prompt_tokens, ("batch", "length")),
-        prompt_mask=_constrain(prompt_mask, ("batch", "length")),
+        prompt_tokens=constrain(prompt_tokens, ("batch", "length")),
+        prompt_mask=constrain(prompt_mask, ("batch", "length")),
         tokens=s.tokens,
         response_mask=s.response_mask,
         sampling_logps=s.sampling_logps,

@@ -1,0 +1,82 @@
+"""Per-device memory and collectives of Llama-2-7B-shaped steps as XLA compiles them on
+8, 64 and 256 fake CPU devices, without and with the decoder's activation constraints
+(issue 12, "Real FSDP").
+
+    .venv/bin/python tools/fsdp_memory.py
+    .venv/bin/python tools/fsdp_memory.py --devices 8 64 --programs dpo --out runs/fsdp_memory.json
+
+Each (program, device count, constraints) is one subprocess of tests/fsdp_compile_check.py
+(the device count is fixed when jax is imported), which lowers and compiles the program
+on a mesh with every device on ``fsdp`` and never runs it. Programs: ``dpo`` (the
+offline trainer's DPO step, one pair per device), ``grpo`` (the same step with a GRPO
+policy-gradient loss and a live reference, one row per device) and ``rollout`` (the
+sampler's ``generate``, one prompt per device, 8 samples each). "before" traces under
+``alignax.parallel.activation_constraints(False)``: no activation constraint in the
+decoder or the sampler (the sampler's group repeat stays the new broadcast).
+
+Prints one JSON object: the settings, and per program and device count the per-device
+GB (``memory_analysis``: arguments + outputs - donated + temporaries), ``after/before``,
+and the bytes of all-gather / all-reduce / all-to-all results in the compiled HLO (a
+collective in the scanned layer body counts once; CPU moves bfloat16 matmul operands as
+float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.fake_devices import run_check  # noqa: E402
+
+KINDS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter")
+
+
+def measure(program: str, devices: int, constraints: bool, extra: list[str]) -> dict:
+    flags = ["--program", program, *extra] + ([] if constraints else ["--no-constraints"])
+    return run_check("fsdp_compile_check.py", *flags, devices=devices, timeout=3600)
+
+
+def summary(result: dict) -> dict:
+    return {
+        "gb": round(result["per_device_gb"], 2),
+        "collective_gb": {k: round(result["collectives"][k]["result_bytes"] / 1e9, 2) for k in KINDS},
+        "involuntary_remat": result["involuntary_remat"],
+        "compile_s": result["compile_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--programs", nargs="+", default=["dpo", "grpo", "rollout"], choices=("dpo", "grpo", "rollout"))
+    parser.add_argument("--devices", nargs="+", type=int, default=[8, 64, 256])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    extra = ["--layers", str(args.layers), "--seq", str(args.seq)]
+    rows = []
+    for program in args.programs:
+        for devices in args.devices:
+            before = measure(program, devices, False, extra)
+            after = measure(program, devices, True, extra)
+            rows.append({"program": program, "devices": devices, "before": summary(before), "after": summary(after),
+                         "after_over_before": round(after["per_device_gb"] / before["per_device_gb"], 3)})
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    out = {
+        "model": "Llama-2-7B shape (D 4096, 32 heads, F 11008, V 32000)", "layers": args.layers, "seq": args.seq,
+        "param_dtype": "float32", "dtype": "bfloat16", "mesh": "all devices on fsdp", "rows": rows,
+    }
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
