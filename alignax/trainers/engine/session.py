@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from alignax import config as config_io
@@ -206,8 +205,3 @@ def init_state_on_mesh(params: Any, optimizer, *, seed: int, mesh: jax.sharding.
 
     shardings = tree_shardings(jax.eval_shape(init, params), mesh)
     return jax.jit(init, out_shardings=shardings)(params), shardings
-
-
-def frozen_copy(params: Any) -> Any:
-    """A distinct on-device copy of ``params`` (the frozen reference), same shardings."""
-    return jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
