@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from alignax.parallel.sharding import place_array
+
 log = logging.getLogger("alignax")
 
 
@@ -140,7 +142,7 @@ def place_local_batch(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """
     value = np.asarray(value)
     if jax.process_count() == 1 or value.ndim == 0:  # a 0-d leaf is the same on every process
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+        return place_array(value, sharding)
     global_shape = (value.shape[0] * jax.process_count(), *value.shape[1:])
     mine = process_rows(global_shape[0])
     spans = _addressable_rows(sharding, global_shape)

@@ -85,7 +85,7 @@ class OnlineTrainer:
         # prompts (alignax.parallel.multihost); one process holds them all.
         self.local_prompts = self.num_prompts // jax.process_count()
         self.local_rows = self.local_prompts * self.group_size
-        self.row_offset = process_rows(self.rows).start if self.num_prompts % jax.process_count() == 0 else 0
+        self.row_offset = process_rows(self.rows).start
         self.max_new = rc.max_new_tokens
         self.prompt_len = config.data.max_prompt_length
         if self.local_rows % algorithm.minibatches:
