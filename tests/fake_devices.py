@@ -15,9 +15,17 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def subprocess_env(devices: int, **extra: str) -> dict:
+    """This process's environment for a child on ``devices`` fake CPU devices (the suite's
+    other XLA flags kept), with the repository importable."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}",
+                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]), **extra)
+
+
 def run_check(script: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env(devices)
     proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

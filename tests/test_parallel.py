@@ -16,12 +16,13 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from alignax.parallel import LOGICAL_AXIS_RULES, MESH_AXES, logical_to_spec, make_mesh
+from tests.fake_devices import subprocess_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_sharded_model_on_eight_fake_devices():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = subprocess_env(8)
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "parallel_mesh_check.py")],
         capture_output=True,
