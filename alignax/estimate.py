@@ -242,11 +242,18 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     tokens = per_device_rows * length
     D, F, V, L = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
     heads = model.num_heads / tensor
-    layer_set = tokens * (8 * D + 3 * F / tensor) * p.compute + per_device_rows * heads * length * length * 4 * 2
-    if config.model.remat:
-        items["activations"] = L * tokens * D * p.compute + layer_set
-    else:
-        items["activations"] = L * layer_set
+    # float32 scores and probabilities, unless a fused kernel keeps only its [B, N, T] statistics
+    fused = config.model.attention == "cudnn"
+    scores = 0.0 if fused else per_device_rows * heads * length * length * 4
+    layer_set = tokens * (8 * D + 3 * F / tensor) * p.compute + 2 * scores
+    projections = tokens * (2 * D + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim / tensor
+                            + 2 * F / tensor) * p.compute  # q, k, v, o, gate, up, down outputs
+    kept = {"none": L * layer_set,
+            "full": L * tokens * D * p.compute + layer_set,  # layer inputs + one layer recomputed
+            "dots_with_no_batch_dims_saveable": L * (tokens * D * p.compute + projections) + layer_set,
+            "dots_saveable": L * (tokens * D * p.compute + projections + scores) + layer_set,
+            "offload_dots": L * tokens * D * p.compute + layer_set}  # the projections wait on the host
+    items["activations"] = kept[config.model.remat]
     chunk = min(config.model.logprob_chunk_size or length, length)
     items["LM head buffers"] = per_device_rows * chunk * V * 4 * 3 / tensor
     rollout_tokens = None
@@ -287,8 +294,8 @@ def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[i
     """Candidate changes, cheapest first: ``(what to set, new config, new mesh)``."""
     data, fsdp, tensor = mesh
     out = []
-    if not config.model.remat:
-        out.append(("model.remat=true", dataclasses.replace(config, model=dataclasses.replace(config.model, remat=True)),
+    if config.model.remat not in ("full", "offload_dots"):
+        out.append(("model.remat=full", dataclasses.replace(config, model=dataclasses.replace(config.model, remat="full")),
                     mesh))
     if config.algorithm == "dpo" and config.dpo.reference == "live" and config.dpo.loss in ("dpo", "kto"):
         out.append(("dpo.reference=precomputed",

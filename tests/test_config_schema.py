@@ -208,6 +208,7 @@ SWEEP_VALUES = {
     "output_dir": ["runs/elsewhere"],
     "model.name": ["runs/some-model"],
     "model.random_init": [{"num_hidden_layers": 1}],
+    "model.remat": ["full", "dots_with_no_batch_dims_saveable", "offload_dots"],
     "mesh.shape": [[1, 1, 1]],
     "logging.console_keys": [["loss"]],
     "dpo.variant": list(DPO_VARIANTS),

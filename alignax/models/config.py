@@ -25,6 +25,17 @@ import numpy as np
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+# Rematerialisation of each decoder layer in the backward pass (JAX's checkpoint policies):
+# "none" keeps every activation; "full" keeps only each layer's input and recomputes the
+# rest; "dots_saveable" keeps every matmul output (attention scores too);
+# "dots_with_no_batch_dims_saveable" keeps the projections' outputs but not the attention
+# scores and probabilities; "offload_dots" moves those projection outputs to pinned host
+# memory and back (the device holds layer inputs only; the host link carries the rest).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots")
+# Attention of full forward passes: "xla" materialises float32 scores [B, K, G, T, S] (every
+# backend); "cudnn" is cuDNN's fused kernel through jax.nn.dot_product_attention (GPU,
+# bfloat16 or float16 compute). Decode steps (one query row) always take the "xla" path.
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 # transformers' ACT2FN names -> our activation names (the function lives in layers.py).
 _ACTIVATIONS = {
@@ -66,7 +77,9 @@ class ModelConfig:
         logits, log-probs, values and rewards are always float32.
       scan_layers: store layer parameters stacked on a leading ``layers`` axis and run
         them with ``jax.lax.scan`` (one layer traced and compiled, whatever ``L``).
-      remat: rematerialise each layer in the backward pass (``jax.checkpoint``).
+      remat: what each layer keeps for the backward pass, one of :data:`REMAT_POLICIES`
+        (``jax.checkpoint`` with that policy; ``True``/``False`` read as ``"full"``/``"none"``).
+      attention: one of :data:`ATTENTION_IMPLEMENTATIONS`.
     """
 
     model_type: str
@@ -103,9 +116,16 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     scan_layers: bool = False
-    remat: bool = False
+    remat: str = "none"
+    attention: str = "xla"
 
     def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}; got {self.attention!r}")
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES} (or true/false); got {self.remat!r}")
         if self.model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture model_type={self.model_type!r}; supported: "
@@ -150,7 +170,7 @@ class ModelConfig:
         """Read a Hugging Face ``config.json`` dict.
 
         ``policy`` sets the run-time fields (``param_dtype``, ``dtype``, ``scan_layers``,
-        ``remat``). Raises ``ValueError`` naming the missing field or the unsupported
+        ``remat``, ``attention``). Raises ``ValueError`` naming the missing field or the unsupported
         architecture / rope type / option.
         """
         if not isinstance(hf_config, Mapping):
@@ -165,10 +185,10 @@ class ModelConfig:
                 f"unsupported architecture model_type={model_type!r}; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        unknown = set(policy) - {"param_dtype", "dtype", "scan_layers", "remat"}
+        unknown = set(policy) - {"param_dtype", "dtype", "scan_layers", "remat", "attention"}
         if unknown:
             raise TypeError(
-                f"unknown policy arguments {sorted(unknown)}; valid: param_dtype, dtype, scan_layers, remat"
+                f"unknown policy arguments {sorted(unknown)}; valid: param_dtype, dtype, scan_layers, remat, attention"
             )
         reader = _GPT2_READER if model_type == "gpt2" else _llama_like_fields
         fields = reader(hf_config)

@@ -28,8 +28,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
+
+# The name every projection's output carries for remat policies (``jax.checkpoint`` sees
+# the custom-VJP call, not its matmul, so the dot-based policies are stated by name).
+DENSE_OUTPUT = "dense_output"
 
 
 def dense(x: Array, w: Array, *, in_axes: int = 1, transposed: bool = False, out_dtype=None) -> Array:
@@ -52,7 +57,7 @@ def dense(x: Array, w: Array, *, in_axes: int = 1, transposed: bool = False, out
     if in_shape != w_in:
         raise ValueError(f"x {x.shape} and w {w.shape} disagree on the contracted axes {in_shape} vs {w_in}")
     out_dtype = jnp.dtype(out_dtype) if out_dtype is not None else None
-    return _dense(x, w, in_axes, transposed, out_dtype)
+    return checkpoint_name(_dense(x, w, in_axes, transposed, out_dtype), DENSE_OUTPUT)
 
 
 def _flatten(x: Array, w: Array, in_axes: int, transposed: bool):

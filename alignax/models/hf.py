@@ -203,7 +203,8 @@ def from_hf_state_dict(
     param_dtype: str = "float32",
     dtype: str = "float32",
     scan_layers: bool = False,
-    remat: bool = False,
+    remat: bool | str = "none",
+    attention: str = "xla",
     mesh: jax.sharding.Mesh | None = None,
     rules=LOGICAL_AXIS_RULES,
     new_head: bool = False,
@@ -215,7 +216,7 @@ def from_hf_state_dict(
       hf_config: the parsed ``config.json``.
       tensors: name -> array (NumPy, any float dtype incl. ``ml_dtypes.bfloat16``).
       kind: ``causal_lm`` | ``reward`` | ``value`` | ``policy_value`` (module docstring).
-      param_dtype, dtype, scan_layers, remat: run-time policy (:class:`ModelConfig`).
+      param_dtype, dtype, scan_layers, remat, attention: run-time policy (:class:`ModelConfig`).
       mesh: when given, every parameter is placed sharded by ``rules``.
       new_head: ``kind="reward"`` only: a checkpoint without ``score.weight`` gets a fresh
         head, normal with std ``1 / sqrt(D + 1)`` from ``seed`` (else it is an error).
@@ -225,7 +226,7 @@ def from_hf_state_dict(
     """
     check_choice("kind", kind, MODEL_KINDS)
     config = ModelConfig.from_hf_config(
-        hf_config, param_dtype=param_dtype, dtype=dtype, scan_layers=scan_layers, remat=remat
+        hf_config, param_dtype=param_dtype, dtype=dtype, scan_layers=scan_layers, remat=remat, attention=attention
     )
     names = set(tensors)
     entries = _layout(config, kind, _trunk_prefix(config, names))

@@ -110,6 +110,18 @@ def apply_rope(x: Array, sin: Array, cos: Array) -> Array:
     return out.astype(x.dtype)
 
 
+def fused_attention(q: Array, k: Array, v: Array, allowed: Array, *, scale: float, implementation: str) -> Array:
+    """``jax.nn.dot_product_attention`` on the decoder's layout: ``q [B, T, N, H]``, ``k, v
+    [B, S, K, H]`` (grouped heads), ``allowed [B, T, S]`` (causal, padding and packed
+    segments in one boolean mask, shared by every head) -> ``[B, T, N, H]``.
+
+    ``implementation="cudnn"`` is the fused GPU kernel (the mask becomes its bias; no
+    ``[B, N, T, S]`` float32 scores are kept for the backward pass); ``"xla"`` runs the same
+    call on any backend (the suite checks the arguments with it on CPU).
+    """
+    return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], scale=scale, implementation=implementation)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with optional q/k/v/o biases and q/k RMS norms.
 
@@ -179,6 +191,8 @@ class Attention(nnx.Module):
             scores = jnp.where(allowed[:, None, None, :, :], scores * c.attention_scale, _MASKED)
             probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
             out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
+        elif c.attention != "xla":
+            out = fused_attention(q, k, v, allowed, scale=c.attention_scale, implementation=c.attention)
         else:
             # Heads-major: each kv head's G query heads x T positions form one [G*T, H]
             # matrix, so both products are plain batched matmuls over (B, K); on CPU this

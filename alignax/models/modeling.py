@@ -34,7 +34,7 @@ from alignax import ops
 from alignax._checks import check_rank, check_same_shape
 from alignax.models.cache import KVCache
 from alignax.models.config import ModelConfig, rope_inv_freq
-from alignax.models.dense import dense
+from alignax.models.dense import DENSE_OUTPUT, dense
 from alignax.models.layers import RESIDUAL, Block, Norm, normal_param, param, rope_sin_cos
 from alignax.parallel.sharding import constrain
 
@@ -185,22 +185,41 @@ class Decoder(nnx.Module):
                 h, layer_kv = nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index, layer)
                 return (h, layer_kv), None
 
-            if c.remat:
-                body = jax.checkpoint(body, prevent_cse=False)
+            if c.remat != "none":
+                body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(c.remat))
             (x, kv), _ = jax.lax.scan(body, (x, kv), (state, jnp.arange(c.num_layers)))
             return x, kv
 
         for i, layer in enumerate(self.layers):
-            if c.remat:
+            if c.remat != "none":
                 graphdef, state = nnx.split(layer)
 
                 def run(layer_state, h, layer_kv, graphdef=graphdef, i=i):
                     return nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index, i)
 
-                x, kv = jax.checkpoint(run)(state, x, kv)
+                x, kv = jax.checkpoint(run, policy=remat_policy(c.remat))(state, x, kv)
             else:
                 x, kv = layer(x, sin_cos, allowed, kv, index, i)
         return x, kv
+
+
+def remat_policy(name: str):
+    """The ``jax.checkpoint`` policy of ``ModelConfig.remat`` (``None``: save nothing).
+
+    The projections are custom-VJP matmuls (:func:`alignax.models.dense.dense`) whose
+    outputs are named :data:`DENSE_OUTPUT`; the attention products are plain ``dot_general``
+    with batch axes. So "the dots" are the named projection outputs, plus the attention
+    products for ``dots_saveable``."""
+    policies = jax.checkpoint_policies
+    projections = policies.save_only_these_names(DENSE_OUTPUT)
+    return {
+        "full": None,
+        "dots_saveable": policies.save_from_both_policies(projections, policies.dots_saveable),
+        "dots_with_no_batch_dims_saveable": projections,
+        "offload_dots": policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[DENSE_OUTPUT],
+            offload_src="device", offload_dst="pinned_host"),
+    }[name]
 
 
 def _prepare(tokens, positions, attention_mask, cache):

@@ -48,7 +48,14 @@ class ModelSpec:
       param_dtype / dtype: no longer read (an error when set): the dtypes are the
         ``precision`` section's (``precision.param_dtype``, ``precision.compute_dtype``).
       scan_layers: scan over stacked layers (fast compiles for deep models).
-      remat: rematerialise layers in the backward pass (less memory, more compute).
+      remat: what each layer keeps for the backward pass (less memory, more compute):
+        ``none`` | ``full`` | ``dots_saveable`` | ``dots_with_no_batch_dims_saveable`` |
+        ``offload_dots`` (see :data:`alignax.models.config.REMAT_POLICIES`); ``true`` is
+        ``full``, ``false`` is ``none``.
+      attention: ``xla`` (scores materialised by XLA; every backend) | ``cudnn`` (cuDNN's
+        fused kernel through ``jax.nn.dot_product_attention``; GPU, bfloat16 compute) |
+        ``auto`` (``cudnn`` on a GPU with bfloat16 compute, else ``xla``). Decode steps always
+        use ``xla`` (one query row).
       logprob_chunk_size: compute token log-probs this many positions at a time from
         the final hidden states, never holding ``[B, T, V]`` float32 logits; ``null``:
         the whole sequence at once.
@@ -60,8 +67,13 @@ class ModelSpec:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = False
-    remat: bool = False
+    remat: bool | Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots"] = "none"
+    attention: Literal["xla", "cudnn", "auto"] = "xla"
     logprob_chunk_size: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
 
 
 @dataclasses.dataclass(frozen=True)

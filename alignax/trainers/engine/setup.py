@@ -79,7 +79,8 @@ def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.
                              f"{getattr(spec, old)})")
     directory = model_directory(spec)
     hf_config = _read_hf_config(directory)
-    policy = dict(**precision.model_dtypes(), scan_layers=spec.scan_layers, remat=spec.remat)
+    policy = dict(**precision.model_dtypes(), scan_layers=spec.scan_layers, remat=spec.remat,
+                  attention=attention_implementation(spec.attention, precision.compute_dtype))
     if spec.random_init is not None:
         config = models.ModelConfig.from_hf_config({**hf_config, **spec.random_init}, **policy)
         return models.create_model(config, kind=kind, seed=spec.seed, mesh=mesh)
@@ -87,6 +88,18 @@ def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.
     new_head = kind == "reward" and "score.weight" not in tensors
     return models.from_hf_state_dict(hf_config, tensors, kind=kind, mesh=mesh, new_head=new_head, seed=spec.seed,
                                      **policy)
+
+
+def attention_implementation(choice: str, compute_dtype: str, backend: str | None = None) -> str:
+    """``model.attention`` resolved for this backend: ``auto`` is ``cudnn`` on a GPU with
+    bfloat16 compute, else ``xla``; ``cudnn`` elsewhere is an error naming the key."""
+    backend = backend or jax.default_backend()
+    if choice == "auto":
+        return "cudnn" if backend == "gpu" and compute_dtype == "bfloat16" else "xla"
+    if choice == "cudnn" and (backend != "gpu" or compute_dtype not in ("bfloat16", "float16")):
+        raise ValueError(f"model.attention=cudnn needs a GPU and precision.compute_dtype=bfloat16; this run has "
+                         f"backend {backend!r} and compute dtype {compute_dtype!r} (use model.attention=xla or auto)")
+    return choice
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:

@@ -1,0 +1,131 @@
+"""``model.remat`` policies and ``model.attention`` implementations.
+
+- Every remat policy gives the gradient of the model without remat, and each keeps what it
+  says in the compiled step: ``none`` the most temporary memory and no recomputed matmul;
+  ``full`` the least and every matmul recomputed; ``dots_saveable`` no recomputed matmul with
+  less memory than ``none``; ``dots_with_no_batch_dims_saveable`` recomputes the attention
+  products only; ``offload_dots`` moves the projection outputs to pinned host memory.
+- ``attention: cudnn`` routes full forward passes through ``jax.nn.dot_product_attention``
+  (decode steps stay on the materialised path); on CPU the same call with XLA's
+  implementation gives the materialised attention's logits on packed, left-padded rows and
+  through a prefill + decode.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from alignax.models import CausalLM, ModelConfig, init_cache, layers
+from alignax.models.config import REMAT_POLICIES
+from alignax.trainers.config import ModelSpec
+from alignax.trainers.engine.setup import attention_implementation
+
+BASE = dict(model_type="llama", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=16, intermediate_size=128, norm_eps=1e-5, max_position_embeddings=128)
+
+
+def _batch(B=2, T=32, seed=0):
+    rng = np.random.RandomState(seed)
+    tokens = jnp.asarray(rng.randint(1, 64, (B, T)), jnp.int32)
+    return tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.ones((B, T), jnp.int32)
+
+
+def test_each_remat_policy_keeps_what_it_names_and_the_gradient_is_unchanged():
+    tokens, positions, mask = _batch()
+    state0 = nnx.state(CausalLM(ModelConfig(**BASE, scan_layers=True), rngs=nnx.Rngs(0)))
+    figures, grads = {}, {}
+    for policy in REMAT_POLICIES:
+        graphdef, _ = nnx.split(CausalLM(ModelConfig(**BASE, scan_layers=True, remat=policy), rngs=nnx.Rngs(0)))
+
+        def loss(state, graphdef=graphdef):
+            return jnp.mean(nnx.merge(graphdef, state)(tokens, positions, mask).logits ** 2)
+
+        grad = jax.grad(loss)
+        compiled = jax.jit(grad).lower(state0).compile()
+        text = compiled.as_text()
+        to_host = str(jax.make_jaxpr(grad)(state0)).count("<host>")
+        figures[policy] = (compiled.memory_analysis().temp_size_in_bytes, text.count(" dot("), to_host)
+        grads[policy] = jax.tree.leaves(compiled(state0))
+    for policy in REMAT_POLICIES:
+        for got, want in zip(grads[policy], grads["none"]):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7, err_msg=policy)
+    memory = {p: f[0] for p, f in figures.items()}
+    dots = {p: f[1] for p, f in figures.items()}
+    host = {p: f[2] for p, f in figures.items()}
+    assert memory["full"] < memory["dots_with_no_batch_dims_saveable"] < memory["dots_saveable"] < memory["none"], figures
+    assert dots["dots_saveable"] == dots["none"], figures
+    assert dots["dots_with_no_batch_dims_saveable"] == dots["none"] + 2, figures  # the attention products, once
+    assert dots["full"] > dots["dots_with_no_batch_dims_saveable"], figures  # the projections recomputed too
+    assert host["offload_dots"] > 0 and all(host[p] == 0 for p in REMAT_POLICIES if p != "offload_dots"), host
+
+
+def test_remat_reads_true_and_false_and_refuses_other_words():
+    assert ModelSpec(remat=True).remat == "full" and ModelSpec(remat=False).remat == "none"
+    assert ModelConfig(**BASE, remat=True).remat == "full"
+    with pytest.raises(ValueError, match="remat must be one of"):
+        ModelConfig(**BASE, remat="some")
+
+
+def _xla_instead_of_cudnn(monkeypatch):
+    """The cuDNN route with XLA's implementation of the same call (CPU has no cuDNN)."""
+    calls = []
+    fused = layers.fused_attention
+
+    def on_cpu(*args, implementation, **kwargs):
+        calls.append(implementation)
+        return fused(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(layers, "fused_attention", on_cpu)
+    return calls
+
+
+def test_the_fused_attention_route_equals_the_materialised_one(monkeypatch):
+    calls = _xla_instead_of_cudnn(monkeypatch)
+    materialised = CausalLM(ModelConfig(**BASE), rngs=nnx.Rngs(1))
+    fused = CausalLM(ModelConfig(**BASE, attention="cudnn"), rngs=nnx.Rngs(1))
+    B, T = 2, 24
+    tokens, _, _ = _batch(B, T, seed=2)
+    # row 0: left padding, then a prompt shared by two continuations (restarted positions)
+    mask = np.ones((B, T), np.int32)
+    mask[0, :4] = 0
+    segments = np.zeros((B, T), np.int32)
+    segments[0, 12:18], segments[0, 18:] = 1, 2
+    segments[1, 10:] = 1
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    positions[0, 18:] = positions[0, 12:18]
+    args = (tokens, jnp.asarray(positions), jnp.asarray(mask))
+    want = materialised(*args, segment_ids=jnp.asarray(segments)).logits
+    got = fused(*args, segment_ids=jnp.asarray(segments)).logits
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
+    assert calls and set(calls) == {"cudnn"}
+
+    # prefill through the fused route, then decode steps (materialised for every setting)
+    calls.clear()
+    prompt, step = _batch(B, 8, seed=3)[0], _batch(B, 1, seed=4)[0]
+    outs = {}
+    for name, model in (("materialised", materialised), ("fused", fused)):
+        cache = init_cache(model.config, B, 16)
+        pos = jnp.broadcast_to(jnp.arange(8), (B, 8))
+        first = model(prompt, pos, jnp.ones((B, 8), jnp.int32), cache=cache)
+        second = model(step, jnp.full((B, 1), 8), jnp.ones((B, 1), jnp.int32), cache=first.cache)
+        outs[name] = (first.logits, second.logits)
+    for got, want in zip(outs["fused"], outs["materialised"]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert calls == ["cudnn"] * BASE["num_layers"]  # the prefill only, once per layer
+
+
+def test_attention_choice_is_resolved_per_backend():
+    assert attention_implementation("auto", "bfloat16", backend="gpu") == "cudnn"
+    assert attention_implementation("auto", "float32", backend="gpu") == "xla"
+    assert attention_implementation("auto", "bfloat16", backend="tpu") == "xla"
+    assert attention_implementation("xla", "float32", backend="cpu") == "xla"
+    with pytest.raises(ValueError, match="model.attention=cudnn needs a GPU"):
+        attention_implementation("cudnn", "bfloat16", backend="cpu")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        ModelConfig(**BASE, attention="flash")
+
