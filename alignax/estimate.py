@@ -243,7 +243,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     D, F, V, L = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
     heads = model.num_heads / tensor
     # float32 scores and probabilities, unless a fused kernel keeps only its [B, N, T] statistics
-    fused = config.model.attention == "cudnn"
+    fused = config.model.attention in ("cudnn", "splash")
     scores = 0.0 if fused else per_device_rows * heads * length * length * 4
     layer_set = tokens * (8 * D + 3 * F / tensor) * p.compute + 2 * scores
     projections = tokens * (2 * D + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim / tensor

@@ -14,10 +14,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
+
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from alignax.models.gguf import gguf_to_hf
+
+torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
 
 GGML = gguf.GGMLQuantizationType
 

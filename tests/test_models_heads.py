@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+
 import transformers
 from flax import nnx
 
@@ -26,6 +26,8 @@ from alignax.models import (
     save_pretrained,
     to_hf_state_dict,
 )
+
+torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
 
 PAD = 0
 CFG = dict(

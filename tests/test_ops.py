@@ -63,7 +63,9 @@ class OpsVariantsTest(chex.TestCase):
     def test_aggregate_matches_loop(self, mode):
         x, mask = batch(seed=1)
         got = self.variant(functools.partial(ops.aggregate, mode=mode))(x, mask)
-        np.testing.assert_allclose(got, references.aggregate(x, mask, mode), rtol=1e-6)
+        # float32 sums of ~17 terms against the float64 loop: a few ulps, in an order that
+        # depends on how XLA vectorises the reduction (measured up to 1.6e-6 relative)
+        np.testing.assert_allclose(got, references.aggregate(x, mask, mode), rtol=5e-6)
 
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(("direct", None), ("chunked", 3))

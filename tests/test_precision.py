@@ -217,11 +217,36 @@ def test_a_bfloat16_dpo_step_loss_is_within_bfloat16_rounding_of_the_float32_ste
 
 
 # ---------------------------------------------------------------------------- learning and stepping in bfloat16
+def _train_capturing_frozen(config, records):
+    """``(result, the frozen models start() handed the loop)`` of a run of ``config``."""
+    trainer, seen = build_trainer(config, records=records), {}
+    start = trainer.start
+
+    def capturing_start():
+        state, frozen = start()
+        seen["frozen"] = frozen
+        return state, frozen
+
+    trainer.start = capturing_start
+    return trainer.train(), seen["frozen"]
+
+
+def _assert_bfloat16_state(state, masters: int = 1):
+    """bfloat16 params with float32 master copies (one per optimiser) in the optimiser state."""
+    found = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: isinstance(s, MasterWeightsState))
+             if isinstance(s, MasterWeightsState)]
+    assert len(found) == masters and all(dtypes(m.master) == {"float32"} for m in found)
+    assert dtypes(state.params) == {"bfloat16"}
+
+
 def test_dpo_learns_a_separable_preference_in_bfloat16(tmp_path, toy_model):
-    """tests/test_trainers.py::test_dpo_learns_a_separable_preference, bfloat16 params and compute."""
+    """tests/test_trainers.py::test_dpo_learns_a_separable_preference, bfloat16 params and compute
+    (the trainer's step under the policy: float32 masters, a bfloat16 reference)."""
     config = tiny_config(tmp_path, "dpo", steps=30, model_dir=toy_model, dpo=DPO, train={"save_every": 0},
                          precision=BF16)
-    result = train(config, records=separable_pairs(96))
+    result, reference = _train_capturing_frozen(config, separable_pairs(96))
+    _assert_bfloat16_state(result.loop.state)
+    assert dtypes(reference) == {"bfloat16"}  # precision.frozen_dtype follows param_dtype
     before, after = result.eval_history[0], result.eval_history[-1]
     assert before["step"] == 0 and after["step"] == 30
     assert before["eval/rewards/accuracies"] == 0.0
@@ -234,7 +259,9 @@ def test_dpo_learns_a_separable_preference_in_bfloat16(tmp_path, toy_model):
 def test_grpo_raises_the_mean_reward_in_bfloat16(tmp_path, toy_model):
     """tests/test_online.py::test_online_rl_raises_the_mean_reward[grpo], bfloat16 params and compute."""
     config = toy_config(tmp_path, toy_model, "grpo", steps=20, checkpoint={"enabled": False}, precision=BF16)
-    result = train(config, records=toy_prompts(32))
+    result, frozen = _train_capturing_frozen(config, toy_prompts(32))
+    _assert_bfloat16_state(result.loop.state)
+    assert dtypes(frozen["reference"]) == {"bfloat16"}
     rewards = np.array([h["reward/total"] for h in result.history])
     assert rewards[-5:].mean() > rewards[:5].mean() + 0.3, rewards.round(3).tolist()
     assert result.eval_history[-1]["eval/reward"] > result.eval_history[0]["eval/reward"]
@@ -244,36 +271,30 @@ def test_grpo_raises_the_mean_reward_in_bfloat16(tmp_path, toy_model):
 OFFLINE_ONE_STEP = {  # recipe, records, precision beyond BF16
     "sft": (sft_conversations, {}),
     "reward": (separable_pairs, {}),
-    "dpo": (separable_pairs, {}),
     "kto": (unpaired_feedback, {"frozen_dtype": "float32", "mu_dtype": "bfloat16"}),
 }
 
 
-@pytest.mark.parametrize("algorithm", ["sft", "reward", "dpo", "kto", "grpo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["sft", "reward", "kto", "ppo"])
 def test_every_trainer_steps_under_the_bfloat16_policy(tmp_path, toy_model, algorithm):
-    """One step of each trainer's own step function. PPO runs a separate critic with its own
-    learning rate: two optimisers (``optax.multi_transform``), each with its master copy."""
+    """One step of each trainer's own step function (DPO's and GRPO's are the bfloat16
+    learning tests above). PPO runs a separate critic with its own learning rate: two
+    optimisers (``optax.multi_transform``), each with its master copy."""
     quiet = {"checkpoint": {"enabled": False}}
     if algorithm in OFFLINE_ONE_STEP:
         make_records, extra = OFFLINE_ONE_STEP[algorithm]
-        sections = {"dpo": DPO} if algorithm == "dpo" else {}
-        config = tiny_config(tmp_path, algorithm, steps=1, model_dir=toy_model, precision={**BF16, **extra}, **quiet,
-                             **sections)
+        config = tiny_config(tmp_path, algorithm, steps=1, model_dir=toy_model, precision={**BF16, **extra}, **quiet)
         trainer = build_trainer(config, records=make_records(16))
     else:
-        sections = {"ppo": {"critic_learning_rate": 1e-3}} if algorithm == "ppo" else {}
-        config = toy_config(tmp_path, toy_model, algorithm, steps=1, precision=BF16, **quiet, **sections)
+        config = toy_config(tmp_path, toy_model, "ppo", steps=1, precision=BF16, **quiet,
+                            ppo={"critic_learning_rate": 1e-3})
         trainer = build_trainer(config, records=toy_prompts(8))
     state, frozen = trainer.start()
-    masters = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: isinstance(s, MasterWeightsState))
-               if isinstance(s, MasterWeightsState)]
-    assert len(masters) == (2 if algorithm == "ppo" else 1)
-    assert all(dtypes(m.master) == {"float32"} for m in masters)
-    assert dtypes(state.params) == {"bfloat16"}
+    _assert_bfloat16_state(state, masters=2 if algorithm == "ppo" else 1)
     batch = next(trainer.data.iterator("train"))
     if algorithm in OFFLINE_ONE_STEP:
-        if algorithm in ("dpo", "kto"):  # the reference, in precision.frozen_dtype
-            assert dtypes(frozen) == {"float32" if algorithm == "kto" else "bfloat16"}
+        if algorithm == "kto":  # the reference, in precision.frozen_dtype
+            assert dtypes(frozen) == {"float32"}
         state, out = trainer.step(state, trainer.frozen_inputs(frozen), trainer.placer(batch))
         figures = jax.device_get(out.metrics)
     else:

@@ -5,6 +5,8 @@
   ``full`` the least and every matmul recomputed; ``dots_saveable`` no recomputed matmul with
   less memory than ``none``; ``dots_with_no_batch_dims_saveable`` recomputes the attention
   products only; ``offload_dots`` moves the projection outputs to pinned host memory.
+- ``attention: splash`` runs the Pallas kernel (interpreted on CPU): values and gradients
+  equal the dense attention's with left and right padding.
 - ``attention: cudnn`` routes full forward passes through ``jax.nn.dot_product_attention``
   (decode steps stay on the materialised path); on CPU the same call with XLA's
   implementation gives the materialised attention's logits on packed, left-padded rows and
@@ -21,6 +23,7 @@ from flax import nnx
 
 from alignax.models import CausalLM, ModelConfig, init_cache, layers
 from alignax.models.config import REMAT_POLICIES
+from alignax.models.splash import splash_attention
 from alignax.trainers.config import ModelSpec
 from alignax.trainers.engine.setup import attention_implementation
 
@@ -122,10 +125,62 @@ def test_the_fused_attention_route_equals_the_materialised_one(monkeypatch):
 def test_attention_choice_is_resolved_per_backend():
     assert attention_implementation("auto", "bfloat16", backend="gpu") == "cudnn"
     assert attention_implementation("auto", "float32", backend="gpu") == "xla"
-    assert attention_implementation("auto", "bfloat16", backend="tpu") == "xla"
+    assert attention_implementation("auto", "bfloat16", backend="tpu") == "splash"
+    assert attention_implementation("auto", "bfloat16", backend="cpu") == "xla"
     assert attention_implementation("xla", "float32", backend="cpu") == "xla"
     with pytest.raises(ValueError, match="model.attention=cudnn needs a GPU"):
         attention_implementation("cudnn", "bfloat16", backend="cpu")
+    with pytest.raises(ValueError, match="model.attention=splash is the TPU kernel"):
+        attention_implementation("splash", "float32", backend="cpu")
     with pytest.raises(ValueError, match="attention must be one of"):
         ModelConfig(**BASE, attention="flash")
 
+
+
+def test_splash_kernel_equals_the_dense_attention_forward_and_backward():
+    """The Pallas splash kernel, interpreted on CPU: one row left-padded, one right-padded,
+    two query heads per key/value head; values and all three gradients."""
+    B, T, K, G, H = 2, 12, 1, 2, 8
+    rng = np.random.RandomState(0)
+    q, k, v = (jnp.asarray(rng.randn(B, T, n, H), jnp.float32) for n in (K * G, K, K))
+    mask = np.ones((B, T), bool)
+    mask[0, :4], mask[1, -3:] = False, False
+    weights = jnp.asarray(rng.randn(B, T, K * G, H), jnp.float32) * jnp.asarray(mask)[:, :, None, None]
+    allowed = jnp.tril(jnp.ones((T, T), bool))[None] & jnp.asarray(mask)[:, None, :]
+
+    def dense(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, G, axis=2)) * H**-0.5
+        p = jax.nn.softmax(jnp.where(allowed[:, None], s, -1e30), axis=-1)
+        return jnp.einsum("bnts,bsnh->btnh", p, jnp.repeat(v, G, axis=2))
+
+    def splash(q, k, v):
+        return splash_attention(q, k, v, jnp.asarray(mask), scale=H**-0.5, interpret=True)
+
+    np.testing.assert_allclose(np.asarray(splash(q, k, v))[mask], np.asarray(dense(q, k, v))[mask], atol=1e-5)
+    got = jax.grad(lambda *a: jnp.sum(splash(*a) * weights), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(dense(*a) * weights), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=name)
+
+
+def test_the_decoder_routes_full_passes_to_splash_and_refuses_shared_prompt_packing(monkeypatch):
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[3].shape)
+        return splash_attention(*args, **kwargs, interpret=True)
+
+    monkeypatch.setattr(layers, "splash_attention", counted)
+    config = dict(BASE, num_layers=1)
+    dense, splash = (CausalLM(ModelConfig(**config, attention=a), rngs=nnx.Rngs(5)) for a in ("xla", "splash"))
+    tokens, _, _ = _batch(2, 10, seed=6)
+    mask = np.ones((2, 10), np.int32)
+    mask[0, :3] = 0
+    positions = jnp.asarray(np.maximum(np.cumsum(mask, 1) - 1, 0))
+    want = dense(tokens, positions, jnp.asarray(mask)).logits
+    got = splash(tokens, positions, jnp.asarray(mask)).logits
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
+    assert calls == [(2, 10)]  # one layer, the key mask handed over
+    with pytest.raises(ValueError, match="splash cannot run shared-prompt packing"):
+        splash(tokens, positions, jnp.asarray(mask), segment_ids=jnp.zeros((2, 10), jnp.int32))

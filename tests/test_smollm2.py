@@ -16,7 +16,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.initialization import no_init_weights
@@ -24,6 +24,8 @@ from transformers.initialization import no_init_weights
 from alignax.models import registry
 from alignax.models.registry import DEFAULT_MODEL, ModelSpec, load, local_model_path
 from alignax.models.tokenizer import tokenizer_from_gguf
+
+torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -34,8 +34,10 @@ SUPPORTED_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots")
 # Attention of full forward passes: "xla" materialises float32 scores [B, K, G, T, S] (every
 # backend); "cudnn" is cuDNN's fused kernel through jax.nn.dot_product_attention (GPU,
-# bfloat16 or float16 compute). Decode steps (one query row) always take the "xla" path.
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+# bfloat16 or float16 compute); "splash" is the Pallas splash kernel (TPU; interpreted
+# elsewhere; rows without shared-prompt packing). Decode steps and prefills into a KV cache
+# take the "xla" path.
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
 
 # transformers' ACT2FN names -> our activation names (the function lives in layers.py).
 _ACTIVATIONS = {

@@ -20,6 +20,8 @@ G query heads per kv head, H head dim, F mlp.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,7 @@ from flax import nnx
 
 from alignax.models.config import ModelConfig
 from alignax.models.dense import dense
+from alignax.models.splash import splash_attention
 from alignax.parallel.sharding import constrain
 
 Array = jax.Array
@@ -110,6 +113,15 @@ def apply_rope(x: Array, sin: Array, cos: Array) -> Array:
     return out.astype(x.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeyMask:
+    """What the splash kernel needs of a full pass's mask: causal over the real keys
+    ``mask [B, T]`` (the decoder passes this instead of the dense ``allowed``)."""
+
+    mask: Array
+
+
 def fused_attention(q: Array, k: Array, v: Array, allowed: Array, *, scale: float, implementation: str) -> Array:
     """``jax.nn.dot_product_attention`` on the decoder's layout: ``q [B, T, N, H]``, ``k, v
     [B, S, K, H]`` (grouped heads), ``allowed [B, T, S]`` (causal, padding and packed
@@ -191,7 +203,9 @@ class Attention(nnx.Module):
             scores = jnp.where(allowed[:, None, None, :, :], scores * c.attention_scale, _MASKED)
             probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
             out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
-        elif c.attention != "xla":
+        elif isinstance(allowed, KeyMask):  # attention=splash, a full pass without packed segments
+            out = splash_attention(q, k, v, allowed.mask, scale=c.attention_scale)
+        elif c.attention == "cudnn":
             out = fused_attention(q, k, v, allowed, scale=c.attention_scale, implementation=c.attention)
         else:
             # Heads-major: each kv head's G query heads x T positions form one [G*T, H]

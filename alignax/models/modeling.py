@@ -35,7 +35,7 @@ from alignax._checks import check_rank, check_same_shape
 from alignax.models.cache import KVCache
 from alignax.models.config import ModelConfig, rope_inv_freq
 from alignax.models.dense import DENSE_OUTPUT, dense
-from alignax.models.layers import RESIDUAL, Block, Norm, normal_param, param, rope_sin_cos
+from alignax.models.layers import RESIDUAL, Block, KeyMask, Norm, normal_param, param, rope_sin_cos
 from alignax.parallel.sharding import constrain
 
 Array = jax.Array
@@ -145,7 +145,12 @@ class Decoder(nnx.Module):
         x = constrain(constrain(x, ("activation_lookup_batch", "length", "embed")), RESIDUAL)
         sin_cos = rope_sin_cos(positions, rope_inv_freq(c)) if c.position_embedding == "rope" else None
 
-        if cache is None:
+        if cache is None and c.attention == "splash":
+            if segment_ids is not None:
+                raise ValueError("model.attention=splash cannot run shared-prompt packing (segment_ids: a prefix "
+                                 "every continuation sees); set rollout.pack_groups=off or model.attention=xla")
+            allowed, index, kv, slot_mask = KeyMask(mask), None, None, None
+        elif cache is None:
             t = jnp.arange(T)
             allowed = (t[None, :] <= t[:, None])[None] & mask[:, None, :]  # [B, T, T]
             if segment_ids is not None:  # segment 0 is a shared prefix; others see only themselves

@@ -54,8 +54,9 @@ class ModelSpec:
         ``full``, ``false`` is ``none``.
       attention: ``xla`` (scores materialised by XLA; every backend) | ``cudnn`` (cuDNN's
         fused kernel through ``jax.nn.dot_product_attention``; GPU, bfloat16 compute) |
-        ``auto`` (``cudnn`` on a GPU with bfloat16 compute, else ``xla``). Decode steps always
-        use ``xla`` (one query row).
+        ``splash`` (the Pallas splash kernel; TPU; no shared-prompt packing of groups) |
+        ``auto`` (``cudnn`` on a GPU with bfloat16 compute, ``splash`` on a TPU, else
+        ``xla``). Decode steps and prefills into the sampler's cache use ``xla``.
       logprob_chunk_size: compute token log-probs this many positions at a time from
         the final hidden states, never holding ``[B, T, V]`` float32 logits; ``null``:
         the whole sequence at once.
@@ -68,7 +69,7 @@ class ModelSpec:
     dtype: Literal["float32", "bfloat16"] = "float32"
     scan_layers: bool = False
     remat: bool | Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots"] = "none"
-    attention: Literal["xla", "cudnn", "auto"] = "xla"
+    attention: Literal["xla", "cudnn", "splash", "auto"] = "xla"
     logprob_chunk_size: int | None = None
 
     def __post_init__(self):

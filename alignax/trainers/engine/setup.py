@@ -92,13 +92,19 @@ def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.
 
 def attention_implementation(choice: str, compute_dtype: str, backend: str | None = None) -> str:
     """``model.attention`` resolved for this backend: ``auto`` is ``cudnn`` on a GPU with
-    bfloat16 compute, else ``xla``; ``cudnn`` elsewhere is an error naming the key."""
+    bfloat16 compute, ``splash`` on a TPU, else ``xla``; ``cudnn`` off a GPU and ``splash``
+    off a TPU (where Pallas would interpret it, very slowly) are errors naming the key."""
     backend = backend or jax.default_backend()
     if choice == "auto":
+        if backend == "tpu":
+            return "splash"
         return "cudnn" if backend == "gpu" and compute_dtype == "bfloat16" else "xla"
     if choice == "cudnn" and (backend != "gpu" or compute_dtype not in ("bfloat16", "float16")):
         raise ValueError(f"model.attention=cudnn needs a GPU and precision.compute_dtype=bfloat16; this run has "
                          f"backend {backend!r} and compute dtype {compute_dtype!r} (use model.attention=xla or auto)")
+    if choice == "splash" and backend != "tpu":
+        raise ValueError(f"model.attention=splash is the TPU kernel; this run's backend is {backend!r} "
+                         "(use model.attention=xla or auto)")
     return choice
 
 

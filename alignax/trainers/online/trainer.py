@@ -185,6 +185,11 @@ class OnlineTrainer:
         G, P, N = self.group_size, config.data.max_prompt_length, rc.max_new_tokens
         if rc.pack_groups == "off" or G < 2:
             return 1
+        if self.model_config.attention == "splash":  # equal segment ids only: no shared prefix
+            if rc.pack_groups == "on":
+                raise ValueError("rollout.pack_groups=on needs a shared-prompt mask, which model.attention=splash "
+                                 "cannot express; set rollout.pack_groups=auto or off")
+            return 1
         if rc.pack_groups == "auto" and not packing.group_packing_pays(self.model_config, prompt_len=P, new_tokens=N,
                                                                       group=G):
             return 1
