@@ -248,12 +248,14 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     layer_set = tokens * (8 * D + 3 * F / tensor) * p.compute + 2 * scores
     projections = tokens * (2 * D + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim / tensor
                             + 2 * F / tensor) * p.compute  # q, k, v, o, gate, up, down outputs
-    kept = {"none": L * layer_set,
-            "full": L * tokens * D * p.compute + layer_set,  # layer inputs + one layer recomputed
-            "dots_with_no_batch_dims_saveable": L * (tokens * D * p.compute + projections) + layer_set,
-            "dots_saveable": L * (tokens * D * p.compute + projections + scores) + layer_set,
-            "offload_dots": L * tokens * D * p.compute + layer_set}  # the projections wait on the host
-    items["activations"] = kept[config.model.remat]
+    inputs = tokens * D * p.compute
+    saved = {"none": layer_set, "full": inputs,  # per layer, kept for the backward pass
+             "dots_with_no_batch_dims_saveable": inputs + projections,
+             "dots_saveable": inputs + projections + scores,
+             "offload_dots": inputs}  # the projections wait in host memory
+    kept = min(saved[config.model.remat], layer_set)
+    # every layer's saved set, and the rest of one layer while it is recomputed
+    items["activations"] = L * kept + (layer_set - kept)
     chunk = min(config.model.logprob_chunk_size or length, length)
     items["LM head buffers"] = per_device_rows * chunk * V * 4 * 3 / tensor
     rollout_tokens = None

@@ -231,6 +231,17 @@ def even_char_share(completions: Sequence[str], references) -> list[float]:
     return [sum(1 for ch in text if ord(ch) % 2 == 0) / max(len(text), 1) for text in completions]
 
 
+def compiled_memory(compiled) -> dict:
+    """XLA's memory analysis of a compiled step, with its peak: arguments + outputs -
+    donated aliases + temporaries."""
+    memory = compiled.memory_analysis()
+    figures = {key: int(getattr(memory, key)) for key in (
+        "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")}
+    figures["peak_bytes"] = (figures["argument_size_in_bytes"] + figures["output_size_in_bytes"]
+                             - figures["alias_size_in_bytes"] + figures["temp_size_in_bytes"])
+    return figures
+
+
 def finish(result: dict, out: str | None) -> None:
     """Print the result as one JSON object; also write it to ``out``."""
     text = json.dumps(result, indent=2)

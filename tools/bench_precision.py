@@ -90,11 +90,7 @@ class Policy:
         self.step = trainer.step.lower(self.state, self.frozen, self.placer(batches[0])).compile()
         self.compile_s = time.perf_counter() - t1
         self.build_s = t1 - t0
-        memory = self.step.memory_analysis()
-        self.memory = {key: int(getattr(memory, key)) for key in (
-            "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")}
-        self.memory["peak_bytes"] = (self.memory["argument_size_in_bytes"] + self.memory["output_size_in_bytes"]
-                                     - self.memory["alias_size_in_bytes"] + self.memory["temp_size_in_bytes"])
+        self.memory = common.compiled_memory(self.step)
         self.times, self.losses = [], []
         jax.block_until_ready(self.state)
 

@@ -35,10 +35,12 @@ def _pair_logps(model, batch, chunk_size, window):
     With ``prompt_length`` in the batch (the data pipeline's preference batches) and a
     response window shorter than the rows, the pair is one packed row (the prompt once,
     then chosen, then rejected; see :mod:`alignax.trainers.engine.packing`); otherwise chosen and
-    rejected are two rows of one forward pass.
+    rejected are two rows of one forward pass (also under ``model.attention=splash``, whose
+    kernel cannot express a prompt both continuations see).
     """
     rows = batch["chosen_tokens"].shape[1]
-    if "prompt_length" in batch and window is not None and window < rows:
+    shared_prompt = model.config.attention != "splash"
+    if "prompt_length" in batch and window is not None and window < rows and shared_prompt:
         sides = [{k: batch[f"{side}_{k}"] for k in ("tokens", "attention_mask", "response_mask")}
                  for side in ("chosen", "rejected")]
         logps, mask = packing.packed_response_logps(
