@@ -28,7 +28,7 @@ from alignax.parallel import multihost
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
 from alignax.trainers.engine.session import TrainResult, checkpoint_dir
-from alignax.trainers.offline import preference, reward, sft
+from alignax.trainers.offline import preference, prm, reward, sft
 from alignax.trainers.offline.trainer import OfflineTrainer
 from alignax.trainers.online import grpo, ppo
 from alignax.trainers.online.trainer import OnlineTrainer
@@ -59,6 +59,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     for a in (
         Algorithm("sft", "offline", ("causal_lm",), sft.make_task),
         Algorithm("reward", "offline", ("reward",), reward.make_task),
+        Algorithm("prm", "offline", ("reward",), prm.make_task),
         Algorithm("dpo", "offline", ("causal_lm",), preference.make_task),
         Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm),
         Algorithm("ppo", "online", ("causal_lm", "policy_value", "value"), ppo.build_algorithm),

@@ -12,7 +12,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     checkpoint: {...}         # CheckpointSection
     logging: {...}            # LoggingSection
     mesh: {...}               # MeshSection
-    sft / reward / dpo / ppo / grpo: {...}   # the chosen algorithm's own settings
+    sft / reward / prm / dpo / ppo / grpo: {...}   # the chosen algorithm's own settings
     rollout / rewards: {...}  # online RL (ppo, grpo): generation and the reward function
     evaluation: {...}         # alignax.evaluation.EvaluationConfig: greedy accuracy, pass@k
 
@@ -162,6 +162,15 @@ class RewardSection:
 
     center_coef: float = 0.0
     use_margin: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PRMSection:
+    """Process reward model (``alignax.losses.process.prm_loss``): ``aggregation`` of the
+    per-step cross-entropies (``token-mean``: every step alike; ``seq-mean-token-mean``:
+    every solution alike)."""
+
+    aggregation: AggregationMode = "token-mean"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +359,7 @@ class TrainConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
+    prm: PRMSection = dataclasses.field(default_factory=PRMSection)
     dpo: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)

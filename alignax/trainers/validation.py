@@ -218,7 +218,7 @@ ALWAYS = Check("any run", lambda c: True, lambda c: "")
 NEVER = Check("no run", lambda c: False, lambda c: "")
 
 ONLINE = Is("algorithm", "grpo", "ppo")
-OFFLINE = Is("algorithm", "sft", "reward", "dpo")
+OFFLINE = Is("algorithm", "sft", "reward", "prm", "dpo")
 EVAL_PROMPTS = Given("evaluation.prompts")
 # alignax.evaluation: an online run evaluates by generation (on its eval split, or on
 # evaluation.prompts); an offline policy only on evaluation.prompts (its data are not
@@ -266,7 +266,8 @@ def _data_rules(prefix: str) -> list[Rule]:
         rule(prefix, ALWAYS),
         rule([f"{prefix}.max_length", f"{prefix}.max_response_length"], IsNot(fmt, "prompt"),
              "prompt batches are max_prompt_length wide; the response budget is rollout.max_new_tokens"),
-        rule(f"{prefix}.apply_chat_template", Is(fmt, "preference", "unpaired", "prompt"),
+        rule(f"{prefix}.step_delimiter", Is(fmt, "steps"), "it separates the steps of a step-labelled solution"),
+        rule(f"{prefix}.apply_chat_template", Is(fmt, "preference", "unpaired", "prompt", "steps"),
              "sft messages always go through the chat template; text never does"),
         rule(f"{prefix}.system_prompt", IsNot(fmt, "text"), "plain text has no conversation to put it in"),
         rule(f"{prefix}.split", _paths_read_from_disk(prefix), "a generator spec has no splits"),
@@ -297,8 +298,8 @@ KEY_RULES: tuple[Rule, ...] = (
          "float32 parameters are their own master copy"),
     rule("precision.mu_dtype", Is("optim.name", "adamw", "adam"), "it is the dtype of Adam's first moment"),
     rule("precision.frozen_dtype", FROZEN_MODELS),
-    rule("model.logprob_chunk_size", IsNot("algorithm", "reward"), "a reward model scores sequences, no log-probs"),
-    rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward")),
+    rule("model.logprob_chunk_size", IsNot("algorithm", "reward", "prm"), "a reward model scores sequences, no log-probs"),
+    rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward", "prm")),
          "it seeds random initialisation and a reward model's fresh score head"),
     rule("optim.weight_decay", Is("optim.name", "adamw")),
     rule(["optim.b1", "optim.b2", "optim.eps"], Is("optim.name", "adamw", "adam")),
@@ -311,6 +312,7 @@ KEY_RULES: tuple[Rule, ...] = (
     # --- each algorithm's own section
     rule("sft", Is("algorithm", "sft")),
     rule("reward", Is("algorithm", "reward")),
+    rule("prm", Is("algorithm", "prm")),
     rule("dpo", Is("algorithm", "dpo")),
     rule("grpo", Is("algorithm", "grpo")),
     rule("ppo", Is("algorithm", "ppo")),
@@ -384,7 +386,8 @@ def _formats_of(config: TrainConfig) -> tuple[tuple[str, ...], str]:
         if config.dpo.loss == "kto":
             return ("unpaired",), "dpo.loss=kto"
         return ("preference",), f"dpo.loss={config.dpo.loss}"
-    table = {"sft": ("sft", "text"), "reward": ("preference",), "grpo": ("prompt",), "ppo": ("prompt",)}
+    table = {"sft": ("sft", "text"), "reward": ("preference",), "prm": ("steps",), "grpo": ("prompt",),
+             "ppo": ("prompt",)}
     return tuple(f for f in table[algorithm] if f in FORMATS), f"algorithm {algorithm}"
 
 
