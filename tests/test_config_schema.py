@@ -43,6 +43,7 @@ BASES = {
     # an offline policy evaluated by generation on a prompt set: rewards and rollout's budget are read
     "sft": ("sft", {"evaluation": {"prompts": EVAL_PROMPTS, "max_prompts": 4}, "rollout": {"max_new_tokens": 8}}),
     "reward": ("reward", {}),
+    "prm": ("prm", {}),
     "dpo": ("dpo", {}),
     "kto": ("kto", {}),
     "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
@@ -204,7 +205,7 @@ def _field(key: str) -> tuple[type, dataclasses.Field]:
 
 
 SWEEP_VALUES = {
-    "algorithm": ["sft", "reward", "dpo", "grpo", "ppo"],
+    "algorithm": ["sft", "reward", "prm", "dpo", "grpo", "ppo"],
     "output_dir": ["runs/elsewhere"],
     "model.name": ["runs/some-model"],
     "model.random_init": [{"num_hidden_layers": 1}],
@@ -241,6 +242,7 @@ DATA_VALUES = {
     "max_length": [100],
     "max_prompt_length": [64],
     "max_response_length": [16],
+    "step_delimiter": [" ; "],
 }
 
 
