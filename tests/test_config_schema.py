@@ -229,6 +229,10 @@ SWEEP_VALUES = {
     "evaluation.prompts": [EVAL_PROMPTS],
     "evaluation.prompts.format": ["prompt"],  # the only format of a prompt set
     "precision.master_dtype": [None],  # its one other value: no master copy
+    "evaluation.best_of_n.reward_models": [["runs/reward-model"]],
+    "evaluation.best_of_n.prm": ["runs/prm"],
+    "evaluation.best_of_n.prm_aggregation": [["min"]],
+    "evaluation.best_of_n.step_delimiter": [" ; "],
 }
 DATA_VALUES = {
     "paths": [["tests/data/some.jsonl"]],

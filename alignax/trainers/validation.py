@@ -38,6 +38,7 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from alignax.best_of_n import BestOfNConfig
 from alignax.config import ConfigError
 from alignax.data.builders import is_generator_spec
 from alignax.data.formats import DEFAULT_FIELDS, FORMATS, OPTIONAL_FIELDS
@@ -366,11 +367,21 @@ KEY_RULES: tuple[Rule, ...] = (
     rule(["rewards.reward_model_weight", "rewards.ensemble"], Given("rewards.reward_models")),
     rule("rewards.ensemble_k", All(Given("rewards.reward_models"),
                                    Is("rewards.ensemble", "mean_minus_std", "mean_minus_var"))),
+    rule(["rewards.judge_weight", "rewards.judge_rubric", "rewards.judge_verdicts", "rewards.judge_score"],
+         Given("rewards.judge_model"), "they configure the LLM judge"),
     rule("rewards.length_target", NonZero("rewards.length_penalty_coef")),
     rule("rewards.overlong_scale", Given("rewards.overlong_buffer")),
     # --- generation-based evaluation (alignax.evaluation)
     rule("evaluation", GENERATION),
-    rule("evaluation.temperature", Given("evaluation.pass_k"), "it is the temperature of the pass@k samples"),
+    rule("evaluation.temperature", AnyOf(Given("evaluation.pass_k"), Above("evaluation.best_of_n.n", 0)),
+         "it is the temperature of the pass@k and best-of-N samples"),
+    rule(_keys_of(BestOfNConfig, "evaluation.best_of_n", but=("n",)), Above("evaluation.best_of_n.n", 0),
+         "best-of-N is off while evaluation.best_of_n.n is 0"),
+    rule(["evaluation.best_of_n.ensemble", "evaluation.best_of_n.ensemble_k"],
+         Given("evaluation.best_of_n.reward_models"), "they combine the reward models' scores"),
+    rule("evaluation.best_of_n.ensemble_k", Is("evaluation.best_of_n.ensemble", "mean_minus_std", "mean_minus_var")),
+    rule(["evaluation.best_of_n.prm_aggregation", "evaluation.best_of_n.step_delimiter"],
+         Given("evaluation.best_of_n.prm"), "they read the PRM's step scores"),
     *_data_rules("evaluation.prompts"),
     rule(["evaluation.prompts.eval_fraction", "evaluation.prompts.shuffle", "evaluation.prompts.seed",
           "evaluation.prompts.num_epochs"], NEVER, "an evaluation reads its prompt set once, whole, in file order"),
@@ -479,9 +490,9 @@ def _critic_path(config):
 def _reward_source(config):
     r = config.rewards
     no_verifier = r.verifier_weight == 0 and r.format_weight == 0
-    if GENERATION(config) and no_verifier and not r.functions and not r.reward_models:
+    if GENERATION(config) and no_verifier and not r.functions and not r.reward_models and not r.judge_model:
         return ("rewards: no reward source (rewards.verifier_weight and rewards.format_weight are 0, no "
-                "rewards.functions, no rewards.reward_models); set one of them")
+                "rewards.functions, no rewards.reward_models, no rewards.judge_model); set one of them")
     return None
 
 
@@ -497,6 +508,10 @@ def _pass_k_verdict(config):
     if (GENERATION(config) and ev.pass_k and ev.success_threshold is None
             and r.verifier_weight == 0 and r.format_weight == 0):
         return ("evaluation.pass_k needs a verdict on each completion: a verifier (rewards.verifier_weight or "
+                "rewards.format_weight != 0) or evaluation.success_threshold")
+    if (GENERATION(config) and ev.best_of_n.n and ev.success_threshold is None
+            and r.verifier_weight == 0 and r.format_weight == 0):
+        return ("evaluation.best_of_n.n needs a verdict on each completion: a verifier (rewards.verifier_weight or "
                 "rewards.format_weight != 0) or evaluation.success_threshold")
     return None
 
