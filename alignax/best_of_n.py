@@ -20,20 +20,15 @@ N = 1, 2, 4, ... is unbiased and smooth.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Literal
 
-import jax
 import numpy as np
-from flax import nnx
 
 from alignax.losses import ensemble_rewards
 from alignax.parallel.multihost import local_rows
 from alignax.rewards.composite import RewardModels
-from alignax.rewards.process import step_boundaries
-
-STEP_AGGREGATIONS = ("min", "product", "last")
+from alignax.rewards.process import STEP_AGGREGATIONS, ProcessRewardModel, aggregate_step_scores, step_boundaries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,30 +106,6 @@ def best_of_k(scores: np.ndarray, correct: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def aggregate_step_scores(step_probs: np.ndarray, step_mask: np.ndarray, method: str) -> np.ndarray:
-    """One score ``[R]`` from step probabilities ``[R, N]`` at ``step_mask`` positions:
-    ``min`` (the weakest step), ``product`` (every step right), ``last`` (the final step).
-    A completion without a step scores 0."""
-    mask = np.asarray(step_mask) > 0
-    probs = np.asarray(step_probs, np.float64)
-    has = mask.any(axis=1)
-    if method == "min":
-        out = np.where(mask, probs, np.inf).min(axis=1)
-    elif method == "product":
-        out = np.where(mask, probs, 1.0).prod(axis=1)
-    elif method == "last":
-        last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
-        out = probs[np.arange(len(probs)), last]
-    else:
-        raise ValueError(f"unknown step aggregation {method!r}; valid: {', '.join(STEP_AGGREGATIONS)}")
-    return np.where(has, out, 0.0)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _step_values(graphdef, state, tokens, positions, attention):
-    return nnx.merge(graphdef, state)(tokens, positions, attention, per_token=True).values
-
-
 class Selectors:
     """The trained selectors of a :class:`BestOfNConfig`, loaded once; :meth:`scores` scores
     sampled completions (:class:`alignax.sampling.scored.Groups`) by each."""
@@ -146,21 +117,13 @@ class Selectors:
         self.orms = (RewardModels.load(config.reward_models, mesh=mesh, vocab_size=vocab_size)
                      if config.reward_models else None)
         self._score_orms = self.orms.score_fn() if self.orms is not None else None
-        self.prm = None
-        if config.prm:
-            prm = RewardModels.load([config.prm], mesh=mesh, vocab_size=vocab_size)
-            self.prm = (prm.graphdefs[0], prm.states[0])
+        self.prm = ProcessRewardModel(config.prm, mesh=mesh, place=self.place) if config.prm else None
 
     def prm_step_probs(self, groups) -> tuple[np.ndarray, np.ndarray]:
         """``(sigmoid of the PRM's score at every response token [R, N], step_mask [R, N])``."""
-        tokens, positions, attention = groups.full_sequences()
-        graphdef, state = self.prm
-        values = _step_values(graphdef, state, *(self.place(a) for a in (tokens, positions, attention)))
-        width = groups.prompt_tokens.shape[1]
-        probs = 1.0 / (1.0 + np.exp(-np.asarray(local_rows(values), np.float64)[:, width:]))
         step_mask, _ = step_boundaries(self.tokenizer, groups.tokens, groups.response_mask,
                                        self.config.step_delimiter)
-        return probs, step_mask
+        return self.prm.step_probs(groups), step_mask
 
     def scores(self, groups) -> dict[str, np.ndarray]:
         """``{selector name: [R] scores}`` (``reward``, ``orm``, ``prm_<aggregation>``)."""

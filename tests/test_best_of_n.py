@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from alignax.best_of_n import BestOfNConfig, Selectors, aggregate_step_scores, best_of_k
+from alignax.best_of_n import BestOfNConfig, Selectors, best_of_k
+from alignax.rewards.process import aggregate_step_scores
 from alignax.evaluation import EvaluationConfig, evaluate_model, pass_at_k
 from alignax.models import save_pretrained
 from alignax.trainers.engine.setup import build_model, load_tokenizer
@@ -119,3 +120,42 @@ def test_prm_selector_scores_each_step_prefix(toy):
     scores = selectors.scores(groups)
     np.testing.assert_allclose(scores["prm_last"], [probs[r, np.flatnonzero(step_mask[r])[-1]]
                                                     for r in range(groups.size)])
+
+
+def test_a_trained_prm_is_grpos_process_reward(tmp_path, toy, toy_model):
+    """grpo.advantage=process with grpo.process_reward_model: the step rewards the advantages
+    read are the PRM's probability of each step (its prefix scored alone) at the step's end."""
+    from tests.test_online_variants import run_steps
+
+    _, _, _, prm_dir, prm = toy
+    prm_graphdef, prm_state = nnx.split(prm)
+    reward_of = jax.jit(lambda t, p, a: nnx.merge(prm_graphdef, prm_state)(t, p, a).rewards)
+    run = run_steps(tmp_path, toy_model, "grpo", grpo={
+        "advantage": "process", "step_delimiter": "no", "process_reward_model": prm_dir,
+        "process_reward_aggregation": "step"})
+    ro, inputs = run.updates[0]["rollout"], run.inputs[0]
+    tokens, positions, attention = (np.asarray(a) for a in (ro.tokens, ro.positions, ro.attention_mask))
+    step_mask, width = inputs["step_mask"], run.trainer.prompt_len
+    expected = np.zeros(step_mask.shape)
+    for r in range(step_mask.shape[0]):
+        ends = np.flatnonzero(step_mask[r])
+        probs = []
+        for t in ends:
+            prefix = attention[r:r + 1].copy()
+            prefix[0, width + t + 1:] = 0
+            probs.append(1 / (1 + math.exp(-float(reward_of(tokens[r:r + 1], positions[r:r + 1], prefix)[0]))))
+        expected[r, ends] = probs
+    assert step_mask.sum() > step_mask.shape[0]  # some completion has several steps
+    np.testing.assert_allclose(inputs["step_rewards"], expected, atol=1e-5)
+
+
+def test_prm_aggregations_sit_on_the_last_step(toy):
+    from alignax.rewards.process import ProcessRewardModel
+
+    prm = ProcessRewardModel(toy[3], aggregation="product")
+    probs = np.array([[0.5, 0.9, 0.4, 0.7], [0.2, 0.3, 0.6, 0.1], [0.5, 0.5, 0.5, 0.5]])
+    prm.step_probs = lambda groups: probs
+    step_mask = np.array([[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_allclose(prm.step_rewards(None, step_mask), [[0, 0, 0.2, 0], [0, 0.3, 0, 0], [0, 0, 0, 0]])
+    prm.aggregation = "step"
+    np.testing.assert_allclose(prm.step_rewards(None, step_mask), [[0.5, 0, 0.4, 0], [0, 0.3, 0, 0], [0, 0, 0, 0]])

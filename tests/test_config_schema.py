@@ -233,6 +233,10 @@ SWEEP_VALUES = {
     "evaluation.best_of_n.prm": ["runs/prm"],
     "evaluation.best_of_n.prm_aggregation": [["min"]],
     "evaluation.best_of_n.step_delimiter": [" ; "],
+    "rewards.judge_model": ["runs/judge"],
+    "rewards.judge_rubric": ["{prompt} {completion} ok?"],
+    "rewards.judge_verdicts": [["ok", "no"]],
+    "grpo.process_reward_model": ["runs/prm"],
 }
 DATA_VALUES = {
     "paths": [["tests/data/some.jsonl"]],

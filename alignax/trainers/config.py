@@ -265,6 +265,11 @@ class GRPOSection:
         ``num_prompts`` groups with non-zero reward variance (at most ``max_refills`` more).
       step_delimiter / process_reward: ``process`` advantages: steps end at this string;
         ``module:function`` returning per-step rewards for each completion.
+      process_reward_model: ``process`` advantages from a trained PRM instead (a folder,
+        ``alignax export`` of an ``algorithm: prm`` run, sharing the policy's tokenizer):
+        ``process_reward_aggregation`` ``step`` rewards each step with the PRM's probability
+        that it is good; ``min`` / ``product`` / ``last`` give the completion one score (its
+        weakest step, all steps, its last step) on its last step.
     """
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "process"] = "grpo"
@@ -288,6 +293,8 @@ class GRPOSection:
     max_refills: int = 4
     step_delimiter: str = "\n"
     process_reward: str = "alignax.rewards.process:outcome_on_last_step"
+    process_reward_model: str | None = None
+    process_reward_aggregation: Literal["step", "min", "product", "last"] = "step"
 
 
 @dataclasses.dataclass(frozen=True)

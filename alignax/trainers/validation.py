@@ -338,7 +338,9 @@ KEY_RULES: tuple[Rule, ...] = (
          "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
     rule(["grpo.kl_target", "grpo.kl_horizon"], Is("grpo.adaptive_kl", True)),
     rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),
-    rule(["grpo.step_delimiter", "grpo.process_reward"], Is("grpo.advantage", "process")),
+    rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
+    rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
+    rule("grpo.process_reward_aggregation", Given("grpo.process_reward_model"), "it reduces the PRM's step scores"),
     # --- PPO (alignax.trainers.online.ppo)
     rule("ppo.critic_init", Is("ppo.critic", "separate"), "a shared critic is a value head on the policy"),
     rule("ppo.critic_path", All(Is("ppo.critic", "separate"), Is("ppo.critic_init", "reward_model"))),
