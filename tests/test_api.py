@@ -34,9 +34,9 @@ def _run(name, tmp_path, toy_model):
 
 
 def test_every_algorithm_has_an_entry():
-    assert set(ALGORITHMS) == {"sft", "reward", "prm", "dpo", "grpo", "ppo"}
+    assert set(ALGORITHMS) == {"sft", "reward", "prm", "dpo", "iterative_dpo", "grpo", "ppo"}
     for entry in ALGORITHMS.values():
-        assert entry.family in ("offline", "online") and entry.model_kinds and callable(entry.make)
+        assert entry.family in ("offline", "online", "iterative") and entry.model_kinds and callable(entry.make)
 
 
 @pytest.mark.parametrize("name", ["sft", "reward", "prm", "dpo", "kto", "grpo", "ppo"])

@@ -205,7 +205,7 @@ def _field(key: str) -> tuple[type, dataclasses.Field]:
 
 
 SWEEP_VALUES = {
-    "algorithm": ["sft", "reward", "prm", "dpo", "grpo", "ppo"],
+    "algorithm": ["sft", "reward", "prm", "dpo", "iterative_dpo", "grpo", "ppo"],
     "output_dir": ["runs/elsewhere"],
     "model.name": ["runs/some-model"],
     "model.random_init": [{"num_hidden_layers": 1}],
@@ -466,7 +466,7 @@ def test_ppo_ptx_needs_both_its_weight_and_its_data():
 
 
 def test_eval_batches_are_offline_only():
-    assert "train.eval_batches applies to algorithm=sft|reward|dpo only; got algorithm=grpo" in refused(
+    assert "train.eval_batches applies to algorithm=sft|reward|prm|dpo only; got algorithm=grpo" in refused(
         {**GRPO, "data": {"format": "prompt", "eval_fraction": 0.1}}, ["train.eval_batches=2"])
     load_config(data={**DPO, "data": {"eval_fraction": 0.1}, "train": {"eval_batches": 2}})
     # switching a shared feature off leaves its keys valid (one override turns it off)
@@ -571,7 +571,7 @@ def test_shared_sections_with_conditions():
         DPO, ["optim.name=adam", "optim.weight_decay=0.1"])
     assert "optim.min_lr_ratio applies to optim.schedule=cosine|linear only; got optim.schedule=constant" in \
         refused(DPO, ["optim.schedule=constant", "optim.min_lr_ratio=0.1"])
-    assert "model.logprob_chunk_size applies to algorithm other than reward only" in refused(
+    assert "model.logprob_chunk_size applies to algorithm other than reward/prm only" in refused(
         REWARD, ["model.logprob_chunk_size=32"])
     assert "model.seed applies to model.random_init set or algorithm=reward only" in refused(DPO, ["model.seed=1"])
     assert "data.max_length applies to data.format other than prompt only; got data.format=prompt" in refused(
@@ -603,7 +603,7 @@ def test_rewards_keys_need_the_component_they_tune():
 
 def test_evaluation_keys():
     online = {**GRPO, "data": {"format": "prompt", "eval_fraction": 0.1}}
-    assert "evaluation.temperature applies to evaluation.pass_k set only; got evaluation.pass_k=[]" in refused(
+    assert "evaluation.temperature applies to evaluation.pass_k set or evaluation.best_of_n.n > 0 only; got evaluation.pass_k=[]" in refused(
         online, ["evaluation.temperature=0.6"])
     assert "evaluation.pass_k needs a verdict" in refused(online, ["evaluation.pass_k=[1,4]",
                                                                    "rewards.verifier_weight=0",

@@ -132,28 +132,35 @@ class ProcessRewardModel:
     """A trained PRM scoring sampled completions step by step.
 
     ``path``: a reward-model folder trained by ``algorithm: prm``; it must share the policy's
-    tokenizer (a token id beyond its vocabulary is an error). ``aggregation``: ``step``
-    (each step's own probability at its end token: dense process rewards) or one of
-    :data:`STEP_AGGREGATIONS` (one score per completion, on its last step).
+    tokenizer (a token id beyond its vocabulary is an error); its weights are read at the
+    first scoring. ``aggregation``: ``step`` (each step's own probability at its end
+    token: dense process rewards) or one of :data:`STEP_AGGREGATIONS` (one score per
+    completion, on its last step).
     """
 
     def __init__(self, path: str, *, aggregation: str = "step", mesh=None, place: Callable | None = None):
         if aggregation not in ("step", *STEP_AGGREGATIONS):
             raise ValueError(f"unknown PRM aggregation {aggregation!r}; valid: step, {', '.join(STEP_AGGREGATIONS)}")
-        model = models.from_pretrained(path, kind="reward", mesh=mesh)
-        self.path, self.aggregation, self.vocab_size = path, aggregation, model.config.vocab_size
-        self.graphdef, self.state = nnx.split(model)
+        self.path, self.aggregation, self.mesh = path, aggregation, mesh
         self.place = place or (lambda x: x)
+        self._model = None
+
+    def _load(self):
+        if self._model is None:
+            model = models.from_pretrained(self.path, kind="reward", mesh=self.mesh)
+            self._model = (*nnx.split(model), model.config.vocab_size)
+        return self._model
 
     def step_probs(self, groups) -> np.ndarray:
         """``sigmoid`` of the PRM's score at every response position ``[R, N]`` of sampled
         completions (:class:`alignax.sampling.scored.Groups`): at a step's end token, the
         probability that the prefix up to it is good."""
+        graphdef, state, vocab_size = self._load()
         tokens, positions, attention = groups.full_sequences()
-        if tokens.size and int(tokens.max()) >= self.vocab_size:
-            raise ValueError(f"PRM {self.path} has vocab_size {self.vocab_size}; the completions hold token "
+        if tokens.size and int(tokens.max()) >= vocab_size:
+            raise ValueError(f"PRM {self.path} has vocab_size {vocab_size}; the completions hold token "
                              f"{int(tokens.max())} (a PRM must share the policy's tokenizer)")
-        values = _per_token_scores(self.graphdef, self.state, *(self.place(a) for a in (tokens, positions, attention)))
+        values = _per_token_scores(graphdef, state, *(self.place(a) for a in (tokens, positions, attention)))
         width = groups.prompt_tokens.shape[1]
         return 1.0 / (1.0 + np.exp(-np.asarray(local_rows(values), np.float64)[:, width:]))
 

@@ -12,7 +12,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     checkpoint: {...}         # CheckpointSection
     logging: {...}            # LoggingSection
     mesh: {...}               # MeshSection
-    sft / reward / prm / dpo / ppo / grpo: {...}   # the chosen algorithm's own settings
+    sft / reward / prm / dpo / iterative / ppo / grpo: {...}   # the chosen algorithm's own settings
     rollout / rewards: {...}  # online RL (ppo, grpo): generation and the reward function
     evaluation: {...}         # alignax.evaluation.EvaluationConfig: greedy accuracy, pass@k
 
@@ -171,6 +171,20 @@ class PRMSection:
     every solution alike)."""
 
     aggregation: AggregationMode = "token-mean"
+
+
+@dataclasses.dataclass(frozen=True)
+class IterativeSection:
+    """Iterative DPO (``algorithm: iterative_dpo``). ``rounds``: sample-label-train rounds;
+    ``reference``: each round's DPO reference, ``previous`` (the policy the round starts
+    from) or ``original`` (the model named by ``model``)."""
+
+    rounds: int = 2
+    reference: Literal["previous", "original"] = "previous"
+
+    def __post_init__(self):
+        if self.rounds < 1:
+            raise ValueError(f"iterative.rounds must be >= 1; got {self.rounds}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,6 +382,7 @@ class TrainConfig:
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
     prm: PRMSection = dataclasses.field(default_factory=PRMSection)
     dpo: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)
+    iterative: IterativeSection = dataclasses.field(default_factory=IterativeSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)

@@ -225,8 +225,9 @@ EVAL_PROMPTS = Given("evaluation.prompts")
 # evaluation.prompts); an offline policy only on evaluation.prompts (its data are not
 # prompts), and a reward model never (it does not generate).
 OFFLINE_EVAL = All(Is("algorithm", "sft", "dpo"), EVAL_PROMPTS)
-GENERATION = Named("online training or generation-based evaluation (algorithm grpo or ppo; or evaluation.prompts "
-                   "set with algorithm sft or dpo)", AnyOf(ONLINE, OFFLINE_EVAL))
+ITERATIVE = Is("algorithm", "iterative_dpo")  # samples pairs from the policy each round
+GENERATION = Named("online training or generation-based evaluation (algorithm grpo, ppo or iterative_dpo; or "
+                   "evaluation.prompts set with algorithm sft or dpo)", AnyOf(ONLINE, ITERATIVE, OFFLINE_EVAL))
 
 
 def _paths_read_from_disk(prefix: str) -> Check:
@@ -284,7 +285,7 @@ _PREF_SMOOTHED = ("sigmoid", "robust", "exo_pair")  # alignax.losses.preference:
 FROZEN_MODELS = Named(
     "a frozen model: a reference policy (algorithm dpo with dpo.loss=dpo|kto; grpo.kl_coef > 0; ppo.kl_coef > 0) "
     "or reward models of online training (rewards.reward_models with algorithm grpo|ppo)",
-    AnyOf(All(Is("algorithm", "dpo"), Is("dpo.loss", "dpo", "kto")),
+    AnyOf(All(Is("algorithm", "dpo", "iterative_dpo"), Is("dpo.loss", "dpo", "kto")),
           All(Is("algorithm", "grpo"), Above("grpo.kl_coef", 0)),
           All(Is("algorithm", "ppo"), Above("ppo.kl_coef", 0)),
           All(ONLINE, Given("rewards.reward_models"))))
@@ -314,7 +315,8 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("sft", Is("algorithm", "sft")),
     rule("reward", Is("algorithm", "reward")),
     rule("prm", Is("algorithm", "prm")),
-    rule("dpo", Is("algorithm", "dpo")),
+    rule("dpo", Is("algorithm", "dpo", "iterative_dpo")),
+    rule("iterative", ITERATIVE),
     rule("grpo", Is("algorithm", "grpo")),
     rule("ppo", Is("algorithm", "ppo")),
     # --- DPO family (alignax.trainers.offline.preference)
@@ -353,7 +355,10 @@ KEY_RULES: tuple[Rule, ...] = (
     *_data_rules("ppo.ptx_data"),
     rule("ppo.ptx_data.eval_fraction", NEVER, "PPO-ptx reads its data's train split only"),
     # --- generation (online rollouts; evaluation reuses the budget and stop tokens)
-    rule(_keys_of(RolloutSection, "rollout", but=("max_new_tokens", "stop_token_ids")), ONLINE),
+    rule(_keys_of(RolloutSection, "rollout", but=("max_new_tokens", "stop_token_ids", "temperature", "top_k", "top_p",
+                                                  "num_samples")), ONLINE),
+    rule(["rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.num_samples"], AnyOf(ONLINE, ITERATIVE),
+         "they are the sampling distribution of rollouts (iterative_dpo: of each round's pairs)"),
     rule(["rollout.max_new_tokens", "rollout.stop_token_ids"], GENERATION),
     rule("rollout.pack_groups", Above("rollout.num_samples", 1), "one sample per prompt has no group to pack"),
     rule("rollout.tis_cap", Is("rollout.old_logps", "recompute"),
@@ -400,7 +405,7 @@ def _formats_of(config: TrainConfig) -> tuple[tuple[str, ...], str]:
             return ("unpaired",), "dpo.loss=kto"
         return ("preference",), f"dpo.loss={config.dpo.loss}"
     table = {"sft": ("sft", "text"), "reward": ("preference",), "prm": ("steps",), "grpo": ("prompt",),
-             "ppo": ("prompt",)}
+             "ppo": ("prompt",), "iterative_dpo": ("prompt",)}
     return tuple(f for f in table[algorithm] if f in FORMATS), f"algorithm {algorithm}"
 
 
@@ -518,8 +523,17 @@ def _pass_k_verdict(config):
     return None
 
 
+def _iterative_loss(config):
+    if config.algorithm == "iterative_dpo" and config.dpo.loss == "kto":
+        return "dpo.loss=kto does not fit algorithm iterative_dpo: each round trains on pairs (dpo, simpo, cpo or orpo)"
+    if config.algorithm == "iterative_dpo" and config.rollout.num_samples < 2:
+        return (f"rollout.num_samples={config.rollout.num_samples}: iterative_dpo pairs two of a prompt's samples; "
+                "set rollout.num_samples >= 2")
+    return None
+
+
 def _dpo_variant(config):
-    if config.algorithm == "dpo" and config.dpo.loss == "dpo" and config.dpo.variant not in DPO_VARIANTS:
+    if config.algorithm in ("dpo", "iterative_dpo") and config.dpo.loss == "dpo" and config.dpo.variant not in DPO_VARIANTS:
         return f"dpo.variant={config.dpo.variant} is not a DPO variant; valid: {', '.join(DPO_VARIANTS)}"
     return None
 
@@ -706,6 +720,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _reward_source,
     _overlong_buffer,
     _pass_k_verdict,
+    _iterative_loss,
     _checkpoint_keep,
     _mesh_shape,
     _reward_task,
