@@ -416,7 +416,7 @@ def test_sections_of_other_algorithms_are_refused():
 
 def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
     message = refused(DPO, ["rollout.temperature=0.7", "rewards.format_weight=0.2"])
-    assert "rollout.temperature applies to algorithm=grpo|ppo only; got algorithm=dpo" in message
+    assert "rollout.temperature applies to algorithm=grpo|ppo|iterative_dpo only; got algorithm=dpo" in message
     assert "rewards.format_weight applies to online training or generation-based evaluation" in message
     assert "got algorithm=dpo, evaluation.prompts=null" in message
     assert "rollout.max_new_tokens applies to online training or generation-based evaluation" in refused(
@@ -428,7 +428,7 @@ def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
     load_config(data={**SFT, **prompts, "rollout": {"max_new_tokens": 32, "stop_token_ids": [2]},
                       "rewards": {"format_weight": 0.2}})
     # ... but not its sampling settings (evaluation has its own), nor the training-only mask
-    assert "rollout.top_p applies to algorithm=grpo|ppo only" in refused(
+    assert "rollout.top_p applies to algorithm=grpo|ppo|iterative_dpo only" in refused(
         {**SFT, **prompts}, ["rollout.top_p=0.9"])
     assert "rewards.mask_truncated applies to algorithm=grpo|ppo only" in refused(
         {**SFT, **prompts}, ["rewards.mask_truncated=true"])

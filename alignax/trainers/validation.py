@@ -357,7 +357,8 @@ KEY_RULES: tuple[Rule, ...] = (
     # --- generation (online rollouts; evaluation reuses the budget and stop tokens)
     rule(_keys_of(RolloutSection, "rollout", but=("max_new_tokens", "stop_token_ids", "temperature", "top_k", "top_p",
                                                   "num_samples")), ONLINE),
-    rule(["rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.num_samples"], AnyOf(ONLINE, ITERATIVE),
+    rule(["rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.num_samples"],
+         Is("algorithm", "grpo", "ppo", "iterative_dpo"),
          "they are the sampling distribution of rollouts (iterative_dpo: of each round's pairs)"),
     rule(["rollout.max_new_tokens", "rollout.stop_token_ids"], GENERATION),
     rule("rollout.pack_groups", Above("rollout.num_samples", 1), "one sample per prompt has no group to pack"),
