@@ -56,8 +56,8 @@ def _left_padded(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> dict
 
 
 def count_correct_completions(sampler: ScoredSampler, state, solutions: Sequence[Mapping[str, Any]], *,
-                              num_samples: int, max_prompt_length: int, delimiter: str = "\n",
-                              batch_prefixes: int = 8, seed: int = 0,
+                              num_samples: int, max_prompt_length: int | None = None, delimiter: str = "\n",
+                              temperature: float = 1.0, batch_prefixes: int = 8, seed: int = 0,
                               success_threshold: float | None = None) -> list[list[int]]:
     """``c_i`` for every prefix ``s_1 .. s_i`` (``i < n``) of every solution: how many of
     ``num_samples`` completions from the policy ``state`` the sampler's scorer marks correct.
@@ -68,7 +68,8 @@ def count_correct_completions(sampler: ScoredSampler, state, solutions: Sequence
     step tokenised on its own, as format ``steps`` tokenises them for the PRM. Each
     prefix's reference is its record with ``shepherd_prefix``: the number of steps it holds
     minus one. A completion is correct by the verifier's verdict, or with
-    ``success_threshold`` when its total reward reaches it.
+    ``success_threshold`` when its total reward reaches it. Prefixes are left-padded to
+    ``max_prompt_length`` (``None``: the longest, rounded up to a multiple of 16).
     """
     tokenizer = sampler.tokenizer
     encoder = Encoder(tokenizer, format="prompt", max_prompt_length=10**9, max_length=10**9 + 1)
@@ -80,7 +81,10 @@ def count_correct_completions(sampler: ScoredSampler, state, solutions: Sequence
             ids = ids + tokenizer.encode(step + delimiter, add_special_tokens=False)
             prefixes.append((ids, {**record, "shepherd_prefix": i}))
             owners.append((s, i))
-    sampling = dataclasses.replace(sampler.config, greedy=False, num_samples=num_samples)
+    if max_prompt_length is None:
+        max_prompt_length = -(-max((len(ids) for ids, _ in prefixes), default=1) // 16) * 16
+    sampling = dataclasses.replace(sampler.config, greedy=False, temperature=temperature, top_k=0, top_p=1.0,
+                                   num_samples=num_samples)
     pad = sampling.pad_id
     counts = [[0] * (len(r["steps"]) - 1) for r in solutions]
     key = jax.random.key(seed)
@@ -105,12 +109,14 @@ def count_correct_completions(sampler: ScoredSampler, state, solutions: Sequence
 
 
 def label_solutions(sampler: ScoredSampler, state, solutions: Sequence[Mapping[str, Any]], *, num_samples: int,
-                    max_prompt_length: int, estimator: str = "soft", delimiter: str = "\n",
-                    batch_prefixes: int = 8, seed: int = 0, success_threshold: float | None = None) -> list[dict]:
+                    max_prompt_length: int | None = None, estimator: str = "soft", delimiter: str = "\n",
+                    temperature: float = 1.0, batch_prefixes: int = 8, seed: int = 0,
+                    success_threshold: float | None = None) -> list[dict]:
     """The ``solutions`` as format ``steps`` records with Math-Shepherd ``labels`` (and the
     counts behind them, ``shepherd_correct``, ``shepherd_samples``)."""
+    labels_from_counts([], num_samples, estimator)  # an unknown estimator fails before any sampling
     counts = count_correct_completions(sampler, state, solutions, num_samples=num_samples,
-                                       max_prompt_length=max_prompt_length, delimiter=delimiter,
+                                       max_prompt_length=max_prompt_length, delimiter=delimiter, temperature=temperature,
                                        batch_prefixes=batch_prefixes, seed=seed, success_threshold=success_threshold)
     whole = [delimiter.join(r["steps"]) for r in solutions]  # the last step: the verifier on the solution
     references = [{**r, "shepherd_prefix": len(r["steps"]) - 1} for r in solutions]
