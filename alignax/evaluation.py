@@ -138,7 +138,7 @@ def _correct(groups: Groups, threshold: float | None) -> np.ndarray | None:
 
 
 def _no_verdict_error() -> ValueError:
-    return ValueError("evaluation.pass_k and evaluation.best_of_n need a verdict on each completion: a verifier "
+    return ValueError("evaluation.pass_k (and evaluation.best_of_n) needs a verdict on each completion: a verifier "
                       "(rewards.verifier_weight) or evaluation.success_threshold")
 
 

@@ -403,7 +403,7 @@ def test_sections_of_other_algorithms_are_refused():
     assert "ppo.kl_coef, ppo.epochs apply to algorithm=ppo only; got algorithm=grpo" in message
     assert "grpo.clip_eps_low applies to algorithm=grpo only; got algorithm=ppo" in refused(
         PPO, ["grpo.clip_eps_low=0.2"])
-    assert "dpo.beta applies to algorithm=dpo only; got algorithm=sft" in refused(SFT, ["dpo.beta=0.5"])
+    assert "dpo.beta applies to algorithm=dpo|iterative_dpo only; got algorithm=sft" in refused(SFT, ["dpo.beta=0.5"])
     assert "sft.aggregation applies to algorithm=sft only; got algorithm=dpo" in refused(
         DPO, ["sft.aggregation=token-sum"])
     assert "reward.center_coef applies to algorithm=reward only; got algorithm=dpo" in refused(
@@ -573,10 +573,10 @@ def test_shared_sections_with_conditions():
         refused(DPO, ["optim.schedule=constant", "optim.min_lr_ratio=0.1"])
     assert "model.logprob_chunk_size applies to algorithm other than reward/prm only" in refused(
         REWARD, ["model.logprob_chunk_size=32"])
-    assert "model.seed applies to model.random_init set or algorithm=reward only" in refused(DPO, ["model.seed=1"])
+    assert "model.seed applies to model.random_init set or algorithm=reward|prm only" in refused(DPO, ["model.seed=1"])
     assert "data.max_length applies to data.format other than prompt only; got data.format=prompt" in refused(
         GRPO, ["data.max_length=256"])
-    assert "data.apply_chat_template applies to data.format=preference|unpaired|prompt only; got data.format=sft" \
+    assert "data.apply_chat_template applies to data.format=preference|unpaired|prompt|steps only; got data.format=sft" \
         in refused(SFT, ["data.apply_chat_template=false"])
     assert "data.split applies to a data.paths entry that is a file or folder" in refused(
         {**DPO, "data": {"paths": ["reasoning_gym:chain_sum"]}}, ["data.split=test"])
