@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches judging each trained selector")
     args = parser.parse_args()
 
     from alignax.data import DataConfig
@@ -34,7 +35,7 @@ def main() -> None:
 
     seconds: dict[str, float] = {}
     common = [f"train.total_steps={args.steps}", "train.eval_every=0", "train.save_every=0", "logging.tensorboard=false",
-              "data.batch_size=8"]
+              "data.batch_size=8", f"train.eval_batches={args.eval_batches}"]
     selectors = {}
     for name, recipe in (("orm", "configs/reward.yaml"), ("prm", "configs/prm.yaml")):
         folder = os.path.join(args.out, name, "export")
