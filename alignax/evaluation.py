@@ -16,6 +16,12 @@ last batch of an eval split never biases them):
   estimator of Chen et al. 2021 (:func:`pass_at_k`), and ``sampled/accuracy`` (the mean
   correctness of one sample, i.e. pass@1 estimated from all ``n``), ``sampled/reward``,
   ``sampled/length``, ``sampled/truncation_rate``.
+- with ``evaluation.best_of_n.n`` (:mod:`alignax.best_of_n`): accuracy of best-of-N
+  selection for N = 1, 2, 4, ..., n from the same samples, ``best_of_n/<selector>@N``
+  (``reward``: the run's reward; ``orm``: trained reward models; ``prm_min`` /
+  ``prm_product`` / ``prm_last``: a trained PRM), beside the oracle
+  ``best_of_n/oracle@N`` (pass@N). Each figure is the expectation over every N-subset of
+  the samples (:func:`alignax.best_of_n.best_of_k`).
 
 A completion is *correct* when the verifier says so (its task score is 1; present whenever
 ``rewards.verifier_weight`` or ``rewards.format_weight`` is non-zero), or, with
@@ -34,6 +40,7 @@ import dataclasses
 import json
 import math
 import os
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +48,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from alignax.best_of_n import BestOfNConfig, Selectors, best_of_n_figures
 from alignax.data import DataConfig, DataIterator, PreparedData, prepare_dataset
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.parallel.multihost import allgather_rows, process_rows
@@ -70,6 +78,8 @@ class EvaluationConfig:
         ``null``: the verifier's verdict (none without a verifier: no accuracy, no pass@k).
       report: write each evaluation's figures as JSON under
         ``<output_dir>/evaluation/`` (:func:`report_path`).
+      best_of_n: best-of-N selection (:class:`alignax.best_of_n.BestOfNConfig`; off while
+        ``best_of_n.n`` is 0); its samples are the pass@k ones, ``max(max(pass_k), n)`` per prompt.
     """
 
     prompts: DataConfig | None = None
@@ -79,6 +89,7 @@ class EvaluationConfig:
     max_new_tokens: int | None = None
     success_threshold: float | None = None
     report: bool = True
+    best_of_n: BestOfNConfig = dataclasses.field(default_factory=BestOfNConfig)
 
     def __post_init__(self):
         object.__setattr__(self, "pass_k", tuple(sorted(set(int(k) for k in self.pass_k))))
@@ -127,8 +138,21 @@ def _correct(groups: Groups, threshold: float | None) -> np.ndarray | None:
 
 
 def _no_verdict_error() -> ValueError:
-    return ValueError("evaluation.pass_k needs a verdict on each completion: a verifier (rewards.verifier_weight) "
-                      "or evaluation.success_threshold")
+    return ValueError("evaluation.pass_k (and evaluation.best_of_n) needs a verdict on each completion: a verifier "
+                      "(rewards.verifier_weight) or evaluation.success_threshold")
+
+
+_SELECTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _selectors(sampler: ScoredSampler, state: nnx.State, config: BestOfNConfig) -> Selectors:
+    """The best-of-N selectors of ``config``, loaded once per sampler (every evaluation of a run reuses them)."""
+    cached = _SELECTORS.get(sampler)
+    if cached is None or cached[0] != config:
+        vocab_size = nnx.merge(sampler.graphdef, state).config.vocab_size
+        cached = _SELECTORS[sampler] = (config, Selectors(config, sampler.tokenizer, vocab_size=vocab_size,
+                                                          mesh=sampler.mesh, place=sampler.place))
+    return cached[1]
 
 
 class _Sums:
@@ -177,7 +201,8 @@ def evaluate_policy(sampler: ScoredSampler, state: nnx.State, batches: Iterable[
     # Greedy: the trainers' own greedy config (same static config, same compiled program).
     greedy = dataclasses.replace(base, max_new_tokens=budget, greedy=True, temperature=1.0, top_k=0, top_p=1.0,
                                  num_samples=1)
-    n = max(config.pass_k, default=0)
+    best = config.best_of_n
+    n = max(max(config.pass_k, default=0), best.n)
     sampled = (dataclasses.replace(base, max_new_tokens=budget, greedy=False, temperature=config.temperature, top_k=0,
                                    top_p=1.0, num_samples=n) if n else None)
     limit = config.max_prompts if config.max_prompts is not None else math.inf
@@ -210,6 +235,12 @@ def evaluate_policy(sampler: ScoredSampler, state: nnx.State, batches: Iterable[
             per_prompt = correct.reshape(-1, n).sum(axis=1).round().astype(np.int64)  # [B]
             for k in config.pass_k:
                 sampled_sums.add(f"pass@{k}", pass_at_k(n, per_prompt, k), keep)
+            if best.n:
+                for k in best.sizes():
+                    sampled_sums.add(f"best_of_n/oracle@{k}", pass_at_k(n, per_prompt, k), keep)
+                scores = _selectors(sampler, state, best).scores(groups)
+                for key, values in best_of_n_figures(scores, correct, n, best.sizes()).items():
+                    sampled_sums.add(key, values, keep)
         seen += int(counted.sum())
     if seen == 0:
         raise ValueError("no prompts to evaluate: the prompt batches hold no real example (example_mask)")

@@ -14,7 +14,7 @@ import pytest
 
 from alignax.trainers.api import ALGORITHMS, evaluate, export, train
 from tests.rl_toy import toy_config, toy_prompts
-from tests.trainer_helpers import separable_pairs, sft_conversations, tiny_config, unpaired_feedback
+from tests.trainer_helpers import separable_pairs, sft_conversations, step_solutions, tiny_config, unpaired_feedback
 
 pytestmark = pytest.mark.xdist_group("api")
 
@@ -26,19 +26,20 @@ def _run(name, tmp_path, toy_model):
     if name in ("grpo", "ppo"):
         sections = {"ppo": {"epochs": 1}} if name == "ppo" else {}
         return toy_config(tmp_path, toy_model, name, steps=1, **sections), toy_prompts(16), "reward"
-    records = {"sft": sft_conversations, "reward": separable_pairs, "dpo": separable_pairs,
+    records = {"sft": sft_conversations, "reward": separable_pairs, "prm": step_solutions, "dpo": separable_pairs,
                "kto": unpaired_feedback}[name](32)
-    key = {"sft": "nll", "reward": "accuracy", "dpo": "rewards/accuracies", "kto": "loss"}[name]
+    key = {"sft": "nll", "reward": "accuracy", "prm": "step_accuracy", "dpo": "rewards/accuracies",
+           "kto": "loss"}[name]
     return tiny_config(tmp_path, name, steps=1, model_dir=toy_model), records, key
 
 
 def test_every_algorithm_has_an_entry():
-    assert set(ALGORITHMS) == {"sft", "reward", "dpo", "grpo", "ppo"}
+    assert set(ALGORITHMS) == {"sft", "reward", "prm", "dpo", "iterative_dpo", "grpo", "ppo"}
     for entry in ALGORITHMS.values():
-        assert entry.family in ("offline", "online") and entry.model_kinds and callable(entry.make)
+        assert entry.family in ("offline", "online", "iterative") and entry.model_kinds and callable(entry.make)
 
 
-@pytest.mark.parametrize("name", ["sft", "reward", "dpo", "kto", "grpo", "ppo"])
+@pytest.mark.parametrize("name", ["sft", "reward", "prm", "dpo", "kto", "grpo", "ppo"])
 def test_train_evaluate_export_for_every_algorithm(tmp_path, toy_model, name):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -56,7 +57,7 @@ def test_train_evaluate_export_for_every_algorithm(tmp_path, toy_model, name):
     with open(os.path.join(out, "config.json")) as f:
         architecture = json.load(f)["architectures"][0]
     with torch.no_grad():
-        if name == "reward":
+        if name in ("reward", "prm"):
             assert architecture.endswith("ForSequenceClassification")
             hf = AutoModelForSequenceClassification.from_pretrained(out, local_files_only=True).eval()
             theirs = hf(torch.tensor(TOKENS)).logits.numpy()[:, 0]

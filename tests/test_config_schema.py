@@ -43,6 +43,7 @@ BASES = {
     # an offline policy evaluated by generation on a prompt set: rewards and rollout's budget are read
     "sft": ("sft", {"evaluation": {"prompts": EVAL_PROMPTS, "max_prompts": 4}, "rollout": {"max_new_tokens": 8}}),
     "reward": ("reward", {}),
+    "prm": ("prm", {}),
     "dpo": ("dpo", {}),
     "kto": ("kto", {}),
     "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
@@ -204,7 +205,7 @@ def _field(key: str) -> tuple[type, dataclasses.Field]:
 
 
 SWEEP_VALUES = {
-    "algorithm": ["sft", "reward", "dpo", "grpo", "ppo"],
+    "algorithm": ["sft", "reward", "prm", "dpo", "iterative_dpo", "grpo", "ppo"],
     "output_dir": ["runs/elsewhere"],
     "model.name": ["runs/some-model"],
     "model.random_init": [{"num_hidden_layers": 1}],
@@ -229,6 +230,14 @@ SWEEP_VALUES = {
     "evaluation.prompts": [EVAL_PROMPTS],
     "evaluation.prompts.format": ["prompt"],  # the only format of a prompt set
     "precision.master_dtype": [None],  # its one other value: no master copy
+    "evaluation.best_of_n.reward_models": [["runs/reward-model"]],
+    "evaluation.best_of_n.prm": ["runs/prm"],
+    "evaluation.best_of_n.prm_aggregation": [["min"]],
+    "evaluation.best_of_n.step_delimiter": [" ; "],
+    "rewards.judge_model": ["runs/judge"],
+    "rewards.judge_rubric": ["{prompt} {completion} ok?"],
+    "rewards.judge_verdicts": [["ok", "no"]],
+    "grpo.process_reward_model": ["runs/prm"],
 }
 DATA_VALUES = {
     "paths": [["tests/data/some.jsonl"]],
@@ -242,6 +251,7 @@ DATA_VALUES = {
     "max_length": [100],
     "max_prompt_length": [64],
     "max_response_length": [16],
+    "step_delimiter": [" ; "],
 }
 
 
@@ -394,7 +404,7 @@ def test_sections_of_other_algorithms_are_refused():
     assert "ppo.kl_coef, ppo.epochs apply to algorithm=ppo only; got algorithm=grpo" in message
     assert "grpo.clip_eps_low applies to algorithm=grpo only; got algorithm=ppo" in refused(
         PPO, ["grpo.clip_eps_low=0.2"])
-    assert "dpo.beta applies to algorithm=dpo only; got algorithm=sft" in refused(SFT, ["dpo.beta=0.5"])
+    assert "dpo.beta applies to algorithm=dpo|iterative_dpo only; got algorithm=sft" in refused(SFT, ["dpo.beta=0.5"])
     assert "sft.aggregation applies to algorithm=sft only; got algorithm=dpo" in refused(
         DPO, ["sft.aggregation=token-sum"])
     assert "reward.center_coef applies to algorithm=reward only; got algorithm=dpo" in refused(
@@ -407,7 +417,7 @@ def test_sections_of_other_algorithms_are_refused():
 
 def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
     message = refused(DPO, ["rollout.temperature=0.7", "rewards.format_weight=0.2"])
-    assert "rollout.temperature applies to algorithm=grpo|ppo only; got algorithm=dpo" in message
+    assert "rollout.temperature applies to algorithm=grpo|ppo|iterative_dpo only; got algorithm=dpo" in message
     assert "rewards.format_weight applies to online training or generation-based evaluation" in message
     assert "got algorithm=dpo, evaluation.prompts=null" in message
     assert "rollout.max_new_tokens applies to online training or generation-based evaluation" in refused(
@@ -419,7 +429,7 @@ def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
     load_config(data={**SFT, **prompts, "rollout": {"max_new_tokens": 32, "stop_token_ids": [2]},
                       "rewards": {"format_weight": 0.2}})
     # ... but not its sampling settings (evaluation has its own), nor the training-only mask
-    assert "rollout.top_p applies to algorithm=grpo|ppo only" in refused(
+    assert "rollout.top_p applies to algorithm=grpo|ppo|iterative_dpo only" in refused(
         {**SFT, **prompts}, ["rollout.top_p=0.9"])
     assert "rewards.mask_truncated applies to algorithm=grpo|ppo only" in refused(
         {**SFT, **prompts}, ["rewards.mask_truncated=true"])
@@ -457,7 +467,7 @@ def test_ppo_ptx_needs_both_its_weight_and_its_data():
 
 
 def test_eval_batches_are_offline_only():
-    assert "train.eval_batches applies to algorithm=sft|reward|dpo only; got algorithm=grpo" in refused(
+    assert "train.eval_batches applies to algorithm=sft|reward|prm|dpo only; got algorithm=grpo" in refused(
         {**GRPO, "data": {"format": "prompt", "eval_fraction": 0.1}}, ["train.eval_batches=2"])
     load_config(data={**DPO, "data": {"eval_fraction": 0.1}, "train": {"eval_batches": 2}})
     # switching a shared feature off leaves its keys valid (one override turns it off)
@@ -562,12 +572,12 @@ def test_shared_sections_with_conditions():
         DPO, ["optim.name=adam", "optim.weight_decay=0.1"])
     assert "optim.min_lr_ratio applies to optim.schedule=cosine|linear only; got optim.schedule=constant" in \
         refused(DPO, ["optim.schedule=constant", "optim.min_lr_ratio=0.1"])
-    assert "model.logprob_chunk_size applies to algorithm other than reward only" in refused(
+    assert "model.logprob_chunk_size applies to algorithm other than reward/prm only" in refused(
         REWARD, ["model.logprob_chunk_size=32"])
-    assert "model.seed applies to model.random_init set or algorithm=reward only" in refused(DPO, ["model.seed=1"])
+    assert "model.seed applies to model.random_init set or algorithm=reward|prm only" in refused(DPO, ["model.seed=1"])
     assert "data.max_length applies to data.format other than prompt only; got data.format=prompt" in refused(
         GRPO, ["data.max_length=256"])
-    assert "data.apply_chat_template applies to data.format=preference|unpaired|prompt only; got data.format=sft" \
+    assert "data.apply_chat_template applies to data.format=preference|unpaired|prompt|steps only; got data.format=sft" \
         in refused(SFT, ["data.apply_chat_template=false"])
     assert "data.split applies to a data.paths entry that is a file or folder" in refused(
         {**DPO, "data": {"paths": ["reasoning_gym:chain_sum"]}}, ["data.split=test"])
@@ -594,7 +604,7 @@ def test_rewards_keys_need_the_component_they_tune():
 
 def test_evaluation_keys():
     online = {**GRPO, "data": {"format": "prompt", "eval_fraction": 0.1}}
-    assert "evaluation.temperature applies to evaluation.pass_k set only; got evaluation.pass_k=[]" in refused(
+    assert "evaluation.temperature applies to evaluation.pass_k set or evaluation.best_of_n.n > 0 only; got evaluation.pass_k=[]" in refused(
         online, ["evaluation.temperature=0.6"])
     assert "evaluation.pass_k needs a verdict" in refused(online, ["evaluation.pass_k=[1,4]",
                                                                    "rewards.verifier_weight=0",

@@ -37,7 +37,7 @@ def test_every_recipe_parses():
     assert len(paths) >= 8
     for path in paths:
         config = load_config(path)
-        assert config.algorithm in ("sft", "reward", "dpo", "ppo", "grpo"), path
+        assert config.algorithm in ("sft", "reward", "prm", "dpo", "iterative_dpo", "ppo", "grpo"), path
 
 
 def test_dpo_learns_a_separable_preference(tmp_path, toy_model):

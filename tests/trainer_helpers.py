@@ -81,3 +81,17 @@ def tiny_config(tmp_path, recipe: str, *, steps: int = 4, model_dir: str | None 
     raw = _merge(raw, sections)
     return load_config(data=raw, overrides=overrides)
 
+
+
+def step_solutions(n: int, seed: int = 0) -> list[dict]:
+    """Step-labelled solutions (format ``steps``) a PRM can learn from the steps alone: a
+    step starting with "no" is a slip, and every step from the first slip on is labelled 0."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        count = rng.randint(2, 4)
+        slip = rng.randrange(count) if rng.random() < 0.6 else None
+        steps = [("no " if k == slip else "yes ") + rng.choice(WORDS) for k in range(count)]
+        labels = [int(slip is None or k < slip) for k in range(count)]
+        records.append({"prompt": f"what is {' '.join(rng.sample(WORDS, 2))}", "steps": steps, "labels": labels})
+    return records

@@ -6,6 +6,9 @@
   by the task's own ``score_answer`` on the tag's content, as a verifier would: chosen
   scores 1, rejected at most ``max_rejected_score`` (< 1).
 - :func:`reasoning_gym_prompts`: prompts with reference answers for online RL.
+- :func:`reasoning_gym_steps`: step-labelled solutions (format ``steps``) for process
+  reward models: ``chain_sum`` worked term by term, some with a deliberate slip, every
+  step labelled by a verifier (:func:`chain_sum_step_labels`).
 - :func:`champ_pairs`: champ-dataset (Mao et al. 2024, "CHAMP: A Competition-level
   Dataset for Fine-Grained Analyses of LLMs' Mathematical Reasoning Capabilities"):
   model solutions that annotators marked as having no wrong step (chosen) versus ones
@@ -175,6 +178,85 @@ def reasoning_gym_sft(
     return records
 
 
+STEP_TASKS = ("chain_sum",)
+
+
+def _chain_terms(expression: str) -> tuple[list[int], list[str]]:
+    """``"4 - 1 + 7"`` -> ``([4, 1, 7], ["-", "+"])``."""
+    parts = expression.split()
+    if len(parts) < 3 or len(parts) % 2 == 0 or any(op not in "+-" for op in parts[1::2]):
+        raise ValueError(f"not a chain_sum expression: {expression!r}")
+    return [int(x) for x in parts[0::2]], parts[1::2]
+
+
+_STEP = re.compile(r"^\s*(-?\d+)\s*([+-])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
+
+
+def chain_sum_step_labels(expression: str, steps: list[str], answer_score: float) -> list[int]:
+    """A verifier's labels of a chain_sum solution worked term by term.
+
+    Step ``k < n-1`` must read ``x op y = z`` with ``op y`` the expression's next term and
+    ``z`` the true value of the expression's first ``k + 2`` terms; the last step (the
+    ``<answer>`` tag) is labelled by the task's score of it (``answer_score``). A step is
+    good (1) when it and every step before it are; after the first bad step every label is
+    0 (the solution can no longer reach the answer: Math-Shepherd's reading of a label).
+    """
+    terms, ops = _chain_terms(expression)
+    labels, good, value = [], True, terms[0]
+    for k, step in enumerate(steps[:-1]):
+        match = _STEP.match(step)
+        if k < len(ops):
+            value = value + terms[k + 1] if ops[k] == "+" else value - terms[k + 1]
+        ok = (match is not None and k < len(ops) and match.group(2) == ops[k]
+              and int(match.group(3)) == terms[k + 1] and int(match.group(4)) == value)
+        good = good and ok
+        labels.append(int(good))
+    labels.append(int(good and answer_score == 1.0))
+    return labels
+
+
+def reasoning_gym_steps(task: str = "chain_sum", *, size: int = 200, seed: int = 0, wrong_per_question: int = 1,
+                        answer_template: str = ANSWER_TEMPLATE, min_terms: int = 3,
+                        **task_options: Any) -> list[dict]:
+    """Step-labelled solutions on reasoning-gym ``chain_sum`` (format ``steps``).
+
+    Each question is worked term by term (``"4 - 1 = 3"``, ``"3 + 7 = 10"``, then the
+    answer in ``answer_template``): one correct solution and ``wrong_per_question`` with a
+    slip (one step's result off by 1, 2, 3 or 10, at a step drawn with ``seed``; the later
+    steps carry the wrong value on, so the answer is wrong too). Labels come from a
+    verifier (:func:`chain_sum_step_labels`, the task's own scorer for the answer), not from
+    how the solution was made.
+
+    Returns records ``{"prompt", "steps", "labels", "answer", "task", "metadata",
+    "first_error"}`` (``first_error``: the index of the first step labelled 0, or None).
+    """
+    if task not in STEP_TASKS:
+        raise ValueError(f"step-labelled solutions are built for {', '.join(STEP_TASKS)}; got task {task!r}")
+    dataset = _task_dataset(task, size, seed, {"min_terms": min_terms, **task_options})
+    records = []
+    for entry in _unique_entries(dataset):
+        expression = entry["metadata"]["expression"]
+        terms, ops = _chain_terms(expression)
+        rng = random.Random(f"{seed}:steps:{entry['metadata'].get('source_index', entry['question'])}")
+        slips = [None] + [rng.randrange(len(ops)) for _ in range(wrong_per_question)]
+        for slip in slips:
+            steps, value = [], terms[0]
+            for k, op in enumerate(ops):
+                new = value + terms[k + 1] if op == "+" else value - terms[k + 1]
+                if k == slip:
+                    new += rng.choice((-1, 1)) * rng.choice((1, 2, 3, 10))
+                steps.append(f"{value} {op} {terms[k + 1]} = {new}")
+                value = new
+            steps.append(answer_template.format(answer=value))
+            labels = chain_sum_step_labels(expression, steps, _score(dataset, steps[-1], entry))
+            records.append({
+                "prompt": entry["question"], "steps": steps, "labels": labels, "answer": entry["answer"],
+                "task": task, "metadata": entry["metadata"],
+                "first_error": labels.index(0) if 0 in labels else None,
+            })
+    return records
+
+
 def unpaired_from_pairs(pairs: Iterable[Mapping]) -> list[dict]:
     """KTO feedback from preference pairs: each chosen answer desirable, each rejected not."""
     records = []
@@ -297,7 +379,7 @@ def generate(spec: str, format: str) -> list[dict]:
     ``reasoning_gym:<task>?size=..&seed=..&<task options>``: pairs for ``preference``,
     prompts for ``prompt``, verified answers for ``sft`` (and, as one plain text of
     question and answer, for ``text``), chosen/rejected answers as desirable/undesirable
-    for ``unpaired``. ``champ[:<version>]?max_pairs_per_problem=..&seed=..``:
+    for ``unpaired``, step-labelled solutions for ``steps`` (``chain_sum`` only). ``champ[:<version>]?max_pairs_per_problem=..&seed=..``:
     pairs for ``preference`` (and ``unpaired``).
     """
     generator, target, options = parse_generator_spec(spec)
@@ -315,7 +397,9 @@ def generate(spec: str, format: str) -> list[dict]:
                     for r in reasoning_gym_sft(target, **options)]
         if format == "unpaired":
             return unpaired_from_pairs(reasoning_gym_pairs(target, **options))
-        raise ValueError(f"generator {spec!r} gives formats preference, unpaired, sft, prompt, text; "
+        if format == "steps":
+            return reasoning_gym_steps(target, **options)
+        raise ValueError(f"generator {spec!r} gives formats preference, unpaired, sft, prompt, text, steps; "
                          f"data.format is {format!r}")
     if format not in ("preference", "unpaired"):
         raise ValueError(f"generator {spec!r} gives formats preference, unpaired; data.format is {format!r}")

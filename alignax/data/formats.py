@@ -20,6 +20,14 @@ Five formats (``DataConfig.format``), with their canonical fields (renamed throu
   is cut at its end (``reject``: a ``too_long`` bad record).
 - ``prompt``: ``prompt`` (or ``question``) and optionally ``answer`` — prompt sets for
   online RL; the whole record travels with the batch as the reference the verifiers need.
+- ``steps``: ``prompt`` (or ``question``), ``steps`` (a non-empty list of non-empty
+  strings, the reasoning steps of one solution) and ``labels`` (one per step: true/false,
+  0/1, or a soft label in [0, 1], e.g. Math-Shepherd's estimated success rate) — process
+  reward models. The response is the steps joined by ``step_delimiter`` (a step may not
+  contain it, so the text splits back into the same steps when a PRM scores a sampled
+  completion), followed by the end-of-turn token; each step is tokenised on its own and
+  *ends* at its last token (its delimiter; for the last step, the end-of-turn token):
+  ``step_mask [T]`` is 1 there and ``step_labels [T]`` holds the step's label there.
 
 Chat messages are ``{"role": str, "content": str}`` dicts and always go through the
 tokenizer's chat template. Plain-text fields go through it too when
@@ -55,7 +63,7 @@ import numpy as np
 
 from alignax.data.sources import BadRecordError
 
-FORMATS = ("preference", "unpaired", "sft", "prompt", "text")
+FORMATS = ("preference", "unpaired", "sft", "prompt", "text", "steps")
 TRUNCATIONS = ("keep_end", "truncate_response", "reject")
 
 # Canonical field -> record keys tried in order when field_map does not name one.
@@ -65,6 +73,7 @@ DEFAULT_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "sft": {"messages": ("messages",)},
     "prompt": {"prompt": ("prompt", "question"), "answer": ("answer",)},
     "text": {"text": ("text",)},
+    "steps": {"prompt": ("prompt", "question"), "steps": ("steps",), "labels": ("labels",)},
 }
 # Fields a record may lack; ``required_fields`` makes them mandatory (e.g. ``margin``
 # under ``reward.use_margin``).
@@ -81,6 +90,8 @@ class Encoded:
     tokens (one entry ``"response"`` for unpaired/sft/text, ``"chosen"``/``"rejected"``
     for pairs, none for prompt sets). ``label``: KTO label. ``margin``: a pair's margin
     (``None`` when the record has none). ``reference``: the record, for prompt sets.
+    ``step_labels``: format ``steps``: the label of each step whose end is in the
+    response (``responses["response"]``'s mask is 1 exactly on step ends there).
     ``truncated_prompt`` / ``truncated_response``: what truncation did. ``full_prompt``:
     the prompt ids before truncation cut them (``None`` when ``prompt`` is whole, and for
     prompt sets, cut at a fixed length): ``keep_end`` cuts a prompt by its responses'
@@ -96,6 +107,7 @@ class Encoded:
     truncated_prompt: bool = False
     truncated_response: bool = False
     full_prompt: list[int] | None = None
+    step_labels: list[float] | None = None
 
 
 def _is_messages(value: Any) -> bool:
@@ -144,6 +156,7 @@ class Encoder:
         max_response_length: int | None = None,
         truncation: str = "keep_end",
         required_fields: Sequence[str] = (),
+        step_delimiter: str = "\n",
     ):
         if format not in FORMATS:
             raise ValueError(f"unknown data.format {format!r}; valid: {', '.join(FORMATS)}")
@@ -163,6 +176,9 @@ class Encoder:
                 f"valid: {', '.join(OPTIONAL_FIELDS.get(format, ())) or 'none'}"
             )
         self.required_fields = tuple(required_fields)
+        if not step_delimiter:
+            raise ValueError("data.step_delimiter must be a non-empty string")
+        self.step_delimiter = step_delimiter
         self.tokenizer = tokenizer
         self.format = format
         self.fields = {k: ((field_map[k],) if k in field_map else v) for k, v in DEFAULT_FIELDS[format].items()}
@@ -488,18 +504,66 @@ class Encoder:
             ids = ids[:limit]
         return Encoded(ids[:1], {"response": (ids[1:], [1] * (len(ids) - 1))}, truncated_response=cut)
 
-    def _encode_prompt(self, record: Mapping) -> Encoded:
-        prompt = self._get(record, "prompt")
-        p_field = next((k for k in self.fields["prompt"] if k in record), self.fields["prompt"][0])
+    def _generation_prompt(self, prompt: Any, p_field: str) -> list[int]:
+        """Ids of a prompt as the sampler sees it: templated with the generation prompt
+        (or, plain text with ``apply_chat_template`` off, verbatim with special tokens)."""
         if not self.apply_chat_template and isinstance(prompt, str):
             if not prompt.strip():
                 raise BadRecordError("empty", p_field, "empty text")
-            ids = self._ids(prompt, special=True)
-        else:
-            messages = self._with_system(self._as_messages(prompt, p_field, "user"))
-            if messages[-1]["role"] == "assistant":
-                raise BadRecordError("invalid", p_field, "a generation prompt cannot end with an assistant message")
-            ids = self._ids(self._render(messages, True))
+            return self._ids(prompt, special=True)
+        messages = self._with_system(self._as_messages(prompt, p_field, "user"))
+        if messages[-1]["role"] == "assistant":
+            raise BadRecordError("invalid", p_field, "a generation prompt cannot end with an assistant message")
+        return self._ids(self._render(messages, True))
+
+    def _encode_steps(self, record: Mapping) -> Encoded:
+        """A solution in steps: the prompt as for prompt sets, the steps as the response,
+        the response mask 1 on each step's end token only (the positions a PRM scores)."""
+        p_field = next((k for k in self.fields["prompt"] if k in record), self.fields["prompt"][0])
+        s_field, l_field = self.fields["steps"][0], self.fields["labels"][0]
+        steps, labels = self._get(record, "steps"), self._get(record, "labels")
+        if not isinstance(steps, list) or not steps:
+            raise BadRecordError("invalid" if steps else "empty", s_field,
+                                 f"must be a non-empty list of strings, got {steps!r:.60}")
+        for i, step in enumerate(steps):
+            if not isinstance(step, str):
+                raise BadRecordError("invalid", f"{s_field}[{i}]", f"must be a string, got {type(step).__name__}")
+            if not step.strip():
+                raise BadRecordError("empty", f"{s_field}[{i}]", "empty step")
+            if self.step_delimiter in step:
+                raise BadRecordError("invalid", f"{s_field}[{i}]",
+                                     f"contains the step delimiter {self.step_delimiter!r} (data.step_delimiter): "
+                                     "a sampled completion would split there into other steps")
+        if not isinstance(labels, list) or len(labels) != len(steps):
+            got = f"{len(labels)} labels" if isinstance(labels, list) else type(labels).__name__
+            raise BadRecordError("invalid", l_field, f"must be a list of one label per step ({len(steps)}); got {got}")
+        values = []
+        for i, label in enumerate(labels):
+            ok = isinstance(label, (bool, int, float)) and (isinstance(label, bool) or 0.0 <= label <= 1.0)
+            if not ok:
+                raise BadRecordError("invalid", f"{l_field}[{i}]",
+                                     f"must be true/false or a number in [0, 1], got {label!r}")
+            values.append(float(label))
+        prompt = self._generation_prompt(self._get(record, "prompt"), p_field)
+        ids: list[int] = []
+        mask: list[int] = []
+        for i, step in enumerate(steps):
+            piece = self._ids(step + self.step_delimiter) if i < len(steps) - 1 else self._ids(step) + [self.eot_id]
+            ids += piece
+            mask += [0] * (len(piece) - 1) + [1]
+        prompt_ids, fitted, cut_p, cut_r = self._fit(prompt, {"response": (ids, mask)},
+                                                     {"prompt": p_field, "response": s_field})
+        kept = sum(fitted["response"][1])  # a cut response keeps the steps that end inside it
+        if kept == 0:
+            raise BadRecordError("too_long", s_field, "no step ends within data.max_length / max_response_length "
+                                 "(nothing left to train)")
+        return Encoded(prompt_ids, fitted, truncated_prompt=cut_p, truncated_response=cut_r,
+                       full_prompt=prompt if cut_p else None, step_labels=values[:kept])
+
+    def _encode_prompt(self, record: Mapping) -> Encoded:
+        prompt = self._get(record, "prompt")
+        p_field = next((k for k in self.fields["prompt"] if k in record), self.fields["prompt"][0])
+        ids = self._generation_prompt(prompt, p_field)
         reference = dict(record)
         reference["prompt"] = prompt
         answer = self._get(record, "answer", required=False)
@@ -534,6 +598,11 @@ class Encoder:
             out["margin"] = np.float32(0.0 if encoded.margin is None else encoded.margin)
         if encoded.label is not None:
             out["label"] = np.int32(encoded.label)
+        if encoded.step_labels is not None:
+            out["step_mask"] = out.pop("response_mask")
+            labels = np.zeros((self.max_length,), np.float32)
+            labels[np.flatnonzero(out["step_mask"])] = encoded.step_labels
+            out["step_labels"] = labels
         return out
 
     def mismatched(self, encoded: Encoded, other: Encoded) -> dict[str, np.ndarray]:

@@ -36,6 +36,9 @@ Batch keys (``B`` = batch_size / process_count rows, ``T`` = max_length,
   record match the rows the policy sees in any shuffled batch.
 - ``sft``, ``text``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]``
   (``text``: ``response_mask`` 1 on every real token but the first).
+- ``steps``: ``tokens, positions, attention_mask`` ``[B, T]`` right-padded, ``step_mask``
+  ``[B, T]`` 1 on each step's end token (its delimiter; the end-of-turn token for the
+  last step) and ``step_labels`` ``[B, T]`` float32, the step's label there, 0 elsewhere.
 - ``prompt``: ``prompt_tokens, prompt_positions, prompt_attention_mask`` ``[B, P]``,
   left-padded for generation, and ``references``: a tuple of B record dicts (the prompt,
   ``answer`` and any metadata), for the verifiers — pop it before sending the batch to
@@ -84,8 +87,10 @@ class DataConfig:
         format ``preference``, prompts with answers for format ``prompt``) or
         ``champ`` / ``champ:v0`` (champ-dataset's human-labelled solution pairs); see
         :mod:`alignax.data.builders`.
-      format: ``preference`` | ``unpaired`` | ``sft`` | ``prompt`` | ``text`` (see
-        :mod:`alignax.data.formats` for the fields each expects).
+      format: ``preference`` | ``unpaired`` | ``sft`` | ``prompt`` | ``text`` | ``steps``
+        (see :mod:`alignax.data.formats` for the fields each expects).
+      step_delimiter: format ``steps``: the text between two steps of a solution (a step
+        may not contain it).
       split: the split to read from a dataset folder.
       field_map: canonical field -> the record's key, e.g. ``{"prompt": "question"}``.
       apply_chat_template: render plain-text prompts/responses as chat turns through the
@@ -120,6 +125,7 @@ class DataConfig:
 
     paths: tuple[str, ...] = ()
     format: str = "preference"
+    step_delimiter: str = "\n"
     split: str = "train"
     field_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
     apply_chat_template: bool = True
@@ -196,6 +202,7 @@ def _encoder(config: DataConfig, tokenizer, required_fields: Sequence[str] = ())
         max_response_length=config.max_response_length,
         truncation=config.truncation,
         required_fields=required_fields,
+        step_delimiter=config.step_delimiter,
     )
 
 
@@ -354,7 +361,7 @@ def _content_digest(encoded, format: str) -> bytes:
         h.update(name.encode())
         part(ids)
         part(mask)
-    h.update(repr((encoded.label, encoded.margin)).encode())
+    h.update(repr((encoded.label, encoded.margin, encoded.step_labels)).encode())
     if format == "prompt" and encoded.reference is not None:  # a prompt set's answer is its target
         h.update(json.dumps(encoded.reference.get("answer"), sort_keys=True, default=str).encode())
     return h.digest()

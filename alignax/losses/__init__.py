@@ -9,6 +9,7 @@
   ``orpo_loss``, ``kto_loss`` (+ ``kto_reference_point``).
 - reward: ``bradley_terry_loss``, ``ensemble_rewards``.
 - sft: ``sft_loss``.
+- process: ``prm_loss`` (per-step BCE of a process reward model), ``prm_step_counts``.
 """
 
 from alignax.losses.policy import (
@@ -28,6 +29,7 @@ from alignax.losses.preference import (
     orpo_loss,
     simpo_loss,
 )
+from alignax.losses.process import prm_loss, prm_step_counts
 from alignax.losses.reward import ENSEMBLE_METHODS, bradley_terry_loss, ensemble_rewards
 from alignax.losses.sft import sft_loss
 from alignax.losses.value import explained_variance, value_loss
@@ -47,6 +49,8 @@ __all__ = [
     "kto_reference_point",
     "orpo_loss",
     "pg_loss",
+    "prm_loss",
+    "prm_step_counts",
     "policy_loss_clip_keywords",
     "ppo_policy_loss",
     "sft_loss",

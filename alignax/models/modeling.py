@@ -9,7 +9,7 @@ All share one forward signature::
   row unpadded: use :func:`positions_from_mask` (``cumsum(mask) - 1``, clipped at 0).
   When ``positions`` is ``None`` and there is no cache it is derived that way.
 - The mask is causal (slot order) and drops pad keys; pad queries give finite garbage.
-- ``segment_ids [B, T]`` (LM and policy+value models, no cache) pack one prefix with
+- ``segment_ids [B, T]`` (LM, policy+value and reward models, no cache) pack one prefix with
   several continuations in a row: a key of segment 0 (the shared prefix) is seen by every
   later query, a key of segment ``k > 0`` only by queries of segment ``k``. With restarted
   positions per continuation, each continuation's outputs equal those of the
@@ -47,7 +47,7 @@ class ModelOutput:
 
     logits: Array | None = None  # [B, T, V] float32
     hidden: Array | None = None  # [B, T, D] compute dtype, after the final norm
-    values: Array | None = None  # [B, T] float32 (value heads)
+    values: Array | None = None  # [B, T] float32 (value heads; a reward head's per-token scores)
     rewards: Array | None = None  # [B] float32 at the last real token (reward head)
     cache: KVCache | None = None
 
@@ -370,16 +370,24 @@ class RewardModel(nnx.Module):
         self.model = Decoder(config, rngs=rngs)
         self.score = _head_param(config, rngs, config.num_labels, zero_init=False)
 
-    def __call__(self, tokens, positions=None, attention_mask=None, *, cache=None):
-        """``ModelOutput(rewards [B] float32, hidden, cache)``."""
+    def __call__(self, tokens, positions=None, attention_mask=None, *, cache=None, segment_ids=None,
+                 per_token: bool = False):
+        """``ModelOutput(rewards [B] float32, hidden, cache)``.
+
+        ``per_token=True`` (a process reward model, ``num_labels=1``) also gives ``values
+        [B, T]``: the score head at every position, ``hidden[b, t] @ w``; the score at a
+        step's end token is that step's score (the prefix up to it, read causally), and
+        ``rewards`` is the one at the last real token. ``segment_ids`` pack several
+        continuations of one prefix in a row (see the module docstring)."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache)
+        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache, segment_ids=segment_ids)
         last = last_token_index(attention_mask)
         pooled = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
         rewards = _score(pooled, self.score)
         if self.config.num_labels == 1:
             rewards = rewards[:, 0]
-        return ModelOutput(hidden=hidden, rewards=rewards, cache=cache)
+        values = _score(hidden, self.score)[..., 0] if per_token else None
+        return ModelOutput(hidden=hidden, rewards=rewards, values=values, cache=cache)
 
 
 def _chunk_time(x: Array, chunk: int) -> Array:

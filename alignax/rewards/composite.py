@@ -7,6 +7,7 @@ Components (each ``[R]`` float32, logged as ``reward/<name>``):
 - ``fn/<module:function>``: user reward functions ``(completions, references) -> [R]``;
 - ``reward_model``: trained reward models scoring prompt + completion, combined by an
   ensemble rule (:func:`alignax.losses.ensemble_rewards`);
+- ``judge``: an LLM judge's verdict log-probability on a rubric (:mod:`alignax.rewards.judge`, RLAIF);
 - ``length`` / ``missing_eos`` / ``overlong``: shaping terms (:mod:`alignax.rewards.shaping`).
 
 ``total = clip(sum of weighted components)``. A non-finite total is an error naming the
@@ -29,6 +30,7 @@ from alignax.config import load_callable
 from alignax.losses import ensemble_rewards
 from alignax.parallel.multihost import local_rows
 from alignax.rewards import shaping
+from alignax.rewards.judge import DEFAULT_RUBRIC, Judge
 from alignax.rewards.verifiers import verifier_rewards
 
 
@@ -53,6 +55,11 @@ class RewardConfig:
         reward run); ``reward_model_weight`` weighs their combined score, combined by
         ``ensemble`` (``mean`` | ``min`` | ``mean_minus_std`` | ``mean_minus_var``, with
         ``ensemble_k``).
+      judge_model: an LLM judge (a registry name or a local causal-LM folder; its own
+        tokenizer) scoring each completion by the log-probability of its verdict on
+        ``judge_rubric`` (``{prompt}``, ``{completion}``), weighted by ``judge_weight``;
+        ``judge_verdicts``: the (positive, negative) answers; ``judge_score``: ``logp``
+        (log p(positive)) or ``normalized`` (p(positive) / (p(positive) + p(negative))).
       length_penalty_coef / length_target: ``-coef * max(0, L - target)`` tokens.
       missing_eos_penalty: added to completions that never emitted a stop token.
       overlong_buffer: DAPO's soft overlong punishment over the last ``buffer`` tokens of
@@ -73,6 +80,11 @@ class RewardConfig:
     reward_model_weight: float = 1.0
     ensemble: Literal["mean", "min", "mean_minus_std", "mean_minus_var"] = "mean"
     ensemble_k: float = 1.0
+    judge_model: str | None = None
+    judge_weight: float = 1.0
+    judge_rubric: str = DEFAULT_RUBRIC
+    judge_verdicts: tuple[str, str] = ("yes", "no")
+    judge_score: Literal["logp", "normalized"] = "logp"
     length_penalty_coef: float = 0.0
     length_target: int = 0
     missing_eos_penalty: float | None = None
@@ -157,15 +169,17 @@ class RewardScorer:
         self.reward_models = reward_models
         self._score_rm = reward_models.score_fn() if reward_models is not None else None
         self.functions = {spec: (load_callable(spec), weight) for spec, weight in section.functions.items()}
+        self.judge = (Judge(section.judge_model, rubric=section.judge_rubric, verdicts=section.judge_verdicts,
+                            score=section.judge_score) if section.judge_model else None)
         if section.overlong_buffer is not None and not 0 < section.overlong_buffer <= max_new_tokens:
             raise ValueError(
                 f"rewards.overlong_buffer must be in (0, rollout.max_new_tokens={max_new_tokens}]; "
                 f"got {section.overlong_buffer}"
             )
         uses_verifier = section.verifier_weight != 0 or section.format_weight != 0
-        if not uses_verifier and reward_models is None and not self.functions:
-            raise ValueError("no reward source: set rewards.verifier_weight/format_weight, rewards.functions "
-                             "or rewards.reward_models")
+        if not uses_verifier and reward_models is None and not self.functions and self.judge is None:
+            raise ValueError("no reward source: set rewards.verifier_weight/format_weight, rewards.functions, "
+                             "rewards.reward_models or rewards.judge_model")
 
     def score(
         self,
@@ -199,6 +213,8 @@ class RewardScorer:
             weighted["reward_model"] = s.reward_model_weight * local_rows(combined)
             if scores.shape[0] > 1:
                 extra["reward_model_std"] = local_rows(jnp.std(scores, axis=0))
+        if self.judge is not None:
+            weighted["judge"] = s.judge_weight * self.judge.score(completions, references)
         lengths = response_mask.sum(axis=-1).astype(np.float32)
         if s.length_penalty_coef:
             weighted["length"] = np.asarray(shaping.length_penalty(lengths, target_length=s.length_target,

@@ -20,15 +20,28 @@ Built in:
   (outcome supervision expressed as step rewards);
 - :func:`well_formed_steps`: every non-empty step earns ``1 / num_steps`` and the last
   step adds the verifier's score — a dense signal that rewards answering in steps.
+
+A trained process reward model (``alignax export`` of a ``prm`` run, sharing the policy's
+tokenizer) scores the sampled tokens themselves: :class:`ProcessRewardModel`
+(``grpo.process_reward_model``), each step's reward the PRM's probability that the step is
+good, or one score per completion (:func:`aggregate_step_scores`: ``min``, ``product``,
+``last``) on its last step.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
+import jax
 import numpy as np
+from flax import nnx
 
+from alignax import models
+from alignax.parallel.multihost import local_rows
 from alignax.rewards.verifiers import answer_reward
+
+STEP_AGGREGATIONS = ("min", "product", "last")
 
 
 def _outcomes(steps: Sequence[Sequence[str]], references: Sequence[Mapping]):
@@ -89,3 +102,76 @@ def process_step_rewards(fn: Callable, step_mask: np.ndarray, texts: list[list[s
             raise ValueError(f"process reward for completion {r} is not finite: {rewards.tolist()}")
         out[r, ends] = rewards
     return out
+
+
+def aggregate_step_scores(step_probs: np.ndarray, step_mask: np.ndarray, method: str) -> np.ndarray:
+    """One score ``[R]`` from step probabilities ``[R, N]`` at ``step_mask`` positions:
+    ``min`` (the weakest step, Lightman et al. 2023), ``product`` (every step right),
+    ``last`` (the final step). A completion without a step scores 0."""
+    mask = np.asarray(step_mask) > 0
+    probs = np.asarray(step_probs, np.float64)
+    has = mask.any(axis=1)
+    if method == "min":
+        out = np.where(mask, probs, np.inf).min(axis=1)
+    elif method == "product":
+        out = np.where(mask, probs, 1.0).prod(axis=1)
+    elif method == "last":
+        last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+        out = probs[np.arange(len(probs)), last]
+    else:
+        raise ValueError(f"unknown step aggregation {method!r}; valid: {', '.join(STEP_AGGREGATIONS)}")
+    return np.where(has, out, 0.0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _per_token_scores(graphdef, state, tokens, positions, attention):
+    return nnx.merge(graphdef, state)(tokens, positions, attention, per_token=True).values
+
+
+class ProcessRewardModel:
+    """A trained PRM scoring sampled completions step by step.
+
+    ``path``: a reward-model folder trained by ``algorithm: prm``; it must share the policy's
+    tokenizer (a token id beyond its vocabulary is an error); its weights are read at the
+    first scoring. ``aggregation``: ``step`` (each step's own probability at its end
+    token: dense process rewards) or one of :data:`STEP_AGGREGATIONS` (one score per
+    completion, on its last step).
+    """
+
+    def __init__(self, path: str, *, aggregation: str = "step", mesh=None, place: Callable | None = None):
+        if aggregation not in ("step", *STEP_AGGREGATIONS):
+            raise ValueError(f"unknown PRM aggregation {aggregation!r}; valid: step, {', '.join(STEP_AGGREGATIONS)}")
+        self.path, self.aggregation, self.mesh = path, aggregation, mesh
+        self.place = place or (lambda x: x)
+        self._model = None
+
+    def _load(self):
+        if self._model is None:
+            model = models.from_pretrained(self.path, kind="reward", mesh=self.mesh)
+            self._model = (*nnx.split(model), model.config.vocab_size)
+        return self._model
+
+    def step_probs(self, groups) -> np.ndarray:
+        """``sigmoid`` of the PRM's score at every response position ``[R, N]`` of sampled
+        completions (:class:`alignax.sampling.scored.Groups`): at a step's end token, the
+        probability that the prefix up to it is good."""
+        graphdef, state, vocab_size = self._load()
+        tokens, positions, attention = groups.full_sequences()
+        if tokens.size and int(tokens.max()) >= vocab_size:
+            raise ValueError(f"PRM {self.path} has vocab_size {vocab_size}; the completions hold token "
+                             f"{int(tokens.max())} (a PRM must share the policy's tokenizer)")
+        values = _per_token_scores(graphdef, state, *(self.place(a) for a in (tokens, positions, attention)))
+        width = groups.prompt_tokens.shape[1]
+        return 1.0 / (1.0 + np.exp(-np.asarray(local_rows(values), np.float64)[:, width:]))
+
+    def step_rewards(self, groups, step_mask: np.ndarray) -> np.ndarray:
+        """Step rewards ``[R, N]`` on the ``step_mask`` tokens (:func:`step_boundaries`)."""
+        probs = self.step_probs(groups)
+        mask = np.asarray(step_mask) > 0
+        if self.aggregation == "step":
+            return np.where(mask, probs, 0.0).astype(np.float32)
+        out = np.zeros(mask.shape, np.float32)
+        rows = np.flatnonzero(mask.any(axis=1))
+        last = mask.shape[1] - 1 - np.argmax(mask[rows, ::-1], axis=1)
+        out[rows, last] = aggregate_step_scores(probs, mask, self.aggregation)[rows]
+        return out

@@ -28,7 +28,8 @@ from alignax.parallel import multihost
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
 from alignax.trainers.engine.session import TrainResult, checkpoint_dir
-from alignax.trainers.offline import preference, reward, sft
+from alignax.trainers.iterative import IterativeTrainer
+from alignax.trainers.offline import preference, prm, reward, sft
 from alignax.trainers.offline.trainer import OfflineTrainer
 from alignax.trainers.online import grpo, ppo
 from alignax.trainers.online.trainer import OnlineTrainer
@@ -41,15 +42,16 @@ class Algorithm:
 
     Fields:
       name: the ``algorithm:`` value.
-      family: ``offline`` (``make`` is a task builder, ``(config, graphdef, rest) -> Task``)
-        or ``online`` (``make`` is an algorithm builder, ``config -> OnlineAlgorithm``).
+      family: ``offline`` (``make`` is a task builder, ``(config, graphdef, rest) -> Task``),
+        ``online`` (``make`` is an algorithm builder, ``config -> OnlineAlgorithm``) or
+        ``iterative`` (``make`` is the trainer: rounds of runs, each in its own directory).
       model_kinds: the model kinds the trainer may hold; the first is the one an offline
         trainer trains (an online algorithm names its policy's kind, ``policy_kind``, and
         PPO's separate critic is a ``value`` model).
     """
 
     name: str
-    family: Literal["offline", "online"]
+    family: Literal["offline", "online", "iterative"]
     model_kinds: tuple[str, ...]
     make: Callable[..., Any]
 
@@ -59,7 +61,9 @@ ALGORITHMS: dict[str, Algorithm] = {
     for a in (
         Algorithm("sft", "offline", ("causal_lm",), sft.make_task),
         Algorithm("reward", "offline", ("reward",), reward.make_task),
+        Algorithm("prm", "offline", ("reward",), prm.make_task),
         Algorithm("dpo", "offline", ("causal_lm",), preference.make_task),
+        Algorithm("iterative_dpo", "iterative", ("causal_lm",), IterativeTrainer),
         Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm),
         Algorithm("ppo", "online", ("causal_lm", "policy_value", "value"), ppo.build_algorithm),
     )
@@ -79,6 +83,8 @@ def build_trainer(config: TrainConfig, *, records: Sequence[Mapping] | None = No
     ``with_data=False`` (export, benchmarks) skips reading an offline run's data; an online
     trainer always reads its prompts."""
     entry = algorithm(config.algorithm)
+    if entry.family == "iterative":
+        return entry.make(config, records=records, with_data=with_data)
     if entry.family == "offline":
         return OfflineTrainer(config, task_builder=entry.make, model_kind=entry.model_kinds[0], records=records,
                               with_data=with_data)

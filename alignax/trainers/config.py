@@ -12,7 +12,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     checkpoint: {...}         # CheckpointSection
     logging: {...}            # LoggingSection
     mesh: {...}               # MeshSection
-    sft / reward / dpo / ppo / grpo: {...}   # the chosen algorithm's own settings
+    sft / reward / prm / dpo / iterative / ppo / grpo: {...}   # the chosen algorithm's own settings
     rollout / rewards: {...}  # online RL (ppo, grpo): generation and the reward function
     evaluation: {...}         # alignax.evaluation.EvaluationConfig: greedy accuracy, pass@k
 
@@ -178,6 +178,29 @@ class RewardSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class PRMSection:
+    """Process reward model (``alignax.losses.process.prm_loss``): ``aggregation`` of the
+    per-step cross-entropies (``token-mean``: every step alike; ``seq-mean-token-mean``:
+    every solution alike)."""
+
+    aggregation: AggregationMode = "token-mean"
+
+
+@dataclasses.dataclass(frozen=True)
+class IterativeSection:
+    """Iterative DPO (``algorithm: iterative_dpo``). ``rounds``: sample-label-train rounds;
+    ``reference``: each round's DPO reference, ``previous`` (the policy the round starts
+    from) or ``original`` (the model named by ``model``)."""
+
+    rounds: int = 2
+    reference: Literal["previous", "original"] = "previous"
+
+    def __post_init__(self):
+        if self.rounds < 1:
+            raise ValueError(f"iterative.rounds must be >= 1; got {self.rounds}")
+
+
+@dataclasses.dataclass(frozen=True)
 class PreferenceSection:
     """Offline preference optimisation.
 
@@ -269,6 +292,11 @@ class GRPOSection:
         ``num_prompts`` groups with non-zero reward variance (at most ``max_refills`` more).
       step_delimiter / process_reward: ``process`` advantages: steps end at this string;
         ``module:function`` returning per-step rewards for each completion.
+      process_reward_model: ``process`` advantages from a trained PRM instead (a folder,
+        ``alignax export`` of an ``algorithm: prm`` run, sharing the policy's tokenizer):
+        ``process_reward_aggregation`` ``step`` rewards each step with the PRM's probability
+        that it is good; ``min`` / ``product`` / ``last`` give the completion one score (its
+        weakest step, all steps, its last step) on its last step.
     """
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "process"] = "grpo"
@@ -292,6 +320,8 @@ class GRPOSection:
     max_refills: int = 4
     step_delimiter: str = "\n"
     process_reward: str = "alignax.rewards.process:outcome_on_last_step"
+    process_reward_model: str | None = None
+    process_reward_aggregation: Literal["step", "min", "product", "last"] = "step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +393,9 @@ class TrainConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
     reward: RewardSection = dataclasses.field(default_factory=RewardSection)
+    prm: PRMSection = dataclasses.field(default_factory=PRMSection)
     dpo: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)
+    iterative: IterativeSection = dataclasses.field(default_factory=IterativeSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)

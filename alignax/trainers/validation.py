@@ -38,6 +38,7 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from alignax.best_of_n import BestOfNConfig
 from alignax.config import ConfigError
 from alignax.data.builders import is_generator_spec
 from alignax.data.formats import DEFAULT_FIELDS, FORMATS, OPTIONAL_FIELDS
@@ -218,14 +219,15 @@ ALWAYS = Check("any run", lambda c: True, lambda c: "")
 NEVER = Check("no run", lambda c: False, lambda c: "")
 
 ONLINE = Is("algorithm", "grpo", "ppo")
-OFFLINE = Is("algorithm", "sft", "reward", "dpo")
+OFFLINE = Is("algorithm", "sft", "reward", "prm", "dpo")
 EVAL_PROMPTS = Given("evaluation.prompts")
 # alignax.evaluation: an online run evaluates by generation (on its eval split, or on
 # evaluation.prompts); an offline policy only on evaluation.prompts (its data are not
 # prompts), and a reward model never (it does not generate).
 OFFLINE_EVAL = All(Is("algorithm", "sft", "dpo"), EVAL_PROMPTS)
-GENERATION = Named("online training or generation-based evaluation (algorithm grpo or ppo; or evaluation.prompts "
-                   "set with algorithm sft or dpo)", AnyOf(ONLINE, OFFLINE_EVAL))
+ITERATIVE = Is("algorithm", "iterative_dpo")  # samples pairs from the policy each round
+GENERATION = Named("online training or generation-based evaluation (algorithm grpo, ppo or iterative_dpo; or "
+                   "evaluation.prompts set with algorithm sft or dpo)", AnyOf(ONLINE, ITERATIVE, OFFLINE_EVAL))
 
 
 def _paths_read_from_disk(prefix: str) -> Check:
@@ -266,7 +268,8 @@ def _data_rules(prefix: str) -> list[Rule]:
         rule(prefix, ALWAYS),
         rule([f"{prefix}.max_length", f"{prefix}.max_response_length"], IsNot(fmt, "prompt"),
              "prompt batches are max_prompt_length wide; the response budget is rollout.max_new_tokens"),
-        rule(f"{prefix}.apply_chat_template", Is(fmt, "preference", "unpaired", "prompt"),
+        rule(f"{prefix}.step_delimiter", Is(fmt, "steps"), "it separates the steps of a step-labelled solution"),
+        rule(f"{prefix}.apply_chat_template", Is(fmt, "preference", "unpaired", "prompt", "steps"),
              "sft messages always go through the chat template; text never does"),
         rule(f"{prefix}.system_prompt", IsNot(fmt, "text"), "plain text has no conversation to put it in"),
         rule(f"{prefix}.split", _paths_read_from_disk(prefix), "a generator spec has no splits"),
@@ -282,7 +285,7 @@ _PREF_SMOOTHED = ("sigmoid", "robust", "exo_pair")  # alignax.losses.preference:
 FROZEN_MODELS = Named(
     "a frozen model: a reference policy (algorithm dpo with dpo.loss=dpo|kto; grpo.kl_coef > 0; ppo.kl_coef > 0) "
     "or reward models of online training (rewards.reward_models with algorithm grpo|ppo)",
-    AnyOf(All(Is("algorithm", "dpo"), Is("dpo.loss", "dpo", "kto")),
+    AnyOf(All(Is("algorithm", "dpo", "iterative_dpo"), Is("dpo.loss", "dpo", "kto")),
           All(Is("algorithm", "grpo"), Above("grpo.kl_coef", 0)),
           All(Is("algorithm", "ppo"), Above("ppo.kl_coef", 0)),
           All(ONLINE, Given("rewards.reward_models"))))
@@ -297,8 +300,8 @@ KEY_RULES: tuple[Rule, ...] = (
          "float32 parameters are their own master copy"),
     rule("precision.mu_dtype", Is("optim.name", "adamw", "adam"), "it is the dtype of Adam's first moment"),
     rule("precision.frozen_dtype", FROZEN_MODELS),
-    rule("model.logprob_chunk_size", IsNot("algorithm", "reward"), "a reward model scores sequences, no log-probs"),
-    rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward")),
+    rule("model.logprob_chunk_size", IsNot("algorithm", "reward", "prm"), "a reward model scores sequences, no log-probs"),
+    rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward", "prm")),
          "it seeds random initialisation and a reward model's fresh score head"),
     rule("optim.weight_decay", Is("optim.name", "adamw")),
     rule(["optim.b1", "optim.b2", "optim.eps"], Is("optim.name", "adamw", "adam")),
@@ -311,7 +314,9 @@ KEY_RULES: tuple[Rule, ...] = (
     # --- each algorithm's own section
     rule("sft", Is("algorithm", "sft")),
     rule("reward", Is("algorithm", "reward")),
-    rule("dpo", Is("algorithm", "dpo")),
+    rule("prm", Is("algorithm", "prm")),
+    rule("dpo", Is("algorithm", "dpo", "iterative_dpo")),
+    rule("iterative", ITERATIVE),
     rule("grpo", Is("algorithm", "grpo")),
     rule("ppo", Is("algorithm", "ppo")),
     # --- DPO family (alignax.trainers.offline.preference)
@@ -335,7 +340,9 @@ KEY_RULES: tuple[Rule, ...] = (
          "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
     rule(["grpo.kl_target", "grpo.kl_horizon"], Is("grpo.adaptive_kl", True)),
     rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),
-    rule(["grpo.step_delimiter", "grpo.process_reward"], Is("grpo.advantage", "process")),
+    rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
+    rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
+    rule("grpo.process_reward_aggregation", Given("grpo.process_reward_model"), "it reduces the PRM's step scores"),
     # --- PPO (alignax.trainers.online.ppo)
     rule("ppo.critic_init", Is("ppo.critic", "separate"), "a shared critic is a value head on the policy"),
     rule("ppo.critic_path", All(Is("ppo.critic", "separate"), Is("ppo.critic_init", "reward_model"))),
@@ -348,7 +355,11 @@ KEY_RULES: tuple[Rule, ...] = (
     *_data_rules("ppo.ptx_data"),
     rule("ppo.ptx_data.eval_fraction", NEVER, "PPO-ptx reads its data's train split only"),
     # --- generation (online rollouts; evaluation reuses the budget and stop tokens)
-    rule(_keys_of(RolloutSection, "rollout", but=("max_new_tokens", "stop_token_ids")), ONLINE),
+    rule(_keys_of(RolloutSection, "rollout", but=("max_new_tokens", "stop_token_ids", "temperature", "top_k", "top_p",
+                                                  "num_samples")), ONLINE),
+    rule(["rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.num_samples"],
+         Is("algorithm", "grpo", "ppo", "iterative_dpo"),
+         "they are the sampling distribution of rollouts (iterative_dpo: of each round's pairs)"),
     rule(["rollout.max_new_tokens", "rollout.stop_token_ids"], GENERATION),
     rule("rollout.pack_groups", Above("rollout.num_samples", 1), "one sample per prompt has no group to pack"),
     rule("rollout.tis_cap", Is("rollout.old_logps", "recompute"),
@@ -364,11 +375,21 @@ KEY_RULES: tuple[Rule, ...] = (
     rule(["rewards.reward_model_weight", "rewards.ensemble"], Given("rewards.reward_models")),
     rule("rewards.ensemble_k", All(Given("rewards.reward_models"),
                                    Is("rewards.ensemble", "mean_minus_std", "mean_minus_var"))),
+    rule(["rewards.judge_weight", "rewards.judge_rubric", "rewards.judge_verdicts", "rewards.judge_score"],
+         Given("rewards.judge_model"), "they configure the LLM judge"),
     rule("rewards.length_target", NonZero("rewards.length_penalty_coef")),
     rule("rewards.overlong_scale", Given("rewards.overlong_buffer")),
     # --- generation-based evaluation (alignax.evaluation)
     rule("evaluation", GENERATION),
-    rule("evaluation.temperature", Given("evaluation.pass_k"), "it is the temperature of the pass@k samples"),
+    rule("evaluation.temperature", AnyOf(Given("evaluation.pass_k"), Above("evaluation.best_of_n.n", 0)),
+         "it is the temperature of the pass@k and best-of-N samples"),
+    rule(_keys_of(BestOfNConfig, "evaluation.best_of_n", but=("n",)), Above("evaluation.best_of_n.n", 0),
+         "best-of-N is off while evaluation.best_of_n.n is 0"),
+    rule(["evaluation.best_of_n.ensemble", "evaluation.best_of_n.ensemble_k"],
+         Given("evaluation.best_of_n.reward_models"), "they combine the reward models' scores"),
+    rule("evaluation.best_of_n.ensemble_k", Is("evaluation.best_of_n.ensemble", "mean_minus_std", "mean_minus_var")),
+    rule(["evaluation.best_of_n.prm_aggregation", "evaluation.best_of_n.step_delimiter"],
+         Given("evaluation.best_of_n.prm"), "they read the PRM's step scores"),
     *_data_rules("evaluation.prompts"),
     rule(["evaluation.prompts.eval_fraction", "evaluation.prompts.shuffle", "evaluation.prompts.seed",
           "evaluation.prompts.num_epochs"], NEVER, "an evaluation reads its prompt set once, whole, in file order"),
@@ -384,7 +405,8 @@ def _formats_of(config: TrainConfig) -> tuple[tuple[str, ...], str]:
         if config.dpo.loss == "kto":
             return ("unpaired",), "dpo.loss=kto"
         return ("preference",), f"dpo.loss={config.dpo.loss}"
-    table = {"sft": ("sft", "text"), "reward": ("preference",), "grpo": ("prompt",), "ppo": ("prompt",)}
+    table = {"sft": ("sft", "text"), "reward": ("preference",), "prm": ("steps",), "grpo": ("prompt",),
+             "ppo": ("prompt",), "iterative_dpo": ("prompt",)}
     return tuple(f for f in table[algorithm] if f in FORMATS), f"algorithm {algorithm}"
 
 
@@ -476,9 +498,9 @@ def _critic_path(config):
 def _reward_source(config):
     r = config.rewards
     no_verifier = r.verifier_weight == 0 and r.format_weight == 0
-    if GENERATION(config) and no_verifier and not r.functions and not r.reward_models:
+    if GENERATION(config) and no_verifier and not r.functions and not r.reward_models and not r.judge_model:
         return ("rewards: no reward source (rewards.verifier_weight and rewards.format_weight are 0, no "
-                "rewards.functions, no rewards.reward_models); set one of them")
+                "rewards.functions, no rewards.reward_models, no rewards.judge_model); set one of them")
     return None
 
 
@@ -495,11 +517,24 @@ def _pass_k_verdict(config):
             and r.verifier_weight == 0 and r.format_weight == 0):
         return ("evaluation.pass_k needs a verdict on each completion: a verifier (rewards.verifier_weight or "
                 "rewards.format_weight != 0) or evaluation.success_threshold")
+    if (GENERATION(config) and ev.best_of_n.n and ev.success_threshold is None
+            and r.verifier_weight == 0 and r.format_weight == 0):
+        return ("evaluation.best_of_n.n needs a verdict on each completion: a verifier (rewards.verifier_weight or "
+                "rewards.format_weight != 0) or evaluation.success_threshold")
+    return None
+
+
+def _iterative_loss(config):
+    if config.algorithm == "iterative_dpo" and config.dpo.loss == "kto":
+        return "dpo.loss=kto does not fit algorithm iterative_dpo: each round trains on pairs (dpo, simpo, cpo or orpo)"
+    if config.algorithm == "iterative_dpo" and config.rollout.num_samples < 2:
+        return (f"rollout.num_samples={config.rollout.num_samples}: iterative_dpo pairs two of a prompt's samples; "
+                "set rollout.num_samples >= 2")
     return None
 
 
 def _dpo_variant(config):
-    if config.algorithm == "dpo" and config.dpo.loss == "dpo" and config.dpo.variant not in DPO_VARIANTS:
+    if config.algorithm in ("dpo", "iterative_dpo") and config.dpo.loss == "dpo" and config.dpo.variant not in DPO_VARIANTS:
         return f"dpo.variant={config.dpo.variant} is not a DPO variant; valid: {', '.join(DPO_VARIANTS)}"
     return None
 
@@ -686,6 +721,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _reward_source,
     _overlong_buffer,
     _pass_k_verdict,
+    _iterative_loss,
     _checkpoint_keep,
     _mesh_shape,
     _reward_task,

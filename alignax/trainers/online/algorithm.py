@@ -30,6 +30,7 @@ from flax import struct
 
 from alignax import kl as kl_lib
 from alignax.data import DataConfig
+from alignax.rewards.process import ProcessRewardModel
 from alignax.trainers.engine.optim import OptimConfig
 
 Array = jax.Array
@@ -131,6 +132,8 @@ class OnlineAlgorithm:
     ptx: PtxSetup | None = None
     stop_after_epoch: Callable[[Sequence[Mapping[str, float]]], bool] | None = None
     greedy_baseline: bool = False  # ReMax
-    process_reward: Callable | None = None  # step rewards: alignax.rewards.process
+    # step rewards: a function of alignax.rewards.process's signature, or a trained PRM
+    # (alignax.rewards.process.ProcessRewardModel) scoring the sampled tokens
+    process_reward: Callable | ProcessRewardModel | None = None
     step_delimiter: str = "\n"
     dynamic_sampling_refills: int | None = None  # DAPO: None = off

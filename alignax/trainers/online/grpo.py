@@ -26,6 +26,7 @@ from alignax import advantages as adv_lib
 from alignax import kl as kl_lib
 from alignax.config import load_callable
 from alignax.losses import POLICY_LOSSES, policy_loss_clip_keywords
+from alignax.rewards.process import ProcessRewardModel
 from alignax.sampling.scored import Groups
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.online.algorithm import AdvantageInputs, KLSetup, OnlineAlgorithm, PolicyObjective
@@ -75,7 +76,9 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
         advantages=advantages,
         min_group_size=1 if method == "remax" else 2,
         greedy_baseline=method == "remax",
-        process_reward=load_callable(gc.process_reward) if method == "process" else None,
+        process_reward=(None if method != "process" else
+                        ProcessRewardModel(gc.process_reward_model, aggregation=gc.process_reward_aggregation)
+                        if gc.process_reward_model else load_callable(gc.process_reward)),
         step_delimiter=gc.step_delimiter,
         dynamic_sampling_refills=gc.max_refills if gc.dynamic_sampling else None,
     )

@@ -48,7 +48,7 @@ from alignax.parallel.multihost import (allgather_rows, host_global, local_rows,
                                         process_rows)
 from alignax.parallel.sharding import batch_sharding
 from alignax.rewards.composite import RewardModels, RewardScorer
-from alignax.rewards.process import process_step_rewards, step_boundaries
+from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
 from alignax.rewards.verifiers import with_task
 from alignax.sampling import SamplingConfig
 from alignax.sampling.scored import Groups, ScoredSampler
@@ -403,8 +403,11 @@ class OnlineTrainer:
         step_rewards = step_mask = zeros
         if algo.process_reward is not None:
             step_mask, texts = step_boundaries(self.tokenizer, groups.tokens, groups.response_mask, algo.step_delimiter)
-            step_rewards = process_step_rewards(algo.process_reward, step_mask, texts,
-                                                with_task(groups.references, self.config.rewards.task))
+            if isinstance(algo.process_reward, ProcessRewardModel):
+                step_rewards = algo.process_reward.step_rewards(groups, step_mask)
+            else:
+                step_rewards = process_step_rewards(algo.process_reward, step_mask, texts,
+                                                    with_task(groups.references, self.config.rewards.task))
             counts = allgather_rows(np.array([[step_mask.sum(), groups.size]], np.float64)).sum(axis=0)
             figures["process/steps_per_completion"] = float(counts[0] / max(counts[1], 1))
         baseline = (self.greedy_baseline(state, groups, figures) if algo.greedy_baseline
