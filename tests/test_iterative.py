@@ -13,7 +13,8 @@ import pytest
 from alignax.models import read_safetensors
 from alignax import config as config_io
 from alignax.trainers.api import load_config, train
-from alignax.trainers.iterative import IterativeTrainer, round_done
+from alignax.trainers.engine import rundir
+from alignax.trainers.iterative import IterativeTrainer, round_config, round_done
 from tests.rl_toy import toy_prompts
 from tests.trainer_helpers import CONFIGS
 
@@ -78,3 +79,25 @@ def test_a_round_stopped_half_way_resumes_to_the_same_weights(full, tmp_path, to
     assert ours.keys() == theirs.keys()
     for name in ours:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
+def test_the_run_directory_holds_one_configs_rounds(tmp_path, toy_model):
+    """Rounds done under one config are not reused by another without --allow-changes, and
+    --overwrite removes them (no training here: the claim is checked before any round)."""
+    first = config_for(tmp_path, toy_model)
+    trainer = IterativeTrainer(first, records=toy_prompts(8))
+    with rundir.claim(first) as run:
+        trainer._claim(run)  # writes config.yaml
+    os.makedirs(tmp_path / "round_0" / "checkpoints")
+    changed = dataclasses.replace(first, dpo=dataclasses.replace(first.dpo, beta=0.25))
+    with pytest.raises(rundir.RunDirectoryError, match=r"holds rounds \(round_0\).*dpo.beta: 0.5 -> 0.25"):
+        IterativeTrainer(changed, records=toy_prompts(8)).train()
+    allowed = dataclasses.replace(changed, checkpoint=dataclasses.replace(changed.checkpoint, allow_changes=True))
+    with rundir.claim(allowed) as run:
+        IterativeTrainer(allowed, records=toy_prompts(8))._claim(run)
+    assert (tmp_path / "round_0").exists()
+    fresh = dataclasses.replace(changed, checkpoint=dataclasses.replace(changed.checkpoint, overwrite=True))
+    with rundir.claim(fresh) as run:
+        IterativeTrainer(fresh, records=toy_prompts(8))._claim(run)
+    assert not (tmp_path / "round_0").exists()
+    assert round_config(fresh, 0).checkpoint.overwrite is False  # a round never removes its own resume point

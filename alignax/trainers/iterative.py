@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +46,8 @@ from alignax.trainers.engine.setup import build_model, load_tokenizer, split_par
 from alignax.trainers.offline import preference
 from alignax.trainers.offline.trainer import OfflineTrainer
 
+
+log = logging.getLogger(__name__)
 
 def round_dir(config: TrainConfig, r: int) -> str:
     return os.path.join(config.output_dir, f"round_{r}")
@@ -66,8 +70,10 @@ def round_config(config: TrainConfig, r: int) -> TrainConfig:
     pairs = dataclasses.replace(data, paths=(os.path.join(round_dir(config, r), "pairs.jsonl"),), format="preference",
                                 max_length=data.max_prompt_length + budget + 1, max_response_length=budget + 1,
                                 eval_fraction=0.0, split="train")
+    # the whole run's --overwrite and --allow-changes were settled by IterativeTrainer.train
+    checkpoint = dataclasses.replace(config.checkpoint, overwrite=False)
     return dataclasses.replace(config, algorithm="dpo", output_dir=round_dir(config, r), model=policy, data=pairs,
-                               evaluation=dataclasses.replace(config.evaluation, prompts=None))
+                               evaluation=dataclasses.replace(config.evaluation, prompts=None), checkpoint=checkpoint)
 
 
 class _RoundTrainer(OfflineTrainer):
@@ -178,8 +184,36 @@ class IterativeTrainer:
         self._figures[r] = {**figures, **{f"eval/{k}": v for k, v in self.judge(result.model).items()}}
         return result
 
+    def _claim(self, run: rundir.RunDirectory) -> None:
+        """The run directory's rounds are this config's: ``--overwrite`` removes earlier
+        rounds; a config that changes what is trained needs ``--allow-changes`` (the rounds
+        done would otherwise be reused silently)."""
+        config, path = self.config, self.config.output_dir
+        done = sorted(n for n in os.listdir(path) if n.startswith("round_") or n == "rounds.json")
+        if config.checkpoint.overwrite and done and run.writer:
+            log.warning("checkpoint.overwrite: removing the earlier rounds in %s (%s)", path, ", ".join(done))
+            for name in done:
+                target = os.path.join(path, name)
+                if os.path.isdir(target):
+                    shutil.rmtree(target)
+                else:
+                    os.remove(target)
+        elif done:
+            bound, _ = rundir.saved_config_changes(path, config)
+            if bound and not config.checkpoint.allow_changes:
+                raise rundir.RunDirectoryError(
+                    f"{path} holds rounds ({', '.join(done)}) of a config that trained otherwise: "
+                    f"{rundir.describe_changes(bound)}. Continue them with --allow-changes "
+                    "(checkpoint.allow_changes=true), undo the changes, or start over with --overwrite")
+        run.write_config()
+
     def train(self) -> TrainResult:
         """Every round not yet done (a stopped round resumes from its checkpoints)."""
+        with rundir.claim(self.config) as run:
+            self._claim(run)
+            return self._train_rounds()
+
+    def _train_rounds(self) -> TrainResult:
         summary = os.path.join(self.config.output_dir, "rounds.json")
         self._figures: dict[int, dict[str, Any]] = {}
         if os.path.isfile(summary):

@@ -194,8 +194,23 @@ def _is_free(key: str) -> bool:
     return key in _FREE_KEYS or key.startswith(_FREE_PREFIXES)
 
 
-def _describe(changes: list[tuple[str, Any, Any]]) -> str:
+def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
     return ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
+
+
+def saved_config_changes(path: str, config: TrainConfig) -> tuple[list, list]:
+    """``(bound, free)``: how ``config`` differs from the ``config.yaml`` saved in ``path``
+    (none saved: no changes), split into changes of what is trained and the rest (with a
+    constant learning rate, a longer run is free)."""
+    saved_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(saved_path):
+        return [], []
+    with open(saved_path, encoding="utf-8") as f:
+        saved = config_io.yaml_load(f) or {}
+    changes = config_changes(saved, config_io.to_dict(config))
+    constant_lr = config.optim.schedule == "constant" and saved.get("optim", {}).get("schedule") == "constant"
+    bound = [c for c in changes if not (_is_free(c[0]) or (constant_lr and c[0] == "train.total_steps"))]
+    return bound, [c for c in changes if c not in bound]
 
 
 # ---------------------------------------------------------------------------- the directory
@@ -252,24 +267,16 @@ class RunDirectory:
             raise RunDirectoryError(f"checkpoint.resume_step={ck.resume_step}: no such step under "
                                     f"{os.path.join(self.path, 'checkpoints')}; steps there: "
                                     f"{', '.join(map(str, steps))}")
-        saved_path = os.path.join(self.path, CONFIG_NAME)
-        if not os.path.exists(saved_path):
-            return
-        with open(saved_path, encoding="utf-8") as f:
-            saved = config_io.yaml_load(f) or {}
-        changes = config_changes(saved, config_io.to_dict(config))
-        constant_lr = config.optim.schedule == "constant" and saved.get("optim", {}).get("schedule") == "constant"
-        bound = [c for c in changes if not (_is_free(c[0]) or (constant_lr and c[0] == "train.total_steps"))]
+        bound, free = saved_config_changes(self.path, config)
         if bound and not ck.allow_changes:
             raise RunDirectoryError(
                 f"resuming {self.path} (latest step {steps[-1]}) with a config that changes what is trained: "
-                f"{_describe(bound)}. Resume with these changes with --allow-changes "
+                f"{describe_changes(bound)}. Resume with these changes with --allow-changes "
                 "(checkpoint.allow_changes=true), undo them, or start over with --overwrite")
         if bound:
-            log.warning("resuming %s with changes (checkpoint.allow_changes): %s", self.path, _describe(bound))
-        free = [c for c in changes if c not in bound]
+            log.warning("resuming %s with changes (checkpoint.allow_changes): %s", self.path, describe_changes(bound))
         if free:
-            log.info("resuming %s with changed settings: %s", self.path, _describe(free))
+            log.info("resuming %s with changed settings: %s", self.path, describe_changes(free))
 
     def _configs(self) -> list[str]:
         return sorted(name for name in os.listdir(self.path)
