@@ -12,7 +12,7 @@ import pytest
 
 from alignax.models import read_safetensors
 from alignax import config as config_io
-from alignax.trainers.api import load_config, train
+from alignax.trainers.api import evaluate, export, load_config, train
 from alignax.trainers.engine import rundir
 from alignax.trainers.iterative import IterativeTrainer, round_config, round_done
 from tests.rl_toy import toy_prompts
@@ -101,3 +101,18 @@ def test_the_run_directory_holds_one_configs_rounds(tmp_path, toy_model):
         IterativeTrainer(fresh, records=toy_prompts(8))._claim(run)
     assert not (tmp_path / "round_0").exists()
     assert round_config(fresh, 0).checkpoint.overwrite is False  # a round never removes its own resume point
+
+
+def test_export_and_eval_read_the_last_finished_round(full, tmp_path, toy_model):
+    path, rounds = full
+    config = config_for(path, toy_model)
+    destination = export(config, str(tmp_path / "out"))
+    ours = read_safetensors(os.path.join(destination, "model.safetensors"))
+    theirs = read_safetensors(os.path.join(path, "round_1", "export", "model.safetensors"))
+    assert all(np.array_equal(ours[name], theirs[name]) for name in theirs)
+    figures = evaluate(config, records=toy_prompts(32))
+    assert figures["reward"] == rounds[1]["eval/reward"] and figures["accuracy"] == rounds[1]["eval/accuracy"]
+    with pytest.raises(FileNotFoundError, match=r"round 5 of iterative DPO has not finished \(finished: \[0, 1\]\)"):
+        export(config, str(tmp_path / "five"), step=5)
+    with pytest.raises(FileNotFoundError, match="no round of iterative DPO has finished"):
+        export(config_for(tmp_path / "empty", toy_model))

@@ -28,6 +28,7 @@ from alignax.parallel import multihost
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
 from alignax.trainers.engine.session import TrainResult, checkpoint_dir
+from alignax.trainers import iterative
 from alignax.trainers.iterative import IterativeTrainer
 from alignax.trainers.offline import preference, prm, reward, sft
 from alignax.trainers.offline.trainer import OfflineTrainer
@@ -146,6 +147,8 @@ def evaluate(config: TrainConfig, *, step: int | None = None,
     runs and for offline runs whose config names ``evaluation.prompts``."""
     multihost.initialize(config.distributed)
     trainer = build_trainer(config, records=records)
+    if algorithm(config.algorithm).family == "iterative":  # step: a round
+        return trainer.evaluate(step)
     params = restore_params(trainer, config, step)
     return trainer.evaluate(params, trainer.eval_frozen())
 
@@ -156,6 +159,8 @@ def export(config: TrainConfig, destination: str | None = None, *, step: int | N
     safetensors + tokenizer into ``destination`` (default ``<output_dir>/export``); with
     ``critic`` (PPO with a separate critic), the critic goes to ``<destination>/critic``."""
     multihost.initialize(config.distributed)
+    if algorithm(config.algorithm).family == "iterative":  # the rounds export their policies; step: a round
+        return iterative.export(config, destination, step=step)
     trainer = build_trainer(config, with_data=False)
     params = restore_params(trainer, config, step)
     if jax.process_count() > 1:  # every process takes part in gathering; process 0 writes

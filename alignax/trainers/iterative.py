@@ -61,6 +61,30 @@ def round_done(config: TrainConfig, r: int) -> bool:
     return os.path.isfile(os.path.join(_export_dir(config, r), "config.json"))
 
 
+def last_round(config: TrainConfig, step: int | None = None) -> int:
+    """The last finished round (``step``: that round, which must be finished); an error
+    naming the directory when none is (its policy would be the untrained one)."""
+    done = [r for r in range(config.iterative.rounds) if round_done(config, r)]
+    if step is not None:
+        if step not in done:
+            raise FileNotFoundError(f"{config.output_dir}: round {step} of iterative DPO has not finished "
+                                    f"(finished: {done or 'none'})")
+        return step
+    if not done:
+        raise FileNotFoundError(f"{config.output_dir}: no round of iterative DPO has finished (no "
+                                "round_<r>/export); train it first")
+    return done[-1]
+
+
+def export(config: TrainConfig, destination: str | None = None, *, step: int | None = None) -> str:
+    """Copy the last finished round's policy (or round ``step``'s) to ``destination``
+    (default ``<output_dir>/export``)."""
+    destination = destination or os.path.join(config.output_dir, "export")
+    if jax.process_index() == 0:
+        shutil.copytree(_export_dir(config, last_round(config, step)), destination, dirs_exist_ok=True)
+    return destination
+
+
 def round_config(config: TrainConfig, r: int) -> TrainConfig:
     """The DPO run of round ``r``: its policy, pairs file and directory."""
     data = config.data
@@ -234,6 +258,10 @@ class IterativeTrainer:
             model = self._policy(self.config.iterative.rounds)
             result = TrainResult(config=self.config, model=model, tokenizer=self.tokenizer, loop=None, data_stats={})
         return dataclasses.replace(result, config=self.config)
+
+    def evaluate(self, step: int | None = None) -> dict[str, float]:
+        """Generation figures of the last finished round's policy (or round ``step``'s)."""
+        return self.judge(self._policy(last_round(self.config, step) + 1))
 
     @property
     def figures(self) -> dict[int, dict[str, Any]]:
