@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from alignax.models.lora import LoraConfig
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -67,6 +69,9 @@ class ModelConfig:
       scan_layers: store layer parameters stacked on a leading ``layers`` axis and run
         them with ``jax.lax.scan`` (one layer traced and compiled, whatever ``L``).
       remat: rematerialise each layer in the backward pass (``jax.checkpoint``).
+      lora: low-rank adapters on the projections (:class:`alignax.models.lora.LoraConfig`);
+        ``None``: none. Not part of the exported HF config (adapters are merged or saved
+        apart, see :mod:`alignax.models.lora`).
     """
 
     model_type: str
@@ -104,6 +109,7 @@ class ModelConfig:
     dtype: str = "float32"
     scan_layers: bool = False
     remat: bool = False
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_ARCHITECTURES:
