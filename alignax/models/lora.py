@@ -297,7 +297,7 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, mesh: jax.s
         raise ValueError(f"{path}: target_modules {unknown} have no alignax projection; known: "
                          f"{', '.join([*by_module, 'lm_head'])}")
     spec = LoraConfig(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), rslora=bool(cfg.get("use_rslora", False)),
-                      targets=tuple(by_module.get(m, m) for m in modules))
+                      targets=tuple(t for t in TARGETS if t in {by_module.get(m, m) for m in modules}))
     model = with_adapters(model, spec, mesh=mesh)
     tensors = dict(read_safetensors(os.path.join(path, "adapter_model.safetensors")))
     tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
