@@ -44,12 +44,13 @@ BASES = {
     "sft": ("sft", {"evaluation": {"prompts": EVAL_PROMPTS, "max_prompts": 4}, "rollout": {"max_new_tokens": 8}}),
     "reward": ("reward", {}),
     "dpo": ("dpo", {}),
+    "dpo-lora": ("dpo", {"lora": {"rank": 2, "alpha": 4.0}}),
     "kto": ("kto", {}),
     "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
     "ppo": ("ppo", {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}, "evaluation": {"max_prompts": 4}}),
 }
 # A section the sweep sets from nothing (its keys under a base without it) starts valid.
-SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "evaluation.prompts": EVAL_PROMPTS}
+SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "evaluation.prompts": EVAL_PROMPTS, "lora": {"rank": 2}}
 # Keys read on a path one tiny step cannot reach, and where that path is tested.
 READ_ELSEWHERE = {
     "data.on_bad_record": "read when a record is bad (tests/test_data.py)",
@@ -228,6 +229,7 @@ SWEEP_VALUES = {
     "evaluation.prompts": [EVAL_PROMPTS],
     "evaluation.prompts.format": ["prompt"],  # the only format of a prompt set
     "precision.master_dtype": [None],  # its one other value: no master copy
+    "lora.targets": [["q", "v"]],
 }
 DATA_VALUES = {
     "paths": [["tests/data/some.jsonl"]],

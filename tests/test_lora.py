@@ -60,9 +60,11 @@ def test_config_validates_and_expands_targets():
     assert spec.targets == ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
     assert spec.scale == 2.0 and LoraConfig(rank=4, alpha=8, rslora=True).scale == 4.0
     for bad, message in [(dict(rank=0), "lora.rank"), (dict(targets=("qq",)), "unknown 'qq'"),
-                         (dict(dropout=0.1), "lora.dropout"), (dict(targets=()), "lora.targets")]:
+                         (dict(dropout=1.0), "lora.dropout"), (dict(targets=()), "lora.targets")]:
         with pytest.raises(ValueError, match=message):
             LoraConfig(**bad)
+    with pytest.raises(ValueError, match="dropout is not implemented"):
+        with_adapters(create_model(ModelConfig.from_hf_config(HF)), LoraConfig(dropout=0.1))
 
 
 def test_fresh_adapter_is_the_base_bit_for_bit_and_merging_is_exact():

@@ -53,7 +53,8 @@ class LoraConfig:
       rank: ``r``, the inner dimension of every adapter.
       alpha: scale numerator: adapters add ``alpha / r * x A B`` (``alpha / sqrt(r)`` with
         ``rslora``).
-      dropout: dropout on the adapter's input; only 0 (none) is implemented.
+      dropout: dropout on the adapter's input; only 0 (none) is implemented (building
+        adapters with another value is an error, and so is the key in a run config).
       targets: projections that get an adapter, from ``q k v o gate up down lm_head``, or
         ``all`` (the seven projections, not the LM head).
       rslora: rank-stabilised scaling ``alpha / sqrt(r)`` (Kalajdzievski 2023).
@@ -72,8 +73,8 @@ class LoraConfig:
             raise ValueError(f"lora.rank must be >= 1; got {self.rank}")
         if self.alpha <= 0:
             raise ValueError(f"lora.alpha must be > 0; got {self.alpha}")
-        if self.dropout != 0.0:
-            raise ValueError(f"lora.dropout={self.dropout}: adapter dropout is not implemented; set lora.dropout: 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1); got {self.dropout}")
         if not self.targets:
             raise ValueError("lora.targets is empty; name projections from " + ", ".join(TARGETS) + " or 'all'")
         unknown = [t for t in self.targets if t not in (*TARGETS, "all")]
@@ -123,6 +124,8 @@ def adapter(spec: LoraConfig | None, target: str, in_shape, out_shape, in_names,
     """The adapter of projection ``target``, or ``None`` when ``spec`` does not target it."""
     if spec is None or target not in spec.targets:
         return None
+    if spec.dropout:
+        raise ValueError(f"lora.dropout={spec.dropout}: adapter dropout is not implemented; set lora.dropout: 0")
     return LoRA(spec, in_shape, out_shape, in_names, out_names, param_dtype, rngs=rngs)
 
 

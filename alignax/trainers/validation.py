@@ -300,6 +300,7 @@ KEY_RULES: tuple[Rule, ...] = (
          "it is the dtype of frozen weights: a reference, reward models, or a LoRA run's base"),
     rule("lora", Is("algorithm", "sft", "dpo", "reward"),
          "adapters train offline runs (sft, dpo, reward); online trainers do not take them yet"),
+    rule("lora.dropout", NEVER, "adapter dropout is not implemented yet (adapters run without dropout)"),
     rule("model.logprob_chunk_size", IsNot("algorithm", "reward"), "a reward model scores sequences, no log-probs"),
     rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward")),
          "it seeds random initialisation and a reward model's fresh score head"),
