@@ -226,3 +226,50 @@ def test_export_of_a_lora_run_is_merged_and_carries_the_peft_adapter(lora_dpo):
         theirs = hf(torch.tensor(TOKENS)).logits.numpy()
     np.testing.assert_allclose(logits(result.model), theirs, atol=1e-4)
     assert np.max(np.abs(logits(result.model) - logits(from_pretrained(config.model.name)))) > 1e-3  # trained
+
+
+# ---------------------------------------------------------------------------- a LoRA GRPO run
+def _untied(toy_model, directory) -> str:
+    """The toy model with its tied head written out as an LM head of its own (the same
+    function: ``lm_head = embed``), so LoRA can adapt the head."""
+    import shutil
+
+    from alignax.models.hf import to_hf_state_dict
+    from alignax.models.safetensors_io import write_safetensors
+
+    hf_config, tensors = to_hf_state_dict(from_pretrained(toy_model))
+    hf_config["tie_word_embeddings"] = False
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    os.makedirs(directory)
+    write_safetensors(os.path.join(directory, "model.safetensors"), tensors)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    for name in os.listdir(toy_model):
+        if name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(os.path.join(toy_model, name), directory)
+    return str(directory)
+
+
+def test_lora_grpo_raises_the_mean_reward_with_the_adapters_off_reference(tmp_path, toy_model):
+    """The toy task and model of the full-parameter GRPO test (tests/test_online.py), its head
+    untied so that it gets an adapter too. (With the tied random embeddings frozen, the final
+    norm bounds every logit gap below ~1.3 nats: adapters on the trunk alone cannot make
+    "yes" likely, whatever they learn.)"""
+    from tests.rl_toy import toy_config, toy_prompts
+
+    model_dir = _untied(toy_model, tmp_path / "untied")
+    config = toy_config(tmp_path / "run", model_dir, "grpo", steps=20, checkpoint={"enabled": False},
+                        lora={**LORA, "targets": ["all", "lm_head"]}, optim={"learning_rate": 2e-2})
+    trainer = build_trainer(config, records=toy_prompts(32))
+    _, frozen = trainer.start()
+    base_ids = {id(x) for x in jax.tree.leaves(frozen["base"])}
+    ref_base, ref_adapters = nnx.split_state(frozen["reference"], nnx.Not(LoRAParam), ...)
+    assert all(id(x) in base_ids for x in jax.tree.leaves(ref_base))  # no second copy of the weights
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(ref_adapters))
+    result = train(config, records=toy_prompts(32))
+    rewards = np.array([h["reward/total"] for h in result.history])
+    assert rewards[-5:].mean() > rewards[:5].mean() + 0.3, rewards.round(3).tolist()
+    assert result.history[0]["kl/ref_seq"] == 0.0  # fresh adapters: the policy is the reference
+    assert result.history[-1]["kl/ref_seq"] > 0.0
+    assert [x.shape for x in jax.tree.leaves(result.loop.state.params)] == \
+        [x.shape for x in jax.tree.leaves(nnx.state(result.model, LoRAParam))]
