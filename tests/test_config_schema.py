@@ -44,7 +44,7 @@ BASES = {
     "sft": ("sft", {"evaluation": {"prompts": EVAL_PROMPTS, "max_prompts": 4}, "rollout": {"max_new_tokens": 8}}),
     "reward": ("reward", {}),
     "dpo": ("dpo", {}),
-    "dpo-lora": ("dpo", {"lora": {"rank": 2, "alpha": 4.0}}),
+    "dpo-lora": ("dpo-lora", {}),
     "kto": ("kto", {}),
     "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
     "ppo": ("ppo", {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}, "evaluation": {"max_prompts": 4}}),
