@@ -283,3 +283,25 @@ def test_tiny_lora_recipes_run(tmp_path, recipe):
     assert result.loop.last_step == 2 and all(np.isfinite(h["loss"]) for h in result.history)
     adapters = [x.shape for x in jax.tree.leaves(nnx.state(result.model, LoRAParam))]
     assert adapters and [x.shape for x in jax.tree.leaves(result.loop.state.params)] == adapters
+
+
+def test_estimator_counts_adapters_and_one_frozen_base():
+    from alignax import estimate as est
+    from alignax.trainers.api import load_config
+
+    config = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "dpo-lora.yaml"))
+    model = ModelConfig.from_hf_config(HF)
+    spec = LoraConfig(rank=4, alpha=8, targets=("all", "lm_head"))
+    built = with_adapters(create_model(model), spec)
+    assert est.adapter_parameter_count(model, spec) == count_adapter_params(built)
+    shape = est.model_config_for(config, "llama-2-7b")
+    adapters = est.adapter_parameter_count(shape, config.lora)
+    # rank 16 on the 7 projections of Llama-2-7B: 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008)) * 32 layers
+    assert adapters == 16 * (4 * 8192 + 3 * 15104) * 32 == 39_976_960
+    lora = est.estimate(config, model=shape, devices=1)
+    full = est.estimate(dataclasses.replace(config, lora=None), model=shape, devices=1)
+    P = full.parameters
+    assert lora.items["policy weights"] == 4 * adapters and lora.items["policy optimizer moments"] == 8 * adapters
+    assert lora.items["frozen base"] == 4 * P and lora.items["reference"] == 0.0
+    assert full.items["reference"] == 4 * P and full.items["policy optimizer moments"] == 8 * P
+    assert lora.total < full.total - 15 * P  # no gradients, moments or reference for the base

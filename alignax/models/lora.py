@@ -142,6 +142,21 @@ def adapters_off(adapters: Any) -> Any:
     return jax.tree.map(jnp.zeros_like, adapters)
 
 
+def adapter_parameter_count(config, spec: LoraConfig) -> int:
+    """Adapter weights ``spec`` puts on a model of ``config`` (a ``ModelConfig``): ``r (in +
+    out)`` per targeted projection and layer (what :func:`count_adapter_params` counts on a
+    built model, from the shape alone)."""
+    D, N, K, H, F = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, \
+        config.intermediate_size
+    sizes = {"q": (D, N * H), "k": (D, K * H), "v": (D, K * H), "o": (N * H, D), "gate": (D, F), "up": (D, F),
+             "down": (F, D)}
+    if not config.gated_mlp:
+        sizes.pop("gate")
+    per_layer = sum(spec.rank * (i + o) for t, (i, o) in sizes.items() if t in spec.targets)
+    head = spec.rank * (D + config.vocab_size) if "lm_head" in spec.targets and not config.tie_word_embeddings else 0
+    return config.num_layers * per_layer + head
+
+
 def count_adapter_params(model_or_state) -> int:
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, LoRAParam)
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
