@@ -305,3 +305,17 @@ def test_estimator_counts_adapters_and_one_frozen_base():
     assert lora.items["frozen base"] == 4 * P and lora.items["reference"] == 0.0
     assert full.items["reference"] == 4 * P and full.items["policy optimizer moments"] == 8 * P
     assert lora.total < full.total - 15 * P  # no gradients, moments or reference for the base
+
+
+def test_lora_dpo_on_a_2x2x2_mesh_matches_one_device():
+    from tests.fake_devices import run_check
+
+    out = run_check("mesh_dpo_check.py", "--lora")
+    assert out["devices"] == 8
+    np.testing.assert_allclose(out["loss_sharded"], out["loss_single"], rtol=1e-5)
+    assert out["max_param_diff"] < 5e-5
+    assert out["eval_accuracy_sharded"] == out["eval_accuracy_single"]
+    # adapters shard like the kernels they adapt: q's A [embed, lora_rank] over fsdp, B's heads over tensor
+    q_a = next(v for k, v in out["specs"].items() if "q_lora" in k and "'a'" in k)
+    q_b = next(v for k, v in out["specs"].items() if "q_lora" in k and "'b'" in k)
+    assert "fsdp" in q_a and "tensor" in q_b, (q_a, q_b)

@@ -101,36 +101,36 @@ def _estimate(config, args) -> float:
     return estimate.estimate(config, model=model, devices=1, mesh=(1, 1, 1)).total
 
 
+def _build(module, bench_class, args, lora):
+    """The bench of ``module`` (bench_dpo / bench_grpo) with ``lora`` set, and its config."""
+    bench_args = module.parse_args(["--model", args.model, "--steps", str(args.steps), "--warmup",
+                                    str(args.warmup), "--seed", str(args.seed), "--skip-peer"])
+    with lora_recipe(module, lora):
+        return getattr(module, bench_class)(bench_args), module.train_config(bench_args)
+
+
 def run_dpo(args, lora) -> dict:
-    bench_args = bench_dpo.parse_args(["--model", args.model, "--steps", str(args.steps), "--warmup",
-                                       str(args.warmup), "--seed", str(args.seed), "--skip-peer"])
-    with lora_recipe(bench_dpo, lora):
-        bench = bench_dpo.AlignaxDPO(bench_args)
-        config = bench_dpo.train_config(bench_args)
-    recorder = bench.step_fn = Recorder(bench.step_fn)
+    bench, config = _build(bench_dpo, "AlignaxDPO", args, lora)
+    bench.step_fn = Recorder(bench.step_fn)
+    return _measure(bench, bench.step_fn, config, args, keys=("loss_first_last",))
+
+
+def run_grpo(args, lora) -> dict:
+    bench, config = _build(bench_grpo, "AlignaxGRPO", args, lora)
+    bench.trainer.update = Recorder(bench.trainer.update)
+    return _measure(bench, bench.trainer.update, config, args, keys=("update_s", "generation_s", "logprob_s"))
+
+
+def _measure(bench, recorder: Recorder, config, args, *, keys) -> dict:
+    """Warm up, time ``args.steps`` steps, then the step's compiled memory and state bytes."""
+    import jax
+
     bench.warm()
     bench.run(args.steps)
     summary = bench.summary()
     return {"step_time_s_median": summary["step_time_s_median"], "step_times_s": summary["step_times_s"],
-            "loss_first_last": summary["loss_first_last"], **recorder.memory(),
-            "trainable_parameters": int(sum(x.size for x in __import__("jax").tree.leaves(bench.state.params))),
-            "trainable_bytes": _nbytes(bench.state.params), "optimizer_state_bytes": _nbytes(bench.state.opt_state),
-            "estimate_total_bytes": _estimate(config, args)}
-
-
-def run_grpo(args, lora) -> dict:
-    bench_args = bench_grpo.parse_args(["--model", args.model, "--steps", str(args.steps), "--warmup",
-                                        str(args.warmup), "--seed", str(args.seed), "--skip-peer"])
-    with lora_recipe(bench_grpo, lora):
-        bench = bench_grpo.AlignaxGRPO(bench_args)
-        config = bench_grpo.train_config(bench_args)
-    recorder = bench.trainer.update = Recorder(bench.trainer.update)
-    bench.warm()
-    bench.run(args.steps)
-    summary = bench.summary()
-    return {"step_time_s_median": summary["step_time_s_median"], "update_s": summary["update_s"],
-            "generation_s": summary["generation_s"], "logprob_s": summary["logprob_s"], **recorder.memory(),
-            "trainable_parameters": int(sum(x.size for x in __import__("jax").tree.leaves(bench.state.params))),
+            **{key: summary[key] for key in keys}, **recorder.memory(),
+            "trainable_parameters": int(sum(x.size for x in jax.tree.leaves(bench.state.params))),
             "trainable_bytes": _nbytes(bench.state.params), "optimizer_state_bytes": _nbytes(bench.state.opt_state),
             "estimate_total_bytes": _estimate(config, args)}
 
