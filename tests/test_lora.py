@@ -97,6 +97,23 @@ def test_adapter_adds_s_x_a_b_to_a_projection():
     np.testing.assert_allclose(np.asarray(attn.o_lora(jnp.asarray(x))), want.reshape(3, 2, 32), rtol=1e-5, atol=1e-6)
 
 
+def test_sampler_generates_with_adapters_unmerged_as_the_merged_model_does():
+    from alignax.sampling import SamplingConfig, generate
+
+    model = _perturbed(with_adapters(create_model(ModelConfig.from_hf_config(HF), seed=0),
+                                     LoraConfig(rank=4, alpha=8, targets=("all", "lm_head"))), scale=0.2)
+    config = SamplingConfig(max_new_tokens=6, temperature=1.0, num_samples=2)
+    prompts, mask = jnp.asarray(TOKENS[:, :4]), jnp.ones((2, 4), jnp.int32)
+    run = jax.jit(generate, static_argnums=0, static_argnames=("config",))
+    unmerged = run(*nnx.split(model), prompts, mask, jax.random.key(3), config=config)
+    merged = run(*nnx.split(merge_adapters(model)), prompts, mask, jax.random.key(3), config=config)
+    base = run(*nnx.split(create_model(ModelConfig.from_hf_config(HF), seed=0)), prompts, mask, jax.random.key(3),
+               config=config)
+    np.testing.assert_array_equal(np.asarray(unmerged.tokens), np.asarray(merged.tokens))
+    np.testing.assert_allclose(np.asarray(unmerged.sampling_logps), np.asarray(merged.sampling_logps), atol=1e-4)
+    assert np.any(np.asarray(unmerged.tokens) != np.asarray(base.tokens))  # the adapters are in the samples
+
+
 # ---------------------------------------------------------------------------- PEFT interchange
 def test_peft_adapter_round_trip_with_transformers_and_peft(tmp_path):
     torch = pytest.importorskip("torch")
