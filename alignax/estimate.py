@@ -17,6 +17,13 @@ weights, a float32 master, Adam moments at 2 bytes, no gradients, frozen models 
 it leaves out the gradients and counts moments at half their size, so it is lower than
 ``standard`` (for a 7B model PPO ~170 GB against ~240 GB; see the README).
 
+LoRA (the ``lora`` section): the trained weights, their gradients, moments and master copy
+are the adapters' (:func:`alignax.models.lora.adapter_parameter_count`); the base is one
+frozen copy in ``precision.frozen_dtype`` ("frozen base"), and the reference is that same
+base with the adapters off (nothing more). The update's backward pass still carries
+activation gradients through the base (``4 N`` FLOPs per token) but computes no weight
+gradient for it.
+
 Activations are an estimate (the compiler decides what it keeps): with remat, each
 layer's input is kept and one layer's working set is live; without, every layer's
 working set. The states (weights, gradients, moments, master, frozen models) are exact.
@@ -30,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from alignax.models.config import ModelConfig
+from alignax.models.lora import adapter_parameter_count
 
 GB = 1e9
 
@@ -203,7 +211,14 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     P = parameter_count(model, head="scalar" if algorithm == "reward" else "lm")
     # the seed's rule counts every model (reward model, critic) at the policy's size
     scalar = P if assumptions == "seed" else parameter_count(model, head="scalar")
-    items: dict[str, float] = {f"policy {k}": v for k, v in _trained(P, p, shard).items()}
+    lora = getattr(config, "lora", None)
+    if lora is not None and assumptions == "standard":
+        adapters = adapter_parameter_count(model, lora)
+        items: dict[str, float] = {f"policy {k}": v for k, v in _trained(adapters, p, shard).items()}
+        items["frozen base"] = P * p.frozen / shard
+    else:
+        adapters = None
+        items = {f"policy {k}": v for k, v in _trained(P, p, shard).items()}
     frozen = P * p.frozen / shard
     online = algorithm in ("grpo", "ppo")
     section = getattr(config, algorithm, None)
@@ -214,7 +229,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         uses_reference = section.kl_coef > 0 or assumptions == "seed"
     else:
         uses_reference = False
-    items["reference"] = frozen if uses_reference else 0.0
+    items["reference"] = frozen if uses_reference and adapters is None else 0.0  # LoRA: the base, adapters off
     n_reward_models = len(config.rewards.reward_models or ()) if online else 0
     if assumptions == "seed" and online:
         n_reward_models = max(n_reward_models, 1)  # the seed's GRPO/PPO count a reward model
@@ -267,9 +282,11 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     # ---- FLOPs of one step (all devices)
     non_embedding = P - V * model.hidden_size
     attention = 12 * L * D * length  # per token: scores and values, forward + backward
+    # per trained token: forward 2N, activation gradients 2N, weight gradients 2N (adapters only under LoRA)
+    update = 6 * non_embedding if adapters is None else 4 * non_embedding + 6 * adapters
     if online:
         trained_tokens = rows * length * section.epochs
-        flops = {"policy update": trained_tokens * (6 * non_embedding + attention),
+        flops = {"policy update": trained_tokens * (update + attention),
                  "generation": 2 * non_embedding * rows * length,
                  "policy forward": 2 * non_embedding * rows * length,
                  "reference forward": 2 * non_embedding * rows * length if uses_reference else 0.0}
@@ -280,7 +297,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
             flops["reward models"] = n_reward_models * 2 * non_embedding * rows * length
     else:
         trained_tokens = rows * length
-        flops = {"policy update": trained_tokens * (6 * non_embedding + attention),
+        flops = {"policy update": trained_tokens * (update + attention),
                  "reference forward": 2 * non_embedding * trained_tokens if uses_reference else 0.0}
 
     memory = device_memory_gb * GB if device_memory_gb is not None else None
@@ -333,7 +350,8 @@ def _suggestion(config, model, result: Estimate, **kwargs) -> str:
     last = estimate(current, model=model, devices=result.devices, mesh=mesh,
                     device_memory_gb=result.device_memory / GB, suggest=False, **kwargs) if tried else result
     return (f"does not fit even with {combined} ({last.total / GB:.1f} GB per device); use more devices, "
-            "or LoRA (parameter-efficient training)")
+            + ("or a smaller LoRA rank" if getattr(config, "lora", None) is not None
+               else "or LoRA (parameter-efficient training: lora.rank)"))
 
 
 def model_config_for(config, model: str | Mapping[str, Any] | None = None) -> ModelConfig:

@@ -1,6 +1,7 @@
 """Run by tests/test_trainers_mesh.py on 8 fake CPU devices: one DPO step of the real
 trainer on a (2, 2, 2) mesh (FSDP over parameters and optimiser state, batch over data)
 against the same step on one device. Prints one JSON line of measured differences.
+``--lora``: the same with LoRA adapters (rank 4 on every projection), the adapters trained.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from tests.trainer_helpers import separable_pairs, tiny_config
 
 
 def run(model_dir, shape):
+    lora = {"lora": {"rank": 4, "alpha": 8}} if "--lora" in sys.argv else {}
     with tempfile.TemporaryDirectory() as tmp:
         config = tiny_config(tmp, "dpo", steps=2, model_dir=model_dir, checkpoint={"enabled": False},
-                             mesh={"shape": list(shape)}, train={"grad_accum_steps": 2})
+                             mesh={"shape": list(shape)}, train={"grad_accum_steps": 2}, **lora)
         result = train(config, records=separable_pairs(40))
     params = nnx.state(result.model, nnx.Param)
     return result, params
@@ -49,6 +51,7 @@ def main() -> int:
         "eval_accuracy_sharded": sharded.eval_history[-1]["eval/rewards/accuracies"],
         "max_param_diff": max(diffs),
         "embed_spec": next(v for k, v in specs.items() if "embed" in k),
+        "specs": specs,
         "num_devices_of_embed": len(next(
             leaf for path, leaf in jax.tree_util.tree_leaves_with_path(sharded_params)
             if "embed" in "/".join(map(str, path))

@@ -45,12 +45,13 @@ BASES = {
     "reward": ("reward", {}),
     "prm": ("prm", {}),
     "dpo": ("dpo", {}),
+    "dpo-lora": ("dpo-lora", {}),
     "kto": ("kto", {}),
     "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
     "ppo": ("ppo", {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}, "evaluation": {"max_prompts": 4}}),
 }
 # A section the sweep sets from nothing (its keys under a base without it) starts valid.
-SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "evaluation.prompts": EVAL_PROMPTS}
+SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "evaluation.prompts": EVAL_PROMPTS, "lora": {"rank": 2}}
 # Keys read on a path one tiny step cannot reach, and where that path is tested.
 READ_ELSEWHERE = {
     "data.on_bad_record": "read when a record is bad (tests/test_data.py)",
@@ -238,6 +239,8 @@ SWEEP_VALUES = {
     "rewards.judge_rubric": ["{prompt} {completion} ok?"],
     "rewards.judge_verdicts": [["ok", "no"]],
     "grpo.process_reward_model": ["runs/prm"],
+    "lora": [{"rank": 2}],
+    "lora.targets": [["q", "v"]],
 }
 DATA_VALUES = {
     "paths": [["tests/data/some.jsonl"]],

@@ -139,7 +139,7 @@ class AlignaxDPO:
         trainer = api.build_trainer(config, with_data=False)
         params = trainer.params
         self.state, reference = trainer.start()
-        self.frozen = {"reference": reference}
+        self.frozen = trainer.frozen_inputs(reference) if trainer.task.precompute is None else {"reference": reference}
         total = args.warmup + args.rounds * args.steps
         batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1,
                                packed=not args.unpacked)

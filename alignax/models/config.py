@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from alignax.models.lora import LoraConfig
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -82,6 +84,9 @@ class ModelConfig:
       remat: what each layer keeps for the backward pass, one of :data:`REMAT_POLICIES`
         (``jax.checkpoint`` with that policy; ``True``/``False`` read as ``"full"``/``"none"``).
       attention: one of :data:`ATTENTION_IMPLEMENTATIONS`.
+      lora: low-rank adapters on the projections (:class:`alignax.models.lora.LoraConfig`);
+        ``None``: none. Not part of the exported HF config (adapters are merged or saved
+        apart, see :mod:`alignax.models.lora`).
     """
 
     model_type: str
@@ -120,6 +125,7 @@ class ModelConfig:
     scan_layers: bool = False
     remat: str = "none"
     attention: str = "xla"
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLEMENTATIONS:

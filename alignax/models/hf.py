@@ -32,6 +32,7 @@ from flax import nnx
 
 from alignax._checks import check_choice
 from alignax.models.config import ModelConfig
+from alignax.models.lora import merge_adapters
 from alignax.models.modeling import MODEL_KINDS, PolicyValueModel
 from alignax.models.safetensors_io import read_safetensors, write_safetensors
 from alignax.parallel.sharding import LOGICAL_AXIS_RULES, place_array, tree_shardings
@@ -360,7 +361,9 @@ def from_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", **kwarg
 
 
 def to_hf_state_dict(model) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(config.json dict, HF-named NumPy tensors)`` of a model, in its parameter dtype."""
+    """``(config.json dict, HF-named NumPy tensors)`` of a model, in its parameter dtype; a
+    model with LoRA adapters is written with them merged into its kernels."""
+    model = merge_adapters(model)
     kind = _KIND_OF.get(type(model))
     if kind is None:
         raise TypeError(f"cannot export {type(model).__name__}; supported: {', '.join(c.__name__ for c in _KIND_OF)}")

@@ -14,6 +14,9 @@ all-gathers each layer's weights (FSDP) instead of moving activations to where t
 weights lie. Weights are cast to the compute dtype before the matmul (``kernel[...]
 .astype(x.dtype)``), so what is gathered is the compute-dtype copy.
 
+A projection named in ``config.lora.targets`` also carries an adapter
+(:mod:`alignax.models.lora`): ``q_lora`` ... ``down_lora``, added to the kernel's output.
+
 Einsum letters: B batch, T new tokens, S key slots, D model, N heads, K kv heads,
 G query heads per kv head, H head dim, F mlp.
 """
@@ -29,6 +32,7 @@ from flax import nnx
 
 from alignax.models.config import ModelConfig
 from alignax.models.dense import dense
+from alignax.models.lora import adapter
 from alignax.models.splash import splash_attention
 from alignax.parallel.sharding import constrain
 
@@ -162,9 +166,15 @@ class Attention(nnx.Module):
             self.k_norm = Norm(H, kind="rms", eps=c.norm_eps, param_dtype=pd)
         else:
             self.q_norm = self.k_norm = None
+        self.q_lora = adapter(c.lora, "q", (D,), (N, H), ("embed",), ("heads", "head_dim"), pd, rngs)
+        self.k_lora = adapter(c.lora, "k", (D,), (K, H), ("embed",), ("kv_heads", "head_dim"), pd, rngs)
+        self.v_lora = adapter(c.lora, "v", (D,), (K, H), ("embed",), ("kv_heads", "head_dim"), pd, rngs)
+        self.o_lora = adapter(c.lora, "o", (N, H), (D,), ("heads", "head_dim"), ("embed",), pd, rngs)
 
-    def _project(self, x: Array, kernel: nnx.Param, bias: nnx.Param | None) -> Array:
+    def _project(self, x: Array, kernel: nnx.Param, bias: nnx.Param | None, lora=None) -> Array:
         y = dense(x, kernel[...].astype(x.dtype))  # [B, T, D] x [D, N, H]
+        if lora is not None:
+            y = y + lora(x)
         return y if bias is None else y + bias[...].astype(x.dtype)
 
     def __call__(
@@ -180,9 +190,9 @@ class Attention(nnx.Module):
         layer writes its new keys/values at ``[layer, :, index:index+T]`` in place and
         reads ``[layer]`` — no copy of the other layers' slots per step."""
         c = self.config
-        q = constrain(self._project(x, self.q_kernel, self.q_bias), QUERY_HEADS)  # [B, T, N, H]
-        k = constrain(self._project(x, self.k_kernel, self.k_bias), KV_HEADS)  # [B, T, K, H]
-        v = constrain(self._project(x, self.v_kernel, self.v_bias), KV_HEADS)
+        q = constrain(self._project(x, self.q_kernel, self.q_bias, self.q_lora), QUERY_HEADS)  # [B, T, N, H]
+        k = constrain(self._project(x, self.k_kernel, self.k_bias, self.k_lora), KV_HEADS)  # [B, T, K, H]
+        v = constrain(self._project(x, self.v_kernel, self.v_bias, self.v_lora), KV_HEADS)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if sin_cos is not None:
@@ -220,6 +230,8 @@ class Attention(nnx.Module):
             out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
         out = constrain(out, QUERY_HEADS)
         y = dense(out, self.o_kernel[...].astype(x.dtype), in_axes=2)  # [B, T, N, H] x [N, H, D]
+        if self.o_lora is not None:
+            y = y + self.o_lora(out)
         if self.o_bias is not None:
             y = y + self.o_bias[...].astype(x.dtype)
         return constrain(y, RESIDUAL), kv
@@ -242,20 +254,26 @@ class MLP(nnx.Module):
             self.down_bias = const_param(0.0, (D,), ("embed",), pd)
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
+        gate_lora = adapter(c.lora, "gate", (D,), (F,), ("embed",), ("mlp",), pd, rngs) if c.gated_mlp else None
+        self.gate_lora = gate_lora
+        self.up_lora = adapter(c.lora, "up", (D,), (F,), ("embed",), ("mlp",), pd, rngs)
+        self.down_lora = adapter(c.lora, "down", (F,), (D,), ("mlp",), ("embed",), pd, rngs)
 
     @staticmethod
-    def _linear(x, kernel, bias):
+    def _linear(x, kernel, bias, lora=None):
         y = dense(x, kernel[...].astype(x.dtype))
+        if lora is not None:
+            y = y + lora(x)
         return y if bias is None else y + bias[...].astype(x.dtype)
 
     def __call__(self, x: Array) -> Array:
         act = activation_fn(self.activation)
-        h = constrain(self._linear(x, self.up_kernel, self.up_bias), MLP_HIDDEN)
+        h = constrain(self._linear(x, self.up_kernel, self.up_bias, self.up_lora), MLP_HIDDEN)
         if self.gate_kernel is not None:
-            h = act(constrain(self._linear(x, self.gate_kernel, self.gate_bias), MLP_HIDDEN)) * h
+            h = act(constrain(self._linear(x, self.gate_kernel, self.gate_bias, self.gate_lora), MLP_HIDDEN)) * h
         else:
             h = act(h)
-        return constrain(self._linear(h, self.down_kernel, self.down_bias), RESIDUAL)
+        return constrain(self._linear(h, self.down_kernel, self.down_bias, self.down_lora), RESIDUAL)
 
 
 class Block(nnx.Module):

@@ -36,6 +36,7 @@ from alignax.models.cache import KVCache
 from alignax.models.config import ModelConfig, rope_inv_freq
 from alignax.models.dense import DENSE_OUTPUT, dense
 from alignax.models.layers import RESIDUAL, Block, KeyMask, Norm, normal_param, param, rope_sin_cos
+from alignax.models.lora import adapter
 from alignax.parallel.sharding import constrain
 
 Array = jax.Array
@@ -76,8 +77,9 @@ def last_token_index(attention_mask: Array) -> Array:
 def _stack_layer_metadata(state):
     """Prepend the logical axis ``layers`` to every parameter of a vmapped layer state."""
 
-    def add(v):
-        return param(v.get_value(), ("layers", *v.get_metadata()["out_sharding"]))
+    def add(v):  # keeps the variable's type (an adapter's LoRAParam stays one)
+        return type(v)(v.get_value(), out_sharding=("layers", *v.get_metadata()["out_sharding"]),
+                       eager_sharding=False)
 
     return jax.tree.map(add, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -248,6 +250,11 @@ class _LMHeadMixin:
             self.lm_head = normal_param(
                 rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), jnp.dtype(config.param_dtype)
             )
+        if config.lora is not None and "lm_head" in config.lora.targets and not config.tie_word_embeddings:
+            self.lm_head_lora = adapter(config.lora, "lm_head", (config.hidden_size,), (config.vocab_size,),
+                                        ("embed",), ("vocab",), jnp.dtype(config.param_dtype), rngs)
+        else:
+            self.lm_head_lora = None
 
     def logits(self, hidden: Array) -> Array:
         """``hidden [B, ..., D] -> logits [B, ..., V]`` in float32 (accumulated in float32).
@@ -262,6 +269,8 @@ class _LMHeadMixin:
             logits = dense(hidden, w, transposed=True, out_dtype=jnp.float32)
         else:
             logits = dense(hidden, self.lm_head[...].astype(hidden.dtype), out_dtype=jnp.float32)
+        if self.lm_head_lora is not None:
+            logits = logits + self.lm_head_lora(hidden, out_dtype=jnp.float32)
         return constrain(logits, (*rows, "activation_vocab"))
 
 

@@ -66,6 +66,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     ("positions", None),
     ("labels", None),
+    ("lora_rank", None),  # the inner dim of LoRA adapters (alignax.models.lora)
 )
 
 

@@ -24,6 +24,7 @@ from alignax import config as config_io
 from alignax.checkpoint import Checkpointer
 from alignax.config import ConfigError
 from alignax.models import save_pretrained
+from alignax.models.lora import save_peft_adapter
 from alignax.parallel import multihost
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
@@ -157,7 +158,9 @@ def export(config: TrainConfig, destination: str | None = None, *, step: int | N
            critic: bool = False) -> str:
     """Write a run's trained model (latest checkpoint, or ``step``) as Hugging Face
     safetensors + tokenizer into ``destination`` (default ``<output_dir>/export``); with
-    ``critic`` (PPO with a separate critic), the critic goes to ``<destination>/critic``."""
+    ``critic`` (PPO with a separate critic), the critic goes to ``<destination>/critic``. A LoRA
+    run's model is written merged (``W + s A B``), and its adapter alone in PEFT's format
+    under ``<destination>/adapter`` (llama-like families)."""
     multihost.initialize(config.distributed)
     if algorithm(config.algorithm).family == "iterative":  # the rounds export their policies; step: a round
         return iterative.export(config, destination, step=step)
@@ -172,4 +175,6 @@ def export(config: TrainConfig, destination: str | None = None, *, step: int | N
             target = os.path.join(destination, name) if name else destination
             save_pretrained(model, target)
             trainer.tokenizer.save_pretrained(target)
+            if model.config.lora is not None and model.config.model_type != "gpt2":
+                save_peft_adapter(model, os.path.join(target, "adapter"), base_model_name=config.model.name)
     return destination

@@ -6,6 +6,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     output_dir: runs/dpo      # checkpoints, metrics.jsonl, TensorBoard events, export
     model: {...}              # ModelSpec
     precision: {...}          # PrecisionConfig: parameter, compute, master, moment and frozen dtypes
+    lora: {...}               # alignax.models.lora.LoraConfig: train low-rank adapters only (null: all params)
     data: {...}               # alignax.data.DataConfig
     optim: {...}              # OptimConfig
     train: {...}              # TrainSection
@@ -28,6 +29,7 @@ from typing import Any, Literal
 
 from alignax.data import DataConfig
 from alignax.evaluation import EvaluationConfig
+from alignax.models.lora import LoraConfig
 from alignax.ops import AggregationMode
 from alignax.parallel.multihost import DistributedConfig
 from alignax.rewards.composite import RewardConfig
@@ -384,6 +386,7 @@ class TrainConfig:
     output_dir: str = "runs/default"
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    lora: LoraConfig | None = None
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)

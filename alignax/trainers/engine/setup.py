@@ -18,6 +18,7 @@ from flax import nnx
 
 from alignax import models
 from alignax.models import registry
+from alignax.models.lora import LoraConfig, with_adapters
 from alignax._checks import check_choice
 from alignax.parallel.multihost import place_local_batch
 from alignax.parallel.sharding import batch_sharding, mesh_for_shape
@@ -64,9 +65,10 @@ def _read_hf_config(directory: str) -> dict[str, Any]:
 
 
 def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.Mesh | None = None,
-                precision: PrecisionConfig = PrecisionConfig()) -> nnx.Module:
+                precision: PrecisionConfig = PrecisionConfig(), lora: LoraConfig | None = None) -> nnx.Module:
     """The model of ``kind`` (``alignax.models.MODEL_KINDS``) for ``spec``, sharded over ``mesh``,
-    its weights in ``precision.param_dtype`` computing in ``precision.compute_dtype``.
+    its weights in ``precision.param_dtype`` computing in ``precision.compute_dtype``; with
+    ``lora``, fresh adapters on its projections (:func:`alignax.models.lora.with_adapters`).
 
     ``random_init`` builds a fresh model from the named config with fields replaced. A
     reward model started from a causal-LM checkpoint keeps its trunk and gets a fresh
@@ -83,11 +85,13 @@ def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.
                   attention=attention_implementation(spec.attention, precision.compute_dtype))
     if spec.random_init is not None:
         config = models.ModelConfig.from_hf_config({**hf_config, **spec.random_init}, **policy)
-        return models.create_model(config, kind=kind, seed=spec.seed, mesh=mesh)
-    tensors = models.read_hf_tensors(directory)
-    new_head = kind == "reward" and "score.weight" not in tensors
-    return models.from_hf_state_dict(hf_config, tensors, kind=kind, mesh=mesh, new_head=new_head, seed=spec.seed,
-                                     **policy)
+        model = models.create_model(config, kind=kind, seed=spec.seed, mesh=mesh)
+    else:
+        tensors = models.read_hf_tensors(directory)
+        new_head = kind == "reward" and "score.weight" not in tensors
+        model = models.from_hf_state_dict(hf_config, tensors, kind=kind, mesh=mesh, new_head=new_head,
+                                          seed=spec.seed, **policy)
+    return model if lora is None else with_adapters(model, lora, mesh=mesh)
 
 
 def attention_implementation(choice: str, compute_dtype: str, backend: str | None = None) -> str:

@@ -4,11 +4,14 @@ DPO family, KTO) over a fixed dataset, run by the engine's session.
 It builds the mesh, tokenizer, data and model, the jitted step and the eval pass over the
 eval split; a reference-based task gets a frozen copy of the initial policy (saved once
 with the checkpoints), or the reference log-probs of every record computed once before
-training (``dpo.reference: precomputed``).
+training (``dpo.reference: precomputed``). With ``lora`` the train state holds the
+adapters alone, the base rides in the frozen inputs and the reference is that base with
+the adapters off (:mod:`alignax.trainers.engine.adapters`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +26,7 @@ from alignax.data import prepare_dataset
 from alignax.parallel.multihost import local_rows
 from alignax.parallel.sharding import place_array
 from alignax.trainers.config import TrainConfig
+from alignax.trainers.engine import adapters
 from alignax.trainers.engine.optim import build_optimizer
 from alignax.trainers.engine.precision import frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
@@ -41,11 +45,17 @@ class OfflineTrainer:
         self.config = config
         self.mesh = build_mesh(config.mesh)
         self.tokenizer = load_tokenizer(config.model)
-        model = build_model(config.model, kind=model_kind, mesh=self.mesh, precision=config.precision)
+        model = build_model(config.model, kind=model_kind, mesh=self.mesh, precision=config.precision,
+                            lora=config.lora)
         self.vocab_size = model.config.vocab_size
-        self.graphdef, self.params, self.rest = split_params(model)
+        self.graphdef, params, self.rest = split_params(model)
         del model
-        self.task = task_builder(config, self.graphdef, self.rest)
+        self.params, base = adapters.split_trainable(params, config.lora)
+        self.base = None if base is None else frozen_params(base, config.precision)
+        del params, base
+        task = task_builder(config, self.graphdef, self.rest)
+        self.task = dataclasses.replace(task, loss_fn=adapters.with_base(task.loss_fn),
+                                        eval_fn=adapters.with_base(task.eval_fn))
         self.data = (prepare_dataset(config.data, self.tokenizer, records=records,
                                      required_fields=self.task.required_fields) if with_data else None)
         self.placer = BatchPlacer(self.mesh)
@@ -64,21 +74,34 @@ class OfflineTrainer:
         return {"": self.model_from(params)}
 
     def model_from(self, params) -> nnx.Module:
+        if self.base is not None:
+            params = nnx.merge_state(params, self.base)
         return nnx.merge(self.graphdef, params, self.rest)
 
     def frozen_inputs(self, reference) -> dict[str, Any]:
-        """What the loss reads besides the params: the live reference or its log-probs."""
+        """What the loss reads besides the params: the live reference or its log-probs, and
+        with LoRA the frozen base (``reference`` is then the adapters-off leaves)."""
+        frozen = adapters.frozen_base(self.base, reference)
         if reference is None:
-            return {}
+            return frozen
         if self.task.precompute is not None:
-            return self.precompute_reference(reference)
-        return {"reference": reference}
+            table = self.precompute_reference(frozen.pop("reference", reference))
+            return {**frozen, **table}
+        return frozen or {"reference": reference}
+
+    def initial_reference(self) -> Any:
+        """The reference the run starts from (``None`` when the task has none): the initial
+        params in ``precision.frozen_dtype``, or with LoRA the adapters switched off."""
+        if not self.task.uses_reference:
+            return None
+        if self.base is not None:
+            return adapters.reference_adapters(self.params)
+        return frozen_params(self.params, self.config.precision)
 
     def eval_frozen(self) -> dict[str, Any]:
         """The frozen inputs of an evaluation outside training: the initial params are the
         reference (the run saved exactly them, in ``precision.frozen_dtype``, as its reference)."""
-        return self.frozen_inputs(frozen_params(self.params, self.config.precision) if self.task.uses_reference
-                                  else None)
+        return self.frozen_inputs(self.initial_reference())
 
     def has_evaluation(self) -> bool:
         """Whether there is anything to evaluate: an eval split, or ``evaluation.prompts``."""
@@ -97,7 +120,7 @@ class OfflineTrainer:
                 self._sampler = evaluation.build_sampler(self.graphdef, self.tokenizer, self.config, mesh=self.mesh,
                                                          vocab_size=self.vocab_size)
             batches = evaluation.prompt_batches(self.config, self.tokenizer)
-            state = nnx.merge_state(params, self.rest)
+            state = nnx.merge_state(params, *(() if self.base is None else (self.base,)), self.rest)
             figures = evaluation.evaluate_policy(self._sampler, state, batches, self.config.evaluation,
                                                  seed=self.config.train.seed)
             out.update({f"generation/{k}": v for k, v in figures.items()})
@@ -158,7 +181,7 @@ class OfflineTrainer:
                             grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule),
             donate_argnums=(0,), out_shardings=(shardings, None),
         )
-        reference = frozen_params(self.params, self.config.precision) if task.uses_reference else None
+        reference = self.initial_reference()
         self.params = None
         return state, reference
 

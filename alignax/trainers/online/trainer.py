@@ -57,6 +57,7 @@ from alignax.trainers.engine import packing
 from alignax.trainers.engine.optim import build_optimizer
 from alignax.trainers.engine.precision import cast_params, frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
+from alignax.trainers.engine import adapters
 from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer, response_logps, split_params
 from alignax.trainers.engine.step import LossAux, StepOutput, TrainState, make_train_step
 from alignax.trainers.online.algorithm import AdvantageInputs, OnlineAlgorithm
@@ -98,10 +99,15 @@ class OnlineTrainer:
         self.mesh = build_mesh(config.mesh)
         self.tokenizer = load_tokenizer(config.model)
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
-        policy = build_model(config.model, kind=algorithm.policy_kind, mesh=self.mesh, precision=config.precision)
+        policy = build_model(config.model, kind=algorithm.policy_kind, mesh=self.mesh, precision=config.precision,
+                             lora=config.lora)
         self.model_config = policy.config
         self.graphdef, policy_params, self.rest = split_params(policy)
         del policy
+        # with LoRA: the adapters are trained, the base is frozen (alignax.trainers.engine.adapters)
+        policy_params, base = adapters.split_trainable(policy_params, config.lora)
+        self.base = None if base is None else frozen_params(base, config.precision)
+        del base
         self.separate_critic = algorithm.critic is not None and algorithm.critic.kind == "separate"
         self.initial_params = self._with_critic(policy_params)
         self.pack_group = self._packed_group_size()
@@ -213,8 +219,21 @@ class OnlineTrainer:
         """The policy's part of the trained tree."""
         return params["policy"] if self.separate_critic else params
 
+    def whole_policy(self, params):
+        """The policy's parameters whole: its trained part, with the frozen base of a LoRA run."""
+        policy = self.policy_params(params)
+        return policy if self.base is None else nnx.merge_state(policy, self.base)
+
     def sampling_state(self, params) -> nnx.State:
-        return nnx.merge_state(self.policy_params(params), self.rest)
+        """What the sampler generates with: base + adapters, unmerged, under LoRA."""
+        return nnx.merge_state(self.whole_policy(params), self.rest)
+
+    def frozen_inputs(self, reference) -> dict[str, Any]:
+        """``frozen`` of the update: the reference when the KL is on and, with LoRA, the base
+        (the reference is then that base with the adapters off, on the same buffers)."""
+        if self.base is not None:
+            return adapters.frozen_base(self.base, reference)
+        return {} if reference is None else {"reference": reference}
 
     # ------------------------------------------------------------------ compiled pieces
     def policy_forward(self, policy_params, tokens, positions, attention):
@@ -293,14 +312,17 @@ class OnlineTrainer:
         compiles :attr:`update` for them. :attr:`initial_params` is None from here on: the
         state holds buffers of its own."""
         state, shardings = self.init_state()
-        step = make_train_step(self.loss_fn, self.optimizer, normalisers_fn=self.normalisers_fn,
+        step = make_train_step(adapters.with_base(self.loss_fn), self.optimizer, normalisers_fn=self.normalisers_fn,
                                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule,
                                schedule_position=lambda state, mb: mb.schedule_position)
         self.update = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
-        frozen = ({"reference": frozen_params(self.policy_params(self.initial_params), self.config.precision)}
-                  if self.uses_reference else {})
+        self.reference = None  # what a run saves once as its reference
+        if self.uses_reference:
+            initial = self.policy_params(self.initial_params)
+            self.reference = (adapters.reference_adapters(initial) if self.base is not None
+                              else frozen_params(initial, self.config.precision))
         self.initial_params = None
-        return state, frozen
+        return state, self.frozen_inputs(self.reference)
 
     # ------------------------------------------------------------------ one rollout step
     def rollout_key(self, state) -> tuple[int, jax.Array]:
@@ -377,7 +399,7 @@ class OnlineTrainer:
         sampler_logps = self.place(groups.sampler_logps)
         recomputed = entropy = shared_values = None  # single-update mode: the update returns them
         if not self.logps_from_update:
-            recomputed, entropy, shared_values = self._policy_forward(self.policy_params(state.params), tokens,
+            recomputed, entropy, shared_values = self._policy_forward(self.whole_policy(state.params), tokens,
                                                                       positions, attention)
         old_logps = sampler_logps if rc.old_logps == "sampler" else recomputed
         ref_logps = (self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
@@ -513,7 +535,7 @@ class OnlineTrainer:
 
     def export_models(self, params, *, critic: bool = False) -> dict[str, nnx.Module]:
         """``{"": the policy}``, and ``{"critic": ...}`` with ``critic`` (a separate critic)."""
-        out = {"": nnx.merge(self.graphdef, self.policy_params(params), self.rest)}
+        out = {"": nnx.merge(self.graphdef, self.whole_policy(params), self.rest)}
         if critic:
             if not self.separate_critic:
                 raise ValueError("only ppo.critic=separate has a critic model of its own to export "
@@ -528,9 +550,8 @@ class OnlineTrainer:
         batches = self.data.iterator("train")
         console_keys = ("reward/total", "reward/answer", "kl/ref_seq", "entropy", "response/length_mean")
         with Session(config, console_keys=console_keys) as session:
-            state, frozen["reference"] = session.resume(state, batches, frozen.get("reference"))
-            if frozen["reference"] is None:
-                del frozen["reference"]
+            state, reference = session.resume(state, batches, self.reference)
+            frozen, self.reference = self.frozen_inputs(reference), None
             if session.resumed:
                 self.alarms.set_state(session.meta.get("alarms", {}))
                 if self.ptx is not None:
@@ -549,7 +570,7 @@ class OnlineTrainer:
                 if self.has_evaluation() else None,
                 meta_fn=meta, progress=lambda st: st.extra["rollouts"], count_batch_tokens=None,
             )
-        policy = nnx.merge(self.graphdef, self.policy_params(result.state.params), self.rest)
+        policy = nnx.merge(self.graphdef, self.whole_policy(result.state.params), self.rest)
         return TrainResult(config=config, model=policy, tokenizer=self.tokenizer, loop=result,
                            data_stats=dict(self.data.stats))
 

@@ -1,0 +1,62 @@
+"""LoRA in the engine (the ``lora:`` section): what a run trains, where its frozen base
+lives, and its reference.
+
+- Trained: the adapter weights (:class:`alignax.models.lora.LoRAParam`) and, for a reward
+  model, its score head (a fresh head has to learn; PEFT's ``modules_to_save``). The train
+  state, its gradients, optimiser state and checkpoints hold these alone.
+- The base (every other parameter) is frozen, held in ``precision.frozen_dtype`` (default
+  ``param_dtype``), and passed to each jitted function as ``frozen["base"]``, an argument:
+  a closed-over array would be compiled into the program as a constant, a second copy.
+- The reference of DPO/KTO/GRPO/PPO is the same base with the adapters off: the trained
+  leaves replaced by zeros (:func:`alignax.models.lora.adapters_off`), so its outputs are
+  the base's bit for bit. Its weight arrays are the base's own buffers: no second copy of
+  the model; only the adapter-sized zeros are new (and saved once as the run's reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from alignax.models.lora import LoRAParam, LoraConfig, adapters_off
+
+TRAINED_HEADS = ("score",)  # a reward model's head trains beside its adapters
+TRAINABLE = nnx.Any(LoRAParam, *(nnx.PathContains(name) for name in TRAINED_HEADS))
+
+
+def split_trainable(params: nnx.State, lora: LoraConfig | None) -> tuple[nnx.State, nnx.State | None]:
+    """``(trained params, frozen base)``; without LoRA every param is trained (base ``None``)."""
+    if lora is None:
+        return params, None
+    return nnx.split_state(params, TRAINABLE, ...)
+
+
+def with_base(fn: Callable) -> Callable:
+    """``fn(params, frozen, *args)`` called with the whole model's params: the trained ones
+    merged with ``frozen["base"]`` when the run has a frozen base."""
+
+    def wrapped(params, frozen, *args):
+        if "base" in frozen:
+            params = nnx.merge_state(params, frozen["base"])
+        return fn(params, frozen, *args)
+
+    return wrapped
+
+
+def reference_adapters(trained: nnx.State) -> nnx.State:
+    """The reference's own leaves: the trained leaves switched off (zeros)."""
+    return adapters_off(trained)
+
+
+def frozen_base(base: nnx.State | None, reference: Any) -> dict[str, Any]:
+    """``{"base": base, "reference": base with the adapters off}`` (one set of weight
+    buffers); ``{}`` without a base. ``reference``: :func:`reference_adapters`, or ``None``
+    when the run has no reference."""
+    if base is None:
+        return {}
+    out: dict[str, Any] = {"base": base}
+    if reference is not None:
+        out["reference"] = nnx.merge_state(reference, base)
+    return out
