@@ -1,0 +1,141 @@
+"""Multi-turn GRPO through the online trainer on the toy tool task (tests/toy_agent.py):
+trajectory masks in the update, and learning to call the tool."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alignax.trainers.api import build_trainer, train
+from alignax.trainers.online.rollout import response_forward
+from tests.toy_agent import CALL, agent_config, agent_tokenizer, lookup_records, make_agent_model
+
+
+@pytest.fixture(scope="module")
+def agent_model(tmp_path_factory):
+    return make_agent_model(tmp_path_factory.mktemp("agent-model"))
+
+
+def stop_ids():
+    tok = agent_tokenizer()  # a tool call ends the model's turn, as </tool_call> would
+    return [tok.eos_token_id, tok.convert_tokens_to_ids(CALL)]
+
+
+@pytest.fixture(scope="module")
+def captured(agent_model, tmp_path_factory):
+    """One rollout step of a multi-turn GRPO trainer, with the minibatch its update read."""
+    config = agent_config(tmp_path_factory.mktemp("run"), agent_model, steps=1,
+                          env={"name": "tests.test_multiturn:ChattyEnv"},
+                          grpo={"aggregation": "token-sum", "kl_coef": 0.0})
+    trainer = build_trainer(config, records=lookup_records(16))
+    params = jax.tree.map(jnp.copy, trainer.initial_params)
+    state, frozen = trainer.start()
+    seen = {}
+    update = trainer.update
+
+    def spy(state, frozen, minibatch):
+        seen["minibatch"] = minibatch
+        return update(state, frozen, minibatch)
+
+    trainer.update = spy
+    collect = trainer.collect
+
+    def keep(*args):
+        seen["groups"], figures = collect(*args)
+        return seen["groups"], figures
+
+    trainer.collect = keep
+    batches = trainer.data.iterator("train")
+    _, out = trainer.rollout_step(state, frozen, next(batches), batches)
+    return trainer, params, seen["groups"], seen["minibatch"], out.metrics
+
+
+def test_update_masks_observations_and_reports_the_trajectory(captured):
+    _, _, groups, minibatch, figures = captured
+    loss_mask = np.asarray(minibatch.rollout.loss_mask)
+    observations = (groups.response_mask > 0) & (groups.actions() == 0)
+    assert observations.any()
+    np.testing.assert_array_equal(loss_mask, groups.actions())  # model tokens only, not response_mask
+    assert np.all(np.asarray(minibatch.rollout.advantages)[loss_mask == 0] == 0)
+    for key in ("env/turns_per_trajectory", "env/tool_calls_per_trajectory", "env/malformed_call_rate",
+                "env/tool_error_rate", "env/env_s", "env/generation_s", "env/ended_max_turns"):
+        assert key in figures
+    assert figures["env/malformed_call_rate"] == 0.5  # ChattyEnv: 1 malformed of 2 calls per step
+
+
+def test_observation_tokens_get_zero_gradient_and_model_tokens_a_single_turn_rows(captured):
+    trainer, params, groups, minibatch, _ = captured
+    ro = minibatch.rollout
+    norms = {"num_tokens": jnp.sum(ro.loss_mask), "num_seqs": jnp.asarray(float(groups.size))}
+    forward = trainer.policy_forward
+
+    def loss_of_offsets(offsets):  # d loss / d per-token log-prob through the trainer's own loss
+        def shifted(*args):
+            logps, entropy, values = forward(*args)
+            return logps + offsets, entropy, values
+        trainer.policy_forward = shifted
+        try:
+            return trainer.loss_fn(params, {}, minibatch.replace(rollout=ro.replace(old_logps=ro.sampler_logps)),
+                                   norms, None)[0]
+        finally:
+            trainer.policy_forward = forward
+
+    per_token = np.asarray(jax.grad(loss_of_offsets)(jnp.zeros(ro.loss_mask.shape)))
+    observations = (groups.response_mask > 0) & (groups.actions() == 0)
+    assert np.all(per_token[observations] == 0.0)  # exactly zero
+    model_tokens = (groups.actions() > 0) & (np.asarray(ro.advantages) != 0)
+    assert np.all(per_token[model_tokens] != 0)
+    # token-sum PPO-clip at ratio 1: d loss / d logp_t = -A_t for every model token (the
+    # formula), what a single-turn row holding the same token as its response gets
+    np.testing.assert_allclose(per_token[model_tokens], -np.asarray(ro.advantages)[model_tokens], rtol=1e-5)
+
+    # d logp_t / d params of the last turn's tokens: the trajectory row, and a single-turn
+    # row whose prompt inlines everything before that turn (earlier turns and observations)
+    r = int(np.argmax(observations.any(axis=1)))
+    actions = groups.actions()[r]
+    n = int(groups.response_mask[r].sum())
+    start = int(np.flatnonzero(np.diff(actions[:n]) == 1)[-1] + 1)  # the last turn's first token
+    end = start + int(np.argmin(actions[start:n])) if actions[start:n].min() == 0 else n
+    prompt = groups.prompt_tokens[r][groups.prompt_mask[r] > 0].tolist() + groups.tokens[r][:start].tolist()
+    response = groups.tokens[r][start:end].tolist()
+    model = trainer.export_models(params)[""]
+    from flax import nnx
+    graphdef, state = nnx.split(model)
+
+    def last_turn_logps(state, tokens, prompt_len, first):
+        tokens = jnp.asarray([tokens], jnp.int32)
+        mask = jnp.ones_like(tokens)
+        positions = jnp.cumsum(mask, axis=1) - 1
+        logps, _, _ = response_forward(nnx.merge(graphdef, state), tokens, positions, mask, prompt_len=prompt_len,
+                                       temperature=1.0, chunk_size=None)
+        return logps[0, first:first + len(response)]
+
+    p = int(groups.prompt_mask[r].sum())
+    trajectory = groups.prompt_tokens[r][groups.prompt_mask[r] > 0].tolist() + groups.tokens[r][:n].tolist()
+    in_trajectory = lambda s: last_turn_logps(s, trajectory, p, start)  # noqa: E731
+    single_turn = lambda s: last_turn_logps(s, prompt + response, len(prompt), 0)  # noqa: E731
+    np.testing.assert_allclose(in_trajectory(state), single_turn(state), atol=1e-6)
+    for t in range(len(response)):
+        a = jax.grad(lambda s: in_trajectory(s)[t])(state)
+        b = jax.grad(lambda s: single_turn(s)[t])(state)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+def test_grpo_learns_to_call_the_tool(agent_model, tmp_path):
+    """LookupEnv: the answer (the record's secret) is only reachable through the tool; the
+    first well-formed call earns a 0.2 shaping bonus, a correct answer 1."""
+    config = agent_config(tmp_path, agent_model, steps=12, env={"kwargs": {"call_bonus": 0.2}},
+                          rollout={"stop_token_ids": stop_ids()}, data={"eval_fraction": 0.0})
+    train(config, records=lookup_records(64))
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "reward/total" in r]
+    rewards = [r["reward/total"] for r in rows]
+    calls = [r["env/tool_calls_per_trajectory"] for r in rows]
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05
+    assert np.mean(calls[-3:]) > np.mean(calls[:3]) + 0.25
