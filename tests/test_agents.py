@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from alignax.trainers.api import build_trainer, train
 from alignax.trainers.online.rollout import response_forward
+from tests.fake_devices import run_check
 from tests.toy_agent import CALL, agent_config, agent_tokenizer, lookup_records, make_agent_model
 
 
@@ -30,7 +32,7 @@ def stop_ids():
 def captured(agent_model, tmp_path_factory):
     """One rollout step of a multi-turn GRPO trainer, with the minibatch its update read."""
     config = agent_config(tmp_path_factory.mktemp("run"), agent_model, steps=1,
-                          env={"name": "tests.test_multiturn:ChattyEnv"},
+                          env={"name": "tests.toy_agent:ChattyEnv"},
                           grpo={"aggregation": "token-sum", "kl_coef": 0.0})
     trainer = build_trainer(config, records=lookup_records(16))
     params = jax.tree.map(jnp.copy, trainer.initial_params)
@@ -85,7 +87,7 @@ def test_observation_tokens_get_zero_gradient_and_model_tokens_a_single_turn_row
         finally:
             trainer.policy_forward = forward
 
-    per_token = np.asarray(jax.grad(loss_of_offsets)(jnp.zeros(ro.loss_mask.shape)))
+    per_token = np.asarray(jax.jit(jax.grad(loss_of_offsets))(jnp.zeros(ro.loss_mask.shape)))
     observations = (groups.response_mask > 0) & (groups.actions() == 0)
     assert np.all(per_token[observations] == 0.0)  # exactly zero
     model_tokens = (groups.actions() > 0) & (np.asarray(ro.advantages) != 0)
@@ -103,9 +105,7 @@ def test_observation_tokens_get_zero_gradient_and_model_tokens_a_single_turn_row
     end = start + int(np.argmin(actions[start:n])) if actions[start:n].min() == 0 else n
     prompt = groups.prompt_tokens[r][groups.prompt_mask[r] > 0].tolist() + groups.tokens[r][:start].tolist()
     response = groups.tokens[r][start:end].tolist()
-    model = trainer.export_models(params)[""]
-    from flax import nnx
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(trainer.export_models(params)[""])
 
     def last_turn_logps(state, tokens, prompt_len, first):
         tokens = jnp.asarray([tokens], jnp.int32)
@@ -120,11 +120,11 @@ def test_observation_tokens_get_zero_gradient_and_model_tokens_a_single_turn_row
     in_trajectory = lambda s: last_turn_logps(s, trajectory, p, start)  # noqa: E731
     single_turn = lambda s: last_turn_logps(s, prompt + response, len(prompt), 0)  # noqa: E731
     np.testing.assert_allclose(in_trajectory(state), single_turn(state), atol=1e-6)
-    for t in range(len(response)):
-        a = jax.grad(lambda s: in_trajectory(s)[t])(state)
-        b = jax.grad(lambda s: single_turn(s)[t])(state)
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-            np.testing.assert_allclose(x, y, atol=1e-6)
+    a = jax.jit(jax.jacrev(in_trajectory))(state)  # [tokens, *param shape] per leaf
+    b = jax.jit(jax.jacrev(single_turn))(state)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+    assert max(float(np.abs(x).max()) for x in jax.tree.leaves(a)) > 1e-3  # not vacuous
 
 
 def test_grpo_learns_to_call_the_tool(agent_model, tmp_path):
@@ -139,3 +139,15 @@ def test_grpo_learns_to_call_the_tool(agent_model, tmp_path):
     calls = [r["env/tool_calls_per_trajectory"] for r in rows]
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05
     assert np.mean(calls[-3:]) > np.mean(calls[:3]) + 0.25
+
+
+def test_a_multi_turn_grpo_step_on_a_mesh_matches_one_device():
+    out = run_check("mesh_agent_check.py")
+    assert out["devices"] == 8 and out["sharded_param_devices"] == 8
+    assert out["single/env/turns_per_trajectory"] > 1.5  # several turns, observations between them
+    for key in ("reward/total", "response/length_mean", "env/turns_per_trajectory", "env/model_token_fraction"):
+        assert out[f"sharded/{key}"] == out[f"single/{key}"], key  # the same trajectories
+    for key in ("loss", "grad_norm", "entropy"):
+        np.testing.assert_allclose(out[f"sharded/{key}"], out[f"single/{key}"], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert out["single/grad_norm"] > 0
+    assert out["max_param_diff"] < 1e-4  # one Adam step at lr 2e-2

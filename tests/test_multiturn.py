@@ -11,29 +11,15 @@ import pytest
 from flax import nnx
 
 from alignax import models
-from alignax.envs import Step
 from alignax.envs.rollout import EnvSampler, trajectory_figures
 from alignax.models import positions_from_mask
 from alignax.models.cache import init_cache
 from alignax.sampling import SamplingConfig
 from alignax.sampling.multiturn import extend
 from alignax.trainers.online.rollout import response_forward
-from tests.toy_agent import LookupEnv, agent_tokenizer, lookup_records, make_agent_model
+from tests.toy_agent import ChattyEnv, agent_tokenizer, lookup_records, make_agent_model
 
 P = 16  # prompt width
-
-
-class ChattyEnv(LookupEnv):
-    """Never done: answers every turn with a user message; reports a malformed call and a
-    tool error on each step, and 0.25 reward per step (the rollout sums them)."""
-
-    def __init__(self, reply: str = "no"):
-        super().__init__()
-        self.reply = reply
-
-    def step(self, message):
-        return Step([{"role": "user", "content": self.reply}], 0.25, False,
-                    {"tool_calls": 2, "malformed_calls": 1, "tool_errors": 1})
 
 
 class BreakingEnv(ChattyEnv):
@@ -103,10 +89,10 @@ def test_incremental_prefill_matches_the_whole_trajectory_from_scratch(agent, ch
 def test_extend_gives_the_logits_of_a_full_forward_pass(agent):
     """Chunk by chunk into one cache (left-padded chunks, holes in the cache) against the
     full forward pass over the same tokens written contiguously."""
-    model = agent["model"]
+    model, graphdef = agent["model"], agent["graphdef"]
     rng = np.random.default_rng(0)
-    lengths = [(5, 3, 4), (7, 1, 2)]  # per row: real tokens of three chunks
-    width = (8, 4, 5)
+    lengths = [(5, 3, 4), (6, 1, 2)]  # per row: real tokens of three chunks
+    width = (6, 6, 6)  # one compiled extend
     chunks = [np.full((2, w), 1, np.int32) for w in width]
     masks = [np.zeros((2, w), np.int32) for w in width]
     rows = [[], []]
@@ -115,17 +101,19 @@ def test_extend_gives_the_logits_of_a_full_forward_pass(agent):
             ids = rng.integers(4, 28, size=n)
             chunks[c][r, width[c] - n:], masks[c][r, width[c] - n:] = ids, 1
             rows[r].extend(ids.tolist())
+    step = jax.jit(lambda state, *args: extend(nnx.merge(graphdef, state), *args))
     cache = init_cache(model.config, batch=2, max_len=sum(width))
     position = jnp.zeros((2,), jnp.int32)
     incremental = []
     for c in range(3):
-        logits, cache, position = extend(model, cache, position, jnp.asarray(chunks[c]), jnp.asarray(masks[c]))
+        logits, cache, position = step(agent["state"], cache, position, jnp.asarray(chunks[c]), jnp.asarray(masks[c]))
         incremental.append(np.asarray(logits))
-    assert list(np.asarray(position)) == [12, 10]
+    assert list(np.asarray(position)) == [12, 9]
+    forward = jax.jit(lambda state, seq: nnx.merge(graphdef, state)(seq, positions_from_mask(jnp.ones_like(seq)),
+                                                                     jnp.ones_like(seq)).logits)
     for r in range(2):
-        seq = jnp.asarray([rows[r]])
-        full = np.asarray(model(seq, positions_from_mask(jnp.ones_like(seq)), jnp.ones_like(seq)).logits)[0]
-        ends = np.cumsum(lengths[r]) - 1
+        full = np.asarray(forward(agent["state"], jnp.asarray([rows[r] + [1] * (12 - len(rows[r]))])))[0]
+        ends = np.cumsum(lengths[r]) - 1  # (right padding after the row changes no earlier logit)
         for c in range(3):
             np.testing.assert_allclose(incremental[c][r], full[ends[c]], atol=1e-5)
 

@@ -92,6 +92,19 @@ class LookupEnv:
         return Step([], correct, True, {"correct": correct})
 
 
+class ChattyEnv(LookupEnv):
+    """Never done: answers every turn with a user message; reports a malformed call and a
+    tool error on each step, and 0.25 reward per step (the rollout sums them)."""
+
+    def __init__(self, reply: str = "no"):
+        super().__init__()
+        self.reply = reply
+
+    def step(self, message):
+        return Step([{"role": "user", "content": self.reply}], 0.25, False,
+                    {"tool_calls": 2, "malformed_calls": 1, "tool_errors": 1})
+
+
 def agent_config(tmp_path, model_dir: str, *, steps: int, overrides=(), **sections):
     """configs/tiny-grpo-calculator.yaml on the toy agent model with :class:`LookupEnv`."""
     from tests.trainer_helpers import tiny_config
