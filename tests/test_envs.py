@@ -160,3 +160,33 @@ def test_observation_text_is_what_the_template_writes_between_model_turns():
     assert observation == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     # a turn that ended on another stop token is closed by the observation
     assert observation_text(tok, history, assistant, new, turn_ended_with_eos=False) == "<|im_end|>" + observation
+
+
+def test_calculator_traces_train_the_assistant_turns_with_the_rollouts_prompt():
+    from alignax.data.builders import reasoning_gym_prompts
+    from alignax.data.formats import Encoder
+    from alignax.envs.traces import calculator_traces
+
+    tok = bpe_tokenizer()  # SmolLM2's template: tools go into the system prompt
+    records = reasoning_gym_prompts("chain_sum", size=4, seed=0)
+    traces = calculator_traces(records)
+    assert len(traces) == 4
+    env = CalculatorEnv()
+    encoder = Encoder(tok, format="sft", max_length=4096, max_prompt_length=2048)  # a 300-token BPE: long ids
+    for record, trace in zip(records, traces):
+        roles = [m["role"] for m in trace["messages"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant"]
+        result = trace["messages"][3]["content"]
+        assert env.reset(record) and env.final_score(trace["messages"][4]["content"]) == 1.0
+        assert float(result) == float(record["answer"])
+        encoded = encoder.encode(trace)
+        # the prompt is what the multi-turn rollout renders for the same record
+        prompt = tok.encode(render(tok, env.reset(record), env.tools, add_generation_prompt=True),
+                            add_special_tokens=False)
+        assert encoded.prompt == prompt
+        ids, mask = encoded.responses["response"]
+        trained = tok.decode([i for i, m in zip(ids, mask) if m])
+        context = tok.decode([i for i, m in zip(ids, mask) if not m])
+        call, answer = trace["messages"][2]["content"], trace["messages"][4]["content"]
+        assert trained == f"{call}<|im_end|>{answer}<|im_end|>"  # assistant turns and their end tokens only
+        assert f"tool\n{result}" in context and result not in trained.replace(answer, "")

@@ -24,18 +24,24 @@ def template_takes_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def _with_tools(tokenizer, messages: Sequence[dict], tools: Sequence[Tool]) -> tuple[list[dict], dict[str, Any]]:
+def with_tools_prompt(messages: Sequence[dict], tools: Sequence[Tool]) -> list[dict]:
+    """``messages`` with :func:`~alignax.envs.tools.tools_system_prompt` appended to the first
+    system message, or added as one: the rendering for templates that take no tools."""
     messages = [dict(m) for m in messages]
     if not tools:
-        return messages, {}
-    if template_takes_tools(tokenizer):
-        return messages, {"tools": tool_schemas(tools)}
+        return messages
     text = tools_system_prompt(tools)
     if messages and messages[0]["role"] == "system":
         messages[0]["content"] = f"{messages[0]['content']}\n\n{text}"
     else:
         messages.insert(0, {"role": "system", "content": text})
-    return messages, {}
+    return messages
+
+
+def _with_tools(tokenizer, messages: Sequence[dict], tools: Sequence[Tool]) -> tuple[list[dict], dict[str, Any]]:
+    if tools and template_takes_tools(tokenizer):
+        return [dict(m) for m in messages], {"tools": tool_schemas(tools)}
+    return with_tools_prompt(messages, tools), {}
 
 
 def render(tokenizer, messages: Sequence[dict], tools: Sequence[Tool] = (), *,
