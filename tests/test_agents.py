@@ -151,3 +151,16 @@ def test_a_multi_turn_grpo_step_on_a_mesh_matches_one_device():
         np.testing.assert_allclose(out[f"sharded/{key}"], out[f"single/{key}"], rtol=1e-4, atol=1e-6, err_msg=key)
     assert out["single/grad_norm"] > 0
     assert out["max_param_diff"] < 1e-4  # one Adam step at lr 2e-2
+
+
+def test_evaluate_model_plays_the_environment(agent_model, tmp_path):
+    from alignax import evaluation, models
+    from alignax.envs.rollout import EnvSampler
+
+    config = agent_config(tmp_path, agent_model, steps=1, data={"eval_fraction": 0.5})
+    model = models.from_pretrained(agent_model)
+    sampler = evaluation.build_sampler(nnx.split(model)[0], agent_tokenizer(), config, mesh=jax.make_mesh(
+        (1, 1, 1), ("data", "fsdp", "tensor")), vocab_size=32, model_config=model.config)
+    assert isinstance(sampler, EnvSampler) and sampler.config.greedy
+    figures = evaluation.evaluate_model(model, agent_tokenizer(), config, records=lookup_records(8))
+    assert figures["prompts"] == 4 and {"accuracy", "reward", "length"} <= set(figures)
