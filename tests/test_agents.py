@@ -164,3 +164,69 @@ def test_evaluate_model_plays_the_environment(agent_model, tmp_path):
     assert isinstance(sampler, EnvSampler) and sampler.config.greedy
     figures = evaluation.evaluate_model(model, agent_tokenizer(), config, records=lookup_records(8))
     assert figures["prompts"] == 4 and {"accuracy", "reward", "length"} <= set(figures)
+
+
+def test_ppo_gae_runs_over_model_tokens_only(agent_model, tmp_path):
+    """PPO on trajectories: the GAE recursion skips observation spans, i.e. equals GAE over
+    the row's model tokens written contiguously (a NumPy loop of Schulman et al.'s formula)."""
+    from alignax import config as config_io
+    from alignax.trainers.api import load_config
+    from tests.trainer_helpers import CONFIGS
+
+    raw = config_io.load_yaml(os.path.join(CONFIGS, "tiny-grpo-calculator.yaml"))
+    raw.pop("grpo")
+    raw.update(algorithm="ppo", output_dir=str(tmp_path), model={"name": agent_model},
+               data={**raw["data"], "max_prompt_length": 16, "eval_fraction": 0.0, "read_threads": 0},
+               rollout={"max_new_tokens": 24, "num_samples": 1},
+               env={"name": "tests.toy_agent:ChattyEnv", "max_turns": 3, "max_turn_tokens": 4,
+                    "max_observation_tokens": 12},
+               ppo={"critic": "shared", "kl_coef": 0.0, "whiten_advantages": False, "epochs": 1, "gamma": 0.9,
+                    "lam": 0.8},
+               train={"total_steps": 1}, checkpoint={"enabled": False},
+               logging={"console": False, "tensorboard": False})
+    raw.pop("evaluation")
+    tok = agent_tokenizer()
+    raw["rollout"]["stop_token_ids"] = [tok.convert_tokens_to_ids(w) for w in ("<|im_end|>", "yes", "no", "ok",
+                                                                               "sure", "hi", "is")]
+    trainer = build_trainer(load_config(data=raw), records=lookup_records(8))
+    state, frozen = trainer.start()
+    seen = {}
+    update = trainer.update
+
+    def spy(state, frozen, minibatch):
+        seen["rollout"] = minibatch.rollout
+        return update(state, frozen, minibatch)
+
+    trainer.update = spy
+    collect = trainer.collect
+
+    def keep(*args):
+        seen["groups"], figures = collect(*args)
+        return seen["groups"], figures
+
+    trainer.collect = keep
+    batches = trainer.data.iterator("train")
+    trainer.rollout_step(state, frozen, next(batches), batches)
+    ro = jax.device_get(seen["rollout"])
+    scores = seen["groups"].rewards  # ChattyEnv: 0.25 per step
+    mask = np.asarray(ro.loss_mask)
+    assert ((np.asarray(ro.attention_mask)[:, 16:] > 0) & (mask == 0)).any()  # observations present
+    assert len(set(scores.tolist())) > 1
+    checked = 0
+    for r in range(mask.shape[0]):
+        idx = np.flatnonzero(mask[r])
+        if len(idx) == 0:
+            continue
+        values = np.asarray(ro.old_values)[r, idx]
+        rewards_seq = np.zeros(len(idx))
+        rewards_seq[-1] = scores[r]  # the sequence reward on the last model token (no KL)
+        expected, next_adv, next_value = np.zeros(len(idx)), 0.0, 0.0
+        for t in reversed(range(len(idx))):
+            delta = rewards_seq[t] + 0.9 * next_value - values[t]
+            next_adv = delta + 0.9 * 0.8 * next_adv
+            next_value = values[t]
+            expected[t] = next_adv
+        np.testing.assert_allclose(np.asarray(ro.advantages)[r, idx], expected, rtol=1e-5, atol=1e-6)
+        assert np.all(np.asarray(ro.advantages)[r][mask[r] == 0] == 0)
+        checked += int((np.diff(idx) > 1).any())
+    assert checked > 0  # some rows have an observation span inside their model tokens

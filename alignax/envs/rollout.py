@@ -49,7 +49,7 @@ from flax import nnx
 
 from alignax.envs.base import INFO_COUNTS, check_messages
 from alignax.envs.chat import observation_text, render
-from alignax.parallel.multihost import local_rows
+from alignax.parallel.multihost import allgather_rows, local_rows
 from alignax.sampling.multiturn import generate_turn, turn_cache_length
 from alignax.sampling.sampler import SamplingConfig
 from alignax.sampling.scored import Groups
@@ -187,7 +187,7 @@ class EnvSampler:
         gen_tokens = 0
         for turn in range(self.max_turns):
             live = np.array([row.ended is None for row in rows])
-            if not live.any():
+            if not np.any(allgather_rows(np.array([live.any()]))):  # processes generate together
                 break
             if used_slots + chunk.shape[1] + T - 1 > cache_len:  # by construction never; a clamped write is silent
                 raise RuntimeError(f"multi-turn cache overflow: {used_slots} + {chunk.shape[1]} + {T - 1} > {cache_len}")
