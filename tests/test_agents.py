@@ -28,6 +28,26 @@ def stop_ids():
     return [tok.eos_token_id, tok.convert_tokens_to_ids(CALL)]
 
 
+def one_rollout_step(trainer):
+    """``(groups, the minibatch the update read, figures)`` of one rollout step of ``trainer``."""
+    state, frozen = trainer.start()
+    seen = {}
+    update, collect = trainer.update, trainer.collect
+
+    def spy(state, frozen, minibatch):
+        seen["minibatch"] = minibatch
+        return update(state, frozen, minibatch)
+
+    def keep(*args):
+        seen["groups"], figures = collect(*args)
+        return seen["groups"], figures
+
+    trainer.update, trainer.collect = spy, keep
+    batches = trainer.data.iterator("train")
+    _, out = trainer.rollout_step(state, frozen, next(batches), batches)
+    return seen["groups"], seen["minibatch"], out.metrics
+
+
 @pytest.fixture(scope="module")
 def captured(agent_model, tmp_path_factory):
     """One rollout step of a multi-turn GRPO trainer, with the minibatch its update read."""
@@ -36,25 +56,8 @@ def captured(agent_model, tmp_path_factory):
                           grpo={"aggregation": "token-sum", "kl_coef": 0.0})
     trainer = build_trainer(config, records=lookup_records(16))
     params = jax.tree.map(jnp.copy, trainer.initial_params)
-    state, frozen = trainer.start()
-    seen = {}
-    update = trainer.update
-
-    def spy(state, frozen, minibatch):
-        seen["minibatch"] = minibatch
-        return update(state, frozen, minibatch)
-
-    trainer.update = spy
-    collect = trainer.collect
-
-    def keep(*args):
-        seen["groups"], figures = collect(*args)
-        return seen["groups"], figures
-
-    trainer.collect = keep
-    batches = trainer.data.iterator("train")
-    _, out = trainer.rollout_step(state, frozen, next(batches), batches)
-    return trainer, params, seen["groups"], seen["minibatch"], out.metrics
+    groups, minibatch, metrics = one_rollout_step(trainer)
+    return trainer, params, groups, minibatch, metrics
 
 
 def test_update_masks_observations_and_reports_the_trajectory(captured):
@@ -189,26 +192,9 @@ def test_ppo_gae_runs_over_model_tokens_only(agent_model, tmp_path):
     raw["rollout"]["stop_token_ids"] = [tok.convert_tokens_to_ids(w) for w in ("<|im_end|>", "yes", "no", "ok",
                                                                                "sure", "hi", "is")]
     trainer = build_trainer(load_config(data=raw), records=lookup_records(8))
-    state, frozen = trainer.start()
-    seen = {}
-    update = trainer.update
-
-    def spy(state, frozen, minibatch):
-        seen["rollout"] = minibatch.rollout
-        return update(state, frozen, minibatch)
-
-    trainer.update = spy
-    collect = trainer.collect
-
-    def keep(*args):
-        seen["groups"], figures = collect(*args)
-        return seen["groups"], figures
-
-    trainer.collect = keep
-    batches = trainer.data.iterator("train")
-    trainer.rollout_step(state, frozen, next(batches), batches)
-    ro = jax.device_get(seen["rollout"])
-    scores = seen["groups"].rewards  # ChattyEnv: 0.25 per step
+    groups, minibatch, _ = one_rollout_step(trainer)
+    ro = jax.device_get(minibatch.rollout)
+    scores = groups.rewards  # ChattyEnv: 0.25 per step
     mask = np.asarray(ro.loss_mask)
     assert ((np.asarray(ro.attention_mask)[:, 16:] > 0) & (mask == 0)).any()  # observations present
     assert len(set(scores.tolist())) > 1
