@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     sft_config = api.load_config("configs/sft.yaml", [
         f"output_dir={out}/sft", f"data.paths=[{paths['sft_traces']}]", "data.max_length=448",
         f"data.max_prompt_length={PROMPT_LENGTH}", "data.max_response_length=96", "data.batch_size=8",
+        "train.grad_accum_steps=4", "model.remat=true",  # micro-batches of 2 x 448 tokens: ~11 GB without
         "data.eval_fraction=0.0", f"train.total_steps={sft_steps}", "train.eval_every=0", "train.save_every=0",
         "optim.learning_rate=3.0e-5", "optim.warmup_steps=5", "checkpoint.resume=false"])
     grpo_config = api.load_config("configs/grpo-calculator.yaml", [
