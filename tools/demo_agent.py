@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     grpo_config = api.load_config("configs/grpo-calculator.yaml", [
         f"output_dir={out}/grpo", f"model.name={out}/sft/export", f"data.paths=[{paths['rl_prompts']}]",
         "data.eval_fraction=0.0", "data.batch_size=4", "rollout.num_samples=4", "grpo.minibatches=1",
+        "train.grad_accum_steps=4", "model.remat=true",  # the quick run's update asked for 26 GB without
         f"train.total_steps={grpo_steps}", "train.eval_every=0", "train.save_every=0", "optim.learning_rate=2.0e-6",
         "checkpoint.resume=false"])
     # without the tool: one turn, the verifier on the answer tag or the last number
