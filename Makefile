@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 
-.PHONY: install test test-all test-latest demo demo-long bench-env constraints clean
+.PHONY: install test test-all test-latest demo demo-agent demo-long bench-env constraints clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ test-latest: $(LATEST_VENV)/.installed
 # on 2 CPU cores; prints held-out accuracies before/after, writes runs/demo/.
 demo: install
 	$(PY) tools/demo.py
+
+# SFT on generated calculator traces, then multi-turn GRPO with the calculator environment;
+# prints held-out accuracy with the tool before/after, next to accuracy without it.
+demo-agent: install
+	$(PY) tools/demo_agent.py
 
 demo-long: install
 	$(PY) tools/demo.py --long --out runs/demo-long

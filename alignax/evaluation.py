@@ -249,11 +249,13 @@ def evaluate_policy(sampler: ScoredSampler, state: nnx.State, batches: Iterable[
 
 # ---------------------------------------------------------------------- from a run's config
 def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mesh: jax.sharding.Mesh,
-                  vocab_size: int) -> ScoredSampler:
+                  vocab_size: int, model_config=None) -> ScoredSampler:
     """A sampler scoring like the run's rollouts: ``config.rewards`` (its reward models
     loaded; they must have the policy's ``vocab_size``), the stop tokens of
     ``rollout.stop_token_ids`` (default: the tokenizer's EOS) and the response budget
-    ``rollout.max_new_tokens``; the rollout's temperature / top-k / top-p are not read."""
+    ``rollout.max_new_tokens``; the rollout's temperature / top-k / top-p are not read.
+    With ``config.env.name`` set, the run's multi-turn rollouts with its environment
+    (:class:`alignax.envs.rollout.EnvSampler`, which needs the policy's ``model_config``)."""
     from alignax.parallel.multihost import place_local_batch
     from alignax.parallel.sharding import batch_sharding
 
@@ -274,6 +276,14 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
         value = np.asarray(value)
         return place_local_batch(value, batch_sharding(mesh, value.ndim))
 
+    if config.env.name is not None:
+        from alignax.envs.registry import env_factory
+        from alignax.envs.rollout import EnvSampler
+
+        ec = config.env
+        return EnvSampler(graphdef, model_config, tokenizer, env_factory(ec.name, ec.kwargs), sampling, mesh=mesh,
+                          place=place, prompt_len=config.data.max_prompt_length, max_turns=ec.max_turns,
+                          max_turn_tokens=ec.max_turn_tokens, max_observation_tokens=ec.max_observation_tokens)
     return ScoredSampler(graphdef, tokenizer, scorer, sampling, mesh=mesh, place=place)
 
 
@@ -310,7 +320,8 @@ def evaluate_model(model: nnx.Module, tokenizer, config: TrainConfig, *, prompts
     if mesh is None:
         mesh = mesh_for_shape(config.mesh.shape)
     graphdef, state = nnx.split(model)
-    sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh, vocab_size=model.config.vocab_size)
+    sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh, vocab_size=model.config.vocab_size,
+                            model_config=model.config)
     batches = prompt_batches(config, tokenizer, prompts=prompts, records=records)
     return evaluate_policy(sampler, state, batches, evaluation or config.evaluation, seed=config.train.seed)
 

@@ -48,6 +48,7 @@ BASES = {
     "dpo-lora": ("dpo-lora", {}),
     "kto": ("kto", {}),
     "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
+    "grpo-calculator": ("grpo-calculator", {"evaluation": {"max_prompts": 4}}),
     "ppo": ("ppo", {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}, "evaluation": {"max_prompts": 4}}),
 }
 # A section the sweep sets from nothing (its keys under a base without it) starts valid.
@@ -241,6 +242,8 @@ SWEEP_VALUES = {
     "grpo.process_reward_model": ["runs/prm"],
     "lora": [{"rank": 2}],
     "lora.targets": [["q", "v"]],
+    "env.name": ["calculator"],
+    "env.kwargs": [{"max_digits": 50}],
 }
 DATA_VALUES = {
     "paths": [["tests/data/some.jsonl"]],
@@ -682,3 +685,20 @@ def test_online_section_keys_are_read_by_the_builder_wherever_accepted(algorithm
                 if key not in (builder_reads(swept) if switch else variant_reads):
                     failures.append(f"{variant}: {key}={value!r} accepted but not read by the builder")
     assert not failures, "\n".join(failures)
+
+
+def test_env_keys_need_an_online_run_with_an_environment():
+    def problems(**sections):
+        raw = base_raw("grpo")
+        raw.pop("rewards")
+        return validation.problems(config_io.from_dict(TrainConfig, _merge(raw, sections)))
+
+    assert problems(env={"name": "calculator"}) == []
+    assert any("env.max_turns" in p and "env.name" in p for p in problems(env={"max_turns": 2}))
+    assert any("rewards.format_weight" in p and "environment" in p
+               for p in problems(env={"name": "calculator"}, rewards={"format_weight": 0.5}))
+    assert any("grpo.advantage=process" in p for p in problems(env={"name": "calculator"},
+                                                                grpo={"advantage": "process"}))
+    assert any("env.max_turn_tokens=99" in p for p in problems(env={"name": "calculator", "max_turn_tokens": 99}))
+    sft = _merge(base_raw("sft"), {"env": {"name": "calculator"}})
+    assert any(names_key(p, "env.name") for p in validation.problems(config_io.from_dict(TrainConfig, sft)))

@@ -166,7 +166,7 @@ class _LoopState:
 # Under a mesh (alignax.parallel.constrain), the batch dim of the cache and of every loop
 # buffer stays split over ("data", "fsdp") (axes that do not divide the batch are dropped
 # by the rules), rather than whatever the propagation settles on for the loop carry.
-def _constrain_cache(cache: KVCache) -> KVCache:
+def constrain_cache(cache: KVCache) -> KVCache:
     return KVCache(**{name: constrain(getattr(cache, name), axes) for name, axes in CACHE_AXES.items()})
 
 
@@ -174,7 +174,7 @@ def _constrain_loop(s: _LoopState) -> _LoopState:
     rows = ("batch",)
     per_token = ("batch", "length")
     return s.replace(
-        cache=_constrain_cache(s.cache),
+        cache=constrain_cache(s.cache),
         logits=constrain(s.logits, ("batch", None)),
         position=constrain(s.position, rows),
         done=constrain(s.done, rows),
@@ -240,6 +240,49 @@ def _sample_step(s: _LoopState, rng: Array, config: SamplingConfig) -> _LoopStat
     )
 
 
+def new_loop_state(cache: KVCache, logits: Array, position: Array, done: Array, config: SamplingConfig) -> _LoopState:
+    """The decode loop's state before its first draw: ``logits [R, V]`` predict each row's
+    next token, ``position [R]`` is its position; rows ``done`` draw nothing."""
+    R, N = done.shape[0], config.max_new_tokens
+    return _LoopState(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits=logits,
+        position=position,
+        done=done,
+        stopped=jnp.zeros((R,), bool),
+        tokens=jnp.full((R, N), config.pad_id, jnp.int32),
+        response_mask=jnp.zeros((R, N), jnp.int32),
+        sampling_logps=jnp.zeros((R, N), jnp.float32),
+        logps=jnp.zeros((R, N), jnp.float32),
+    )
+
+
+def decode_loop(model, s: _LoopState, rng: Array, config: SamplingConfig) -> _LoopState:
+    """Draw up to ``config.max_new_tokens`` tokens per row from ``s`` (the next-token
+    logits of the last fed token, the cache holding it); rows already ``done`` draw
+    nothing. The last token drawn is never fed to the cache."""
+    N = config.max_new_tokens
+    s = _sample_step(_constrain_loop(s), rng, config)
+
+    def cond(s: _LoopState):
+        return (s.step < N) & ~jnp.all(s.done)
+
+    def body(s: _LoopState):
+        alive = ~s.done
+        last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)  # [R, 1]
+        feed_mask = alive[:, None].astype(jnp.int32)
+        step_out = model(last, s.position[:, None], feed_mask, cache=s.cache, return_logits=False)
+        s = s.replace(
+            cache=step_out.cache,
+            logits=model.logits(step_out.hidden[:, 0]),
+            position=s.position + alive.astype(s.position.dtype),
+        )
+        return _constrain_loop(_sample_step(s, rng, config))
+
+    return jax.lax.while_loop(cond, body, s)
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("config",))
 def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: SamplingConfig) -> SamplingOutput:
     """Sample ``config.max_new_tokens`` tokens after each prompt, in one jitted program.
@@ -280,7 +323,7 @@ def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: Sampli
     prompt_mask = prompt_mask.astype(jnp.int32)
 
     # Prefill once per prompt; the last sampled token is never fed, so P + N - 1 slots.
-    cache = _constrain_cache(init_cache(model.config, batch=B, max_len=P + N - 1))
+    cache = constrain_cache(init_cache(model.config, batch=B, max_len=P + N - 1))
     out = model(prompt_tokens, positions_from_mask(prompt_mask), prompt_mask, cache=cache, return_logits=False)
     logits = model.logits(out.hidden[:, -1])  # left padding: column P - 1 is real in every row
     position = jnp.sum(prompt_mask, axis=-1)
@@ -289,7 +332,7 @@ def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: Sampli
         # No total_repeat_length: with it jnp.repeat is a scatter and a gather (see the
         # module docstring); without, a broadcast and a reshape that keep rows in place.
         repeat = functools.partial(jnp.repeat, repeats=G)
-        cache = _constrain_cache(KVCache(
+        cache = constrain_cache(KVCache(
             k=repeat(cache.k, axis=1), v=repeat(cache.v, axis=1), mask=repeat(cache.mask, axis=0), index=cache.index
         ))
         logits = constrain(repeat(logits, axis=0), ("batch", None))
@@ -298,36 +341,7 @@ def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: Sampli
         prompt_mask = constrain(repeat(prompt_mask, axis=0), ("batch", "length"))
     R = B * G
 
-    s = _LoopState(
-        step=jnp.zeros((), jnp.int32),
-        cache=cache,
-        logits=logits,
-        position=position,
-        done=jnp.zeros((R,), bool),
-        stopped=jnp.zeros((R,), bool),
-        tokens=jnp.full((R, N), config.pad_id, jnp.int32),
-        response_mask=jnp.zeros((R, N), jnp.int32),
-        sampling_logps=jnp.zeros((R, N), jnp.float32),
-        logps=jnp.zeros((R, N), jnp.float32),
-    )
-    s = _sample_step(_constrain_loop(s), rng, config)
-
-    def cond(s: _LoopState):
-        return (s.step < N) & ~jnp.all(s.done)
-
-    def body(s: _LoopState):
-        alive = ~s.done
-        last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)  # [R, 1]
-        feed_mask = alive[:, None].astype(jnp.int32)
-        step_out = model(last, s.position[:, None], feed_mask, cache=s.cache, return_logits=False)
-        s = s.replace(
-            cache=step_out.cache,
-            logits=model.logits(step_out.hidden[:, 0]),
-            position=s.position + alive.astype(s.position.dtype),
-        )
-        return _constrain_loop(_sample_step(s, rng, config))
-
-    s = jax.lax.while_loop(cond, body, s)
+    s = decode_loop(model, new_loop_state(cache, logits, position, jnp.zeros((R,), bool), config), rng, config)
     return SamplingOutput(
         prompt_tokens=constrain(prompt_tokens, ("batch", "length")),
         prompt_mask=constrain(prompt_mask, ("batch", "length")),

@@ -38,6 +38,16 @@ class Groups:
     completions: list[str]  # [R] decoded response text
     rewards: np.ndarray  # [R] total reward
     components: dict[str, np.ndarray]  # name -> [R]
+    # Multi-turn trajectories (alignax.envs.rollout): response_mask is 1 on every real
+    # token after the prompt (model and observation tokens), action_mask on the model's
+    # own tokens only; trajectory holds per-row counts (turns, tool calls, end reasons).
+    action_mask: np.ndarray | None = None  # [R, N]
+    trajectory: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # name -> [R]
+
+    def actions(self) -> np.ndarray:
+        """``[R, N]``, 1 on the tokens the policy chose: the response (single turn), or
+        the model's turns of a trajectory."""
+        return self.response_mask if self.action_mask is None else self.action_mask
 
     @property
     def size(self) -> int:
@@ -51,6 +61,8 @@ class Groups:
             response_mask=pick(self.response_mask), sampler_logps=pick(self.sampler_logps), stopped=pick(self.stopped),
             references=[self.references[i] for i in rows], completions=[self.completions[i] for i in rows],
             rewards=pick(self.rewards), components={k: pick(v) for k, v in self.components.items()},
+            action_mask=None if self.action_mask is None else pick(self.action_mask),
+            trajectory={k: pick(v) for k, v in self.trajectory.items()},
         )
 
     @staticmethod
@@ -63,6 +75,8 @@ class Groups:
             references=[r for p in parts for r in p.references], completions=[c for p in parts for c in p.completions],
             rewards=cat("rewards"),
             components={k: np.concatenate([p.components[k] for p in parts]) for k in first.components},
+            action_mask=None if first.action_mask is None else cat("action_mask"),
+            trajectory={k: np.concatenate([p.trajectory[k] for p in parts]) for k in first.trajectory},
         )
 
     def full_sequences(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

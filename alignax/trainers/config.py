@@ -16,6 +16,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     sft / reward / prm / dpo / iterative / ppo / grpo: {...}   # the chosen algorithm's own settings
     rollout / rewards: {...}  # online RL (ppo, grpo): generation and the reward function
     evaluation: {...}         # alignax.evaluation.EvaluationConfig: greedy accuracy, pass@k
+    env: {...}                # alignax.envs.EnvConfig: multi-turn rollouts with an environment and tools
 
 ``alignax.trainers.api.load_config(path, overrides)`` reads it; an unknown or ill-typed
 key is an error naming its dotted path and the valid choices, and so is a key the
@@ -28,6 +29,7 @@ import dataclasses
 from typing import Any, Literal
 
 from alignax.data import DataConfig
+from alignax.envs.config import EnvConfig
 from alignax.evaluation import EvaluationConfig
 from alignax.models.lora import LoraConfig
 from alignax.ops import AggregationMode
@@ -404,3 +406,4 @@ class TrainConfig:
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)
     ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
     evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)

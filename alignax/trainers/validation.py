@@ -221,6 +221,7 @@ NEVER = Check("no run", lambda c: False, lambda c: "")
 ONLINE = Is("algorithm", "grpo", "ppo")
 OFFLINE = Is("algorithm", "sft", "reward", "prm", "dpo")
 EVAL_PROMPTS = Given("evaluation.prompts")
+NO_ENV = Named("no environment (env.name null)", Is("env.name", None))
 # alignax.evaluation: an online run evaluates by generation (on its eval split, or on
 # evaluation.prompts); an offline policy only on evaluation.prompts (its data are not
 # prompts), and a reward model never (it does not generate).
@@ -372,6 +373,8 @@ KEY_RULES: tuple[Rule, ...] = (
     # evaluation is scored (under grpo.advantage=process too: the logged rewards, dynamic
     # sampling's group variance and the evaluation read them; the advantages do not)
     rule(_keys_of(RewardConfig, "rewards", but=("mask_truncated",)), GENERATION),
+    rule(_keys_of(RewardConfig, "rewards", but=("mask_truncated",)), NO_ENV,
+         "with an environment (env.name set) the environment gives the rewards"),
     rule("rewards.mask_truncated", ONLINE, "it takes truncated completions out of the training loss"),
     rule("rewards.strict_format", NonZero("rewards.format_weight")),
     rule(["rewards.answer_tag", "rewards.answer_extraction", "rewards.task"],
@@ -383,6 +386,10 @@ KEY_RULES: tuple[Rule, ...] = (
          Given("rewards.judge_model"), "they configure the LLM judge"),
     rule("rewards.length_target", NonZero("rewards.length_penalty_coef")),
     rule("rewards.overlong_scale", Given("rewards.overlong_buffer")),
+    # --- multi-turn rollouts with an environment (alignax.envs)
+    rule("env", ONLINE, "environments play the turns of online rollouts"),
+    rule(["env.kwargs", "env.max_turns", "env.max_turn_tokens", "env.max_observation_tokens"], Given("env.name"),
+         "they configure the environment env.name names"),
     # --- generation-based evaluation (alignax.evaluation)
     rule("evaluation", GENERATION),
     rule("evaluation.temperature", AnyOf(Given("evaluation.pass_k"), Above("evaluation.best_of_n.n", 0)),
@@ -505,6 +512,19 @@ def _reward_source(config):
     if GENERATION(config) and no_verifier and not r.functions and not r.reward_models and not r.judge_model:
         return ("rewards: no reward source (rewards.verifier_weight and rewards.format_weight are 0, no "
                 "rewards.functions, no rewards.reward_models, no rewards.judge_model); set one of them")
+    return None
+
+
+def _env_settings(config):
+    env = config.env
+    if env.name is None or not ONLINE(config):
+        return None
+    if config.algorithm == "grpo" and config.grpo.advantage == "process":
+        return ("env.name is set with grpo.advantage=process: process advantages read step rewards at text "
+                "delimiters, which a trajectory's observation turns break; use another grpo.advantage")
+    if env.max_turn_tokens is not None and env.max_turn_tokens > config.rollout.max_new_tokens:
+        return (f"env.max_turn_tokens={env.max_turn_tokens} exceeds rollout.max_new_tokens="
+                f"{config.rollout.max_new_tokens}, the budget of the whole trajectory after the prompt")
     return None
 
 
@@ -724,6 +744,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _critic_path,
     _reward_source,
     _overlong_buffer,
+    _env_settings,
     _pass_k_verdict,
     _iterative_loss,
     _checkpoint_keep,

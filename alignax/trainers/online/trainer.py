@@ -42,6 +42,8 @@ from flax import nnx
 from alignax import evaluation, models, ops
 from alignax import kl as kl_lib
 from alignax.data import prepare_dataset
+from alignax.envs.registry import env_factory
+from alignax.envs.rollout import EnvSampler, trajectory_figures
 from alignax.losses import sft_loss, value_loss
 from alignax.metrics import to_host
 from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
@@ -137,6 +139,8 @@ class OnlineTrainer:
                                    reward_models=reward_models)
         self.sampler = ScoredSampler(self.graphdef, self.tokenizer, self.scorer, self.sampling, mesh=self.mesh,
                                      place=self.place)
+        if config.env.name is not None:  # multi-turn: the environment gives the rewards
+            self.sampler = self._env_sampler()
         self.alarms = Alarms()
         self.ptx = None
         if algorithm.ptx is not None:
@@ -148,6 +152,14 @@ class OnlineTrainer:
         self._advantages = jax.jit(algorithm.advantages)
 
     # ------------------------------------------------------------------ setup
+    def _env_sampler(self):
+        """Multi-turn rollouts with ``config.env``'s environment (:class:`alignax.envs.rollout.EnvSampler`)."""
+        ec = self.config.env
+        return EnvSampler(self.graphdef, self.model_config, self.tokenizer, env_factory(ec.name, ec.kwargs),
+                          self.sampling, mesh=self.mesh, place=self.place, prompt_len=self.prompt_len,
+                          max_turns=ec.max_turns, max_turn_tokens=ec.max_turn_tokens,
+                          max_observation_tokens=ec.max_observation_tokens)
+
     def _with_critic(self, policy_params: nnx.State) -> Any:
         """The trained tree: the policy's params, or ``{"policy", "critic"}`` with a separate critic."""
         critic = self.algorithm.critic
@@ -395,7 +407,7 @@ class OnlineTrainer:
         # ---- per-token quantities of the rollout under the current policy ----
         t_fwd = time.perf_counter()
         tokens, positions, attention = (self.place(a) for a in groups.full_sequences())
-        response_mask = self.place(groups.response_mask.astype(np.float32))
+        response_mask = self.place(groups.actions().astype(np.float32))  # the policy's tokens (model turns)
         sampler_logps = self.place(groups.sampler_logps)
         recomputed = entropy = shared_values = None  # single-update mode: the update returns them
         if not self.logps_from_update:
@@ -410,7 +422,7 @@ class OnlineTrainer:
             old_values = shared_values
         else:
             old_values = jnp.zeros_like(sampler_logps)
-        loss_mask = groups.response_mask.astype(np.float32)
+        loss_mask = groups.actions().astype(np.float32)  # observation tokens of a trajectory get no loss
         if config.rewards.mask_truncated:
             loss_mask = loss_mask * groups.stopped[:, None].astype(np.float32)
         loss_mask = self.place(loss_mask)
@@ -487,6 +499,8 @@ class OnlineTrainer:
 
         figures.update(self._rollout_figures(groups, rewards, seq_kl, old_logps, ref_logps, recomputed, sampler_logps,
                                              response_mask, entropy, advantages))
+        if groups.trajectory:
+            figures.update(trajectory_figures(self._gathered(groups), figures["perf/generation_s"]))
         for key in update_metrics[0]:
             figures[key] = float(np.mean([m[key] for m in update_metrics]))
         figures["grad_norm_max"] = float(np.max([m["grad_norm"] for m in update_metrics]))
@@ -505,6 +519,15 @@ class OnlineTrainer:
                                           length=figures["response/length_mean"],
                                           reward=figures.get("reward/answer", figures["reward/total"])))
         return state, StepOutput(metrics=figures)
+
+    @staticmethod
+    def _gathered(groups: Groups) -> Groups:
+        """The per-row trajectory counts of every process (multi-turn monitoring)."""
+        if jax.process_count() == 1:
+            return groups
+        return dataclasses.replace(groups, response_mask=allgather_rows(groups.response_mask),
+                                   action_mask=allgather_rows(groups.actions()),
+                                   trajectory={k: allgather_rows(v) for k, v in groups.trajectory.items()})
 
     def _rollout_figures(self, groups: Groups, rewards, seq_kl, *device_arrays) -> dict[str, float]:
         """:func:`rollout_figures` over every process's rows: the per-row host values are
