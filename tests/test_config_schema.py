@@ -302,7 +302,10 @@ def with_key(raw: dict, key: str, value) -> dict:
 def names_key(message: str, key: str) -> bool:
     """Whether ``message`` names ``key`` (or a section holding it) as a whole dotted key."""
     parts = key.split(".")
-    candidates = [".".join(parts[: i + 1]) for i in range(len(parts))][1 if len(parts) > 1 else 0:]
+    # a top-level section's name alone is too common a word, unless it is an optional section
+    # (``lora``) refused as a whole
+    first = 1 if len(parts) > 1 and parts[0] not in SECTION_SEEDS else 0
+    candidates = [".".join(parts[: i + 1]) for i in range(len(parts))][first:]
     return any(re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", message) for k in candidates)
 
 
