@@ -306,6 +306,16 @@ def pool_runs(runs: Sequence[dict]) -> dict | None:
     return pooled
 
 
+def run_context(load_start) -> dict:
+    """Where and on what a figure was measured: devices, jax, machine load (at the start and
+    now), CPU count and the source commit."""
+    import jax
+
+    return {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+            "load_average_start": list(load_start), "load_average": list(os.getloadavg()),
+            "cpu_count": os.cpu_count(), "alignax_source": source_state()}
+
+
 def source_state() -> dict:
     """The commit measured and any uncommitted changes under alignax/ (figures depend on them)."""
     def git(*argv):

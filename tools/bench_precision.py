@@ -116,8 +116,6 @@ class Policy:
 
 
 def main(argv=None) -> None:
-    import jax
-
     args = parse_args(argv)
     load_start = os.getloadavg()
     total = len(POLICIES) * (args.warmup + args.rounds * args.steps)
@@ -141,12 +139,7 @@ def main(argv=None) -> None:
         "ratio_min": f32["step_time_s_min"] / bf16["step_time_s_min"],
         "peak_memory_ratio": bf16["compiled_memory"]["peak_bytes"] / f32["compiled_memory"]["peak_bytes"],
         "held_memory_ratio": bf16["held_total_bytes"] / f32["held_total_bytes"],
-        "devices": [str(d) for d in jax.devices()],
-        "jax": jax.__version__,
-        "load_average_start": list(load_start),
-        "load_average": list(os.getloadavg()),
-        "cpu_count": os.cpu_count(),
-        "alignax_source": common.source_state(),
+        **common.run_context(load_start),
     }
     common.finish(result, args.out)
 

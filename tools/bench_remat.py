@@ -80,8 +80,6 @@ def measure(args, policy: str, batches) -> dict:
 
 
 def main(argv=None) -> None:
-    import jax
-
     args = parse_args(argv)
     load_start = os.getloadavg()
     batches = bench_dpo.make_batches(args.steps + 1, vocab=int(common.SHAPES[args.model]["vocab_size"]),
@@ -95,12 +93,7 @@ def main(argv=None) -> None:
                    "reference": "live", "scan_layers": args.scan_layers},
         "policies": figures,
         "temporaries_vs_none": {p: f["compiled_memory"]["temp_size_in_bytes"] / none for p, f in figures.items()},
-        "devices": [str(d) for d in jax.devices()],
-        "jax": jax.__version__,
-        "load_average_start": list(load_start),
-        "load_average": list(os.getloadavg()),
-        "cpu_count": os.cpu_count(),
-        "alignax_source": common.source_state(),
+        **common.run_context(load_start),
     }
     common.finish(result, args.out)
 
