@@ -182,5 +182,8 @@ def test_the_decoder_routes_full_passes_to_splash_and_refuses_shared_prompt_pack
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
     assert calls == [(2, 10)]  # one layer, the key mask handed over
+    one = splash(tokens[:, :1], positions[:, :1], jnp.ones((2, 1), jnp.int32)).logits  # a one-token full pass
+    np.testing.assert_allclose(np.asarray(one), np.asarray(dense(tokens[:, :1], positions[:, :1],
+                                                                 jnp.ones((2, 1), jnp.int32)).logits), atol=1e-5)
     with pytest.raises(ValueError, match="splash cannot run shared-prompt packing"):
         splash(tokens, positions, jnp.asarray(mask), segment_ids=jnp.zeros((2, 10), jnp.int32))

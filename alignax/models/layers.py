@@ -207,14 +207,14 @@ class Attention(nnx.Module):
             kv = (k_all, v_all)
         B, T, N, H = q.shape
         S, K, G = k.shape[1], c.num_kv_heads, c.num_groups
-        if T == 1:  # a decode step: contract in place, no transposed copy of the cache
+        if isinstance(allowed, KeyMask):  # attention=splash, a full pass without packed segments
+            out = splash_attention(q, k, v, allowed.mask, scale=c.attention_scale)
+        elif T == 1:  # a decode step: contract in place, no transposed copy of the cache
             q = q.reshape(B, T, K, G, H)
             scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
             scores = jnp.where(allowed[:, None, None, :, :], scores * c.attention_scale, _MASKED)
             probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
             out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
-        elif isinstance(allowed, KeyMask):  # attention=splash, a full pass without packed segments
-            out = splash_attention(q, k, v, allowed.mask, scale=c.attention_scale)
         elif c.attention == "cudnn":
             out = fused_attention(q, k, v, allowed, scale=c.attention_scale, implementation=c.attention)
         else:
