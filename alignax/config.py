@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import decimal
 import difflib
+import functools
 import importlib
 import math
 import re
@@ -215,11 +216,19 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     raise ConfigError(f"{path}: cannot read a {_type_name(tp)} from {value!r}")
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, resolved once per class: the config modules use
+    postponed annotations, and resolving them compiles each annotation string anew, which
+    a validation sweep over every key would otherwise pay thousands of times."""
+    return typing.get_type_hints(cls)
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     """Build dataclass ``cls`` from ``data``, checking every key and value."""
     if data is None:
         data = {}
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     if unknown:

@@ -7,6 +7,7 @@ results (and exit non-zero on a failed check).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -30,3 +31,21 @@ def run_check(script: str, *args: str, devices: int = 8, timeout: int = 900) -> 
                           env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# The (2, 2, 2) mesh equalities against one device, each a check script of tests/. They run
+# together in one subprocess (tests/mesh_checks.py): one interpreter start and one import for
+# all. The tests that read them carry ``xdist_group("mesh-equality")`` so that one worker runs
+# the subprocess once.
+MESH_EQUALITIES = ("mesh_dpo_check", "mesh_dpo_check:--lora", "mesh_grpo_check", "mesh_ppo_check",
+                   "mesh_agent_check")
+
+
+@functools.cache
+def _mesh_equalities() -> dict:
+    return run_check("mesh_checks.py", *MESH_EQUALITIES, timeout=1800)
+
+
+def mesh_equality(check: str) -> dict:
+    """What check script ``check`` (an entry of MESH_EQUALITIES) measured."""
+    return _mesh_equalities()[check]

@@ -14,7 +14,7 @@ from flax import nnx
 
 from alignax.trainers.api import build_trainer, train
 from alignax.trainers.online.rollout import response_forward
-from tests.fake_devices import run_check
+from tests.fake_devices import mesh_equality
 from tests.toy_agent import CALL, agent_config, agent_tokenizer, lookup_records, make_agent_model
 
 
@@ -60,6 +60,7 @@ def captured(agent_model, tmp_path_factory):
     return trainer, params, groups, minibatch, metrics
 
 
+@pytest.mark.xdist_group("agents-captured")  # shares the module fixture: one worker builds it
 def test_update_masks_observations_and_reports_the_trajectory(captured):
     _, _, groups, minibatch, figures = captured
     loss_mask = np.asarray(minibatch.rollout.loss_mask)
@@ -73,6 +74,7 @@ def test_update_masks_observations_and_reports_the_trajectory(captured):
     assert figures["env/malformed_call_rate"] == 0.5  # ChattyEnv: 1 malformed of 2 calls per step
 
 
+@pytest.mark.xdist_group("agents-captured")  # shares the module fixture: one worker builds it
 def test_observation_tokens_get_zero_gradient_and_model_tokens_a_single_turn_rows(captured):
     trainer, params, groups, minibatch, _ = captured
     ro = minibatch.rollout
@@ -144,8 +146,9 @@ def test_grpo_learns_to_call_the_tool(agent_model, tmp_path):
     assert np.mean(calls[-3:]) > np.mean(calls[:3]) + 0.25
 
 
+@pytest.mark.xdist_group("mesh-equality")
 def test_a_multi_turn_grpo_step_on_a_mesh_matches_one_device():
-    out = run_check("mesh_agent_check.py")
+    out = mesh_equality("mesh_agent_check")
     assert out["devices"] == 8 and out["sharded_param_devices"] == 8
     assert out["single/env/turns_per_trajectory"] > 1.5  # several turns, observations between them
     for key in ("reward/total", "response/length_mean", "env/turns_per_trajectory", "env/model_token_fraction"):

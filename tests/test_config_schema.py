@@ -93,7 +93,7 @@ def _config_classes() -> list[type]:
         if cls in found:
             return
         found.append(cls)
-        for tp in typing.get_type_hints(cls).values():
+        for tp in config_io.type_hints(cls).values():
             for arg in (tp, *typing.get_args(tp)):
                 if dataclasses.is_dataclass(arg):
                     walk(arg)
@@ -199,11 +199,11 @@ def reads(tmp_path_factory):
 def _field(key: str) -> tuple[type, dataclasses.Field]:
     cls, parts = TrainConfig, key.split(".")
     for part in parts[:-1]:
-        tp = typing.get_type_hints(cls)[part]
+        tp = config_io.type_hints(cls)[part]
         cls = tp if dataclasses.is_dataclass(tp) else next(
             a for a in typing.get_args(tp) if dataclasses.is_dataclass(a))
     field = next(f for f in dataclasses.fields(cls) if f.name == parts[-1])
-    return typing.get_type_hints(cls)[parts[-1]], field
+    return config_io.type_hints(cls)[parts[-1]], field
 
 
 SWEEP_VALUES = {

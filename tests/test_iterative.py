@@ -18,6 +18,9 @@ from alignax.trainers.iterative import IterativeTrainer, round_config, round_don
 from tests.rl_toy import toy_prompts
 from tests.trainer_helpers import CONFIGS
 
+# The tests share module fixtures (built once per worker): keep them on one xdist worker.
+pytestmark = pytest.mark.xdist_group("iterative")
+
 SECTIONS = dict(
     rollout={"max_new_tokens": 6, "num_samples": 4, "temperature": 1.0},
     rewards={"verifier_weight": 0.0, "format_weight": 0.0, "functions": {"tests.rl_toy:yes_share": 1.0}},

@@ -163,6 +163,7 @@ def lora_dpo(tmp_path_factory, toy_model):
     return config, trainer, train(config, records=separable_pairs(96))
 
 
+@pytest.mark.xdist_group("lora-dpo")  # shares the module fixture: one worker builds it
 def test_lora_dpo_learns_the_separable_preference(lora_dpo):
     _, _, result = lora_dpo
     before, after = result.eval_history[0], result.eval_history[-1]
@@ -171,6 +172,7 @@ def test_lora_dpo_learns_the_separable_preference(lora_dpo):
     assert after["eval/loss"] < before["eval/loss"] - 0.1
 
 
+@pytest.mark.xdist_group("lora-dpo")  # shares the module fixture: one worker builds it
 def test_only_adapters_are_trained_and_the_base_is_unchanged(lora_dpo, toy_model):
     _, trainer, result = lora_dpo
     state = result.loop.state
@@ -189,6 +191,7 @@ def test_only_adapters_are_trained_and_the_base_is_unchanged(lora_dpo, toy_model
     assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(nnx.state(result.model, LoRAParam)))
 
 
+@pytest.mark.xdist_group("lora-dpo")  # shares the module fixture: one worker builds it
 def test_reference_is_the_base_with_adapters_off_and_no_second_copy(lora_dpo, toy_model):
     _, trainer, _ = lora_dpo
     frozen = trainer.eval_frozen()
@@ -209,6 +212,7 @@ def test_reference_is_the_base_with_adapters_off_and_no_second_copy(lora_dpo, to
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
+@pytest.mark.xdist_group("lora-dpo")  # shares the module fixture: one worker builds it
 def test_lora_resume_is_bit_identical_and_checkpoints_hold_adapters_only(tmp_path, lora_dpo):
     from alignax.checkpoint import Checkpointer, _shapes
 
@@ -230,6 +234,7 @@ def test_lora_resume_is_bit_identical_and_checkpoints_hold_adapters_only(tmp_pat
     assert sum(int(np.prod(v)) for v in saved.values() if v) < 4 * n_adapter  # params + Adam's two moments
 
 
+@pytest.mark.xdist_group("lora-dpo")  # shares the module fixture: one worker builds it
 def test_export_of_a_lora_run_is_merged_and_carries_the_peft_adapter(lora_dpo):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
@@ -324,10 +329,11 @@ def test_estimator_counts_adapters_and_one_frozen_base():
     assert lora.total < full.total - 15 * P  # no gradients, moments or reference for the base
 
 
+@pytest.mark.xdist_group("mesh-equality")
 def test_lora_dpo_on_a_2x2x2_mesh_matches_one_device():
-    from tests.fake_devices import run_check
+    from tests.fake_devices import mesh_equality
 
-    out = run_check("mesh_dpo_check.py", "--lora")
+    out = mesh_equality("mesh_dpo_check:--lora")
     assert out["devices"] == 8
     np.testing.assert_allclose(out["loss_sharded"], out["loss_single"], rtol=1e-5)
     assert out["max_param_diff"] < 5e-5

@@ -55,11 +55,13 @@ def test_two_processes_train_like_one(tmp_path, toy_model):
 
     # online: 8 prompts x 2 samples; each process samples, scores and updates on its own
     # prompts' rows, and the figures and evaluations are over all of them
-    single = launch(1, [job("pre", "dpo", 4, "pre1", "precomputed"), job("grpo", "grpo", 2, "grpo1"),
-                        job("ppo", "ppo", 2, "ppo1")], devices=8)[0]
     two = launch(2, [job("pre", "dpo", 2, "split", "precomputed"), job("grpo", "grpo", 2, "grpo2"),
                      job("ppo", "ppo", 2, "ppo2")], devices=4)
-    [[resumed]] = launch(1, [job("pre", "dpo", 4, "split", "precomputed")], devices=8)
+    # one process: the uninterrupted runs, then the two processes' DPO run resumed (one
+    # launch for both, as an interpreter start and its compiles cost more than the steps)
+    *single, resumed = launch(1, [job("pre", "dpo", 4, "pre1", "precomputed"), job("grpo", "grpo", 2, "grpo1"),
+                                  job("ppo", "ppo", 2, "ppo1"), job("resumed", "dpo", 4, "split", "precomputed")],
+                              devices=8)[0]
     one = {r["job"]: r for r in single}
     for process, results in enumerate(two):
         assert [r["process"] for r in results] == [process] * 3

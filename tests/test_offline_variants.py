@@ -31,6 +31,9 @@ from alignax.trainers.offline import preference
 from tests.references import log_sigmoid, mean, sigmoid
 from tests.trainer_helpers import separable_pairs, tiny_config, unpaired_feedback
 
+# The tests share module fixtures (built once per worker): keep them on one xdist worker.
+pytestmark = pytest.mark.xdist_group("offline-variants")
+
 BETA = 0.5
 NOISE = 0.1  # std of the weight perturbations
 PAIR_SEEDS = (2, 3)  # policy's and reference's noise: margins of both signs, DPOP's penalty on some pairs

@@ -2,12 +2,14 @@
 one-device step for the same seed."""
 
 import numpy as np
+import pytest
 
-from tests.fake_devices import run_check
+from tests.fake_devices import mesh_equality
 
 
+@pytest.mark.xdist_group("mesh-equality")
 def test_grpo_steps_on_a_mesh_match_one_device():
-    out = run_check("mesh_grpo_check.py")
+    out = mesh_equality("mesh_grpo_check")
     assert out["devices"] == 8 and out["sharded_param_devices"] == 8
     # same samples (same rewards and lengths), same losses and updates within float32
     assert out["sharded/reward/total"] == out["single/reward/total"]
@@ -21,8 +23,9 @@ def test_grpo_steps_on_a_mesh_match_one_device():
     assert out["max_param_diff"] < 1e-3
 
 
+@pytest.mark.xdist_group("mesh-equality")
 def test_ppo_steps_with_a_separate_critic_on_a_mesh_match_one_device():
-    out = run_check("mesh_ppo_check.py")
+    out = mesh_equality("mesh_ppo_check")
     assert out["devices"] == 8
     assert out["sharded_policy_devices"] == 8 and out["sharded_critic_devices"] == 8
     # same samples, so the same rewards and lengths exactly

@@ -327,11 +327,14 @@ def test_a_bfloat16_run_resumes_bit_for_bit(tmp_path, toy_model):
 
 
 # ---------------------------------------------------------------------------- the initial params are let go
-def weight_buffers(shape, *, ignore=frozenset()) -> list[jax.Array]:
+def weight_buffers(shape, *, ignore=frozenset(), collect=True) -> list[jax.Array]:
     """The distinct device buffers of live arrays of ``shape`` (an array and the views JAX or
     Orbax hold of its shards share a buffer: counted once), one array per buffer; buffers in
-    ``ignore`` (other tests' arrays alive in this process) are left out."""
-    gc.collect()
+    ``ignore`` (other tests' arrays alive in this process) are left out. ``collect=False``
+    skips the garbage collection first (seconds in a worker that has run many tests): then
+    garbage still holding a buffer is counted too, so a count can only err high."""
+    if collect:
+        gc.collect()
     seen = {}
     for array in jax.live_arrays():
         if array.shape == shape and not array.is_deleted():
@@ -365,7 +368,7 @@ def test_a_step_holds_only_the_weight_copies_it_needs(tmp_path, toy_model, polic
     seen = []
 
     def count(when):
-        buffers = weight_buffers(shape, ignore=before)
+        buffers = weight_buffers(shape, ignore=before, collect=False)
         seen.append((when, {d: sum(1 for b in buffers if jnp.dtype(b.dtype).name == d) for d in expected}))
 
     from alignax.trainers.offline.trainer import OfflineTrainer

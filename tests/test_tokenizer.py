@@ -13,6 +13,9 @@ from transformers import AutoTokenizer
 from alignax.models.gguf import gguf_metadata, read_gguf
 from alignax.models.tokenizer import tokenizer_from_gguf
 
+# The tests share module fixtures (built once per worker): keep them on one xdist worker.
+pytestmark = pytest.mark.xdist_group("tokenizer")
+
 # transformers reads the GGUF tokenizer through PyTorch
 pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
 

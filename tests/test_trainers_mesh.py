@@ -1,12 +1,14 @@
 """The DPO trainer on a (2, 2, 2) mesh of 8 fake CPU devices equals the one-device run."""
 
 import numpy as np
+import pytest
 
-from tests.fake_devices import run_check
+from tests.fake_devices import mesh_equality
 
 
+@pytest.mark.xdist_group("mesh-equality")
 def test_dpo_steps_on_a_mesh_match_one_device():
-    out = run_check("mesh_dpo_check.py")
+    out = mesh_equality("mesh_dpo_check")
     assert out["devices"] == 8
     np.testing.assert_allclose(out["loss_sharded"], out["loss_single"], rtol=1e-5)
     assert out["max_param_diff"] < 5e-5  # two Adam steps of lr 3e-3: float32 reduction order only

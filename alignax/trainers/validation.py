@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import json
 import os
 import typing
@@ -39,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from alignax.best_of_n import BestOfNConfig
-from alignax.config import ConfigError
+from alignax.config import ConfigError, type_hints
 from alignax.data.builders import is_generator_spec
 from alignax.data.formats import DEFAULT_FIELDS, FORMATS, OPTIONAL_FIELDS
 from alignax.data.sources import DATA_FILE_SUFFIXES
@@ -405,7 +406,15 @@ KEY_RULES: tuple[Rule, ...] = (
     rule(["evaluation.prompts.eval_fraction", "evaluation.prompts.shuffle", "evaluation.prompts.seed",
           "evaluation.prompts.num_epochs"], NEVER, "an evaluation reads its prompt set once, whole, in file order"),
 )
+
 """Every key of the schema -> when the run reads it (all matching rows must hold)."""
+
+
+@functools.cache
+def rules_covering(key: str) -> tuple[Rule, ...]:
+    """The rows of :data:`KEY_RULES` that cover ``key``, in table order (looked up once per
+    key: validation runs for every set key of every config a sweep builds)."""
+    return tuple(r for r in KEY_RULES if r.covers(key))
 
 
 # ---------------------------------------------------------------------------- value constraints
@@ -762,7 +771,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
 def schema_keys(cls: type = TrainConfig, prefix: str = "") -> Iterator[str]:
     """Every dotted key of the schema: leaves, and optional sections (``ppo.ptx_data``)
     with their leaves after them."""
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     for field in dataclasses.fields(cls):
         tp, key = hints[field.name], prefix + field.name
         inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
@@ -814,8 +823,8 @@ def unusable_keys(config: TrainConfig) -> list[Unusable]:
     keys under an optional section reported for a rule are not repeated for it."""
     out: list[Unusable] = []
     for key, value, default in set_keys(config):
-        for r in KEY_RULES:
-            if r.covers(key) and not r.when(config):
+        for r in rules_covering(key):
+            if not r.when(config):
                 if not any(u.rule is r and key.startswith(u.key + ".") for u in out):
                     out.append(Unusable(key, value, default, r))
                 break
