@@ -112,12 +112,12 @@ def test_the_sample_kl_reads_the_sampled_tokens_log_probs(study, toy_model):
     config = tool.policy_config(args, os.path.join(args.out, "check"), tool.gold_rewards(args),
                                 os.path.join(args.out, "prompts.jsonl"))
     base = from_pretrained(toy_model)
-    measure = tool.Measure(args, config, tool.load_tokenizer(config.model), base, os.path.join(args.out, "proxy"))
+    measure = tool.Measure(config, tool.load_tokenizer(config.model), base, os.path.join(args.out, "proxy"))
     trained = from_pretrained(toy_model)
     graphdef, state = nnx.split(trained)
     state = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), state)
     trained = nnx.merge(graphdef, state)
-    groups, _, _ = measure.sample(state, 2, seed=3)
+    groups, _, _ = measure.sample(state, args.rl_samples, seed=3)  # the shapes the study compiled
     kl = measure.kl(state, groups)
 
     tokens, positions, attention = groups.full_sequences()

@@ -191,8 +191,8 @@ def sample_kl(policy_logps, ref_logps, mask) -> float:
 class Measure:
     """Samples a policy on the held-out prompts and scores the samples by gold and proxy."""
 
-    def __init__(self, args, config, tokenizer, base_model, proxy_dir: str):
-        self.args, self.config, self.tokenizer = args, config, tokenizer
+    def __init__(self, config, tokenizer, base_model, proxy_dir: str):
+        self.config, self.tokenizer = config, tokenizer
         mesh = mesh_for_shape(config.mesh.shape)
         self.graphdef, self.ref_state = nnx.split(base_model)
         vocab = base_model.config.vocab_size
@@ -284,7 +284,7 @@ def run(args) -> dict:
     lap("train_proxy")
 
     # 3. best-of-N and 4. RL, both measured on the held-out prompts
-    measure = Measure(args, gold_config, tokenizer, base, proxy_dir)
+    measure = Measure(gold_config, tokenizer, base, proxy_dir)
     best_of_n = best_of_n_points(measure, args.n_max, args.seed)
     lap("best_of_n")
     rl_config = policy_config(args, os.path.join(args.out, "rl"), proxy_rewards(proxy_dir), prompts_path)
