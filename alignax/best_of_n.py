@@ -141,6 +141,19 @@ class Selectors:
         return out
 
 
+def best_of_n_kl(n: int) -> float:
+    """The KL divergence of best-of-``n`` selection from the sampling policy, in nats:
+
+        KL(pi_bon || pi) = log n - (n - 1) / n
+
+    for a selector with no ties (Stiennon et al. 2020, appendix G.3; Gao et al. 2022, §2).
+    With ties it is an upper bound. 0 at ``n = 1``; grows like ``log n``.
+    """
+    if n < 1:
+        raise ValueError(f"best-of-n needs n >= 1; got {n}")
+    return float(np.log(n) - (n - 1) / n)
+
+
 def best_of_n_figures(selector_scores: dict[str, np.ndarray], correct: np.ndarray, n: int,
                       sizes: Sequence[int]) -> dict[str, np.ndarray]:
     """Per-prompt ``best_of_n/<selector>@<N>`` ``[B]`` from group-contiguous ``[B * n]``

@@ -19,6 +19,7 @@ from alignax.models import (
     read_safetensors,
     save_pretrained,
     to_hf_state_dict,
+    ValueModel,
     write_safetensors,
 )
 
@@ -155,3 +156,28 @@ def test_sharded_checkpoint_and_bfloat16_round_trip(checkpoint, tmp_path):
     again = read_safetensors(tmp_path / "x.safetensors")
     assert all(np.array_equal(again[k], back[k]) for k in back)
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+
+
+def test_a_model_name_resolves_to_a_registry_entry_or_a_folder_or_an_error_naming_its_key(toy_model):
+    """One resolver (alignax.models.registry.model_directory) serves the trainers' model.name
+    and the judge's rewards.judge_model: a local folder is itself, its tokenizer loads from
+    it, and a name that is neither is an error naming the key and the known models."""
+    from alignax.models.registry import ModelNotFoundError, load, load_tokenizer, model_directory
+    from alignax.trainers.config import ModelSpec
+    from alignax.trainers.engine.setup import load_tokenizer as spec_tokenizer, model_directory as spec_directory
+
+    assert model_directory(toy_model) == type(model_directory(toy_model))(toy_model)
+    assert spec_directory(ModelSpec(name=toy_model)) == toy_model
+    ids = load_tokenizer(toy_model).encode("hi there")
+    assert ids == spec_tokenizer(ModelSpec(name=toy_model)).encode("hi there") and len(ids) == 2
+    model, tokenizer = load(toy_model, kind="value")
+    assert isinstance(model, ValueModel) and tokenizer.encode("hi there") == ids
+    for key in ("model.name", "rewards.judge_model"):
+        with pytest.raises(ModelNotFoundError, match=rf"{key} 'no/such' is neither a registry model nor a local "
+                                                     r"Hugging Face folder \(unknown model 'no/such'; known models: "
+                                                     "smollm2-135m-instruct"):
+            model_directory("no/such", key=key)
+    with pytest.raises(ValueError, match="model.name 'no/such' is neither"):  # a ValueError for config checks
+        spec_directory(ModelSpec(name="no/such"))
+    with pytest.raises(FileNotFoundError, match="model 'no/such' is neither"):  # and a missing file
+        load("no/such")

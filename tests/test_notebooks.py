@@ -32,7 +32,8 @@ from nbclient import NotebookClient
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 MODEL_NOTEBOOKS = {"token_gradients.ipynb", "aggregation_and_length.ipynb", "layer_gradients.ipynb"}
-EXPECTED = {"policy_gradients.ipynb", "preference_gradients.ipynb", "advantages.ipynb"} | MODEL_NOTEBOOKS
+EXPECTED = {"policy_gradients.ipynb", "preference_gradients.ipynb", "advantages.ipynb",
+            "overoptimisation.ipynb"} | MODEL_NOTEBOOKS
 KERNEL_NAME = "python3"
 PROBE = "import json, sys; print(json.dumps([sys.executable, sys.prefix]))"
 

@@ -156,11 +156,34 @@ def local_model_path(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike 
     return final
 
 
-def load_tokenizer(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike | None = None):
-    """The tokenizer of model ``name`` (a ``transformers.PreTrainedTokenizerFast``)."""
-    from transformers import PreTrainedTokenizerFast
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """A model name that is neither a registry model nor a local folder."""
 
-    return PreTrainedTokenizerFast.from_pretrained(str(local_model_path(name, cache_dir=cache_dir)))
+
+def model_directory(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike | None = None,
+                    key: str = "model") -> Path:
+    """The Hugging Face folder of ``name``: a registry model's converted cache entry
+    (:func:`local_model_path`), or ``name`` itself when it is a local folder. Anything else
+    is a :class:`ModelNotFoundError` naming the config key ``key`` it came from."""
+    if name in MODELS:
+        return local_model_path(name, cache_dir=cache_dir)
+    if os.path.isdir(name):
+        return Path(name)
+    raise ModelNotFoundError(f"{key} {name!r} is neither a registry model nor a local Hugging Face folder "
+                             f"(unknown model {name!r}; known models: {', '.join(sorted(MODELS))})")
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike | None = None, key: str = "model"):
+    """The tokenizer of a registry model or a local folder (:func:`model_directory`)."""
+    directory = model_directory(name, cache_dir=cache_dir, key=key)
+    if (directory / "tokenizer.json").exists():
+        # the fast tokenizer directly: AutoTokenizer would import torch first (seconds)
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
 def load(
@@ -170,19 +193,21 @@ def load(
     dtype="float32",
     mesh=None,
     cache_dir: str | os.PathLike | None = None,
+    key: str = "model",
     **model_kwargs,
 ):
-    """``(model, tokenizer)`` for a named model, e.g. ``load("smollm2-135m-instruct")``.
+    """``(model, tokenizer)`` for a registry model or a local Hugging Face folder, e.g.
+    ``load("smollm2-135m-instruct")`` or ``load("runs/reward/export", kind="reward")``.
 
     ``param_dtype``: dtype the parameters are stored in; ``dtype``: compute dtype;
     ``mesh``: create the parameters already sharded over this mesh (see alignax.parallel).
     ``model_kwargs`` go to ``alignax.models.from_pretrained`` (``kind="policy_value"``,
-    ``scan_layers=True``, ``remat=True``, ...). The first call converts the GGUF into the
-    cache (seconds); later calls read the cached safetensors. Unknown names raise
-    ``ValueError`` listing the known ones.
+    ``scan_layers=True``, ``remat=True``, ...). The first call of a registry model converts
+    its GGUF into the cache (seconds); later calls read the cached safetensors. A name
+    that is neither raises :class:`ModelNotFoundError` naming ``key`` and the known models.
     """
     from alignax import models  # at call time: alignax.models re-exports this module
 
-    directory = local_model_path(name, cache_dir=cache_dir)
+    directory = model_directory(name, cache_dir=cache_dir, key=key)
     model = models.from_pretrained(directory, param_dtype=param_dtype, dtype=dtype, mesh=mesh, **model_kwargs)
-    return model, load_tokenizer(name, cache_dir=cache_dir)
+    return model, load_tokenizer(name, cache_dir=cache_dir, key=key)

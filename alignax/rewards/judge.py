@@ -16,7 +16,6 @@ verdict). With verdicts ``(positive, negative)``:
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,16 +68,7 @@ class Judge:
             raise ValueError(f"rewards.judge_verdicts must be two different non-empty texts; got {list(verdicts)}")
         if score not in JUDGE_SCORES:
             raise ValueError(f"rewards.judge_score {score!r}; valid: {', '.join(JUDGE_SCORES)}")
-        if model in models.registry.MODELS:
-            module, self.tokenizer = models.load(model, mesh=mesh)
-        elif os.path.isdir(model):
-            from transformers import PreTrainedTokenizerFast
-
-            module = models.from_pretrained(model, mesh=mesh)
-            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model, local_files_only=True)
-        else:
-            raise FileNotFoundError(f"rewards.judge_model {model!r} is neither a registry model "
-                                    f"({', '.join(models.registry.MODELS)}) nor a local folder")
+        module, self.tokenizer = models.load(model, mesh=mesh, key="rewards.judge_model")
         self.graphdef, self.state = nnx.split(module)
         self.rubric, self.verdicts, self.score_kind, self.bucket = rubric, tuple(verdicts), score, bucket
         self.verdict_ids = [self.tokenizer.encode(v, add_special_tokens=False) for v in self.verdicts]

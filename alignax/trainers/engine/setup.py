@@ -35,28 +35,11 @@ def build_mesh(section: MeshSection) -> jax.sharding.Mesh:
 
 def model_directory(spec: ModelSpec) -> str:
     """The local Hugging Face folder of ``spec.name`` (registry names are converted once)."""
-    if spec.name in registry.MODELS:
-        return str(registry.local_model_path(spec.name))
-    if os.path.isdir(spec.name):
-        return spec.name
-    raise ValueError(
-        f"model.name {spec.name!r} is neither a known model ({', '.join(sorted(registry.MODELS))}) "
-        "nor a local Hugging Face folder"
-    )
+    return str(registry.model_directory(spec.name, key="model.name"))
 
 
 def load_tokenizer(spec: ModelSpec):
-    if spec.name in registry.MODELS:
-        return registry.load_tokenizer(spec.name)
-    directory = model_directory(spec)
-    if os.path.exists(os.path.join(directory, "tokenizer.json")):
-        # the fast tokenizer directly: AutoTokenizer would import torch first (seconds)
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return registry.load_tokenizer(spec.name, key="model.name")
 
 
 def _read_hf_config(directory: str) -> dict[str, Any]:
