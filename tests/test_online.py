@@ -259,6 +259,7 @@ def toy_reward_model(tmp_path_factory, toy_model):
     return export(config, str(tmp / "export"))
 
 
+@pytest.mark.xdist_group("toy-reward-model")  # shares the module fixture: one worker builds it
 def test_reward_model_ensemble_scores_rollouts(tmp_path, toy_model, toy_reward_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=2, checkpoint={"enabled": False},
                         rewards={"functions": {}, "reward_models": [toy_reward_model, toy_reward_model],
@@ -270,6 +271,7 @@ def test_reward_model_ensemble_scores_rollouts(tmp_path, toy_model, toy_reward_m
     np.testing.assert_allclose(last["reward/total"], last["reward/reward_model"], rtol=1e-6)
 
 
+@pytest.mark.xdist_group("toy-reward-model")  # shares the module fixture: one worker builds it
 def test_ppo_critic_from_a_reward_model_and_ptx(tmp_path, toy_model, toy_reward_model):
     from alignax.data import write_jsonl
     from tests.trainer_helpers import sft_conversations

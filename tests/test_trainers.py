@@ -54,6 +54,11 @@ def test_dpo_learns_a_separable_preference(tmp_path, toy_model):
     assert any("rewards/margins" in r for r in rows) and any("perf/tokens_per_s" in r for r in rows)
 
 
+# slow: each loss is checked against its paper's formula through the trainer by
+# tests/test_offline_variants.py (test_first_step_loss_is_the_papers_formula), KTO end to
+# end with evaluation and export by tests/test_api.py, and the tiny DPO and KTO recipes on
+# their reasoning-gym data by the schema sweep (tests/test_config_schema.py).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "recipe, section",
     [
