@@ -48,6 +48,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from alignax import paths
 from alignax.best_of_n import BestOfNConfig, Selectors, best_of_n_figures
 from alignax.data import DataConfig, DataIterator, PreparedData, prepare_dataset
 from alignax.rewards.composite import RewardModels, RewardScorer
@@ -349,10 +350,6 @@ def write_report(path: str, figures: Mapping[str, float], **context: Any) -> str
     if "figures" in context:
         raise ValueError("'figures' is the report's own key; name the context value otherwise")
     payload = {"figures": {k: float(v) for k, v in figures.items()}, **context}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, default=_jsonable)
-        f.write("\n")
-    os.replace(tmp, path)
+    paths.as_path(path).parent.mkdir(parents=True, exist_ok=True)
+    paths.write_text(path, json.dumps(payload, indent=2, default=_jsonable) + "\n")
     return path

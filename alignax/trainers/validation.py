@@ -38,6 +38,7 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from alignax import paths
 from alignax.best_of_n import BestOfNConfig
 from alignax.config import ConfigError
 from alignax.data.builders import is_generator_spec
@@ -571,6 +572,13 @@ def _checkpoint_keep(config):
     return None
 
 
+def _remote_output_dir(config):
+    if config.algorithm == "iterative_dpo" and paths.is_remote(config.output_dir):
+        return (f"output_dir={config.output_dir}: iterative_dpo writes each round's pairs and exported policy as "
+                "local files and reads them back as the next round's data and model; use a local output_dir")
+    return None
+
+
 def _mesh_shape(config):
     shape = tuple(config.mesh.shape)
     for axis, size in zip(MESH_AXES, shape):
@@ -748,6 +756,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _pass_k_verdict,
     _iterative_loss,
     _checkpoint_keep,
+    _remote_output_dir,
     _mesh_shape,
     _reward_task,
     _model_folder,
