@@ -319,7 +319,7 @@ def evaluate_model(model: nnx.Module, tokenizer, config: TrainConfig, *, prompts
     tokens and budget, ``evaluation`` settings unless ``evaluation`` replaces them) on
     :func:`prompt_batches`; ``mesh``: default ``config.mesh``."""
     if mesh is None:
-        mesh = mesh_for_shape(config.mesh.shape)
+        mesh = mesh_for_shape(config.mesh.shape, config.mesh.dcn_shape)
     graphdef, state = nnx.split(model)
     sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh, vocab_size=model.config.vocab_size,
                             model_config=model.config)

@@ -589,6 +589,11 @@ def _mesh_shape(config):
         axes = ", ".join(a for a, n in zip(MESH_AXES, shape) if n == -1)
         return (f"mesh.shape={show(shape)}: {shape.count(-1)} entries are -1 ({axes}); at most one axis may take "
                 "the remaining devices, give the others a size >= 1")
+    dcn = config.mesh.dcn_shape
+    if dcn is not None and any(size < 1 for size in dcn):
+        axis = next(a for a, n in zip(MESH_AXES, dcn) if n < 1)
+        return (f"mesh.dcn_shape={show(tuple(dcn))}: the {axis} entry is {dict(zip(MESH_AXES, dcn))[axis]}; each "
+                "entry is how many slices the axis spans (>= 1; their product is the slice count)")
     return None
 
 
