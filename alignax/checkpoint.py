@@ -111,12 +111,16 @@ def _file_sha256(path: str) -> str:
 def _digest_files(root: str) -> list[str]:
     """Every file under ``root`` but the manifest (and its temporaries), relative, sorted."""
     out = []
-    top = epath.Path(root)
-    for dirpath, _, files in top.walk():
-        for name in files:
-            if name.startswith(DIGEST_FILE):
-                continue
-            out.append(os.path.relpath(os.path.join(dirpath, name), os.fspath(top)))
+
+    # iterdir, not walk: fsspec's walk names folders without their gs:// prefix
+    def visit(folder: epath.Path, prefix: str) -> None:
+        for entry in folder.iterdir():
+            if entry.is_dir():
+                visit(entry, f"{prefix}{entry.name}/")
+            elif not entry.name.startswith(DIGEST_FILE):
+                out.append(prefix + entry.name)
+
+    visit(epath.Path(root), "")
     return sorted(out)
 
 

@@ -61,9 +61,9 @@ class _LocalBucketBackend(epath_backend._OsPathBackend):  # noqa: SLF001 - the s
     def replace(self, path, dst): return super().replace(self._local(path), self._local(dst))
     def stat(self, path): return super().stat(self._local(path))
 
-    def walk(self, top, **kw):
+    def walk(self, top, **kw):  # as fsspec's: folders named without the gs:// prefix
         for root, dirs, files in super().walk(self._local(top), **kw):
-            yield self._uri(os.fspath(root)), dirs, files
+            yield os.path.relpath(root, self.root), dirs, files
 
 
 @pytest.fixture
@@ -148,6 +148,25 @@ def test_the_checkpointer_hands_orbax_the_uri(store, monkeypatch):
     assert isinstance(handed[0], epath.Path) and str(handed[0]) == "gs://bucket/run/checkpoints"
     os.makedirs(os.path.join(store.root, "bucket", "run", "checkpoints", "7"))
     assert rundir.checkpoint_steps("gs://bucket/run") == [7]
+
+
+def test_checkpoint_digests_are_written_and_checked_in_the_store(store):
+    from alignax.checkpoint import DIGEST_FILE, check_digest, write_digest
+
+    step = os.path.join(store.root, "bucket", "run", "checkpoints", "3")
+    os.makedirs(os.path.join(step, "state"))
+    for name, text in (("state/array", "0123"), ("meta.json", "{}")):
+        with open(os.path.join(step, name), "w") as f:
+            f.write(text)
+    uri = "gs://bucket/run/checkpoints/3"
+    assert write_digest(uri) == f"{uri}/{DIGEST_FILE}"
+    manifest = json.loads(open(os.path.join(step, DIGEST_FILE)).read())
+    assert sorted(manifest["files"]) == ["meta.json", "state/array"]
+    assert check_digest(uri, base="gs://bucket/run/checkpoints") is None
+    with open(os.path.join(step, "state", "array"), "w") as f:
+        f.write("0124")
+    assert check_digest(uri, base="gs://bucket/run/checkpoints") == (
+        "3/state/array: SHA-256 does not match the digest written at save time")
 
 
 def test_an_export_for_the_store_is_written_locally_then_copied_up(store):
