@@ -14,7 +14,9 @@ Saves are asynchronous (the train loop continues while arrays are written) and a
 Orbax writes into a temporary directory and renames it only when every item is on disk,
 so an interrupted save never leaves a step that ``latest_step`` would pick. ``keep``
 bounds how many steps stay on disk. Arrays are restored onto whatever sharding the
-abstract target carries, so a run saved on one mesh resumes on another.
+abstract target carries, so a run saved on one mesh resumes on another. ``directory`` may
+be an object-store URI (``gs://...``): it is handed to Orbax as an ``etils.epath.Path``
+and never made a local path; the digests below are read and written through epath too.
 
 Integrity. Orbax stores no checksums, so a checkpoint whose bytes were damaged on disk
 (flipped bits, a truncated file, a garbled JSON) could load silently as garbage or fail
