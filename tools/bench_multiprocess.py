@@ -123,6 +123,8 @@ def main(argv=None) -> None:
                 for layout in LAYOUTS:
                     report = launch(args, algorithm, layout, os.path.join(scratch, f"{algorithm}-{layout}-{r}"))
                     rounds[layout].append(report["step_times_s"][args.warmup:])
+                    print(json.dumps({"progress": {"algorithm": algorithm, "layout": layout, "round": r,
+                                                   "step_times_s": rounds[layout][-1]}}), file=sys.stderr, flush=True)
             figures = {}
             for layout, timed in rounds.items():
                 pooled = [t for one in timed for t in one]
