@@ -6,7 +6,7 @@
 
 Both layouts train the same recipe (configs/tiny-dpo.yaml, configs/tiny-grpo.yaml: a
 2-layer random Llama with SmolLM2's vocabulary) through ``alignax.trainers.api.train`` on
-the same mesh shape ``(1, 8, 1)`` and the same global batch; only the process count
+the same mesh shape ``(1, 8, 1)`` and the same global batch (GRPO: 8 prompts, one per device); only the process count
 differs, so the difference is what crossing processes costs: gloo all-reduces of the
 gradients and all-gathers of the fsdp-sharded weights between the processes, the
 per-process data share, and (GRPO) the host-side gathers of the rollout's figures. Step
@@ -67,6 +67,8 @@ def worker(args) -> None:
     overrides = [f"output_dir={output_dir}", f"train.total_steps={args.warmup + args.steps}", "train.log_every=1",
                  "train.eval_every=0", "checkpoint.enabled=false", "logging.console=false",
                  "logging.tensorboard=false", "logging.jsonl=false", "mesh.shape=[1,-1,1]", "data.eval_fraction=0.0"]
+    if algorithm == "grpo":  # the recipe's 4 prompts do not split over 8 devices
+        overrides.append("data.batch_size=8")
     if int(num_processes) > 1:
         overrides += [f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={num_processes}",
                       f"distributed.process_id={process_id}"]
