@@ -14,7 +14,9 @@ Saves are asynchronous (the train loop continues while arrays are written) and a
 Orbax writes into a temporary directory and renames it only when every item is on disk,
 so an interrupted save never leaves a step that ``latest_step`` would pick. ``keep``
 bounds how many steps stay on disk. Arrays are restored onto whatever sharding the
-abstract target carries, so a run saved on one mesh resumes on another.
+abstract target carries, so a run saved on one mesh resumes on another. ``directory`` may
+be an object-store URI (``gs://...``): it is handed to Orbax as an ``etils.epath.Path``
+and never made a local path; the digests below are read and written through epath too.
 
 Integrity. Orbax stores no checksums, so a checkpoint whose bytes were damaged on disk
 (flipped bits, a truncated file, a garbled JSON) could load silently as garbage or fail
@@ -40,20 +42,21 @@ So keep-N always counts steps that were intact when the run resumed.
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
+from alignax import paths
 from alignax.config import ConfigError
 
 REFERENCE_DIR = "reference"
@@ -101,7 +104,7 @@ def fit_problem(saved: Any, abstract: Any) -> str | None:
 
 def _file_sha256(path: str) -> str:
     sha = hashlib.sha256()
-    with open(path, "rb") as f:
+    with epath.Path(path).open("rb") as f:
         while chunk := f.read(_CHUNK):
             sha.update(chunk)
     return sha.hexdigest()
@@ -110,27 +113,31 @@ def _file_sha256(path: str) -> str:
 def _digest_files(root: str) -> list[str]:
     """Every file under ``root`` but the manifest (and its temporaries), relative, sorted."""
     out = []
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            if name.startswith(DIGEST_FILE):
-                continue
-            out.append(os.path.relpath(os.path.join(dirpath, name), root))
+
+    # iterdir, not walk: fsspec's walk names folders without their gs:// prefix
+    def visit(folder: epath.Path, prefix: str) -> None:
+        for entry in folder.iterdir():
+            if entry.is_dir():
+                visit(entry, f"{prefix}{entry.name}/")
+            elif not entry.name.startswith(DIGEST_FILE):
+                out.append(prefix + entry.name)
+
+    visit(epath.Path(root), "")
     return sorted(out)
+
+
+def _size(path: str) -> int:
+    return epath.Path(path).stat().length
 
 
 def write_digest(root: str) -> str:
     """Write ``root``'s digest manifest (size and SHA-256 of every file) atomically;
     returns its path."""
-    files = {rel.replace(os.sep, "/"): {"size": os.path.getsize(os.path.join(root, rel)),
+    files = {rel.replace(os.sep, "/"): {"size": _size(os.path.join(root, rel)),
                                         "sha256": _file_sha256(os.path.join(root, rel))}
              for rel in _digest_files(root)}
     path = os.path.join(root, DIGEST_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"version": _DIGEST_VERSION, "algorithm": "sha256", "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    paths.write_text(path, json.dumps({"version": _DIGEST_VERSION, "algorithm": "sha256", "files": files}, indent=1))
     return path
 
 
@@ -138,15 +145,14 @@ def check_digest(root: str, *, base: str) -> str | None:
     """The first problem of ``root`` against its manifest (paths relative to ``base``),
     ``None`` when every file matches or when there is no manifest."""
     path = os.path.join(root, DIGEST_FILE)
-    if not os.path.exists(path):
+    if not epath.Path(path).exists():
         return None
 
     def rel(name: str) -> str:
         return os.path.relpath(os.path.join(root, name), base)
 
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(epath.Path(path).read_text(encoding="utf-8"))
         files = manifest["files"]
         if manifest.get("algorithm") != "sha256" or not isinstance(files, dict):
             raise ValueError("unknown manifest format")
@@ -154,9 +160,9 @@ def check_digest(root: str, *, base: str) -> str | None:
         return f"{rel(DIGEST_FILE)}: unreadable digest manifest ({type(exc).__name__}: {exc})"
     for name, want in sorted(files.items()):
         file = os.path.join(root, name)
-        if not os.path.isfile(file):
+        if not epath.Path(file).is_file():
             return f"{rel(name)}: missing"
-        size = os.path.getsize(file)
+        size = _size(file)
         if size != want["size"]:
             return f"{rel(name)}: size {size} bytes, {want['size']} when saved (truncated or overwritten)"
         if _file_sha256(file) != want["sha256"]:
@@ -189,14 +195,15 @@ class Checkpointer:
     (older than the latest when newer steps were corrupt)."""
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        self.directory = paths.resolve(directory)  # a gs:// (or other remote) URI stays one
+        epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
         # Leftovers of an interrupted save are removed here, before anything is written:
         # Orbax's own cleanup runs in the background and could delete the reference while
         # save_reference is writing it into this directory.
         if jax.process_index() == 0:
-            for leftover in glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")):
-                shutil.rmtree(leftover, ignore_errors=True)
+            for leftover in epath.Path(self.directory).glob("*.orbax-checkpoint-tmp*"):
+                with contextlib.suppress(OSError):
+                    leftover.rmtree()
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("alignax: checkpoint directory ready")
         options = ocp.CheckpointManagerOptions(
@@ -210,7 +217,7 @@ class Checkpointer:
         ):
             registry.add(item, save, handler)
             registry.add(item, restore, handler)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options, handler_registry=registry)
         self._undigested: set[int] = set()  # steps this object saved whose manifest is not written yet
         self.restored_step: int | None = None
 
@@ -220,7 +227,7 @@ class Checkpointer:
         return os.path.join(self.directory, REFERENCE_DIR)
 
     def has_reference(self) -> bool:
-        return os.path.isdir(self.reference_path)
+        return epath.Path(self.reference_path).is_dir()
 
     def save_reference(self, reference_params: Any) -> None:
         """Write the frozen reference once, with its digest manifest; later calls are
@@ -228,7 +235,7 @@ class Checkpointer:
         if _process_zero_says(self.has_reference()):  # one answer for all: the save is collective
             return
         with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(self.reference_path, reference_params)
+            checkpointer.save(epath.Path(self.reference_path), reference_params)
         if jax.process_index() == 0:
             write_digest(self.reference_path)
 
@@ -248,7 +255,7 @@ class Checkpointer:
                 f"{problem or 'digest mismatch reported by process 0'}")
         try:
             with ocp.StandardCheckpointer() as checkpointer:
-                return checkpointer.restore(self.reference_path, abstract_params)
+                return checkpointer.restore(epath.Path(self.reference_path), abstract_params)
         except Exception as exc:
             raise CorruptCheckpointError(
                 f"the frozen reference {self.reference_path} could not be restored: "
@@ -281,7 +288,7 @@ class Checkpointer:
         committed = set(self._manager.all_steps())
         for step in sorted(self._undigested):
             path = self.step_path(step)
-            if jax.process_index() == 0 and step in committed and os.path.isdir(path):
+            if jax.process_index() == 0 and step in committed and epath.Path(path).is_dir():
                 write_digest(path)
         self._undigested.clear()
 
@@ -310,8 +317,8 @@ class Checkpointer:
 
     def _restore_problem(self, step: int, item: str, exc: Exception) -> str:
         item_dir = os.path.join(self.step_path(step), item)
-        files = [f for f in (os.listdir(item_dir) if os.path.isdir(item_dir) else [])
-                 if f != "commit_success.txt"]
+        files = [f.name for f in (epath.Path(item_dir).iterdir() if epath.Path(item_dir).is_dir() else [])
+                 if f.name != "commit_success.txt"]
         where = os.path.relpath(os.path.join(item_dir, files[0]) if len(files) == 1 else item_dir,
                                 self.directory)
         message = " ".join(str(exc).split())

@@ -48,6 +48,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from alignax import paths
 from alignax.best_of_n import BestOfNConfig, Selectors, best_of_n_figures
 from alignax.data import DataConfig, DataIterator, PreparedData, prepare_dataset
 from alignax.rewards.composite import RewardModels, RewardScorer
@@ -318,7 +319,7 @@ def evaluate_model(model: nnx.Module, tokenizer, config: TrainConfig, *, prompts
     tokens and budget, ``evaluation`` settings unless ``evaluation`` replaces them) on
     :func:`prompt_batches`; ``mesh``: default ``config.mesh``."""
     if mesh is None:
-        mesh = mesh_for_shape(config.mesh.shape)
+        mesh = mesh_for_shape(config.mesh.shape, config.mesh.dcn_shape)
     graphdef, state = nnx.split(model)
     sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh, vocab_size=model.config.vocab_size,
                             model_config=model.config)
@@ -349,10 +350,6 @@ def write_report(path: str, figures: Mapping[str, float], **context: Any) -> str
     if "figures" in context:
         raise ValueError("'figures' is the report's own key; name the context value otherwise")
     payload = {"figures": {k: float(v) for k, v in figures.items()}, **context}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, default=_jsonable)
-        f.write("\n")
-    os.replace(tmp, path)
+    paths.as_path(path).parent.mkdir(parents=True, exist_ok=True)
+    paths.write_text(path, json.dumps(payload, indent=2, default=_jsonable) + "\n")
     return path

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
+from alignax import paths
+
 
 def to_host(metrics: Mapping[str, object]) -> dict[str, float]:
     """Device scalars → Python floats (one transfer for the whole dict)."""
@@ -37,41 +39,61 @@ class JsonlWriter:
     """One JSON object per line: ``{"step": s, "time": unix_seconds, **metrics}``.
 
     Non-finite values are written as strings ("nan", "inf") so every line stays valid
-    JSON. Lines are flushed as written, so a killed run keeps what it logged.
+    JSON. Lines are flushed as written, so a killed run keeps what it logged. An object
+    store (``gs://``...) cannot append: there the file is rewritten whole at each write
+    (what was there before the run included).
     """
 
     def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = None
+        if paths.is_remote(path):
+            target = paths.as_path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._lines = target.read_text(encoding="utf-8") if target.exists() else ""
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         row = {"step": int(step), "time": round(time.time(), 3)}
         for key, value in metrics.items():
             value = float(value)
             row[key] = value if math.isfinite(value) else str(value)
+        if self._file is None:
+            self._lines += json.dumps(row) + "\n"
+            paths.write_text(self.path, self._lines)
+            return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def read_jsonl(path: str) -> list[dict[str, float]]:
     """Rows written by :class:`JsonlWriter`, non-finite strings turned back to floats."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            rows.append({k: float(v) if isinstance(v, str) else v for k, v in row.items()})
+    for line in paths.as_path(path).read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        rows.append({k: float(v) if isinstance(v, str) else v for k, v in row.items()})
     return rows
 
 
 class TensorBoardWriter:
-    """Scalars into TensorBoard event files under ``logdir`` (via tensorboardX)."""
+    """Scalars into TensorBoard event files under ``logdir`` (via tensorboardX, which
+    writes ``gs://`` and ``s3://`` itself; other object stores are refused)."""
 
     def __init__(self, logdir: str):
         from tensorboardX import SummaryWriter
+        from tensorboardX.record_writer import REGISTERED_FACTORIES
+
+        scheme = logdir.split("://", 1)[0] if paths.is_remote(logdir) else None
+        if scheme is not None and scheme not in REGISTERED_FACTORIES:
+            raise ValueError(f"logging.tensorboard: TensorBoard cannot write to {logdir} (tensorboardX writes "
+                             f"local paths and {', '.join(f'{k}://' for k in sorted(REGISTERED_FACTORIES))}); "
+                             "set logging.tensorboard=false or use another output_dir")
 
         self._writer = SummaryWriter(logdir=logdir)
 

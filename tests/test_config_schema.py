@@ -213,6 +213,7 @@ SWEEP_VALUES = {
     "model.random_init": [{"num_hidden_layers": 1}],
     "model.remat": ["full", "dots_with_no_batch_dims_saveable", "offload_dots"],
     "mesh.shape": [[1, 1, 1]],
+    "mesh.dcn_shape": [[1, 1, 1]],  # one process: one slice
     "logging.console_keys": [["loss"]],
     "dpo.variant": list(DPO_VARIANTS),
     "grpo.step_delimiter": ["\n\n"],

@@ -51,7 +51,7 @@ def main() -> None:
     model = build_model(config.model, precision=config.precision)
     graphdef, state = nnx.split(model)
     tokenizer = load_tokenizer(config.model)
-    sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh_for_shape(config.mesh.shape),
+    sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh_for_shape(config.mesh.shape, config.mesh.dcn_shape),
                             vocab_size=model.config.vocab_size)
     labelled = label_solutions(sampler, state, solutions, num_samples=args.samples, estimator=args.estimator,
                                delimiter=args.delimiter, temperature=config.rollout.temperature,

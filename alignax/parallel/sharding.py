@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 log = logging.getLogger("alignax")
@@ -75,15 +76,27 @@ def make_mesh(
     axis_names: Sequence[str] = MESH_AXES,
     *,
     devices: Sequence[jax.Device] | None = None,
+    dcn_shape: Sequence[int] | None = None,
 ) -> Mesh:
     """A device mesh with ``AxisType.Auto`` axes (what logical rules + ``jax.jit`` need).
 
     ``shape`` defaults to ``(1, n_devices, 1)``: all devices on ``fsdp``. One entry may
     be ``-1`` and is inferred from the device count.
+
+    ``dcn_shape``: a multi-slice mesh (see :func:`hybrid_mesh`); ``shape`` is then the
+    mesh within one slice.
     """
     devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
     axis_names = tuple(axis_names)
+    if dcn_shape is not None:
+        return hybrid_mesh(shape, dcn_shape, axis_names, devices=devices)
+    shape = _complete_shape(shape, axis_names, len(devices))
+    return jax.make_mesh(tuple(shape), axis_names, axis_types=(AxisType.Auto,) * len(axis_names), devices=devices)
+
+
+def _complete_shape(shape: Sequence[int] | None, axis_names: tuple[str, ...], n: int) -> tuple[int, ...]:
+    """``shape`` with its ``-1`` inferred from ``n`` devices (the default: all on ``fsdp``),
+    checked to use exactly ``n``."""
     if shape is None:
         shape = tuple(n if a == "fsdp" else 1 for a in axis_names)
         if "fsdp" not in axis_names:
@@ -102,13 +115,63 @@ def make_mesh(
         shape[shape.index(-1)] = n // known
     if math.prod(shape) != n:
         raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices; {n} are available")
-    return jax.make_mesh(tuple(shape), axis_names, axis_types=(AxisType.Auto,) * len(axis_names), devices=devices)
+    return tuple(shape)
+
+
+def hybrid_mesh(
+    shape: Sequence[int] | None,
+    dcn_shape: Sequence[int],
+    axis_names: Sequence[str] = MESH_AXES,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A multi-slice mesh: ``shape`` within each slice (ICI, the fast links; one entry may
+    be ``-1``), ``dcn_shape`` across slices (DCN, the data-centre network); each axis has
+    ``shape[i] * dcn_shape[i]`` devices, the slices laid out as blocks along it, so an axis
+    whose ``dcn_shape`` entry is 1 never leaves a slice. Put the DCN factor on ``data`` (or
+    ``fsdp``): only gradients (or weight gathers) then cross slices.
+
+    Slices are the devices' ``slice_index`` where they report more than one (TPU
+    multi-slice); otherwise (CPU, GPU, one TPU slice) each process is one slice. Built by
+    ``jax.experimental.mesh_utils.create_hybrid_device_mesh``.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    axis_names, dcn_shape = tuple(axis_names), tuple(dcn_shape)
+    if len(dcn_shape) != len(axis_names) or any(d < 1 for d in dcn_shape):
+        raise ValueError(f"mesh.dcn_shape={dcn_shape}: give one size >= 1 per mesh axis {axis_names}")
+    reported = {getattr(device, "slice_index", None) for device in devices}
+    granule = "slice_index" if len(reported - {None}) > 1 else "process_index"
+    slices: dict[int, int] = {}
+    for device in devices:
+        key = getattr(device, granule)
+        slices[key] = slices.get(key, 0) + 1
+    unit = "slices" if granule == "slice_index" else "processes (one slice each where devices report one slice)"
+    if math.prod(dcn_shape) != len(slices):
+        raise ValueError(f"mesh.dcn_shape={dcn_shape} spans {math.prod(dcn_shape)} slices; the {len(devices)} "
+                         f"devices are in {len(slices)} {unit}")
+    sizes = set(slices.values())
+    if len(sizes) != 1:
+        raise ValueError(f"mesh.dcn_shape={dcn_shape}: the slices hold different device counts "
+                         f"({dict(sorted(slices.items()))}); a multi-slice mesh needs equal slices")
+    per_slice = sizes.pop()
+    try:
+        shape = _complete_shape(shape, axis_names, per_slice)
+    except ValueError as err:
+        raise ValueError(f"mesh.shape={shape if shape is None else tuple(shape)} is the mesh within one slice when mesh.dcn_shape={dcn_shape} "
+                         f"is set, and each of the {len(slices)} slices has {per_slice} devices "
+                         f"(mesh.shape x mesh.dcn_shape must equal the {len(devices)} devices): {err}") from None
+    array = mesh_utils.create_hybrid_device_mesh(shape, dcn_shape, devices,
+                                                 process_is_granule=granule == "process_index")
+    return Mesh(array, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
 
 
 
-def mesh_for_shape(shape: Sequence[int]) -> Mesh:
-    """:func:`make_mesh` of ``shape``; a shape with fewer devices than present uses the
-    first ones (with a warning) instead of failing."""
+def mesh_for_shape(shape: Sequence[int], dcn_shape: Sequence[int] | None = None) -> Mesh:
+    """:func:`make_mesh` of ``shape`` (and ``dcn_shape``, a multi-slice mesh); a
+    single-slice shape with fewer devices than present uses the first ones (with a
+    warning) instead of failing."""
+    if dcn_shape is not None:
+        return make_mesh(shape, dcn_shape=dcn_shape)
     shape = tuple(shape)
     size = int(np.prod(shape))
     if -1 not in shape and 0 < size < jax.device_count():

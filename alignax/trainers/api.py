@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import jax
 
+from alignax import paths
 from alignax import config as config_io
 from alignax.checkpoint import Checkpointer
 from alignax.config import ConfigError
@@ -128,7 +129,7 @@ def restore_params(trainer, config: TrainConfig, step: int | None = None):
     untrained starting weights by mistake would look like a result."""
     directory = checkpoint_dir(config)
     steps = []
-    if os.path.isdir(directory):
+    if paths.as_path(directory).is_dir():
         with Checkpointer(directory) as checkpointer:
             steps = checkpointer.all_steps()
             if steps and (step is None or step in steps):
@@ -171,10 +172,11 @@ def export(config: TrainConfig, destination: str | None = None, *, step: int | N
     destination = destination or os.path.join(config.output_dir, "export")
     models = trainer.export_models(params, critic=critic)
     if multihost.is_writer():
-        for name, model in models.items():
-            target = os.path.join(destination, name) if name else destination
-            save_pretrained(model, target)
-            trainer.tokenizer.save_pretrained(target)
-            if model.config.lora is not None and model.config.model_type != "gpt2":
-                save_peft_adapter(model, os.path.join(target, "adapter"), base_model_name=config.model.name)
+        with paths.local_directory_for(destination) as local:  # a gs://... destination: written, then copied up
+            for name, model in models.items():
+                target = os.path.join(local, name) if name else local
+                save_pretrained(model, target)
+                trainer.tokenizer.save_pretrained(target)
+                if model.config.lora is not None and model.config.model_type != "gpt2":
+                    save_peft_adapter(model, os.path.join(target, "adapter"), base_model_name=config.model.name)
     return destination

@@ -159,9 +159,17 @@ class LoggingSection:
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
     """``shape``: sizes of the mesh axes ``(data, fsdp, tensor)``; one may be -1 (the
-    remaining devices). The default puts every device on ``fsdp``."""
+    remaining devices). The default puts every device on ``fsdp``.
+
+    ``dcn_shape``: a multi-slice mesh (TPU slices joined by the data-centre network; on
+    GPUs and CPUs each process counts as a slice): the sizes of the axes across slices,
+    ``shape`` then being the mesh within one slice, so axis ``i`` has ``shape[i] *
+    dcn_shape[i]`` devices. E.g. ``shape: [1, -1, 1]`` and ``dcn_shape: [2, 1, 1]`` on two
+    slices: FSDP within a slice, data parallel across (only gradients cross the slow
+    links). See :func:`alignax.parallel.sharding.hybrid_mesh`."""
 
     shape: tuple[int, int, int] = (1, -1, 1)
+    dcn_shape: tuple[int, int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

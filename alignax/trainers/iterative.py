@@ -168,7 +168,7 @@ class IterativeTrainer:
         """One scored sampler for every round (the policies share their graph; one compile)."""
         graphdef, state = nnx.split(policy)
         if self._sampler is None:
-            mesh = mesh_for_shape(self.config.mesh.shape)
+            mesh = mesh_for_shape(self.config.mesh.shape, self.config.mesh.dcn_shape)
             self._sampler = evaluation.build_sampler(graphdef, self.tokenizer, self.config, mesh=mesh,
                                                      vocab_size=policy.config.vocab_size)
         return self._sampler, state

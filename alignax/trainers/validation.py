@@ -39,6 +39,7 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from alignax import paths
 from alignax.best_of_n import BestOfNConfig
 from alignax.config import ConfigError, type_hints
 from alignax.data.builders import is_generator_spec
@@ -580,6 +581,13 @@ def _checkpoint_keep(config):
     return None
 
 
+def _remote_output_dir(config):
+    if config.algorithm == "iterative_dpo" and paths.is_remote(config.output_dir):
+        return (f"output_dir={config.output_dir}: iterative_dpo writes each round's pairs and exported policy as "
+                "local files and reads them back as the next round's data and model; use a local output_dir")
+    return None
+
+
 def _mesh_shape(config):
     shape = tuple(config.mesh.shape)
     for axis, size in zip(MESH_AXES, shape):
@@ -590,6 +598,11 @@ def _mesh_shape(config):
         axes = ", ".join(a for a, n in zip(MESH_AXES, shape) if n == -1)
         return (f"mesh.shape={show(shape)}: {shape.count(-1)} entries are -1 ({axes}); at most one axis may take "
                 "the remaining devices, give the others a size >= 1")
+    dcn = config.mesh.dcn_shape
+    if dcn is not None and any(size < 1 for size in dcn):
+        axis = next(a for a, n in zip(MESH_AXES, dcn) if n < 1)
+        return (f"mesh.dcn_shape={show(tuple(dcn))}: the {axis} entry is {dict(zip(MESH_AXES, dcn))[axis]}; each "
+                "entry is how many slices the axis spans (>= 1; their product is the slice count)")
     return None
 
 
@@ -757,6 +770,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _pass_k_verdict,
     _iterative_loss,
     _checkpoint_keep,
+    _remote_output_dir,
     _mesh_shape,
     _reward_task,
     _model_folder,

@@ -34,7 +34,6 @@ import datetime
 import json
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
@@ -44,9 +43,11 @@ from typing import Any
 import jax
 import numpy as np
 import yaml
+from etils import epath
 from jax.experimental import multihost_utils
 
 from alignax import config as config_io
+from alignax import paths
 from alignax.trainers.config import TrainConfig
 
 log = logging.getLogger("alignax")
@@ -85,17 +86,22 @@ def _process_alive(pid: int) -> bool:
 
 
 class _Lock:
-    """An exclusive-create lock file with a heartbeat thread."""
+    """An exclusive-create lock file with a heartbeat thread.
+
+    On an object store (``gs://``...) there is no exclusive create: the lock is checked,
+    then written, so a run started while another holds the directory is refused as on a
+    local disk, but two started within the same moment could both pass; the heartbeat
+    rewrites the object (no ``utime`` there)."""
 
     def __init__(self, path: str):
         self.path = path
+        self.remote = paths.is_remote(path)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def holder(self) -> dict[str, Any] | None:
         try:
-            with open(self.path, encoding="utf-8") as f:
-                return json.load(f)
+            return json.loads(epath.Path(self.path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
@@ -104,7 +110,7 @@ class _Lock:
     def _stale(self, holder: dict[str, Any]) -> str | None:
         """Why the held lock is stale (its run is gone), or None when it may be alive."""
         try:
-            age = time.time() - os.path.getmtime(self.path)
+            age = time.time() - epath.Path(self.path).stat().mtime
         except FileNotFoundError:
             return "removed meanwhile"
         if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
@@ -118,9 +124,19 @@ class _Lock:
     def acquire(self) -> None:
         me = {"host": socket.gethostname(), "pid": os.getpid(),
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        if self.remote:
+            log.warning("%s is on an object store, which has no exclusive create: the run lock is checked and "
+                        "then written, so two runs started at the same moment could both take it", self.path)
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                if self.remote:
+                    if epath.Path(self.path).exists():
+                        raise FileExistsError(self.path)
+                    epath.Path(self.path).write_text(json.dumps(me), encoding="utf-8")
+                else:
+                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        json.dump(me, f)
             except FileExistsError:
                 holder = self.holder()
                 if holder is None:
@@ -133,11 +149,9 @@ class _Lock:
                         f"use another output_dir, or remove {self.path} if that run is gone") from None
                 log.warning("taking over the stale lock %s (held by host %s pid %s: %s)", self.path,
                             holder.get("host", "?"), holder.get("pid", "?"), why)
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path)
+                epath.Path(self.path).unlink(missing_ok=True)
                 continue
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(me, f)
+            self._me = me
             self._thread = threading.Thread(target=self._beat, name="alignax-lock-heartbeat", daemon=True)
             self._thread.start()
             return
@@ -146,7 +160,10 @@ class _Lock:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):
-                os.utime(self.path)
+                if self.remote:
+                    epath.Path(self.path).write_text(json.dumps(self._me), encoding="utf-8")
+                else:
+                    os.utime(self.path)
 
     def release(self) -> None:
         self._stop.set()
@@ -154,19 +171,17 @@ class _Lock:
             self._thread.join(timeout=5)
         holder = self.holder()
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
+            epath.Path(self.path).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------- what is there
 def checkpoint_steps(output_dir: str) -> list[int]:
     """Committed checkpoint steps under ``output_dir/checkpoints`` (read from the folder
     names, without Orbax: cheap enough to decide before a model loads)."""
-    directory = os.path.join(output_dir, "checkpoints")
-    if not os.path.isdir(directory):
+    directory = epath.Path(paths.resolve(output_dir)) / "checkpoints"
+    if not directory.is_dir():
         return []
-    return sorted(int(name) for name in os.listdir(directory)
-                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+    return sorted(int(entry.name) for entry in directory.iterdir() if entry.name.isdigit() and entry.is_dir())
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -202,11 +217,10 @@ def saved_config_changes(path: str, config: TrainConfig) -> tuple[list, list]:
     """``(bound, free)``: how ``config`` differs from the ``config.yaml`` saved in ``path``
     (none saved: no changes), split into changes of what is trained and the rest (with a
     constant learning rate, a longer run is free)."""
-    saved_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.exists(saved_path):
+    saved_path = paths.as_path(path) / CONFIG_NAME
+    if not saved_path.exists():
         return [], []
-    with open(saved_path, encoding="utf-8") as f:
-        saved = config_io.yaml_load(f) or {}
+    saved = config_io.yaml_load(saved_path.read_text(encoding="utf-8")) or {}
     changes = config_changes(saved, config_io.to_dict(config))
     constant_lr = config.optim.schedule == "constant" and saved.get("optim", {}).get("schedule") == "constant"
     bound = [c for c in changes if not (_is_free(c[0]) or (constant_lr and c[0] == "train.total_steps"))]
@@ -220,11 +234,12 @@ class RunDirectory:
     def __init__(self, config: TrainConfig):
         self.config = config
         self.path = config.output_dir
+        self.root = paths.as_path(config.output_dir)  # every file operation; gs://... stays remote
         self.writer = jax.process_index() == 0
         self._lock = _Lock(os.path.join(self.path, LOCK_NAME)) if self.writer else None
 
     def _open(self) -> None:
-        os.makedirs(self.path, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         error: RunDirectoryError | None = None
         try:
             if self._lock is not None:
@@ -247,7 +262,7 @@ class RunDirectory:
     def _check(self) -> None:
         config, ck = self.config, self.config.checkpoint
         steps = checkpoint_steps(self.path)
-        artefacts = [name for name in RUN_ARTEFACTS if os.path.exists(os.path.join(self.path, name))]
+        artefacts = [name for name in RUN_ARTEFACTS if (self.root / name).exists()]
         if ck.overwrite:
             if self.writer and (artefacts or self._configs()):
                 self._remove_run(artefacts)
@@ -279,18 +294,18 @@ class RunDirectory:
             log.info("resuming %s with changed settings: %s", self.path, describe_changes(free))
 
     def _configs(self) -> list[str]:
-        return sorted(name for name in os.listdir(self.path)
+        return sorted(name for name in (entry.name for entry in self.root.iterdir())
                       if name == CONFIG_NAME or (name.startswith("config.") and name.endswith(".yaml")))
 
     def _remove_run(self, artefacts: list[str]) -> None:
         log.warning("checkpoint.overwrite: removing the earlier run in %s (%s)", self.path,
                     ", ".join(artefacts + self._configs()))
         for name in artefacts + self._configs():
-            path = os.path.join(self.path, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
+            path = self.root / name
+            if path.is_dir():
+                path.rmtree()
             else:
-                os.remove(path)
+                path.unlink()
 
     def write_config(self) -> None:
         """Write the resolved config as ``config.yaml``; an earlier one that differs is kept
@@ -298,19 +313,15 @@ class RunDirectory:
         if not self.writer:
             return
         text = yaml.safe_dump(config_io.to_dict(self.config), sort_keys=False)
-        path = os.path.join(self.path, CONFIG_NAME)
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                if f.read() == text:
-                    return
+        path = self.root / CONFIG_NAME
+        if path.exists():
+            if path.read_text(encoding="utf-8") == text:
+                return
             n = 1
-            while os.path.exists(os.path.join(self.path, f"config.{n}.yaml")):
+            while (self.root / f"config.{n}.yaml").exists():
                 n += 1
-            os.replace(path, os.path.join(self.path, f"config.{n}.yaml"))
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+            path.replace(self.root / f"config.{n}.yaml")
+        paths.write_text(path, text)
 
     def close(self) -> None:
         if self._lock is not None:
@@ -323,7 +334,7 @@ _CLAIMED: dict[str, list] = {}  # realpath -> [RunDirectory, depth]
 @contextlib.contextmanager
 def claim(config: TrainConfig) -> Iterator[RunDirectory]:
     """Claim ``config.output_dir`` for a training run (re-entrant within this process)."""
-    key = os.path.realpath(config.output_dir)
+    key = config.output_dir if paths.is_remote(config.output_dir) else os.path.realpath(config.output_dir)
     if key in _CLAIMED:
         entry = _CLAIMED[key]
         entry[1] += 1

@@ -17,6 +17,9 @@ Output directory layout::
     <output_dir>/checkpoints/         Orbax checkpoints (see alignax.checkpoint)
     <output_dir>/evaluation/          one JSON report per evaluation (``evaluation.report``)
     <output_dir>/export/              Hugging Face safetensors + tokenizer (``alignax export``)
+
+``output_dir`` may be an object-store URI (``gs://bucket/run``); every file above is then
+written there through ``etils.epath`` (see :mod:`alignax.paths` for what differs).
 """
 
 from __future__ import annotations

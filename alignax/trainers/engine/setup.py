@@ -29,8 +29,9 @@ log = logging.getLogger("alignax")
 
 
 def build_mesh(section: MeshSection) -> jax.sharding.Mesh:
-    """The run's mesh (``mesh.shape``); see :func:`alignax.parallel.sharding.mesh_for_shape`."""
-    return mesh_for_shape(section.shape)
+    """The run's mesh (``mesh.shape``, ``mesh.dcn_shape``); see
+    :func:`alignax.parallel.sharding.mesh_for_shape`."""
+    return mesh_for_shape(section.shape, section.dcn_shape)
 
 
 def model_directory(spec: ModelSpec) -> str:

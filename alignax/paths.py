@@ -1,0 +1,90 @@
+"""Run-directory paths that may live on an object store (``gs://``, ``s3://``, ...).
+
+A run's ``output_dir`` (checkpoints, ``config.yaml``, metrics, evaluation reports,
+exports) is either a local directory or an object-store URI. Every file operation on it
+goes through ``etils.epath.Path``, which serves both: local paths are made absolute as
+before, and a remote URI stays a URI — ``os.path.abspath("gs://b/run")`` would turn it
+into a local folder ``./gs:/b/run`` on every host.
+
+What an object store cannot do, and what is done instead:
+
+- **Atomic rename.** A local file is written to a temporary name and renamed into place
+  (:func:`write_text`); an object-store upload is committed whole when it closes, so the
+  object is written directly and a reader never sees half of it.
+- **Append.** :class:`alignax.metrics.JsonlWriter` rewrites the whole object on each write.
+- **Exclusive create.** The run-directory lock (:mod:`alignax.trainers.engine.rundir`) is a
+  check-then-write there: a run started after another is refused as on a local disk, but two
+  started at the same moment could both pass (logged as a warning).
+- **Writers that need a local file** (Hugging Face export, tokenizers) write into a local
+  temporary directory that is copied up afterwards (:func:`local_directory_for`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+from etils import epath
+
+# The URI schemes etils.epath serves (through gcsfs/s3fs/adlfs, or TensorFlow's gfile).
+REMOTE_SCHEMES = ("gs://", "s3://", "az://", "hf://")
+_COPY_CHUNK = 8 << 20
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names an object-store location rather than a local file."""
+    return os.fspath(path).startswith(REMOTE_SCHEMES)
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """``path`` as a run names it: absolute when local (as ``os.path.abspath``), unchanged
+    when remote."""
+    text = os.fspath(path)
+    return text if is_remote(text) else os.path.abspath(text)
+
+
+def as_path(path: str | os.PathLike) -> epath.Path:
+    """:func:`resolve`'s answer as an ``epath.Path`` (what file operations go through)."""
+    return epath.Path(resolve(path))
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old content or the new, never a
+    part: locally a temporary file, flushed to disk and renamed into place; on an object
+    store one upload, which the store commits whole."""
+    target = as_path(path)
+    if is_remote(target):
+        target.write_text(text, encoding="utf-8")
+        return
+    tmp = f"{target}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def local_directory_for(destination: str | os.PathLike) -> Iterator[str]:
+    """A local directory in which to write the files meant for ``destination`` (for writers
+    that only know local files): ``destination`` itself (created) when it is local; for a
+    remote one a temporary directory whose files are copied there, file by file, when the
+    block ends without an error."""
+    if not is_remote(destination):
+        local = resolve(destination)
+        os.makedirs(local, exist_ok=True)
+        yield local
+        return
+    target = as_path(destination)
+    with tempfile.TemporaryDirectory(prefix="alignax-upload-") as staging:
+        yield staging
+        for dirpath, _, files in os.walk(staging):
+            rel = os.path.relpath(dirpath, staging)
+            folder = target if rel == "." else target / rel
+            folder.mkdir(parents=True, exist_ok=True)
+            for name in files:  # streamed: an exported model can be gigabytes
+                with open(os.path.join(dirpath, name), "rb") as src, (folder / name).open("wb") as dst:
+                    shutil.copyfileobj(src, dst, _COPY_CHUNK)
