@@ -17,6 +17,12 @@ mesh rules they shard like the kernel they adapt. Stacked for scan they gain ``l
 Targets: ``q k v o`` (attention), ``gate up down`` (MLP), ``lm_head`` (an untied LM head);
 ``all`` is the seven projections. Dropout on the adapter's input (``lora.dropout``) is not
 implemented: any value but 0 is refused.
+
+QLoRA (``lora.quantize: int8 | nf4``): the seven projections' base kernels are stored
+quantised, blockwise (``lora.quant_block_size``), and dequantised inside the projection
+(:mod:`alignax.models.quant`); embeddings, norms and an untied LM head stay in the
+frozen dtype (as bitsandbytes leaves them). :func:`with_adapters` quantises the loaded
+base; :func:`merge_adapters` (export) dequantises it and adds the adapters.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from alignax.models.dense import dense
+from alignax.models.quant import QUANTIZE_KINDS, dequantize_state, quantize_state
 
 Array = jax.Array
 
@@ -59,6 +66,10 @@ class LoraConfig:
         ``all`` (the seven projections, not the LM head).
       rslora: rank-stabilised scaling ``alpha / sqrt(r)`` (Kalajdzievski 2023).
       seed: seed of the ``A`` matrices' initialisation.
+      quantize: QLoRA: the frozen base's projection kernels stored as ``int8`` or ``nf4``
+        (4-bit NormalFloat), blockwise absmax (:mod:`alignax.models.quant`); ``none``: in
+        ``precision.frozen_dtype``.
+      quant_block_size: weights per absmax block of a quantised kernel (QLoRA's 64).
     """
 
     rank: int = 8
@@ -67,8 +78,14 @@ class LoraConfig:
     targets: tuple[str, ...] = ("all",)
     rslora: bool = False
     seed: int = 0
+    quantize: Literal["none", "int8", "nf4"] = "none"
+    quant_block_size: int = 64
 
     def __post_init__(self):
+        if self.quantize not in QUANTIZE_KINDS:
+            raise ValueError(f"lora.quantize must be one of {', '.join(QUANTIZE_KINDS)}; got {self.quantize!r}")
+        if self.quant_block_size < 2:
+            raise ValueError(f"lora.quant_block_size must be >= 2; got {self.quant_block_size}")
         if self.rank < 1:
             raise ValueError(f"lora.rank must be >= 1; got {self.rank}")
         if self.alpha <= 0:
@@ -169,7 +186,9 @@ def _rebuild(model: nnx.Module, config) -> tuple[nnx.GraphDef, nnx.State]:
 
 def with_adapters(model: nnx.Module, spec: LoraConfig, *, mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
     """``model`` (any kind of :mod:`alignax.models.modeling`) with fresh adapters on
-    ``spec.targets``; its base weights are the same arrays (not copied).
+    ``spec.targets``; its base weights are the same arrays (not copied), or with
+    ``spec.quantize`` its projection kernels quantised (the float kernels are not kept:
+    the caller's model still holds them until it lets go of it).
 
     The adapters are initialised in one jitted program (seeded by ``spec.seed``) and, with
     ``mesh``, created in their sharding from the logical-axis rules.
@@ -190,7 +209,10 @@ def with_adapters(model: nnx.Module, spec: LoraConfig, *, mesh: jax.sharding.Mes
 
     out_shardings = tree_shardings(jax.eval_shape(init), mesh) if mesh is not None else None
     adapters = jax.jit(init, out_shardings=out_shardings)()
-    return nnx.merge(graphdef, nnx.merge_state(nnx.state(model), adapters))
+    state = nnx.state(model)
+    if spec.quantize != "none":
+        state = quantize_state(state, abstract, kind=spec.quantize, block_size=spec.quant_block_size, mesh=mesh)
+    return nnx.merge(graphdef, nnx.merge_state(state, adapters))
 
 
 def _adapter_modules(model: nnx.Module):
@@ -222,13 +244,18 @@ def _delta(lora: LoRA) -> Array:
 def merge_adapters(model: nnx.Module) -> nnx.Module:
     """The model with every adapter folded into its kernel (``W + s A B``, computed in
     float32 and stored in the kernel's dtype) and no adapters: a plain model of the base
-    architecture (what :func:`alignax.models.save_pretrained` exports)."""
+    architecture (what :func:`alignax.models.save_pretrained` exports). A QLoRA base is
+    dequantised (``W`` is what the model computed with)."""
     if model.config.lora is None:
         return model
     base_config = model.config.replace(lora=None)
     graphdef, _ = _rebuild(model, base_config)
     params, rest = nnx.state(model, nnx.Param, ...)
     _, base = split_adapters(params)
+    spec = model.config.lora
+    if spec.quantize != "none":  # QLoRA: the dequantised base, in the model's param dtype
+        base = dequantize_state(base, kind=spec.quantize, block_size=spec.quant_block_size,
+                                dtype=model.config.param_dtype)
     merged = nnx.merge(graphdef, base, rest)
     for i, name, owner, lora in _adapter_modules(model):
         target_owner = _owner_in(merged, owner, i)
