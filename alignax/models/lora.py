@@ -159,16 +159,24 @@ def adapters_off(adapters: Any) -> Any:
     return jax.tree.map(jnp.zeros_like, adapters)
 
 
-def adapter_parameter_count(config, spec: LoraConfig) -> int:
-    """Adapter weights ``spec`` puts on a model of ``config`` (a ``ModelConfig``): ``r (in +
-    out)`` per targeted projection and layer (what :func:`count_adapter_params` counts on a
-    built model, from the shape alone)."""
+def projection_sizes(config) -> dict[str, tuple[int, int]]:
+    """``{projection: (fan in, fan out)}`` of one layer of a model of ``config`` (a
+    ``ModelConfig``): the kernels LoRA adapts and QLoRA quantises."""
     D, N, K, H, F = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, \
         config.intermediate_size
     sizes = {"q": (D, N * H), "k": (D, K * H), "v": (D, K * H), "o": (N * H, D), "gate": (D, F), "up": (D, F),
              "down": (F, D)}
     if not config.gated_mlp:
         sizes.pop("gate")
+    return sizes
+
+
+def adapter_parameter_count(config, spec: LoraConfig) -> int:
+    """Adapter weights ``spec`` puts on a model of ``config`` (a ``ModelConfig``): ``r (in +
+    out)`` per targeted projection and layer (what :func:`count_adapter_params` counts on a
+    built model, from the shape alone)."""
+    D = config.hidden_size
+    sizes = projection_sizes(config)
     per_layer = sum(spec.rank * (i + o) for t, (i, o) in sizes.items() if t in spec.targets)
     head = spec.rank * (D + config.vocab_size) if "lm_head" in spec.targets and not config.tie_word_embeddings else 0
     return config.num_layers * per_layer + head

@@ -73,6 +73,7 @@ def _blocks(w: Array, block_size: int, axes: int) -> Array:
     return w.reshape(*w.shape[:w.ndim - axes], -1, block_size)
 
 
+@functools.partial(jax.jit, static_argnames=("kind", "block_size", "axes"))
 def quantize(w: Array, kind: str, block_size: int, axes: int) -> tuple[Array, Array]:
     """``(codes, scales)`` of ``w``: int8 codes of ``w``'s shape, or NF4 nibbles packed two
     a byte (``uint8``, last axis halved); scales float32 ``[*lead, n_blocks]``."""
@@ -92,6 +93,7 @@ def quantize(w: Array, kind: str, block_size: int, axes: int) -> tuple[Array, Ar
     return codes, scales
 
 
+@functools.partial(jax.jit, static_argnames=("kind", "block_size", "dtype"))
 def dequantize(codes: Array, scales: Array, kind: str, block_size: int, dtype=jnp.float32) -> Array:
     """The kernel ``codes`` and ``scales`` stand for, in ``dtype`` (computed in float32)."""
     if kind == "int8":
@@ -109,6 +111,13 @@ def max_error(kind: str) -> float:
     """The largest ``|W - W'|`` per unit of block absmax: ``1/254`` (int8), the largest
     half-gap of the NF4 codebook (nf4)."""
     return 1.0 / 254.0 if kind == "int8" else float(np.max(np.diff(NF4)) / 2)
+
+
+def quantized_bytes(weights: int, kind: str, block_size: int) -> float:
+    """Bytes that ``weights`` quantised weights take: codes (1 byte int8, 1/2 byte NF4) and
+    one float32 scale per block (the arrays :class:`QuantizedKernel` stores)."""
+    per_weight = {"int8": 1.0, "nf4": 0.5}[kind]
+    return weights * per_weight + 4.0 * weights / block_size
 
 
 class QuantizedParam(nnx.Param):

@@ -304,6 +304,8 @@ KEY_RULES: tuple[Rule, ...] = (
          "it is the dtype of frozen weights: a reference, reward models, or a LoRA run's base"),
     rule("lora", Is("algorithm", "sft", "dpo", "reward", "grpo"),
          "adapters train sft, dpo, reward and grpo runs; ppo's critic does not take them yet"),
+    rule("lora.quant_block_size", IsNot("lora.quantize", "none"),
+         "it is the block size of a quantised base (lora.quantize: int8 | nf4)"),
     rule("lora.dropout", NEVER, "adapter dropout is not implemented yet (adapters run without dropout)"),
     rule("model.logprob_chunk_size", IsNot("algorithm", "reward", "prm"), "a reward model scores sequences, no log-probs"),
     rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward", "prm")),
