@@ -11,6 +11,11 @@ lives, and its reference.
   leaves replaced by zeros (:func:`alignax.models.lora.adapters_off`), so its outputs are
   the base's bit for bit. Its weight arrays are the base's own buffers: no second copy of
   the model; only the adapter-sized zeros are new (and saved once as the run's reference).
+- QLoRA (``lora.quantize``): the base's projection kernels are codes and scales
+  (:mod:`alignax.models.quant`), frozen like the rest of the base and never cast to
+  ``precision.frozen_dtype``; the reference is the same quantised base, adapters off. They
+  are not checkpointed: quantisation is deterministic, so a resumed run rebuilds the
+  identical codes from the base checkpoint (as it reloads an unquantised base).
 """
 
 from __future__ import annotations
