@@ -253,3 +253,42 @@ def test_estimator_frozen_base_is_the_stored_quantised_arrays(nf4_lora, toy_mode
     bf16 = est.estimate(dataclasses.replace(qlora, lora=dataclasses.replace(qlora.lora, quantize="none")),
                         model=llama, devices=1).items["frozen base"]
     assert bf16 == 2 * P and bf16 - base == projections * (2 - 0.5625)  # 13.48 GB -> 4.17 GB
+
+
+# ---------------------------------------------------------------------------- adapter dropout
+def test_adapter_dropout_in_training_only_deterministic_and_exported(tmp_path):
+    import json
+
+    from alignax.models.lora import adapter_dropout, adapters_off, save_peft_adapter
+    from alignax.trainers.engine.adapters import with_dropout
+
+    spec = LoraConfig(rank=4, alpha=8, dropout=0.5)
+    model = _perturbed(with_adapters(create_model(ModelConfig.from_hf_config(HF, scan_layers=True), seed=0), spec))
+    graphdef, state = nnx.split(model)
+    adapters, base = nnx.split_state(state, LoRAParam, ...)
+    no_dropout = nnx.merge(nnx.split(with_adapters(create_model(ModelConfig.from_hf_config(HF, scan_layers=True),
+                                                                seed=0), LoraConfig(rank=4, alpha=8)))[0], state)
+
+    def loss(adapters, frozen, batch, normalisers, rng):  # a training loss of the engine's signature
+        return jnp.mean(nnx.merge(graphdef, nnx.merge_state(adapters, base))(batch).logits ** 2)
+
+    # (the dropout context is read at trace time: the loss must be traced inside it, as the
+    # engine's step traces it, not reuse a trace jitted without it)
+    train_loss = jax.jit(with_dropout(loss, spec))
+    key = jax.random.key(0)
+    plain = float(jax.jit(loss)(adapters, {}, TOKENS, {}, key))
+    dropped = float(train_loss(adapters, {}, TOKENS, {}, key))
+    assert abs(dropped - plain) > 1e-4 * abs(plain)  # dropout changes the training loss
+    assert float(train_loss(adapters, {}, TOKENS, {}, key)) == dropped  # deterministic given the rng
+    assert float(train_loss(adapters, {}, TOKENS, {}, jax.random.key(1))) != dropped
+    assert with_dropout(loss, LoraConfig(rank=4)) is loss
+    # outside training (eval, sampling): the dropout model's logits are the dropout-free model's
+    np.testing.assert_array_equal(np.asarray(model(TOKENS).logits), np.asarray(no_dropout(TOKENS).logits))
+    # the reference (adapters off) is the base whatever the dropout
+    with adapter_dropout(key):
+        ref = nnx.merge(graphdef, nnx.merge_state(adapters_off(adapters), base))(TOKENS).logits
+    base_model = create_model(ModelConfig.from_hf_config(HF, scan_layers=True), seed=0)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(base_model(TOKENS).logits))
+    save_peft_adapter(model, tmp_path)
+    with open(tmp_path / "adapter_config.json") as f:
+        assert json.load(f)["lora_dropout"] == 0.5

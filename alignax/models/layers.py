@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from alignax.models.config import ModelConfig
-from alignax.models.lora import adapter
+from alignax.models.lora import adapter, layer_dropout
 from alignax.models.quant import QuantizedKernel, project
 from alignax.models.splash import splash_attention
 from alignax.parallel.sharding import constrain
@@ -304,8 +304,9 @@ class Block(nnx.Module):
         self.mlp = MLP(c, rngs=rngs)
 
     def __call__(self, x, sin_cos, allowed, kv, index, layer=0):
-        x = constrain(x, RESIDUAL)
-        h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index, layer)
-        x = constrain(x + h, RESIDUAL)
-        x = constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+        with layer_dropout(layer):  # adapter dropout masks differ per layer (alignax.models.lora)
+            x = constrain(x, RESIDUAL)
+            h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index, layer)
+            x = constrain(x + h, RESIDUAL)
+            x = constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
         return x, kv

@@ -15,8 +15,11 @@ are the projection's own plus ``lora_rank`` (replicated): ``A`` of q is
 mesh rules they shard like the kernel they adapt. Stacked for scan they gain ``layers``.
 
 Targets: ``q k v o`` (attention), ``gate up down`` (MLP), ``lm_head`` (an untied LM head);
-``all`` is the seven projections. Dropout on the adapter's input (``lora.dropout``) is not
-implemented: any value but 0 is refused.
+``all`` is the seven projections. Dropout on the adapter's input (``lora.dropout``, as
+PEFT: ``s dropout(x) A B``) applies only inside :func:`adapter_dropout` (the trainers enter
+it in the training loss with a key from the step's rng); everywhere else (eval, the
+reference, sampling, export) adapters run without it. Each adapter draws its mask from that
+key folded with its layer index and projection, so a step is deterministic given its rng.
 
 QLoRA (``lora.quantize: int8 | nf4``): the seven projections' base kernels are stored
 quantised, blockwise (``lora.quant_block_size``), and dequantised inside the projection
@@ -27,6 +30,8 @@ base; :func:`merge_adapters` (export) dequantises it and adds the adapters.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import math
@@ -60,8 +65,8 @@ class LoraConfig:
       rank: ``r``, the inner dimension of every adapter.
       alpha: scale numerator: adapters add ``alpha / r * x A B`` (``alpha / sqrt(r)`` with
         ``rslora``).
-      dropout: dropout on the adapter's input; only 0 (none) is implemented (building
-        adapters with another value is an error, and so is the key in a run config).
+      dropout: dropout probability on the adapter's input during training (module
+        docstring); 0: none.
       targets: projections that get an adapter, from ``q k v o gate up down lm_head``, or
         ``all`` (the seven projections, not the LM head).
       rslora: rank-stabilised scaling ``alpha / sqrt(r)`` (Kalajdzievski 2023).
@@ -119,7 +124,7 @@ class LoRA(nnx.Module):
     """``x [..., *in] -> scale * (x A) B [..., *out]``, in ``x``'s dtype (``A``/``B`` are cast
     to it where they are used, as the kernels are)."""
 
-    def __init__(self, spec: LoraConfig, in_shape: Sequence[int], out_shape: Sequence[int],
+    def __init__(self, spec: LoraConfig, target: str, in_shape: Sequence[int], out_shape: Sequence[int],
                  in_names: Sequence[str], out_names: Sequence[str], param_dtype, *, rngs: nnx.Rngs):
         r = spec.rank
         bound = 1.0 / math.sqrt(math.prod(in_shape))
@@ -129,8 +134,14 @@ class LoRA(nnx.Module):
                            eager_sharding=False)
         self.scale = spec.scale
         self.in_axes = len(in_shape)
+        self.dropout = spec.dropout
+        self.stream = TARGETS.index(target)
 
     def __call__(self, x: Array, *, out_dtype=None) -> Array:
+        key = _DROPOUT_KEY.get()
+        if self.dropout and key is not None:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, self.stream), 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0.0).astype(x.dtype)
         h = dense(x, self.a[...].astype(x.dtype), in_axes=self.in_axes)  # [..., r]
         y = dense(h, self.b[...].astype(x.dtype), out_dtype=out_dtype)
         return y * jnp.asarray(self.scale, y.dtype)
@@ -141,9 +152,29 @@ def adapter(spec: LoraConfig | None, target: str, in_shape, out_shape, in_names,
     """The adapter of projection ``target``, or ``None`` when ``spec`` does not target it."""
     if spec is None or target not in spec.targets:
         return None
-    if spec.dropout:
-        raise ValueError(f"lora.dropout={spec.dropout}: adapter dropout is not implemented; set lora.dropout: 0")
-    return LoRA(spec, in_shape, out_shape, in_names, out_names, param_dtype, rngs=rngs)
+    return LoRA(spec, target, in_shape, out_shape, in_names, out_names, param_dtype, rngs=rngs)
+
+
+_DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("alignax_lora_dropout", default=None)
+
+
+@contextlib.contextmanager
+def adapter_dropout(key: Array | None):
+    """Adapters traced inside the block apply ``lora.dropout`` with masks drawn from
+    ``key`` (``None``: no dropout). Read at trace time."""
+    token = _DROPOUT_KEY.set(key)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEY.reset(token)
+
+
+@contextlib.contextmanager
+def layer_dropout(layer):
+    """Inside a decoder layer: the dropout key (if any) folded with the layer's index."""
+    key = _DROPOUT_KEY.get()
+    with adapter_dropout(None if key is None else jax.random.fold_in(key, layer)):
+        yield
 
 
 # ---------------------------------------------------------------------------- whole models

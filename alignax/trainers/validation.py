@@ -306,7 +306,6 @@ KEY_RULES: tuple[Rule, ...] = (
          "adapters train sft, dpo, reward and grpo runs; ppo's critic does not take them yet"),
     rule("lora.quant_block_size", IsNot("lora.quantize", "none"),
          "it is the block size of a quantised base (lora.quantize: int8 | nf4)"),
-    rule("lora.dropout", NEVER, "adapter dropout is not implemented yet (adapters run without dropout)"),
     rule("model.logprob_chunk_size", IsNot("algorithm", "reward", "prm"), "a reward model scores sequences, no log-probs"),
     rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward", "prm")),
          "it seeds random initialisation and a reward model's fresh score head"),
