@@ -20,7 +20,10 @@ it leaves out the gradients and counts moments at half their size, so it is lowe
 LoRA (the ``lora`` section): the trained weights, their gradients, moments and master copy
 are the adapters' (:func:`alignax.models.lora.adapter_parameter_count`); the base is one
 frozen copy in ``precision.frozen_dtype`` ("frozen base"), and the reference is that same
-base with the adapters off (nothing more). The update's backward pass still carries
+base with the adapters off (nothing more). QLoRA (``lora.quantize``): the seven
+projections of the base at 1 (int8) or 1/2 (nf4) byte a weight plus a float32 scale per
+``lora.quant_block_size`` weights; embeddings, norms and an untied LM head in the frozen
+dtype. The update's backward pass still carries
 activation gradients through the base (``4 N`` FLOPs per token) but computes no weight
 gradient for it.
 
@@ -37,7 +40,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from alignax.models.config import ModelConfig
-from alignax.models.lora import adapter_parameter_count
+from alignax.models.lora import adapter_parameter_count, projection_sizes
+from alignax.models.quant import quantized_bytes
 
 GB = 1e9
 
@@ -197,6 +201,16 @@ def _trained(params: int, p: Precision, shard: int) -> dict[str, float]:
             "optimizer moments": params * p.moments / shard, "master weights": params * p.master / shard}
 
 
+def _frozen_base_bytes(model: ModelConfig, lora, params: int, frozen_bytes: int) -> float:
+    """A LoRA run's frozen base: every weight in the frozen dtype, or under QLoRA the seven
+    projections quantised (:func:`alignax.models.quant.quantized_bytes`) and the rest
+    (embeddings, norms, an untied LM head) in the frozen dtype."""
+    if lora.quantize == "none":
+        return params * frozen_bytes
+    projections = model.num_layers * sum(i * o for i, o in projection_sizes(model).values())
+    return quantized_bytes(projections, lora.quantize, lora.quant_block_size) + (params - projections) * frozen_bytes
+
+
 def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, int] | None = None,
              device_memory_gb: float | None = None, assumptions: str = "standard", mfu: float = 0.4,
              peak_flops: float | None = None, suggest: bool = True) -> Estimate:
@@ -215,7 +229,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     if lora is not None and assumptions == "standard":
         adapters = adapter_parameter_count(model, lora)
         items: dict[str, float] = {f"policy {k}": v for k, v in _trained(adapters, p, shard).items()}
-        items["frozen base"] = P * p.frozen / shard
+        items["frozen base"] = _frozen_base_bytes(model, lora, P, p.frozen) / shard
     else:
         adapters = None
         items = {f"policy {k}": v for k, v in _trained(P, p, shard).items()}

@@ -16,6 +16,8 @@ weights lie. Weights are cast to the compute dtype before the matmul (``kernel[.
 
 A projection named in ``config.lora.targets`` also carries an adapter
 (:mod:`alignax.models.lora`): ``q_lora`` ... ``down_lora``, added to the kernel's output.
+With ``config.lora.quantize`` (QLoRA) those seven kernels are stored quantised
+(:class:`alignax.models.quant.QuantizedKernel`) and dequantised inside the projection.
 
 Einsum letters: B batch, T new tokens, S key slots, D model, N heads, K kv heads,
 G query heads per kv head, H head dim, F mlp.
@@ -31,8 +33,8 @@ import numpy as np
 from flax import nnx
 
 from alignax.models.config import ModelConfig
-from alignax.models.dense import dense
-from alignax.models.lora import adapter
+from alignax.models.lora import adapter, layer_dropout
+from alignax.models.quant import QuantizedKernel, project
 from alignax.models.splash import splash_attention
 from alignax.parallel.sharding import constrain
 
@@ -57,6 +59,16 @@ def param(value: Array, names: tuple[str | None, ...]) -> nnx.Param:
 
 def normal_param(rngs: nnx.Rngs, shape, names, dtype, std: float = INIT_STD) -> nnx.Param:
     return param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype), names)
+
+
+def projection_kernel(config: ModelConfig, rngs: nnx.Rngs, shape, names, dtype) -> nnx.Param | QuantizedKernel:
+    """A projection's kernel: an ``nnx.Param``, or under QLoRA (``config.lora.quantize``) its
+    quantised codes and scales."""
+    kernel = normal_param(rngs, shape, names, dtype)
+    spec = config.lora
+    if spec is None or spec.quantize == "none":
+        return kernel
+    return QuantizedKernel(kernel[...], names, kind=spec.quantize, block_size=spec.quant_block_size)
 
 
 def const_param(value: float, shape, names, dtype) -> nnx.Param:
@@ -150,10 +162,10 @@ class Attention(nnx.Module):
         pd = jnp.dtype(c.param_dtype)
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         self.config = c
-        self.q_kernel = normal_param(rngs, (D, N, H), ("embed", "heads", "head_dim"), pd)
-        self.k_kernel = normal_param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
-        self.v_kernel = normal_param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
-        self.o_kernel = normal_param(rngs, (N, H, D), ("heads", "head_dim", "embed"), pd)
+        self.q_kernel = projection_kernel(c, rngs, (D, N, H), ("embed", "heads", "head_dim"), pd)
+        self.k_kernel = projection_kernel(c, rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_kernel = projection_kernel(c, rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_kernel = projection_kernel(c, rngs, (N, H, D), ("heads", "head_dim", "embed"), pd)
         if c.qkv_bias:
             self.q_bias = const_param(0.0, (N, H), ("heads", "head_dim"), pd)
             self.k_bias = const_param(0.0, (K, H), ("kv_heads", "head_dim"), pd)
@@ -171,8 +183,8 @@ class Attention(nnx.Module):
         self.v_lora = adapter(c.lora, "v", (D,), (K, H), ("embed",), ("kv_heads", "head_dim"), pd, rngs)
         self.o_lora = adapter(c.lora, "o", (N, H), (D,), ("heads", "head_dim"), ("embed",), pd, rngs)
 
-    def _project(self, x: Array, kernel: nnx.Param, bias: nnx.Param | None, lora=None) -> Array:
-        y = dense(x, kernel[...].astype(x.dtype))  # [B, T, D] x [D, N, H]
+    def _project(self, x: Array, kernel, bias: nnx.Param | None, lora=None) -> Array:
+        y = project(x, kernel)  # [B, T, D] x [D, N, H]
         if lora is not None:
             y = y + lora(x)
         return y if bias is None else y + bias[...].astype(x.dtype)
@@ -229,7 +241,7 @@ class Attention(nnx.Module):
             out = jnp.einsum("BKMS,BKSH->BKMH", probs, v).reshape(B, K, G, T, H)
             out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
         out = constrain(out, QUERY_HEADS)
-        y = dense(out, self.o_kernel[...].astype(x.dtype), in_axes=2)  # [B, T, N, H] x [N, H, D]
+        y = project(out, self.o_kernel, in_axes=2)  # [B, T, N, H] x [N, H, D]
         if self.o_lora is not None:
             y = y + self.o_lora(out)
         if self.o_bias is not None:
@@ -245,9 +257,9 @@ class MLP(nnx.Module):
         pd = jnp.dtype(c.param_dtype)
         D, F = c.hidden_size, c.intermediate_size
         self.activation = c.activation
-        self.gate_kernel = normal_param(rngs, (D, F), ("embed", "mlp"), pd) if c.gated_mlp else None
-        self.up_kernel = normal_param(rngs, (D, F), ("embed", "mlp"), pd)
-        self.down_kernel = normal_param(rngs, (F, D), ("mlp", "embed"), pd)
+        self.gate_kernel = projection_kernel(c, rngs, (D, F), ("embed", "mlp"), pd) if c.gated_mlp else None
+        self.up_kernel = projection_kernel(c, rngs, (D, F), ("embed", "mlp"), pd)
+        self.down_kernel = projection_kernel(c, rngs, (F, D), ("mlp", "embed"), pd)
         if c.mlp_bias:
             self.gate_bias = const_param(0.0, (F,), ("mlp",), pd) if c.gated_mlp else None
             self.up_bias = const_param(0.0, (F,), ("mlp",), pd)
@@ -261,7 +273,7 @@ class MLP(nnx.Module):
 
     @staticmethod
     def _linear(x, kernel, bias, lora=None):
-        y = dense(x, kernel[...].astype(x.dtype))
+        y = project(x, kernel)
         if lora is not None:
             y = y + lora(x)
         return y if bias is None else y + bias[...].astype(x.dtype)
@@ -292,8 +304,9 @@ class Block(nnx.Module):
         self.mlp = MLP(c, rngs=rngs)
 
     def __call__(self, x, sin_cos, allowed, kv, index, layer=0):
-        x = constrain(x, RESIDUAL)
-        h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index, layer)
-        x = constrain(x + h, RESIDUAL)
-        x = constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+        with layer_dropout(layer):  # adapter dropout masks differ per layer (alignax.models.lora)
+            x = constrain(x, RESIDUAL)
+            h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index, layer)
+            x = constrain(x + h, RESIDUAL)
+            x = constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
         return x, kv

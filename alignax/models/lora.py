@@ -15,18 +15,29 @@ are the projection's own plus ``lora_rank`` (replicated): ``A`` of q is
 mesh rules they shard like the kernel they adapt. Stacked for scan they gain ``layers``.
 
 Targets: ``q k v o`` (attention), ``gate up down`` (MLP), ``lm_head`` (an untied LM head);
-``all`` is the seven projections. Dropout on the adapter's input (``lora.dropout``) is not
-implemented: any value but 0 is refused.
+``all`` is the seven projections. Dropout on the adapter's input (``lora.dropout``, as
+PEFT: ``s dropout(x) A B``) applies only inside :func:`adapter_dropout` (the trainers enter
+it in the training loss with a key from the step's rng); everywhere else (eval, the
+reference, sampling, export) adapters run without it. Each adapter draws its mask from that
+key folded with its layer index and projection, so a step is deterministic given its rng.
+
+QLoRA (``lora.quantize: int8 | nf4``): the seven projections' base kernels are stored
+quantised, blockwise (``lora.quant_block_size``), and dequantised inside the projection
+(:mod:`alignax.models.quant`); embeddings, norms and an untied LM head stay in the
+frozen dtype (as bitsandbytes leaves them). :func:`with_adapters` quantises the loaded
+base; :func:`merge_adapters` (export) dequantises it and adds the adapters.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from alignax.models.dense import dense
+from alignax.models.quant import QUANTIZE_KINDS, dequantize_state, quantize_state
 
 Array = jax.Array
 
@@ -53,12 +65,16 @@ class LoraConfig:
       rank: ``r``, the inner dimension of every adapter.
       alpha: scale numerator: adapters add ``alpha / r * x A B`` (``alpha / sqrt(r)`` with
         ``rslora``).
-      dropout: dropout on the adapter's input; only 0 (none) is implemented (building
-        adapters with another value is an error, and so is the key in a run config).
+      dropout: dropout probability on the adapter's input during training (module
+        docstring); 0: none.
       targets: projections that get an adapter, from ``q k v o gate up down lm_head``, or
         ``all`` (the seven projections, not the LM head).
       rslora: rank-stabilised scaling ``alpha / sqrt(r)`` (Kalajdzievski 2023).
       seed: seed of the ``A`` matrices' initialisation.
+      quantize: QLoRA: the frozen base's projection kernels stored as ``int8`` or ``nf4``
+        (4-bit NormalFloat), blockwise absmax (:mod:`alignax.models.quant`); ``none``: in
+        ``precision.frozen_dtype``.
+      quant_block_size: weights per absmax block of a quantised kernel (QLoRA's 64).
     """
 
     rank: int = 8
@@ -67,8 +83,14 @@ class LoraConfig:
     targets: tuple[str, ...] = ("all",)
     rslora: bool = False
     seed: int = 0
+    quantize: Literal["none", "int8", "nf4"] = "none"
+    quant_block_size: int = 64
 
     def __post_init__(self):
+        if self.quantize not in QUANTIZE_KINDS:
+            raise ValueError(f"lora.quantize must be one of {', '.join(QUANTIZE_KINDS)}; got {self.quantize!r}")
+        if self.quant_block_size < 2:
+            raise ValueError(f"lora.quant_block_size must be >= 2; got {self.quant_block_size}")
         if self.rank < 1:
             raise ValueError(f"lora.rank must be >= 1; got {self.rank}")
         if self.alpha <= 0:
@@ -102,7 +124,7 @@ class LoRA(nnx.Module):
     """``x [..., *in] -> scale * (x A) B [..., *out]``, in ``x``'s dtype (``A``/``B`` are cast
     to it where they are used, as the kernels are)."""
 
-    def __init__(self, spec: LoraConfig, in_shape: Sequence[int], out_shape: Sequence[int],
+    def __init__(self, spec: LoraConfig, target: str, in_shape: Sequence[int], out_shape: Sequence[int],
                  in_names: Sequence[str], out_names: Sequence[str], param_dtype, *, rngs: nnx.Rngs):
         r = spec.rank
         bound = 1.0 / math.sqrt(math.prod(in_shape))
@@ -112,8 +134,14 @@ class LoRA(nnx.Module):
                            eager_sharding=False)
         self.scale = spec.scale
         self.in_axes = len(in_shape)
+        self.dropout = spec.dropout
+        self.stream = TARGETS.index(target)
 
     def __call__(self, x: Array, *, out_dtype=None) -> Array:
+        key = _DROPOUT_KEY.get()
+        if self.dropout and key is not None:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, self.stream), 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), 0.0).astype(x.dtype)
         h = dense(x, self.a[...].astype(x.dtype), in_axes=self.in_axes)  # [..., r]
         y = dense(h, self.b[...].astype(x.dtype), out_dtype=out_dtype)
         return y * jnp.asarray(self.scale, y.dtype)
@@ -124,9 +152,29 @@ def adapter(spec: LoraConfig | None, target: str, in_shape, out_shape, in_names,
     """The adapter of projection ``target``, or ``None`` when ``spec`` does not target it."""
     if spec is None or target not in spec.targets:
         return None
-    if spec.dropout:
-        raise ValueError(f"lora.dropout={spec.dropout}: adapter dropout is not implemented; set lora.dropout: 0")
-    return LoRA(spec, in_shape, out_shape, in_names, out_names, param_dtype, rngs=rngs)
+    return LoRA(spec, target, in_shape, out_shape, in_names, out_names, param_dtype, rngs=rngs)
+
+
+_DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("alignax_lora_dropout", default=None)
+
+
+@contextlib.contextmanager
+def adapter_dropout(key: Array | None):
+    """Adapters traced inside the block apply ``lora.dropout`` with masks drawn from
+    ``key`` (``None``: no dropout). Read at trace time."""
+    token = _DROPOUT_KEY.set(key)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEY.reset(token)
+
+
+@contextlib.contextmanager
+def layer_dropout(layer):
+    """Inside a decoder layer: the dropout key (if any) folded with the layer's index."""
+    key = _DROPOUT_KEY.get()
+    with adapter_dropout(None if key is None else jax.random.fold_in(key, layer)):
+        yield
 
 
 # ---------------------------------------------------------------------------- whole models
@@ -142,16 +190,24 @@ def adapters_off(adapters: Any) -> Any:
     return jax.tree.map(jnp.zeros_like, adapters)
 
 
-def adapter_parameter_count(config, spec: LoraConfig) -> int:
-    """Adapter weights ``spec`` puts on a model of ``config`` (a ``ModelConfig``): ``r (in +
-    out)`` per targeted projection and layer (what :func:`count_adapter_params` counts on a
-    built model, from the shape alone)."""
+def projection_sizes(config) -> dict[str, tuple[int, int]]:
+    """``{projection: (fan in, fan out)}`` of one layer of a model of ``config`` (a
+    ``ModelConfig``): the kernels LoRA adapts and QLoRA quantises."""
     D, N, K, H, F = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, \
         config.intermediate_size
     sizes = {"q": (D, N * H), "k": (D, K * H), "v": (D, K * H), "o": (N * H, D), "gate": (D, F), "up": (D, F),
              "down": (F, D)}
     if not config.gated_mlp:
         sizes.pop("gate")
+    return sizes
+
+
+def adapter_parameter_count(config, spec: LoraConfig) -> int:
+    """Adapter weights ``spec`` puts on a model of ``config`` (a ``ModelConfig``): ``r (in +
+    out)`` per targeted projection and layer (what :func:`count_adapter_params` counts on a
+    built model, from the shape alone)."""
+    D = config.hidden_size
+    sizes = projection_sizes(config)
     per_layer = sum(spec.rank * (i + o) for t, (i, o) in sizes.items() if t in spec.targets)
     head = spec.rank * (D + config.vocab_size) if "lm_head" in spec.targets and not config.tie_word_embeddings else 0
     return config.num_layers * per_layer + head
@@ -169,7 +225,9 @@ def _rebuild(model: nnx.Module, config) -> tuple[nnx.GraphDef, nnx.State]:
 
 def with_adapters(model: nnx.Module, spec: LoraConfig, *, mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
     """``model`` (any kind of :mod:`alignax.models.modeling`) with fresh adapters on
-    ``spec.targets``; its base weights are the same arrays (not copied).
+    ``spec.targets``; its base weights are the same arrays (not copied), or with
+    ``spec.quantize`` its projection kernels quantised (the float kernels are not kept:
+    the caller's model still holds them until it lets go of it).
 
     The adapters are initialised in one jitted program (seeded by ``spec.seed``) and, with
     ``mesh``, created in their sharding from the logical-axis rules.
@@ -190,7 +248,10 @@ def with_adapters(model: nnx.Module, spec: LoraConfig, *, mesh: jax.sharding.Mes
 
     out_shardings = tree_shardings(jax.eval_shape(init), mesh) if mesh is not None else None
     adapters = jax.jit(init, out_shardings=out_shardings)()
-    return nnx.merge(graphdef, nnx.merge_state(nnx.state(model), adapters))
+    state = nnx.state(model)
+    if spec.quantize != "none":
+        state = quantize_state(state, abstract, kind=spec.quantize, block_size=spec.quant_block_size, mesh=mesh)
+    return nnx.merge(graphdef, nnx.merge_state(state, adapters))
 
 
 def _adapter_modules(model: nnx.Module):
@@ -222,13 +283,18 @@ def _delta(lora: LoRA) -> Array:
 def merge_adapters(model: nnx.Module) -> nnx.Module:
     """The model with every adapter folded into its kernel (``W + s A B``, computed in
     float32 and stored in the kernel's dtype) and no adapters: a plain model of the base
-    architecture (what :func:`alignax.models.save_pretrained` exports)."""
+    architecture (what :func:`alignax.models.save_pretrained` exports). A QLoRA base is
+    dequantised (``W`` is what the model computed with)."""
     if model.config.lora is None:
         return model
     base_config = model.config.replace(lora=None)
     graphdef, _ = _rebuild(model, base_config)
     params, rest = nnx.state(model, nnx.Param, ...)
     _, base = split_adapters(params)
+    spec = model.config.lora
+    if spec.quantize != "none":  # QLoRA: the dequantised base, in the model's param dtype
+        base = dequantize_state(base, kind=spec.quantize, block_size=spec.quant_block_size,
+                                dtype=model.config.param_dtype)
     merged = nnx.merge(graphdef, base, rest)
     for i, name, owner, lora in _adapter_modules(model):
         target_owner = _owner_in(merged, owner, i)

@@ -11,6 +11,11 @@ lives, and its reference.
   leaves replaced by zeros (:func:`alignax.models.lora.adapters_off`), so its outputs are
   the base's bit for bit. Its weight arrays are the base's own buffers: no second copy of
   the model; only the adapter-sized zeros are new (and saved once as the run's reference).
+- QLoRA (``lora.quantize``): the base's projection kernels are codes and scales
+  (:mod:`alignax.models.quant`), frozen like the rest of the base and never cast to
+  ``precision.frozen_dtype``; the reference is the same quantised base, adapters off. They
+  are not checkpointed: quantisation is deterministic, so a resumed run rebuilds the
+  identical codes from the base checkpoint (as it reloads an unquantised base).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Any
 
 from flax import nnx
 
-from alignax.models.lora import LoRAParam, LoraConfig, adapters_off
+import jax
+
+from alignax.models.lora import LoRAParam, LoraConfig, adapter_dropout, adapters_off
 
 TRAINED_HEADS = ("score",)  # a reward model's head trains beside its adapters
 TRAINABLE = nnx.Any(LoRAParam, *(nnx.PathContains(name) for name in TRAINED_HEADS))
@@ -43,6 +50,24 @@ def with_base(fn: Callable) -> Callable:
         return fn(params, frozen, *args)
 
     return wrapped
+
+
+DROPOUT_STREAM = 0x10A  # the dropout masks' stream of the step's rng
+
+
+def with_dropout(loss_fn: Callable, lora: LoraConfig | None) -> Callable:
+    """The training ``loss_fn(params, frozen, batch, normalisers, rng)`` with adapter dropout
+    (``lora.dropout``) drawn from ``rng``; unchanged without LoRA or dropout. (The
+    reference inside the loss has its adapters at zero: dropout changes nothing there.)"""
+    if lora is None or not lora.dropout:
+        return loss_fn
+
+    def wrapped(params, frozen, batch, normalisers, rng):
+        with adapter_dropout(jax.random.fold_in(rng, DROPOUT_STREAM)):
+            return loss_fn(params, frozen, batch, normalisers, rng)
+
+    return wrapped
+
 
 
 def reference_adapters(trained: nnx.State) -> nnx.State:

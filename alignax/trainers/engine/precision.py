@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from alignax.models.quant import QuantizedParam
+
 DtypeName = Literal["float32", "bfloat16"]
 
 
@@ -162,8 +164,8 @@ def cast_params(state: Any, dtype) -> Any:
     if all(not _is_float(x) or x.dtype == dtype for x in jax.tree.leaves(state)):
         return state
 
-    def cast(leaf):
-        if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param):
+    def cast(leaf):  # a QLoRA kernel's codes and scales keep their dtypes (alignax.models.quant)
+        if isinstance(leaf, nnx.Variable) and (not isinstance(leaf, nnx.Param) or isinstance(leaf, QuantizedParam)):
             return leaf
         return cast_floating(leaf, dtype)
 

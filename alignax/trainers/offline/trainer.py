@@ -54,7 +54,7 @@ class OfflineTrainer:
         self.base = None if base is None else frozen_params(base, config.precision)
         del params, base
         task = task_builder(config, self.graphdef, self.rest)
-        self.task = dataclasses.replace(task, loss_fn=adapters.with_base(task.loss_fn),
+        self.task = dataclasses.replace(task, loss_fn=adapters.with_base(adapters.with_dropout(task.loss_fn, config.lora)),
                                         eval_fn=adapters.with_base(task.eval_fn))
         self.data = (prepare_dataset(config.data, self.tokenizer, records=records,
                                      required_fields=self.task.required_fields) if with_data else None)

@@ -324,7 +324,7 @@ class OnlineTrainer:
         compiles :attr:`update` for them. :attr:`initial_params` is None from here on: the
         state holds buffers of its own."""
         state, shardings = self.init_state()
-        step = make_train_step(adapters.with_base(self.loss_fn), self.optimizer, normalisers_fn=self.normalisers_fn,
+        step = make_train_step(adapters.with_base(adapters.with_dropout(self.loss_fn, self.config.lora)), self.optimizer, normalisers_fn=self.normalisers_fn,
                                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule,
                                schedule_position=lambda state, mb: mb.schedule_position)
         self.update = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
