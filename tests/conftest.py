@@ -65,7 +65,8 @@ if _JAX_TIMES:
         _spent.clear()
         start = time.perf_counter()
         yield
-        row = {"test": item.nodeid, "wall": round(time.perf_counter() - start, 3),
+        row = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+               "wall": round(time.perf_counter() - start, 3),
                **{k: round(v, 3) for k, v in _spent.items()}}
         with open(_JAX_TIMES, "a") as f:
             f.write(json.dumps(row) + "\n")
