@@ -25,12 +25,18 @@ def subprocess_env(devices: int, **extra: str) -> dict:
                 PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]), **extra)
 
 
+def last_json_line(text: str) -> dict:
+    """The last line of a check's stdout that is a JSON object: its result. Libraries print
+    lines of their own to stdout too (gloo announces its peers), sometimes after it."""
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
 def run_check(script: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:
     env = subprocess_env(devices)
     proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json_line(proc.stdout)
 
 
 # The (2, 2, 2) mesh equalities against one device, each a check script of tests/. They run

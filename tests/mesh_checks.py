@@ -16,6 +16,8 @@ import io
 import json
 import sys
 
+from tests.fake_devices import last_json_line
+
 
 def main() -> int:
     results = {}
@@ -29,7 +31,7 @@ def main() -> int:
         if code:
             print(out.getvalue()[-2000:], file=sys.stderr)
             return code
-        results[spec] = json.loads(out.getvalue().strip().splitlines()[-1])
+        results[spec] = last_json_line(out.getvalue())
     print(json.dumps(results))
     return 0
 

@@ -4,7 +4,6 @@ devices, gloo collectives)."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 from alignax.config import ConfigError
 from alignax.parallel.sharding import hybrid_mesh
 from alignax.trainers.api import load_config
-from tests.fake_devices import subprocess_env
+from tests.fake_devices import last_json_line, subprocess_env
 from tests.trainer_helpers import CONFIGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,8 +32,7 @@ def _two_processes() -> list[dict]:
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, out[-2000:] + err[-4000:]
-        # the result is the last JSON line: gloo prints its own lines to stdout, sometimes after it
-        results.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
+        results.append(last_json_line(out))
     return results
 
 
