@@ -177,7 +177,9 @@ def test_only_adapters_are_trained_and_the_base_is_unchanged(lora_dpo, toy_model
     adapter_shapes = [x.shape for x in jax.tree.leaves(nnx.state(result.model, LoRAParam))]
     assert [x.shape for x in jax.tree.leaves(state.params)] == adapter_shapes
     n_adapter = count_adapter_params(result.model)
-    assert n_adapter == 2 * 4 * ((32 + 32) + (32 + 16) * 2 + (32 + 32) + (32 + 64) * 2 + (64 + 32))
+    # rank 4 on (q k v o gate up down) of each of the toy model's layers, r (in + out) each
+    layers = result.model.config.num_layers
+    assert n_adapter == layers * 4 * ((32 + 32) + (32 + 16) * 2 + (32 + 32) + (32 + 64) * 2 + (64 + 32))
     # Adam's two moments, float32: 8 bytes per adapter weight, nothing for the base
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
     assert sum(x.nbytes for x in moments) == 8 * n_adapter
@@ -289,7 +291,11 @@ def test_lora_grpo_raises_the_mean_reward_with_the_adapters_off_reference(tmp_pa
     result = train(config, records=toy_prompts(32))
     rewards = np.array([h["reward/total"] for h in result.history])
     assert rewards[-5:].mean() > rewards[:5].mean() + 0.3, rewards.round(3).tolist()
-    assert result.history[0]["kl/ref_seq"] == 0.0  # fresh adapters: the policy is the reference
+    # fresh adapters: the policy is the reference, up to float32 rounding (the policy and the
+    # reference are separately compiled programs, and XLA may fuse the zero adapter term into
+    # the base matmul differently; the bit-for-bit identity of a fresh adapter is asserted on
+    # one program in test_fresh_adapter_is_the_base_bit_for_bit_and_merging_is_exact)
+    assert abs(result.history[0]["kl/ref_seq"]) < 1e-6
     assert result.history[-1]["kl/ref_seq"] > 0.0
     assert [x.shape for x in jax.tree.leaves(result.loop.state.params)] == \
         [x.shape for x in jax.tree.leaves(nnx.state(result.model, LoRAParam))]
