@@ -4,6 +4,8 @@ forward pass over the whole trajectory, how trajectories end, and the trajectory
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,17 @@ class BreakingEnv(ChattyEnv):
         return super().step(message)
 
 
+class SlowChattyEnv(ChattyEnv):
+    """ChattyEnv taking ``PAUSE`` seconds per step: the environment's share of a rollout's time."""
+
+    def step(self, message):
+        time.sleep(PAUSE)
+        return super().step(message)
+
+
+PAUSE = 0.01
+
+
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
     directory = make_agent_model(tmp_path_factory.mktemp("agent-model"))
@@ -58,7 +71,7 @@ def sampler(agent, make_env, *, budget=40, turns=3, turn_tokens=6, observation=1
 
 @pytest.fixture(scope="module")
 def chatty(agent):
-    groups, seconds, drawn = sampler(agent, ChattyEnv).sample(agent["state"], {"references": lookup_records(4)},
+    groups, seconds, drawn = sampler(agent, SlowChattyEnv).sample(agent["state"], {"references": lookup_records(4)},
                                                               jax.random.key(3))
     return groups, seconds, drawn
 
@@ -134,6 +147,10 @@ def test_trajectory_layout_rewards_and_counts(agent, chatty):
     figures = trajectory_figures(groups, seconds)
     assert figures["env/malformed_call_rate"] == 0.5 and figures["env/tool_error_rate"] == 0.5
     assert figures["env/turns_per_trajectory"] == groups.trajectory["turns"].mean()
+    assert figures["env/tool_calls_per_trajectory"] == 2 * steps.mean()
+    # the environment's time (PAUSE per step) against the generation's (the rest of the rollout)
+    assert PAUSE * steps.sum() <= figures["env/env_s"] < seconds
+    assert figures["env/generation_s"] == pytest.approx(seconds - figures["env/env_s"])
     assert sum(figures[f"env/ended_{k}"] for k in ("done", "max_turns", "max_total_tokens", "turn_budget",
                                                      "observation_too_long", "env_error")) == 1.0
 
