@@ -19,7 +19,7 @@ from tests.toy_agent import make_agent_model
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.xdist_group("multihost")
+@pytest.mark.xdist_group("multihost")  # with the other multi-process launch: not both at once on 2 cores
 def test_two_processes_play_the_trajectories_of_one(tmp_path):
     model_dir = make_agent_model(tmp_path / "model")
     port = str(free_port())
