@@ -4,6 +4,8 @@ forward pass over the whole trajectory, how trajectories end, and the trajectory
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,11 +13,12 @@ import pytest
 from flax import nnx
 
 from alignax import models
+from alignax.envs import rollout
 from alignax.envs.rollout import EnvSampler, trajectory_figures
 from alignax.models import positions_from_mask
 from alignax.models.cache import init_cache
 from alignax.sampling import SamplingConfig
-from alignax.sampling.multiturn import extend
+from alignax.sampling.multiturn import extend, generate_turn
 from alignax.trainers.online.rollout import response_forward
 from tests.toy_agent import ChattyEnv, agent_tokenizer, lookup_records, make_agent_model
 
@@ -34,6 +37,17 @@ class BreakingEnv(ChattyEnv):
         return super().step(message)
 
 
+class SlowChattyEnv(ChattyEnv):
+    """ChattyEnv taking ``PAUSE`` seconds per step: the environment's share of a rollout's time."""
+
+    def step(self, message):
+        time.sleep(PAUSE)
+        return super().step(message)
+
+
+PAUSE = 0.01
+
+
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
     directory = make_agent_model(tmp_path_factory.mktemp("agent-model"))
@@ -47,20 +61,31 @@ def agent(tmp_path_factory):
     return dict(model=model, tok=tok, graphdef=graphdef, state=state, mesh=mesh, stops=stops)
 
 
-def sampler(agent, make_env, *, budget=40, turns=3, turn_tokens=6, observation=12, temperature=1.0):
+def sampler(agent, make_env, *, budget=40, turns=3, turn_tokens=6, observation=12, temperature=1.0,
+            share_prompt=True):
     tok = agent["tok"]
     config = SamplingConfig(max_new_tokens=budget, temperature=temperature, stop_token_ids=agent["stops"],
                             pad_id=tok.pad_token_id, num_samples=2)
     return EnvSampler(agent["graphdef"], agent["model"].config, tok, make_env, config, mesh=agent["mesh"],
                       place=jnp.asarray, prompt_len=P, max_turns=turns, max_turn_tokens=turn_tokens,
-                      max_observation_tokens=observation)
+                      max_observation_tokens=observation, share_prompt=share_prompt)
 
 
 @pytest.fixture(scope="module")
 def chatty(agent):
-    groups, seconds, drawn = sampler(agent, ChattyEnv).sample(agent["state"], {"references": lookup_records(4)},
-                                                              jax.random.key(3))
-    return groups, seconds, drawn
+    calls = []  # the first turn's ``shared``: how many rows one prompt prefill serves
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["shared"])
+        return generate_turn(*args, **kwargs)
+
+    rollout.generate_turn = spy
+    try:
+        groups, seconds, drawn = sampler(agent, SlowChattyEnv).sample(
+            agent["state"], {"references": lookup_records(4)}, jax.random.key(3))
+    finally:
+        rollout.generate_turn = generate_turn
+    return groups, seconds, drawn, calls
 
 
 def full_forward_logps(model, groups):
@@ -71,7 +96,7 @@ def full_forward_logps(model, groups):
 
 
 def test_incremental_prefill_matches_the_whole_trajectory_from_scratch(agent, chatty):
-    groups, _, drawn = chatty
+    groups, _, drawn, _ = chatty
     actions = groups.actions()
     assert drawn == actions.sum()
     observations = (groups.response_mask > 0) & (actions == 0)
@@ -119,7 +144,7 @@ def test_extend_gives_the_logits_of_a_full_forward_pass(agent):
 
 
 def test_trajectory_layout_rewards_and_counts(agent, chatty):
-    groups, seconds, _ = chatty
+    groups, seconds, _, _ = chatty
     tok = agent["tok"]
     steps = groups.trajectory["tool_calls"] / 2  # ChattyEnv reports 2 calls per step
     np.testing.assert_allclose(groups.rewards, 0.25 * steps)  # the sum of the step rewards
@@ -134,6 +159,10 @@ def test_trajectory_layout_rewards_and_counts(agent, chatty):
     figures = trajectory_figures(groups, seconds)
     assert figures["env/malformed_call_rate"] == 0.5 and figures["env/tool_error_rate"] == 0.5
     assert figures["env/turns_per_trajectory"] == groups.trajectory["turns"].mean()
+    assert figures["env/tool_calls_per_trajectory"] == 2 * steps.mean()
+    # the environment's time (PAUSE per step) against the generation's (the rest of the rollout)
+    assert PAUSE * steps.sum() <= figures["env/env_s"] < seconds
+    assert figures["env/generation_s"] == pytest.approx(seconds - figures["env/env_s"])
     assert sum(figures[f"env/ended_{k}"] for k in ("done", "max_turns", "max_total_tokens", "turn_budget",
                                                      "observation_too_long", "env_error")) == 1.0
 
@@ -162,3 +191,17 @@ def test_each_end_reason_is_clean_and_counted(agent, case):
         assert groups.stopped[ended > 0].all()
     if case == "env_error":  # the first step's reward is kept, the trajectory ends at the raise
         assert np.all(groups.trajectory["turns"][ended > 0] == 2)
+
+
+def test_a_records_trajectories_share_one_prompt_prefill(agent, chatty):
+    """The G rows of a record prefill its prompt once (the cache repeated over them), and
+    play the trajectories of rows that each prefill their own: the same tokens, log-probs
+    to 1e-5, rewards."""
+    shared, _, _, calls = chatty
+    assert calls[0] == 2 and set(calls[1:]) == {1}  # G = 2: one prefill per record, then per-row turns
+    alone, _, _ = sampler(agent, ChattyEnv, share_prompt=False).sample(
+        agent["state"], {"references": lookup_records(4)}, jax.random.key(3))
+    assert alone.trajectory["turns"].max() > 1
+    for key in ("tokens", "response_mask", "action_mask", "rewards"):
+        np.testing.assert_array_equal(getattr(shared, key), getattr(alone, key), err_msg=key)
+    np.testing.assert_allclose(shared.sampler_logps, alone.sampler_logps, atol=1e-5)

@@ -9,7 +9,9 @@ the environment's tools, left-padded to ``prompt_len``), then per turn:
 
 1. :func:`alignax.sampling.multiturn.generate_turn` prefills the new context into each
    row's KV cache and draws until a stop token or ``max_turn_tokens`` (one compiled
-   program for every turn after the first);
+   program for every turn after the first); on the first turn the ``G`` rows of a record
+   share one prefill of the prompt when their environments gave the same prompt (the
+   usual case; a stochastic ``reset`` makes them differ, and then each row prefills its own);
 2. on the host, each live row's turn is decoded and given to its environment
    (``step``); the reply's text (:func:`alignax.envs.chat.observation_text`) is
    tokenised and appended to the trajectory with action mask 0;
@@ -94,15 +96,19 @@ class EnvSampler:
       prompt_len: the width ``P`` prompts are left-padded to (``data.max_prompt_length``).
       max_turns / max_turn_tokens / max_observation_tokens: ``env.*`` (``max_turn_tokens``
         ``None``: ``N``).
+      share_prompt: prefill a record's prompt once for its ``G`` rows when they are the
+        same (``False``: once per row, the reference the tests compare with).
     """
 
     def __init__(self, graphdef: nnx.GraphDef, model_config, tokenizer, make_env: Callable[[], Any],
                  config: SamplingConfig, *, mesh, place: Callable[[np.ndarray], jax.Array], prompt_len: int,
-                 max_turns: int, max_turn_tokens: int | None = None, max_observation_tokens: int = 64):
+                 max_turns: int, max_turn_tokens: int | None = None, max_observation_tokens: int = 64,
+                 share_prompt: bool = True):
         self.graphdef, self.model_config, self.tokenizer = graphdef, model_config, tokenizer
         self.make_env, self.config, self.mesh, self.place = make_env, config, mesh, place
         self.prompt_len, self.max_turns = prompt_len, max_turns
         self.max_turn_tokens, self.max_observation_tokens = max_turn_tokens, max_observation_tokens
+        self.share_prompt = share_prompt
         self.reward_models = None  # the scorer interface's: environments give the rewards
         self.eos = tokenizer.eos_token_id
 
@@ -181,6 +187,9 @@ class EnvSampler:
                 prompts.append(np.asarray(prompt_batch["prompt_tokens"][b])[mask][-P:].tolist())
             rows.append(row)
         chunk, chunk_mask = _left_pad(prompts, P, config.pad_id)
+        same = all(prompts[r] == prompts[r - r % G] for r in range(R))
+        # the flag is a static argument of the compiled turn: every process takes the same
+        shared = G if G > 1 and self.share_prompt and np.all(allgather_rows(np.array([same]))) else 1
         cache_len = turn_cache_length(P, L, T, self.max_turns)
         cache = position = None
         used_slots = 0
@@ -194,7 +203,7 @@ class EnvSampler:
             with jax.set_mesh(self.mesh):
                 out = generate_turn(self.graphdef, state, cache, position, self.place(chunk), self.place(chunk_mask),
                                     self.place(live), jax.random.fold_in(rng, turn), config=turn_config,
-                                    cache_len=cache_len)
+                                    cache_len=cache_len, shared=shared if cache is None else 1)
             cache, position = out.cache, out.position
             tokens, mask, logps, stopped, steps = (np.asarray(local_rows(x)) if x.ndim else int(x) for x in (
                 out.tokens, out.response_mask, out.sampling_logps, out.stopped, out.num_steps))

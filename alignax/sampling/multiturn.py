@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from alignax.models.cache import KVCache, init_cache
-from alignax.sampling.sampler import SamplingConfig, constrain_cache, decode_loop, new_loop_state
+from alignax.sampling.sampler import SamplingConfig, constrain_cache, decode_loop, new_loop_state, repeat_prefill
 
 Array = jax.Array
 
@@ -61,9 +61,9 @@ def extend(model, cache: KVCache, position: Array, tokens: Array, mask: Array) -
     return model.logits(out.hidden[:, -1]), out.cache, position + jnp.sum(mask, axis=1)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("config", "cache_len"))
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("config", "cache_len", "shared"))
 def generate_turn(graphdef, state, cache: KVCache | None, position, chunk_tokens, chunk_mask, live, rng, *,
-                  config: SamplingConfig, cache_len: int | None = None) -> TurnOutput:
+                  config: SamplingConfig, cache_len: int | None = None, shared: int = 1) -> TurnOutput:
     """Feed ``chunk_tokens [R, L]`` into ``cache`` and draw up to ``config.max_new_tokens``
     tokens for every ``live [R]`` row (``config.num_samples`` must be 1: rows are trajectories).
 
@@ -71,6 +71,10 @@ def generate_turn(graphdef, state, cache: KVCache | None, position, chunk_tokens
     ``cache_len`` slots (:func:`turn_cache_length`) is made here, on the mesh when called
     under one. A write past the cache's end would be clamped by ``dynamic_update_slice``,
     so the caller (:class:`alignax.envs.rollout.EnvSampler`) keeps count of the slots.
+
+    ``shared`` (first turn only): every block of ``shared`` consecutive rows holds one
+    prompt (a GRPO group's trajectories of one record), so it is prefilled once per block
+    and the cache repeated, as :func:`alignax.sampling.generate` does for ``num_samples``.
     """
     if config.num_samples != 1:
         raise ValueError(f"generate_turn draws one continuation per row; got num_samples={config.num_samples}")
@@ -79,9 +83,18 @@ def generate_turn(graphdef, state, cache: KVCache | None, position, chunk_tokens
         if cache_len is None:
             raise ValueError("the first turn (cache=None) needs cache_len")
         rows = chunk_tokens.shape[0]
-        cache = constrain_cache(init_cache(model.config, batch=rows, max_len=cache_len))
-        position = jnp.zeros((rows,), jnp.int32)
-    logits, cache, position = extend(model, cache, position, chunk_tokens, chunk_mask)
+        if rows % shared:
+            raise ValueError(f"shared={shared} does not divide the {rows} rows")
+        prompts = rows // shared
+        cache = constrain_cache(init_cache(model.config, batch=prompts, max_len=cache_len))
+        logits, cache, position = extend(model, cache, jnp.zeros((prompts,), jnp.int32),
+                                         chunk_tokens[::shared], chunk_mask[::shared])
+        if shared > 1:
+            cache, logits, position = repeat_prefill(cache, logits, position, shared)
+    elif shared != 1:
+        raise ValueError("shared applies to the first turn's prompt (cache=None)")
+    else:
+        logits, cache, position = extend(model, cache, position, chunk_tokens, chunk_mask)
     s = decode_loop(model, new_loop_state(cache, logits, position, ~live.astype(bool), config), rng, config)
     return TurnOutput(tokens=s.tokens, response_mask=s.response_mask, sampling_logps=s.sampling_logps, logps=s.logps,
                       stopped=s.stopped, num_steps=s.step, cache=s.cache, position=s.position)

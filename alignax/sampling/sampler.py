@@ -170,6 +170,19 @@ def constrain_cache(cache: KVCache) -> KVCache:
     return KVCache(**{name: constrain(getattr(cache, name), axes) for name, axes in CACHE_AXES.items()})
 
 
+def repeat_prefill(cache: KVCache, logits: jax.Array, position: jax.Array,
+                   times: int) -> tuple[KVCache, jax.Array, jax.Array]:
+    """A prefill of ``B`` prompts (cache, next-token ``logits [B, V]``, ``position [B]``) as
+    ``B * times`` rows, row ``b * times + g`` a copy of prompt ``b``'s."""
+    # No total_repeat_length: with it jnp.repeat is a scatter and a gather (see the
+    # module docstring); without, a broadcast and a reshape that keep rows in place.
+    repeat = functools.partial(jnp.repeat, repeats=times)
+    cache = constrain_cache(KVCache(
+        k=repeat(cache.k, axis=1), v=repeat(cache.v, axis=1), mask=repeat(cache.mask, axis=0), index=cache.index
+    ))
+    return cache, constrain(repeat(logits, axis=0), ("batch", None)), constrain(repeat(position, axis=0), ("batch",))
+
+
 def _constrain_loop(s: _LoopState) -> _LoopState:
     rows = ("batch",)
     per_token = ("batch", "length")
@@ -329,14 +342,8 @@ def generate(graphdef, state, prompt_tokens, prompt_mask, rng, *, config: Sampli
     position = jnp.sum(prompt_mask, axis=-1)
     cache = out.cache
     if G > 1:
-        # No total_repeat_length: with it jnp.repeat is a scatter and a gather (see the
-        # module docstring); without, a broadcast and a reshape that keep rows in place.
+        cache, logits, position = repeat_prefill(cache, logits, position, G)
         repeat = functools.partial(jnp.repeat, repeats=G)
-        cache = constrain_cache(KVCache(
-            k=repeat(cache.k, axis=1), v=repeat(cache.v, axis=1), mask=repeat(cache.mask, axis=0), index=cache.index
-        ))
-        logits = constrain(repeat(logits, axis=0), ("batch", None))
-        position = constrain(repeat(position, axis=0), ("batch",))
         prompt_tokens = constrain(repeat(prompt_tokens, axis=0), ("batch", "length"))
         prompt_mask = constrain(repeat(prompt_mask, axis=0), ("batch", "length"))
     R = B * G
