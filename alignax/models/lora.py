@@ -325,7 +325,7 @@ def merged_state(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
 
     Memory: the merged kernels are new arrays, held beside the frozen base while the
     rollout samples: one extra copy of every adapted projection kernel in
-    ``precision.param_dtype`` (with ``targets: all``, nearly the whole model: 13.5 GB for
+    ``precision.param_dtype`` (with ``targets: all``, nearly the whole model: 12.95 GB for
     Llama-2-7B in bfloat16). With QLoRA the merge dequantises: for that rollout the
     sampler holds the base's projections in ``param_dtype`` (2 bytes a weight in bfloat16,
     4 in float32) beside their NF4 codes (0.5625 bytes a weight at block 64) or int8 codes
