@@ -1,7 +1,8 @@
 """Run by tests/test_trainers_mesh.py on 8 fake CPU devices: one DPO step of the real
 trainer on a (2, 2, 2) mesh (FSDP over parameters and optimiser state, batch over data)
 against the same step on one device. Prints one JSON line of measured differences.
-``--lora``: the same with LoRA adapters (rank 4 on every projection), the adapters trained.
+``--lora``: the same with LoRA adapters (rank 4 on every projection), the adapters trained;
+and a QLoRA (NF4 base) DPO run on the mesh against one device (``qlora_*``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from tests.toy_model import make_toy_model
 from tests.trainer_helpers import separable_pairs, tiny_config
 
 
-def run(model_dir, shape):
+def run(model_dir, shape, quantize=None):
     lora = {"lora": {"rank": 4, "alpha": 8}} if "--lora" in sys.argv else {}
+    if quantize is not None:  # the QLoRA check
+        lora = {"lora": {"rank": 4, "alpha": 8, "quantize": quantize}}
     with tempfile.TemporaryDirectory() as tmp:
         config = tiny_config(tmp, "dpo", steps=2, model_dir=model_dir, checkpoint={"enabled": False},
                              mesh={"shape": list(shape)}, train={"grad_accum_steps": 2}, **lora)
@@ -35,6 +38,18 @@ def main() -> int:
         make_toy_model(model_dir)
         single, single_params = run(model_dir, (1, 1, 1))
         sharded, sharded_params = run(model_dir, (2, 2, 2))
+        qlora = {}
+        if "--lora" in sys.argv:
+            q_single, q_single_params = run(model_dir, (1, 1, 1), quantize="nf4")
+            q_sharded, q_sharded_params = run(model_dir, (2, 2, 2), quantize="nf4")
+            qlora = {
+                "qlora_loss_single": [h["loss"] for h in q_single.history],
+                "qlora_loss_sharded": [h["loss"] for h in q_sharded.history],
+                # the trained adapters (the NF4 base is frozen: dequantised by merging on export)
+                "qlora_max_adapter_diff": max(
+                    float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+                    zip(jax.tree.leaves(q_single.loop.state.params), jax.tree.leaves(q_sharded.loop.state.params))),
+            }
     specs = {
         "/".join(map(str, path)): str(leaf.sharding.spec)
         for path, leaf in jax.tree_util.tree_leaves_with_path(sharded_params)
@@ -56,6 +71,7 @@ def main() -> int:
             leaf for path, leaf in jax.tree_util.tree_leaves_with_path(sharded_params)
             if "embed" in "/".join(map(str, path))
         ).sharding.device_set),
+        **qlora,
     }
     print(json.dumps(out))
     return 0

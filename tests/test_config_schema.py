@@ -495,6 +495,17 @@ def test_ppo_critic_keys():
     load_config(data=PPO, overrides=["ppo.critic=shared", "ppo.critic_learning_rate=1e-4"])
 
 
+def test_lora_ppo_critic_is_an_adapter_and_merging_is_for_rollouts():
+    lora = {"lora": {"rank": 2}}
+    assert "ppo.critic=adapter is an adapter and value head on the policy's frozen base: it needs a lora " \
+           "section" in refused(PPO, ["ppo.critic=adapter"])
+    assert "ppo.critic=separate with a lora section" in refused({**PPO, **lora})
+    assert "ppo.critic=shared with a lora section" in refused({**PPO, **lora}, ["ppo.critic=shared"])
+    load_config(data={**PPO, **lora}, overrides=["ppo.critic=adapter", "lora.merge_for_sampling=true"])
+    assert "lora.merge_for_sampling applies to algorithm=grpo|ppo only; got algorithm=dpo" in refused(
+        {**DPO, **lora}, ["lora.merge_for_sampling=true"])
+
+
 def test_kl_keys_need_the_kl_and_the_adaptive_controller():
     assert "ppo.kl_target applies to ppo.adaptive_kl=true only; got ppo.adaptive_kl=false" in refused(
         PPO, ["ppo.kl_target=3.0"])

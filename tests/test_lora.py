@@ -346,3 +346,7 @@ def test_lora_dpo_on_a_2x2x2_mesh_matches_one_device():
     q_a = next(v for k, v in out["specs"].items() if "q_lora" in k and "'a'" in k)
     q_b = next(v for k, v in out["specs"].items() if "q_lora" in k and "'b'" in k)
     assert "fsdp" in q_a and "tensor" in q_b, (q_a, q_b)
+    # QLoRA (NF4 base, block 64): two DPO steps on the mesh equal one device's
+    np.testing.assert_allclose(out["qlora_loss_sharded"], out["qlora_loss_single"], rtol=1e-5)
+    assert out["qlora_max_adapter_diff"] < 5e-5
+    assert out["qlora_loss_sharded"][1] != out["loss_sharded"][1]  # the NF4 base, not the float one

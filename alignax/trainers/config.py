@@ -342,8 +342,9 @@ class PPOSection:
 
     Fields:
       critic: ``separate`` (its own decoder, ``critic_init`` from the ``policy`` weights or
-        a ``reward_model`` folder at ``critic_path``) or ``shared`` (a value head on the
-        policy trunk).
+        a ``reward_model`` folder at ``critic_path``), ``shared`` (a value head on the
+        policy trunk) or, with LoRA (and only with it), ``adapter`` (a LoRA adapter of its
+        own and a value head on the policy's frozen base: the same base buffers).
       gamma / lam: GAE discount and lambda.
       kl_coef / kl_kind / kl_placement: the KL to the reference as a per-token penalty in
         the reward (``reward``, k1 by default: Ziegler et al. 2019) or in the loss
@@ -361,7 +362,7 @@ class PPOSection:
         for raw text) mixed in with this weight, normalised over the minibatch's tokens.
     """
 
-    critic: Literal["separate", "shared"] = "separate"
+    critic: Literal["separate", "shared", "adapter"] = "separate"
     critic_init: Literal["policy", "reward_model"] = "policy"
     critic_path: str | None = None
     gamma: float = 1.0

@@ -304,8 +304,10 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("precision.mu_dtype", Is("optim.name", "adamw", "adam"), "it is the dtype of Adam's first moment"),
     rule("precision.frozen_dtype", AnyOf(FROZEN_MODELS, Given("lora")),
          "it is the dtype of frozen weights: a reference, reward models, or a LoRA run's base"),
-    rule("lora", Is("algorithm", "sft", "dpo", "reward", "grpo"),
-         "adapters train sft, dpo, reward and grpo runs; ppo's critic does not take them yet"),
+    rule("lora", Is("algorithm", "sft", "dpo", "reward", "grpo", "ppo"),
+         "adapters train sft, dpo, reward, grpo and ppo runs"),
+    rule("lora.merge_for_sampling", ONLINE,
+         "it merges the adapters for the rollouts' sampler; an offline run's evaluation samples unmerged"),
     rule("lora.quant_block_size", IsNot("lora.quantize", "none"),
          "it is the block size of a quantised base (lora.quantize: int8 | nf4)"),
     rule("model.logprob_chunk_size", IsNot("algorithm", "reward", "prm"), "a reward model scores sequences, no log-probs"),
@@ -505,6 +507,20 @@ def _packed_groups(config):
                 f"minibatch and micro-batch: data.batch_size={prompts} prompts into "
                 f"{config.algorithm}.minibatches={minibatches} x train.grad_accum_steps={accum} do not give that; "
                 "use pack_groups auto/off or change the split")
+    return None
+
+
+def _critic_adapter(config):
+    """``ppo.critic=adapter`` is a LoRA run's critic, and a LoRA PPO run's only critic."""
+    if config.algorithm != "ppo":
+        return None
+    critic = config.ppo.critic
+    if critic == "adapter" and config.lora is None:
+        return ("ppo.critic=adapter is an adapter and value head on the policy's frozen base: it needs a lora "
+                "section (lora.rank, ...); without LoRA set ppo.critic=separate or shared")
+    if critic != "adapter" and config.lora is not None:
+        return (f"ppo.critic={critic} with a lora section: a LoRA PPO run's critic is its own adapter and value "
+                "head on the policy's frozen base; set ppo.critic=adapter (or lora: null to train every parameter)")
     return None
 
 
@@ -764,6 +780,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _offline_micro_batches,
     _ptx_micro_batches,
     _packed_groups,
+    _critic_adapter,
     _critic_path,
     _reward_source,
     _overlong_buffer,

@@ -16,6 +16,9 @@ lives, and its reference.
   ``precision.frozen_dtype``; the reference is the same quantised base, adapters off. They
   are not checkpointed: quantisation is deterministic, so a resumed run rebuilds the
   identical codes from the base checkpoint (as it reloads an unquantised base).
+- PPO's critic (``ppo.critic: adapter``): a value model whose decoder is the policy's frozen
+  base (the same buffers, :func:`critic_base`) with an adapter and a value head of its own,
+  trained beside the policy's adapters (:func:`critic_adapter`).
 """
 
 from __future__ import annotations
@@ -40,13 +43,13 @@ def split_trainable(params: nnx.State, lora: LoraConfig | None) -> tuple[nnx.Sta
     return nnx.split_state(params, TRAINABLE, ...)
 
 
-def with_base(fn: Callable) -> Callable:
+def with_base(fn: Callable, *, merge: Callable = nnx.merge_state) -> Callable:
     """``fn(params, frozen, *args)`` called with the whole model's params: the trained ones
-    merged with ``frozen["base"]`` when the run has a frozen base."""
+    merged with ``frozen["base"]`` (``merge(params, base)``) when the run has a frozen base."""
 
     def wrapped(params, frozen, *args):
         if "base" in frozen:
-            params = nnx.merge_state(params, frozen["base"])
+            params = merge(params, frozen["base"])
         return fn(params, frozen, *args)
 
     return wrapped
@@ -69,7 +72,6 @@ def with_dropout(loss_fn: Callable, lora: LoraConfig | None) -> Callable:
     return wrapped
 
 
-
 def reference_adapters(trained: nnx.State) -> nnx.State:
     """The reference's own leaves: the trained leaves switched off (zeros)."""
     return adapters_off(trained)
@@ -85,3 +87,37 @@ def frozen_base(base: nnx.State | None, reference: Any) -> dict[str, Any]:
     if reference is not None:
         out["reference"] = nnx.merge_state(reference, base)
     return out
+
+
+# ---------------------------------------------------------------------------- PPO's critic
+CRITIC_SEED_OFFSET = 1  # the critic adapter's A are drawn from lora.seed + 1: not the policy's
+
+
+def critic_adapter(model_config, *, mesh: jax.sharding.Mesh | None = None
+                   ) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """PPO's ``critic: adapter``: ``(graphdef, trained params, rest)`` of a critic
+    (:class:`alignax.models.modeling.ValueModel`) of the policy's ``model_config`` (its
+    ``lora`` included) whose trained params are its own fresh adapters (``B = 0``, ``A``
+    seeded by ``lora.seed + 1``) and a zero value head. Its decoder is the policy's frozen
+    base (:func:`critic_base`): no second copy of the base exists. Initialised in one
+    jitted program (XLA drops the unused base init), sharded by the logical rules on ``mesh``."""
+    from alignax.models.modeling import ValueModel
+    from alignax.parallel.sharding import tree_shardings
+
+    seed = model_config.lora.seed + CRITIC_SEED_OFFSET
+    graphdef, abstract, rest = nnx.split(nnx.eval_shape(lambda: ValueModel(model_config, rngs=nnx.Rngs(seed))),
+                                         nnx.Param, ...)
+    trained_filter = nnx.Any(LoRAParam, nnx.PathContains("value_head"))
+
+    def init():
+        return nnx.state(ValueModel(model_config, rngs=nnx.Rngs(seed)), trained_filter)
+
+    out_shardings = tree_shardings(jax.eval_shape(init), mesh) if mesh is not None else None
+    del abstract
+    return graphdef, jax.jit(init, out_shardings=out_shardings)(), rest
+
+
+def critic_base(base: nnx.State) -> nnx.State:
+    """The critic's frozen params in a LoRA PPO run: the policy base's decoder (``model``),
+    the same arrays (the LM head is the policy's alone)."""
+    return nnx.State({"model": base["model"]})

@@ -94,12 +94,13 @@ class KLSetup:
 
 @dataclasses.dataclass(frozen=True)
 class CriticSetup:
-    """PPO's critic: a value head on the policy trunk (``shared``) or its own decoder
-    (``separate``, from the policy's weights or a reward model folder ``path``), trained
+    """PPO's critic: a value head on the policy trunk (``shared``), its own decoder
+    (``separate``, from the policy's weights or a reward model folder ``path``) or, with
+    LoRA, its own adapter and value head on the policy's frozen base (``adapter``), trained
     with the clipped value loss at weight ``vf_coef``; ``optim``: its own optimiser
     settings (``None``: the policy's)."""
 
-    kind: Literal["shared", "separate"]
+    kind: Literal["shared", "separate", "adapter"]
     init: Literal["policy", "reward_model"]
     path: str | None
     vf_coef: float

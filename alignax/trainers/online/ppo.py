@@ -3,7 +3,9 @@ Ouyang et al. 2022) as an :class:`~alignax.trainers.online.algorithm.OnlineAlgor
 
 - Critic: a separate decoder with a value head (``ppo.critic: separate``, initialised
   from the policy's weights or a trained reward model's, with its own learning rate when
-  ``ppo.critic_learning_rate`` is set) or a value head on the policy trunk (``shared``).
+  ``ppo.critic_learning_rate`` is set), a value head on the policy trunk (``shared``) or,
+  in a LoRA run, an adapter and value head of its own on the policy's frozen base
+  (``adapter``: one base in memory).
 - Reward: the sequence reward at the last response token, minus the per-token KL penalty
   ``beta * KL_t`` to the reference (k1 by default) under a fixed or adaptive ``beta``
   (``ppo.kl_placement: reward``); or the KL in the loss (``loss``), as GRPO does.

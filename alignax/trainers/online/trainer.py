@@ -46,6 +46,7 @@ from alignax.envs.registry import env_factory
 from alignax.envs.rollout import EnvSampler, trajectory_figures
 from alignax.losses import sft_loss, value_loss
 from alignax.metrics import to_host
+from alignax.models import lora as lora_lib
 from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
                                         process_rows)
 from alignax.parallel.sharding import batch_sharding
@@ -110,7 +111,11 @@ class OnlineTrainer:
         policy_params, base = adapters.split_trainable(policy_params, config.lora)
         self.base = None if base is None else frozen_params(base, config.precision)
         del base
-        self.separate_critic = algorithm.critic is not None and algorithm.critic.kind == "separate"
+        # a critic with trained params of its own: its own decoder, or (LoRA) its own adapter
+        # and value head on the policy's frozen base (ppo.critic=adapter)
+        critic_kind = None if algorithm.critic is None else algorithm.critic.kind
+        self.separate_critic = critic_kind in ("separate", "adapter")
+        self.adapter_critic = critic_kind == "adapter"
         self.initial_params = self._with_critic(policy_params)
         self.pack_group = self._packed_group_size()
 
@@ -137,8 +142,14 @@ class OnlineTrainer:
                 cast_params(s, config.precision.frozen) for s in reward_models.states])
         self.scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=self.stop_ids,
                                    reward_models=reward_models)
-        self.sampler = ScoredSampler(self.graphdef, self.tokenizer, self.scorer, self.sampling, mesh=self.mesh,
-                                     place=self.place)
+        # lora.merge_for_sampling: the sampler runs the merged model (W + s A B, once per rollout)
+        self.merge_sampling = config.lora is not None and config.lora.merge_for_sampling
+        self.sampling_graphdef = self.graphdef
+        if self.merge_sampling:
+            self.sampling_graphdef = lora_lib.merged_graphdef(
+                self.graphdef, nnx.merge_state(self.whole_policy(self.initial_params), self.rest))
+        self.sampler = ScoredSampler(self.sampling_graphdef, self.tokenizer, self.scorer, self.sampling,
+                                     mesh=self.mesh, place=self.place)
         if config.env.name is not None:  # multi-turn: the environment gives the rewards
             self.sampler = self._env_sampler()
         self.alarms = Alarms()
@@ -155,7 +166,7 @@ class OnlineTrainer:
     def _env_sampler(self):
         """Multi-turn rollouts with ``config.env``'s environment (:class:`alignax.envs.rollout.EnvSampler`)."""
         ec = self.config.env
-        return EnvSampler(self.graphdef, self.model_config, self.tokenizer, env_factory(ec.name, ec.kwargs),
+        return EnvSampler(self.sampling_graphdef, self.model_config, self.tokenizer, env_factory(ec.name, ec.kwargs),
                           self.sampling, mesh=self.mesh, place=self.place, prompt_len=self.prompt_len,
                           max_turns=ec.max_turns, max_turn_tokens=ec.max_turn_tokens,
                           max_observation_tokens=ec.max_observation_tokens)
@@ -165,6 +176,10 @@ class OnlineTrainer:
         critic = self.algorithm.critic
         if not self.separate_critic:
             return policy_params
+        if self.adapter_critic:
+            self.critic_graphdef, critic_params, self.critic_rest = adapters.critic_adapter(
+                self.model_config, mesh=self.mesh)
+            return {"policy": policy_params, "critic": critic_params}
         if critic.init == "reward_model":
             if not critic.path:
                 raise ValueError("ppo.critic_init=reward_model needs ppo.critic_path (a reward model folder)")
@@ -236,9 +251,26 @@ class OnlineTrainer:
         policy = self.policy_params(params)
         return policy if self.base is None else nnx.merge_state(policy, self.base)
 
+    def whole_critic(self, params):
+        """A separate critic's parameters whole: with ``ppo.critic=adapter``, its adapter and
+        value head with the policy's frozen decoder (the same buffers)."""
+        return self.with_frozen_base(params, self.base)["critic"]
+
+    def with_frozen_base(self, params, base):
+        """The trained tree with the frozen ``base`` merged in: into the policy's params, and
+        with ``ppo.critic=adapter`` its decoder into the critic's (no second copy)."""
+        if base is None:
+            return params
+        if self.adapter_critic:
+            return {"policy": nnx.merge_state(params["policy"], base),
+                    "critic": nnx.merge_state(params["critic"], adapters.critic_base(base))}
+        return nnx.merge_state(params, base)
+
     def sampling_state(self, params) -> nnx.State:
-        """What the sampler generates with: base + adapters, unmerged, under LoRA."""
-        return nnx.merge_state(self.whole_policy(params), self.rest)
+        """What the sampler generates with: under LoRA base + adapters, unmerged, or with
+        ``lora.merge_for_sampling`` the merged model's weights (computed here, once a call)."""
+        state = nnx.merge_state(self.whole_policy(params), self.rest)
+        return lora_lib.merged_state(self.graphdef, state) if self.merge_sampling else state
 
     def frozen_inputs(self, reference) -> dict[str, Any]:
         """``frozen`` of the update: the reference when the KL is on and, with LoRA, the base
@@ -324,7 +356,9 @@ class OnlineTrainer:
         compiles :attr:`update` for them. :attr:`initial_params` is None from here on: the
         state holds buffers of its own."""
         state, shardings = self.init_state()
-        step = make_train_step(adapters.with_base(adapters.with_dropout(self.loss_fn, self.config.lora)), self.optimizer, normalisers_fn=self.normalisers_fn,
+        step = make_train_step(adapters.with_base(adapters.with_dropout(self.loss_fn, self.config.lora),
+                                                  merge=self.with_frozen_base),
+                               self.optimizer, normalisers_fn=self.normalisers_fn,
                                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule,
                                schedule_position=lambda state, mb: mb.schedule_position)
         self.update = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
@@ -341,11 +375,10 @@ class OnlineTrainer:
         rollout_index = int(jax.device_get(state.extra["rollouts"]))
         return rollout_index, jax.random.fold_in(jax.random.key(self.config.train.seed), rollout_index)
 
-    def collect(self, state, prompt_batch, batches) -> tuple[Groups, dict[str, float]]:
-        """Sample and score this step's groups; under dynamic sampling, refill until enough
-        groups have varying rewards."""
+    def collect(self, state, sampling_state, prompt_batch, batches) -> tuple[Groups, dict[str, float]]:
+        """Sample and score this step's groups (from ``sampling_state``, :meth:`sampling_state`);
+        under dynamic sampling, refill until enough groups have varying rewards."""
         _, key = self.rollout_key(state)
-        sampling_state = self.sampling_state(state.params)
         groups, gen_s, gen_tokens = self.sampler.sample(sampling_state, prompt_batch, jax.random.fold_in(key, 0))
         max_refills = self.algorithm.dynamic_sampling_refills
         if max_refills is None:
@@ -367,12 +400,12 @@ class OnlineTrainer:
         figures["groups/sampled"] = float(sum(p.size for p in parts) // self.group_size * jax.process_count())
         return groups, figures
 
-    def greedy_baseline(self, state, groups: Groups, figures: dict[str, float]) -> np.ndarray:
+    def greedy_baseline(self, sampling_state, groups: Groups, figures: dict[str, float]) -> np.ndarray:
         """ReMax: the reward of each prompt's greedy completion, repeated over its group."""
         prompts = {"prompt_tokens": groups.prompt_tokens[:: self.group_size],
                    "prompt_attention_mask": groups.prompt_mask[:: self.group_size],
                    "references": groups.references[:: self.group_size]}
-        greedy, _, _ = self.sampler.sample(self.sampling_state(state.params), prompts, jax.random.key(0),
+        greedy, _, _ = self.sampler.sample(sampling_state, prompts, jax.random.key(0),
                                            config=self.greedy)
         figures["reward/greedy_baseline"] = float(np.mean(allgather_rows(greedy.rewards)))
         return np.repeat(greedy.rewards, self.group_size).astype(np.float32)
@@ -401,7 +434,8 @@ class OnlineTrainer:
         config, algo = self.config, self.algorithm
         rc = config.rollout
         t_start = time.perf_counter()
-        groups, figures = self.collect(state, prompt_batch, batches)
+        sampling_state = self.sampling_state(state.params)  # merged once a rollout (lora.merge_for_sampling)
+        groups, figures = self.collect(state, sampling_state, prompt_batch, batches)
         rollout_index, _ = self.rollout_key(state)
 
         # ---- per-token quantities of the rollout under the current policy ----
@@ -417,7 +451,7 @@ class OnlineTrainer:
         ref_logps = (self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
                      if self.uses_reference else jnp.zeros_like(sampler_logps))
         if self.separate_critic:
-            old_values = self._critic_values(state.params["critic"], tokens, positions, attention)
+            old_values = self._critic_values(self.whole_critic(state.params), tokens, positions, attention)
         elif shared_values is not None:
             old_values = shared_values
         else:
@@ -444,8 +478,9 @@ class OnlineTrainer:
                                                     with_task(groups.references, self.config.rewards.task))
             counts = allgather_rows(np.array([[step_mask.sum(), groups.size]], np.float64)).sum(axis=0)
             figures["process/steps_per_completion"] = float(counts[0] / max(counts[1], 1))
-        baseline = (self.greedy_baseline(state, groups, figures) if algo.greedy_baseline
+        baseline = (self.greedy_baseline(sampling_state, groups, figures) if algo.greedy_baseline
                     else np.zeros(self.local_rows, np.float32))
+        del sampling_state  # the merged weights (lora.merge_for_sampling) are not needed past sampling
         first_prompt = self.row_offset // self.group_size  # group ids are global: no two processes share one
         group_ids = np.repeat(np.arange(first_prompt, first_prompt + self.local_prompts, dtype=np.int32),
                               self.group_size)
@@ -563,7 +598,7 @@ class OnlineTrainer:
             if not self.separate_critic:
                 raise ValueError("only ppo.critic=separate has a critic model of its own to export "
                                  "(a shared critic is the policy's value head)")
-            out["critic"] = nnx.merge(self.critic_graphdef, params["critic"], self.critic_rest)
+            out["critic"] = nnx.merge(self.critic_graphdef, self.whole_critic(params), self.critic_rest)
         return out
 
     # ------------------------------------------------------------------ the run
