@@ -1,6 +1,8 @@
 """Run by tests/test_online_mesh.py on 8 fake CPU devices: GRPO steps (sampling included)
-of the real trainer on a (2, 2, 2) mesh against the same steps on one device, same seed.
-Prints one JSON line of measured differences.
+of the real trainer on a (2, 2, 2) mesh against the same steps on one device, same seed;
+and the sampler on its own mesh (``rollout.mesh``) from its compute-dtype copy of the
+policy against the sampler on the training mesh from the training parameters. Prints one
+JSON line of measured differences.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from alignax.trainers.api import train
+from alignax.sampling.scored import ScoredSampler
+from alignax.trainers.api import build_trainer, train
 from tests.rl_toy import toy_config, toy_prompts
 from tests.toy_model import make_toy_model
 
@@ -24,6 +27,42 @@ def run(model_dir, shape):
                             mesh={"shape": list(shape)}, grpo={"minibatches": 2})
         result = train(config, records=toy_prompts(24))
     return result, nnx.state(result.model, nnx.Param)
+
+
+def sampler_copy(model_dir) -> dict:
+    """float32 training params on (1, 8, 1) computing in bfloat16; the sampler on (2, 1, 4)
+    (``rollout.mesh``: heads over 4 devices, rows over 2) from the trainer's copy
+    (``sampling_state``) against the same prompts, key and params sampled on the training
+    mesh as the sampler did before it had a mesh of its own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sections = dict(checkpoint={"enabled": False}, mesh={"shape": [1, 8, 1]},
+                        precision={"compute_dtype": "bfloat16"}, data={"batch_size": 8})
+        own = build_trainer(toy_config(tmp, model_dir, "grpo", steps=1, rollout={"mesh": [2, 1, 4]}, **sections),
+                            records=toy_prompts(24))
+    # the sampler as it was before it had a mesh of its own: the training mesh and weights
+    shared = ScoredSampler(own.graphdef, own.tokenizer, own.scorer, own.sampling, mesh=own.mesh, place=own.place)
+    params = own.initial_params
+    copy = own.sampling_state(params)
+    kernels = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(copy) if x.ndim >= 2]
+    originals = dict(jax.tree_util.tree_leaves_with_path(nnx.merge_state(params, own.rest)))
+    batch = next(own.data.iterator("train"))
+    key = jax.random.key(5)
+    a, _, _ = own.sampler.sample(copy, batch, key)
+    b, _, _ = shared.sample(nnx.merge_state(params, own.rest), batch, key)
+    both = a.response_mask * b.response_mask
+    return {
+        "copy_kernel_dtypes": sorted({str(x.dtype) for _, x in kernels}),
+        "copy_other_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(copy) if x.ndim < 2}),
+        "copy_mesh": [int(n) for n in next(iter(kernels))[1].sharding.mesh.devices.shape],
+        # the copy's kernels are the training kernels rounded to bfloat16, nothing else
+        "copy_max_diff": max(float(np.max(np.abs(np.asarray(x, np.float32)
+                                                 - np.asarray(originals[p].astype(x.dtype), np.float32))))
+                             for p, x in kernels),
+        "tokens_equal": float(np.mean(a.tokens == b.tokens)),
+        "lengths_equal": bool(np.array_equal(a.response_mask, b.response_mask)),
+        "max_sampler_logp_diff": float(np.max(np.abs(a.sampler_logps - b.sampler_logps) * both)),
+        "rows": int(a.tokens.shape[0]),
+    }
 
 
 def param_diffs(a, b) -> dict[str, float]:
@@ -47,6 +86,9 @@ def main() -> int:
         **param_diffs(single_params, sharded_params),
         "sharded_param_devices": max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded_params)),
     }
+    with tempfile.TemporaryDirectory() as model_dir:
+        make_toy_model(model_dir)
+        out.update({f"sampler_copy/{k}": v for k, v in sampler_copy(model_dir).items()})
     print(json.dumps(out))
     return 0
 

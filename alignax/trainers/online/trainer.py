@@ -48,7 +48,7 @@ from alignax.losses import sft_loss, value_loss
 from alignax.metrics import to_host
 from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
                                         process_rows)
-from alignax.parallel.sharding import batch_sharding
+from alignax.parallel.sharding import batch_sharding, make_mesh, tree_shardings
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
 from alignax.rewards.verifiers import with_task
@@ -57,7 +57,7 @@ from alignax.sampling.scored import Groups, ScoredSampler
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import packing
 from alignax.trainers.engine.optim import build_optimizer
-from alignax.trainers.engine.precision import cast_params, frozen_params
+from alignax.trainers.engine.precision import cast_params, compute_copy, frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
 from alignax.trainers.engine import adapters
 from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer, response_logps, split_params
@@ -99,6 +99,7 @@ class OnlineTrainer:
                              f"{algorithm.minibatches} minibatches")
 
         self.mesh = build_mesh(config.mesh)
+        self.sampler_mesh = self._sampler_mesh(rc.mesh)
         self.tokenizer = load_tokenizer(config.model)
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
         policy = build_model(config.model, kind=algorithm.policy_kind, mesh=self.mesh, precision=config.precision,
@@ -137,8 +138,12 @@ class OnlineTrainer:
                 cast_params(s, config.precision.frozen) for s in reward_models.states])
         self.scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=self.stop_ids,
                                    reward_models=reward_models)
-        self.sampler = ScoredSampler(self.graphdef, self.tokenizer, self.scorer, self.sampling, mesh=self.mesh,
-                                     place=self.place)
+        # The sampler decodes on its own mesh from a compute-dtype copy of the policy (made
+        # by sampling_state); rewards from reward models are computed on the training mesh.
+        self.sampler_copies = rc.mesh is not None or config.precision.compute_dtype != config.precision.param_dtype
+        self._copy_program = None  # built on first use (it needs the state's structure)
+        self.sampler = ScoredSampler(self.graphdef, self.tokenizer, self.scorer, self.sampling,
+                                     mesh=self.sampler_mesh, place=self.sampler_place, score_place=self.place)
         if config.env.name is not None:  # multi-turn: the environment gives the rewards
             self.sampler = self._env_sampler()
         self.alarms = Alarms()
@@ -156,9 +161,19 @@ class OnlineTrainer:
         """Multi-turn rollouts with ``config.env``'s environment (:class:`alignax.envs.rollout.EnvSampler`)."""
         ec = self.config.env
         return EnvSampler(self.graphdef, self.model_config, self.tokenizer, env_factory(ec.name, ec.kwargs),
-                          self.sampling, mesh=self.mesh, place=self.place, prompt_len=self.prompt_len,
+                          self.sampling, mesh=self.sampler_mesh, place=self.sampler_place, prompt_len=self.prompt_len,
                           max_turns=ec.max_turns, max_turn_tokens=ec.max_turn_tokens,
                           max_observation_tokens=ec.max_observation_tokens)
+
+    def _sampler_mesh(self, shape) -> jax.sharding.Mesh:
+        """``rollout.mesh`` over every device, or the training mesh when it is null."""
+        if shape is None:
+            return self.mesh
+        try:
+            return make_mesh(shape)
+        except ValueError as err:
+            raise ValueError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {jax.device_count()} "
+                             f"devices as training: {err}") from None
 
     def _with_critic(self, policy_params: nnx.State) -> Any:
         """The trained tree: the policy's params, or ``{"policy", "critic"}`` with a separate critic."""
@@ -227,6 +242,11 @@ class OnlineTrainer:
         value = np.asarray(value)
         return place_local_batch(value, batch_sharding(self.mesh, value.ndim))
 
+    def sampler_place(self, value: np.ndarray) -> jax.Array:
+        """Prompt rows of this process on the sampler's mesh."""
+        value = np.asarray(value)
+        return place_local_batch(value, batch_sharding(self.sampler_mesh, value.ndim))
+
     def policy_params(self, params):
         """The policy's part of the trained tree."""
         return params["policy"] if self.separate_critic else params
@@ -237,8 +257,17 @@ class OnlineTrainer:
         return policy if self.base is None else nnx.merge_state(policy, self.base)
 
     def sampling_state(self, params) -> nnx.State:
-        """What the sampler generates with: base + adapters, unmerged, under LoRA."""
-        return nnx.merge_state(self.whole_policy(params), self.rest)
+        """What the sampler generates with: base + adapters, unmerged, under LoRA; with its
+        own mesh or a compute dtype other than the parameters', a copy with kernels in the
+        compute dtype laid out on the sampler's mesh (:func:`compute_copy`), made from
+        ``params`` at each call (each rollout, after the previous rollout's updates)."""
+        state = nnx.merge_state(self.whole_policy(params), self.rest)
+        if not self.sampler_copies:
+            return state
+        if self._copy_program is None:
+            self._copy_program = compute_copy(self.config.precision.compute_dtype,
+                                              tree_shardings(state, self.sampler_mesh))
+        return self._copy_program(state)
 
     def frozen_inputs(self, reference) -> dict[str, Any]:
         """``frozen`` of the update: the reference when the KL is on and, with LoRA, the base
