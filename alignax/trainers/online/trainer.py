@@ -355,7 +355,8 @@ class OnlineTrainer:
         state, shardings = self.init_state()
         step = make_train_step(adapters.with_base(adapters.with_dropout(self.loss_fn, self.config.lora)), self.optimizer, normalisers_fn=self.normalisers_fn,
                                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule,
-                               schedule_position=lambda state, mb: mb.schedule_position)
+                               schedule_position=lambda state, mb: mb.schedule_position,
+                               row_block=self.pack_group)
         self.update = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
         self.reference = None  # what a run saves once as its reference
         if self.uses_reference:
