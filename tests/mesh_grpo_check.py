@@ -15,18 +15,26 @@ import jax
 import numpy as np
 from flax import nnx
 
+from alignax.parallel import batch_sharding, make_mesh
+from alignax.parallel.sharding import batch_shards
 from alignax.sampling.scored import ScoredSampler
 from alignax.trainers.api import build_trainer, train
+from alignax.trainers.engine.step import join_micro_rows, split_micro_batches
+from tests.fsdp_compile_check import captured_stderr
 from tests.rl_toy import toy_config, toy_prompts
 from tests.toy_model import make_toy_model
 
 
 def run(model_dir, shape):
+    """Two GRPO rollouts, 2 minibatches of 8 rows, each in 4 micro-batches of 2 rows (fewer
+    rows than the (2, 2, 2) mesh has batch shards: split_micro_batches spreads each over
+    the data groups). What XLA printed while compiling is returned with the run."""
     with tempfile.TemporaryDirectory() as tmp:
         config = toy_config(tmp, model_dir, "grpo", steps=2, checkpoint={"enabled": False},
-                            mesh={"shape": list(shape)}, grpo={"minibatches": 2})
-        result = train(config, records=toy_prompts(24))
-    return result, nnx.state(result.model, nnx.Param)
+                            mesh={"shape": list(shape)}, grpo={"minibatches": 2}, train={"grad_accum_steps": 4})
+        with captured_stderr() as log:
+            result = train(config, records=toy_prompts(24))
+    return result, nnx.state(result.model, nnx.Param), log.text
 
 
 def sampler_copy(model_dir) -> dict:
@@ -65,6 +73,20 @@ def sampler_copy(model_dir) -> dict:
     }
 
 
+def micro_batch_split() -> dict:
+    """Which rows split_micro_batches gives each of 4 micro-batches of 16 rows on (2, 2, 2)
+    (4 batch shards of 4 rows), and that join_micro_rows restores the order."""
+    mesh = make_mesh((2, 2, 2))
+    rows = jax.device_put(np.arange(16, dtype=np.int32), batch_sharding(mesh, 1))
+
+    def split_join(x):
+        micro = split_micro_batches(x, 4)
+        return micro, join_micro_rows(micro, {16: batch_shards(x)})
+
+    micro, joined = jax.jit(split_join)(rows)
+    return {"micro_rows": np.asarray(micro).tolist(), "micro_joined": np.asarray(joined).tolist()}
+
+
 def param_diffs(a, b) -> dict[str, float]:
     """Largest and 99.9th-percentile absolute difference over every parameter entry."""
     diff = np.concatenate([np.abs(np.asarray(x) - np.asarray(y)).ravel()
@@ -76,8 +98,8 @@ def main() -> int:
     assert jax.device_count() == 8, jax.devices()
     with tempfile.TemporaryDirectory() as model_dir:
         make_toy_model(model_dir)
-        single, single_params = run(model_dir, (1, 1, 1))
-        sharded, sharded_params = run(model_dir, (2, 2, 2))
+        single, single_params, _ = run(model_dir, (1, 1, 1))
+        sharded, sharded_params, sharded_log = run(model_dir, (2, 2, 2))
     keys = ("reward/total", "loss", "grad_norm", "kl/ref_seq", "response/length_mean", "entropy")
     out = {
         "devices": jax.device_count(),
@@ -85,6 +107,8 @@ def main() -> int:
         **{f"sharded/{k}": [h[k] for h in sharded.history] for k in keys},
         **param_diffs(single_params, sharded_params),
         "sharded_param_devices": max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded_params)),
+        "sharded_involuntary_remat": sharded_log.count("Involuntary full rematerialization"),
+        **micro_batch_split(),
     }
     with tempfile.TemporaryDirectory() as model_dir:
         make_toy_model(model_dir)

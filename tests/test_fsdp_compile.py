@@ -10,7 +10,9 @@ on 64 (0.75x), 3.3 GB of all-reduce on 8 and 26 GB on 64, growing with the globa
 batch. With them: 22.5 GB and 4.5 GB (0.20x), weights all-gathered, and the only
 all-reduces are the weight gradients of one layer and of the LM head (1.33 GB on both).
 The sampler's prompt KV cache repeated over GRPO groups all-gathered the whole cache
-(2.1 GB on 8 devices) before ``jnp.repeat`` lost ``total_repeat_length``.
+(2.1 GB on 8 devices) before ``jnp.repeat`` lost ``total_repeat_length``. On its own
+mesh (``rollout.mesh``, tensor parallel) from the bfloat16 copy, a decode step gathers no
+weight; on the training mesh from the float32 weights it gathers every kernel per token.
 
 Bytes are those of the CPU backend, which upcasts bfloat16 matmuls to float32 after
 partitioning, so its weight all-gathers and gradient all-reduces move float32.

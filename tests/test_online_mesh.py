@@ -24,6 +24,18 @@ def test_grpo_steps_on_a_mesh_match_one_device():
 
 
 @pytest.mark.xdist_group("mesh-equality")
+def test_micro_batches_are_spread_over_the_batch_shards_without_rematerialization():
+    """grad_accum_steps=4 on (2, 2, 2): each micro-batch takes rows from every batch shard
+    (shard k holds rows 4k..4k+3), so the partitioner never replicates a micro-batch; the
+    contiguous split (micro-batch a = rows 4a..4a+3, one shard) made XLA print 7
+    "Involuntary full rematerialization" warnings compiling this GRPO step."""
+    out = mesh_equality("mesh_grpo_check")
+    assert out["micro_rows"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert out["micro_joined"] == list(range(16))
+    assert out["sharded_involuntary_remat"] == 0
+
+
+@pytest.mark.xdist_group("mesh-equality")
 def test_sampler_on_its_own_mesh_decodes_from_a_compute_dtype_copy():
     """rollout.mesh=(2, 1, 4) with float32 params on (1, 8, 1) computing in bfloat16: the
     sampler's weights are the training kernels rounded to bfloat16 (norm scales stay

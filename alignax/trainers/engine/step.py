@@ -95,7 +95,9 @@ def split_micro_batches(batch: Any, num_micro: int, *, block: int = 1) -> Any:
     Which rows make micro-batch ``a``: on a mesh the rows lie in ``S`` contiguous blocks,
     one per device group of the batch axes (:func:`alignax.parallel.sharding.batch_shards`);
     micro-batch ``a`` is the ``a``-th part of every block, so it is spread over the devices
-    as the whole batch was and splitting moves no data. A contiguous split (rows ``[a m,
+    as the whole batch was and splitting moves no data (with fewer rows per micro-batch
+    than blocks, the ``a``-th part of every group of consecutive blocks, e.g. of each
+    ``data`` group). A contiguous split (rows ``[a m,
     (a + 1) m)``) puts each micro-batch on ``1/A`` of the devices, and the partitioner
     spreads it back by replicating it on every device (XLA's "involuntary full
     rematerialization" warning, a full copy of the batch per device). Without a mesh
