@@ -17,10 +17,15 @@ What an object store cannot do, and what is done instead:
   started at the same moment could both pass (logged as a warning).
 - **Writers that need a local file** (Hugging Face export, tokenizers) write into a local
   temporary directory that is copied up afterwards (:func:`local_directory_for`).
+- **Readers that need a local file** (safetensors memory maps, tokenizers, parquet and
+  Arrow readers): a model folder or data file given as a URI (``model.name``,
+  ``data.paths``, reward, critic, judge and PRM paths) is copied once per process into a
+  local staging directory and read there (:func:`staged`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -32,6 +37,7 @@ from etils import epath
 # The URI schemes etils.epath serves (through gcsfs/s3fs/adlfs, or TensorFlow's gfile).
 REMOTE_SCHEMES = ("gs://", "s3://", "az://", "hf://")
 _COPY_CHUNK = 8 << 20
+_STAGED: dict[str, str] = {}  # URI -> its local copy, for this process
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -88,3 +94,47 @@ def local_directory_for(destination: str | os.PathLike) -> Iterator[str]:
             for name in files:  # streamed: an exported model can be gigabytes
                 with open(os.path.join(dirpath, name), "rb") as src, (folder / name).open("wb") as dst:
                     shutil.copyfileobj(src, dst, _COPY_CHUNK)
+
+
+def staged(path: str | os.PathLike, *, key: str = "path") -> str:
+    """A local path holding what ``path`` names: ``path`` itself when local; for a URI, a
+    copy of the object (or of every object under it, a folder) in a staging directory of
+    this process, made on first use and reused after (removed when the process exits).
+
+    Each process of a job copies for itself (processes on one host do not share the copy;
+    a copy lasts one run, so an object rewritten between runs is read anew). A URI with
+    nothing under it is a ``FileNotFoundError`` naming ``key`` (the config key it came from).
+    """
+    text = os.fspath(path)
+    if not is_remote(text):
+        return text
+    uri = text.rstrip("/")
+    if uri in _STAGED:
+        return _STAGED[uri]
+    source = epath.Path(uri)
+    if not source.exists():
+        raise FileNotFoundError(f"{key}={text}: nothing there (no object, no folder) on the store")
+    target = os.path.join(_staging_root(), str(len(_STAGED)), source.name)
+    _copy_down(source, target)
+    _STAGED[uri] = target
+    return target
+
+
+def _staging_root() -> str:
+    if "root" not in _staging_root.__dict__:
+        root = tempfile.mkdtemp(prefix="alignax-staged-")
+        atexit.register(shutil.rmtree, root, True)
+        _staging_root.root = root
+    return _staging_root.root
+
+
+def _copy_down(source: epath.Path, target: str) -> None:
+    """``source`` (an object, or a folder of them, recursively) copied to local ``target``."""
+    if source.is_dir():
+        os.makedirs(target, exist_ok=True)
+        for child in source.iterdir():
+            _copy_down(child, os.path.join(target, child.name))
+        return
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with source.open("rb") as src, open(target, "wb") as dst:  # streamed: weights can be gigabytes
+        shutil.copyfileobj(src, dst, _COPY_CHUNK)

@@ -20,6 +20,14 @@ state abstract, with the shardings the logical-axis rules give them):
 - ``rollout``: the sampler's ``generate`` (prefill, ``jnp.repeat`` of the prompt KV
   cache over ``--group`` samples, the decode loop), one prompt per device.
 
+``--decode-meshes 1,1,2 1,1,8 1,8,1:train`` also compiles the sampler's decode step (what
+runs once per generated token, :func:`alignax.sampling.sampler.decode_step`) for
+``--decode-rows`` rows and a cache of ``--seq - 1`` slots on each mesh, over its first
+devices: with the weights the online trainer decodes from when ``rollout.mesh`` is set
+(``compute_copy``: kernels in ``--dtype``, laid out by the rules for that mesh), or with
+``:train`` the training parameters as they lie (``--param-dtype``). Their figures are
+the JSON's ``decode`` list, one entry per mesh.
+
 Memory is ``compiled.memory_analysis()`` of the per-device program: arguments + outputs
 - aliased (donated) + temporaries. Collectives are read from ``compiled.as_text()``; a
 collective inside the scan body counts once (it runs once per layer). For each kind the
@@ -52,14 +60,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from alignax import models  # noqa: E402
 from alignax.data import DataConfig  # noqa: E402
 from alignax.losses import ppo_policy_loss  # noqa: E402
 from alignax.parallel import activation_constraints, batch_sharding, make_mesh, tree_shardings  # noqa: E402
+from alignax.models.cache import cache_shardings, init_cache  # noqa: E402
 from alignax.sampling import SamplingConfig, generate  # noqa: E402
+from alignax.sampling.sampler import decode_step, new_loop_state  # noqa: E402
 from alignax.trainers.config import ModelSpec, PreferenceSection, TrainConfig  # noqa: E402
 from alignax.trainers.engine.optim import OptimConfig, build_optimizer  # noqa: E402
+from alignax.trainers.engine.precision import compute_copy  # noqa: E402
 from alignax.trainers.engine.step import init_train_state, make_train_step  # noqa: E402
 from alignax.trainers.offline.preference import make_task  # noqa: E402
 from alignax.trainers.online.rollout import response_forward  # noqa: E402
@@ -201,6 +213,54 @@ def rollout_program(args, mesh, config: models.ModelConfig):
     return (lambda *a: generate(graphdef, *a, config=sampling)), (state, prompt["tokens"], prompt["mask"], rng)
 
 
+def decode_programs(args, config: models.ModelConfig) -> list[dict]:
+    """Compile the decode step on each ``--decode-meshes`` entry; its figures."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: models.CausalLM(config, rngs=nnx.Rngs(0))))
+    rows, slots = args.decode_rows, args.seq - 1
+    sampling = SamplingConfig(max_new_tokens=args.response, stop_token_ids=(2,))
+    loop = jax.eval_shape(lambda: new_loop_state(
+        init_cache(config, batch=rows, max_len=slots), jnp.zeros((rows, config.vocab_size), jnp.float32),
+        jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool), sampling))
+    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    # the loop state donated: inside the while loop the carry (the KV cache) is updated in place
+    step = jax.jit(lambda weights, s, key: decode_step(nnx.merge(graphdef, weights), s, key, sampling),
+                   donate_argnums=(1,))
+    results = []
+    for spec in args.decode_meshes:
+        shape_text, _, weights_kind = spec.partition(":")
+        shape = tuple(int(n) for n in shape_text.split(","))
+        mesh = make_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
+        shardings = tree_shardings(state, mesh)
+        weights = abstract(state, shardings)
+        if weights_kind != "train":
+            weights = abstract(jax.eval_shape(compute_copy(args.dtype, shardings), weights), shardings)
+        loop_shardings = jax.tree.map(
+            lambda x: batch_sharding(mesh, x.ndim) if x.ndim else NamedSharding(mesh, PartitionSpec()), loop)
+        loop_shardings = loop_shardings.replace(cache=cache_shardings(loop.cache, mesh))
+        loop_args = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), loop,
+                                 loop_shardings)
+        start = time.perf_counter()
+        with jax.set_mesh(mesh):
+            compiled = step.lower(weights, loop_args, rng).compile()
+        seconds = time.perf_counter() - start
+        hlo = compiled.as_text()
+        mem = compiled.memory_analysis()
+        weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(weights))
+        results.append({
+            "mesh": list(shape), "weights": weights_kind or "compute_copy",
+            "memory_total": mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes,
+            "memory": {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
+                       "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes},
+            "weight_bytes_global": weight_bytes,
+            "weight_dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(weights) if len(x.shape) >= 2}),
+            "cache_dtype": str(loop.cache.k.dtype),
+            "collectives": collectives(hlo), "all_gather_elements": all_gather_elements(hlo),
+            "compile_s": round(seconds, 1),
+        })
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--program", choices=("dpo", "grpo", "rollout"), default="dpo")
@@ -215,6 +275,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-constraints", action="store_true")
     parser.add_argument("--hlo", help="write the compiled HLO text here")
+    parser.add_argument("--decode-meshes", nargs="*", default=[],
+                        help="also compile the decode step on these meshes (d,f,t; :train for the training weights)")
+    parser.add_argument("--decode-rows", type=int, default=16, help="rows decoded (the global batch)")
     args = parser.parse_args()
 
     mesh = make_mesh()
@@ -250,6 +313,7 @@ def main() -> None:
         "all_gather_elements": all_gather_elements(hlo),
         "involuntary_remat": log.text.count("Involuntary full rematerialization"),
         "compile_s": round(seconds, 1),
+        "decode": decode_programs(args, config),
     }))
 
 

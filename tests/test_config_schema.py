@@ -214,6 +214,7 @@ SWEEP_VALUES = {
     "model.remat": ["full", "dots_with_no_batch_dims_saveable", "offload_dots"],
     "mesh.shape": [[1, 1, 1]],
     "mesh.dcn_shape": [[1, 1, 1]],  # one process: one slice
+    "rollout.mesh": [[1, 1, 1]],  # one device here: the sampler on its own (1, 1, 1) mesh
     "logging.console_keys": [["loss"]],
     "dpo.variant": list(DPO_VARIANTS),
     "grpo.step_delimiter": ["\n\n"],

@@ -10,7 +10,9 @@ on 64 (0.75x), 3.3 GB of all-reduce on 8 and 26 GB on 64, growing with the globa
 batch. With them: 22.5 GB and 4.5 GB (0.20x), weights all-gathered, and the only
 all-reduces are the weight gradients of one layer and of the LM head (1.33 GB on both).
 The sampler's prompt KV cache repeated over GRPO groups all-gathered the whole cache
-(2.1 GB on 8 devices) before ``jnp.repeat`` lost ``total_repeat_length``.
+(2.1 GB on 8 devices) before ``jnp.repeat`` lost ``total_repeat_length``. On its own
+mesh (``rollout.mesh``, tensor parallel) from the bfloat16 copy, a decode step gathers no
+weight; on the training mesh from the float32 weights it gathers every kernel per token.
 
 Bytes are those of the CPU backend, which upcasts bfloat16 matmuls to float32 after
 partitioning, so its weight all-gathers and gradient all-reduces move float32.
@@ -29,6 +31,12 @@ from tests.fake_devices import run_check
 D, F, NH, V = 4096, 11008, 32 * 128, 32000  # Llama-2-7B: model dim, MLP, heads x head dim, vocab
 LAYER = 4 * D * NH + 3 * D * F + 2 * D  # parameters of one decoder layer (with its two norm scales)
 F32 = 4
+
+
+# The rollout check also compiles the sampler's decode step (one generated token, 16 rows,
+# a 511-slot cache) on its own meshes (1, 1, 2) and (1, 1, 8) from the compute-dtype copy,
+# and on the training mesh (1, 8, 1) from the float32 training weights: one subprocess.
+ROLLOUT = ("rollout", 8, "--decode-meshes", "1,1,2", "1,1,8", "1,8,1:train")
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,13 +65,30 @@ def test_fsdp_dpo_step_gathers_weights_and_memory_falls_with_devices():
 def test_fsdp_group_rollout_repeats_the_prompt_cache_in_place():
     """GRPO's rollout: one prompt per device, 8 samples each; the prompt's KV cache is
     repeated on the device that holds it, never gathered whole."""
-    result = compiled("rollout", 8)
+    result = compiled(*ROLLOUT)
     cache_bytes = 32 * 8 * 511 * NH * 2  # [L, B, S, K, H] bfloat16, one of k / v, the whole batch
     gathers = result["collectives"]["all-gather"]
     assert gathers["largest_result_bytes"] <= V * D * F32 < cache_bytes, gathers
     # Sharded weights (fp32, 1/8) + this device's 8 rows of cache + one gathered layer: 6.8 GB
     # (9.5 GB with the cache gathered).
     assert result["memory"]["total"] < 8e9, result["memory"]
+
+
+def test_sampler_mesh_decodes_without_gathering_weights_and_memory_falls_with_devices():
+    """The decode step on the sampler's own meshes (heads, MLP and vocab over ``tensor``,
+    bfloat16 kernels) gathers no weight: its only all-gather is the 16 rows' logits. On
+    the training mesh from the float32 weights it all-gathers every layer kernel per
+    token. Per-device memory falls 4x from 2 to 8 devices (weights and KV cache split)."""
+    two, eight, train = compiled(*ROLLOUT)["decode"]
+    assert (two["mesh"], eight["mesh"], train["mesh"]) == ([1, 1, 2], [1, 1, 8], [1, 8, 1])
+    for own in (two, eight):
+        assert own["weight_dtypes"] == ["bfloat16"] and own["cache_dtype"] == "bfloat16"
+        assert own["all_gather_elements"] == [16 * V], own["all_gather_elements"]  # [16, V] float32 logits
+        # the only all-reduces are [16, D] activations summed over the tensor split
+        assert own["collectives"]["all-reduce"]["largest_result_bytes"] <= 16 * D * F32, own["collectives"]
+    assert train["weight_dtypes"] == ["float32"]
+    assert {D * NH, D * F, V * D} <= set(train["all_gather_elements"]), train["all_gather_elements"]
+    assert eight["memory_total"] < 0.3 * two["memory_total"], (two["memory"], eight["memory"])
 
 
 @pytest.mark.slow

@@ -148,6 +148,12 @@ def test_a_nan_reward_saves_the_work_before_it_stops_the_run(tmp_path, toy_model
     assert meta["data"] is not None
 
 
+def test_a_sampler_mesh_over_other_devices_is_refused_naming_the_key(tmp_path, toy_model):
+    config = toy_config(tmp_path, toy_model, "grpo", steps=1, rollout={"mesh": [1, 1, 2]})
+    with pytest.raises(ValueError, match=r"rollout.mesh=\[1, 1, 2\]: the sampler's mesh spans the same 1 devices"):
+        make_trainer(config, records=toy_prompts(16))
+
+
 def test_stop_token_stays_in_the_mask_when_pad_equals_eos(tmp_path, toy_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
                         rollout={"max_new_tokens": 24, "num_samples": 8})

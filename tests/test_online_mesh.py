@@ -24,6 +24,35 @@ def test_grpo_steps_on_a_mesh_match_one_device():
 
 
 @pytest.mark.xdist_group("mesh-equality")
+def test_micro_batches_are_spread_over_the_batch_shards_without_rematerialization():
+    """grad_accum_steps=4 on (2, 2, 2): each micro-batch takes rows from every batch shard
+    (shard k holds rows 4k..4k+3), so the partitioner never replicates a micro-batch; the
+    contiguous split (micro-batch a = rows 4a..4a+3, one shard) made XLA print 7
+    "Involuntary full rematerialization" warnings compiling this GRPO step."""
+    out = mesh_equality("mesh_grpo_check")
+    assert out["micro_rows"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert out["micro_joined"] == list(range(16))
+    assert out["sharded_involuntary_remat"] == 0
+
+
+@pytest.mark.xdist_group("mesh-equality")
+def test_sampler_on_its_own_mesh_decodes_from_a_compute_dtype_copy():
+    """rollout.mesh=(2, 1, 4) with float32 params on (1, 8, 1) computing in bfloat16: the
+    sampler's weights are the training kernels rounded to bfloat16 (norm scales stay
+    float32), laid out on its own mesh, and they sample what the training params sample
+    on the training mesh (same prompts and key)."""
+    out = {k.removeprefix("sampler_copy/"): v for k, v in mesh_equality("mesh_grpo_check").items()
+           if k.startswith("sampler_copy/")}
+    assert out["copy_kernel_dtypes"] == ["bfloat16"] and out["copy_other_dtypes"] == ["float32"], out
+    assert out["copy_mesh"] == [2, 1, 4]
+    assert out["copy_max_diff"] == 0.0  # exactly the cast, nothing lost in the reshard
+    assert out["rows"] == 32 and out["tokens_equal"] == 1.0 and out["lengths_equal"], out
+    # the decoder casts each kernel to bfloat16 where it uses it, so only the order of the
+    # sums differs (heads split over 4 devices instead of weights gathered): float32 noise
+    assert out["max_sampler_logp_diff"] < 1e-5, out
+
+
+@pytest.mark.xdist_group("mesh-equality")
 def test_ppo_steps_with_a_separate_critic_on_a_mesh_match_one_device():
     out = mesh_equality("mesh_ppo_check")
     assert out["devices"] == 8

@@ -8,6 +8,7 @@ there and that the working directory stays empty.
 
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -32,6 +33,7 @@ class _LocalBucketBackend(epath_backend._OsPathBackend):  # noqa: SLF001 - the s
     def __init__(self, root: str):
         self.root = root
         self.seen: list[str] = []
+        self.opened: list[str] = []  # URIs opened (read or written)
 
     def _local(self, path) -> str:
         uri = os.fspath(path)
@@ -44,6 +46,7 @@ class _LocalBucketBackend(epath_backend._OsPathBackend):  # noqa: SLF001 - the s
 
     def open(self, path, mode):
         local = self._local(path)
+        self.opened.append(os.fspath(path))
         if "w" in mode or "a" in mode:
             assert "a" not in mode, "object stores cannot append"
             os.makedirs(os.path.dirname(local), exist_ok=True)  # objects need no folders
@@ -71,6 +74,7 @@ def store(tmp_path, monkeypatch):
     """The stand-in ``gs://`` store; the test runs in an empty working directory."""
     backend = _LocalBucketBackend(str(tmp_path / "store"))
     monkeypatch.setitem(gpath._PREFIX_TO_BACKEND, "gs", backend)  # noqa: SLF001
+    monkeypatch.setattr(paths, "_STAGED", {})  # another test's store held other objects
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
@@ -85,20 +89,68 @@ def test_resolve_keeps_uris_and_makes_local_paths_absolute(tmp_path, monkeypatch
     assert str(paths.as_path("s3://b/k")) == "s3://b/k"
 
 
-def test_a_training_run_writes_its_directory_into_the_store(store, toy_model):
-    """claim (lock), config.yaml, metrics.jsonl and the evaluation report of a tiny SFT run
-    all land in the bucket; the lock is released there."""
+def _upload(local: str, uri: str) -> None:
+    with paths.local_directory_for(uri) as staging:
+        shutil.copytree(local, staging, dirs_exist_ok=True)
+
+
+def test_a_training_run_reads_model_and_data_from_the_store_and_writes_its_directory_there(store, toy_model):
+    """model.name and data.paths given as gs:// URIs are read from the store (each object
+    once); claim (lock), config.yaml, metrics.jsonl and the evaluation report of a tiny
+    SFT run all land in the bucket; the lock is released there."""
     from alignax.trainers.api import train
 
-    config = tiny_config("gs://bucket/run", "sft", steps=2, model_dir=toy_model, checkpoint={"enabled": False},
-                         train={"eval_every": 2}, evaluation={"report": True})
-    train(config, records=sft_conversations(32))
+    _upload(toy_model, "gs://bucket/models/toy")
+    epath.Path("gs://bucket/data/sft.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in sft_conversations(32)))
+    store.opened.clear()
+    config = tiny_config("gs://bucket/run", "sft", steps=2, model_dir="gs://bucket/models/toy",
+                         checkpoint={"enabled": False}, train={"eval_every": 2}, evaluation={"report": True},
+                         data={"paths": ["gs://bucket/data/sft.jsonl"]})
+    result = train(config)
+    assert result.data_stats["records"] == 32
+    # each object read once (tokenizer, config, weights): the local copy serves the rest
+    read = sorted(u for u in store.opened if u.startswith("gs://bucket/models/"))
+    assert read == sorted(f"gs://bucket/models/toy/{name}" for name in os.listdir(toy_model)), read
+    assert [u for u in store.opened if u.startswith("gs://bucket/data/")] == ["gs://bucket/data/sft.jsonl"]
     run = os.path.join(store.root, "bucket", "run")
     assert sorted(os.listdir(run)) == ["config.yaml", "evaluation", "metrics.jsonl"]
     assert any(uri.endswith(rundir.LOCK_NAME) for uri in store.seen)  # taken and released in the store
     rows = read_jsonl("gs://bucket/run/metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert sorted(os.listdir(os.path.join(run, "evaluation"))) == ["step_00000000.json", "step_00000002.json"]
+
+
+def test_a_model_folder_on_the_store_loads_like_the_local_one(store, toy_model):
+    """models.from_pretrained (reward, critic, PRM and judge paths) and the registry
+    (model.name) read a URI through a local copy made once per process; a URI with
+    nothing under it is refused naming the key."""
+    import numpy as np
+    from flax import nnx
+
+    from alignax import models
+    from alignax.models import registry
+
+    _upload(toy_model, "gs://bucket/models/toy")
+    remote = nnx.state(models.from_pretrained("gs://bucket/models/toy"), nnx.Param)
+    local = nnx.state(models.from_pretrained(toy_model), nnx.Param)
+    for a, b in zip(jax_leaves(remote), jax_leaves(local)):
+        np.testing.assert_array_equal(a, b)
+    copy = paths.staged("gs://bucket/models/toy")
+    assert sorted(os.listdir(copy)) == sorted(os.listdir(toy_model)) and not paths.is_remote(copy)
+    opened = len(store.opened)
+    assert str(registry.model_directory("gs://bucket/models/toy/", key="model.name")) == copy
+    assert len(store.opened) == opened  # staged once per process
+    with pytest.raises(registry.ModelNotFoundError, match="model.name=gs://bucket/nothing: nothing there"):
+        registry.model_directory("gs://bucket/nothing", key="model.name")
+    with pytest.raises(FileNotFoundError, match="data.paths=gs://bucket/none.jsonl: nothing there"):
+        paths.staged("gs://bucket/none.jsonl", key="data.paths")
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
 
 
 def test_metrics_are_rewritten_not_appended_and_reports_are_one_upload(store):

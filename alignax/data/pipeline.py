@@ -68,6 +68,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from alignax import paths
 from alignax.data.formats import FORMATS, TRUNCATIONS, Encoder
 from alignax.data.sources import BadRecordError, ConcatSource, ListSource, open_source
 
@@ -186,7 +187,8 @@ def _open_sources(config: DataConfig):
         if builders.is_generator_spec(path):
             sources.append(ListSource(builders.generate(path, config.format), path, unit="record"))
         else:
-            sources.append(open_source(path, split=config.split))
+            # a URI (gs://...) is read from a local copy (alignax.paths.staged)
+            sources.append(open_source(paths.staged(path, key="data.paths"), split=config.split))
     return sources[0] if len(sources) == 1 else ConcatSource(sources)
 
 

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from alignax import paths
 from alignax._checks import check_choice
 from alignax.models.config import ModelConfig
 from alignax.models.lora import merge_adapters
@@ -349,7 +350,7 @@ def from_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", **kwarg
     For ``kind="policy_value"`` a ``value_head.safetensors`` beside the weights (written by
     :func:`save_pretrained`) supplies the value head.
     """
-    path = os.fspath(path)
+    path = paths.staged(path, key="model folder")  # a URI is read from a local copy
     hf_config = _read_config(path)
     tensors = read_hf_tensors(path)
     if kind == "policy_value" and os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)):

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from alignax import paths
+
 # Bump when the conversion output changes, so old cache entries are not reused.
 CONVERTER_VERSION = 1
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -164,7 +166,14 @@ def model_directory(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike |
                     key: str = "model") -> Path:
     """The Hugging Face folder of ``name``: a registry model's converted cache entry
     (:func:`local_model_path`), or ``name`` itself when it is a local folder. Anything else
-    is a :class:`ModelNotFoundError` naming the config key ``key`` it came from."""
+    is a :class:`ModelNotFoundError` naming the config key ``key`` it came from. A URI
+    (``gs://bucket/model``) is copied to a local folder once per process
+    (:func:`alignax.paths.staged`)."""
+    if paths.is_remote(name):
+        try:
+            return Path(paths.staged(name, key=key))
+        except FileNotFoundError as err:
+            raise ModelNotFoundError(f"{err}; {key} names a Hugging Face model folder") from None
     if name in MODELS:
         return local_model_path(name, cache_dir=cache_dir)
     if os.path.isdir(name):

@@ -274,6 +274,18 @@ def constrain(x: jax.Array, names: Sequence[str | None], *, rules=LOGICAL_AXIS_R
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def batch_shards(x: jax.Array) -> int:
+    """Into how many blocks the rows (dim 0) of ``x`` split over the ``batch`` axes of the
+    mesh in context or the one ``x`` lies on, as :func:`constrain` would place them; 1
+    without a mesh. Read at trace time."""
+    mesh = _constraint_mesh(x) if _CONSTRAINTS_ON.get() and x.ndim else None
+    if mesh is None:
+        return 1
+    spec = logical_to_spec(("batch",), (x.shape[0],), mesh)[0]
+    axes = () if spec is None else ((spec,) if isinstance(spec, str) else tuple(spec))
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 

@@ -271,6 +271,22 @@ def new_loop_state(cache: KVCache, logits: Array, position: Array, done: Array, 
     )
 
 
+def decode_step(model, s: _LoopState, rng: Array, config: SamplingConfig) -> _LoopState:
+    """One step of the decode loop: feed each row's last drawn token (``pad_id`` with
+    attention mask 0 for rows that are done), then draw the next. What runs once per
+    generated token (tests/fsdp_compile_check.py compiles it alone, ``--program decode``)."""
+    alive = ~s.done
+    last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)  # [R, 1]
+    feed_mask = alive[:, None].astype(jnp.int32)
+    step_out = model(last, s.position[:, None], feed_mask, cache=s.cache, return_logits=False)
+    s = s.replace(
+        cache=step_out.cache,
+        logits=model.logits(step_out.hidden[:, 0]),
+        position=s.position + alive.astype(s.position.dtype),
+    )
+    return _constrain_loop(_sample_step(s, rng, config))
+
+
 def decode_loop(model, s: _LoopState, rng: Array, config: SamplingConfig) -> _LoopState:
     """Draw up to ``config.max_new_tokens`` tokens per row from ``s`` (the next-token
     logits of the last fed token, the cache holding it); rows already ``done`` draw
@@ -281,19 +297,7 @@ def decode_loop(model, s: _LoopState, rng: Array, config: SamplingConfig) -> _Lo
     def cond(s: _LoopState):
         return (s.step < N) & ~jnp.all(s.done)
 
-    def body(s: _LoopState):
-        alive = ~s.done
-        last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)  # [R, 1]
-        feed_mask = alive[:, None].astype(jnp.int32)
-        step_out = model(last, s.position[:, None], feed_mask, cache=s.cache, return_logits=False)
-        s = s.replace(
-            cache=step_out.cache,
-            logits=model.logits(step_out.hidden[:, 0]),
-            position=s.position + alive.astype(s.position.dtype),
-        )
-        return _constrain_loop(_sample_step(s, rng, config))
-
-    return jax.lax.while_loop(cond, body, s)
+    return jax.lax.while_loop(cond, lambda s: decode_step(model, s, rng, config), s)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("config",))

@@ -91,13 +91,17 @@ class ScoredSampler:
     """Generates and scores groups for prompt batches (one compiled program per config)."""
 
     def __init__(self, graphdef: nnx.GraphDef, tokenizer, scorer, config: SamplingConfig, *,
-                 mesh, place: Callable[[np.ndarray], jax.Array]):
+                 mesh, place: Callable[[np.ndarray], jax.Array],
+                 score_place: Callable[[np.ndarray], jax.Array] | None = None):
+        """``mesh``: where the sampler runs, ``place`` puts prompt rows on it;
+        ``score_place`` puts full sequences where the reward models lie (default ``place``)."""
         self.graphdef = graphdef
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.config = config
         self.mesh = mesh
         self.place = place
+        self.score_place = score_place or place
         self._generate = jax.jit(generate, static_argnums=0, static_argnames=("config",))
 
     def decode(self, tokens: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -131,7 +135,7 @@ class ScoredSampler:
         full = None
         if self.scorer.reward_models is not None:
             tokens, positions, attention = groups.full_sequences()
-            full = (self.place(tokens), self.place(positions), self.place(attention))
+            full = (self.score_place(tokens), self.score_place(positions), self.score_place(attention))
         groups.rewards, groups.components = self.scorer.score(
             groups.completions, groups.references, groups.tokens, groups.response_mask, full
         )

@@ -266,6 +266,15 @@ class RolloutSection:
         forward FLOPs (projections + dense attention) drop with attention scores at most
         twice the unpacked ones (``packing.group_packing_pays``); ``on``: whenever
         ``G > 1``; ``off``: never. Packed updates draw whole groups into minibatches.
+      mesh: the sampler's own mesh ``(data, fsdp, tensor)`` over the same devices (one entry
+        may be -1), e.g. ``[-1, 1, 8]`` on hosts of 8 accelerators: tensor parallel within a
+        host, data parallel across hosts, no weight gathered per decoded token. The
+        sampler decodes from a copy of the policy with its kernels in
+        ``precision.compute_dtype``, laid out for this mesh by the logical-axis rules and
+        remade after every update (``alignax.trainers.engine.precision.compute_copy``).
+        ``null``: the training mesh (and, when ``precision.compute_dtype`` differs from
+        ``precision.param_dtype``, that compute-dtype copy on it; else the training
+        weights themselves, no copy).
     """
 
     max_new_tokens: int = 128
@@ -277,6 +286,7 @@ class RolloutSection:
     old_logps: Literal["recompute", "sampler"] = "recompute"
     tis_cap: float | None = None
     pack_groups: Literal["auto", "on", "off"] = "auto"
+    mesh: tuple[int, int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

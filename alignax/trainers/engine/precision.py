@@ -164,12 +164,39 @@ def cast_params(state: Any, dtype) -> Any:
     if all(not _is_float(x) or x.dtype == dtype for x in jax.tree.leaves(state)):
         return state
 
-    def cast(leaf):  # a QLoRA kernel's codes and scales keep their dtypes (alignax.models.quant)
+    return jax.jit(lambda s: _cast_tree(s, dtype, min_rank=0))(state)
+
+
+def _cast_tree(state: Any, dtype, *, min_rank: int) -> Any:
+    """``state`` with the floating arrays of its ``nnx.Param``s of rank ``>= min_rank`` in
+    ``dtype``; other variables, and a QLoRA kernel's codes and scales
+    (alignax.models.quant), keep their dtypes."""
+    def cast(leaf):
         if isinstance(leaf, nnx.Variable) and (not isinstance(leaf, nnx.Param) or isinstance(leaf, QuantizedParam)):
+            return leaf
+        if jnp.ndim(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf) < min_rank:
             return leaf
         return cast_floating(leaf, dtype)
 
-    return jax.jit(lambda s: jax.tree.map(cast, s, is_leaf=lambda v: isinstance(v, nnx.Variable)))(state)
+    return jax.tree.map(cast, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def compute_copy(dtype, shardings: Any):
+    """The program that makes the weights a sampler decodes with: ``program(state)`` is a
+    copy of ``state`` whose kernels and embeddings (``nnx.Param`` arrays of rank >= 2) are
+    in the compute ``dtype``, every array placed by ``shardings`` (a tree of
+    ``NamedSharding``s like ``state``'s, on the sampler's mesh: a mesh other than the one
+    ``state`` lies on is a reshard, done by the same program). Keep the program: it
+    compiles once per tree structure.
+
+    The decoder casts every kernel and embedding to the compute dtype where it uses it
+    (``kernel[...].astype(x.dtype)``), so generation from the copy is generation from
+    ``state``; norm scales and biases (rank 1, a few KB) keep their dtype, because some are
+    applied in float32 (layer norms). Decoding then reads, and on an FSDP mesh gathers,
+    compute-dtype weights instead of float32 ones.
+    """
+    dtype = jnp.dtype(dtype)
+    return jax.jit(lambda s: _cast_tree(s, dtype, min_rank=2), out_shardings=shardings)
 
 
 def frozen_params(params: Any, policy: PrecisionConfig) -> Any:

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from alignax.parallel.sharding import batch_shards, constrain
+
 Array = jax.Array
 LossFn = Callable[[Any, Any, Any, Mapping[str, Array], Array], tuple[Array, dict[str, Array]]]
 NormalisersFn = Callable[[Any], dict[str, Array]]
@@ -75,18 +77,63 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: 
     )
 
 
-def split_micro_batches(batch: Any, num_micro: int) -> Any:
+def _micro_shards(rows: int, num_micro: int, shards: int, block: int) -> int:
+    """How many parts a micro-batch of ``rows // num_micro`` rows is made of
+    (:func:`split_micro_batches`): the largest ``s`` dividing ``shards`` for which each
+    part is whole ``block``s (``s`` groups of ``shards / s`` consecutive shards, e.g. the
+    ``data`` groups when a micro-batch has fewer rows than there are shards)."""
+    for s in range(shards, 1, -1):
+        if shards % s == 0 and rows % (s * num_micro) == 0 and (rows // (s * num_micro)) % block == 0:
+            return s
+    return 1
+
+
+def split_micro_batches(batch: Any, num_micro: int, *, block: int = 1) -> Any:
     """``[A * m, ...]`` leaves → ``[A, m, ...]`` (A = ``num_micro``); a scalar leaf (a
-    value every row shares, e.g. a KL coefficient) is repeated for each micro-batch."""
+    value every row shares, e.g. a KL coefficient) is repeated for each micro-batch.
+
+    Which rows make micro-batch ``a``: on a mesh the rows lie in ``S`` contiguous blocks,
+    one per device group of the batch axes (:func:`alignax.parallel.sharding.batch_shards`);
+    micro-batch ``a`` is the ``a``-th part of every block, so it is spread over the devices
+    as the whole batch was and splitting moves no data (with fewer rows per micro-batch
+    than blocks, the ``a``-th part of every group of consecutive blocks, e.g. of each
+    ``data`` group). A contiguous split (rows ``[a m,
+    (a + 1) m)``) puts each micro-batch on ``1/A`` of the devices, and the partitioner
+    spreads it back by replicating it on every device (XLA's "involuntary full
+    rematerialization" warning, a full copy of the batch per device). Without a mesh
+    (``S = 1``), or when a block's part would split a ``block`` of rows that must stay
+    together (a packed group of ``G`` rows), the split is contiguous. Sums over the
+    micro-batches are the same either way; :func:`join_micro_rows` undoes the order.
+    """
 
     def split(x):
         if x.ndim == 0:
             return jnp.broadcast_to(x, (num_micro,))
-        if x.shape[0] % num_micro:
-            raise ValueError(f"batch dimension {x.shape[0]} is not divisible by grad_accum_steps={num_micro}")
-        return x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:])
+        rows = x.shape[0]
+        if rows % num_micro:
+            raise ValueError(f"batch dimension {rows} is not divisible by grad_accum_steps={num_micro}")
+        s = _micro_shards(rows, num_micro, batch_shards(x), block)
+        parts = x.reshape(s, num_micro, rows // (s * num_micro), *x.shape[1:])
+        micro = jnp.swapaxes(parts, 0, 1).reshape(num_micro, rows // num_micro, *x.shape[1:])
+        # pinned, so the scan's slices arrive spread as well (propagation alone may shard
+        # the stacked micro-batches on their first dim)
+        return constrain(micro, (None, "batch") + (None,) * (x.ndim - 1)) if s > 1 else micro
 
     return jax.tree.map(split, batch)
+
+
+def join_micro_rows(rows: Any, shards: Mapping[int, int], *, block: int = 1) -> Any:
+    """Per-row outputs ``[A, m, ...]`` of the micro-batches of :func:`split_micro_batches`
+    back to ``[A m, ...]`` in the batch's row order; ``shards`` maps a batch leaf's row
+    count to the blocks its rows lay in (:func:`alignax.parallel.sharding.batch_shards`)."""
+
+    def join(r):
+        num_micro, per_micro = r.shape[:2]
+        s = _micro_shards(num_micro * per_micro, num_micro, shards.get(num_micro * per_micro, 1), block)
+        parts = r.reshape(num_micro, s, per_micro // s, *r.shape[2:])
+        return jnp.swapaxes(parts, 0, 1).reshape(num_micro * per_micro, *r.shape[2:])
+
+    return jax.tree.map(join, rows)
 
 
 def tree_all_finite(tree: Any) -> Array:
@@ -96,7 +143,7 @@ def tree_all_finite(tree: Any) -> Array:
 
 def accumulate_gradients(
     loss_fn: LossFn, params: Any, frozen: Any, batch: Any, normalisers: Mapping[str, Array], rng: Array,
-    *, num_micro: int,
+    *, num_micro: int, row_block: int = 1,
 ) -> tuple[Array, Any, LossAux]:
     """Sum of micro-batch losses and gradients, mean of their scalar metrics and
     concatenation of their per-row outputs (a ``lax.scan``). Gradients of parameters
@@ -109,7 +156,8 @@ def accumulate_gradients(
     if num_micro == 1:
         (loss, aux), grads = grad_fn(params, frozen, batch, normalisers, rng)
         return loss, grads, aux
-    micro_batches = split_micro_batches(batch, num_micro)
+    micro_batches = split_micro_batches(batch, num_micro, block=row_block)
+    shards = {x.shape[0]: batch_shards(x) for x in jax.tree.leaves(batch) if x.ndim}
     rngs = jax.random.split(rng, num_micro)
 
     def body(carry, inputs):
@@ -122,7 +170,7 @@ def accumulate_gradients(
     (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (micro_batches, rngs))
     # Stacked over micro-batches: scalars [A] are averaged, per-row [A, rows, ...] concatenated.
     return loss, grads, LossAux(metrics=jax.tree.map(lambda m: jnp.mean(m, axis=0), aux.metrics),
-                                rows=jax.tree.map(lambda r: r.reshape(-1, *r.shape[2:]), aux.rows),
+                                rows=join_micro_rows(aux.rows, shards, block=row_block),
                                 sums=jax.tree.map(lambda m: jnp.sum(m, axis=0), aux.sums))
 
 
@@ -134,6 +182,7 @@ def make_train_step(
     grad_accum_steps: int = 1,
     schedule: optax.Schedule | None = None,
     schedule_position: Callable[[TrainState, Any], Array] | None = None,
+    row_block: int = 1,
 ) -> Callable[[TrainState, Any, Any], tuple[TrainState, StepOutput]]:
     """``step(state, frozen, batch) -> (state, StepOutput)``, pure and ready for ``jax.jit``.
 
@@ -141,6 +190,9 @@ def make_train_step(
     default the number of updates applied so far (``step - nonfinite_total``); optimisers
     that take no extra arguments ignore it. ``schedule`` (for the ``learning_rate``
     metric) is read at the same position.
+
+    ``row_block``: rows that must stay in one micro-batch (the online trainer's packed
+    groups); see :func:`split_micro_batches`.
 
     Metrics added to the loss's own: ``loss``, ``grad_norm`` (before clipping),
     ``update_skipped`` (1.0 when the non-finite guard fired), ``learning_rate``.
@@ -154,7 +206,8 @@ def make_train_step(
         step_key = jax.random.fold_in(step_key, state.step)
         normalisers = normalisers_fn(batch)
         loss, grads, aux = accumulate_gradients(
-            loss_fn, state.params, frozen, batch, normalisers, step_key, num_micro=grad_accum_steps
+            loss_fn, state.params, frozen, batch, normalisers, step_key, num_micro=grad_accum_steps,
+            row_block=row_block,
         )
         finite = jnp.isfinite(loss) & tree_all_finite(grads)
         # Zero out non-finite gradients before they reach the optimiser, so its moments

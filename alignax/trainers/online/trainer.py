@@ -49,7 +49,7 @@ from alignax.metrics import to_host
 from alignax.models import lora as lora_lib
 from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
                                         process_rows)
-from alignax.parallel.sharding import batch_sharding
+from alignax.parallel.sharding import batch_sharding, make_mesh, tree_shardings
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
 from alignax.rewards.verifiers import with_task
@@ -58,7 +58,7 @@ from alignax.sampling.scored import Groups, ScoredSampler
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import packing
 from alignax.trainers.engine.optim import build_optimizer
-from alignax.trainers.engine.precision import cast_params, frozen_params
+from alignax.trainers.engine.precision import cast_params, compute_copy, frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
 from alignax.trainers.engine import adapters
 from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer, response_logps, split_params
@@ -100,6 +100,7 @@ class OnlineTrainer:
                              f"{algorithm.minibatches} minibatches")
 
         self.mesh = build_mesh(config.mesh)
+        self.sampler_mesh = self._sampler_mesh(rc.mesh)
         self.tokenizer = load_tokenizer(config.model)
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
         policy = build_model(config.model, kind=algorithm.policy_kind, mesh=self.mesh, precision=config.precision,
@@ -148,8 +149,12 @@ class OnlineTrainer:
         if self.merge_sampling:
             self.sampling_graphdef = lora_lib.merged_graphdef(
                 self.graphdef, nnx.merge_state(self.whole_policy(self.initial_params), self.rest))
+        # The sampler decodes on its own mesh from a compute-dtype copy of the policy (made
+        # by sampling_state); rewards from reward models are computed on the training mesh.
+        self.sampler_copies = rc.mesh is not None or config.precision.compute_dtype != config.precision.param_dtype
+        self._copy_program = None  # built on first use (it needs the state's structure)
         self.sampler = ScoredSampler(self.sampling_graphdef, self.tokenizer, self.scorer, self.sampling,
-                                     mesh=self.mesh, place=self.place)
+                                     mesh=self.sampler_mesh, place=self.sampler_place, score_place=self.place)
         if config.env.name is not None:  # multi-turn: the environment gives the rewards
             self.sampler = self._env_sampler()
         self.alarms = Alarms()
@@ -167,9 +172,19 @@ class OnlineTrainer:
         """Multi-turn rollouts with ``config.env``'s environment (:class:`alignax.envs.rollout.EnvSampler`)."""
         ec = self.config.env
         return EnvSampler(self.sampling_graphdef, self.model_config, self.tokenizer, env_factory(ec.name, ec.kwargs),
-                          self.sampling, mesh=self.mesh, place=self.place, prompt_len=self.prompt_len,
+                          self.sampling, mesh=self.sampler_mesh, place=self.sampler_place, prompt_len=self.prompt_len,
                           max_turns=ec.max_turns, max_turn_tokens=ec.max_turn_tokens,
                           max_observation_tokens=ec.max_observation_tokens)
+
+    def _sampler_mesh(self, shape) -> jax.sharding.Mesh:
+        """``rollout.mesh`` over every device, or the training mesh when it is null."""
+        if shape is None:
+            return self.mesh
+        try:
+            return make_mesh(shape)
+        except ValueError as err:
+            raise ValueError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {jax.device_count()} "
+                             f"devices as training: {err}") from None
 
     def _with_critic(self, policy_params: nnx.State) -> Any:
         """The trained tree: the policy's params, or ``{"policy", "critic"}`` with a separate critic."""
@@ -242,6 +257,11 @@ class OnlineTrainer:
         value = np.asarray(value)
         return place_local_batch(value, batch_sharding(self.mesh, value.ndim))
 
+    def sampler_place(self, value: np.ndarray) -> jax.Array:
+        """Prompt rows of this process on the sampler's mesh."""
+        value = np.asarray(value)
+        return place_local_batch(value, batch_sharding(self.sampler_mesh, value.ndim))
+
     def policy_params(self, params):
         """The policy's part of the trained tree."""
         return params["policy"] if self.separate_critic else params
@@ -267,10 +287,20 @@ class OnlineTrainer:
         return nnx.merge_state(params, base)
 
     def sampling_state(self, params) -> nnx.State:
-        """What the sampler generates with: under LoRA base + adapters, unmerged, or with
-        ``lora.merge_for_sampling`` the merged model's weights (computed here, once a call)."""
+        """What the sampler generates with: base + adapters, unmerged, under LoRA (with
+        ``lora.merge_for_sampling`` the merged model's weights, computed here once a call);
+        with its own mesh or a compute dtype other than the parameters', a copy with kernels
+        in the compute dtype laid out on the sampler's mesh (:func:`compute_copy`), made from
+        ``params`` at each call (each rollout, after the previous rollout's updates)."""
         state = nnx.merge_state(self.whole_policy(params), self.rest)
-        return lora_lib.merged_state(self.graphdef, state) if self.merge_sampling else state
+        if self.merge_sampling:
+            state = lora_lib.merged_state(self.graphdef, state)
+        if not self.sampler_copies:
+            return state
+        if self._copy_program is None:
+            self._copy_program = compute_copy(self.config.precision.compute_dtype,
+                                              tree_shardings(state, self.sampler_mesh))
+        return self._copy_program(state)
 
     def frozen_inputs(self, reference) -> dict[str, Any]:
         """``frozen`` of the update: the reference when the KL is on and, with LoRA, the base
@@ -360,7 +390,8 @@ class OnlineTrainer:
                                                   merge=self.with_frozen_base),
                                self.optimizer, normalisers_fn=self.normalisers_fn,
                                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule,
-                               schedule_position=lambda state, mb: mb.schedule_position)
+                               schedule_position=lambda state, mb: mb.schedule_position,
+                               row_block=self.pack_group)
         self.update = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
         self.reference = None  # what a run saves once as its reference
         if self.uses_reference:
