@@ -275,6 +275,18 @@ def add_lora_args(parser) -> None:
                         help="also compile the train step ahead of time and report compiled.memory_analysis()")
 
 
+def policy_and_reference(model, args):
+    """``(policy, reference, lora summary or None)`` from a built model: with ``--lora-rank``
+    the policy is a qwix LoRA of ``model`` and the reference ``model`` itself (the
+    adapter-free base); otherwise the reference is a clone of the policy."""
+    from flax import nnx
+
+    if args.lora_rank > 0:
+        policy, lora = apply_lora(model, args)
+        return policy, model, lora
+    return model, nnx.clone(model), None
+
+
 def apply_lora(base, args):
     """``(lora_model, summary)``: ``qwix.apply_lora_to_model`` on ``base`` as Tunix's CLI does it
     (tunix/cli/utils/model.py: a LoraProvider, the model's own dummy input). qwix clones the

@@ -125,12 +125,7 @@ def main(argv=None) -> None:
     policy, init_note = common.build_llama(
         spec, weights_dir=args.weights_dir, seed=args.seed, dtype=args.dtype, remat=args.remat
     )
-    lora = None
-    if args.lora_rank > 0:
-        reference = policy  # qwix adapts a clone: the reference is the adapter-free base
-        policy, lora = common.apply_lora(reference, args)
-    else:
-        reference = nnx.clone(policy)
+    policy, reference, lora = common.policy_and_reference(policy, args)
     build_s = time.perf_counter() - t0
 
     config = dpo_trainer.DPOTrainingConfig(

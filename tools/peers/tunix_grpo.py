@@ -127,7 +127,6 @@ def main(argv=None) -> None:
 
     import jax
     import optax
-    from flax import nnx
     from jax.interpreters import pxla
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.grpo import grpo_learner
@@ -139,12 +138,7 @@ def main(argv=None) -> None:
     policy, init_note = common.build_llama(
         spec, weights_dir=args.weights_dir, seed=args.seed, dtype=args.dtype, remat=args.remat
     )
-    lora = None
-    if args.lora_rank > 0:
-        reference = policy  # qwix adapts a clone: the reference is the adapter-free base
-        policy, lora = common.apply_lora(reference, args)
-    else:
-        reference = nnx.clone(policy)
+    policy, reference, lora = common.policy_and_reference(policy, args)
     n_params = common.count_params(reference)
 
     gen_len = args.seq - args.prompt_len
