@@ -244,7 +244,7 @@ def main(argv=None) -> None:
                                  "response_len": args.dpo_seq - args.dpo_prompt, "packing": "shared prompt"},
                          "grpo": {"prompts": args.grpo_prompts, "num_generations": args.grpo_group,
                                   "prompt_len": args.grpo_prompt_len, "new_tokens": args.grpo_new_tokens}},
-              "command": " ".join([Path(sys.executable).name, *sys.argv])}
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "load_average_start": list(load_start)}
     with sizes(args):
         for task in args.tasks:
             result[task] = run_task(task, args)
@@ -256,6 +256,9 @@ def main(argv=None) -> None:
     result["notes"] = [
         "peak_bytes: the compiled train step (DPO: policy + live reference + AdamW; GRPO: the update), arguments "
         "+ outputs - donated + temporaries (compiled.memory_analysis()); the GRPO sampler is not in it.",
+        "DPO with adapters: the step's frozen inputs are the base and the reference (the base with the "
+        "adapters off), the same weight buffers; memory_analysis() counts an argument per parameter, so its "
+        "argument bytes (and peak_bytes) hold the frozen base twice; resident, it is there once.",
         "estimate_total_bytes: alignax.estimate's per-device total for the same config (training state, frozen "
         "base/reference, activations and logits; its own assumptions, see alignax/estimate.py).",
         "load: the machine (2 cores) was shared with other processes; times are rough, memory figures are exact.",
