@@ -2,9 +2,13 @@
 peak memory of the step, and the estimator's figure; Tunix's LoRA (qwix) DPO step as a peer.
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_lora.py --model tiny
-    HF_HUB_OFFLINE=1 nice -n 19 .venv/bin/python tools/bench_lora.py --model smollm2-135m --weights real \
-        --scan-layers --variants full,lora,nf4 --steps 2 --rounds 2 --dpo-pairs 4 --dpo-seq 64 \
-        --grpo-prompts 4 --grpo-prompt-len 32 --grpo-new-tokens 16 --out runs/bench/lora.json
+    HF_HUB_OFFLINE=1 TUNIX_PYTHON=/work/venv-tunix/bin/python nice -n 19 .venv/bin/python tools/bench_lora.py \
+        --model smollm2-135m --weights real --peer-weights random --scan-layers --variants full,lora,nf4 \
+        --steps 1 --rounds 2 --warmup 1 --dpo-pairs 4 --dpo-seq 64 --grpo-prompts 4 --grpo-prompt-len 32 \
+        --grpo-new-tokens 16 --peer-timeout 2400 --out runs/bench/lora-smollm2.json
+
+(the README's figures; about 50 min under a load average of 10 to 25 on 2 cores, half of it
+the Tunix runs' compiles).
 
 The steps are those of tools/bench_dpo.py (preference pairs, live reference, shared-prompt
 packing) and tools/bench_grpo.py (prompts x 2 samples, KL to the reference in the loss),
