@@ -31,7 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "tools" / "peers"
-TUNIX_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+# The Tunix venv's interpreter (tools/peers/setup_tunix_env.sh); TUNIX_PYTHON names another one.
+TUNIX_PYTHON = Path(os.environ.get("TUNIX_PYTHON") or ROOT / ".venv-bench" / "bin" / "python")
 REGISTRY_MODEL = "smollm2-135m-instruct"
 
 # HF config.json fields (LlamaConfig names): the network both sides build. Equal to the
@@ -189,7 +190,7 @@ def run_peer(script: str, args: Sequence[str], *, timeout: float) -> tuple[dict 
     """``(result, None)`` from ``.venv-bench/bin/python tools/peers/<script> args``, or
     ``(None, why)`` when it cannot run or fails (its stderr tail says why)."""
     if not TUNIX_PYTHON.exists():
-        return None, f"{TUNIX_PYTHON} is missing: run tools/peers/setup_tunix_env.sh once"
+        return None, f"{TUNIX_PYTHON} is missing: run tools/peers/setup_tunix_env.sh once (or set TUNIX_PYTHON)"
     command = [str(TUNIX_PYTHON), str(PEERS / script), *args]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
     start = time.perf_counter()

@@ -257,6 +257,83 @@ def build_llama(spec: dict, *, weights_dir: str | None, seed: int, dtype: str, r
     return model, f"random init (seed {seed}, std 0.02, norm weights 1)"
 
 
+# ---------------------------------------------------------------------- LoRA (qwix)
+
+# The seven projections of Tunix's llama3 (Attention: q/k/v/o_proj Einsums; MLP:
+# gate/up/down_proj nnx.Linear), as alignax's ``lora.targets: [all]``.
+LORA_MODULE_PATH = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+
+
+def add_lora_args(parser) -> None:
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="> 0: train a qwix LoRA of this rank on the seven projections (Tunix's LoRA path)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="qwix LoraProvider alpha (default 2 x rank)")
+    parser.add_argument("--lora-qtype", default=None, choices=("nf4", "int8", "int4"),
+                        help="QLoRA: qwix weight_qtype of the frozen base (tile size --lora-tile-size)")
+    parser.add_argument("--lora-tile-size", type=int, default=64)
+    parser.add_argument("--memory", action="store_true",
+                        help="also compile the train step ahead of time and report compiled.memory_analysis()")
+
+
+def policy_and_reference(model, args):
+    """``(policy, reference, lora summary or None)`` from a built model: with ``--lora-rank``
+    the policy is a qwix LoRA of ``model`` and the reference ``model`` itself (the
+    adapter-free base); otherwise the reference is a clone of the policy."""
+    from flax import nnx
+
+    if args.lora_rank > 0:
+        policy, lora = apply_lora(model, args)
+        return policy, model, lora
+    return model, nnx.clone(model), None
+
+
+def apply_lora(base, args):
+    """``(lora_model, summary)``: ``qwix.apply_lora_to_model`` on ``base`` as Tunix's CLI does it
+    (tunix/cli/utils/model.py: a LoraProvider, the model's own dummy input). qwix clones the
+    model first, so ``base`` stays a separate, adapter-free copy."""
+    import jax
+    import qwix
+    from flax import nnx
+
+    alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
+    kwargs = {"module_path": LORA_MODULE_PATH, "rank": args.lora_rank, "alpha": alpha}
+    if args.lora_qtype is not None:
+        kwargs |= {"weight_qtype": args.lora_qtype, "tile_size": args.lora_tile_size}
+    model = qwix.apply_lora_to_model(base, qwix.LoraProvider(**kwargs), rngs=nnx.Rngs(args.seed),
+                                     **base.get_model_input())
+    lora_leaves = jax.tree.leaves(nnx.state(model, nnx.LoRAParam))
+    summary = {"provider": "qwix.LoraProvider", **{k: v for k, v in kwargs.items()},
+               "lora_parameters": int(sum(x.size for x in lora_leaves)),
+               "lora_bytes": int(sum(x.nbytes for x in lora_leaves)),
+               "policy_state_bytes": state_bytes(model)}
+    return model, summary
+
+
+def state_bytes(module) -> int:
+    """Bytes of every array in ``module``'s state (weights, LoRA factors, quantised codes)."""
+    import jax
+    from flax import nnx
+
+    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(module)) if hasattr(x, "nbytes")))
+
+
+def compiled_memory(jitted, *args) -> dict:
+    """``memory_analysis()`` of ``jitted`` (an ``nnx.jit`` function) compiled for ``args``:
+    the same figures and peak as tools/bench_common.compiled_memory."""
+    return bench_common.compiled_memory(jitted.lower(*args).compile())
+
+
+def persistent_cache(directory: str) -> None:
+    """JAX's persistent compilation cache in ``directory`` for every compile, so that
+    compiling a step again ahead of time (for its memory analysis) reads the executable
+    the run compiled instead of compiling it a second time."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 LOADED_WARMUP_NOTE = (
     "weights from Tunix's safetensors loader are committed to the device while "
     "nnx.Optimizer's step counter is not, so Tunix's jitted train step compiles again on "

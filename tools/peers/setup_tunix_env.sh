@@ -24,7 +24,7 @@ else
 fi
 
 want="$(sha256sum "$req" | cut -d' ' -f1)"
-check='import tunix.sft.dpo.dpo_trainer, tunix.rl.grpo.grpo_learner, tunix.models.llama3.params, jax, importlib.metadata as m; print("tunix", m.version("google-tunix"), "jax", jax.__version__)'
+check='import qwix, tunix.sft.dpo.dpo_trainer, tunix.rl.grpo.grpo_learner, tunix.models.llama3.params, jax, importlib.metadata as m; print("tunix", m.version("google-tunix"), "jax", jax.__version__)'
 
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   if JAX_PLATFORMS=cpu "$venv/bin/python" -c "$check" >/dev/null 2>&1; then

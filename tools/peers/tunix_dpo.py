@@ -20,6 +20,15 @@ What one step is, exactly as ``DPOTrainer.train`` does it (tunix/sft/dpo/dpo_tra
      loss, ``-log sigmoid(beta * delta)``, mean over pairs), backward, global grad
      norm, optax update.
 Both parts are timed (blocking on their results), reported separately and summed.
+``--lora-rank R`` trains Tunix's LoRA path instead: ``qwix.apply_lora_to_model`` with a
+``qwix.LoraProvider`` on the seven projections (as tunix/cli/utils/model.py does; the
+DPOTrainer then differentiates and optimises ``nnx.LoRAParam`` only), ``--lora-qtype nf4``
+its QLoRA base. The reference is then the adapter-free base model: qwix clones the model it
+adapts, so the policy's frozen base and the reference are two copies (Tunix's DPOTrainer
+takes a separate ``ref_model``; ``None`` would mean no reference at all, not "adapters off").
+``--memory`` compiles the train step ahead of time after the timed steps and reports its
+``compiled.memory_analysis()`` (with JAX's persistent compilation cache in a temporary
+directory, so that compile reads the run's executable back when the HLO is the same).
 ``--loop-check`` also runs ``trainer.train()`` itself over ``--steps`` more batches
 and reports its wall time per step (includes Tunix's metric buffering and async
 dispatch), as a cross-check that the component timing matches the real loop.
@@ -55,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
     p.add_argument("--remat", default="none", choices=("none", "block", "decoder"))
     p.add_argument("--seed", type=int, default=0)
+    common.add_lora_args(p)
     p.add_argument("--loop-check", action="store_true", help="also time trainer.train() over --steps batches")
     args = p.parse_args(argv)
     if args.prompt_len is None:
@@ -104,12 +114,18 @@ def main(argv=None) -> None:
     from tunix.sft.dpo import dpo_trainer
 
     clock = common.CompileClock()
+    cache_dir = None
+    if args.memory:
+        import tempfile
+
+        cache_dir = tempfile.mkdtemp(prefix="tunix-dpo-cache-")
+        common.persistent_cache(cache_dir)
     spec = common.load_model_spec(args.model_config, args.weights_dir, args.overrides)
     t0 = time.perf_counter()
     policy, init_note = common.build_llama(
         spec, weights_dir=args.weights_dir, seed=args.seed, dtype=args.dtype, remat=args.remat
     )
-    reference = nnx.clone(policy)
+    policy, reference, lora = common.policy_and_reference(policy, args)
     build_s = time.perf_counter() - t0
 
     config = dpo_trainer.DPOTrainingConfig(
@@ -181,6 +197,21 @@ def main(argv=None) -> None:
             "loop_compile_s": clock.snapshot()[0] - compile_all,
         }
 
+    memory = None
+    if args.memory:
+        example = sharding_utils.shard_input(trainer._prepare_inputs(batches[0]), config.data_sharding_axis)
+        # The function jit_train_and_eval_step wraps, jitted as it jits it (donating the optimizer).
+        jitted = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
+        before = clock.snapshot()
+        memory = common.compiled_memory(jitted, trainer.model, trainer.optimizer, example)
+        memory["aot_compile_s"] = clock.snapshot()[0] - before[0]
+        memory["policy_state_bytes"] = common.state_bytes(policy)
+        memory["optimizer_state_bytes"] = common.state_bytes(trainer.optimizer)
+        memory["reference_state_bytes"] = common.state_bytes(reference)
+        memory["what"] = ("peak_bytes: the jitted train step (policy fwd/bwd + update; its arguments are the policy "
+                          "and the optimizer), arguments + outputs - donated + temporaries; the reference forward "
+                          "is a separate jit, its weights (reference_state_bytes) stay resident besides")
+
     notes = [
         "step = DPOTrainer._prepare_inputs (reference forward, its own jit) + jitted "
         "train step (policy fwd/bwd + adamw update), both blocked; Tunix 0.1.7 has no "
@@ -202,7 +233,7 @@ def main(argv=None) -> None:
         "peer": "tunix",
         **common.versions(),
         "task": "dpo",
-        "model": common.shape_summary(spec) | {"n_params": common.count_params(policy)},
+        "model": common.shape_summary(spec) | {"n_params": common.count_params(reference if lora else policy)},
         "batch": args.batch,
         "seq": args.seq,
         "prompt_len": args.prompt_len,
@@ -232,6 +263,8 @@ def main(argv=None) -> None:
         "tokens_per_s": 2 * args.batch * args.seq / common.median(step_times),
         "loss_first_last": [losses[0], losses[-1]],
         "loop_check": loop,
+        "lora": lora,
+        "memory": memory,
         "devices": [str(d) for d in jax.devices()],
         "notes": " ".join(notes),
     }

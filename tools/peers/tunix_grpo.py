@@ -26,6 +26,12 @@ The script wraps those three calls and ``_run_global_step`` with timers (blockin
 their outputs); it does not change what they do. Tunix 0.1.7 exposes the same split
 through its perf tracer, but that path needs an export function per span; wrapping
 is simpler and measures the same calls.
+
+``--lora-rank R`` trains a qwix LoRA actor instead (``qwix.apply_lora_to_model`` on the
+seven projections, as Tunix's grpo_main does with a ``lora_config``; ``--lora-qtype nf4``
+for QLoRA); the reference is the adapter-free base, a separate copy (qwix clones the model
+it adapts). ``--memory`` reports the policy's, optimizer's and reference's resident bytes
+(the update runs inside RLCluster, so no compiled memory analysis here).
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
     p.add_argument("--remat", default="none", choices=("none", "block", "decoder"))
     p.add_argument("--seed", type=int, default=0)
+    common.add_lora_args(p)
     args = p.parse_args(argv)
     if args.prompt_len is None:
         args.prompt_len = args.seq // 2
@@ -120,7 +127,6 @@ def main(argv=None) -> None:
 
     import jax
     import optax
-    from flax import nnx
     from jax.interpreters import pxla
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.grpo import grpo_learner
@@ -132,8 +138,8 @@ def main(argv=None) -> None:
     policy, init_note = common.build_llama(
         spec, weights_dir=args.weights_dir, seed=args.seed, dtype=args.dtype, remat=args.remat
     )
-    reference = nnx.clone(policy)
-    n_params = common.count_params(policy)
+    policy, reference, lora = common.policy_and_reference(policy, args)
+    n_params = common.count_params(reference)
 
     gen_len = args.seq - args.prompt_len
     total_steps = args.warmup + args.steps
@@ -318,6 +324,9 @@ def main(argv=None) -> None:
         "generated_tokens_per_s": (args.batch * args.num_generations * gen_len) / median(rollout_times),
         "completion_length_mean": (sum(gen_lens) / len(gen_lens)) if gen_lens else None,
         "devices": [str(d) for d in jax.devices()],
+        "lora": lora,
+        "memory": {"policy_state_bytes": common.state_bytes(policy),
+                   "reference_state_bytes": common.state_bytes(reference)} if args.memory else None,
         "notes": " ".join(notes),
     }
     common.emit(result)
