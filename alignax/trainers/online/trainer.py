@@ -57,7 +57,7 @@ from alignax.sampling.scored import Groups, ScoredSampler
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import packing
 from alignax.trainers.engine.optim import build_optimizer
-from alignax.trainers.engine.precision import cast_params, frozen_params
+from alignax.trainers.engine.precision import frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
 from alignax.trainers.engine import adapters
 from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer, response_logps, split_params
@@ -130,13 +130,12 @@ class OnlineTrainer:
                                      pad_id=pad, num_samples=1)  # ReMax's baseline
         reward_models = None
         if config.rewards.reward_models:
+            # held in precision.frozen_dtype, as the judge and a PRM are (they compute in float32)
             reward_models = RewardModels.load(config.rewards.reward_models, mesh=self.mesh,
-                                              vocab_size=self.model_config.vocab_size)
-            # held in precision.frozen_dtype (they compute in float32, as RewardModels.load builds them)
-            reward_models = dataclasses.replace(reward_models, states=[
-                cast_params(s, config.precision.frozen) for s in reward_models.states])
+                                              vocab_size=self.model_config.vocab_size,
+                                              param_dtype=config.precision.frozen)
         self.scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=self.stop_ids,
-                                   reward_models=reward_models)
+                                   reward_models=reward_models, frozen_dtype=config.precision.frozen)
         self.sampler = ScoredSampler(self.graphdef, self.tokenizer, self.scorer, self.sampling, mesh=self.mesh,
                                      place=self.place)
         if config.env.name is not None:  # multi-turn: the environment gives the rewards
