@@ -137,10 +137,19 @@ class Estimate:
     peak_flops: float | None
     rollout_tokens: int | None = None
     suggestion: str | None = None
+    online: bool = False
 
     @property
     def total(self) -> float:
         return float(sum(self.items.values()))
+
+    def update_step_items(self) -> dict[str, float]:
+        """The items the compiled update step holds (what ``memory_analysis()`` of the
+        trainer's jitted step measures: arguments + outputs - aliased + temporaries): all
+        but the rollout's KV cache, and for online runs but the frozen models, which the
+        rollout's programs read (the update takes their log-probs)."""
+        left_out = ("KV cache", "reference", "reward models") if self.online else ("KV cache",)
+        return {k: v for k, v in self.items.items() if k not in left_out}
 
     @property
     def fits(self) -> bool | None:
@@ -283,10 +292,17 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
              "dots_saveable": inputs + projections + scores,
              "offload_dots": inputs}  # the projections wait in host memory
     kept = min(saved[config.model.remat], layer_set)
-    # every layer's saved set, and the rest of one layer while it is recomputed
-    items["activations"] = L * kept + (layer_set - kept)
-    chunk = min(config.model.logprob_chunk_size or length, length)
-    items["LM head buffers"] = per_device_rows * chunk * V * 4 * 3 / tensor
+    # every layer's saved set, and the rest of one layer while it is recomputed; a separate
+    # critic runs its own forward and backward in the same update
+    items["activations"] = (L * kept + (layer_set - kept)) * (2 if critic and assumptions == "standard" else 1)
+    # float32 logits of one chunk of positions (alignax.models.token_logprobs_from_hidden;
+    # the chunk is recomputed in the backward pass): one [rows, chunk, V] buffer live for
+    # log-probs alone, four when the online loss also takes the entropy (logits, softmax
+    # and their cotangents), as the compiled steps show (tools/estimate_vs_compiled.py).
+    # Online updates score the response positions only.
+    scored = config.rollout.max_new_tokens if online else length
+    chunk = min(config.model.logprob_chunk_size or scored, scored)
+    items["LM head buffers"] = per_device_rows * chunk * V * 4 * (4 if online else 1) / tensor
     rollout_tokens = None
     if online:
         kv_rows = rows / (data * fsdp)
@@ -317,7 +333,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     memory = device_memory_gb * GB if device_memory_gb is not None else None
     result = Estimate(items=items, flops=flops, devices=devices, mesh=(data, fsdp, tensor), device_memory=memory,
                       parameters=P, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
-                      rollout_tokens=rollout_tokens)
+                      rollout_tokens=rollout_tokens, online=online)
     if suggest and result.fits is False:
         result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops)
     return result

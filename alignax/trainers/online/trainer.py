@@ -335,6 +335,29 @@ class OnlineTrainer:
         self.initial_params = None
         return state, self.frozen_inputs(self.reference)
 
+    def minibatch_shapes(self) -> Minibatch:
+        """The :class:`Minibatch` an :attr:`update` takes, as ``jax.ShapeDtypeStruct`` with
+        its shardings: ``update.lower(state, frozen, trainer.minibatch_shapes())`` compiles
+        the update without a rollout (memory checks, alignax.estimate's calibration)."""
+        rows = self.rows // self.algorithm.minibatches
+        width = self.prompt_len + self.max_new
+
+        def array(shape, dtype):  # rows over the batch axes; a scalar replicated
+            sharding = (batch_sharding(self.mesh, len(shape)) if shape
+                        else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        per_token = array((rows, self.max_new), jnp.float32)
+        rollout = Rollout(tokens=array((rows, width), jnp.int32), positions=array((rows, width), jnp.int32),
+                          attention_mask=array((rows, width), jnp.int32), loss_mask=per_token,
+                          sampler_logps=per_token, old_logps=None if self.logps_from_update else per_token,
+                          ref_logps=per_token, old_values=per_token, advantages=per_token, returns=per_token)
+        ptx = None
+        if self.ptx is not None:
+            ptx = {k: array(v.shape, v.dtype) for k, v in self.next_ptx_batch().items()}
+        return Minibatch(rollout=rollout, kl_coef=array((), jnp.float32),
+                         schedule_position=array((), jnp.int32), ptx=ptx)
+
     # ------------------------------------------------------------------ one rollout step
     def rollout_key(self, state) -> tuple[int, jax.Array]:
         rollout_index = int(jax.device_get(state.extra["rollouts"]))
