@@ -277,6 +277,10 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         length = config.data.max_length
         train_rows = rows / accum
     per_device_rows = train_rows / (data * fsdp)
+    # Online groups packed into one row each (rollout.pack_groups) are counted as unpacked
+    # rows: packing has fewer tokens, but the compiled packed steps hold 1.6-2x more per
+    # token than this model of a layer gives; counting them unpacked errs high (GRPO, no
+    # remat: 1.34x the compiled step) where counting them packed erred low (0.8x).
     tokens = per_device_rows * length
     D, F, V, L = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
     heads = model.num_heads / tensor
@@ -303,6 +307,13 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     scored = config.rollout.max_new_tokens if online else length
     chunk = min(config.model.logprob_chunk_size or scored, scored)
     items["LM head buffers"] = per_device_rows * chunk * V * 4 * (4 if online else 1) / tensor
+    # The optimiser's step holds one float32 update per trained weight beside the
+    # gradients; it runs after the backward pass has let go of the activations and the
+    # LM-head buffers, so it adds only what it exceeds them by (as the compiled steps show).
+    if assumptions == "standard":
+        trained = (adapters if adapters is not None else P) + (scalar if critic else 0)
+        update = trained * 4 / shard
+        items["optimizer update"] = max(0.0, update - items["activations"] - items["LM head buffers"])
     rollout_tokens = None
     if online:
         kv_rows = rows / (data * fsdp)
