@@ -32,7 +32,8 @@ layer's input is kept and one layer's working set is live; without, every layer'
 working set. The states (weights, gradients, moments, master, frozen models) are exact.
 The transient terms (LM-head buffers, weights gathered whole under FSDP, the optimiser's
 update) are calibrated against compiled steps by tools/estimate_vs_compiled.py
-(docs/estimate_vs_compiled.json: 17 of 18 tiny and SmolLM2-shaped cases within 15%).
+(docs/estimate_vs_compiled.json: 19 of 22 tiny and SmolLM2-shaped cases within 15%; packed
+GRPO groups are over-counted, 1.3-1.5x).
 """
 
 from __future__ import annotations
