@@ -2,7 +2,7 @@
 
     alignax train  CONFIG.yaml [--overwrite] [--allow-changes] [--step N] [dotted.key=value ...]
     alignax eval   CONFIG.yaml [--step N] [dotted.key=value ...]
-    alignax export CONFIG.yaml [--out DIR] [--step N] [--critic] [dotted.key=value ...]
+    alignax export CONFIG.yaml [--out DIR] [--step N] [--critic] [--dtype D] [dotted.key=value ...]
     alignax estimate CONFIG.yaml [--devices N] [--device h100|v5e|...] [--device-memory GB]
                      [--mesh d,f,t] [--model PRESET] [--assumptions standard|seed] [--json]
 
@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--out", default=None, help="destination (default: <output_dir>/export)")
             p.add_argument("--critic", action="store_true",
                            help="PPO with a separate critic: also write the critic to <out>/critic")
+            p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                           help="dtype of the written weights (default: as the optimiser keeps them, the float32 "
+                                "master of a bfloat16 run)")
     p = sub.add_parser("estimate", help="per-device memory and step FLOPs of a recipe (alignax.estimate)")
     p.add_argument("config", help="recipe YAML")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
@@ -121,7 +124,7 @@ def _run(args) -> int:
     if args.command == "eval":
         print(json.dumps(api.evaluate(config, step=args.step)))
         return 0
-    print(api.export(config, args.out, step=args.step, critic=args.critic))
+    print(api.export(config, args.out, step=args.step, critic=args.critic, dtype=args.dtype))
     return 0
 
 

@@ -30,6 +30,10 @@ gradient for it.
 Activations are an estimate (the compiler decides what it keeps): with remat, each
 layer's input is kept and one layer's working set is live; without, every layer's
 working set. The states (weights, gradients, moments, master, frozen models) are exact.
+The transient terms (LM-head buffers, weights gathered whole under FSDP, the optimiser's
+update) are calibrated against compiled steps by tools/estimate_vs_compiled.py
+(docs/estimate_vs_compiled.json: 19 of 22 tiny and SmolLM2-shaped cases within 15%; packed
+GRPO groups are over-counted, 1.3-1.5x).
 """
 
 from __future__ import annotations
@@ -137,10 +141,19 @@ class Estimate:
     peak_flops: float | None
     rollout_tokens: int | None = None
     suggestion: str | None = None
+    online: bool = False
 
     @property
     def total(self) -> float:
         return float(sum(self.items.values()))
+
+    def update_step_items(self) -> dict[str, float]:
+        """The items the compiled update step holds (what ``memory_analysis()`` of the
+        trainer's jitted step measures: arguments + outputs - aliased + temporaries): all
+        but the rollout's KV cache, and for online runs but the frozen models, which the
+        rollout's programs read (the update takes their log-probs)."""
+        left_out = ("KV cache", "reference", "reward models") if self.online else ("KV cache",)
+        return {k: v for k, v in self.items.items() if k not in left_out}
 
     @property
     def fits(self) -> bool | None:
@@ -268,6 +281,10 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         length = config.data.max_length
         train_rows = rows / accum
     per_device_rows = train_rows / (data * fsdp)
+    # Online groups packed into one row each (rollout.pack_groups) are counted as unpacked
+    # rows: packing has fewer tokens, but the compiled packed steps hold 1.6-2x more per
+    # token than this model of a layer gives; counting them unpacked errs high (GRPO, no
+    # remat: 1.34x the compiled step) where counting them packed erred low (0.8x).
     tokens = per_device_rows * length
     D, F, V, L = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
     heads = model.num_heads / tensor
@@ -283,10 +300,32 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
              "dots_saveable": inputs + projections + scores,
              "offload_dots": inputs}  # the projections wait in host memory
     kept = min(saved[config.model.remat], layer_set)
-    # every layer's saved set, and the rest of one layer while it is recomputed
-    items["activations"] = L * kept + (layer_set - kept)
-    chunk = min(config.model.logprob_chunk_size or length, length)
-    items["LM head buffers"] = per_device_rows * chunk * V * 4 * 3 / tensor
+    # every layer's saved set, and the rest of one layer while it is recomputed; a separate
+    # critic runs its own forward and backward in the same update
+    items["activations"] = (L * kept + (layer_set - kept)) * (2 if critic and assumptions == "standard" else 1)
+    # float32 logits of one chunk of positions (alignax.models.token_logprobs_from_hidden;
+    # the chunk is recomputed in the backward pass): one [rows, chunk, V] buffer live for
+    # log-probs alone, four when the online loss also takes the entropy (logits, softmax
+    # and their cotangents), as the compiled steps show (tools/estimate_vs_compiled.py).
+    # Online updates score the response positions only.
+    scored = config.rollout.max_new_tokens if online else length
+    chunk = min(config.model.logprob_chunk_size or scored, scored)
+    items["LM head buffers"] = per_device_rows * chunk * V * 4 * (4 if online else 1) / tensor
+    # Under FSDP a weight is all-gathered whole where it is used: the embedding or LM head
+    # for the logits, and one layer at a time in the scan (models run one after another,
+    # so one model's at a time), in the dtype they are stored in.
+    if shard > 1 and assumptions == "standard":
+        embedding = V * D
+        layer = (P - embedding * (1 if model.tie_word_embeddings else 2)) / L
+        stored = p.frozen if adapters is not None else p.params
+        items["gathered weights"] = (embedding + layer) * stored / tensor
+    # The optimiser's step holds one float32 update per trained weight beside the
+    # gradients; it runs after the backward pass has let go of the activations and the
+    # LM-head buffers, so it adds only what it exceeds them by (as the compiled steps show).
+    if assumptions == "standard":
+        trained = (adapters if adapters is not None else P) + (scalar if critic else 0)
+        update = trained * 4 / shard
+        items["optimizer update"] = max(0.0, update - items["activations"] - items["LM head buffers"])
     rollout_tokens = None
     if online:
         kv_rows = rows / (data * fsdp)
@@ -317,7 +356,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     memory = device_memory_gb * GB if device_memory_gb is not None else None
     result = Estimate(items=items, flops=flops, devices=devices, mesh=(data, fsdp, tensor), device_memory=memory,
                       parameters=P, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
-                      rollout_tokens=rollout_tokens)
+                      rollout_tokens=rollout_tokens, online=online)
     if suggest and result.fits is False:
         result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops)
     return result

@@ -266,9 +266,10 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     reward_models = None
     if config.rewards.reward_models:
-        reward_models = RewardModels.load(config.rewards.reward_models, mesh=mesh, vocab_size=vocab_size)
+        reward_models = RewardModels.load(config.rewards.reward_models, mesh=mesh, vocab_size=vocab_size,
+                                          param_dtype=config.precision.frozen)
     scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=stop,
-                          reward_models=reward_models)
+                          reward_models=reward_models, frozen_dtype=config.precision.frozen)
     # Greedy by default; evaluate_policy sets its own decoding (the rollout's sampling
     # distribution is training's, not the evaluation's).
     sampling = SamplingConfig(max_new_tokens=rc.max_new_tokens, greedy=True, stop_token_ids=stop, pad_id=pad)

@@ -10,6 +10,8 @@
   a bfloat16 run resumes bit for bit (the master copy is in the checkpoint).
 - The initial params are let go once the train state exists: a step sees exactly the
   weight-sized buffers it needs.
+- Reward models, an LLM judge and a PRM are held in ``precision.frozen_dtype`` and score
+  within bfloat16 rounding of their float32 selves.
 """
 
 from __future__ import annotations
@@ -306,14 +308,21 @@ def test_every_trainer_steps_under_the_bfloat16_policy(tmp_path, toy_model, algo
     assert dtypes(state.params) == {"bfloat16"}
 
 
-def test_a_bfloat16_run_resumes_bit_for_bit(tmp_path, toy_model):
+def test_a_bfloat16_run_resumes_bit_for_bit_and_exports_its_master(tmp_path, toy_model):
     """tests/test_trainers.py::test_resume_reproduces_the_uninterrupted_run_bit_for_bit under
-    the bfloat16 policy: the float32 master copy and the moments come back from the checkpoint."""
+    the bfloat16 policy: the float32 master copy and the moments come back from the checkpoint.
+    ``alignax export`` writes that float32 master (not its bfloat16 rounding) unless
+    ``--dtype bfloat16`` is asked for."""
+    from alignax.models.hf import read_hf_tensors, to_hf_state_dict
+    from alignax.trainers.api import export
+
     records = separable_pairs(48)
 
+    def config(where, steps):
+        return tiny_config(tmp_path / where, "dpo", steps=steps, model_dir=toy_model, precision=BF16, dpo=DPO)
+
     def run(where, steps):
-        return train(tiny_config(tmp_path / where, "dpo", steps=steps, model_dir=toy_model, precision=BF16, dpo=DPO),
-                     records=records)
+        return train(config(where, steps), records=records)
 
     full = run("full", 6)
     first = run("split", 3)
@@ -324,6 +333,23 @@ def test_a_bfloat16_run_resumes_bit_for_bit(tmp_path, toy_model):
     a, b = nnx.state(full.model, nnx.Param), nnx.state(resumed.model, nnx.Param)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+    master = resumed.loop.state.opt_state.master  # the float32 copy the optimiser updates
+    as_master = nnx.clone(resumed.model)
+    nnx.update(as_master, master)
+    _, expected = to_hf_state_dict(as_master)
+    _, rounded = to_hf_state_dict(resumed.model)
+    written = read_hf_tensors(export(config("split", 6), str(tmp_path / "export")))
+    bf16 = read_hf_tensors(export(config("split", 6), str(tmp_path / "export-bf16"), dtype="bfloat16"))
+    assert written.keys() == expected.keys() == bf16.keys()
+    moved = 0
+    for name, value in expected.items():
+        assert value.dtype == written[name].dtype == np.float32, name
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+        assert bf16[name].dtype == rounded[name].dtype == jnp.bfloat16, name
+        np.testing.assert_array_equal(bf16[name], rounded[name], err_msg=name)
+        moved += int(np.sum(value != np.asarray(rounded[name], np.float32)))
+    assert moved > 0  # the master holds what its bfloat16 rounding lost
 
 
 # ---------------------------------------------------------------------------- the initial params are let go
@@ -421,9 +447,72 @@ def test_precision_keys_are_checked_when_the_config_loads():
     load_config(data={"algorithm": "grpo", "data": {"format": "prompt"}}, overrides=["precision.frozen_dtype=bfloat16"])
     load_config(data={"algorithm": "ppo", "data": {"format": "prompt"}},
                 overrides=["ppo.kl_coef=0", "rewards.reward_models=[runs/rm]", "precision.frozen_dtype=bfloat16"])
+    for scorer in (["rewards.judge_model=runs/judge"], ["grpo.advantage=process", "grpo.process_reward_model=runs/prm"]):
+        load_config(data={"algorithm": "grpo", "data": {"format": "prompt"}},
+                    overrides=["grpo.kl_coef=0", *scorer, "precision.frozen_dtype=bfloat16"])
+    assert "precision.frozen_dtype applies to a frozen model" in refused(
+        {"algorithm": "grpo", "data": {"format": "prompt"}}, ["grpo.kl_coef=0", "precision.frozen_dtype=bfloat16"])
     # a config built in code, never validated, is refused when the model is built
     from alignax.trainers.config import ModelSpec
     from alignax.trainers.engine.setup import build_model
 
     with pytest.raises(ValueError, match="model.dtype is no longer read: set precision.compute_dtype"):
         build_model(ModelSpec(dtype="bfloat16"))
+
+
+# ---------------------------------------------------------------------------- frozen scoring models
+@pytest.fixture(scope="module")
+def toy_scorer(tmp_path_factory, toy_model):
+    """A reward-model folder on the toy model (a fresh random score head)."""
+    from alignax.models import from_pretrained, save_pretrained
+
+    directory = str(tmp_path_factory.mktemp("toy-scorer"))
+    save_pretrained(from_pretrained(toy_model, kind="reward", new_head=True, seed=3), directory)
+    return directory
+
+
+def _param_dtypes(state) -> set[str]:
+    return dtypes(nnx.state(nnx.merge(*state) if isinstance(state, tuple) else state, nnx.Param))
+
+
+# bfloat16 keeps 8 significant bits: each weight is off by at most 2**-9 of itself; through
+# two layers computed in float32 the scores move by well under 2 % of their spread (measured
+# here: 0.11 %), where a wrong model or a missing head moves them by all of it.
+SCORE_RTOL = 2e-2
+
+
+def test_scoring_models_load_in_the_frozen_dtype_and_score_as_float32_does(tmp_path, toy_model, toy_scorer):
+    """Reward models, the LLM judge and a PRM hold their weights in ``param_dtype`` (the
+    run's ``precision.frozen_dtype``; float32 when not given) and compute in float32; a
+    bfloat16 reward model's scores are within :data:`SCORE_RTOL` of the float32 one's. The
+    online trainer loads each of them so (the evaluation passes the same key)."""
+    from alignax.rewards.composite import RewardModels
+    from alignax.rewards.judge import Judge
+    from alignax.rewards.process import ProcessRewardModel
+
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, 32, size=(6, 12)), jnp.int32)
+    attention = jnp.asarray(np.arange(12)[None] < rng.integers(4, 13, size=(6, 1)), jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(attention, axis=-1) - 1, 0)
+
+    scores = {}
+    for dtype, given in (("float32", {}), ("bfloat16", {"param_dtype": "bfloat16"})):
+        rms = RewardModels.load([toy_scorer], vocab_size=32, **given)
+        assert _param_dtypes(rms.states[0]) == {dtype}
+        scores[dtype] = rms.score_fn()(rms.states, tokens, positions, attention)[0]
+        assert scores[dtype].dtype == jnp.float32  # computed in float32 whatever the weights
+        assert _param_dtypes(ProcessRewardModel(toy_scorer, **given)._load()[1]) == {dtype}
+        assert _param_dtypes(Judge(toy_model, **given).state) == {dtype}
+    low, high = np.asarray(scores["bfloat16"], np.float64), np.asarray(scores["float32"], np.float64)
+    assert np.ptp(high) > 0 and not np.array_equal(low, high)  # bfloat16 weights do change the scores ...
+    np.testing.assert_allclose(low, high, atol=SCORE_RTOL * np.ptp(high), rtol=0)  # ... by rounding only
+
+    config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
+                        precision={"frozen_dtype": "bfloat16"},
+                        rewards={"reward_models": [toy_scorer], "judge_model": toy_model},
+                        grpo={"advantage": "process", "step_delimiter": "no", "process_reward_model": toy_scorer})
+    trainer = build_trainer(config, records=toy_prompts(8))
+    assert _param_dtypes(trainer.scorer.reward_models.states[0]) == {"bfloat16"}
+    assert _param_dtypes(trainer.scorer.judge.state) == {"bfloat16"}
+    assert _param_dtypes(trainer.algorithm.process_reward._load()[1]) == {"bfloat16"}
+    assert dtypes(trainer.initial_params) == {"float32"}  # the policy keeps precision.param_dtype

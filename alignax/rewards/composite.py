@@ -132,10 +132,12 @@ class RewardModels:
     states: list[nnx.State]
 
     @classmethod
-    def load(cls, paths: Sequence[str], *, mesh=None, vocab_size: int) -> RewardModels:
+    def load(cls, paths: Sequence[str], *, mesh=None, vocab_size: int, param_dtype: str = "float32") -> RewardModels:
+        """The reward models in ``paths``, their weights read straight into ``param_dtype``
+        (a run's ``precision.frozen_dtype``); they compute in float32 whatever it is."""
         graphdefs, states = [], []
         for path in paths:
-            model = models.from_pretrained(path, kind="reward", mesh=mesh)
+            model = models.from_pretrained(path, kind="reward", mesh=mesh, param_dtype=param_dtype)
             if model.config.vocab_size != vocab_size:
                 raise ValueError(
                     f"reward model {path} has vocab_size {model.config.vocab_size}; the policy has {vocab_size} "
@@ -162,7 +164,7 @@ class RewardScorer:
     """Scores a rollout: ``score(completions, references, tokens, response_mask, ...)``."""
 
     def __init__(self, section: RewardConfig, *, max_new_tokens: int, stop_token_ids: Sequence[int],
-                 reward_models: RewardModels | None = None):
+                 reward_models: RewardModels | None = None, frozen_dtype: str = "float32"):
         self.section = section
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = tuple(stop_token_ids)
@@ -170,7 +172,7 @@ class RewardScorer:
         self._score_rm = reward_models.score_fn() if reward_models is not None else None
         self.functions = {spec: (load_callable(spec), weight) for spec, weight in section.functions.items()}
         self.judge = (Judge(section.judge_model, rubric=section.judge_rubric, verdicts=section.judge_verdicts,
-                            score=section.judge_score) if section.judge_model else None)
+                            score=section.judge_score, param_dtype=frozen_dtype) if section.judge_model else None)
         if section.overlong_buffer is not None and not 0 < section.overlong_buffer <= max_new_tokens:
             raise ValueError(
                 f"rewards.overlong_buffer must be in (0, rollout.max_new_tokens={max_new_tokens}]; "

@@ -58,17 +58,20 @@ class Judge:
       verdicts: ``(positive, negative)`` answer texts, e.g. ``("yes", "no")``.
       score: ``logp`` or ``normalized`` (module docstring).
       bucket: sequences are right-padded to a multiple of this many tokens (fewer compiles).
+      param_dtype: the judge's weights (a run's ``precision.frozen_dtype``); it computes in
+        float32 whatever they are.
     """
 
     def __init__(self, model: str, *, rubric: str = DEFAULT_RUBRIC, verdicts: Sequence[str] = ("yes", "no"),
-                 score: str = "logp", mesh=None, bucket: int = 64):
+                 score: str = "logp", mesh=None, bucket: int = 64, param_dtype: str = "float32"):
         if "{completion}" not in rubric:
             raise ValueError(f"rewards.judge_rubric must contain {{completion}}; got {rubric!r}")
         if len(verdicts) != 2 or not all(v.strip() for v in verdicts) or verdicts[0] == verdicts[1]:
             raise ValueError(f"rewards.judge_verdicts must be two different non-empty texts; got {list(verdicts)}")
         if score not in JUDGE_SCORES:
             raise ValueError(f"rewards.judge_score {score!r}; valid: {', '.join(JUDGE_SCORES)}")
-        module, self.tokenizer = models.load(model, mesh=mesh, key="rewards.judge_model")
+        module, self.tokenizer = models.load(model, mesh=mesh, key="rewards.judge_model",
+                                            param_dtype=param_dtype)
         self.graphdef, self.state = nnx.split(module)
         self.rubric, self.verdicts, self.score_kind, self.bucket = rubric, tuple(verdicts), score, bucket
         self.verdict_ids = [self.tokenizer.encode(v, add_special_tokens=False) for v in self.verdicts]

@@ -135,19 +135,21 @@ class ProcessRewardModel:
     tokenizer (a token id beyond its vocabulary is an error); its weights are read at the
     first scoring. ``aggregation``: ``step`` (each step's own probability at its end
     token: dense process rewards) or one of :data:`STEP_AGGREGATIONS` (one score per
-    completion, on its last step).
+    completion, on its last step). ``param_dtype``: its weights (a run's
+    ``precision.frozen_dtype``); it computes in float32 whatever they are.
     """
 
-    def __init__(self, path: str, *, aggregation: str = "step", mesh=None, place: Callable | None = None):
+    def __init__(self, path: str, *, aggregation: str = "step", mesh=None, place: Callable | None = None,
+                 param_dtype: str = "float32"):
         if aggregation not in ("step", *STEP_AGGREGATIONS):
             raise ValueError(f"unknown PRM aggregation {aggregation!r}; valid: step, {', '.join(STEP_AGGREGATIONS)}")
-        self.path, self.aggregation, self.mesh = path, aggregation, mesh
+        self.path, self.aggregation, self.mesh, self.param_dtype = path, aggregation, mesh, param_dtype
         self.place = place or (lambda x: x)
         self._model = None
 
     def _load(self):
         if self._model is None:
-            model = models.from_pretrained(self.path, kind="reward", mesh=self.mesh)
+            model = models.from_pretrained(self.path, kind="reward", mesh=self.mesh, param_dtype=self.param_dtype)
             self._model = (*nnx.split(model), model.config.vocab_size)
         return self._model
 

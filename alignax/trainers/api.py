@@ -22,6 +22,7 @@ import jax
 
 from alignax import paths
 from alignax import config as config_io
+from alignax._checks import check_choice
 from alignax.checkpoint import Checkpointer
 from alignax.config import ConfigError
 from alignax.models import save_pretrained
@@ -29,6 +30,7 @@ from alignax.models.lora import save_peft_adapter
 from alignax.parallel import multihost
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
+from alignax.trainers.engine.precision import cast_floating, master_params
 from alignax.trainers.engine.session import TrainResult, checkpoint_dir
 from alignax.trainers import iterative
 from alignax.trainers.iterative import IterativeTrainer
@@ -122,8 +124,10 @@ def train(config: TrainConfig, *, records: Sequence[Mapping] | None = None) -> T
         return build_trainer(config, records=records).train()
 
 
-def restore_params(trainer, config: TrainConfig, step: int | None = None):
-    """The trained params of a run's checkpoint (the latest when ``step`` is None).
+def restore_params(trainer, config: TrainConfig, step: int | None = None, *, master: bool = False):
+    """The trained params of a run's checkpoint (the latest when ``step`` is None); with
+    ``master``, at the precision the optimiser keeps them (the float32 master copy of
+    bfloat16 params, :func:`~alignax.trainers.engine.precision.master_params`).
 
     A run with no checkpoint is an error naming the directory: evaluating or exporting the
     untrained starting weights by mistake would look like a result."""
@@ -136,7 +140,7 @@ def restore_params(trainer, config: TrainConfig, step: int | None = None):
                 template, _ = trainer.init_state()
                 # eval and export read a run; they never delete its corrupt steps
                 state, _ = checkpointer.restore(template, step, discard_corrupt=False)
-                return state.params
+                return master_params(state.params, state.opt_state) if master else state.params
     where = f"step {step}" if step is not None and steps else "checkpoint"
     found = f"; steps there: {', '.join(map(str, sorted(steps)))}" if steps else ""
     raise FileNotFoundError(f"no {where} under {directory} (train the run first, or check output_dir){found}")
@@ -156,17 +160,27 @@ def evaluate(config: TrainConfig, *, step: int | None = None,
 
 
 def export(config: TrainConfig, destination: str | None = None, *, step: int | None = None,
-           critic: bool = False) -> str:
+           critic: bool = False, dtype: str | None = None) -> str:
     """Write a run's trained model (latest checkpoint, or ``step``) as Hugging Face
     safetensors + tokenizer into ``destination`` (default ``<output_dir>/export``); with
     ``critic`` (PPO with a separate critic), the critic goes to ``<destination>/critic``. A LoRA
     run's model is written merged (``W + s A B``), and its adapter alone in PEFT's format
-    under ``<destination>/adapter`` (llama-like families)."""
+    under ``<destination>/adapter`` (llama-like families).
+
+    The trained weights are written as the optimiser holds them: a run with bfloat16 params
+    and a float32 master writes the float32 master (the bfloat16 params are its rounding,
+    and a fine-tune's updates can be finer than that rounding). ``dtype`` (``float32`` |
+    ``bfloat16``) casts them instead; frozen parts (a LoRA base) keep their dtype."""
     multihost.initialize(config.distributed)
     if algorithm(config.algorithm).family == "iterative":  # the rounds export their policies; step: a round
+        if dtype is not None:
+            raise ValueError("an iterative run's export copies a round's saved policy; --dtype does not apply")
         return iterative.export(config, destination, step=step)
     trainer = build_trainer(config, with_data=False)
-    params = restore_params(trainer, config, step)
+    params = restore_params(trainer, config, step, master=True)
+    if dtype is not None:
+        check_choice("export dtype", dtype, ("float32", "bfloat16"))
+        params = cast_floating(params, dtype)
     if jax.process_count() > 1:  # every process takes part in gathering; process 0 writes
         params = multihost.replicated(params, trainer.mesh)
     destination = destination or os.path.join(config.output_dir, "export")

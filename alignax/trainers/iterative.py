@@ -40,7 +40,7 @@ from alignax.models import save_pretrained
 from alignax.parallel.sharding import mesh_for_shape
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
-from alignax.trainers.engine.precision import frozen_params
+from alignax.trainers.engine.precision import frozen_params, master_params
 from alignax.trainers.engine.session import TrainResult
 from alignax.trainers.engine.setup import build_model, load_tokenizer, split_params
 from alignax.trainers.offline import preference
@@ -200,9 +200,11 @@ class IterativeTrainer:
         cfg, figures = self.prepare_round(r)
         original = self.config if self.config.iterative.reference == "original" else None
         with rundir.claim(cfg):
-            result = _RoundTrainer(cfg, original).train()
+            trainer = _RoundTrainer(cfg, original)
+            result = trainer.train()
         target = _export_dir(self.config, r)
-        save_pretrained(result.model, target + ".tmp")
+        state = result.loop.state  # the next round starts from the weights as the optimiser holds them (float32 master)
+        save_pretrained(trainer.model_from(master_params(state.params, state.opt_state)), target + ".tmp")
         self.tokenizer.save_pretrained(target + ".tmp")
         os.replace(target + ".tmp", target)
         self._figures[r] = {**figures, **{f"eval/{k}": v for k, v in self.judge(result.model).items()}}

@@ -284,14 +284,17 @@ def _data_rules(prefix: str) -> list[Rule]:
 _PREF_SMOOTHED = ("sigmoid", "robust", "exo_pair")  # alignax.losses.preference: eps of these only
 
 # Frozen models (alignax.trainers.engine.precision.frozen_params): the reference policy of
-# the DPO family and of online RL with a KL, and the reward models online training scores with.
+# the DPO family and of online RL with a KL, and the models online training scores with
+# (reward models, an LLM judge, a PRM as GRPO's process reward).
 FROZEN_MODELS = Named(
     "a frozen model: a reference policy (algorithm dpo with dpo.loss=dpo|kto; grpo.kl_coef > 0; ppo.kl_coef > 0) "
-    "or reward models of online training (rewards.reward_models with algorithm grpo|ppo)",
+    "or a scoring model of online training (rewards.reward_models or rewards.judge_model with algorithm grpo|ppo; "
+    "grpo.process_reward_model)",
     AnyOf(All(Is("algorithm", "dpo", "iterative_dpo"), Is("dpo.loss", "dpo", "kto")),
           All(Is("algorithm", "grpo"), Above("grpo.kl_coef", 0)),
           All(Is("algorithm", "ppo"), Above("ppo.kl_coef", 0)),
-          All(ONLINE, Given("rewards.reward_models"))))
+          All(ONLINE, AnyOf(Given("rewards.reward_models"), Given("rewards.judge_model"))),
+          All(Is("algorithm", "grpo"), Given("grpo.process_reward_model"))))
 
 KEY_RULES: tuple[Rule, ...] = (
     # --- shared by every algorithm

@@ -155,6 +155,20 @@ def with_precision(optimizer: optax.GradientTransformation, policy: PrecisionCon
     return float32_arithmetic(optimizer)
 
 
+def master_params(params: Any, opt_state: Any) -> Any:
+    """The trained weights at the precision the optimiser keeps them: each leaf of
+    ``params`` replaced by its master copy where ``opt_state`` holds a
+    :class:`MasterWeightsState` (anywhere in it: under ``optax.chain``, or per label under
+    ``optax.multi_transform``, whose masked-out leaves are ``optax.MaskedNode``); ``params``
+    itself when it holds none (float32 runs, ``master_dtype: null``). What an export writes."""
+    states = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
+    out = params
+    for state in states:
+        if isinstance(state, MasterWeightsState):
+            out = jax.tree.map(lambda p, m: p if isinstance(m, optax.MaskedNode) else m, out, state.master)
+    return out
+
+
 # ---------------------------------------------------------------------------- frozen models
 def cast_params(state: Any, dtype) -> Any:
     """An ``nnx.State`` (or plain pytree) with its ``nnx.Param`` arrays in ``dtype``; other

@@ -77,7 +77,8 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
         min_group_size=1 if method == "remax" else 2,
         greedy_baseline=method == "remax",
         process_reward=(None if method != "process" else
-                        ProcessRewardModel(gc.process_reward_model, aggregation=gc.process_reward_aggregation)
+                        ProcessRewardModel(gc.process_reward_model, aggregation=gc.process_reward_aggregation,
+                                           param_dtype=config.precision.frozen)
                         if gc.process_reward_model else load_callable(gc.process_reward)),
         step_delimiter=gc.step_delimiter,
         dynamic_sampling_refills=gc.max_refills if gc.dynamic_sampling else None,

@@ -58,7 +58,7 @@ from alignax.sampling.scored import Groups, ScoredSampler
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import packing
 from alignax.trainers.engine.optim import build_optimizer
-from alignax.trainers.engine.precision import cast_params, compute_copy, frozen_params
+from alignax.trainers.engine.precision import compute_copy, frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
 from alignax.trainers.engine import adapters
 from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer, response_logps, split_params
@@ -136,13 +136,12 @@ class OnlineTrainer:
                                      pad_id=pad, num_samples=1)  # ReMax's baseline
         reward_models = None
         if config.rewards.reward_models:
+            # held in precision.frozen_dtype, as the judge and a PRM are (they compute in float32)
             reward_models = RewardModels.load(config.rewards.reward_models, mesh=self.mesh,
-                                              vocab_size=self.model_config.vocab_size)
-            # held in precision.frozen_dtype (they compute in float32, as RewardModels.load builds them)
-            reward_models = dataclasses.replace(reward_models, states=[
-                cast_params(s, config.precision.frozen) for s in reward_models.states])
+                                              vocab_size=self.model_config.vocab_size,
+                                              param_dtype=config.precision.frozen)
         self.scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=self.stop_ids,
-                                   reward_models=reward_models)
+                                   reward_models=reward_models, frozen_dtype=config.precision.frozen)
         # lora.merge_for_sampling: the sampler runs the merged model (W + s A B, once per rollout)
         self.merge_sampling = config.lora is not None and config.lora.merge_for_sampling
         self.sampling_graphdef = self.graphdef
@@ -400,6 +399,29 @@ class OnlineTrainer:
                               else frozen_params(initial, self.config.precision))
         self.initial_params = None
         return state, self.frozen_inputs(self.reference)
+
+    def minibatch_shapes(self) -> Minibatch:
+        """The :class:`Minibatch` an :attr:`update` takes, as ``jax.ShapeDtypeStruct`` with
+        its shardings: ``update.lower(state, frozen, trainer.minibatch_shapes())`` compiles
+        the update without a rollout (memory checks, alignax.estimate's calibration)."""
+        rows = self.rows // self.algorithm.minibatches
+        width = self.prompt_len + self.max_new
+
+        def array(shape, dtype):  # rows over the batch axes; a scalar replicated
+            sharding = (batch_sharding(self.mesh, len(shape)) if shape
+                        else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        per_token = array((rows, self.max_new), jnp.float32)
+        rollout = Rollout(tokens=array((rows, width), jnp.int32), positions=array((rows, width), jnp.int32),
+                          attention_mask=array((rows, width), jnp.int32), loss_mask=per_token,
+                          sampler_logps=per_token, old_logps=None if self.logps_from_update else per_token,
+                          ref_logps=per_token, old_values=per_token, advantages=per_token, returns=per_token)
+        ptx = None
+        if self.ptx is not None:
+            ptx = {k: array(v.shape, v.dtype) for k, v in self.next_ptx_batch().items()}
+        return Minibatch(rollout=rollout, kl_coef=array((), jnp.float32),
+                         schedule_position=array((), jnp.int32), ptx=ptx)
 
     # ------------------------------------------------------------------ one rollout step
     def rollout_key(self, state) -> tuple[int, jax.Array]:

@@ -1,0 +1,197 @@
+"""``alignax estimate`` against XLA: the estimator's per-device bytes beside the compiled
+step's ``memory_analysis()`` (arguments + outputs - aliased + temporaries), per case.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --out docs/estimate_vs_compiled.json
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --models tiny --devices 1 --remat none full
+
+Cases: DPO, GRPO and PPO (``configs/tiny-<algorithm>.yaml``) on the tiny random model of
+those recipes and on SmolLM2-135M's shape (random weights), under each ``--remat``
+policy (scanned layers, as the large recipes run), on 1 device and on 8 fake CPU devices
+(``mesh.shape=[1, N, 1]``, all FSDP); each device count is one subprocess (the count is
+fixed when jax is imported). The program compiled is the one the trainer runs: the
+offline trainer's ``step`` on a batch of its data, the online trainer's ``update`` on a
+minibatch of the rollout's shapes (the rollout itself, with its KV cache, is another
+program: the estimate's ``update_step_items``, without the KV cache, and online without
+the reference and reward models, which the rollout's programs read). With ``--llama7b``, the
+Llama-2-7B-shaped DPO and GRPO steps of tests/fsdp_compile_check.py (abstract weights,
+compiled and never run) on 8 and 64 fake devices, against the estimate of the same
+shapes.
+
+Each row: the estimate's items, the compiled figures, and ``ratio`` = estimate /
+compiled (within 0.85..1.15 is the issue's bar); the states (weights, gradients, moments,
+master, frozen models) are compared with the arguments, the rest with the temporaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ALGORITHMS = ("dpo", "grpo", "ppo")
+SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "head_dim": 64, "intermediate_size": 1536}
+STATES = ("weights", "gradients", "moments", "master", "reference", "reward models", "frozen base")
+
+
+def case_overrides(algorithm: str, model: str, devices: int, remat: str, output_dir: str) -> list[str]:
+    """The dotted overrides of one case on ``configs/tiny-<algorithm>.yaml``."""
+    out = [f"output_dir={output_dir}", f"mesh.shape=[1, {devices}, 1]", "model.scan_layers=true",
+           f"model.remat={remat}", "data.batch_size=8", "train.total_steps=1"]
+    if model == "smollm2-135m":
+        out.append("model.random_init=" + json.dumps(SMOLLM2))
+    return out
+
+
+def compiled_figures(compiled) -> dict[str, int]:
+    memory = compiled.memory_analysis()
+    out = {k: int(getattr(memory, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def case_config(algorithm: str, model: str, devices: int, remat: str, output_dir: str = "runs/estimate-check"):
+    from alignax.trainers import api
+
+    return api.load_config(str(ROOT / "configs" / f"tiny-{algorithm}.yaml"),
+                           case_overrides(algorithm, model, devices, remat, output_dir))
+
+
+def estimate_items(spec: dict) -> dict[str, float]:
+    """The estimator's per-device items for a row's ``spec`` (cheap: no compile)."""
+    from alignax.estimate import estimate, model_config_for
+
+    if spec["model"] == "llama-2-7b":
+        config = llama7b_config(spec["algorithm"], spec["devices"])
+        model = model_config_for(config, "llama-2-7b")
+    else:
+        config = case_config(spec["algorithm"], spec["model"], spec["devices"], spec["remat"])
+        model = model_config_for(config)
+    return estimate(config, model=model, devices=spec["devices"], mesh=(1, spec["devices"], 1)).update_step_items()
+
+
+def measure_case(algorithm: str, model: str, devices: int, remat: str) -> dict:
+    from alignax.trainers import api
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = case_config(algorithm, model, devices, remat, tmp)
+        trainer = api.build_trainer(config)
+        state, frozen = trainer.start()
+        if algorithm == "dpo":
+            frozen = trainer.frozen_inputs(frozen)
+            batch = trainer.placer(next(trainer.data.iterator("train")))
+            compiled = trainer.step.lower(state, frozen, batch).compile()
+        else:
+            compiled = trainer.update.lower(state, frozen, trainer.minibatch_shapes()).compile()
+        figures = compiled_figures(compiled)
+    return row({"algorithm": algorithm, "model": model, "devices": devices, "remat": remat}, figures)
+
+
+def row(spec: dict, figures: dict) -> dict:
+    items = estimate_items(spec)
+    name = f"{spec['algorithm']} {spec['model']} {spec['devices']} dev remat={spec['remat']}"
+    step_items = {k: float(v) for k, v in items.items() if v}
+    states = sum(v for k, v in step_items.items() if any(s in k for s in STATES))
+    total = sum(step_items.values())
+    return {"case": name, "spec": spec, "estimate_bytes": total, "compiled_bytes": figures["total"],
+            "ratio": round(total / figures["total"], 3),
+            "states_estimate_bytes": states, "compiled_argument_bytes": figures["argument"],
+            "rest_estimate_bytes": total - states, "compiled_temp_bytes": figures["temp"],
+            "estimate_items": step_items, "compiled": figures}
+
+
+def worker(args) -> None:
+    rows = []
+    for model in args.models:
+        for algorithm in args.algorithms:
+            for remat in args.remat:
+                rows.append(measure_case(algorithm, model, args.worker, remat))
+                print(json.dumps({k: rows[-1][k] for k in ("case", "ratio")}), file=sys.stderr, flush=True)
+    print(json.dumps(rows))
+
+
+def llama7b_config(program: str, devices: int):
+    """The config of tests/fsdp_compile_check.py's program: Llama-2-7B, float32 params and
+    reference, bfloat16 compute, AdamW, remat ``full``, scanned layers, one pair (DPO) or
+    row (GRPO, live reference, k3 KL) of 512 tokens per device, log-probs in chunks of 128."""
+    from alignax.trainers.api import load_config
+
+    common = [f"mesh.shape=[1, {devices}, 1]", "model.remat=full", "model.scan_layers=true",
+              "model.logprob_chunk_size=128", "precision.compute_dtype=bfloat16"]
+    if program == "dpo":
+        config = load_config(str(ROOT / "configs" / "dpo.yaml"), [
+            *common, f"data.batch_size={devices}", "data.max_length=512", "data.max_prompt_length=256",
+            "data.max_response_length=256", "train.grad_accum_steps=1"])
+    else:
+        config = load_config(str(ROOT / "configs" / "grpo.yaml"), [
+            *common, f"data.batch_size={devices}", "rollout.num_samples=1", "data.max_prompt_length=256",
+            "rollout.max_new_tokens=256", "grpo.minibatches=1", "train.grad_accum_steps=1", "grpo.kl_coef=0.04",
+            "rewards.reward_models=null"])
+    return config
+
+
+def llama7b(devices: int, program: str) -> dict:
+    """tests/fsdp_compile_check.py's ``program`` compiled on ``devices`` fake devices (never
+    run) against the estimate of :func:`llama7b_config`."""
+    from tests.fake_devices import run_check
+
+    compiled = run_check("fsdp_compile_check.py", "--program", program, devices=devices, timeout=3600)
+    memory = compiled["memory"]
+    spec = {"algorithm": program, "model": "llama-2-7b", "devices": devices, "remat": "full"}
+    return row(spec, {"argument": memory["argument"], "output": memory["output"], "alias": memory["alias"],
+                "temp": memory["temp"], "total": memory["total"]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m"], choices=("tiny", "smollm2-135m"))
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--devices", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--remat", nargs="+", default=["none", "full"],
+                        choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
+    parser.add_argument("--llama7b", nargs="*", type=int, default=None, metavar="DEVICES",
+                        help="also the compile-only Llama-2-7B DPO and GRPO steps on these device counts (8 64)")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--reestimate", metavar="JSON",
+                        help="recompute the estimates of a earlier output's rows (its compiled figures stay)")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    if args.worker is not None:
+        return worker(args)
+    if args.reestimate:
+        rows = [row(r["spec"], r["compiled"]) for r in json.loads(Path(args.reestimate).read_text())["rows"]]
+        return finish(rows, args.out)
+    rows = []
+    for devices in args.devices:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
+        command = [sys.executable, __file__, "--worker", str(devices), "--models", *args.models,
+                   "--algorithms", *args.algorithms, "--remat", *args.remat]
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
+        rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
+    for devices in args.llama7b or ():
+        for program in ("dpo", "grpo"):
+            rows.append(llama7b(devices, program))
+            print(json.dumps({k: rows[-1][k] for k in ("case", "ratio")}), file=sys.stderr, flush=True)
+    finish(rows, args.out)
+
+
+def finish(rows: list[dict], out_path: str | None) -> None:
+    out = {"bar": "estimate within 15% of compiled (ratio 0.85..1.15)",
+           "within_15_percent": sum(0.85 <= r["ratio"] <= 1.15 for r in rows), "cases": len(rows), "rows": rows}
+    text = json.dumps(out, indent=1)
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(text + "\n", encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
