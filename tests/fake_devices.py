@@ -25,10 +25,30 @@ def subprocess_env(devices: int, **extra: str) -> dict:
                 PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]), **extra)
 
 
+def json_objects(text: str) -> list[dict]:
+    """The JSON objects a check printed to stdout, in order. Libraries write to the same
+    stdout from threads of their own (gloo announces its peers), on lines of their own or
+    between a result and ``print``'s newline (seen: ``{...}[Gloo] Rank 0 is connected to 1
+    peer ranks``), so each object is read from its first brace to its end (``raw_decode``)
+    rather than as a whole line."""
+    decoder, found = json.JSONDecoder(), []
+    for line in text.splitlines():
+        start = line.find("{")
+        while start != -1:
+            try:
+                obj, end = decoder.raw_decode(line, start)
+            except ValueError:
+                start = line.find("{", start + 1)
+                continue
+            if isinstance(obj, dict):
+                found.append(obj)
+            start = line.find("{", end)
+    return found
+
+
 def last_json_line(text: str) -> dict:
-    """The last line of a check's stdout that is a JSON object: its result. Libraries print
-    lines of their own to stdout too (gloo announces its peers), sometimes after it."""
-    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+    """The last JSON object of a check's stdout: its result (see :func:`json_objects`)."""
+    return json_objects(text)[-1]
 
 
 def run_check(script: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.fake_devices import subprocess_env
+from tests.fake_devices import json_objects, subprocess_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,7 +35,7 @@ def launch(num_processes: int, jobs: list[dict], *, devices: int) -> list[dict]:
     for proc in procs:
         out, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, out[-2000:] + err[-4000:]
-        results.append([json.loads(line) for line in out.splitlines() if line.startswith('{"job"')])
+        results.append([r for r in json_objects(out) if "job" in r])
     return results
 
 
