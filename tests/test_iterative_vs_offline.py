@@ -4,23 +4,13 @@ fixed pairs for the same prompts; both arms train, and are judged on the held-ou
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
 from alignax.data import write_jsonl
 from tests.rl_toy import toy_prompts
-
-TOOL = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "iterative_vs_offline.py")
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("iterative_vs_offline_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tools import iterative_vs_offline as tool  # tools/ is a namespace package beside tests/
 
 
 def test_both_arms_train_on_the_same_number_of_pairs_for_the_same_prompts(tmp_path, toy_model):
@@ -29,7 +19,6 @@ def test_both_arms_train_on_the_same_number_of_pairs_for_the_same_prompts(tmp_pa
     # the fixed set: a pair for every training prompt, all "yes" against all "no"
     write_jsonl([{"prompt": r["prompt"], "chosen": "yes yes yes", "rejected": "no no no"} for r in prompts[:16]],
                 tmp_path / "offline.jsonl")
-    tool = load_tool()
     args = tool.parse_args(["--out", str(tmp_path / "out"), "--model", toy_model,
                             "--prompts", str(tmp_path / "prompts.jsonl"),
                             "--offline-pairs", str(tmp_path / "offline.jsonl"),
@@ -67,7 +56,6 @@ def test_both_arms_train_on_the_same_number_of_pairs_for_the_same_prompts(tmp_pa
 
 
 def test_too_few_offline_pairs_is_an_error_naming_the_set(tmp_path):
-    tool = load_tool()
     write_jsonl([{"prompt": "hi there", "chosen": "yes", "rejected": "no"}], tmp_path / "offline.jsonl")
     args = tool.parse_args(["--offline-pairs", str(tmp_path / "offline.jsonl")])
     sampled = [{"prompt": "hi there"}, {"prompt": "bye now"}]
