@@ -5,7 +5,8 @@ Trains an outcome reward model (configs/reward.yaml) and a process reward model
 (configs/prm.yaml) for ``--steps`` steps each (skipped when their export exists), then
 samples ``--n`` completions of ``--prompts`` held-out questions from the untrained policy
 and reports ``best_of_n/<selector>@N`` (alignax.evaluation, evaluation.best_of_n). Prints
-one JSON object (figures and seconds per stage).
+one JSON object (settings, figures, seconds per stage and in all, and the machine's load
+average at the start and the end).
 
     .venv/bin/python tools/best_of_n_curves.py [--out runs/bon --steps 30 --n 8 --prompts 32]
 """
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches judging each trained selector")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (training and sampling)")
     args = parser.parse_args()
 
     from alignax.data import DataConfig
@@ -34,8 +36,9 @@ def main() -> None:
     from alignax.trainers.engine.setup import build_model, load_tokenizer
 
     seconds: dict[str, float] = {}
+    began, load_before = time.perf_counter(), os.getloadavg()
     common = [f"train.total_steps={args.steps}", "train.eval_every=0", "train.save_every=0", "logging.tensorboard=false",
-              "data.batch_size=8", f"train.eval_batches={args.eval_batches}"]
+              f"data.batch_size={args.batch_size}", f"train.eval_batches={args.eval_batches}"]
     selectors = {}
     for name, recipe in (("orm", "configs/reward.yaml"), ("prm", "configs/prm.yaml")):
         folder = os.path.join(args.out, name, "export")
@@ -52,7 +55,7 @@ def main() -> None:
     config = load_config(data={
         "algorithm": "grpo", "output_dir": os.path.join(args.out, "policy"),
         "data": {"paths": ["reasoning_gym:chain_sum?size=400&seed=7&max_terms=3&max_digits=1"], "format": "prompt",
-                 "max_prompt_length": 128, "batch_size": 8, "eval_fraction": 0.2},
+                 "max_prompt_length": 128, "batch_size": args.batch_size, "eval_fraction": 0.2},
         "rollout": {"max_new_tokens": args.max_new_tokens},
         "rewards": {"verifier_weight": 1.0},
         "evaluation": {"max_prompts": args.prompts, "temperature": 1.0,
@@ -63,9 +66,11 @@ def main() -> None:
     figures = evaluate_model(model, load_tokenizer(config.model), config,
                              prompts=DataConfig(paths=("reasoning_gym:chain_sum?size=400&seed=7&max_terms=3&"
                                                        "max_digits=1",), format="prompt", max_prompt_length=128,
-                                                batch_size=8, read_threads=0))
+                                                batch_size=args.batch_size, read_threads=0))
     seconds["best_of_n"] = time.perf_counter() - start
-    print(json.dumps({"figures": figures, "selectors": selectors, "seconds": seconds}, indent=1))
+    seconds["total"] = time.perf_counter() - began
+    print(json.dumps({"settings": vars(args), "figures": figures, "selectors": selectors, "seconds": seconds,
+                      "loadavg": {"start": load_before, "end": os.getloadavg()}}, indent=1))
 
 
 if __name__ == "__main__":
