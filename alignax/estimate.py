@@ -23,7 +23,9 @@ frozen copy in ``precision.frozen_dtype`` ("frozen base"), and the reference is 
 base with the adapters off (nothing more). QLoRA (``lora.quantize``): the seven
 projections of the base at 1 (int8) or 1/2 (nf4) byte a weight plus a float32 scale per
 ``lora.quant_block_size`` weights; embeddings, norms and an untied LM head in the frozen
-dtype. The update's backward pass still carries
+dtype. PPO's ``critic: adapter``: the critic's trained weights are its own adapter (on the
+decoder's projections; a value model has no LM head) and value head, on the same frozen
+base. The update's backward pass still carries
 activation gradients through the base (``4 N`` FLOPs per token) but computes no weight
 gradient for it.
 
@@ -38,7 +40,6 @@ GRPO groups are over-counted, 1.3-1.5x).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -261,9 +262,15 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     if assumptions == "seed" and online:
         n_reward_models = max(n_reward_models, 1)  # the seed's GRPO/PPO count a reward model
     items["reward models"] = n_reward_models * scalar * p.frozen / shard
-    critic = algorithm == "ppo" and (config.ppo.critic == "separate" or assumptions == "seed")
+    critic_kind = config.ppo.critic if algorithm == "ppo" else None
+    critic = algorithm == "ppo" and (critic_kind in ("separate", "adapter") or assumptions == "seed")
+    critic_trained = scalar
+    if critic_kind == "adapter" and adapters is not None:
+        # ppo.critic=adapter: its own adapter on the policy's frozen base (no second base;
+        # a value model has no LM head to adapt) and a value head
+        critic_trained = adapter_parameter_count(model, lora, lm_head=False) + model.hidden_size
     if critic:
-        for key, value in _trained(scalar, p, shard).items():
+        for key, value in _trained(critic_trained, p, shard).items():
             items[f"critic {key}"] = value
 
     # ---- activations, LM head, KV cache (per device)
@@ -323,7 +330,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     # gradients; it runs after the backward pass has let go of the activations and the
     # LM-head buffers, so it adds only what it exceeds them by (as the compiled steps show).
     if assumptions == "standard":
-        trained = (adapters if adapters is not None else P) + (scalar if critic else 0)
+        trained = (adapters if adapters is not None else P) + (critic_trained if critic else 0)
         update = trained * 4 / shard
         items["optimizer update"] = max(0.0, update - items["activations"] - items["LM head buffers"])
     rollout_tokens = None
@@ -344,7 +351,9 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                  "policy forward": 2 * non_embedding * rows * length,
                  "reference forward": 2 * non_embedding * rows * length if uses_reference else 0.0}
         if critic:
-            flops["critic update"] = trained_tokens * (6 * non_embedding + attention)
+            critic_update = 6 * non_embedding if critic_kind != "adapter" or adapters is None else (
+                4 * non_embedding + 6 * critic_trained)
+            flops["critic update"] = trained_tokens * (critic_update + attention)
             flops["critic forward"] = 2 * non_embedding * rows * length
         if n_reward_models:
             flops["reward models"] = n_reward_models * 2 * non_embedding * rows * length

@@ -221,3 +221,19 @@ def test_critic_adapter_trains_the_base_stays_and_resume_is_bit_identical(ppo_lo
     again, _ = trainer.rollout_step(restored, frozen, ppo_lora["batch"], ppo_lora["batches"])
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------- the estimator
+def test_the_estimator_counts_the_critic_adapter_not_a_second_model(ppo_lora):
+    """``alignax estimate`` for ``ppo.critic: adapter``: the critic's trained weights (and
+    their gradients, moments) are the critic's adapter and value head as the trainer builds
+    them, not a second decoder; the base is counted once."""
+    from alignax import estimate as est
+
+    trainer, state = ppo_lora["trainer"], ppo_lora["state"]
+    items = est.estimate(trainer.config, model=trainer.model_config, devices=1).items
+    critic = sum(x.size for x in jax.tree.leaves(state.params["critic"]))
+    policy = sum(x.size for x in jax.tree.leaves(state.params["policy"]))
+    assert state.params["critic"]["value_head"] is not None and critic < policy + 64  # adapters + a D-wide head
+    assert items["critic weights"] == critic * 4 and items["critic optimizer moments"] == critic * 8  # float32
+    assert items["policy weights"] == policy * 4

@@ -211,14 +211,16 @@ def projection_sizes(config) -> dict[str, tuple[int, int]]:
     return sizes
 
 
-def adapter_parameter_count(config, spec: LoraConfig) -> int:
+def adapter_parameter_count(config, spec: LoraConfig, *, lm_head: bool = True) -> int:
     """Adapter weights ``spec`` puts on a model of ``config`` (a ``ModelConfig``): ``r (in +
     out)`` per targeted projection and layer (what :func:`count_adapter_params` counts on a
-    built model, from the shape alone)."""
+    built model, from the shape alone). ``lm_head=False``: a model without an LM head (a
+    value model: PPO's adapter critic)."""
     D = config.hidden_size
     sizes = projection_sizes(config)
     per_layer = sum(spec.rank * (i + o) for t, (i, o) in sizes.items() if t in spec.targets)
-    head = spec.rank * (D + config.vocab_size) if "lm_head" in spec.targets and not config.tie_word_embeddings else 0
+    head = spec.rank * (D + config.vocab_size) if (
+        lm_head and "lm_head" in spec.targets and not config.tie_word_embeddings) else 0
     return config.num_layers * per_layer + head
 
 
