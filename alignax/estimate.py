@@ -40,6 +40,7 @@ GRPO groups are over-counted, 1.3-1.5x).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
