@@ -21,6 +21,7 @@ import jax
 
 from alignax.parallel import multihost
 from alignax.trainers.api import build_trainer
+from tests.fake_devices import leave_processes
 from tests.toy_agent import agent_config, agent_tokenizer, lookup_records
 
 
@@ -51,4 +52,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if main() == 0:
+        leave_processes()
+    sys.exit(1)

@@ -21,6 +21,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from tests.fake_devices import leave_processes
+
 
 def main() -> None:
     process_id, num_processes, port, jobs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
@@ -75,3 +77,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_processes()

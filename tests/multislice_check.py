@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tests.fake_devices import leave_processes
+
 
 def main() -> None:
     process_id, num_processes, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -50,3 +52,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_processes()
