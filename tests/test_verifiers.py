@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alignax.rewards.verifiers import answer_reward, extract_answer, format_reward, verifier_rewards
+from alignax.rewards.verifiers import answer_reward, extract_answer, format_reward, numeric_closeness, verifier_rewards
 
 REF = {"answer": "-4", "task": "chain_sum"}
 
@@ -111,3 +111,14 @@ def test_with_task_fills_only_records_that_name_none():
     with pytest.raises(ValueError, match="names no reasoning-gym task"):
         outcome_on_last_step(steps, records[:1])
     assert outcome_on_last_step(steps, with_task(records[:1], "chain_sum"))[0][-1] == 1.0
+
+
+def test_numeric_closeness_grades_near_misses_worked_by_hand():
+    refs = [{"answer": "17"}] * 5
+    completions = ["<answer>17</answer>", "so it is 15", "<answer>20</answer> then 17", "no number here", "-3"]
+    # exact; |15-17| = 2 -> 1/3; the tag wins over a later number: |20-17| = 3 -> 1/4; none -> 0; |-3-17| = 20 -> 1/21
+    np.testing.assert_allclose(numeric_closeness(completions, refs), [1.0, 1 / 3, 1 / 4, 0.0, 1 / 21], rtol=1e-6)
+    assert numeric_closeness(["<answer>17</answer>"], refs[:1], extraction="tag")[0] == 1.0
+    assert numeric_closeness(["17"], refs[:1], extraction="tag")[0] == 0.0  # no tag, and only the tag is read
+    with pytest.raises(ValueError, match="reference 0 has no numeric 'answer'"):
+        numeric_closeness(["1"], [{"answer": "seven"}])

@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches judging each trained selector")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per batch (training and sampling)")
+    parser.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                        help="unroll the layers (scanning them compiles one layer instead of 30)")
     args = parser.parse_args()
 
     from alignax.data import DataConfig
@@ -38,7 +40,8 @@ def main() -> None:
     seconds: dict[str, float] = {}
     began, load_before = time.perf_counter(), os.getloadavg()
     common = [f"train.total_steps={args.steps}", "train.eval_every=0", "train.save_every=0", "logging.tensorboard=false",
-              f"data.batch_size={args.batch_size}", f"train.eval_batches={args.eval_batches}"]
+              f"data.batch_size={args.batch_size}", f"train.eval_batches={args.eval_batches}",
+              f"model.scan_layers={str(args.scan_layers).lower()}"]
     selectors = {}
     for name, recipe in (("orm", "configs/reward.yaml"), ("prm", "configs/prm.yaml")):
         folder = os.path.join(args.out, name, "export")
@@ -54,6 +57,7 @@ def main() -> None:
 
     config = load_config(data={
         "algorithm": "grpo", "output_dir": os.path.join(args.out, "policy"),
+        "model": {"scan_layers": args.scan_layers},
         "data": {"paths": ["reasoning_gym:chain_sum?size=400&seed=7&max_terms=3&max_digits=1"], "format": "prompt",
                  "max_prompt_length": 128, "batch_size": args.batch_size, "eval_fraction": 0.2},
         "rollout": {"max_new_tokens": args.max_new_tokens},

@@ -79,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kl-coef", type=float, default=0.0, help="GRPO's KL-to-reference coefficient")
     p.add_argument("--rl-samples", type=int, default=4, help="samples per held-out prompt at each RL point")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scan-layers", action="store_true",
+                   help="scan over the layers: XLA compiles one layer instead of every one (minutes on a CPU)")
     args = p.parse_args(argv)
     if args.gold_function and args.gold_reward_model:
         p.error("give one gold: --gold-function or --gold-reward-model (or neither: the verifier)")
@@ -125,7 +127,7 @@ def policy_config(args, output_dir: str, rewards: dict, prompts_path: str):
     keep = args.rl_steps // args.rl_every + 1
     return load_config(data={
         "algorithm": "grpo", "output_dir": output_dir,
-        "model": {"name": args.model},
+        "model": {"name": args.model, "scan_layers": args.scan_layers},
         "data": {"paths": [prompts_path], "format": "prompt", "max_prompt_length": args.max_prompt_length,
                  "batch_size": args.batch_size, "eval_fraction": args.eval_prompts / total,
                  "read_threads": 0},
@@ -145,7 +147,7 @@ def proxy_config(args, output_dir: str, pairs_path: str):
     budget = args.max_new_tokens + 1
     return load_config(data={
         "algorithm": "reward", "output_dir": output_dir,
-        "model": {"name": args.model},
+        "model": {"name": args.model, "scan_layers": args.scan_layers},
         "data": {"paths": [pairs_path], "format": "preference", "max_prompt_length": args.max_prompt_length,
                  "max_response_length": budget, "max_length": args.max_prompt_length + budget,
                  "batch_size": args.batch_size, "eval_fraction": 0.2, "read_threads": 0},

@@ -14,6 +14,9 @@ reasoning-gym puts in every entry), plus whatever the task's scorer reads from
 - :func:`format_reward`: 1 when the answer tag is present (``strict``: and the completion is
   only an optional ``<think>...</think>`` followed by one answer block).
 - :func:`verifier_rewards`: a weighted sum of those, with every component returned.
+- :func:`numeric_closeness`: a graded reward for tasks with a numeric answer,
+  ``1 / (1 + |answer - truth|)`` (a ``rewards.functions`` entry, e.g. the dense gold reward
+  of ``tools/overoptimisation.py``).
 
 The answer format follows reasoning-gym's system prompts (``reasoning_gym.utils.SYSTEM_PROMPTS``)
 and DeepSeek-R1's ``<think>``/``<answer>`` convention (DeepSeek-AI 2025).
@@ -215,3 +218,29 @@ def verifier_rewards(
         "scorer_error": errors,
     }
     return rewards, components
+
+
+def numeric_closeness(completions: Sequence[str], references: Sequence[Mapping], *, tag: str = "answer",
+                      extraction: str = "tag_or_last_number") -> np.ndarray:
+    """How close each completion's numeric answer is to the reference's: float32 ``[N]``.
+
+    ``r_i = 1 / (1 + |a_i - y_i|)`` with ``a_i`` the extracted answer (:func:`extract_answer`,
+    last number by default) read as a number and ``y_i = float(reference['answer'])``; 1 for
+    the exact answer, falling with the error; 0 when no number is given. Unlike a task's
+    0/1 score it tells a near miss from a wild guess, so two wrong samples of a prompt still
+    order (a dense gold for reward-model studies). A reference without a numeric ``answer``
+    raises ``ValueError`` naming it.
+    """
+    _check_lengths(completions, references)
+    out = np.zeros((len(completions),), np.float32)
+    for i, (completion, reference) in enumerate(zip(completions, references)):
+        try:
+            truth = float(reference["answer"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"reference {i} has no numeric 'answer' (got {reference.get('answer')!r}); "
+                             "numeric_closeness needs one") from None
+        answer = extract_answer(completion, tag=tag, extraction=extraction)
+        match = _NUMBER.search(answer) if answer is not None else None
+        if match is not None:
+            out[i] = 1.0 / (1.0 + abs(float(match.group()) - truth))
+    return out
