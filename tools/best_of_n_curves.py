@@ -4,7 +4,8 @@ by the verifier, a trained ORM and a trained PRM, beside the oracle pass@N.
 Trains an outcome reward model (configs/reward.yaml) and a process reward model
 (configs/prm.yaml) for ``--steps`` steps each (skipped when their export exists), then
 samples ``--n`` completions of ``--prompts`` held-out questions from the untrained policy
-and reports ``best_of_n/<selector>@N`` (alignax.evaluation, evaluation.best_of_n). Prints
+and reports ``best_of_n/<selector>@N`` (alignax.evaluation, evaluation.best_of_n); answers are
+read as the ``<answer>`` tag or else the last number (SmolLM2 answers in prose). Prints
 one JSON object (settings, figures, seconds per stage and in all, and the machine's load
 average at the start and the end).
 
@@ -61,7 +62,7 @@ def main() -> None:
         "data": {"paths": ["reasoning_gym:chain_sum?size=400&seed=7&max_terms=3&max_digits=1"], "format": "prompt",
                  "max_prompt_length": 128, "batch_size": args.batch_size, "eval_fraction": 0.2},
         "rollout": {"max_new_tokens": args.max_new_tokens},
-        "rewards": {"verifier_weight": 1.0},
+        "rewards": {"verifier_weight": 1.0, "answer_extraction": "tag_or_last_number"},
         "evaluation": {"max_prompts": args.prompts, "temperature": 1.0,
                        "best_of_n": {"n": args.n, "reward_models": [selectors["orm"]], "prm": selectors["prm"]}},
     })
