@@ -26,7 +26,8 @@ runs once per generated token, :func:`alignax.sampling.sampler.decode_step`) for
 devices: with the weights the online trainer decodes from when ``rollout.mesh`` is set
 (``compute_copy``: kernels in ``--dtype``, laid out by the rules for that mesh), or with
 ``:train`` the training parameters as they lie (``--param-dtype``). Their figures are
-the JSON's ``decode`` list, one entry per mesh.
+the JSON's ``decode`` list, one entry per mesh. ``--program decode`` compiles only those
+(tools/fsdp_memory.py ``--sampler``).
 
 Memory is ``compiled.memory_analysis()`` of the per-device program: arguments + outputs
 - aliased (donated) + temporaries. Collectives are read from ``compiled.as_text()``; a
@@ -263,7 +264,7 @@ def decode_programs(args, config: models.ModelConfig) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--program", choices=("dpo", "grpo", "rollout"), default="dpo")
+    parser.add_argument("--program", choices=("dpo", "grpo", "rollout", "decode"), default="dpo")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seq", type=int, default=512, help="tokens per row (prompt + response)")
     parser.add_argument("--response", type=int, default=256, help="response window / new tokens")
@@ -280,8 +281,12 @@ def main() -> None:
     parser.add_argument("--decode-rows", type=int, default=16, help="rows decoded (the global batch)")
     args = parser.parse_args()
 
-    mesh = make_mesh()
     config = model_config(args)
+    if args.program == "decode":  # the decode step on --decode-meshes alone
+        print(json.dumps({"program": "decode", "devices": jax.device_count(), "layers": args.layers,
+                          "decode_rows": args.decode_rows, "decode": decode_programs(args, config)}))
+        return
+    mesh = make_mesh()
     build = rollout_program if args.program == "rollout" else train_program
     fn, fn_args = build(args, mesh, config)
     start = time.perf_counter()

@@ -5,23 +5,28 @@
 Run by tests/test_multihost.py with ``--xla_force_host_platform_device_count`` set, once
 per process (``NUM_PROCESSES`` 1 runs without ``jax.distributed``). ``JOBS_JSON`` is a list
 of jobs ``{"name", "recipe" (dpo | grpo | ppo), "model_dir", "output_dir", "dpo_reference",
-"steps"}``; each trains that tiny recipe on the toy model through
+"steps", "rollout_mesh" (optional: the online sampler's own mesh)}``; each trains that tiny recipe on the toy model through
 ``alignax.trainers.api.train`` on the same records and prints one JSON line: the losses of the steps it ran, the step metrics rows it wrote, and a
 digest of the final parameters (sums computed on the global arrays, so every process and
-every layout gives comparable numbers).
+every layout gives comparable numbers). A job ``{"name", "cli": [ARGS]}`` runs the command
+line (``alignax ARGS``, this process's ``distributed.*`` keys appended) and prints its exit
+status and stdout. Last, each process prints ``{"finished": TIME}`` and returns: the job
+is left the way a run leaves it (:func:`alignax.parallel.multihost.leave` at exit), which
+tests/test_multihost.py times and reads from stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
-
-from tests.fake_devices import leave_processes
 
 
 def main() -> None:
@@ -42,8 +47,21 @@ def main() -> None:
 
     logging.getLogger("alignax").addHandler(Collect(level=logging.INFO))
     logging.getLogger("alignax").setLevel(logging.INFO)
+    trainers = []  # the trainer api.train builds, to read the mesh its sampler ran on
+    build_trainer = api.build_trainer
+    api.build_trainer = lambda *args, **kwargs: trainers.append(build_trainer(*args, **kwargs)) or trainers[-1]
     for job in jobs:
         messages.clear()
+        if "cli" in job:
+            from alignax import cli
+
+            keys = [f"distributed.{k}={v}" for k, v in distributed.items()]
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                rc = cli.main([*job["cli"], *keys])
+            print(json.dumps({"job": job["name"], "process": jax.process_index(), "rc": rc,
+                              "stdout": out.getvalue()}), flush=True)
+            continue
         recipe = job.get("recipe", "dpo")
         if recipe == "dpo":
             config = tiny_config(job["output_dir"], "dpo", steps=job["steps"], model_dir=job["model_dir"],
@@ -53,7 +71,9 @@ def main() -> None:
         else:  # online: 8 prompts x 2 samples, one minibatch (so the rows of an update are the same set)
             section = {"minibatches": 1, **({"epochs": 2} if recipe == "ppo" else {})}
             config = toy_config(job["output_dir"], job["model_dir"], recipe, steps=job["steps"],
-                                data={"batch_size": 8}, rollout={"num_samples": 2},
+                                data={"batch_size": 8},
+                                rollout={"num_samples": 2, **({"mesh": job["rollout_mesh"]} if "rollout_mesh" in job
+                                                              else {})},
                                 evaluation={"max_prompts": 8}, **{recipe: section}, **common)
             records = toy_prompts(48)
         result = api.train(config, records=records)
@@ -71,10 +91,11 @@ def main() -> None:
             "devices": jax.device_count(), "local_devices": jax.local_device_count(),
             "losses": [h["loss"] for h in result.history], "steps": [h["step"] for h in result.history],
             "metric_steps": rows, "eval": result.eval_history,
+            "sampler_mesh": list(getattr(trainers[-1], "sampler_mesh", trainers[-1].mesh).shape.values()),
             "layout_changed": any("layout changed" in m for m in messages), "digest": [float(x) for x in jax.device_get(digest)],
         }), flush=True)
 
 
 if __name__ == "__main__":
     main()
-    leave_processes()
+    print(json.dumps({"finished": time.time()}), flush=True)

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from tests.fake_devices import json_objects, subprocess_env
 
@@ -24,18 +28,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(num_processes: int, jobs: list[dict], *, devices: int) -> list[dict]:
-    """Run tests/multihost_check.py as ``num_processes`` processes; each one's results."""
+def launch(num_processes: int, jobs: list[dict], *, devices: int, exits: list | None = None) -> list[dict]:
+    """Run tests/multihost_check.py as ``num_processes`` processes; each one's results.
+    ``exits`` gets, for each process, its stderr and the seconds from the last process's
+    end of work to this process's exit."""
     env = subprocess_env(devices, HF_HUB_OFFLINE="1")
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_check.py"), str(p), str(num_processes),
                                port, json.dumps(jobs)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for p in range(num_processes)]
-    results = []
-    for proc in procs:
+
+    def wait(proc):
         out, err = proc.communicate(timeout=900)
+        return out, err, time.time()
+
+    with ThreadPoolExecutor(num_processes) as pool:  # each exit timed as it happens
+        ended = list(pool.map(wait, procs))
+    results, finished = [], []
+    for proc, (out, err, _) in zip(procs, ended):
         assert proc.returncode == 0, out[-2000:] + err[-4000:]
-        results.append([r for r in json_objects(out) if "job" in r])
+        objects = json_objects(out)
+        results.append([r for r in objects if "job" in r])
+        finished += [r["finished"] for r in objects if "finished" in r]
+    if exits is not None:
+        exits += [(err, at - max(finished)) for _, err, at in ended]
     return results
 
 
@@ -48,26 +64,36 @@ def test_two_processes_train_like_one(tmp_path, toy_model):
     """DPO (precomputed reference), GRPO and PPO (both with a live reference for the KL):
     2 processes x 4 devices against 1 x 8 on the same global batches — losses, final
     parameters, evaluation figures — with each step's metrics written once, and the DPO run
-    saved by the two resumed by one."""
-    def job(name, recipe, steps, out, reference="live"):
+    saved by the two resumed by one. GRPO samples on its own mesh (rollout.mesh (-1, 1, 2):
+    prompts split across the processes, heads within each). The two processes export the
+    DPO run with `alignax export` and leave the job in order at exit (multihost.leave)."""
+    def job(name, recipe, steps, out, reference="live", **extra):
         return {"name": name, "recipe": recipe, "model_dir": toy_model, "output_dir": str(tmp_path / out),
-                "dpo_reference": reference, "steps": steps}
+                "dpo_reference": reference, "steps": steps, **extra}
 
     # online: 8 prompts x 2 samples; each process samples, scores and updates on its own
     # prompts' rows, and the figures and evaluations are over all of them
-    two = launch(2, [job("pre", "dpo", 2, "split", "precomputed"), job("grpo", "grpo", 2, "grpo2"),
-                     job("ppo", "ppo", 2, "ppo2")], devices=4)
+    exits: list = []
+    export = {"name": "export", "cli": ["export", str(tmp_path / "split" / "config.yaml"), "--out",
+                                        str(tmp_path / "export2")]}
+    two = launch(2, [job("pre", "dpo", 2, "split", "precomputed"),
+                     job("grpo", "grpo", 2, "grpo2", rollout_mesh=[-1, 1, 2]), job("ppo", "ppo", 2, "ppo2"), export],
+                 devices=4, exits=exits)
     # one process: the uninterrupted runs, then the two processes' DPO run resumed (one
     # launch for both, as an interpreter start and its compiles cost more than the steps)
-    *single, resumed = launch(1, [job("pre", "dpo", 4, "pre1", "precomputed"), job("grpo", "grpo", 2, "grpo1"),
-                                  job("ppo", "ppo", 2, "ppo1"), job("resumed", "dpo", 4, "split", "precomputed")],
-                              devices=8)[0]
+    *single, resumed = launch(1, [job("pre", "dpo", 4, "pre1", "precomputed"),
+                                  job("grpo", "grpo", 2, "grpo1", rollout_mesh=[-1, 1, 2]), job("ppo", "ppo", 2, "ppo1"),
+                                  job("resumed", "dpo", 4, "split", "precomputed")], devices=8)[0]
     one = {r["job"]: r for r in single}
-    for process, results in enumerate(two):
+    for process, (*results, exported) in enumerate(two):
         assert [r["process"] for r in results] == [process] * 3
+        # `alignax export` in both processes: they gather the weights, process 0 writes
+        assert exported["rc"] == 0 and exported["stdout"].strip() == str(tmp_path / "export2")
         assert {(r["processes"], r["devices"], r["local_devices"]) for r in results} == {(2, 8, 4)}
         for r in results:
             want = one[r["job"]]
+            sampler_mesh = [4, 1, 2] if r["job"] == "grpo" else [1, 8, 1]  # GRPO's own, else the training mesh
+            assert r["sampler_mesh"] == want["sampler_mesh"] == sampler_mesh
             # the whole global batch every step (a dropped half would move the loss and parameters)
             assert_close(r["losses"], want["losses"][:len(r["losses"])], r["job"])
             if r["job"] != "pre":
@@ -83,6 +109,20 @@ def test_two_processes_train_like_one(tmp_path, toy_model):
     assert_close(resumed["losses"], one["pre"]["losses"][2:], "resumed")
     assert_close(resumed["digest"], one["pre"]["digest"], "resumed")
     assert resumed["metric_steps"] == [1, 2, 3, 4]
+    # the exported weights are the two processes' trained DPO params (each tensor's sum
+    # against the digest's per-leaf sums; the export's names and layout are HF's)
+    weights = load_file(str(tmp_path / "export2" / "model.safetensors"))
+    leaf_sums = two[0][0]["digest"][: len(two[0][0]["digest"]) // 2]
+    assert_close(sorted(float(w.astype(np.float64).sum()) for w in weights.values()), sorted(leaf_sums), "export")
+    # the job left at exit (multihost.leave): each process past the barrier, then shut down
+    # in moments, and out (jax's own exit-time shutdown was seen to hang a process 150 s)
+    for process, (err, lag) in enumerate(exits):
+        finished = err.find(f"process {process} of 2: every process finished; leaving the job")
+        left = re.search(rf"process {process} of 2: left the job \(jax.distributed shut down\) ([0-9.]+) s", err)
+        assert left and -1 < finished < left.start(), err[-3000:]
+        assert float(left.group(1)) < 30, left.group(0)
+        # the interpreter's own teardown follows: 4 s at load 7, 60 s measured at load 17 on 2 cores
+        assert lag < 120, (process, lag)
 
 
 def test_one_process_needs_no_keys_and_a_cluster_is_detected(monkeypatch):

@@ -147,6 +147,29 @@ def test_a_model_folder_on_the_store_loads_like_the_local_one(store, toy_model):
         paths.staged("gs://bucket/none.jsonl", key="data.paths")
 
 
+def test_data_errors_name_the_uri_not_the_local_copy(store, toy_model):
+    """A bad record in a file or folder staged from the store is reported at its URI (the
+    local copy under the staging directory would be no help to whoever fixes the data)."""
+    from alignax.data import BadRecordError, DataConfig, prepare_dataset
+    from alignax.models.registry import load_tokenizer
+
+    lines = [json.dumps(r) for r in sft_conversations(4)]
+    lines[2] = '{"messages": [}'
+    text = "".join(line + "\n" for line in lines)
+    epath.Path("gs://bucket/data/sft.jsonl").write_text(text)
+    epath.Path("gs://bucket/repo/train/part-0.jsonl").write_text(text)
+    tokenizer = load_tokenizer(toy_model)
+    for uri, where in (("gs://bucket/data/sft.jsonl", "gs://bucket/data/sft.jsonl, line 3"),
+                       ("gs://bucket/repo/", "gs://bucket/repo/train/part-0.jsonl, line 3")):
+        with pytest.raises(BadRecordError, match="malformed JSON") as err:
+            prepare_dataset(DataConfig(format="sft", paths=[uri], max_length=32, max_prompt_length=16), tokenizer)
+        assert str(err.value).startswith(f"{where}:"), str(err.value)
+        assert paths.staged(uri) not in str(err.value)
+    with pytest.raises(ValueError, match="^gs://bucket/repo holds no .* data files for split 'test'"):
+        prepare_dataset(DataConfig(format="sft", paths=["gs://bucket/repo"], split="test", max_length=32,
+                                   max_prompt_length=16), tokenizer)
+
+
 def jax_leaves(tree):
     import jax
 

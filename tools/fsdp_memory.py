@@ -19,6 +19,15 @@ GB (``memory_analysis``: arguments + outputs - donated + temporaries), ``after/b
 and the bytes of all-gather / all-reduce / all-to-all results in the compiled HLO (a
 collective in the scanned layer body counts once; CPU moves bfloat16 matmul operands as
 float32).
+
+``--sampler`` measures the sampler's decode step instead (one generated token,
+``--decode-rows`` rows in all, a cache of ``--seq - 1`` slots) on its own mesh as
+``rollout.mesh: [-1, 1, 8]`` lays it out on hosts of 8 devices: ``(devices / 8, 1, 8)``,
+tensor parallel within a host and data parallel across hosts, from the bfloat16 copy of
+the float32 parameters. Per device count: the mesh, per-device GB, the KV cache's bytes
+per device (the donated loop state) and what is all-gathered.
+
+    .venv/bin/python tools/fsdp_memory.py --sampler --devices 8 64 256 --out runs/sampler_memory.json
 """
 
 from __future__ import annotations
@@ -50,6 +59,26 @@ def summary(result: dict) -> dict:
     }
 
 
+def sampler_rows(devices: list[int], rows: int, seq: int, layers: int) -> dict:
+    """The decode step on ``(d / 8, 1, 8)`` for each device count ``d`` (the global batch fixed)."""
+    out = []
+    for count in devices:
+        mesh = f"{max(count // 8, 1)},1,{min(count, 8)}"
+        result = run_check("fsdp_compile_check.py", "--program", "decode", "--decode-meshes", mesh, "--decode-rows",
+                           str(rows), "--seq", str(seq), "--layers", str(layers), devices=count, timeout=3600)
+        decode = result["decode"][0]
+        gathers = decode["collectives"]["all-gather"]
+        out.append({"devices": count, "mesh": decode["mesh"], "gb": round(decode["memory_total"] / 1e9, 3),
+                    "cache_gb": round(decode["memory"]["alias"] / 1e9, 3),
+                    "temp_gb": round(decode["memory"]["temp"] / 1e9, 3),
+                    "all_gather_elements": decode["all_gather_elements"],
+                    "all_gather_gb": round(gathers["result_bytes"] / 1e9, 4), "compile_s": decode["compile_s"]})
+        print(json.dumps(out[-1]), file=sys.stderr)
+    return {"model": "Llama-2-7B shape (D 4096, 32 heads, F 11008, V 32000)", "program": "decode step",
+            "layers": layers, "rows": rows, "cache_slots": seq - 1, "weights": "bfloat16 copy of float32 params",
+            "mesh": "(devices / 8, 1, 8): tensor within a host of 8, data across hosts", "sampler": out}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--programs", nargs="+", default=["dpo", "grpo", "rollout"], choices=("dpo", "grpo", "rollout"))
@@ -57,7 +86,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--sampler", action="store_true", help="the sampler's decode step on (devices / 8, 1, 8)")
+    parser.add_argument("--decode-rows", type=int, default=64, help="--sampler: rows decoded in all")
     args = parser.parse_args()
+    if args.sampler:
+        write(sampler_rows(args.devices, args.decode_rows, args.seq, args.layers), args.out)
+        return
     extra = ["--layers", str(args.layers), "--seq", str(args.seq)]
     rows = []
     for program in args.programs:
@@ -71,10 +105,14 @@ def main() -> None:
         "model": "Llama-2-7B shape (D 4096, 32 heads, F 11008, V 32000)", "layers": args.layers, "seq": args.seq,
         "param_dtype": "float32", "dtype": "bfloat16", "mesh": "all devices on fsdp", "rows": rows,
     }
+    write(out, args.out)
+
+
+def write(out: dict, path: str | None) -> None:
     text = json.dumps(out, indent=1)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n", encoding="utf-8")
     print(text)
 
 

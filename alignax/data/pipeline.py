@@ -187,8 +187,8 @@ def _open_sources(config: DataConfig):
         if builders.is_generator_spec(path):
             sources.append(ListSource(builders.generate(path, config.format), path, unit="record"))
         else:
-            # a URI (gs://...) is read from a local copy (alignax.paths.staged)
-            sources.append(open_source(paths.staged(path, key="data.paths"), split=config.split))
+            # a URI (gs://...) is read from a local copy (alignax.paths.staged); errors name the URI
+            sources.append(open_source(paths.staged(path, key="data.paths"), split=config.split, name=path))
     return sources[0] if len(sources) == 1 else ConcatSource(sources)
 
 

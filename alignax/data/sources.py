@@ -92,12 +92,14 @@ def _check_record(record: Any) -> dict:
 class JsonlSource:
     """Records of a JSON-lines file, indexed by byte offset so any line is read directly.
 
-    ``where(i)`` gives the file and its 1-based line number. Invalid UTF-8 is reported
-    with the field that holds it; a line that is not a JSON object is ``malformed``.
+    ``where(i)`` gives the file (as ``name`` calls it, default its path) and its 1-based
+    line number. Invalid UTF-8 is reported with the field that holds it; a line that is
+    not a JSON object is ``malformed``.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, name: str | None = None):
         self.path = os.fspath(path)
+        self.name = name or self.path
         with open(self.path, "rb") as f:
             # Memory-mapped, so a large file is paged in on demand, not held in memory.
             size = os.fstat(f.fileno()).st_size
@@ -119,7 +121,7 @@ class JsonlSource:
         return len(self._offsets)
 
     def where(self, index: int) -> str:
-        return f"{self.path}, line {self._lines[index]}"
+        return f"{self.name}, line {self._lines[index]}"
 
     def __getitem__(self, index: int) -> dict:
         start, end = self._offsets[index]
@@ -139,7 +141,7 @@ class JsonlSource:
         return record
 
     def __repr__(self) -> str:
-        return f"JsonlSource({self.path!r}, records={len(self)})"
+        return f"JsonlSource({self.name!r}, records={len(self)})"
 
 
 class ListSource:
@@ -226,9 +228,9 @@ class ConcatSource:
         return f"ConcatSource({', '.join(repr(s) for s in self.sources)})"
 
 
-def _open_file(path: str):
+def _open_file(path: str, name: str):
     if path.endswith(".parquet"):
-        return ArrowTableSource(pq.read_table(path, memory_map=True), path)
+        return ArrowTableSource(pq.read_table(path, memory_map=True), name)
     if path.endswith(".json"):
         with open(path, "rb") as f:
             head = f.read(4096).lstrip()
@@ -238,15 +240,15 @@ def _open_file(path: str):
             try:
                 records = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as e:
-                raise BadRecordError("not_utf8", None, f"invalid UTF-8 byte at offset {e.start}", path) from None
+                raise BadRecordError("not_utf8", None, f"invalid UTF-8 byte at offset {e.start}", name) from None
             except json.JSONDecodeError as e:
                 raise BadRecordError(
-                    "malformed", None, f"malformed JSON ({e.msg} at line {e.lineno})", path
+                    "malformed", None, f"malformed JSON ({e.msg} at line {e.lineno})", name
                 ) from None
-            return ListSource(records, path, unit="item")
+            return ListSource(records, name, unit="item")
     if path.endswith((".jsonl", ".json")):
-        return JsonlSource(path)
-    raise ValueError(f"unsupported data file {path!r}; expected one of {', '.join(DATA_FILE_SUFFIXES)}")
+        return JsonlSource(path, name)
+    raise ValueError(f"unsupported data file {name!r}; expected one of {', '.join(DATA_FILE_SUFFIXES)}")
 
 
 def _read_arrow_stream(path: str) -> pa.Table:
@@ -286,35 +288,43 @@ def _repo_files(folder: str, split: str) -> list[str]:
     return [os.path.join(folder, p) for p in chosen]
 
 
-def open_source(path: str | os.PathLike, *, split: str = "train"):
+def open_source(path: str | os.PathLike, *, split: str = "train", name: str | None = None):
     """A grain random-access source of dict records for a file or a dataset folder.
 
     Args:
       path: a data file (``.jsonl``, ``.json``, ``.parquet``) or a folder (see the module
         docstring for the folder layouts understood).
       split: which split of a folder to read (``train``, ``test``, ...).
+      name: what errors and ``where`` call ``path`` (default: ``path``); for a local copy
+        of an object-store URI, the URI (``gs://bucket/data`` for ``/tmp/staged/data``,
+        and ``gs://bucket/data/train.jsonl`` for a file under it).
 
     Raises ``FileNotFoundError`` for a missing path and ``ValueError`` naming the folder
     and the splits it has when the split is not there.
     """
     path = os.fspath(path)
+    name = os.fspath(name) if name is not None else path
+
+    def named(local: str) -> str:  # a file under ``path`` as ``name`` calls it
+        return name.rstrip("/") + local[len(path):].replace(os.sep, "/") if name != path else local
+
     if not os.path.exists(path):
-        raise FileNotFoundError(f"data path {path!r} does not exist")
+        raise FileNotFoundError(f"data path {name!r} does not exist")
     if os.path.isfile(path):
-        return _open_file(path)
+        return _open_file(path, name)
     if os.path.isfile(os.path.join(path, "dataset_dict.json")):
         with open(os.path.join(path, "dataset_dict.json"), encoding="utf-8") as f:
             splits = json.load(f)["splits"]
         if split not in splits:
-            raise ValueError(f"{path} has splits {', '.join(splits)}; no split {split!r} (data.split)")
-        return _saved_dataset(os.path.join(path, split), f"{path}/{split}")
+            raise ValueError(f"{name} has splits {', '.join(splits)}; no split {split!r} (data.split)")
+        return _saved_dataset(os.path.join(path, split), f"{name}/{split}")
     if os.path.isfile(os.path.join(path, "state.json")):
-        return _saved_dataset(path, path)
+        return _saved_dataset(path, name)
     files = _repo_files(path, split)
     if not files:
         raise ValueError(
-            f"{path} holds no {', '.join(DATA_FILE_SUFFIXES)} data files for split {split!r} "
+            f"{name} holds no {', '.join(DATA_FILE_SUFFIXES)} data files for split {split!r} "
             "(nor a save_to_disk state.json / dataset_dict.json)"
         )
-    sources = [_open_file(f) for f in files]
+    sources = [_open_file(f, named(f)) for f in files]
     return sources[0] if len(sources) == 1 else ConcatSource(sources)

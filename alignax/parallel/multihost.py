@@ -13,13 +13,23 @@ Joining: :func:`initialize` calls ``jax.distributed.initialize`` once, before an
 touches a JAX backend, from the ``distributed`` config section or from the environment
 (TPU VMs, SLURM, and ``JAX_COORDINATOR_ADDRESS``, as ``jax.distributed.initialize()``
 detects them). One process is the default and needs nothing.
+
+Leaving: a process that :func:`initialize` joined to a job leaves it with :func:`leave`, run
+at interpreter exit (before jax's own exit-time clean-up) and callable earlier: a barrier
+through the coordination service once every process's work is done, then
+``jax.distributed.shutdown()`` while the backends are still up. Left to jax's exit-time
+clean-up instead, each process shuts down whenever it gets there, after tearing down its
+backends; when the processes finished almost together, process 0 (the coordination
+service's host) was seen gone while process 1 sat 150 s in its shutdown.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
+import time
 from typing import Any
 
 import jax
@@ -44,7 +54,8 @@ class DistributedConfig:
       local_device_ids: the devices of this host this process uses (``null``: all).
       cpu_collectives: collectives of the CPU backend across processes (``gloo``; ``mpi``
         where jaxlib was built with it).
-      initialization_timeout_s: how long to wait for every process to join.
+      initialization_timeout_s: how long to wait for every process to join, and at the
+        end for every process to finish (:func:`leave`).
     """
 
     coordinator: str | None = None
@@ -87,9 +98,14 @@ def _is_initialized() -> bool:
     return distributed.global_state.client is not None
 
 
+# Set while this process is in a job that initialize() joined: the timeout of its leave()
+_joined: dict[str, int] = {}
+
+
 def initialize(config: DistributedConfig | None) -> bool:
     """Join the multi-process job ``config`` (or the environment) describes; returns
-    whether this is a multi-process run. Idempotent; a no-op for a single process."""
+    whether this is a multi-process run. Idempotent; a no-op for a single process. A job
+    joined here is left by :func:`leave` at interpreter exit."""
     config = config or DistributedConfig()
     if _is_initialized():
         return True
@@ -104,9 +120,39 @@ def initialize(config: DistributedConfig | None) -> bool:
     if config.local_device_ids is not None:
         kwargs["local_device_ids"] = list(config.local_device_ids)
     jax.distributed.initialize(**kwargs)
+    _joined["timeout_s"] = config.initialization_timeout_s
+    atexit.register(leave)  # after jax's exit-time clean-up was registered (at import), so it runs before it
     log.info("joined a %d-process job as process %d (%d local devices of %d)", jax.process_count(),
              jax.process_index(), jax.local_device_count(), jax.device_count())
     return True
+
+
+def leave() -> None:
+    """Leave the multi-process job :func:`initialize` joined: wait at a barrier until every
+    process has finished (its checkpoints, metrics and exports written), then shut down
+    ``jax.distributed`` while the backends are up. Every process arrives within moments of
+    the last one, and ``jax.distributed.shutdown()`` is itself a barrier over the processes'
+    clients, after which process 0 stops the coordination service it hosts: no process is
+    left talking to a service that is gone. Runs at interpreter exit; every process must
+    call it (it is a collective); nothing in the job may run after it. A no-op in a
+    single-process run, for a job joined by someone else, and when called again."""
+    from jax._src import distributed  # the client's barrier has no public API
+
+    timeout_s = _joined.pop("timeout_s", None)
+    if timeout_s is None or distributed.global_state.client is None:
+        return
+    index, count, start = jax.process_index(), jax.process_count(), time.perf_counter()
+    try:
+        jax.effects_barrier()  # this process's dispatched work is done
+        distributed.global_state.client.wait_at_barrier("alignax_leave", timeout_s * 1000)
+    except Exception as err:  # noqa: BLE001 - another process failed or hung: shut down without waiting for it
+        log.error("process %d of %d: not every process reached the end within %d s (%s); shutting down",
+                  index, count, timeout_s, err)
+    else:
+        log.info("process %d of %d: every process finished; leaving the job", index, count)
+    jax.distributed.shutdown()
+    log.info("process %d of %d: left the job (jax.distributed shut down) %.2f s after finishing",
+             index, count, time.perf_counter() - start)
 
 
 def is_writer() -> bool:
