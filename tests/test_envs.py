@@ -144,7 +144,12 @@ def test_tools_render_through_the_template_when_it_takes_them_else_in_the_system
     text = render(plain, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], [tool],
                   add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n" + tools_system_prompt([tool]) + "<|im_end|>\n")
-    assert json.dumps(tool.schema()) in text
+    search = Tool("search", "find pages", {"type": "object", "properties": {"query": {"type": "string"}, "k": {
+        "type": "integer", "description": "how many"}}, "required": ["query"]}, fn=lambda query, k=3: "")
+    assert tools_system_prompt([tool, search]) == (  # the compact fallback, written out
+        'Call a tool as <tool_call>{"name": <tool>, "arguments": <object>}</tool_call>. Tools:\n'
+        '{"name": "lookup", "description": "the secret", "arguments": {}}\n'
+        '{"name": "search", "description": "find pages", "arguments": {"query": "string", "k": "integer, optional"}}')
 
 
 def test_observation_text_is_what_the_template_writes_between_model_turns():

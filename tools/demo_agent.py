@@ -7,12 +7,17 @@
 2. The base model judged on the held-out questions: greedy accuracy *with the tool* (the
    multi-turn calculator environment, ``configs/grpo-calculator.yaml``) and *without* it
    (one turn, the task's verifier on the answer tag or the last number).
-3. SFT warm start on the traces (the ``sft`` format: assistant turns trained, tool results
-   context); judged again.
-4. GRPO with the calculator environment from the SFT policy; judged again.
-5. A summary (printed, and ``<out>/summary.json``).
+3. SFT warm start on the traces (the ``sft`` format: assistant turns trained, the tool's
+   result context); judged again with the tool.
+4. GRPO with the calculator environment from the SFT policy; judged again with the tool.
+5. A summary: accuracies, and each stage's wall and CPU seconds (printed, and
+   ``<out>/summary.json``).
 
-``--quick`` runs a few steps on 8 held-out questions (a check of the plumbing, minutes).
+Sized for 2 CPU cores in about 20 minutes: scanned layers (one layer's compile, not 30),
+the compact tool prompt (133-token prompts), 200-token SFT rows, GRPO groups of 4 without
+a reference model (``kl_coef: 0``), no checkpoints (the policies are saved once, as Hugging
+Face folders). ``--quick`` runs the same shapes with 2 SFT and 2 GRPO steps on 8 held-out
+questions: the compiles and a few steps, from which the full run's time is extrapolated.
 """
 
 from __future__ import annotations
@@ -21,18 +26,21 @@ import argparse
 import json
 import logging
 import os
+import resource
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = dict(min_terms=2, max_terms=2, min_digits=4, max_digits=4)
-PROMPT_LENGTH = 352  # SmolLM2's rendering of a question with the calculator's schema: ~300 tokens
+PROMPT_LENGTH = 136  # SmolLM2 renders a question with the calculator's compact tool prompt in 133 tokens
+FULL = dict(held_out=64, sft_steps=24, grpo_steps=12)
+QUICK = dict(held_out=8, sft_steps=2, grpo_steps=2)
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/demo-agent")
-    p.add_argument("--quick", action="store_true", help="a few steps on 8 held-out questions")
+    p.add_argument("--quick", action="store_true", help="the same shapes, 2 SFT and 2 GRPO steps, 8 held-out questions")
     return p.parse_args(argv)
 
 
@@ -40,11 +48,13 @@ def write_data(out: str, held_out: int) -> dict[str, str]:
     from alignax.data import reasoning_gym_prompts, write_jsonl
     from alignax.envs.traces import calculator_traces
 
-    judged = reasoning_gym_prompts("chain_sum", size=held_out, seed=99, **TASK)
+    # reasoning-gym draws entry i of a dataset from seed + i: seeds 1 and 2 share all but one
+    # question, so the three sets start 100,000 apart (and any repeat is dropped)
+    judged = reasoning_gym_prompts("chain_sum", size=held_out, seed=100_000, **TASK)
     seen = {r["prompt"] for r in judged}
-    rl = [r for r in reasoning_gym_prompts("chain_sum", size=400, seed=1, **TASK) if r["prompt"] not in seen]
+    rl = [r for r in reasoning_gym_prompts("chain_sum", size=200, seed=200_000, **TASK) if r["prompt"] not in seen]
     seen |= {r["prompt"] for r in rl}
-    traces = calculator_traces(r for r in reasoning_gym_prompts("chain_sum", size=600, seed=2, **TASK)
+    traces = calculator_traces(r for r in reasoning_gym_prompts("chain_sum", size=200, seed=300_000, **TASK)
                                if r["prompt"] not in seen)
     files = {"held_out": judged, "rl_prompts": rl, "sft_traces": traces}
     paths = {name: os.path.join(out, "data", f"{name}.jsonl") for name in files}
@@ -56,78 +66,112 @@ def write_data(out: str, held_out: int) -> dict[str, str]:
     return paths
 
 
+class Clock:
+    """Wall and CPU (user + system, all threads) seconds of each stage."""
+
+    def __init__(self):
+        self.stages: dict[str, dict[str, float]] = {}
+
+    @staticmethod
+    def now() -> tuple[float, float]:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return time.time(), usage.ru_utime + usage.ru_stime
+
+    def stage(self, name: str, since: tuple[float, float]) -> dict[str, float]:
+        wall, cpu = self.now()
+        self.stages[name] = {"wall_s": round(wall - since[0], 1), "cpu_s": round(cpu - since[1], 1)}
+        return self.stages[name]
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.chdir(ROOT)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from alignax import evaluation
     from alignax.data import DataConfig
+    from alignax.models import save_pretrained
     from alignax.trainers import api
     from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer
 
-    started = time.time()
+    clock = Clock()
+    started = clock.now()
     out = args.out
-    quick = args.quick
-    paths = write_data(out, 8 if quick else 64)
-    sft_steps, grpo_steps = (2, 2) if quick else (60, 30)
+    size = QUICK if args.quick else FULL
+    paths = write_data(out, size["held_out"])
+    common = ["model.scan_layers=true", "model.remat=true", "checkpoint.enabled=false", "data.eval_fraction=0.0",
+              "train.eval_every=0", "train.save_every=0"]
     sft_config = api.load_config("configs/sft.yaml", [
-        f"output_dir={out}/sft", f"data.paths=[{paths['sft_traces']}]", "data.max_length=448",
-        f"data.max_prompt_length={PROMPT_LENGTH}", "data.max_response_length=96", "data.batch_size=8",
-        "train.grad_accum_steps=4", "model.remat=true",  # micro-batches of 2 x 448 tokens: ~11 GB without
-        "data.eval_fraction=0.0", f"train.total_steps={sft_steps}", "train.eval_every=0", "train.save_every=0",
-        "optim.learning_rate=3.0e-5", "optim.warmup_steps=5", "checkpoint.resume=false"])
+        *common, f"output_dir={out}/sft", f"data.paths=[{paths['sft_traces']}]", "data.max_length=200",
+        f"data.max_prompt_length={PROMPT_LENGTH}", "data.max_response_length=64", "data.batch_size=8",
+        "data.truncation=reject", f"train.total_steps={size['sft_steps']}", "optim.learning_rate=1.0e-4",
+        "optim.warmup_steps=2", "optim.schedule=constant"])
     grpo_config = api.load_config("configs/grpo-calculator.yaml", [
-        f"output_dir={out}/grpo", f"model.name={out}/sft/export", f"data.paths=[{paths['rl_prompts']}]",
-        "data.eval_fraction=0.0", "data.batch_size=4", "rollout.num_samples=4", "grpo.minibatches=1",
-        "train.grad_accum_steps=4", "model.remat=true",  # the quick run's update asked for 26 GB without
-        f"train.total_steps={grpo_steps}", "train.eval_every=0", "train.save_every=0", "optim.learning_rate=2.0e-6",
-        "checkpoint.resume=false"])
+        *common, f"output_dir={out}/grpo", f"model.name={out}/sft/policy", f"data.paths=[{paths['rl_prompts']}]",
+        f"data.max_prompt_length={PROMPT_LENGTH}", "data.batch_size=2", "rollout.num_samples=4",
+        "rollout.max_new_tokens=96", "env.max_turns=3", "env.max_turn_tokens=40", "env.max_observation_tokens=24",
+        "grpo.minibatches=1", "grpo.kl_coef=0.0", f"train.total_steps={size['grpo_steps']}",
+        "optim.learning_rate=2.0e-6", "optim.warmup_steps=0"])
     # without the tool: one turn, the verifier on the answer tag or the last number
-    plain_config = api.load_config("configs/grpo.yaml", [f"data.max_prompt_length={PROMPT_LENGTH}",
+    plain_config = api.load_config("configs/grpo.yaml", ["model.scan_layers=true",
+                                                         f"data.max_prompt_length={PROMPT_LENGTH}",
                                                          "rollout.max_new_tokens=48"])
     held_out = DataConfig(paths=(paths["held_out"],), format="prompt", max_prompt_length=PROMPT_LENGTH,
-                          batch_size=8, shuffle=False, read_threads=0)
+                          batch_size=8, shuffle=False, read_threads=0, truncation="reject")
     mesh = build_mesh(grpo_config.mesh)
+    every = evaluation.EvaluationConfig(max_prompts=None)
 
-    def judge(name, model, tokenizer) -> dict:
-        start = time.time()
-        figures = {}
-        for key, config in (("with_tool", grpo_config), ("without_tool", plain_config)):
-            figures[key] = evaluation.evaluate_model(model, tokenizer, config, prompts=held_out, mesh=mesh,
-                                                     evaluation=evaluation.EvaluationConfig(max_prompts=None))
-        print(f"[{name}] held-out accuracy with the calculator {figures['with_tool']['accuracy']:.2f}, "
-              f"without it {figures['without_tool']['accuracy']:.2f} ({time.time() - start:.0f}s)")
+    def judge(name, model, tokenizer, *, without_tool: bool = False) -> dict:
+        since = clock.now()
+        figures = {"with_tool": evaluation.evaluate_model(model, tokenizer, grpo_config, prompts=held_out, mesh=mesh,
+                                                          evaluation=every)}
+        line = f"[{name}] held-out accuracy with the calculator {figures['with_tool']['accuracy']:.2f}"
+        if without_tool:
+            figures["without_tool"] = evaluation.evaluate_model(model, tokenizer, plain_config, prompts=held_out,
+                                                                mesh=mesh, evaluation=every)
+            line += f", without it {figures['without_tool']['accuracy']:.2f}"
+        took = clock.stage(f"judge_{name}", since)
+        print(f"{line} ({took['wall_s']:.0f} s wall, {took['cpu_s']:.0f} s CPU)")
         return figures
 
-    summary: dict = {"task": {"name": "chain_sum", **TASK}}
+    summary: dict = {"task": {"name": "chain_sum", **TASK}, "sizes": size}
     print("\n== base model")
     base = build_model(sft_config.model, mesh=mesh)
     tokenizer = load_tokenizer(sft_config.model)
-    summary["base"] = judge("base", base, tokenizer)
+    summary["base"] = judge("base", base, tokenizer, without_tool=True)
     del base
 
-    print(f"\n== SFT on tool traces: {sft_steps} steps of {sft_config.data.batch_size}")
-    t = time.time()
+    print(f"\n== SFT on tool traces: {size['sft_steps']} steps of {sft_config.data.batch_size}")
+    since = clock.now()
     sft = api.train(sft_config)
-    api.export(sft_config, f"{out}/sft/export")
-    summary["sft"] = {"seconds": round(time.time() - t, 1), **judge("sft", sft.model, sft.tokenizer)}
+    save_pretrained(sft.model, f"{out}/sft/policy")
+    sft.tokenizer.save_pretrained(f"{out}/sft/policy")
+    summary["sft"] = {**clock.stage("sft", since), "loss": [h.get("loss") for h in sft.history],
+                      "step_time_s": [h.get("perf/step_time_s") for h in sft.history]}
+    summary["sft"].update(judge("sft", sft.model, sft.tokenizer))
+    del sft
 
-    print(f"\n== GRPO with the calculator: {grpo_steps} rollouts of "
+    print(f"\n== GRPO with the calculator: {size['grpo_steps']} rollouts of "
           f"{grpo_config.data.batch_size} x {grpo_config.rollout.num_samples} trajectories")
-    t = time.time()
+    since = clock.now()
     grpo = api.train(grpo_config)
-    summary["grpo"] = {"seconds": round(time.time() - t, 1), **judge("grpo", grpo.model, grpo.tokenizer),
+    summary["grpo"] = {**clock.stage("grpo", since),
                        "reward_per_rollout": [h.get("reward/total") for h in grpo.history],
-                       "tool_calls_per_trajectory": [h.get("env/tool_calls_per_trajectory") for h in grpo.history]}
+                       "tool_calls_per_trajectory": [h.get("env/tool_calls_per_trajectory") for h in grpo.history],
+                       "step_time_s": [h.get("perf/step_time_s") for h in grpo.history]}
+    summary["grpo"].update(judge("grpo", grpo.model, grpo.tokenizer))
 
-    summary["seconds"] = round(time.time() - started, 1)
+    summary["stages"] = clock.stages
+    summary.update(clock.stage("total", started))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=float)
-    print("\n== held-out accuracy (greedy)")
+    print("\n== held-out accuracy (greedy, "
+          f"{size['held_out']} questions)")
+    print(f"  without the calculator: base {summary['base']['without_tool']['accuracy']:.2f}")
     for stage in ("base", "sft", "grpo"):
-        print(f"  {stage:5s} with the calculator {summary[stage]['with_tool']['accuracy']:.2f}   "
-              f"without it {summary[stage]['without_tool']['accuracy']:.2f}")
-    print(f"total {summary['seconds'] / 60:.1f} min; summary in {out}/summary.json")
+        print(f"  with the calculator:    {stage:5s} {summary[stage]['with_tool']['accuracy']:.2f}")
+    print("stage seconds (wall / CPU): " + ", ".join(f"{k} {v['wall_s']:.0f}/{v['cpu_s']:.0f}"
+                                                      for k, v in clock.stages.items()))
+    print(f"summary in {out}/summary.json")
     return 0
 
 

@@ -103,15 +103,14 @@ def calculator_tool(**limits: int) -> Tool:
     def run(expression: str) -> str:
         return format_number(evaluate_arithmetic(expression, **limits))
 
-    return Tool(name="calculator", description="Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
-                parameters={"type": "object", "properties": {"expression": {
-                    "type": "string", "description": "the arithmetic expression, e.g. 1234 * (56 + 7)"}},
-                    "required": ["expression"]},
+    return Tool(name="calculator",
+                description="Evaluate arithmetic: + - * / // % ** and parentheses, e.g. 12 * (3 + 4)",
+                parameters={"type": "object", "properties": {"expression": {"type": "string"}},
+                            "required": ["expression"]},
                 fn=run)
 
 
-INSTRUCTION = ("Use the calculator tool for arithmetic. When you know the result, answer without a tool call, "
-               "with the final answer in <answer></answer> tags.")
+INSTRUCTION = "Use the calculator, then give the final answer in <answer></answer> tags."
 
 
 class CalculatorEnv:

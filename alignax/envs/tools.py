@@ -15,7 +15,8 @@ rollout.
 
 Rendering: :func:`tool_schemas` gives the OpenAI-style list that Hugging Face chat
 templates take as ``tools=`` (Qwen2.5/Qwen3 templates render it); for templates without
-tool support :func:`tools_system_prompt` is the documented fallback (see its docstring).
+tool support :func:`tools_system_prompt` is the documented fallback, a compact one (see its
+docstring).
 """
 
 from __future__ import annotations
@@ -67,16 +68,25 @@ def tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]]:
 def tools_system_prompt(tools: Sequence[Tool]) -> str:
     """The fallback rendering of tools for chat templates that do not take ``tools``.
 
-    The Hermes / Qwen2.5 wording: one JSON schema per line inside ``<tools></tools>``,
-    then the call format. The rollout appends it to the conversation's system message
-    (or adds a system message holding it)."""
-    lines = "\n".join(json.dumps(s, ensure_ascii=False) for s in tool_schemas(tools))
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
-            f"<tools>\n{lines}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n"
-            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    Compact, because every prompt carries it (79 SmolLM2 tokens for the calculator, against
+    197 for the Hermes wording with whole JSON schemas): the call format, then one
+    JSON line per tool with its ``name``, ``description`` and ``arguments`` (each argument's
+    JSON type, ``"<type>, optional"`` when the schema does not require it)::
+
+        Call a tool as <tool_call>{"name": <tool>, "arguments": <object>}</tool_call>. Tools:
+        {"name": "calculator", "description": "...", "arguments": {"expression": "string"}}
+
+    The rollout appends it to the conversation's system message (or adds a system message
+    holding it); :func:`alignax.envs.chat.with_tools_prompt`."""
+    lines = []
+    for tool in tools:
+        required = set(tool.parameters.get("required", ()))
+        arguments = {name: str(spec.get("type", "any")) + ("" if name in required else ", optional")
+                     for name, spec in tool.parameters.get("properties", {}).items()}
+        lines.append(json.dumps({"name": tool.name, "description": tool.description, "arguments": arguments},
+                                ensure_ascii=False))
+    return ('Call a tool as <tool_call>{"name": <tool>, "arguments": <object>}</tool_call>. Tools:\n'
+            + "\n".join(lines))
 
 
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
