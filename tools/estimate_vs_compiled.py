@@ -121,7 +121,8 @@ def worker(args) -> None:
         for algorithm in args.algorithms:
             for remat in args.remat:
                 rows.append(measure_case(algorithm, model, args.worker, remat))
-                print(json.dumps({k: rows[-1][k] for k in ("case", "ratio")}), file=sys.stderr, flush=True)
+                # the whole row as it comes: a process killed later (out of memory) loses none
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps(rows))
 
 
