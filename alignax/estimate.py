@@ -31,11 +31,12 @@ gradient for it.
 
 Activations are an estimate (the compiler decides what it keeps): with remat, each
 layer's input is kept and one layer's working set is live; without, every layer's
-working set. The states (weights, gradients, moments, master, frozen models) are exact.
-The transient terms (LM-head buffers, weights gathered whole under FSDP, the optimiser's
+working set, over the rows the step runs (a DPO pair, or a GRPO/PPO group under
+``rollout.pack_groups``, is one packed row holding its prompt once). The states (weights,
+gradients, moments, master, frozen models) are exact. The per-token working set and the
+transient terms (LM-head buffers, weights gathered whole under FSDP, the optimiser's
 update) are calibrated against compiled steps by tools/estimate_vs_compiled.py
-(docs/estimate_vs_compiled.json: 19 of 22 tiny and SmolLM2-shaped cases within 15%; packed
-GRPO groups are over-counted, 1.3-1.5x).
+(docs/estimate_vs_compiled.json).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any
 from alignax.models.config import ModelConfig
 from alignax.models.lora import adapter_parameter_count, projection_sizes
 from alignax.models.quant import quantized_bytes
+from alignax.trainers.engine import packing
 
 GB = 1e9
 
@@ -282,35 +284,61 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         minibatches = section.minibatches
         length = config.data.max_prompt_length + config.rollout.max_new_tokens
         train_rows = rows / minibatches / accum
+        # the policy's forward packs each group of G rows into one row, the prompt once
+        # (rollout.pack_groups; the trainer's own rule)
+        group = packing.packed_group_size(config, dataclasses.replace(model, attention=config.model.attention),
+                                          minibatches=minibatches)
+        policy_rows = train_rows / group
+        policy_length = config.data.max_prompt_length + group * config.rollout.max_new_tokens
     else:
         rows = config.data.batch_size * (2 if algorithm in ("dpo", "reward") and config.dpo.loss != "kto" else 1)
         if algorithm == "dpo" and config.dpo.loss == "kto":
             rows = config.data.batch_size * 2  # each record and its KL partner
         length = config.data.max_length
         train_rows = rows / accum
+        policy_rows, policy_length = train_rows, length
+        window = config.data.max_response_length
+        if (algorithm == "dpo" and config.dpo.loss != "kto" and config.model.attention != "splash"
+                and window is not None and window < length):
+            # a preference pair is one packed row: the prompt once, then both responses
+            # (alignax.trainers.offline.preference._pair_logps)
+            policy_rows, policy_length = train_rows / 2, packing.packed_width(length, 2, window)
     per_device_rows = train_rows / (data * fsdp)
-    # Online groups packed into one row each (rollout.pack_groups) are counted as unpacked
-    # rows: packing has fewer tokens, but the compiled packed steps hold 1.6-2x more per
-    # token than this model of a layer gives; counting them unpacked errs high (GRPO, no
-    # remat: 1.34x the compiled step) where counting them packed erred low (0.8x).
-    tokens = per_device_rows * length
     D, F, V, L = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
     heads = model.num_heads / tensor
+    q_width, kv_width = model.num_heads * model.head_dim / tensor, model.num_kv_heads * model.head_dim / tensor
     # float32 scores and probabilities, unless a fused kernel keeps only its [B, N, T] statistics
     fused = config.model.attention in ("cudnn", "splash")
-    scores = 0.0 if fused else per_device_rows * heads * length * length * 4
-    layer_set = tokens * (8 * D + 3 * F / tensor) * p.compute + 2 * scores
-    projections = tokens * (2 * D + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim / tensor
-                            + 2 * F / tensor) * p.compute  # q, k, v, o, gate, up, down outputs
-    inputs = tokens * D * p.compute
-    saved = {"none": layer_set, "full": inputs,  # per layer, kept for the backward pass
-             "dots_with_no_batch_dims_saveable": inputs + projections,
-             "dots_saveable": inputs + projections + scores,
-             "offload_dots": inputs}  # the projections wait in host memory
-    kept = min(saved[config.model.remat], layer_set)
-    # every layer's saved set, and the rest of one layer while it is recomputed; a separate
-    # critic runs its own forward and backward in the same update
-    items["activations"] = (L * kept + (layer_set - kept)) * (2 if critic and assumptions == "standard" else 1)
+    # F-sized arrays a layer keeps without remat: gated, the up and gate outputs, the
+    # gate's sigmoid and activation, their product and one more (6, as the compiled steps'
+    # scanned residuals show); plain, the up output, its activation and its derivative's
+    # input (3, not measured)
+    mlp_arrays = 6 if model.gated_mlp else 3
+
+    def layer_activations(device_rows: float, row_length: int) -> float:
+        """What the layers keep for the backward pass of one forward over ``device_rows``
+        rows of ``row_length`` tokens: every layer's saved set under the remat policy, and
+        the rest of one layer's working set while it is recomputed."""
+        tokens = device_rows * row_length
+        scores = 0.0 if fused else device_rows * heads * row_length * row_length * 4
+        # D-sized: the layer input, its norms' inputs and outputs, the residual stream, the
+        # attention and MLP outputs (8); q and the attention output; k and v
+        layer_set = tokens * (8 * D + 2 * q_width + 2 * kv_width + mlp_arrays * F / tensor) * p.compute + 2 * scores
+        projections = tokens * (2 * D + q_width + 2 * kv_width + 2 * F / tensor) * p.compute  # q k v o gate up down
+        inputs = tokens * D * p.compute
+        saved = {"none": layer_set, "full": inputs,  # per layer, kept for the backward pass
+                 "dots_with_no_batch_dims_saveable": inputs + projections,
+                 "dots_saveable": inputs + projections + scores,
+                 "offload_dots": inputs}  # the projections wait in host memory
+        kept = min(saved[config.model.remat], layer_set)
+        return L * kept + (layer_set - kept)
+
+    # Packed rows (DPO pairs, online groups) are counted as the compiled steps run them:
+    # fewer, longer rows. A separate critic runs its own forward and backward in the same
+    # update, over the unpacked rows (its values are read per row).
+    items["activations"] = layer_activations(policy_rows / (data * fsdp), policy_length)
+    if critic and assumptions == "standard":
+        items["activations"] += layer_activations(per_device_rows, length)
     # float32 logits of one chunk of positions (alignax.models.token_logprobs_from_hidden;
     # the chunk is recomputed in the backward pass): one [rows, chunk, V] buffer live for
     # log-probs alone, four when the online loss also takes the entropy (logits, softmax
@@ -327,12 +355,14 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         layer = (P - embedding * (1 if model.tie_word_embeddings else 2)) / L
         stored = p.frozen if adapters is not None else p.params
         items["gathered weights"] = (embedding + layer) * stored / tensor
-    # The optimiser's step holds one float32 update per trained weight beside the
-    # gradients; it runs after the backward pass has let go of the activations and the
-    # LM-head buffers, so it adds only what it exceeds them by (as the compiled steps show).
+    # The optimiser's step holds float32 temporaries beside the gradients: Adam's update
+    # and copies XLA makes of some weights, 1.5 trained weights' worth (the SmolLM2-shaped
+    # steps under full remat: 1.53x for DPO and GRPO, 1.6x for PPO). It runs after the
+    # backward pass has let go of the activations and the LM-head buffers, so it adds
+    # only what it exceeds them by.
     if assumptions == "standard":
         trained = (adapters if adapters is not None else P) + (critic_trained if critic else 0)
-        update = trained * 4 / shard
+        update = 1.5 * trained * 4 / shard
         items["optimizer update"] = max(0.0, update - items["activations"] - items["LM head buffers"])
     rollout_tokens = None
     if online:

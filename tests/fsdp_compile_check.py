@@ -17,6 +17,11 @@ state abstract, with the shardings the logical-axis rules give them):
   ``ppo_policy_loss`` with the k3 KL to a live reference), ``--rows-per-device`` rows
   (``--pack-groups``: each group of ``--group`` rows as one packed row, as the online
   trainer does when packing pays);
+  (``--ref-logps``: the reference's log-probs come with the batch, as the online trainer's
+  update takes them, and no reference is scored in the step);
+- ``ppo``: the online trainer's PPO update with a separate critic (``ppo.critic:
+  separate``, the KL in the reward): policy and critic trained together, the clipped
+  policy loss + 0.5 x the clipped value loss, ``--rows-per-device`` rows;
 - ``rollout``: the sampler's ``generate`` (prefill, ``jnp.repeat`` of the prompt KV
   cache over ``--group`` samples, the decode loop), one prompt per device.
 
@@ -65,7 +70,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from alignax import models  # noqa: E402
 from alignax.data import DataConfig  # noqa: E402
-from alignax.losses import ppo_policy_loss  # noqa: E402
+from alignax.losses import ppo_policy_loss, value_loss  # noqa: E402
 from alignax.parallel import activation_constraints, batch_sharding, make_mesh, tree_shardings  # noqa: E402
 from alignax.models.cache import cache_shardings, init_cache  # noqa: E402
 from alignax.sampling import SamplingConfig, generate  # noqa: E402
@@ -156,6 +161,10 @@ def train_program(args, mesh, config: models.ModelConfig):
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: models.CausalLM(config, rngs=nnx.Rngs(0))),
                                        nnx.Param, ...)
     params = abstract(params, tree_shardings(params, mesh))
+    if args.program == "ppo":  # the critic: a decoder of the policy's shape with a value head
+        critic_graphdef, critic_params, critic_rest = nnx.split(
+            nnx.eval_shape(lambda: models.ValueModel(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
+        params = {"policy": params, "critic": abstract(critic_params, tree_shardings(critic_params, mesh))}
     optimizer, schedule = build_optimizer(OptimConfig(weight_decay=0.1), 1000)
     state = jax.eval_shape(lambda p: init_train_state(p, optimizer, jax.random.key(0)), params)
     state_shardings = tree_shardings(state, mesh)
@@ -174,18 +183,46 @@ def train_program(args, mesh, config: models.ModelConfig):
                   for k in ("tokens", "positions", "attention_mask", "response_mask")}
         fields.update(prompt_length=((pairs,), jnp.int32), record_index=((pairs,), jnp.int32),
                       example_mask=((pairs,), jnp.int32), margin=((pairs,), jnp.float32))
+    elif args.program == "ppo":
+        prompt_len = T - W
+
+        def loss_fn(params, frozen, batch, normalisers, rng):
+            del frozen, rng
+            policy = nnx.merge(graphdef, params["policy"], rest)
+            critic = nnx.merge(critic_graphdef, params["critic"], critic_rest)
+            inputs = (batch["tokens"], batch["positions"], batch["attention_mask"])
+            logps, entropy, _ = response_forward(policy, *inputs, prompt_len=prompt_len, temperature=1.0,
+                                                 chunk_size=args.chunk)
+            values = critic(*inputs).values[:, prompt_len - 1 : -1]
+            num_tokens = normalisers["num_tokens"]
+            pg, metrics = ppo_policy_loss(logps, batch["old_logps"], batch["advantages"], batch["loss_mask"],
+                                          num_tokens=num_tokens, entropy=entropy)
+            v_loss, _ = value_loss(values, batch["old_values"], batch["returns"], batch["loss_mask"], clip_eps=0.2,
+                                   num_tokens=num_tokens)
+            return pg + 0.5 * v_loss, metrics
+
+        def normalisers_fn(batch):
+            return {"num_tokens": jnp.sum(batch["loss_mask"].astype(jnp.float32))}
+
+        rows = args.rows_per_device * n
+        fields = {k: ((rows, T), jnp.int32) for k in ("tokens", "positions", "attention_mask")}
+        fields.update({k: ((rows, W), jnp.float32) for k in ("loss_mask", "old_logps", "advantages", "old_values",
+                                                             "returns")})
     else:
         prompt_len = T - W
 
         def loss_fn(params, frozen, batch, normalisers, rng):
             del rng
             policy = nnx.merge(graphdef, params, rest)
-            reference = nnx.merge(graphdef, frozen["reference"], rest)
             inputs = (batch["tokens"], batch["positions"], batch["attention_mask"])
             forward = dict(prompt_len=prompt_len, temperature=1.0, chunk_size=args.chunk,
                            group=args.group if args.pack_groups else 1)
             logps, entropy, _ = response_forward(policy, *inputs, **forward)
-            ref_logps = jax.lax.stop_gradient(response_forward(reference, *inputs, **forward)[0])
+            if args.ref_logps:
+                ref_logps = batch["ref_logps"]
+            else:
+                reference = nnx.merge(graphdef, frozen["reference"], rest)
+                ref_logps = jax.lax.stop_gradient(response_forward(reference, *inputs, **forward)[0])
             return ppo_policy_loss(logps, jax.lax.stop_gradient(logps), batch["advantages"], batch["loss_mask"],
                                    num_tokens=normalisers["num_tokens"], entropy=entropy, ref_logps=ref_logps,
                                    kl_coef=0.04, kl_kind="k3")
@@ -196,9 +233,11 @@ def train_program(args, mesh, config: models.ModelConfig):
         rows = args.rows_per_device * n
         fields = {k: ((rows, T), jnp.int32) for k in ("tokens", "positions", "attention_mask")}
         fields.update(loss_mask=((rows, W), jnp.float32), advantages=((rows,), jnp.float32))
+        if args.ref_logps:
+            fields["ref_logps"] = ((rows, W), jnp.float32)
     step = make_train_step(loss_fn, optimizer, normalisers_fn=normalisers_fn, schedule=schedule)
     jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(state_shardings, None))
-    frozen = {"reference": params}
+    frozen = {} if args.program == "ppo" or args.ref_logps else {"reference": params}
     return jitted, (state, frozen, batch_arrays(mesh, fields))
 
 
@@ -264,7 +303,7 @@ def decode_programs(args, config: models.ModelConfig) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--program", choices=("dpo", "grpo", "rollout", "decode"), default="dpo")
+    parser.add_argument("--program", choices=("dpo", "grpo", "ppo", "rollout", "decode"), default="dpo")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seq", type=int, default=512, help="tokens per row (prompt + response)")
     parser.add_argument("--response", type=int, default=256, help="response window / new tokens")
@@ -272,6 +311,8 @@ def main() -> None:
     parser.add_argument("--rows-per-device", type=int, default=1, help="pairs, rows or prompts per device")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (rollout; grpo with --pack-groups)")
     parser.add_argument("--pack-groups", action="store_true", help="grpo: each group's rows as one packed row")
+    parser.add_argument("--ref-logps", action="store_true",
+                        help="grpo: the reference's log-probs as inputs, as the online trainer's update takes them")
     parser.add_argument("--param-dtype", default="float32")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-constraints", action="store_true")

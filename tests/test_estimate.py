@@ -116,11 +116,39 @@ def test_the_states_are_the_compiled_steps_arguments(tmp_path, toy_model):
     assert memory.argument_size_in_bytes == pytest.approx(states + batch_bytes, rel=0.01)
 
 
+SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "head_dim": 64, "intermediate_size": 1536}
+
+
+def smollm2_activations(algorithm: str, *overrides: str) -> float:
+    config = load_config(f"configs/tiny-{algorithm}.yaml", [
+        "model.random_init=" + json.dumps(SMOLLM2), "model.scan_layers=true", "model.remat=none",
+        "data.batch_size=8", *overrides])
+    return estimate(config, model=model_config_for(config), devices=1, mesh=(1, 1, 1)).items["activations"]
+
+
+def test_packed_rows_are_counted_as_the_compiled_steps_run_them():
+    """SmolLM2's shape without remat: GRPO's 8 groups of 4 samples (96 prompt + 16 new
+    tokens) are 8 packed rows of 96 + 4 x 16 = 160 tokens, and DPO's 8 pairs (128 tokens, a
+    32-token response window) 8 packed rows of 128 + 32 = 160: the same activations. Per
+    token and layer, float32: 8 model-width arrays, q and the attention output (2 x 576),
+    k and v (2 x 192), 6 MLP-width arrays (gate, up, sigmoid, activation, product, one
+    more: the compiled step's scanned residuals), 15,360 floats; and twice the [9, 160,
+    160] scores per row. 30 x (8 x 160 x 15,360 x 4 + 2 x 8 x 9 x 160^2 x 4) = 2.80 GB
+    (the compiled GRPO step's temporaries less its gradients and LM-head buffers: 2.97
+    GB). Counted unpacked (32 rows of 112) it was 1.34x the compiled step."""
+    packed = 30 * (8 * 160 * 15_360 * 4 + 2 * 8 * 9 * 160**2 * 4)
+    assert smollm2_activations("grpo") == pytest.approx(packed, rel=1e-9)
+    assert smollm2_activations("dpo") == pytest.approx(packed, rel=1e-9)
+    unpacked = 30 * (32 * 112 * 15_360 * 4 + 2 * 32 * 9 * 112**2 * 4)
+    assert smollm2_activations("grpo", 'rollout.pack_groups="off"') == pytest.approx(unpacked, rel=1e-9)
+
+
 @pytest.mark.parametrize("algorithm", ["dpo", "grpo", "ppo"])
 def test_the_estimate_is_within_15_percent_of_the_compiled_step(tmp_path, algorithm):
     """The estimate of the update step (``Estimate.update_step_items``) against the trainer's
     own compiled step's ``memory_analysis()`` (arguments + outputs - aliased + temporaries):
-    configs/tiny-<algorithm>.yaml (SmolLM2's 49,152-token vocabulary on a 2-layer model: the
+    configs/tiny-<algorithm>.yaml (SmolLM2's 49,152-token vocabulary on a 1-layer model: the
     LM-head buffers dominate) under ``model.remat=full``, one device, compiled and never
     run. Before the LM-head term was calibrated the estimate was 2.5x (DPO) and 1.5x (GRPO)
     the compiled figure. The other cases (remat none, SmolLM2's shape, 8 devices, Llama-2-7B

@@ -13,9 +13,15 @@ offline trainer's ``step`` on a batch of its data, the online trainer's ``update
 minibatch of the rollout's shapes (the rollout itself, with its KV cache, is another
 program: the estimate's ``update_step_items``, without the KV cache, and online without
 the reference and reward models, which the rollout's programs read). With ``--llama7b``, the
-Llama-2-7B-shaped DPO and GRPO steps of tests/fsdp_compile_check.py (abstract weights,
-compiled and never run) on 8 and 64 fake devices, against the estimate of the same
-shapes.
+Llama-2-7B-shaped DPO, GRPO and PPO steps of tests/fsdp_compile_check.py (abstract
+weights, compiled and never run; GRPO's with the reference's log-probs as inputs and
+PPO's with a separate critic, as the online trainer's update runs them) on 8 and 64 fake
+devices, against the estimate of the same shapes::
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --devices --llama7b 8 64 --out runs/7b.json
+
+``--reestimate A.json B.json --out C.json`` puts the rows of earlier runs in one output
+with the estimates recomputed (the compiled figures stay).
 
 Each row: the estimate's items, the compiled figures, and ``ratio`` = estimate /
 compiled (within 0.85..1.15 is the issue's bar); the states (weights, gradients, moments,
@@ -54,6 +60,8 @@ def compiled_figures(compiled) -> dict[str, int]:
     memory = compiled.memory_analysis()
     out = {k: int(getattr(memory, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
     out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    # what offload_dots moves to the host (pinned host memory), beside the device's figures
+    out["host_temp"] = int(getattr(memory, "host_temp_size_in_bytes", 0) or 0)
     return out
 
 
@@ -113,28 +121,32 @@ def worker(args) -> None:
         for algorithm in args.algorithms:
             for remat in args.remat:
                 rows.append(measure_case(algorithm, model, args.worker, remat))
-                print(json.dumps({k: rows[-1][k] for k in ("case", "ratio")}), file=sys.stderr, flush=True)
+                # the whole row as it comes: a process killed later (out of memory) loses none
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps(rows))
 
 
 def llama7b_config(program: str, devices: int):
     """The config of tests/fsdp_compile_check.py's program: Llama-2-7B, float32 params and
     reference, bfloat16 compute, AdamW, remat ``full``, scanned layers, one pair (DPO) or
-    row (GRPO, live reference, k3 KL) of 512 tokens per device, log-probs in chunks of 128."""
+    row (GRPO with the k3 KL to the reference's log-probs; PPO with a separate critic) of
+    512 tokens (256 of response) per device, log-probs in chunks of 128."""
     from alignax.trainers.api import load_config
 
     common = [f"mesh.shape=[1, {devices}, 1]", "model.remat=full", "model.scan_layers=true",
               "model.logprob_chunk_size=128", "precision.compute_dtype=bfloat16"]
     if program == "dpo":
-        config = load_config(str(ROOT / "configs" / "dpo.yaml"), [
+        return load_config(str(ROOT / "configs" / "dpo.yaml"), [
             *common, f"data.batch_size={devices}", "data.max_length=512", "data.max_prompt_length=256",
             "data.max_response_length=256", "train.grad_accum_steps=1"])
-    else:
-        config = load_config(str(ROOT / "configs" / "grpo.yaml"), [
-            *common, f"data.batch_size={devices}", "rollout.num_samples=1", "data.max_prompt_length=256",
-            "rollout.max_new_tokens=256", "grpo.minibatches=1", "train.grad_accum_steps=1", "grpo.kl_coef=0.04",
-            "rewards.reward_models=null"])
-    return config
+    online = [*common, "data.max_prompt_length=256", "rollout.max_new_tokens=256", "train.grad_accum_steps=1",
+              "rewards.reward_models=[]"]
+    if program == "grpo":  # groups of 2 rows, unpacked: one row per device, as the program has
+        return load_config(str(ROOT / "configs" / "grpo.yaml"), [
+            *online, f"data.batch_size={devices // 2}", "rollout.num_samples=2", 'rollout.pack_groups="off"',
+            "grpo.minibatches=1", "grpo.kl_coef=0.04"])
+    return load_config(str(ROOT / "configs" / "ppo.yaml"), [
+        *online, f"data.batch_size={devices}", "rollout.num_samples=1", "ppo.minibatches=1"])
 
 
 def llama7b(devices: int, program: str) -> dict:
@@ -142,7 +154,9 @@ def llama7b(devices: int, program: str) -> dict:
     run) against the estimate of :func:`llama7b_config`."""
     from tests.fake_devices import run_check
 
-    compiled = run_check("fsdp_compile_check.py", "--program", program, devices=devices, timeout=3600)
+    # the online trainer's update takes the reference's log-probs (the rollout scored them)
+    flags = ["--ref-logps"] if program == "grpo" else []
+    compiled = run_check("fsdp_compile_check.py", "--program", program, *flags, devices=devices, timeout=3600)
     memory = compiled["memory"]
     spec = {"algorithm": program, "model": "llama-2-7b", "devices": devices, "remat": "full"}
     return row(spec, {"argument": memory["argument"], "output": memory["output"], "alias": memory["alias"],
@@ -153,20 +167,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m"], choices=("tiny", "smollm2-135m"))
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
-    parser.add_argument("--devices", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--devices", nargs="*", type=int, default=[1, 8],
+                        help="device counts of the tiny and SmolLM2-shaped cases (none: only --llama7b)")
     parser.add_argument("--remat", nargs="+", default=["none", "full"],
-                        choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
+                        choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots"))
     parser.add_argument("--llama7b", nargs="*", type=int, default=None, metavar="DEVICES",
-                        help="also the compile-only Llama-2-7B DPO and GRPO steps on these device counts (8 64)")
+                        help="also the compile-only Llama-2-7B steps of --algorithms on these device counts (8 64)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--reestimate", metavar="JSON",
-                        help="recompute the estimates of a earlier output's rows (its compiled figures stay)")
+    parser.add_argument("--reestimate", nargs="+", metavar="JSON",
+                        help="recompute the estimates of earlier outputs' rows (their compiled figures stay), "
+                             "all of them in one output")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     if args.worker is not None:
         return worker(args)
     if args.reestimate:
-        rows = [row(r["spec"], r["compiled"]) for r in json.loads(Path(args.reestimate).read_text())["rows"]]
+        rows = [{**row(r["spec"], r["compiled"]), "command": r.get("command")} for path in args.reestimate
+                for r in json.loads(Path(path).read_text())["rows"]]
         return finish(rows, args.out)
     rows = []
     for devices in args.devices:
@@ -177,10 +194,11 @@ def main() -> None:
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
         rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
     for devices in args.llama7b or ():
-        for program in ("dpo", "grpo"):
+        for program in args.algorithms:
             rows.append(llama7b(devices, program))
             print(json.dumps({k: rows[-1][k] for k in ("case", "ratio")}), file=sys.stderr, flush=True)
-    finish(rows, args.out)
+    command = "HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py " + " ".join(sys.argv[1:])
+    finish([{**r, "command": command} for r in rows], args.out)
 
 
 def finish(rows: list[dict], out_path: str | None) -> None:

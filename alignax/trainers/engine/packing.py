@@ -183,3 +183,37 @@ def group_packing_pays(config, *, prompt_len: int, new_tokens: int, group: int) 
         return tokens * (2 * layer_params + 4 * tokens * q_dim)
 
     return flops(packed_len) < group * flops(unpacked_len) and packed_len**2 <= 2 * group * unpacked_len**2
+
+
+def packed_group_size(config, model_config, *, minibatches: int) -> int:
+    """``G`` when an online trainer's forward passes pack each group into one row, else 1.
+
+    ``config`` is the run's ``TrainConfig`` (``rollout.pack_groups``, ``num_samples``,
+    lengths, ``data.batch_size`` prompts, ``train.grad_accum_steps``), ``model_config`` the
+    policy's :class:`alignax.models.ModelConfig`. Packing needs every minibatch and
+    micro-batch to hold whole groups (minibatches are then drawn group by group);
+    ``pack_groups: on`` says so when they cannot, and when ``model.attention=splash``
+    cannot express the shared-prompt mask.
+    """
+    rc = config.rollout
+    G, P, N = rc.num_samples, config.data.max_prompt_length, rc.max_new_tokens
+    if rc.pack_groups == "off" or G < 2:
+        return 1
+    if model_config.attention == "splash":  # equal segment ids only: no shared prefix
+        if rc.pack_groups == "on":
+            raise ValueError("rollout.pack_groups=on needs a shared-prompt mask, which model.attention=splash "
+                             "cannot express; set rollout.pack_groups=auto or off")
+        return 1
+    if rc.pack_groups == "auto" and not group_packing_pays(model_config, prompt_len=P, new_tokens=N, group=G):
+        return 1
+    prompts = config.data.batch_size
+    rows_per_micro = prompts * G // (minibatches * config.train.grad_accum_steps)
+    if prompts % minibatches or rows_per_micro % G:
+        if rc.pack_groups == "on":
+            raise ValueError(
+                f"rollout.pack_groups=on needs whole groups of {G} in every minibatch and micro-batch; "
+                f"{prompts} prompts into {minibatches} minibatches x "
+                f"{config.train.grad_accum_steps} micro-batches do not give that"
+            )
+        return 1
+    return G

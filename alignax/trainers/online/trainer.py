@@ -118,7 +118,7 @@ class OnlineTrainer:
         self.separate_critic = critic_kind in ("separate", "adapter")
         self.adapter_critic = critic_kind == "adapter"
         self.initial_params = self._with_critic(policy_params)
-        self.pack_group = self._packed_group_size()
+        self.pack_group = packing.packed_group_size(config, self.model_config, minibatches=algorithm.minibatches)
 
         kl = algorithm.kl
         self.uses_reference = kl.uses_reference
@@ -221,36 +221,6 @@ class OnlineTrainer:
                 lambda path, _: "critic" if "value_head" in jax.tree_util.keystr(path) else "policy", params)
 
         return optax.multi_transform({"policy": optimizer, "critic": critic_optimizer}, labels), schedule
-
-    def _packed_group_size(self) -> int:
-        """``G`` when the trainer's forward passes pack each group into one row, else 1.
-
-        Packing needs every minibatch and micro-batch to hold whole groups (minibatches
-        are then drawn group by group); ``pack_groups: on`` says so when they cannot.
-        """
-        rc, config = self.config.rollout, self.config
-        G, P, N = self.group_size, config.data.max_prompt_length, rc.max_new_tokens
-        if rc.pack_groups == "off" or G < 2:
-            return 1
-        if self.model_config.attention == "splash":  # equal segment ids only: no shared prefix
-            if rc.pack_groups == "on":
-                raise ValueError("rollout.pack_groups=on needs a shared-prompt mask, which model.attention=splash "
-                                 "cannot express; set rollout.pack_groups=auto or off")
-            return 1
-        if rc.pack_groups == "auto" and not packing.group_packing_pays(self.model_config, prompt_len=P, new_tokens=N,
-                                                                      group=G):
-            return 1
-        minibatches = self.algorithm.minibatches
-        rows_per_micro = self.rows // (minibatches * config.train.grad_accum_steps)
-        if self.num_prompts % minibatches or rows_per_micro % G:
-            if rc.pack_groups == "on":
-                raise ValueError(
-                    f"rollout.pack_groups=on needs whole groups of {G} in every minibatch and micro-batch; "
-                    f"{self.num_prompts} prompts into {minibatches} minibatches x "
-                    f"{config.train.grad_accum_steps} micro-batches do not give that"
-                )
-            return 1
-        return G
 
     def place(self, value: np.ndarray) -> jax.Array:
         value = np.asarray(value)
