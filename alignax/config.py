@@ -13,8 +13,10 @@ and a signed exponent). :class:`YamlLoader`, used by :func:`load_yaml` and
 float: ``1e-3``, ``1E-3``, ``5e-7``, ``1.0e+3``, ``1.5``, ``1.``, ``.5``, ``-.5``,
 ``-2e-4``, ``+1e3``, ``1_000.5`` (underscores between digits, as YAML 1.1 and Python
 allow), ``.inf``, ``-.inf``, ``.nan``. Bare ``inf`` / ``nan`` are strings to YAML, and
-YAML 1.1's base-60 floats (``1:30.5``) are strings, as in YAML 1.2; ints, bools, nulls
-and dates read as before. The typed conversion then decides by the field's annotation:
+YAML 1.1's base-60 floats (``1:30.5``) are strings, as in YAML 1.2. Booleans are YAML
+1.2's too: only ``true``/``false`` (any case YAML allows); YAML 1.1's ``on``/``off``/``yes``/
+``no`` are text, so a choice such as ``rollout.pack_groups=off`` reads as written instead of
+as ``false``. Ints, nulls and dates read as before. The typed conversion then decides by the field's annotation:
 
 - ``float`` fields take any int or float, and also numeric text (a quoted ``'1e-3'``,
   a dict built in Python): the forms above plus ``inf``/``-inf``/``infinity``.
@@ -77,21 +79,25 @@ _EXACT_FLOAT_INT = 2**53
 
 
 class YamlLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` reading floats as YAML 1.2 does (``1e-3`` is a float, not text).
+    """``yaml.SafeLoader`` reading floats and booleans as YAML 1.2 does (``1e-3`` is a float,
+    not text; ``on``/``off``/``yes``/``no`` are text, not booleans).
 
-    Only the float resolver differs from SafeLoader; ints, bools, nulls, dates are as
+    Only the float and bool resolvers differ from SafeLoader; ints, nulls, dates are as
     before.
     """
 
 
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_BOOL_RE = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_REPLACED = {_FLOAT_TAG: _FLOAT_RE, _BOOL_TAG: _BOOL_RE}
 YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, _FLOAT_RE if tag == _FLOAT_TAG else regexp) for tag, regexp in resolvers]
+    first: [(tag, _REPLACED.get(tag, regexp)) for tag, regexp in resolvers]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 
 
 def yaml_load(stream: Any) -> Any:
-    """``yaml.safe_load`` with YAML 1.2 floats (:class:`YamlLoader`)."""
+    """``yaml.safe_load`` with YAML 1.2 floats and booleans (:class:`YamlLoader`)."""
     return yaml.load(stream, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 

@@ -126,9 +126,14 @@ def test_readme_override_and_nested_keys():
     assert data == {"optim": {"learning_rate": 5e-7}}
 
 
-def test_loader_keeps_yaml_1_1_behaviour_for_everything_but_floats():
+def test_loader_keeps_yaml_1_1_behaviour_for_everything_but_floats_and_booleans():
     assert yaml_load("a: 1_000\nb: 0x10\nc: true\nd: null\ne: 2024-01-02\nf: '1e-3'") == {
         "a": 1000, "b": 16, "c": True, "d": None, "e": datetime.date(2024, 1, 2), "f": "1e-3"}
+    # booleans as YAML 1.2: true/false only; 1.1's on/off/yes/no stay text (a Literal choice)
+    assert yaml_load("[true, False, TRUE, on, off, yes, no, On, Y]") == [
+        True, False, True, "on", "off", "yes", "no", "On", "Y"]
+    assert yaml.safe_load("off") is False  # what the stock loader would have made of it
+    assert apply_overrides({}, ["rollout.pack_groups=off"]) == {"rollout": {"pack_groups": "off"}}
     # not numbers: stay text
     for text in ["1e", "e3", "1.2.3", "1:30.5", "inf", "nan", "1e-3x", "v1e3", "1-2"]:
         assert yaml_load(text) == text, text

@@ -555,8 +555,8 @@ def test_group_sizes_and_minibatches():
     assert "train.grad_accum_steps=3 does not divide data.batch_size=8 (algorithm dpo)" in refused(
         DPO, ["train.grad_accum_steps=3"])
     assert "rollout.pack_groups=on needs whole groups" in refused(
-        GRPO, ["rollout.pack_groups='on'", "data.batch_size=3", "grpo.minibatches=2", "rollout.num_samples=2"])
-    assert "rollout.pack_groups applies to rollout.num_samples > 1 only" in refused(PPO, ["rollout.pack_groups='on'"])
+        GRPO, ["rollout.pack_groups=on", "data.batch_size=3", "grpo.minibatches=2", "rollout.num_samples=2"])
+    assert "rollout.pack_groups applies to rollout.num_samples > 1 only" in refused(PPO, ["rollout.pack_groups=on"])
 
 
 def test_tis_cap_needs_recomputed_old_logps():
