@@ -40,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from bench_common import finish  # noqa: E402
 
 ALGORITHMS = ("dpo", "grpo", "ppo")
 SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -184,7 +186,7 @@ def main() -> None:
     if args.reestimate:
         rows = [{**row(r["spec"], r["compiled"]), "command": r.get("command")} for path in args.reestimate
                 for r in json.loads(Path(path).read_text())["rows"]]
-        return finish(rows, args.out)
+        return report(rows, args.out)
     rows = []
     for devices in args.devices:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
@@ -198,17 +200,13 @@ def main() -> None:
             rows.append(llama7b(devices, program))
             print(json.dumps({k: rows[-1][k] for k in ("case", "ratio")}), file=sys.stderr, flush=True)
     command = "HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py " + " ".join(sys.argv[1:])
-    finish([{**r, "command": command} for r in rows], args.out)
+    report([{**r, "command": command} for r in rows], args.out)
 
 
-def finish(rows: list[dict], out_path: str | None) -> None:
-    out = {"bar": "estimate within 15% of compiled (ratio 0.85..1.15)",
-           "within_15_percent": sum(0.85 <= r["ratio"] <= 1.15 for r in rows), "cases": len(rows), "rows": rows}
-    text = json.dumps(out, indent=1)
-    if out_path:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(text + "\n", encoding="utf-8")
-    print(text)
+def report(rows: list[dict], out_path: str | None) -> None:
+    finish({"bar": "estimate within 15% of compiled (ratio 0.85..1.15)",
+            "within_15_percent": sum(0.85 <= r["ratio"] <= 1.15 for r in rows), "cases": len(rows), "rows": rows},
+           out_path)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from bench_common import finish  # noqa: E402
 
 from tests.fake_devices import run_check  # noqa: E402
 
@@ -90,7 +92,7 @@ def main() -> None:
     parser.add_argument("--decode-rows", type=int, default=64, help="--sampler: rows decoded in all")
     args = parser.parse_args()
     if args.sampler:
-        write(sampler_rows(args.devices, args.decode_rows, args.seq, args.layers), args.out)
+        finish(sampler_rows(args.devices, args.decode_rows, args.seq, args.layers), args.out)
         return
     extra = ["--layers", str(args.layers), "--seq", str(args.seq)]
     rows = []
@@ -105,15 +107,7 @@ def main() -> None:
         "model": "Llama-2-7B shape (D 4096, 32 heads, F 11008, V 32000)", "layers": args.layers, "seq": args.seq,
         "param_dtype": "float32", "dtype": "bfloat16", "mesh": "all devices on fsdp", "rows": rows,
     }
-    write(out, args.out)
-
-
-def write(out: dict, path: str | None) -> None:
-    text = json.dumps(out, indent=1)
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n", encoding="utf-8")
-    print(text)
+    finish(out, args.out)
 
 
 if __name__ == "__main__":
