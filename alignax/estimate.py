@@ -298,10 +298,9 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         train_rows = rows / accum
         policy_rows, policy_length = train_rows, length
         window = config.data.max_response_length
-        if (algorithm == "dpo" and config.dpo.loss != "kto" and config.model.attention != "splash"
-                and window is not None and window < length):
+        if algorithm == "dpo" and config.dpo.loss != "kto" and packing.pair_packs(
+                config.model.attention, row_length=length, window=window):
             # a preference pair is one packed row: the prompt once, then both responses
-            # (alignax.trainers.offline.preference._pair_logps)
             policy_rows, policy_length = train_rows / 2, packing.packed_width(length, 2, window)
     per_device_rows = train_rows / (data * fsdp)
     D, F, V, L = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers

@@ -63,6 +63,13 @@ def packed_width(row_length: int, num_continuations: int, window: int) -> int:
     return row_length + (num_continuations - 1) * window
 
 
+def pair_packs(attention: str, *, row_length: int, window: int | None) -> bool:
+    """Whether a preference pair runs as one packed row (the prompt once, then chosen, then
+    rejected): when the LM head's response window is shorter than the rows and the
+    attention can express a prompt both continuations see (not ``splash``)."""
+    return attention != "splash" and window is not None and window < row_length
+
+
 def pack(rows: Sequence[Mapping[str, Array]], prompt_length: Array, window: int) -> Packed:
     """Pack ``n`` right-padded rows sharing a prompt into one row each (see module docstring)."""
     if not rows:

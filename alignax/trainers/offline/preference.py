@@ -39,8 +39,7 @@ def _pair_logps(model, batch, chunk_size, window):
     kernel cannot express a prompt both continuations see).
     """
     rows = batch["chosen_tokens"].shape[1]
-    shared_prompt = model.config.attention != "splash"
-    if "prompt_length" in batch and window is not None and window < rows and shared_prompt:
+    if "prompt_length" in batch and packing.pair_packs(model.config.attention, row_length=rows, window=window):
         sides = [{k: batch[f"{side}_{k}"] for k in ("tokens", "attention_mask", "response_mask")}
                  for side in ("chosen", "rejected")]
         logps, mask = packing.packed_response_logps(
