@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from alignax.models import CausalLM, ModelConfig, init_cache, layers
+from alignax.models import CausalLM, ModelConfig, create_model, init_cache, layers
 from alignax.models.config import REMAT_POLICIES
 from alignax.models.splash import splash_attention
 from alignax.trainers.config import ModelSpec
 from alignax.trainers.engine.setup import attention_implementation
+from tests.compiled import jitted
 
 BASE = dict(model_type="llama", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=16, intermediate_size=128, norm_eps=1e-5, max_position_embeddings=128)
@@ -39,10 +40,11 @@ def _batch(B=2, T=32, seed=0):
 
 def test_each_remat_policy_keeps_what_it_names_and_the_gradient_is_unchanged():
     tokens, positions, mask = _batch()
-    state0 = nnx.state(CausalLM(ModelConfig(**BASE, scan_layers=True), rngs=nnx.Rngs(0)))
+    state0 = nnx.state(create_model(ModelConfig(**BASE, scan_layers=True)))
     figures, grads = {}, {}
     for policy in REMAT_POLICIES:
-        graphdef, _ = nnx.split(CausalLM(ModelConfig(**BASE, scan_layers=True, remat=policy), rngs=nnx.Rngs(0)))
+        config = ModelConfig(**BASE, scan_layers=True, remat=policy)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda config=config: CausalLM(config, rngs=nnx.Rngs(0))))
 
         def loss(state, graphdef=graphdef):
             return jnp.mean(nnx.merge(graphdef, state)(tokens, positions, mask).logits ** 2)
@@ -88,8 +90,8 @@ def _xla_instead_of_cudnn(monkeypatch):
 
 def test_the_fused_attention_route_equals_the_materialised_one(monkeypatch):
     calls = _xla_instead_of_cudnn(monkeypatch)
-    materialised = CausalLM(ModelConfig(**BASE), rngs=nnx.Rngs(1))
-    fused = CausalLM(ModelConfig(**BASE, attention="cudnn"), rngs=nnx.Rngs(1))
+    materialised = jitted(create_model(ModelConfig(**BASE), seed=1))
+    fused = jitted(create_model(ModelConfig(**BASE, attention="cudnn"), seed=1))
     B, T = 2, 24
     tokens, _, _ = _batch(B, T, seed=2)
     # row 0: left padding, then a prompt shared by two continuations (restarted positions)
@@ -112,7 +114,7 @@ def test_the_fused_attention_route_equals_the_materialised_one(monkeypatch):
     prompt, step = _batch(B, 8, seed=3)[0], _batch(B, 1, seed=4)[0]
     outs = {}
     for name, model in (("materialised", materialised), ("fused", fused)):
-        cache = init_cache(model.config, B, 16)
+        cache = init_cache(ModelConfig(**BASE), B, 16)
         pos = jnp.broadcast_to(jnp.arange(8), (B, 8))
         first = model(prompt, pos, jnp.ones((B, 8), jnp.int32), cache=cache)
         second = model(step, jnp.full((B, 1), 8), jnp.ones((B, 1), jnp.int32), cache=first.cache)
@@ -139,7 +141,9 @@ def test_attention_choice_is_resolved_per_backend():
 
 def test_splash_kernel_equals_the_dense_attention_forward_and_backward():
     """The Pallas splash kernel, interpreted on CPU: one row left-padded, one right-padded,
-    two query heads per key/value head; values and all three gradients."""
+    two query heads per key/value head; values and all three gradients. The forward and the
+    gradient are two programs of one length (as a train step and an evaluation are): the
+    second reuses the cached kernel built while tracing the first."""
     B, T, K, G, H = 2, 12, 1, 2, 8
     rng = np.random.RandomState(0)
     q, k, v = (jnp.asarray(rng.randn(B, T, n, H), jnp.float32) for n in (K * G, K, K))
@@ -156,9 +160,11 @@ def test_splash_kernel_equals_the_dense_attention_forward_and_backward():
     def splash(q, k, v):
         return splash_attention(q, k, v, jnp.asarray(mask), scale=H**-0.5, interpret=True)
 
-    np.testing.assert_allclose(np.asarray(splash(q, k, v))[mask], np.asarray(dense(q, k, v))[mask], atol=1e-5)
-    got = jax.grad(lambda *a: jnp.sum(splash(*a) * weights), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(lambda *a: jnp.sum(dense(*a) * weights), argnums=(0, 1, 2))(q, k, v)
+    # each side one compiled program (eagerly, the interpreted kernel compiles op by op)
+    np.testing.assert_allclose(np.asarray(jax.jit(splash)(q, k, v))[mask], np.asarray(jax.jit(dense)(q, k, v))[mask],
+                               atol=1e-5)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(splash(*a) * weights), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(lambda *a: jnp.sum(dense(*a) * weights), argnums=(0, 1, 2)))(q, k, v)
     for name, a, b in zip("qkv", got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=name)
 
@@ -172,7 +178,7 @@ def test_the_decoder_routes_full_passes_to_splash_and_refuses_shared_prompt_pack
 
     monkeypatch.setattr(layers, "splash_attention", counted)
     config = dict(BASE, num_layers=1)
-    dense, splash = (CausalLM(ModelConfig(**config, attention=a), rngs=nnx.Rngs(5)) for a in ("xla", "splash"))
+    dense, splash = (jitted(create_model(ModelConfig(**config, attention=a), seed=5)) for a in ("xla", "splash"))
     tokens, _, _ = _batch(2, 10, seed=6)
     mask = np.ones((2, 10), np.int32)
     mask[0, :3] = 0

@@ -31,11 +31,17 @@ BLOCK = 128  # the kernel's query and key block (a multiple of the TPU's 128 lan
 
 @functools.lru_cache(maxsize=32)
 def _kernel(length: int, group: int, interpret: bool):
-    """The causal splash kernel for ``group`` query heads over one key/value head."""
+    """The causal splash kernel for ``group`` query heads over one key/value head.
+
+    Built with concrete arrays (``ensure_compile_time_eval``) whatever traces the first call:
+    the kernel holds its mask's block tables as arrays, and this cache hands the same kernel
+    to every later program, so tables made as one ``jit``'s tracers would leak into the next
+    (a train step and an evaluation step of the same length, on TPU)."""
     causal = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(group)])
     sizes = kernels.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK, block_q_dkv=BLOCK,
                                block_kv_dkv=BLOCK, block_kv_dkv_compute=BLOCK, block_q_dq=BLOCK, block_kv_dq=BLOCK)
-    return kernels.make_splash_mqa_single_device(causal, block_sizes=sizes, interpret=interpret)
+    with jax.ensure_compile_time_eval():
+        return kernels.make_splash_mqa_single_device(causal, block_sizes=sizes, interpret=interpret)
 
 
 def splash_attention(q: Array, k: Array, v: Array, key_mask: Array, *, scale: float,
