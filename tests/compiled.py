@@ -9,6 +9,8 @@ numeric test's time. ``jitted(model)`` traces the whole call into one program in
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
 
@@ -16,12 +18,17 @@ from flax import nnx
 def jitted(model: nnx.Module):
     """``model.__call__`` as one ``jax.jit`` program over the model's current state: array
     arguments (positional or keyword) are traced, so one compile serves every call of the
-    same shapes. Python side effects of the call (a monkeypatched counter) happen once per
-    trace, not per call."""
+    same shapes; Python scalars given by keyword (``return_logits=False``) are static. Python
+    side effects of the call (a monkeypatched counter) happen once per trace, not per call."""
     graphdef, state = nnx.split(model)
 
-    @jax.jit
-    def call(state, *args, **kwargs):
-        return nnx.merge(graphdef, state)(*args, **kwargs)
+    @functools.partial(jax.jit, static_argnames="static")
+    def call(state, args, arrays, static):
+        return nnx.merge(graphdef, state)(*args, **arrays, **dict(static))
 
-    return lambda *args, **kwargs: call(state, *args, **kwargs)
+    def run(*args, **kwargs):
+        static = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))))
+        arrays = {k: v for k, v in kwargs.items() if k not in dict(static)}
+        return call(state, args, arrays, static)
+
+    return run

@@ -28,6 +28,7 @@ from alignax.models import (
     token_logprobs_from_hidden,
 )
 
+from tests.compiled import jitted
 from tests.model_families import COMMON, CONFIGS
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
@@ -109,7 +110,7 @@ def test_logits_match_transformers(families, family):
     # Unpadded: every row full length (transformers without mask or positions).
     with torch.no_grad():
         ref_full = hf(input_ids=torch.tensor(tokens)).logits.numpy()
-    ours_full = np.asarray(model(jnp.asarray(tokens)).logits)  # not jitted; positions from the mask
+    ours_full = np.asarray(jitted(model)(jnp.asarray(tokens)).logits)  # positions and mask left to the model
     assert np.abs(ours_full - ref_full).max() <= TOL
     # A left-padded row equals the same tokens run alone, unpadded.
     alone = tokens[2:, 5:]
@@ -126,7 +127,7 @@ def test_export_loads_in_transformers(families, family, tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded) is type(hf)
     tokens, mask, positions = batch(seed=1)
-    ours = np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)).logits)
+    ours = np.asarray(jit_forward(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)))
     theirs = torch_logits(loaded, tokens, mask, positions)
     assert np.abs(ours - theirs)[mask.astype(bool)].max() <= TOL
     # and back: our loader reads what we wrote, bit for bit
@@ -174,18 +175,20 @@ def test_token_logprobs_from_hidden_matches_full_logits(families):
         for t in range(targets.shape[1]):
             row = ref_logits[b, t]
             ref[b, t] = row[targets[b, t]] - (row.max() + np.log(np.exp(row - row.max()).sum()))
-    hidden = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), return_logits=False).hidden
+    hidden = jitted(model)(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), return_logits=False).hidden
     real = (mask[:, :-1] * mask[:, 1:]).astype(bool)  # a pad position's prediction is garbage in both
     for chunk in (None, 3, 8):
-        got = token_logprobs_from_hidden(hidden[:, :-1], model, jnp.asarray(targets), chunk_size=chunk)
+        got = jax.jit(lambda h, t, chunk=chunk: token_logprobs_from_hidden(h, model, t, chunk_size=chunk))(
+            hidden[:, :-1], jnp.asarray(targets))
         assert got.dtype == jnp.float32
         assert np.abs(np.asarray(got) - ref)[real].max() <= TOL
     logps, ent = jax.jit(
         lambda h, t: token_logprobs_from_hidden(h, model, t, chunk_size=3, with_entropy=True)
     )(hidden[:, :-1], jnp.asarray(targets))
-    full = model.logits(hidden[:, :-1])
-    np.testing.assert_allclose(np.asarray(ent), np.asarray(ops.entropy_from_logits(full)), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(logps), np.asarray(ops.token_logprobs(full, jnp.asarray(targets))), atol=1e-5)
+    full = jax.jit(model.logits)(hidden[:, :-1])
+    np.testing.assert_allclose(np.asarray(ent), np.asarray(jax.jit(ops.entropy_from_logits)(full)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logps), np.asarray(jax.jit(ops.token_logprobs)(full, jnp.asarray(targets))),
+                               atol=1e-5)
 
 
 def test_bfloat16_policy_keeps_float32_scores(families):
@@ -193,7 +196,7 @@ def test_bfloat16_policy_keeps_float32_scores(families):
     model = from_hf_state_dict(cfg, sd, param_dtype="bfloat16", dtype="bfloat16")
     assert nnx.state(model)["lm_head"].get_value().dtype == jnp.bfloat16
     tokens, mask, positions = batch()
-    out = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
+    out = jitted(model)(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
     assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
     ref = torch_logits(hf, tokens, mask, positions)
     err = np.abs(np.asarray(out.logits) - ref)[mask.astype(bool)]

@@ -26,6 +26,18 @@ def model():
     return create_model(CONFIG, seed=3)
 
 
+# Each computation below is one compiled program (eagerly, every jax operation of a forward
+# pass compiles on its own, most of these tests' time).
+pack = jax.jit(packing.pack, static_argnums=2)
+sequence_logps = jax.jit(sequence_logps)
+
+
+def reference_logps(model, row):
+    """``response_logps`` of one unpacked row, in one program."""
+    return jax.jit(lambda row: response_logps(model, row["tokens"], row["positions"], row["attention_mask"],
+                                              row["response_mask"], window=WINDOW))(row)
+
+
 def right_padded(prompts, responses, masks=None):
     """Rows ``prompt + response`` padded to T, as alignax.data builds them."""
     B = len(prompts)
@@ -60,20 +72,18 @@ def sample_group(n_cont, seed):
 @pytest.mark.parametrize("n_cont", [2, 3])
 def test_packed_logps_equal_unpacked(model, n_cont):
     rows, prompt_length = sample_group(n_cont, seed=n_cont)
-    packed = packing.pack(rows, prompt_length, WINDOW)
+    packed = pack(rows, prompt_length, WINDOW)
     assert packed.tokens.shape == (4, packing.packed_width(T, n_cont, WINDOW))
     assert bool(jnp.all(packed.fits))
     logps, mask = jax.jit(lambda: packing.packed_response_logps(model, packed))()
     for k, row in enumerate(rows):
-        ref, ref_mask = response_logps(
-            model, row["tokens"], row["positions"], row["attention_mask"], row["response_mask"], window=WINDOW
-        )
+        ref, ref_mask = reference_logps(model, row)
         np.testing.assert_array_equal(np.asarray(mask[k]), np.asarray(ref_mask))
         np.testing.assert_allclose(np.asarray(logps[k] * mask[k]), np.asarray(ref * ref_mask), atol=2e-5)
         np.testing.assert_allclose(sequence_logps(logps[k], mask[k])[0], sequence_logps(ref, ref_mask)[0], atol=1e-4)
     # the packed row holds each token once: prompt, then every continuation in turn
-    lengths = [int(jnp.sum(r["attention_mask"][0])) - 9 for r in rows]
-    assert int(jnp.sum(packed.attention_mask[0])) == 9 + sum(lengths)
+    lengths = [int(np.sum(r["attention_mask"][0])) - 9 for r in rows]
+    assert int(np.sum(packed.attention_mask[0])) == 9 + sum(lengths)
     np.testing.assert_array_equal(np.asarray(packed.segment_ids[0, :9]), 0)
     np.testing.assert_array_equal(np.asarray(packed.positions[0, 9 : 9 + lengths[0]]), np.arange(9, 9 + lengths[0]))
     second = 9 + lengths[0]
@@ -106,8 +116,8 @@ def test_packed_gradients_equal_unpacked(model):
 
 def test_a_continuation_longer_than_the_window_gives_nan(model):
     rows, prompt_length = sample_group(2, seed=1)
-    packed = packing.pack(rows, prompt_length, WINDOW - 1)  # row 0..3 hold 7-token continuations
-    logps, mask = packing.packed_response_logps(model, packed)
+    packed = pack(rows, prompt_length, WINDOW - 1)  # row 0..3 hold 7-token continuations
+    logps, mask = jax.jit(lambda: packing.packed_response_logps(model, packed))()
     fits = np.asarray(packed.fits)
     assert not fits.all() and fits.any()
     seq = np.asarray(sequence_logps(logps, mask)[0])
