@@ -18,6 +18,7 @@ error naming them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -28,6 +29,7 @@ from alignax.config import ConfigError
 from alignax.trainers.api import build_trainer
 from alignax.trainers.config import PreferenceSection
 from alignax.trainers.offline import preference
+from tests.compiled import jitted
 from tests.references import log_sigmoid, mean, sigmoid
 from tests.trainer_helpers import separable_pairs, tiny_config, unpaired_feedback
 
@@ -41,6 +43,7 @@ KTO_SEEDS = (2, 1)  # a positive KL reference point on the KTO batch (for the to
 WINDOW = 8  # data.max_response_length < the rows: pairs are packed, KTO rows windowed
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))  # one program, not an op-by-op draw per weight
 def perturbed(params, seed=0, scale=NOISE):
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -51,7 +54,7 @@ def perturbed(params, seed=0, scale=NOISE):
 def sequence_logps(trainer, params, batch, prefix):
     """Summed log-probs of the response tokens and their counts, ``[B]`` float64, from a
     plain forward pass with full logits (no window, no packing)."""
-    model = trainer.model_from(params)
+    model = jitted(trainer.model_from(params))
     tokens = np.asarray(batch[f"{prefix}tokens"])
     logits = np.asarray(model(tokens, batch[f"{prefix}positions"], batch[f"{prefix}attention_mask"]).logits,
                         np.float64)
