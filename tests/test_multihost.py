@@ -59,36 +59,16 @@ def assert_close(got, want, name):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.xdist_group("multihost")
-def test_two_processes_train_like_one(tmp_path, toy_model):
-    """DPO (precomputed reference), GRPO and PPO (both with a live reference for the KL):
-    2 processes x 4 devices against 1 x 8 on the same global batches — losses, final
-    parameters, evaluation figures — with each step's metrics written once, and the DPO run
-    saved by the two resumed by one. GRPO samples on its own mesh (rollout.mesh (-1, 1, 2):
-    prompts split across the processes, heads within each). The two processes export the
-    DPO run with `alignax export` and leave the job in order at exit (multihost.leave)."""
-    def job(name, recipe, steps, out, reference="live", **extra):
-        return {"name": name, "recipe": recipe, "model_dir": toy_model, "output_dir": str(tmp_path / out),
-                "dpo_reference": reference, "steps": steps, **extra}
+def job(tmp_path, toy_model, name, recipe, steps, out, reference="live", **extra):
+    return {"name": name, "recipe": recipe, "model_dir": toy_model, "output_dir": str(tmp_path / out),
+            "dpo_reference": reference, "steps": steps, **extra}
 
-    # online: 8 prompts x 2 samples; each process samples, scores and updates on its own
-    # prompts' rows, and the figures and evaluations are over all of them
-    exits: list = []
-    export = {"name": "export", "cli": ["export", str(tmp_path / "split" / "config.yaml"), "--out",
-                                        str(tmp_path / "export2")]}
-    two = launch(2, [job("pre", "dpo", 2, "split", "precomputed"),
-                     job("grpo", "grpo", 2, "grpo2", rollout_mesh=[-1, 1, 2]), job("ppo", "ppo", 2, "ppo2"), export],
-                 devices=4, exits=exits)
-    # one process: the uninterrupted runs, then the two processes' DPO run resumed (one
-    # launch for both, as an interpreter start and its compiles cost more than the steps)
-    *single, resumed = launch(1, [job("pre", "dpo", 4, "pre1", "precomputed"),
-                                  job("grpo", "grpo", 2, "grpo1", rollout_mesh=[-1, 1, 2]), job("ppo", "ppo", 2, "ppo1"),
-                                  job("resumed", "dpo", 4, "split", "precomputed")], devices=8)[0]
-    one = {r["job"]: r for r in single}
-    for process, (*results, exported) in enumerate(two):
-        assert [r["process"] for r in results] == [process] * 3
-        # `alignax export` in both processes: they gather the weights, process 0 writes
-        assert exported["rc"] == 0 and exported["stdout"].strip() == str(tmp_path / "export2")
+
+def assert_runs_match(two: list[list[dict]], one: dict, jobs: int) -> None:
+    """Each process's runs of ``two`` against the one-process runs ``one`` (by job name):
+    the same losses, parameters, metric rows and evaluations."""
+    for process, results in enumerate(two):
+        assert [r["process"] for r in results] == [process] * jobs
         assert {(r["processes"], r["devices"], r["local_devices"]) for r in results} == {(2, 8, 4)}
         for r in results:
             want = one[r["job"]]
@@ -103,7 +83,38 @@ def test_two_processes_train_like_one(tmp_path, toy_model):
             for got, expected in zip(r["eval"], want["eval"]):
                 assert got.keys() == expected.keys()
                 assert_close([got[k] for k in sorted(got)], [expected[k] for k in sorted(expected)], r["job"])
-    assert one["grpo"]["eval"] and one["ppo"]["eval"]  # the online runs evaluated (at start and end)
+
+
+@pytest.mark.xdist_group("multihost")
+def test_two_processes_train_like_one(tmp_path, toy_model):
+    """DPO (precomputed reference) and GRPO (with a live reference for the KL): 2 processes
+    x 4 devices against 1 x 8 on the same global batches — losses, final parameters,
+    evaluation figures — with each step's metrics written once, and the DPO run saved by
+    the two resumed by one. GRPO samples on its own mesh (rollout.mesh (-1, 1, 2): prompts
+    split across the processes, heads within each). The two processes export the DPO run
+    with `alignax export` and leave the job in order at exit (multihost.leave). PPO, whose
+    multi-process path is GRPO's plus a critic, runs the same comparison in the slow
+    test_two_processes_train_ppo_like_one (its critic on a mesh: tests/mesh_ppo_check.py)."""
+    # online: 8 prompts x 2 samples; each process samples, scores and updates on its own
+    # prompts' rows, and the figures and evaluations are over all of them
+    exits: list = []
+    export = {"name": "export", "cli": ["export", str(tmp_path / "split" / "config.yaml"), "--out",
+                                        str(tmp_path / "export2")]}
+    two = launch(2, [job(tmp_path, toy_model, "pre", "dpo", 2, "split", "precomputed"),
+                     job(tmp_path, toy_model, "grpo", "grpo", 2, "grpo2", rollout_mesh=[-1, 1, 2]), export],
+                 devices=4, exits=exits)
+    # one process: the uninterrupted runs, then the two processes' DPO run resumed (one
+    # launch for both, as an interpreter start and its compiles cost more than the steps)
+    *single, resumed = launch(1, [job(tmp_path, toy_model, "pre", "dpo", 4, "pre1", "precomputed"),
+                                  job(tmp_path, toy_model, "grpo", "grpo", 2, "grpo1", rollout_mesh=[-1, 1, 2]),
+                                  job(tmp_path, toy_model, "resumed", "dpo", 4, "split", "precomputed")],
+                              devices=8)[0]
+    one = {r["job"]: r for r in single}
+    # `alignax export` in both processes: they gather the weights, process 0 writes
+    for *_, exported in two:
+        assert exported["rc"] == 0 and exported["stdout"].strip() == str(tmp_path / "export2")
+    assert_runs_match([results for *results, _ in two], one, jobs=2)
+    assert one["grpo"]["eval"]  # the online run evaluated (at start and end)
     # saved by two processes on (1, 8, 1), resumed by one: the uninterrupted run's last steps
     assert resumed["steps"] == [3, 4] and resumed["layout_changed"]
     assert_close(resumed["losses"], one["pre"]["losses"][2:], "resumed")
@@ -123,6 +134,17 @@ def test_two_processes_train_like_one(tmp_path, toy_model):
         assert float(left.group(1)) < 30, left.group(0)
         # the interpreter's own teardown follows: 4 s at load 7, 60 s measured at load 17 on 2 cores
         assert lag < 120, (process, lag)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multihost")
+def test_two_processes_train_ppo_like_one(tmp_path, toy_model):
+    """PPO (separate critic, live reference for the KL): 2 processes x 4 devices against
+    1 x 8, as test_two_processes_train_like_one does for DPO and GRPO."""
+    two = launch(2, [job(tmp_path, toy_model, "ppo", "ppo", 2, "ppo2")], devices=4)
+    one = {r["job"]: r for r in launch(1, [job(tmp_path, toy_model, "ppo", "ppo", 2, "ppo1")], devices=8)[0]}
+    assert_runs_match(two, one, jobs=1)
+    assert one["ppo"]["eval"]
 
 
 def test_one_process_needs_no_keys_and_a_cluster_is_detected(monkeypatch):
