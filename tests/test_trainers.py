@@ -11,6 +11,7 @@ import glob
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -21,6 +22,7 @@ from alignax.metrics import read_jsonl
 from alignax.trainers.api import load_config
 from alignax.trainers.api import build_trainer, evaluate, export, train
 from alignax.trainers.offline import reward as reward_task
+from tests.compiled import jitted
 from tests.references import log_sigmoid
 from tests.trainer_helpers import CONFIGS, WORDS, separable_pairs, sft_conversations, tiny_config, unpaired_feedback
 
@@ -126,7 +128,7 @@ def test_reward_margin_enters_the_bradley_terry_loss(tmp_path, toy_model):
     # The same first batch scored by the same initial reward model, outside the trainer.
     trainer = build_trainer(config, records=records)
     batch = next(trainer.data.iterator("train"))
-    model = trainer.model_from(trainer.params)
+    model = jitted(trainer.model_from(trainer.params))
     chosen, rejected = (np.asarray(model(batch[f"{s}_tokens"], batch[f"{s}_positions"],
                                          batch[f"{s}_attention_mask"]).rewards, np.float64)
                         for s in ("chosen", "rejected"))
@@ -141,7 +143,7 @@ def test_reward_margin_enters_the_bradley_terry_loss(tmp_path, toy_model):
     plain = reward_task.make_task(tiny_config(tmp_path / "plain", "reward", model_dir=toy_model),
                                   trainer.graphdef, trainer.rest)
     placed = trainer.placer(batch)
-    loss, _ = plain.loss_fn(trainer.params, {}, placed, plain.normalisers_fn(placed), None)
+    loss, _ = jax.jit(plain.loss_fn)(trainer.params, {}, placed, plain.normalisers_fn(placed), None)
     np.testing.assert_allclose(float(loss), without, rtol=1e-5)
 
 
@@ -219,7 +221,7 @@ def test_eval_and_export_from_a_checkpoint(tmp_path, toy_model):
 
     hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     tokens = np.array([[1, 17, 3, 12, 9]])
-    ours = np.asarray(result.model(tokens).logits)
+    ours = np.asarray(jitted(result.model)(tokens).logits)
     with torch.no_grad():
         theirs = hf(torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
@@ -247,13 +249,16 @@ def test_scoring_a_response_window_equals_scoring_every_position(toy_model):
         response[row, start : start + length] = 1
         attention[row, start + length :] = 0  # right padding after the response
     positions = np.maximum(np.cumsum(attention, 1) - 1, 0)
-    full = sequence_logps(*response_logps(model, tokens, positions, attention, response))
-    windowed = sequence_logps(*response_logps(model, tokens, positions, attention, response, window=6))
+
+    def scored(window=None):  # one compiled program per window
+        return jax.jit(lambda *a: sequence_logps(*response_logps(model, *a, window=window)))(tokens, positions,
+                                                                                            attention, response)
+
+    full, windowed = scored(), scored(window=6)
     np.testing.assert_allclose(windowed[0], full[0], rtol=1e-6)
     np.testing.assert_array_equal(windowed[1], full[1])
     # a window running past the end of a row is cut there, not wrapped
-    np.testing.assert_allclose(sequence_logps(*response_logps(model, tokens, positions, attention, response,
-                                                              window=10))[0], full[0], rtol=1e-6)
+    np.testing.assert_allclose(scored(window=10)[0], full[0], rtol=1e-6)
 
 
 def test_a_diverged_run_stops_with_an_alarm_and_keeps_its_good_checkpoint(tmp_path, toy_model):
