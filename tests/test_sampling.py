@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from alignax.models import CausalLM, from_hf_state_dict, positions_from_mask
 from alignax.sampling import SamplingConfig, generate, left_pad, sampling_logprobs
+from tests.compiled import jitted
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
 
@@ -152,7 +153,7 @@ def full_forward_logprobs(model, out, temperature=1.0):
     """Trainer's view: one forward over prompt + response, no cache; ``[R, N, V]`` log-softmax."""
     tokens, attention_mask, _ = out.sequences()
     tokens, attention_mask = jnp.asarray(tokens), jnp.asarray(attention_mask)
-    logits = model(tokens, positions_from_mask(attention_mask), attention_mask).logits
+    logits = jitted(model)(tokens, positions_from_mask(attention_mask), attention_mask).logits
     P = out.prompt_tokens.shape[1]
     return np.asarray(jax.nn.log_softmax(logits[:, P - 1 : -1] / temperature, axis=-1), np.float64)
 
