@@ -14,7 +14,8 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from alignax.models import CausalLM, KVCache, ModelConfig, init_cache
+from alignax.models import KVCache, ModelConfig, create_model, init_cache
+from tests.compiled import jitted
 
 BASE = dict(vocab_size=50, num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=40)
 CASES = {
@@ -60,14 +61,14 @@ def cached_logits(graphdef, state, prompt, prompt_mask, new):
 def test_cached_decoding_equals_full_forward(case):
     hf_cfg, scan = CASES[case]
     config = ModelConfig.from_hf_config(hf_cfg, scan_layers=scan)
-    model = CausalLM(config, rngs=nnx.Rngs(0))
+    model = create_model(config)
     prompt, prompt_mask, new = _data()
     graphdef, state = nnx.split(model)
     logits, cache = cached_logits(graphdef, state, jnp.asarray(prompt), jnp.asarray(prompt_mask), jnp.asarray(new))
 
     full_tokens = np.concatenate([prompt, new], axis=1)
     full_mask = np.concatenate([prompt_mask, np.ones_like(new)], axis=1)
-    full = np.asarray(model(jnp.asarray(full_tokens), None, jnp.asarray(full_mask)).logits)
+    full = np.asarray(jitted(model)(jnp.asarray(full_tokens), None, jnp.asarray(full_mask)).logits)
     # prefill's last logits and each decode step's logits predict slots P .. P+N
     want = full[:, P - 1 : P + N]
     assert np.abs(np.asarray(logits[:, :N]) - want[:, :N]).max() <= 1e-5
@@ -82,7 +83,7 @@ def test_cached_decoding_equals_full_forward(case):
 
 def test_cache_errors():
     config = ModelConfig.from_hf_config(CASES["gpt2-loop"][0])
-    model = CausalLM(config, rngs=nnx.Rngs(0))
+    model = create_model(config)
     cache = init_cache(config, batch=2, max_len=4)
     tokens = jnp.zeros((2, 5), jnp.int32)
     with pytest.raises(ValueError, match="do not fit a cache of 4 slots"):
