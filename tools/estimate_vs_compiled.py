@@ -31,6 +31,7 @@ master, frozen models) are compared with the arguments, the rest with the tempor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -87,10 +88,47 @@ def estimate_items(spec: dict) -> dict[str, float]:
     return estimate(config, model=model, devices=spec["devices"], mesh=(1, spec["devices"], 1)).update_step_items()
 
 
+@contextlib.contextmanager
+def abstract_weights():
+    """Trainers built inside allocate no weights: each model, the train state (params and
+    Adam moments) and the reference are ``jax.ShapeDtypeStruct`` with the shardings a run
+    gives them, so a step compiles (never runs) at SmolLM2's shape on 8 fake devices
+    without the ~4 GB the arrays would take. Patches ``create_model`` (what
+    ``build_model`` calls for a ``random_init`` model) and the trainers' ``init_state_on_mesh``."""
+    import jax
+    from flax import nnx
+
+    from alignax import models
+    from alignax.parallel import abstract_tree, tree_shardings
+    from alignax.trainers.engine.step import init_train_state
+    from alignax.trainers.offline import trainer as offline
+    from alignax.trainers.online import trainer as online
+
+    def create_model(config, *, kind="causal_lm", seed=0, mesh=None):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: models.MODEL_KINDS[kind](config, rngs=nnx.Rngs(seed))))
+        return nnx.merge(graphdef, abstract_tree(state, tree_shardings(state, mesh)))
+
+    def init_state_on_mesh(params, optimizer, *, seed, mesh, extra=()):
+        state = jax.eval_shape(lambda p: init_train_state(p, optimizer, jax.random.key(seed), extra), params)
+        shardings = tree_shardings(state, mesh)
+        return abstract_tree(state, shardings), shardings
+
+    patches = [(models, "create_model", create_model), (offline, "init_state_on_mesh", init_state_on_mesh),
+               (online, "init_state_on_mesh", init_state_on_mesh)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
 def measure_case(algorithm: str, model: str, devices: int, remat: str) -> dict:
     from alignax.trainers import api
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, abstract_weights():
         config = case_config(algorithm, model, devices, remat, tmp)
         trainer = api.build_trainer(config)
         state, frozen = trainer.start()
