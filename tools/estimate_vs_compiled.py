@@ -4,14 +4,15 @@ step's ``memory_analysis()`` (arguments + outputs - aliased + temporaries), per 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --out docs/estimate_vs_compiled.json
     HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --models tiny --devices 1 --remat none full
 
-Cases: DPO, GRPO and PPO (``configs/tiny-<algorithm>.yaml``) on the tiny random model of
-those recipes and on SmolLM2-135M's shape (random weights), under each ``--remat``
-policy (scanned layers, as the large recipes run), on 1 device and on 8 fake CPU devices
-(``mesh.shape=[1, N, 1]``, all FSDP); each device count is one subprocess (the count is
-fixed when jax is imported). The program compiled is the one the trainer runs: the
-offline trainer's ``step`` on a batch of its data, the online trainer's ``update`` on a
-minibatch of the rollout's shapes (the rollout itself, with its KV cache, is another
-program: the estimate's ``update_step_items``, without the KV cache, and online without
+Cases: DPO, GRPO and PPO (``configs/tiny-<algorithm>.yaml``) on the tiny model of those
+recipes and on SmolLM2-135M's shape, under each ``--remat`` policy (scanned layers, as the
+large recipes run), on 1 device and on 8 fake CPU devices (``mesh.shape=[1, N, 1]``, all
+FSDP); each device count is one subprocess (the count is fixed when jax is imported). The
+trainer is built from abstract weights (:func:`abstract_weights`: nothing allocated, the
+run's shardings), so a SmolLM2-shaped step on 8 fake devices compiles in about 1 GB. The
+program compiled is the one the trainer runs: the offline trainer's ``step`` on a batch of
+its data, the online trainer's ``update`` on a minibatch of the rollout's shapes (the
+rollout itself, with its KV cache, is another program: the estimate's ``update_step_items``, without the KV cache, and online without
 the reference and reward models, which the rollout's programs read). With ``--llama7b``, the
 Llama-2-7B-shaped DPO, GRPO and PPO steps of tests/fsdp_compile_check.py (abstract
 weights, compiled and never run; GRPO's with the reference's log-probs as inputs and
@@ -148,11 +149,18 @@ def row(spec: dict, figures: dict) -> dict:
     step_items = {k: float(v) for k, v in items.items() if v}
     states = sum(v for k, v in step_items.items() if any(s in k for s in STATES))
     total = sum(step_items.values())
-    return {"case": name, "spec": spec, "estimate_bytes": total, "compiled_bytes": figures["total"],
-            "ratio": round(total / figures["total"], 3),
-            "states_estimate_bytes": states, "compiled_argument_bytes": figures["argument"],
-            "rest_estimate_bytes": total - states, "compiled_temp_bytes": figures["temp"],
-            "estimate_items": step_items, "compiled": figures}
+    out = {"case": name, "spec": spec, "estimate_bytes": total, "compiled_bytes": figures["total"],
+           "ratio": round(total / figures["total"], 3),
+           "states_estimate_bytes": states, "compiled_argument_bytes": figures["argument"],
+           "rest_estimate_bytes": total - states, "compiled_temp_bytes": figures["temp"],
+           "estimate_items": step_items, "compiled": figures}
+    if spec["remat"] == "offload_dots" and not figures.get("host_temp"):
+        # the estimate puts the offloaded projections in host memory, where a GPU or TPU
+        # keeps them; the CPU backend has no host memory space apart and compiles the
+        # same program as dots_with_no_batch_dims_saveable (the same bytes)
+        out["note"] = ("nothing offloaded (host_temp 0): this backend keeps the saved projections in device "
+                       "memory, which the estimate puts in host memory")
+    return out
 
 
 def worker(args) -> None:
@@ -243,7 +251,8 @@ def main() -> None:
 
 def report(rows: list[dict], out_path: str | None) -> None:
     finish({"bar": "estimate within 15% of compiled (ratio 0.85..1.15)",
-            "within_15_percent": sum(0.85 <= r["ratio"] <= 1.15 for r in rows), "cases": len(rows), "rows": rows},
+            "within_15_percent": sum(0.85 <= r["ratio"] <= 1.15 for r in rows), "cases": len(rows),
+            "outside": [r["case"] for r in rows if not 0.85 <= r["ratio"] <= 1.15], "rows": rows},
            out_path)
 
 
