@@ -12,12 +12,13 @@ trainer is built from abstract weights (:func:`abstract_weights`: nothing alloca
 run's shardings), so a SmolLM2-shaped step on 8 fake devices compiles in about 1 GB. The
 program compiled is the one the trainer runs: the offline trainer's ``step`` on a batch of
 its data, the online trainer's ``update`` on a minibatch of the rollout's shapes (the
-rollout itself, with its KV cache, is another program: the estimate's ``update_step_items``, without the KV cache, and online without
-the reference and reward models, which the rollout's programs read). With ``--llama7b``, the
-Llama-2-7B-shaped DPO, GRPO and PPO steps of tests/fsdp_compile_check.py (abstract
-weights, compiled and never run; GRPO's with the reference's log-probs as inputs and
-PPO's with a separate critic, as the online trainer's update runs them) on 8 and 64 fake
-devices, against the estimate of the same shapes::
+rollout itself, with its KV cache, is another program: the estimate's
+``update_step_items``, without the KV cache, and online without the reference and reward
+models, which the rollout's programs read). With ``--llama7b``, the Llama-2-7B-shaped DPO,
+GRPO and PPO steps of tests/fsdp_compile_check.py (abstract weights, compiled and never
+run; GRPO's with the reference's log-probs as inputs and PPO's with a separate critic, as
+the online trainer's update runs them) on 8 and 64 fake devices, against the estimate of
+the same shapes::
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --devices --llama7b 8 64 --out runs/7b.json
 
