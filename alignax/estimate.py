@@ -367,14 +367,16 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     items["LM head buffers"] = per_device_rows * chunk * V * 4 * (4 if online else 1) / tensor
     # Under FSDP a weight is all-gathered whole where it is used: the embedding or LM head
     # for the logits, and one layer at a time in the scan (models run one after another,
-    # so one model's layer at a time), in the dtype they are stored in. The gathered head
-    # is held from its all-gather (issued early) until the logits are formed, and before
-    # that it is copied whole into the layout the logits' dot reads; a live reference's
-    # gathered head (DPO) is held at the same time. The LM-head buffers come only after
-    # the copy's source is freed, so the head costs the larger of two moments: two whole
-    # heads (three with a live reference), or one head beside the LM-head buffers (the
-    # compiled SmolLM2-shaped steps on 8 devices peak at the copy, with 3 whole tables
-    # live for DPO and 2 for PPO; the tiny recipes peak at the logits).
+    # so one model's layer at a time), in the dtype they are stored in. The gathered head is
+    # not alone when it arrives: XLA also holds a second whole copy of it (a copy in the
+    # layout or compute dtype the logits' dot reads, or under remat a second all-gather for
+    # the backward pass), and a live reference's gathered head (DPO). The LM-head buffers
+    # come after those are freed, so the head costs the larger of two moments: two whole
+    # heads (three with a live reference), or one head beside the LM-head buffers. Read
+    # from the compiled steps' buffers on 8 devices: SmolLM2's shape peaks at that moment
+    # with 3 whole float32 heads live for DPO (policy, its copy, the reference) and 2 for
+    # PPO; the 7B DPO step on 64 devices with 2.5 (two all-gathers of the head and its
+    # bfloat16 cast); the tiny recipes peak at the logits.
     if shard > 1 and assumptions == "standard":
         embedding = V * D
         layer = (P - embedding * (1 if model.tie_word_embeddings else 2)) / L
