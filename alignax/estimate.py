@@ -388,13 +388,12 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         items["gathered weights"] = layer * stored / tensor + max(head, held - items["LM head buffers"])
     # The optimiser's step holds float32 temporaries beside the gradients: Adam's update
     # and copies XLA makes of some weights, 1.5 trained weights' worth (the SmolLM2-shaped
-    # steps under full remat: 1.53x for DPO and GRPO, 1.6x for PPO). (The step's non-finite
-    # guard also makes XLA copy the donated Adam moments when the step starts; 50-95% of
-    # the moments sit at the compiled peaks as those copies. They are not an item of
-    # their own: the gradients, not yet formed at the forward and logits peaks, and this
-    # term stand in for them.) It runs after the
+    # steps under full remat: 1.53x for DPO and GRPO, 1.6x for PPO). It runs after the
     # backward pass has let go of the activations and the LM-head buffers, so it adds
-    # only what it exceeds them by.
+    # only what it exceeds them by. (The step's non-finite guard also makes XLA copy the
+    # donated Adam moments when the step starts; 50-95% of the moments sit at the
+    # compiled peaks as those copies. They are not an item of their own: the gradients,
+    # not yet formed at the forward and logits peaks, and this term stand in for them.)
     if assumptions == "standard":
         trained = (adapters if adapters is not None else P) + (critic_trained if critic else 0)
         update = 1.5 * trained * 4 / shard
