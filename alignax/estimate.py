@@ -49,6 +49,7 @@ from typing import Any
 from alignax.models.config import ModelConfig
 from alignax.models.lora import adapter_parameter_count, projection_sizes
 from alignax.models.quant import quantized_bytes
+from alignax.parallel.sharding import logical_to_spec
 from alignax.trainers.engine import packing
 
 GB = 1e9
@@ -199,6 +200,13 @@ class Estimate:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class _MeshShape:
+    """The axis sizes :func:`alignax.parallel.logical_to_spec` reads of a mesh (``.shape``)."""
+
+    shape: Mapping[str, int]
+
+
 def _mesh(shape: tuple[int, int, int], devices: int) -> tuple[int, int, int]:
     sizes = list(shape)
     if sizes.count(-1) > 1:
@@ -302,7 +310,19 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                 config.model.attention, row_length=length, window=window):
             # a preference pair is one packed row: the prompt once, then both responses
             policy_rows, policy_length = train_rows / 2, packing.packed_width(length, 2, window)
-    per_device_rows = train_rows / (data * fsdp)
+
+    def rows_per_device(global_rows: float) -> float:
+        """The rows of a ``[rows, ...]`` batch each device runs: the rows split over the
+        ``data`` and ``fsdp`` axes that divide them, replicated over those that do not
+        (alignax.parallel's logical-axis rule drops a mesh axis that does not divide a dim;
+        e.g. 4 packed PPO groups on 8 devices: every device runs all 4)."""
+        if global_rows != int(global_rows):
+            return global_rows / (data * fsdp)
+        spec = logical_to_spec(("batch",), (int(global_rows),), _MeshShape({"data": data, "fsdp": fsdp}))
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+        return global_rows / math.prod({"data": data, "fsdp": fsdp}[a] for a in axes)
+
+    per_device_rows = rows_per_device(train_rows)
     D, F, V, L = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
     heads = model.num_heads / tensor
     q_width, kv_width = model.num_heads * model.head_dim / tensor, model.num_kv_heads * model.head_dim / tensor
@@ -335,7 +355,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     # Packed rows (DPO pairs, online groups) are counted as the compiled steps run them:
     # fewer, longer rows. A separate critic runs its own forward and backward in the same
     # update, over the unpacked rows (its values are read per row).
-    items["activations"] = layer_activations(policy_rows / (data * fsdp), policy_length)
+    items["activations"] = layer_activations(rows_per_device(policy_rows), policy_length)
     if critic and assumptions == "standard":
         items["activations"] += layer_activations(per_device_rows, length)
     # float32 logits of one chunk of positions (alignax.models.token_logprobs_from_hidden;
@@ -348,17 +368,32 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     items["LM head buffers"] = per_device_rows * chunk * V * 4 * (4 if online else 1) / tensor
     # Under FSDP a weight is all-gathered whole where it is used: the embedding or LM head
     # for the logits, and one layer at a time in the scan (models run one after another,
-    # so one model's at a time), in the dtype they are stored in.
+    # so one model's layer at a time), in the dtype they are stored in. The gathered head is
+    # not alone when it arrives: XLA also holds a second whole copy of it (a copy in the
+    # layout or compute dtype the logits' dot reads, or under remat a second all-gather for
+    # the backward pass), and a live reference's gathered head (DPO). The LM-head buffers
+    # come after those are freed, so the head costs the larger of two moments: two whole
+    # heads (three with a live reference), or one head beside the LM-head buffers. Read
+    # from the compiled steps' buffers on 8 devices: SmolLM2's shape peaks at that moment
+    # with 3 whole float32 heads live for DPO (policy, its copy, the reference) and 2 for
+    # PPO; the 7B DPO step on 64 devices with 2.5 (two all-gathers of the head and its
+    # bfloat16 cast); the tiny recipes peak at the logits.
     if shard > 1 and assumptions == "standard":
         embedding = V * D
         layer = (P - embedding * (1 if model.tie_word_embeddings else 2)) / L
         stored = p.frozen if adapters is not None else p.params
-        items["gathered weights"] = (embedding + layer) * stored / tensor
+        head = embedding * stored / tensor
+        live_reference = uses_reference and adapters is None and not online
+        held = 2 * head + (embedding * p.frozen / tensor if live_reference else 0.0)
+        items["gathered weights"] = layer * stored / tensor + max(head, held - items["LM head buffers"])
     # The optimiser's step holds float32 temporaries beside the gradients: Adam's update
     # and copies XLA makes of some weights, 1.5 trained weights' worth (the SmolLM2-shaped
     # steps under full remat: 1.53x for DPO and GRPO, 1.6x for PPO). It runs after the
     # backward pass has let go of the activations and the LM-head buffers, so it adds
-    # only what it exceeds them by.
+    # only what it exceeds them by. (The step's non-finite guard also makes XLA copy the
+    # donated Adam moments when the step starts; 50-95% of the moments sit at the
+    # compiled peaks as those copies. They are not an item of their own: the gradients,
+    # not yet formed at the forward and logits peaks, and this term stand in for them.)
     if assumptions == "standard":
         trained = (adapters if adapters is not None else P) + (critic_trained if critic else 0)
         update = 1.5 * trained * 4 / shard

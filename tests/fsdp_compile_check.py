@@ -71,7 +71,8 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from alignax import models  # noqa: E402
 from alignax.data import DataConfig  # noqa: E402
 from alignax.losses import ppo_policy_loss, value_loss  # noqa: E402
-from alignax.parallel import activation_constraints, batch_sharding, make_mesh, tree_shardings  # noqa: E402
+from alignax.parallel import (  # noqa: E402
+    abstract_tree, activation_constraints, batch_sharding, make_mesh, tree_shardings)
 from alignax.models.cache import cache_shardings, init_cache  # noqa: E402
 from alignax.sampling import SamplingConfig, generate  # noqa: E402
 from alignax.sampling.sampler import decode_step, new_loop_state  # noqa: E402
@@ -86,17 +87,6 @@ LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hea
                  head_dim=128, intermediate_size=11008, norm_eps=1e-5, max_position_embeddings=4096)
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 GB = 1e9
-
-
-def abstract(tree, shardings):
-    """``tree``'s arrays as ``jax.ShapeDtypeStruct`` carrying ``shardings`` (nothing allocated)."""
-    def one(x, s):
-        if isinstance(x, nnx.Variable):
-            v = x.get_value()
-            return x.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.get_value()))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-
-    return jax.tree.map(one, tree, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_arrays(mesh, fields: dict[str, tuple[tuple[int, ...], object]]):
@@ -160,15 +150,15 @@ def train_program(args, mesh, config: models.ModelConfig):
     """The jitted train step and its abstract arguments (DPO or GRPO loss)."""
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: models.CausalLM(config, rngs=nnx.Rngs(0))),
                                        nnx.Param, ...)
-    params = abstract(params, tree_shardings(params, mesh))
+    params = abstract_tree(params, tree_shardings(params, mesh))
     if args.program == "ppo":  # the critic: a decoder of the policy's shape with a value head
         critic_graphdef, critic_params, critic_rest = nnx.split(
             nnx.eval_shape(lambda: models.ValueModel(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
-        params = {"policy": params, "critic": abstract(critic_params, tree_shardings(critic_params, mesh))}
+        params = {"policy": params, "critic": abstract_tree(critic_params, tree_shardings(critic_params, mesh))}
     optimizer, schedule = build_optimizer(OptimConfig(weight_decay=0.1), 1000)
     state = jax.eval_shape(lambda p: init_train_state(p, optimizer, jax.random.key(0)), params)
     state_shardings = tree_shardings(state, mesh)
-    state = abstract(state, state_shardings)
+    state = abstract_tree(state, state_shardings)
     n = mesh.size
     T, W = args.seq, args.response
     if args.program == "dpo":
@@ -244,7 +234,7 @@ def train_program(args, mesh, config: models.ModelConfig):
 def rollout_program(args, mesh, config: models.ModelConfig):
     """The sampler's ``generate`` for groups and its abstract arguments."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: models.CausalLM(config, rngs=nnx.Rngs(0))))
-    state = abstract(state, tree_shardings(state, mesh))
+    state = abstract_tree(state, tree_shardings(state, mesh))
     prompts = args.rows_per_device * mesh.size
     P = args.seq - args.response
     sampling = SamplingConfig(max_new_tokens=args.response, num_samples=args.group, stop_token_ids=(2,))
@@ -271,9 +261,9 @@ def decode_programs(args, config: models.ModelConfig) -> list[dict]:
         shape = tuple(int(n) for n in shape_text.split(","))
         mesh = make_mesh(shape, devices=jax.devices()[: int(np.prod(shape))])
         shardings = tree_shardings(state, mesh)
-        weights = abstract(state, shardings)
+        weights = abstract_tree(state, shardings)
         if weights_kind != "train":
-            weights = abstract(jax.eval_shape(compute_copy(args.dtype, shardings), weights), shardings)
+            weights = abstract_tree(jax.eval_shape(compute_copy(args.dtype, shardings), weights), shardings)
         loop_shardings = jax.tree.map(
             lambda x: batch_sharding(mesh, x.ndim) if x.ndim else NamedSharding(mesh, PartitionSpec()), loop)
         loop_shardings = loop_shardings.replace(cache=cache_shardings(loop.cache, mesh))

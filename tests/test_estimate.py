@@ -120,11 +120,15 @@ SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9
            "head_dim": 64, "intermediate_size": 1536}
 
 
-def smollm2_activations(algorithm: str, *overrides: str) -> float:
+def smollm2_items(algorithm: str, *overrides: str, devices: int = 1) -> dict[str, float]:
     config = load_config(f"configs/tiny-{algorithm}.yaml", [
         "model.random_init=" + json.dumps(SMOLLM2), "model.scan_layers=true", "model.remat=none",
         "data.batch_size=8", *overrides])
-    return estimate(config, model=model_config_for(config), devices=1, mesh=(1, 1, 1)).items["activations"]
+    return estimate(config, model=model_config_for(config), devices=devices, mesh=(1, devices, 1)).items
+
+
+def smollm2_activations(algorithm: str, *overrides: str) -> float:
+    return smollm2_items(algorithm, *overrides)["activations"]
 
 
 def test_packed_rows_are_counted_as_the_compiled_steps_run_them():
@@ -142,6 +146,24 @@ def test_packed_rows_are_counted_as_the_compiled_steps_run_them():
     assert smollm2_activations("dpo") == pytest.approx(packed, rel=1e-9)
     unpacked = 30 * (32 * 112 * 15_360 * 4 + 2 * 32 * 9 * 112**2 * 4)
     assert smollm2_activations("grpo", 'rollout.pack_groups="off"') == pytest.approx(unpacked, rel=1e-9)
+    # PPO on 8 devices (FSDP): a minibatch's 8 rows are the critic's 8 rows of 112 (1 a
+    # device) and the policy's 4 packed groups of 96 + 2 x 16 = 128 tokens, which 8 devices
+    # do not divide: alignax.parallel's rule replicates them, and every device runs all 4
+    # (the compiled step's [30, 4, 128, 1536] residuals). Counted as 4 / 8 a device it was
+    # 0.59x the compiled step.
+    ppo = smollm2_items("ppo", devices=8)
+    policy = 30 * (4 * 128 * 15_360 * 4 + 2 * 4 * 9 * 128**2 * 4)
+    critic = 30 * (1 * 112 * 15_360 * 4 + 2 * 1 * 9 * 112**2 * 4)
+    assert ppo["activations"] == pytest.approx(policy + critic, rel=1e-9)
+    # Under FSDP the compiled DPO step peaks as the policy's gathered head (49,152 x 576
+    # float32) is copied whole, beside the live reference's: three whole heads, where the
+    # 2 rows x 32 positions of float32 logits would hold one head and those buffers.
+    dpo = smollm2_items("dpo", devices=8)
+    head, logits = 49_152 * 576 * 4, 2 * 32 * 49_152 * 4
+    layer = (parameter_count(model_config_for(load_config("configs/tiny-dpo.yaml", [
+        "model.random_init=" + json.dumps(SMOLLM2)]))) - 49_152 * 576) / 30 * 4
+    assert dpo["LM head buffers"] == pytest.approx(logits)
+    assert dpo["gathered weights"] == pytest.approx(layer + 3 * head - logits, rel=1e-9)
 
 
 @pytest.mark.parametrize("algorithm", ["dpo", "grpo", "ppo"])

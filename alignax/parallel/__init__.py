@@ -3,6 +3,7 @@
 from alignax.parallel.sharding import (
     LOGICAL_AXIS_RULES,
     MESH_AXES,
+    abstract_tree,
     activation_constraints,
     batch_sharding,
     constrain,
@@ -18,6 +19,7 @@ from alignax.parallel.sharding import (
 __all__ = [
     "LOGICAL_AXIS_RULES",
     "MESH_AXES",
+    "abstract_tree",
     "activation_constraints",
     "batch_sharding",
     "constrain",

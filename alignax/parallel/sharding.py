@@ -314,6 +314,20 @@ def tree_shardings(tree, mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
     return jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
+def abstract_tree(tree, shardings):
+    """``tree``'s arrays as ``jax.ShapeDtypeStruct`` carrying ``shardings`` (a tree of the
+    same structure, e.g. :func:`tree_shardings`'s), ``nnx.Variable`` leaves kept as
+    Variables: what ``jax.jit(...).lower`` takes to compile a program for arrays that are
+    never allocated."""
+    def one(x, s):
+        if _is_variable(x):
+            v = x.get_value()
+            return x.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.get_value()))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    return jax.tree.map(one, tree, shardings, is_leaf=_is_variable)
+
+
 def shard_tree(tree, mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
     """``jax.device_put`` every array of ``tree`` with :func:`tree_shardings`."""
     return jax.device_put(tree, tree_shardings(tree, mesh, rules=rules))
