@@ -137,6 +137,30 @@ def test_saved_and_restored_alarms_alarm_like_the_live_ones():
     assert fresh_outs != resumed_outs
 
 
+def test_without_a_reference_the_kl_alarm_is_never_fed():
+    """``kl=None`` (no reference model): the KL history stays as it is and kl_acceleration
+    stays down, even after a history that was accelerating (a checkpoint of an older run);
+    the other alarms work as before, and the state still round-trips."""
+    kls = [0.25, 0.5, 1.0, 1.75, 2.75]  # one more accelerating value would raise it
+    alarms = Alarms()
+    feed(alarms, kls=kls)
+    saved = json.loads(json.dumps(alarms.state()))
+    resumed = Alarms()
+    resumed.set_state(saved)
+    # entropy: the restored first value is 1.0 (QUIET), so below 0.2 collapses
+    outs = feed(resumed, kls=[None] * 6, entropies=[1.0, 0.5, 0.3, 0.19, 0.1, 0.05], start=6)
+    assert raised(outs, "kl_acceleration") == [0] * 6
+    assert raised(outs, "entropy_collapse") == [0, 0, 0, 1, 1, 1]
+    assert resumed.state()["kl"] == kls and len(resumed.state()["length"]) == 6
+    # a reference-free run from the start keeps an empty KL history, and resumes from it
+    fresh = Alarms()
+    feed(fresh, kls=[None] * 8)
+    assert fresh.state()["kl"] == []
+    again = Alarms()
+    again.set_state(json.loads(json.dumps(fresh.state())))
+    assert again.state() == fresh.state()
+
+
 def test_state_keeps_only_the_window():
     alarms = Alarms(AlarmSettings(window=2))
     feed(alarms, kls=[1.0, 2.0, 3.0, 4.0, 5.0])
@@ -228,3 +252,16 @@ def test_rollout_figures_without_groups_or_response():
     for key in ("kl/ref_k1", "kl/ref_k3", "entropy", "mismatch/sampler_trainer_abs", "mismatch/sampler_trainer_max",
                 "advantages/abs_mean", "response/length_mean"):
         assert figures[key] == 0.0, key  # an empty mask averages to 0, never NaN or the garbage
+
+
+def test_rollout_figures_without_a_reference_have_no_kl():
+    r = hand_rollout()
+    args = (r["recomputed"], r["sampler_logps"], r["response_mask"], r["entropy"], r["advantages"])
+    with_ref = rollout_figures(r["groups"], r["rewards"], r["seq_kl"], r["old_logps"], r["ref_logps"], *args,
+                               group_size=2)
+    without = rollout_figures(r["groups"], r["rewards"], None, r["old_logps"], None, *args, group_size=2)
+    assert {k for k in with_ref if k.startswith("kl/")} == {"kl/ref_seq", "kl/ref_k1", "kl/ref_k3"}
+    assert not [k for k in without if k.startswith("kl/")]
+    assert without == {k: v for k, v in with_ref.items() if not k.startswith("kl/")}  # the rest unchanged
+    with pytest.raises(ValueError, match="both None"):
+        rollout_figures(r["groups"], r["rewards"], r["seq_kl"], r["old_logps"], None, *args, group_size=2)

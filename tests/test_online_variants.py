@@ -103,7 +103,8 @@ def run_steps(tmp_path, toy_model, algorithm: str, *, steps: int = 1, ref_noise:
 
     def recording_advantages(x):
         adv, ret = advantages_fn(x)
-        inputs.append({k: np.asarray(v) for k, v in dataclasses.asdict(jax.device_get(x)).items()})
+        inputs.append({k: None if v is None else np.asarray(v)
+                       for k, v in dataclasses.asdict(jax.device_get(x)).items()})
         advantages.append(np.asarray(adv))
         returns.append(np.asarray(ret))
         return adv, ret
@@ -410,6 +411,13 @@ def test_dapo_clip_higher_token_mean_and_dynamic_sampling(runs):
     assert algo.objective.keywords == {"clip_eps_low": 0.2, "clip_eps_high": 0.28}
     assert algo.objective.aggregation == "token-mean"
     assert not run.trainer.uses_reference  # kl_coef 0: no reference model at all
+    # ... so no reference log-probs reach the advantages or the update, no KL figures are
+    # reported (a KL against zeros would be minus the policy's log-probs), and the KL alarm
+    # is never fed (its other alarms are)
+    assert run.inputs[0]["ref_logps"] is None and run.updates[0]["rollout"].ref_logps is None
+    assert not [k for k in run.figures[0] if k.startswith("kl/")]
+    assert run.trainer.alarms.state()["kl"] == [] and len(run.trainer.alarms.state()["length"]) == 1
+    assert run.figures[0]["alarm/kl_acceleration"] == 0.0 and run.figures[0]["kl_coef"] == 0.0
     # clip-higher: a ratio of 1.25 on a positive advantage is inside DAPO's 1 + 0.28, outside 1 + 0.2
     _, metrics, _ = objective_metrics(algo, np.log([[1.25, 1.25]]), [[1.0, -1.0]])
     assert metrics["clipfrac_high"] == 0.0
@@ -594,6 +602,14 @@ def test_grpo_adaptive_kl_follows_the_controller(runs):
     run, fixed = runs("base"), runs("kl_reward")
     kl = float(np.mean(seq_kl_k1(run.inputs[0])))
     assert run.figures[0]["kl/ref_seq"] == pytest.approx(kl, rel=1e-4)
+    # the per-token figures: k1 and k3 (exp(-d) - 1 + d, d = old - ref) over the response tokens
+    inputs = run.inputs[0]
+    mask = inputs["loss_mask"] > 0
+    log_ratio = inputs["old_logps"].astype(np.float64) - inputs["ref_logps"]
+    assert run.figures[0]["kl/ref_k1"] == pytest.approx(float(np.mean(log_ratio, where=mask)), rel=1e-3)
+    assert run.figures[0]["kl/ref_k3"] == pytest.approx(float(np.mean(np.expm1(-log_ratio) + log_ratio, where=mask)),
+                                                        rel=1e-3)
+    assert run.trainer.alarms.state()["kl"] == [pytest.approx(f["kl/ref_seq"]) for f in run.figures]  # the alarm's KL
     assert kl > 1e-3  # above target: the coefficient must rise
     expected = adaptive_coef(0.04, kl, 1e-3, 16, 16.0)
     assert run.figures[0]["kl_coef"] == pytest.approx(expected, rel=1e-5)

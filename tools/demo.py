@@ -187,7 +187,8 @@ def plot(history, path: str) -> None:
         ax1.plot(steps, moving_average(values, window), "-", color=color, linewidth=2,
                  label=f"{label}, mean of last {window}")
     ax1.set_xlabel("GRPO step"), ax1.set_ylabel("mean rollout reward"), ax1.legend(fontsize=7), ax1.grid(alpha=0.3)
-    ax2.plot(steps, [h["kl/ref_k3"] for h in history], marker="o", color="tab:red")
+    if "kl/ref_k3" in history[0]:  # absent when the run has no reference model (grpo.kl_coef=0)
+        ax2.plot(steps, [h["kl/ref_k3"] for h in history], marker="o", color="tab:red")
     ax2.set_xlabel("GRPO step"), ax2.set_ylabel("KL to reference (k3, per token)"), ax2.grid(alpha=0.3)
     fig.suptitle("GRPO on SmolLM2-135M-Instruct, reasoning-gym chain_sum")
     fig.tight_layout()
@@ -258,7 +259,7 @@ def main(argv=None) -> int:
         "seconds": round(grpo_time, 1),
         "reward_first_quarter": sum(h["reward/total"] for h in first) / len(first),
         "reward_last_quarter": sum(h["reward/total"] for h in last) / len(last),
-        "kl_last": history[-1]["kl/ref_k3"],
+        "kl_last": history[-1].get("kl/ref_k3"),  # None (null) without a reference model
         "generation_s": sum(h["perf/generation_s"] for h in history),
         "training_s": sum(h["perf/training_s"] + h["perf/logprob_s"] for h in history),
         **judge("grpo", grpo.model, grpo.tokenizer),
@@ -287,7 +288,8 @@ def main(argv=None) -> int:
     print(f"  DPO implicit-reward accuracy on the held-out pairs {d['implicit_reward_accuracy_before']:.2f} -> "
           f"{d['implicit_reward_accuracy_after']:.2f} (0 at step 0 by construction: policy = reference)")
     print(f"  GRPO mean rollout reward {g['reward_first_quarter']:.3f} (first quarter) -> "
-          f"{g['reward_last_quarter']:.3f} (last quarter), final KL {g['kl_last']:.4f}")
+          f"{g['reward_last_quarter']:.3f} (last quarter), final KL "
+          f"{'(no reference)' if g['kl_last'] is None else format(g['kl_last'], '.4f')}")
     judging = sum(v["seconds"] for v in (summary["base"], d, g))
     print(f"  time: DPO {dpo_time:.0f}s, GRPO {grpo_time:.0f}s, judging {judging:.0f}s, "
           f"total {summary['total_seconds']:.0f}s")

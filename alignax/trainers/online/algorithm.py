@@ -44,14 +44,15 @@ class AdvantageInputs:
     ``rewards [R]``: sequence rewards (after a ``sequence_reward`` KL); ``loss_mask``: the
     tokens that get loss; ``group_ids [R]``; ``kl_coef``: the controller's current value;
     ``baseline [R]``: ReMax's greedy reward (zeros otherwise); ``step_rewards``/``step_mask``:
-    process rewards on step-end tokens (zeros otherwise).
+    process rewards on step-end tokens (zeros otherwise); ``ref_logps``: ``None`` without a
+    reference model (:attr:`KLSetup.uses_reference`).
     """
 
     rewards: Array
     loss_mask: Array
     group_ids: Array
     old_logps: Array
-    ref_logps: Array
+    ref_logps: Array | None
     old_values: Array
     kl_coef: Array
     baseline: Array

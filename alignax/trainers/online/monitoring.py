@@ -6,7 +6,8 @@ raised) and a logged warning naming the figures behind it:
 
 - ``kl_acceleration``: KL to the reference grows faster and faster — over the last
   ``window`` steps every increment exceeded the one before and KL is above ``kl_floor``
-  (the runaway that precedes reward hacking or collapse);
+  (the runaway that precedes reward hacking or collapse); never raised in a run without a
+  reference model (``update(kl=None)``: there is no KL to watch);
 - ``entropy_collapse``: policy entropy fell below ``entropy_fraction`` of its first value
   (the policy has stopped exploring);
 - ``length_drift``: mean response length moved by more than ``length_change`` (relative)
@@ -60,19 +61,23 @@ class Alarms:
         self.reward.extend(state.get("reward", []))
         self.first_entropy = state.get("first_entropy")
 
-    def update(self, step: int, *, kl: float, entropy: float | None, length: float, reward: float) -> dict[str, float]:
+    def update(self, step: int, *, kl: float | None, entropy: float | None, length: float,
+               reward: float) -> dict[str, float]:
+        """``kl``: the sequence KL to the reference, ``None`` without a reference (the KL
+        history is then left as it is and ``kl_acceleration`` stays down)."""
         s = self.settings
-        self.kl.append(kl)
         self.length.append(length)
         self.reward.append(reward)
         raised = {"kl_acceleration": False, "entropy_collapse": False, "length_drift": False}
-        if len(self.kl) == self.kl.maxlen:
-            steps = [b - a for a, b in zip(self.kl, list(self.kl)[1:])]
-            accelerating = all(d2 > d1 > 0 for d1, d2 in zip(steps, steps[1:]))
-            if accelerating and kl > s.kl_floor:
-                raised["kl_acceleration"] = True
-                log.warning("step %d: KL to the reference is accelerating: %s", step,
-                            ", ".join(f"{v:.4g}" for v in self.kl))
+        if kl is not None:
+            self.kl.append(kl)
+            if len(self.kl) == self.kl.maxlen:
+                steps = [b - a for a, b in zip(self.kl, list(self.kl)[1:])]
+                accelerating = all(d2 > d1 > 0 for d1, d2 in zip(steps, steps[1:]))
+                if accelerating and kl > s.kl_floor:
+                    raised["kl_acceleration"] = True
+                    log.warning("step %d: KL to the reference is accelerating: %s", step,
+                                ", ".join(f"{v:.4g}" for v in self.kl))
         if entropy is not None:
             if self.first_entropy is None:
                 self.first_entropy = entropy
@@ -97,8 +102,12 @@ def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recom
     entropy, sampler/trainer log-prob mismatch, advantages, zero-variance groups.
 
     ``rewards [R]``: what the advantages saw (after a KL placed in the reward);
-    per-token arrays ``[R, N]`` are averaged over ``response_mask``.
+    per-token arrays ``[R, N]`` are averaged over ``response_mask``. A run without a
+    reference model passes ``seq_kl`` and ``ref_logps`` as ``None`` and gets no ``kl/ref_*``
+    figures (a KL against nothing is not zero, it is not there).
     """
+    if (seq_kl is None) != (ref_logps is None):
+        raise ValueError("seq_kl and ref_logps go together: both None (no reference model) or both arrays")
     mask = np.asarray(response_mask)
     lengths = mask.sum(axis=1)
     n_tokens = max(mask.sum(), 1.0)
@@ -116,9 +125,6 @@ def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recom
         "response/length_max": float(lengths.max()),
         "response/stop_rate": float(np.mean(groups.stopped)),
         "response/truncation_rate": float(np.mean(~groups.stopped)),
-        "kl/ref_seq": float(np.mean(seq_kl)),
-        "kl/ref_k1": masked_mean(np.asarray(old_logps) - np.asarray(ref_logps)),
-        "kl/ref_k3": masked_mean(kl_lib.kl_estimate(old_logps, ref_logps, kind="k3")),
         "entropy": masked_mean(entropy),
         "mismatch/sampler_trainer_abs": masked_mean(np.abs(diff)),
         "mismatch/sampler_trainer_max": float(np.max(np.where(mask > 0, np.abs(diff), 0.0))),
@@ -126,6 +132,10 @@ def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recom
         "advantages/mean": masked_mean(advantages),
         "advantages/abs_mean": masked_mean(np.abs(np.asarray(advantages))),
     }
+    if ref_logps is not None:
+        figures["kl/ref_seq"] = float(np.mean(seq_kl))
+        figures["kl/ref_k1"] = masked_mean(np.asarray(old_logps) - np.asarray(ref_logps))
+        figures["kl/ref_k3"] = masked_mean(kl_lib.kl_estimate(old_logps, ref_logps, kind="k3"))
     for name, values in groups.components.items():
         figures[f"reward/{name}"] = float(np.mean(values))
     if group_size > 1:

@@ -57,7 +57,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
 
     def advantages(x: AdvantageInputs):
         penalty = None
-        if kl_in_reward:
+        if kl_in_reward and x.ref_logps is not None:  # None: no reference (kl_coef 0), no penalty
             penalty = kl_lib.kl_penalty(x.old_logps, x.ref_logps, x.loss_mask, beta=x.kl_coef, kind=pc.kl_kind)
         token_rewards = adv_lib.token_rewards(x.rewards, x.loss_mask, kl_penalty=penalty)
         adv, returns = adv_lib.gae(token_rewards, x.old_values, x.loss_mask, gamma=pc.gamma, lam=pc.lam)

@@ -53,7 +53,8 @@ class Rollout:
     ``tokens``/``positions``/``attention_mask`` ``[R, P + N]``: prompt then response.
     ``loss_mask [R, N]``: response tokens that get loss (truncated completions are left
     out under ``rewards.mask_truncated``). ``old_logps`` is ``None`` when the single update
-    supplies them (its own forward pass, gradient stopped).
+    supplies them (its own forward pass, gradient stopped); ``ref_logps`` is ``None`` when
+    the run has no reference model (a zero fixed KL coefficient).
     """
 
     tokens: Array
@@ -62,7 +63,7 @@ class Rollout:
     loss_mask: Array
     sampler_logps: Array
     old_logps: Array | None
-    ref_logps: Array
+    ref_logps: Array | None
     old_values: Array
     advantages: Array
     returns: Array

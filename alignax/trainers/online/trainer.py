@@ -386,7 +386,8 @@ class OnlineTrainer:
         rollout = Rollout(tokens=array((rows, width), jnp.int32), positions=array((rows, width), jnp.int32),
                           attention_mask=array((rows, width), jnp.int32), loss_mask=per_token,
                           sampler_logps=per_token, old_logps=None if self.logps_from_update else per_token,
-                          ref_logps=per_token, old_values=per_token, advantages=per_token, returns=per_token)
+                          ref_logps=per_token if self.uses_reference else None, old_values=per_token,
+                          advantages=per_token, returns=per_token)
         ptx = None
         if self.ptx is not None:
             ptx = {k: array(v.shape, v.dtype) for k, v in self.next_ptx_batch().items()}
@@ -471,8 +472,9 @@ class OnlineTrainer:
             recomputed, entropy, shared_values = self._policy_forward(self.whole_policy(state.params), tokens,
                                                                       positions, attention)
         old_logps = sampler_logps if rc.old_logps == "sampler" else recomputed
+        # no reference model (a zero fixed KL coefficient): no reference log-probs, no KL figures
         ref_logps = (self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
-                     if self.uses_reference else jnp.zeros_like(sampler_logps))
+                     if self.uses_reference else None)
         if self.separate_critic:
             old_values = self._critic_values(self.whole_critic(state.params), tokens, positions, attention)
         elif shared_values is not None:
@@ -551,8 +553,10 @@ class OnlineTrainer:
             old_logps = recomputed if old_logps is None else old_logps
 
         # ---- carried state: rollout count and the KL controller ----
-        seq_kl = host_global(kl_lib.sequence_kl(old_logps, ref_logps, response_mask, kind="k1"), self.mesh)
-        new_coef = algo.kl.controller.update(state.extra["kl_coef"], float(np.mean(seq_kl)), self.rows)
+        seq_kl, new_coef = None, state.extra["kl_coef"]  # without a reference the coefficient is a fixed 0
+        if self.uses_reference:
+            seq_kl = host_global(kl_lib.sequence_kl(old_logps, ref_logps, response_mask, kind="k1"), self.mesh)
+            new_coef = algo.kl.controller.update(new_coef, float(np.mean(seq_kl)), self.rows)
         state = state._replace(extra={"kl_coef": new_coef, "rollouts": state.extra["rollouts"] + 1})
 
         figures.update(self._rollout_figures(groups, rewards, seq_kl, old_logps, ref_logps, recomputed, sampler_logps,
@@ -573,7 +577,7 @@ class OnlineTrainer:
         figures["perf/training_s"] = t_end - t_update
         figures["perf/training_tokens_per_s"] = train_tokens / max(t_end - t_update, 1e-9)
         figures["perf/step_time_s"] = t_end - t_start
-        figures.update(self.alarms.update(rollout_index + 1, kl=figures["kl/ref_seq"], entropy=figures["entropy"],
+        figures.update(self.alarms.update(rollout_index + 1, kl=figures.get("kl/ref_seq"), entropy=figures["entropy"],
                                           length=figures["response/length_mean"],
                                           reward=figures.get("reward/answer", figures["reward/total"])))
         return state, StepOutput(metrics=figures)
