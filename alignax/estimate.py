@@ -295,7 +295,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         # the policy's forward packs each group of G rows into one row, the prompt once
         # (rollout.pack_groups; the trainer's own rule)
         group = packing.packed_group_size(config, dataclasses.replace(model, attention=config.model.attention),
-                                          minibatches=minibatches)
+                                          minibatches=minibatches, batch_devices=data * fsdp)
         policy_rows = train_rows / group
         policy_length = config.data.max_prompt_length + group * config.rollout.max_new_tokens
     else:

@@ -147,14 +147,16 @@ def test_packed_rows_are_counted_as_the_compiled_steps_run_them():
     unpacked = 30 * (32 * 112 * 15_360 * 4 + 2 * 32 * 9 * 112**2 * 4)
     assert smollm2_activations("grpo", 'rollout.pack_groups="off"') == pytest.approx(unpacked, rel=1e-9)
     # PPO on 8 devices (FSDP): a minibatch's 8 rows are the critic's 8 rows of 112 (1 a
-    # device) and the policy's 4 packed groups of 96 + 2 x 16 = 128 tokens, which 8 devices
-    # do not divide: alignax.parallel's rule replicates them, and every device runs all 4
-    # (the compiled step's [30, 4, 128, 1536] residuals). Counted as 4 / 8 a device it was
-    # 0.59x the compiled step.
-    ppo = smollm2_items("ppo", devices=8)
-    policy = 30 * (4 * 128 * 15_360 * 4 + 2 * 4 * 9 * 128**2 * 4)
-    critic = 30 * (1 * 112 * 15_360 * 4 + 2 * 1 * 9 * 112**2 * 4)
-    assert ppo["activations"] == pytest.approx(policy + critic, rel=1e-9)
+    # device) and the policy's 4 groups of 2. Packed, the 4 rows of 96 + 2 x 16 = 128 tokens
+    # would not divide over 8 devices: alignax.parallel's rule replicates them and every
+    # device runs all 4 (the compiled step's [30, 4, 128, 1536] residuals; counted as 4 / 8
+    # a device it was 0.59x the compiled step). So pack_groups=auto leaves them unpacked
+    # there, one row of 112 a device, as the trainer does (packing.packed_group_size).
+    row = 30 * (1 * 112 * 15_360 * 4 + 2 * 1 * 9 * 112**2 * 4)
+    assert smollm2_items("ppo", devices=8)["activations"] == pytest.approx(2 * row, rel=1e-9)
+    packed_everywhere = 30 * (4 * 128 * 15_360 * 4 + 2 * 4 * 9 * 128**2 * 4)
+    assert smollm2_items("ppo", 'rollout.pack_groups="on"', devices=8)["activations"] == pytest.approx(
+        packed_everywhere + row, rel=1e-9)
     # Under FSDP the compiled DPO step peaks as the policy's gathered head (49,152 x 576
     # float32) is copied whole, beside the live reference's: three whole heads, where the
     # 2 rows x 32 positions of float32 logits would hold one head and those buffers.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -179,3 +181,28 @@ def test_group_packing_pays_by_the_flop_count():
     assert pays(64, 24, 6)  # the demo: 208 instead of 528
     assert not pays(256, 1024, 16)  # 16,640-token rows: attention would dominate
     assert not pays(0, 64, 4)  # no prompt to share
+
+
+def test_groups_stay_unpacked_where_packed_rows_would_not_split_over_the_batch_devices():
+    """``pack_groups: auto``: 8 prompts x 2 samples in 2 minibatches are 8 rows a minibatch,
+    4 when packed. On 8 batch devices the 4 packed rows would run whole on every device
+    (a row dimension that does not divide is not split), so the rows stay unpacked, one a
+    device; on 4 devices (or 1) the packed rows split and packing stays. ``on`` packs
+    regardless; and where neither divides, packing still saves tokens."""
+    from alignax.trainers.api import load_config
+
+    config = load_config("configs/tiny-ppo.yaml", ["data.batch_size=8"])
+    model = ModelConfig.from_hf_config(
+        dict(model_type="llama", vocab_size=49152, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=8192,
+             rms_norm_eps=1e-5, tie_word_embeddings=True))
+
+    def group(batch_devices, **rollout):
+        c = config if not rollout else dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
+                                                                                               **rollout))
+        return packing.packed_group_size(c, model, minibatches=2, batch_devices=batch_devices)
+
+    assert [group(n) for n in (1, 2, 4)] == [2, 2, 2]
+    assert group(8) == 1
+    assert group(8, pack_groups="on") == 2
+    assert group(16) == 2  # 8 unpacked rows do not split over 16 either: packed, fewer tokens

@@ -192,15 +192,20 @@ def group_packing_pays(config, *, prompt_len: int, new_tokens: int, group: int) 
     return flops(packed_len) < group * flops(unpacked_len) and packed_len**2 <= 2 * group * unpacked_len**2
 
 
-def packed_group_size(config, model_config, *, minibatches: int) -> int:
+def packed_group_size(config, model_config, *, minibatches: int, batch_devices: int = 1) -> int:
     """``G`` when an online trainer's forward passes pack each group into one row, else 1.
 
     ``config`` is the run's ``TrainConfig`` (``rollout.pack_groups``, ``num_samples``,
     lengths, ``data.batch_size`` prompts, ``train.grad_accum_steps``), ``model_config`` the
-    policy's :class:`alignax.models.ModelConfig`. Packing needs every minibatch and
+    policy's :class:`alignax.models.ModelConfig`, ``batch_devices`` the devices a batch's
+    rows are split over (the mesh's ``data`` x ``fsdp``). Packing needs every minibatch and
     micro-batch to hold whole groups (minibatches are then drawn group by group);
     ``pack_groups: on`` says so when they cannot, and when ``model.attention=splash``
-    cannot express the shared-prompt mask.
+    cannot express the shared-prompt mask. ``auto`` also leaves the rows unpacked when
+    the packed rows would not split over the batch devices but the unpacked ones do: a
+    row dimension that does not divide is not split at all (the logical-axis rule), so
+    every device would run every packed group, ``G`` times the tokens of its share of
+    unpacked rows (e.g. 4 packed PPO groups on 8 devices).
     """
     rc = config.rollout
     G, P, N = rc.num_samples, config.data.max_prompt_length, rc.max_new_tokens
@@ -222,5 +227,8 @@ def packed_group_size(config, model_config, *, minibatches: int) -> int:
                 f"{prompts} prompts into {minibatches} minibatches x "
                 f"{config.train.grad_accum_steps} micro-batches do not give that"
             )
+        return 1
+    packed_rows = rows_per_micro // G
+    if rc.pack_groups == "auto" and packed_rows % batch_devices and rows_per_micro % batch_devices == 0:
         return 1
     return G

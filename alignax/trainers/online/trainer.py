@@ -118,7 +118,8 @@ class OnlineTrainer:
         self.separate_critic = critic_kind in ("separate", "adapter")
         self.adapter_critic = critic_kind == "adapter"
         self.initial_params = self._with_critic(policy_params)
-        self.pack_group = packing.packed_group_size(config, self.model_config, minibatches=algorithm.minibatches)
+        self.pack_group = packing.packed_group_size(config, self.model_config, minibatches=algorithm.minibatches,
+                                                    batch_devices=self.mesh.shape["data"] * self.mesh.shape["fsdp"])
 
         kl = algorithm.kl
         self.uses_reference = kl.uses_reference
