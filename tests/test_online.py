@@ -214,7 +214,8 @@ def test_loss_reads_response_tokens_only(tmp_path, toy_model):
 
 def test_resume_through_a_rollout_boundary_is_bit_identical(tmp_path, toy_model):
     records = toy_prompts(32)
-    full = train(toy_config(tmp_path / "full", toy_model, "grpo", steps=4), records=records)
+    full = train(toy_config(tmp_path / "full", toy_model, "grpo", steps=4, checkpoint={"enabled": False}),
+                 records=records)  # saves nothing: saving does not touch the steps
     first = train(toy_config(tmp_path / "split", toy_model, "grpo", steps=2), records=records)
     resumed = train(toy_config(tmp_path / "split", toy_model, "grpo", steps=4), records=records)
     assert first.loop.last_step == 2 and [h["step"] for h in resumed.history] == [3, 4]
@@ -266,19 +267,7 @@ def toy_reward_model(tmp_path_factory, toy_model):
 
 
 @pytest.mark.xdist_group("toy-reward-model")  # shares the module fixture: one worker builds it
-def test_reward_model_ensemble_scores_rollouts(tmp_path, toy_model, toy_reward_model):
-    config = toy_config(tmp_path, toy_model, "grpo", steps=2, checkpoint={"enabled": False},
-                        rewards={"functions": {}, "reward_models": [toy_reward_model, toy_reward_model],
-                                 "ensemble": "mean_minus_std", "ensemble_k": 1.0})
-    result = train(config, records=toy_prompts(16))
-    finite_history(result)
-    last = result.history[-1]
-    assert "reward/reward_model" in last and last["reward/reward_model_std"] == 0.0  # two copies agree
-    np.testing.assert_allclose(last["reward/total"], last["reward/reward_model"], rtol=1e-6)
-
-
-@pytest.mark.xdist_group("toy-reward-model")  # shares the module fixture: one worker builds it
-def test_ppo_critic_from_a_reward_model_and_ptx(tmp_path, toy_model, toy_reward_model):
+def test_ppo_critic_from_a_reward_model_ensemble_and_ptx(tmp_path, toy_model, toy_reward_model):
     from alignax.data import write_jsonl
     from tests.trainer_helpers import sft_conversations
 
@@ -286,12 +275,18 @@ def test_ppo_critic_from_a_reward_model_and_ptx(tmp_path, toy_model, toy_reward_
     write_jsonl(sft_conversations(16), ptx_path)
     ptx = {"paths": [str(ptx_path)], "format": "sft", "max_length": 32, "max_prompt_length": 24, "batch_size": 4,
            "read_threads": 0}
+    # rewards from an ensemble of reward models (two copies of one: they agree); the
+    # ensemble's rules against NumPy on two that disagree: tests/test_online_variants.py
     config = toy_config(tmp_path, toy_model, "ppo", steps=2, checkpoint={"enabled": False},
                         ppo={"critic_init": "reward_model", "critic_path": toy_reward_model, "ptx_coef": 0.5,
-                             "ptx_data": ptx})
+                             "ptx_data": ptx},
+                        rewards={"functions": {}, "reward_models": [toy_reward_model, toy_reward_model],
+                                 "ensemble": "mean_minus_std", "ensemble_k": 1.0})
     result = train(config, records=toy_prompts(16))
     finite_history(result)
     last = result.history[-1]
+    assert "reward/reward_model" in last and last["reward/reward_model_std"] == 0.0  # two copies agree
+    np.testing.assert_allclose(last["reward/total"], last["reward/reward_model"], rtol=1e-6)
     assert "ptx/loss" in last and last["ptx/loss"] > 0
     # the critic starts from the reward model's head, so its first values are not all zero
     assert result.history[0]["value/values_mean"] != 0.0
