@@ -4,6 +4,9 @@ The reward is the share of "yes" in a completion (tests/rl_toy.py): PPO and GRPO
 raise it; the token-level invariants of the seeds are checked on real rollouts.
 """
 
+import functools
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -56,25 +59,32 @@ def test_first_minibatch_ratio_is_one_when_old_logps_are_recomputed(tmp_path, to
     assert any(abs(row["ratio_max"] - 1) > 1e-3 for row in result.history)  # later minibatches are off-policy
 
 
+@functools.cache
+def one_rollout_step(toy_model: str, grad_accum_steps: int, *, reuse: bool = True, pack: str = "auto"):
+    """``(params, figures)`` after one rollout step of the toy GRPO run on 16 prompts.
+    ``reuse``: the update's own forward pass gives the old log-probs (the default for one
+    update per rollout); ``pack``: ``rollout.pack_groups`` (``auto`` packs the toy groups
+    of 4). Cached: the default run serves the reuse and the packing comparisons."""
+    import jax
+
+    config = toy_config(tempfile.mkdtemp(prefix="one-rollout-step-"), toy_model, "grpo", steps=1,
+                        checkpoint={"enabled": False}, train={"grad_accum_steps": grad_accum_steps},
+                        rollout={"pack_groups": pack})
+    trainer = make_trainer(config, records=toy_prompts(16))
+    assert trainer.logps_from_update and trainer.pack_group == (1 if pack == "off" else 4)
+    trainer.logps_from_update = reuse  # read when the step is first traced, and by rollout_step
+    state, frozen = trainer.start()
+    state, out = trainer.rollout_step(state, frozen, next(trainer.data.iterator("train")), iter(()))
+    return jax.device_get(state.params), out.metrics
+
+
 @pytest.mark.parametrize("grad_accum_steps", [1, 2])
-def test_single_update_reuses_its_forward_pass_and_matches_the_separate_pass(tmp_path, toy_model,
-                                                                            grad_accum_steps):
+def test_single_update_reuses_its_forward_pass_and_matches_the_separate_pass(toy_model, grad_accum_steps):
     """One update per rollout (GRPO's default): old log-probs, entropy and the mismatch
     figures come from the update's own forward pass; the step equals the two-pass one."""
     import jax
 
-    config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
-                        train={"grad_accum_steps": grad_accum_steps})
-    records = toy_prompts(16)
-    runs = {}
-    for reuse in (True, False):
-        trainer = make_trainer(config, records=records)
-        assert trainer.logps_from_update
-        trainer.logps_from_update = reuse  # read when the step is first traced, and by rollout_step
-        state, frozen = trainer.start()
-        batch = next(trainer.data.iterator("train"))
-        state, out = trainer.rollout_step(state, frozen, batch, iter(()))
-        runs[reuse] = (jax.device_get(state.params), out.metrics)
+    runs = {reuse: one_rollout_step(toy_model, grad_accum_steps, reuse=reuse) for reuse in (True, False)}
     (params_a, fig_a), (params_b, fig_b) = runs[True], runs[False]
     assert fig_a["reward/total"] == fig_b["reward/total"]  # the same rollout
     assert fig_a["first_minibatch/ratio_min"] == fig_a["first_minibatch/ratio_max"] == 1.0
@@ -293,21 +303,13 @@ def test_ppo_critic_from_a_reward_model_ensemble_and_ptx(tmp_path, toy_model, to
 
 
 @pytest.mark.parametrize("grad_accum_steps", [1, 2])
-def test_packed_groups_give_the_unpacked_step(tmp_path, toy_model, grad_accum_steps):
-    """rollout.pack_groups=on runs each group's 4 completions as one row with the prompt
-    once; the rollout step (reference log-probs, update, figures) is the unpacked one."""
+def test_packed_groups_give_the_unpacked_step(toy_model, grad_accum_steps):
+    """rollout.pack_groups (auto here packs) runs each group's 4 completions as one row with
+    the prompt once; the rollout step (reference log-probs, update, figures) is the unpacked one."""
     import jax
 
-    records = toy_prompts(16)
-    runs = {}
-    for pack in ("on", "off"):
-        config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
-                            train={"grad_accum_steps": grad_accum_steps}, rollout={"pack_groups": pack})
-        trainer = make_trainer(config, records=records)
-        assert trainer.pack_group == (4 if pack == "on" else 1)
-        state, frozen = trainer.start()
-        state, out = trainer.rollout_step(state, frozen, next(trainer.data.iterator("train")), iter(()))
-        runs[pack] = (jax.device_get(state.params), out.metrics)
+    runs = {"on": one_rollout_step(toy_model, grad_accum_steps), "off": one_rollout_step(toy_model, grad_accum_steps,
+                                                                                          pack="off")}
     (params_a, fig_a), (params_b, fig_b) = runs["on"], runs["off"]
     assert fig_a["reward/total"] == fig_b["reward/total"]
     for key in ("loss", "grad_norm", "entropy", "kl/ref_seq", "kl/ref_k3", "mismatch/sampler_trainer_abs",

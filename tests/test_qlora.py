@@ -29,6 +29,7 @@ from alignax.models.dense import dense
 from alignax.models.lora import LoRAParam, LoraConfig, count_adapter_params, merge_adapters, with_adapters
 from alignax.models.quant import (NF4, QuantizedKernel, QuantizedParam, block_axes, dequantize, max_error, project,
                                   quantize, quantized_bytes)
+from tests.compiled import jitted
 from tests.test_lora import _perturbed
 from tests.trainer_helpers import CONFIGS, separable_pairs, tiny_config
 
@@ -311,12 +312,13 @@ def test_adapter_dropout_in_training_only_deterministic_and_exported(tmp_path):
     assert float(train_loss(adapters, {}, TOKENS, {}, jax.random.key(1))) != dropped
     assert with_dropout(loss, LoraConfig(rank=4)) is loss
     # outside training (eval, sampling): the dropout model's logits are the dropout-free model's
-    np.testing.assert_array_equal(np.asarray(model(TOKENS).logits), np.asarray(no_dropout(TOKENS).logits))
+    np.testing.assert_array_equal(np.asarray(jitted(model)(TOKENS).logits),
+                                  np.asarray(jitted(no_dropout)(TOKENS).logits))
     # the reference (adapters off) is the base whatever the dropout
-    with adapter_dropout(key):
-        ref = nnx.merge(graphdef, nnx.merge_state(adapters_off(adapters), base))(TOKENS).logits
+    with adapter_dropout(key):  # (traced inside the context)
+        ref = jitted(nnx.merge(graphdef, nnx.merge_state(adapters_off(adapters), base)))(TOKENS).logits
     base_model = create_model(ModelConfig.from_hf_config(HF, scan_layers=True), seed=0)
-    np.testing.assert_array_equal(np.asarray(ref), np.asarray(base_model(TOKENS).logits))
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(jitted(base_model)(TOKENS).logits))
     save_peft_adapter(model, tmp_path)
     with open(tmp_path / "adapter_config.json") as f:
         assert json.load(f)["lora_dropout"] == 0.5
