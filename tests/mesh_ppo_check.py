@@ -14,7 +14,7 @@ import tempfile
 import jax
 import numpy as np
 
-from alignax.trainers.api import train
+from alignax.trainers.api import build_trainer
 from tests.rl_toy import toy_config, toy_prompts
 from tests.toy_model import make_toy_model
 
@@ -28,14 +28,17 @@ def hashed_reward(completions, references):
     return [int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32 for text in completions]
 
 
-def run(model_dir, shape):
+def run(model_dir, shape, pack_groups="auto"):
+    """``(result, params on the host, params as placed, the trainer's packed group size)``."""
     with tempfile.TemporaryDirectory() as tmp:
         config = toy_config(tmp, model_dir, "ppo", steps=2, checkpoint={"enabled": False},
                             mesh={"shape": list(shape)}, data={"eval_fraction": 0.0},
                             rewards={"functions": {"tests.mesh_ppo_check:hashed_reward": 1.0}},
+                            rollout={"pack_groups": pack_groups},
                             ppo={"critic": "separate", "epochs": 2, "minibatches": 2})
-        result = train(config, records=toy_prompts(24))
-    return result, jax.device_get(result.loop.state.params), result.loop.state.params
+        trainer = build_trainer(config, records=toy_prompts(24))
+        result = trainer.train()
+    return result, jax.device_get(result.loop.state.params), result.loop.state.params, trainer.pack_group
 
 
 def diffs(a, b) -> dict[str, float]:
@@ -49,12 +52,15 @@ def main() -> int:
     assert jax.device_count() == 8, jax.devices()
     with tempfile.TemporaryDirectory() as model_dir:
         make_toy_model(model_dir)
-        single, single_params, _ = run(model_dir, (1, 1, 1))
-        sharded, sharded_params, sharded_device = run(model_dir, (2, 2, 2))
+        # A minibatch's 4 rows are 2 groups of 2: packed, 2 rows, which the mesh's 4 batch
+        # devices (data x fsdp) do not split, so pack_groups=auto leaves them unpacked there
+        # (packing.packed_group_size); one device runs the same unpacked rows.
+        single, single_params, _, _ = run(model_dir, (1, 1, 1), pack_groups="off")
+        sharded, sharded_params, sharded_device, sharded_pack = run(model_dir, (2, 2, 2))
     policy, critic = diffs(single_params["policy"], sharded_params["policy"]), diffs(
         single_params["critic"], sharded_params["critic"])
     out = {
-        "devices": jax.device_count(),
+        "devices": jax.device_count(), "sharded_pack_group": sharded_pack,
         **{f"single/{k}": [h[k] for h in single.history] for k in KEYS},
         **{f"sharded/{k}": [h[k] for h in sharded.history] for k in KEYS},
         "policy_max_diff": policy["max"], "policy_p999_diff": policy["p999"],

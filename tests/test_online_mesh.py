@@ -57,6 +57,7 @@ def test_ppo_steps_with_a_separate_critic_on_a_mesh_match_one_device():
     out = mesh_equality("mesh_ppo_check")
     assert out["devices"] == 8
     assert out["sharded_policy_devices"] == 8 and out["sharded_critic_devices"] == 8
+    assert out["sharded_pack_group"] == 1  # packed groups would not split over the 4 batch devices
     # same samples, so the same rewards and lengths exactly
     assert out["sharded/reward/total"] == out["single/reward/total"]
     assert out["sharded/response/length_mean"] == out["single/response/length_mean"]
