@@ -107,6 +107,25 @@ def test_per_row_outputs_come_back_in_row_order_across_micro_batches():
         np.testing.assert_allclose(metrics["abs_err"], np.mean(np.abs(expected - batch["y"])), rtol=1e-6)
 
 
+def test_the_nonfinite_guard_updates_the_donated_moments_in_place():
+    """The compiled step's temporaries hold no copy of the Adam moments: the guard is a
+    conditional around the update, not a select between the new and the old state (which
+    made XLA copy the donated moments at the start and keep the copies through the forward
+    and backward passes: 3.17 MB of temporaries here, against 1.33 MB now)."""
+
+    def wide_loss(params, frozen, batch, normalisers, rng):
+        h = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
+        return jnp.mean((h[:, 0] - batch["y"]) ** 2), {}
+
+    opt = optax.adam(1e-3)
+    params = {"w1": jnp.full((3, 512), 0.01), "w2": jnp.full((512, 512), 0.01)}
+    step = jax.jit(make_train_step(wide_loss, opt, normalisers_fn=normalisers_fn), donate_argnums=0)
+    memory = step.lower(init_train_state(params, opt, jax.random.key(0)), None,
+                        next(ToyBatches(batch_size=8))).compile().memory_analysis()
+    moments = 2 * 4 * (3 * 512 + 512 * 512)
+    assert memory.temp_size_in_bytes < 0.75 * moments, (memory.temp_size_in_bytes, moments)
+
+
 def test_nonfinite_update_is_skipped_and_counted():
     opt = optax.adam(0.1)
     step = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn))
