@@ -386,18 +386,21 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         live_reference = uses_reference and adapters is None and not online
         held = 2 * head + (embedding * p.frozen / tensor if live_reference else 0.0)
         items["gathered weights"] = layer * stored / tensor + max(head, held - items["LM head buffers"])
-    # The optimiser's step holds float32 temporaries beside the gradients: Adam's update
-    # and copies XLA makes of some weights, 1.5 trained weights' worth (the SmolLM2-shaped
-    # steps under full remat: 1.53x for DPO and GRPO, 1.6x for PPO). It runs after the
-    # backward pass has let go of the activations and the LM-head buffers, so it adds
-    # only what it exceeds them by. (The step's non-finite guard also makes XLA copy the
-    # donated Adam moments when the step starts; 50-95% of the moments sit at the
-    # compiled peaks as those copies. They are not an item of their own: the gradients,
-    # not yet formed at the forward and logits peaks, and this term stand in for them.)
+    # The optimiser's step holds float32 temporaries beside the gradients, one trained
+    # weights' worth (Adam's update; the compiled steps under full remat peak there with
+    # exactly gradients + 1x: SmolLM2's shape on one device, the 7B steps on 8 devices).
+    # The two phases do not overlap: the gradients and the update exist once the backward
+    # pass has let go of the activations, the LM-head buffers and the gathered weights,
+    # so the step peaks at the larger set, and the smaller one is taken back off the
+    # total ("not live at once"). (Under the step's non-finite guard as a select, XLA
+    # copied the donated Adam moments at the start and held the copies at the peaks;
+    # the guard is a conditional now and updates them in place: alignax/trainers/engine/step.py.)
     if assumptions == "standard":
         trained = (adapters if adapters is not None else P) + (critic_trained if critic else 0)
-        update = 1.5 * trained * 4 / shard
-        items["optimizer update"] = max(0.0, update - items["activations"] - items["LM head buffers"])
+        items["optimizer update"] = trained * 4 / shard
+        passes = items["activations"] + items["LM head buffers"] + items.get("gathered weights", 0.0)
+        optimiser_step = items["optimizer update"] + sum(v for k, v in items.items() if k.endswith("gradients"))
+        items["not live at once"] = -min(passes, optimiser_step)
     rollout_tokens = None
     if online:
         kv_rows = rows / (data * fsdp)
