@@ -30,7 +30,7 @@ def run(model_dir, shape):
 def main() -> int:
     assert jax.device_count() == 8, jax.devices()
     with tempfile.TemporaryDirectory() as model_dir:
-        make_agent_model(model_dir)
+        make_agent_model(model_dir, layers=1)  # how the layers stack is not what this checks
         single, single_params = run(model_dir, (1, 1, 1))
         sharded, sharded_params = run(model_dir, (2, 2, 2))
     keys = ("reward/total", "loss", "grad_norm", "response/length_mean", "entropy", "env/turns_per_trajectory",

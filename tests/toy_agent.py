@@ -46,12 +46,15 @@ def agent_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="[UNK]", chat_template=AGENT_CHATML)
 
 
-def make_agent_model(directory, seed: int = 0) -> str:
+def make_agent_model(directory, seed: int = 0, layers: int = 2) -> str:
+    """Write the toy agent model (two layers, so that it can learn to call) and its
+    tokenizer to ``directory``; ``layers=1`` for checks that need no learning (quicker to
+    compile)."""
     directory = str(directory)
     os.makedirs(directory, exist_ok=True)
     tok = agent_tokenizer()
     end, start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
-    hf = dict(model_type="llama", vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    hf = dict(model_type="llama", vocab_size=32, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=256,
               rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=end, pad_token_id=end, bos_token_id=start)
     save_pretrained(create_model(ModelConfig.from_hf_config(hf), seed=seed), directory)
