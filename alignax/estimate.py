@@ -147,6 +147,7 @@ class Estimate:
     rollout_tokens: int | None = None
     suggestion: str | None = None
     online: bool = False
+    host: dict[str, float] = dataclasses.field(default_factory=dict)  # per device's shard, in host memory
 
     @property
     def total(self) -> float:
@@ -175,7 +176,8 @@ class Estimate:
                 "device_memory_bytes": self.device_memory, "fits": self.fits, "suggestion": self.suggestion,
                 "flops_per_step": dict(self.flops), "step_seconds_at_mfu": self.step_seconds, "mfu": self.mfu,
                 "devices": self.devices, "mesh": list(self.mesh), "parameters": self.parameters,
-                "rollout_tokens": self.rollout_tokens, "assumptions": self.assumptions}
+                "rollout_tokens": self.rollout_tokens, "assumptions": self.assumptions,
+                "host_bytes_per_device": dict(self.host)}
 
     def table(self) -> str:
         lines = [f"{'per device':<28}{'GB':>10}"]
@@ -183,6 +185,8 @@ class Estimate:
             if value:
                 lines.append(f"  {name:<26}{value / GB:>10.2f}")
         lines.append(f"  {'total':<26}{self.total / GB:>10.2f}")
+        for name, value in self.host.items():
+            lines.append(f"  {name + ' (host memory)':<26}{value / GB:>10.2f}   not in the total")
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does not fit"
             lines.append(f"  {'device memory':<26}{self.device_memory / GB:>10.2f}   {verdict}")
@@ -273,6 +277,13 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     if assumptions == "seed" and online:
         n_reward_models = max(n_reward_models, 1)  # the seed's GRPO/PPO count a reward model
     items["reward models"] = n_reward_models * scalar * p.frozen / shard
+    # placement: host (alignax.parallel.placement): held in pinned host memory, each device's
+    # shard of it; the device holds a copy only while the program that runs it does (not
+    # counted: how much of it is live at once is the compiler's scheduling)
+    host = {}
+    for key, name in (("reference", "reference"), ("reward_models", "reward models")):
+        if getattr(config.placement, key) == "host" and items[name]:
+            host[name], items[name] = items[name], 0.0
     critic_kind = config.ppo.critic if algorithm == "ppo" else None
     critic = algorithm == "ppo" and (critic_kind in ("separate", "adapter") or assumptions == "seed")
     critic_trained = scalar
@@ -430,7 +441,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     memory = device_memory_gb * GB if device_memory_gb is not None else None
     result = Estimate(items=items, flops=flops, devices=devices, mesh=(data, fsdp, tensor), device_memory=memory,
                       parameters=P, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
-                      rollout_tokens=rollout_tokens, online=online)
+                      rollout_tokens=rollout_tokens, online=online, host=host)
     if suggest and result.fits is False:
         result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops)
     return result
@@ -446,6 +457,15 @@ def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[i
     if config.algorithm == "dpo" and config.dpo.reference == "live" and config.dpo.loss in ("dpo", "kto"):
         out.append(("dpo.reference=precomputed",
                     dataclasses.replace(config, dpo=dataclasses.replace(config.dpo, reference="precomputed")), mesh))
+    placement = config.placement
+    reference = (config.dpo.loss in ("dpo", "kto") and config.dpo.reference == "live" if config.algorithm == "dpo"
+                 else getattr(config, config.algorithm).kl_coef > 0 if config.algorithm in ("grpo", "ppo") else False)
+    if reference and placement.reference == "device" and config.lora is None:
+        out.append(("placement.reference=host", dataclasses.replace(
+            config, placement=dataclasses.replace(placement, reference="host")), mesh))
+    if config.algorithm in ("grpo", "ppo") and config.rewards.reward_models and placement.reward_models == "device":
+        out.append(("placement.reward_models=host", dataclasses.replace(
+            config, placement=dataclasses.replace(placement, reward_models="host")), mesh))
     if data > 1:
         out.append((f"mesh.shape=[1, {data * fsdp}, {tensor}] (more FSDP)", config, (1, data * fsdp, tensor)))
     if config.data.batch_size % (config.train.grad_accum_steps * 2) == 0:

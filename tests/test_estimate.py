@@ -73,6 +73,36 @@ def test_sharding_divides_the_states_and_a_suggestion_names_a_change_that_fits()
     assert estimate(config, model=model, devices=8, mesh=(1, 8, 1), device_memory_gb=80).fits
 
 
+def test_frozen_models_placed_on_the_host_leave_the_device_total_and_are_suggested():
+    """placement.reference / placement.reward_models = host: the frozen model's bytes move
+    from the per-device items to the host lines, exactly; the suggestion names the placement
+    when it is the first change that fits (remat is already full here)."""
+    rm = 'rewards.reward_models=["runs/reward-model"]'
+    config = load_config("configs/grpo.yaml", [*BF16, rm, "model.remat=full"])
+    model = model_config_for(config, "llama-2-7b")
+    on_device = estimate(config, model=model, devices=1, mesh=(1, 1, 1))
+    assert on_device.host == {} and on_device.items["reference"] == pytest.approx(13.5e9, rel=0.01)
+    placed = estimate(load_config("configs/grpo.yaml", [*BF16, rm, "model.remat=full", "placement.reference=host",
+                                                        "placement.reward_models=host"]),
+                      model=model, devices=1, mesh=(1, 1, 1))
+    assert placed.host == {"reference": on_device.items["reference"],
+                           "reward models": on_device.items["reward models"]}
+    assert placed.items["reference"] == placed.items["reward models"] == 0.0
+    assert on_device.total - placed.total == pytest.approx(sum(placed.host.values()))
+    assert "reference (host memory)" in placed.table()
+    assert placed.to_dict()["host_bytes_per_device"] == placed.host
+
+    reference_only = estimate(load_config("configs/grpo.yaml", [*BF16, rm, "model.remat=full",
+                                                                "placement.reference=host"]),
+                              model=model, devices=1, mesh=(1, 1, 1))
+    tight = estimate(config, model=model, devices=1, mesh=(1, 1, 1), device_memory_gb=reference_only.total / 1e9 + 0.01)
+    assert tight.fits is False and tight.suggestion.startswith("does not fit; try placement.reference=host (")
+    # no reference to place (a precomputed one): the placement is not suggested
+    dpo = load_config("configs/dpo.yaml", [*BF16, "dpo.reference=precomputed", "model.remat=full"])
+    small = estimate(dpo, model=model, devices=8, mesh=(8, 1, 1), device_memory_gb=80)
+    assert small.fits is False and "placement" not in small.suggestion
+
+
 def test_rollout_tokens_and_flops():
     config = load_config("configs/grpo.yaml", ["data.batch_size=512", "rollout.num_samples=8",
                                                "rollout.max_new_tokens=256", *BF16])

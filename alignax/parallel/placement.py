@@ -1,4 +1,4 @@
-"""Where frozen models live between their forward passes (the ``placement:`` section).
+"""Where frozen models and the optimiser state live between uses (the ``placement:`` section).
 
 ``host``: a model's weights are held in host memory (``pinned_host``, JAX's memory kinds)
 with the partition specs they have on the device, so each device holds none of them
@@ -7,6 +7,11 @@ inside the program (:func:`to_device`, right before the forward pass) and XLA fr
 copy once the forward is done. The price is one host-to-device transfer of the weights
 per program run (per micro-batch of a step whose loss reads the reference); on a GPU or
 TPU it overlaps with compute only as far as XLA's scheduler manages.
+
+``optimizer_state: host``: the optimiser state (Adam's moments, and the float32 master
+copy of bfloat16 params) is held in pinned host memory between steps; the step moves it in
+when it starts (:func:`optimizer_state_on_device`) and its outputs go back to host memory
+(the step's ``out_shardings``, :func:`place_optimizer_state`), one round trip per step.
 
 ``device`` (the default): the weights stay in device memory, as without this module.
 
@@ -36,10 +41,14 @@ class PlacementConfig:
         pinned host memory, moved to the device inside each program that runs it).
       reward_models: the reward models of online training (``rewards.reward_models``):
         ``device`` | ``host``, as for ``reference``.
+      optimizer_state: the optimiser's state (moments, master weights): ``device`` |
+        ``host`` (held in pinned host memory between steps; each step moves it in and
+        writes the updated state back to host memory).
     """
 
     reference: Where = "device"
     reward_models: Where = "device"
+    optimizer_state: Where = "device"
 
 
 def _is_array(x) -> bool:
@@ -56,6 +65,25 @@ def to_host(tree: Any) -> Any:
 def place(tree: Any, where: Where) -> Any:
     """``tree`` held where ``where`` says (``device``: ``tree`` itself)."""
     return to_host(tree) if where == "host" and tree is not None else tree
+
+
+def place_optimizer_state(state: Any, shardings: Any, where: Where) -> tuple[Any, Any]:
+    """``(state, shardings)`` of a train state (``opt_state`` field) with the optimiser state
+    held where ``where`` says: for ``host``, its arrays moved to host memory and its
+    shardings saying so (the step's ``out_shardings``: each step writes it back there)."""
+    if where != "host":
+        return state, shardings
+    held = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings.opt_state)
+    return state._replace(opt_state=to_host(state.opt_state)), shardings._replace(opt_state=held)
+
+
+def optimizer_state_on_device(step_fn):
+    """``step_fn(state, ...)`` with ``state.opt_state`` moved into device memory when the
+    program starts (a no-op for a state already there)."""
+    def step(state, *args):
+        return step_fn(state._replace(opt_state=to_device(state.opt_state)), *args)
+
+    return step
 
 
 def to_device(tree: Any) -> Any:

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from alignax import evaluation
 from alignax.data import prepare_dataset
 from alignax.parallel.multihost import local_rows
-from alignax.parallel.placement import place, to_device
+from alignax.parallel.placement import optimizer_state_on_device, place, place_optimizer_state, to_device
 from alignax.parallel.sharding import place_array
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import adapters
@@ -78,8 +78,10 @@ class OfflineTrainer:
 
     # ---- what api.py reads -----------------------------------------------------------
     def init_state(self) -> tuple[TrainState, Any]:
-        """The fresh train state on the mesh, and its shardings."""
-        return init_state_on_mesh(self.params, self.optimizer, seed=self.config.train.seed, mesh=self.mesh)
+        """The fresh train state on the mesh, and its shardings (the optimiser state's in host
+        memory with ``placement.optimizer_state: host``)."""
+        state, shardings = init_state_on_mesh(self.params, self.optimizer, seed=self.config.train.seed, mesh=self.mesh)
+        return place_optimizer_state(state, shardings, self.config.placement.optimizer_state)
 
     def export_models(self, params, *, critic: bool = False) -> dict[str, nnx.Module]:
         """``{"": the trained model}`` (a policy, or a reward model for ``reward``)."""
@@ -193,8 +195,9 @@ class OfflineTrainer:
         state, shardings = self.init_state()
         task = self.task
         self.step = jax.jit(
-            make_train_step(task.loss_fn, self.optimizer, normalisers_fn=task.normalisers_fn,
-                            grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule),
+            optimizer_state_on_device(make_train_step(
+                task.loss_fn, self.optimizer, normalisers_fn=task.normalisers_fn,
+                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule)),
             donate_argnums=(0,), out_shardings=(shardings, None),
         )
         reference = self.initial_reference()

@@ -49,7 +49,7 @@ from alignax.metrics import to_host
 from alignax.models import lora as lora_lib
 from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
                                         process_rows)
-from alignax.parallel.placement import place, to_device
+from alignax.parallel.placement import optimizer_state_on_device, place, place_optimizer_state, to_device
 from alignax.parallel.sharding import batch_sharding, make_mesh, tree_shardings
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
@@ -351,8 +351,9 @@ class OnlineTrainer:
         """The fresh train state on the mesh (carrying the KL controller and the rollout
         count), and its shardings."""
         extra = {"kl_coef": self.algorithm.kl.controller.init(), "rollouts": jnp.zeros((), jnp.int32)}
-        return init_state_on_mesh(self.initial_params, self.optimizer, seed=self.config.train.seed, mesh=self.mesh,
-                                  extra=extra)
+        state, shardings = init_state_on_mesh(self.initial_params, self.optimizer, seed=self.config.train.seed,
+                                              mesh=self.mesh, extra=extra)
+        return place_optimizer_state(state, shardings, self.config.placement.optimizer_state)
 
     def start(self) -> tuple[TrainState, dict[str, Any]]:
         """``(fresh train state, frozen)`` on the mesh, ``frozen`` holding the reference (the
@@ -366,7 +367,7 @@ class OnlineTrainer:
                                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule,
                                schedule_position=lambda state, mb: mb.schedule_position,
                                row_block=self.pack_group)
-        self.update = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
+        self.update = jax.jit(optimizer_state_on_device(step), donate_argnums=(0,), out_shardings=(shardings, None))
         self.reference = None  # what a run saves once as its reference
         if self.uses_reference:
             initial = self.policy_params(self.initial_params)
