@@ -278,8 +278,9 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         n_reward_models = max(n_reward_models, 1)  # the seed's GRPO/PPO count a reward model
     items["reward models"] = n_reward_models * scalar * p.frozen / shard
     # placement: host (alignax.parallel.placement): held in pinned host memory, each device's
-    # shard of it; the device holds a copy only while the program that runs it does (not
-    # counted: how much of it is live at once is the compiler's scheduling)
+    # shard of it; the device holds a copy only while the program that runs it does, or
+    # (the optimiser state) during the update after the backward pass (not counted: how
+    # much of it is live at once is the compiler's scheduling)
     host = {}
     for key, name in (("reference", "reference"), ("reward_models", "reward models")):
         if getattr(config.placement, key) == "host" and items[name]:
@@ -294,6 +295,11 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     if critic:
         for key, value in _trained(critic_trained, p, shard).items():
             items[f"critic {key}"] = value
+    moved_in = 0.0  # placement.optimizer_state: host: the state the update moves back in
+    if config.placement.optimizer_state == "host":
+        for name in [k for k in items if k.endswith(("optimizer moments", "master weights")) and items[k]]:
+            host[name], items[name] = items[name], 0.0
+            moved_in += host[name]
 
     # ---- activations, LM head, KV cache (per device)
     accum = config.train.grad_accum_steps
@@ -401,13 +407,14 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     # and copies XLA makes of some weights, 1.5 trained weights' worth (the SmolLM2-shaped
     # steps under full remat: 1.53x for DPO and GRPO, 1.6x for PPO). It runs after the
     # backward pass has let go of the activations and the LM-head buffers, so it adds
-    # only what it exceeds them by. (The step's non-finite guard also makes XLA copy the
+    # only what it exceeds them by; with the optimiser state in host memory, the state it
+    # moves back in for the update is held then too. (The step's non-finite guard also makes XLA copy the
     # donated Adam moments when the step starts; 50-95% of the moments sit at the
     # compiled peaks as those copies. They are not an item of their own: the gradients,
     # not yet formed at the forward and logits peaks, and this term stand in for them.)
     if assumptions == "standard":
         trained = (adapters if adapters is not None else P) + (critic_trained if critic else 0)
-        update = 1.5 * trained * 4 / shard
+        update = 1.5 * trained * 4 / shard + moved_in
         items["optimizer update"] = max(0.0, update - items["activations"] - items["LM head buffers"])
     rollout_tokens = None
     if online:
@@ -480,6 +487,9 @@ def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[i
     elif pc.mu_dtype == "float32":
         out.append(("precision.mu_dtype=bfloat16", dataclasses.replace(
             config, precision=dataclasses.replace(pc, mu_dtype="bfloat16")), mesh))
+    if placement.optimizer_state == "device":  # last: a round trip of the state every step
+        out.append(("placement.optimizer_state=host", dataclasses.replace(
+            config, placement=dataclasses.replace(placement, optimizer_state="host")), mesh))
     return out
 
 

@@ -100,7 +100,35 @@ def test_frozen_models_placed_on_the_host_leave_the_device_total_and_are_suggest
     # no reference to place (a precomputed one): the placement is not suggested
     dpo = load_config("configs/dpo.yaml", [*BF16, "dpo.reference=precomputed", "model.remat=full"])
     small = estimate(dpo, model=model, devices=8, mesh=(8, 1, 1), device_memory_gb=80)
-    assert small.fits is False and "placement" not in small.suggestion
+    assert small.fits is False and "placement.reference" not in small.suggestion
+
+
+def test_an_optimizer_state_in_host_memory_leaves_the_states_but_returns_for_the_update():
+    """placement.optimizer_state=host: moments and master copy become host lines, and the
+    update holds them again beside its temporaries. Under full remat the update is the
+    peak, so the total does not move; without remat on 64 pairs the activations are, and the
+    total drops by the state moved out less what the update now exceeds them by."""
+    def both(*overrides):
+        config = load_config("configs/dpo.yaml", [*BF16, *overrides])
+        host = load_config("configs/dpo.yaml", [*BF16, *overrides, "placement.optimizer_state=host"])
+        model = model_config_for(config, "llama-2-7b")
+        return estimate(config, model=model, devices=1, mesh=(1, 1, 1)), estimate(host, model=model, devices=1,
+                                                                                  mesh=(1, 1, 1))
+
+    on_device, placed = both("model.remat=full")
+    moved = {k: on_device.items[k] for k in ("policy optimizer moments", "policy master weights")}
+    assert placed.host == moved and sum(moved.values()) == pytest.approx(12 * on_device.parameters)
+    assert placed.items["policy optimizer moments"] == placed.items["policy master weights"] == 0.0
+    held = on_device.items["activations"] + on_device.items["LM head buffers"]
+    assert placed.items["optimizer update"] == pytest.approx(1.5 * 4 * on_device.parameters + sum(moved.values()) - held)
+    assert placed.total == pytest.approx(on_device.total)
+
+    on_device, placed = both("model.remat=none", "data.batch_size=64")
+    held = on_device.items["activations"] + on_device.items["LM head buffers"]
+    excess = max(0.0, 1.5 * 4 * on_device.parameters + sum(moved.values()) - held)
+    assert placed.items["optimizer update"] == pytest.approx(excess) and on_device.items["optimizer update"] == 0
+    assert on_device.total - placed.total == pytest.approx(sum(moved.values()) - excess)
+    assert 0 < on_device.total - placed.total < sum(moved.values())
 
 
 def test_rollout_tokens_and_flops():

@@ -1,17 +1,23 @@
-"""Frozen models held in host memory (alignax/parallel/placement.py, the ``placement:`` section).
+"""Frozen models and the optimiser state in host memory (alignax/parallel/placement.py,
+the ``placement:`` section).
 
-- ``placement.reference: host``: a DPO run's reference lies in ``pinned_host`` memory before
-  and after a step, the compiled step takes it there (its input shardings, and the
-  ``S(5)`` host memory space in the program's entry layout, which the device run lacks),
-  and the step's loss, metrics and updated params equal the device-placed run's.
-- Online RL: the KL reference's forward takes a host-held reference, and reward models
-  held in host memory score exactly as device-held ones do; the trainer places both.
+- ``placement.reference: host`` and ``placement.optimizer_state: host`` on a bfloat16 DPO
+  run (Adam's moments and a float32 master copy): the reference and the optimiser state lie
+  in ``pinned_host`` memory before and after each step, the compiled step takes them there
+  (input shardings; the ``S(5)`` memory space of its entry layout) and writes the updated
+  state back there (output shardings), the program lowered for TPU moves exactly those
+  arrays in and the state out (``annotate_device_placement``; none in the device-placed
+  run), donation still frees the old state, and two steps' figures and the whole state
+  equal the device-placed run's within 1e-6.
+- Online RL: the trainer places the KL reference, the reward models and the optimiser
+  state; the reference's forward and the reward models' scores from host-held weights equal
+  those from device-held ones bit for bit, and their programs move exactly those weights in.
 - The keys are refused where there is no such model.
 
 What CPU cannot show: host and device memory are the same RAM there, so no memory is
 saved (the compiled program's memory_analysis counts a pinned_host argument in its
-argument bytes on CPU); on a GPU or TPU the device's peak should drop by the reference's
-size, at the cost of one host-to-device transfer per program run.
+argument bytes on CPU); on a GPU or TPU the device's peak should drop by the placed arrays'
+size (less what is moved back in at the peak), at the cost of host-device transfers.
 """
 
 from __future__ import annotations
@@ -129,8 +135,8 @@ def test_host_placement_steps_as_the_device_placement_does(dpo_steps):
 
 
 def test_online_reference_and_reward_models_in_host_memory(tmp_path, toy_model):
-    """A GRPO run with a KL and a reward model, both placed on the host: the trainer holds
-    them in pinned_host memory; the reference's forward (the rollout's reference
+    """A GRPO run with a KL and a reward model, both placed on the host (and its optimiser
+    state): the trainer holds them in pinned_host memory; the reference's forward (the rollout's reference
     log-probs) and the reward models' scores equal those of device-held copies, and their
     compiled programs take the host-held weights (``S(5)``)."""
     from alignax.models import from_pretrained, save_pretrained
@@ -139,12 +145,12 @@ def test_online_reference_and_reward_models_in_host_memory(tmp_path, toy_model):
     save_pretrained(from_pretrained(toy_model, kind="reward", new_head=True, seed=3), scorer_dir)
     config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
                         grpo={"kl_coef": 0.1}, rewards={"reward_models": [scorer_dir]},
-                        placement={"reference": "host", "reward_models": "host"})
+                        placement={"reference": "host", "reward_models": "host", "optimizer_state": "host"})
     trainer = build_trainer(config, records=toy_prompts(8))
     rms = trainer.scorer.reward_models
     assert kinds(rms.states) == {HOST_MEMORY}
-    _, frozen = trainer.start()
-    assert kinds(frozen["reference"]) == {HOST_MEMORY}
+    state, frozen = trainer.start()
+    assert kinds(frozen["reference"]) == kinds(state.opt_state) == {HOST_MEMORY}
 
     rng, width = np.random.default_rng(0), trainer.prompt_len + trainer.max_new  # a rollout's rows
     tokens = jnp.asarray(rng.integers(3, 32, size=(4, width)), jnp.int32)

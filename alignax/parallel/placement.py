@@ -10,8 +10,9 @@ TPU it overlaps with compute only as far as XLA's scheduler manages.
 
 ``optimizer_state: host``: the optimiser state (Adam's moments, and the float32 master
 copy of bfloat16 params) is held in pinned host memory between steps; the step moves it in
-when it starts (:func:`optimizer_state_on_device`) and its outputs go back to host memory
-(the step's ``out_shardings``, :func:`place_optimizer_state`), one round trip per step.
+after its backward pass, right before the optimiser's update
+(``alignax.trainers.engine.step.make_train_step``), and its outputs go back to host memory
+(the step's ``out_shardings``, :func:`place_optimizer_state`): one round trip per step.
 
 ``device`` (the default): the weights stay in device memory, as without this module.
 
@@ -75,15 +76,6 @@ def place_optimizer_state(state: Any, shardings: Any, where: Where) -> tuple[Any
         return state, shardings
     held = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings.opt_state)
     return state._replace(opt_state=to_host(state.opt_state)), shardings._replace(opt_state=held)
-
-
-def optimizer_state_on_device(step_fn):
-    """``step_fn(state, ...)`` with ``state.opt_state`` moved into device memory when the
-    program starts (a no-op for a state already there)."""
-    def step(state, *args):
-        return step_fn(state._replace(opt_state=to_device(state.opt_state)), *args)
-
-    return step
 
 
 def to_device(tree: Any) -> Any:

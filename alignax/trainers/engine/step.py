@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from alignax.parallel.placement import to_device
 from alignax.parallel.sharding import batch_shards, constrain
 
 Array = jax.Array
@@ -217,7 +218,10 @@ def make_train_step(
             position = state.step - state.nonfinite_total
         else:
             position = schedule_position(state, batch)
-        updates, new_opt_state = optimizer.update(safe_grads, state.opt_state, state.params, schedule_step=position)
+        # placement.optimizer_state: host holds it in host memory between steps; it is moved
+        # in here, after the backward pass (a no-op for a state already on the device)
+        opt_state = to_device(state.opt_state)
+        updates, new_opt_state = optimizer.update(safe_grads, opt_state, state.params, schedule_step=position)
         new_params = optax.apply_updates(state.params, updates)
 
         def keep_if_finite(new, old):
@@ -227,7 +231,7 @@ def make_train_step(
         new_state = state._replace(
             step=state.step + 1,
             params=keep_if_finite(new_params, state.params),
-            opt_state=keep_if_finite(new_opt_state, state.opt_state),
+            opt_state=keep_if_finite(new_opt_state, opt_state),
             rng=jax.random.key_data(rng),
             nonfinite_streak=streak.astype(jnp.int32),
             nonfinite_total=state.nonfinite_total + jnp.where(finite, 0, 1).astype(jnp.int32),

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from alignax import evaluation
 from alignax.data import prepare_dataset
 from alignax.parallel.multihost import local_rows
-from alignax.parallel.placement import optimizer_state_on_device, place, place_optimizer_state, to_device
+from alignax.parallel.placement import place, place_optimizer_state, to_device
 from alignax.parallel.sharding import place_array
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import adapters
@@ -195,9 +195,8 @@ class OfflineTrainer:
         state, shardings = self.init_state()
         task = self.task
         self.step = jax.jit(
-            optimizer_state_on_device(make_train_step(
-                task.loss_fn, self.optimizer, normalisers_fn=task.normalisers_fn,
-                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule)),
+            make_train_step(task.loss_fn, self.optimizer, normalisers_fn=task.normalisers_fn,
+                            grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule),
             donate_argnums=(0,), out_shardings=(shardings, None),
         )
         reference = self.initial_reference()

@@ -49,7 +49,7 @@ from alignax.metrics import to_host
 from alignax.models import lora as lora_lib
 from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
                                         process_rows)
-from alignax.parallel.placement import optimizer_state_on_device, place, place_optimizer_state, to_device
+from alignax.parallel.placement import place, place_optimizer_state, to_device
 from alignax.parallel.sharding import batch_sharding, make_mesh, tree_shardings
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
@@ -367,7 +367,7 @@ class OnlineTrainer:
                                grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule,
                                schedule_position=lambda state, mb: mb.schedule_position,
                                row_block=self.pack_group)
-        self.update = jax.jit(optimizer_state_on_device(step), donate_argnums=(0,), out_shardings=(shardings, None))
+        self.update = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
         self.reference = None  # what a run saves once as its reference
         if self.uses_reference:
             initial = self.policy_params(self.initial_params)
