@@ -147,6 +147,7 @@ class Estimate:
     rollout_tokens: int | None = None
     suggestion: str | None = None
     online: bool = False
+    host: dict[str, float] = dataclasses.field(default_factory=dict)  # per device's shard, in host memory
 
     @property
     def total(self) -> float:
@@ -175,7 +176,8 @@ class Estimate:
                 "device_memory_bytes": self.device_memory, "fits": self.fits, "suggestion": self.suggestion,
                 "flops_per_step": dict(self.flops), "step_seconds_at_mfu": self.step_seconds, "mfu": self.mfu,
                 "devices": self.devices, "mesh": list(self.mesh), "parameters": self.parameters,
-                "rollout_tokens": self.rollout_tokens, "assumptions": self.assumptions}
+                "rollout_tokens": self.rollout_tokens, "assumptions": self.assumptions,
+                "host_bytes_per_device": dict(self.host)}
 
     def table(self) -> str:
         lines = [f"{'per device':<28}{'GB':>10}"]
@@ -183,6 +185,8 @@ class Estimate:
             if value:
                 lines.append(f"  {name:<26}{value / GB:>10.2f}")
         lines.append(f"  {'total':<26}{self.total / GB:>10.2f}")
+        for name, value in self.host.items():
+            lines.append(f"  {name + ' (host memory)':<26}{value / GB:>10.2f}   not in the total")
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does not fit"
             lines.append(f"  {'device memory':<26}{self.device_memory / GB:>10.2f}   {verdict}")
@@ -273,6 +277,14 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     if assumptions == "seed" and online:
         n_reward_models = max(n_reward_models, 1)  # the seed's GRPO/PPO count a reward model
     items["reward models"] = n_reward_models * scalar * p.frozen / shard
+    # placement: host (alignax.parallel.placement): held in pinned host memory, each device's
+    # shard of it; the device holds a copy only while the program that runs it does, or
+    # (the optimiser state) during the update after the backward pass (not counted: how
+    # much of it is live at once is the compiler's scheduling)
+    host = {}
+    for key, name in (("reference", "reference"), ("reward_models", "reward models")):
+        if getattr(config.placement, key) == "host" and items[name]:
+            host[name], items[name] = items[name], 0.0
     critic_kind = config.ppo.critic if algorithm == "ppo" else None
     critic = algorithm == "ppo" and (critic_kind in ("separate", "adapter") or assumptions == "seed")
     critic_trained = scalar
@@ -283,6 +295,11 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     if critic:
         for key, value in _trained(critic_trained, p, shard).items():
             items[f"critic {key}"] = value
+    moved_in = 0.0  # placement.optimizer_state: host: the state the update moves back in
+    if config.placement.optimizer_state == "host":
+        for name in [k for k in items if k.endswith(("optimizer moments", "master weights")) and items[k]]:
+            host[name], items[name] = items[name], 0.0
+            moved_in += host[name]
 
     # ---- activations, LM head, KV cache (per device)
     accum = config.train.grad_accum_steps
@@ -388,16 +405,17 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         items["gathered weights"] = layer * stored / tensor + max(head, held - items["LM head buffers"])
     # The optimiser's step holds float32 temporaries beside the gradients, one trained
     # weights' worth (Adam's update; the compiled steps under full remat peak there with
-    # exactly gradients + 1x: SmolLM2's shape on one device, the 7B steps on 8 devices).
-    # The two phases do not overlap: the gradients and the update exist once the backward
-    # pass has let go of the activations, the LM-head buffers and the gathered weights,
-    # so the step peaks at the larger set, and the smaller one is taken back off the
-    # total ("not live at once"). (Under the step's non-finite guard as a select, XLA
+    # exactly gradients + 1x: SmolLM2's shape on one device, the 7B steps on 8 devices),
+    # and, with the optimiser state in host memory, the state it moves back in for the
+    # update. The two phases do not overlap: the gradients and the update exist once the
+    # backward pass has let go of the activations, the LM-head buffers and the gathered
+    # weights, so the step peaks at the larger set, and the smaller one is taken back off
+    # the total ("not live at once"). (Under the step's non-finite guard as a select, XLA
     # copied the donated Adam moments at the start and held the copies at the peaks;
     # the guard is a conditional now and updates them in place: alignax/trainers/engine/step.py.)
     if assumptions == "standard":
         trained = (adapters if adapters is not None else P) + (critic_trained if critic else 0)
-        items["optimizer update"] = trained * 4 / shard
+        items["optimizer update"] = trained * 4 / shard + moved_in
         passes = items["activations"] + items["LM head buffers"] + items.get("gathered weights", 0.0)
         optimiser_step = items["optimizer update"] + sum(v for k, v in items.items() if k.endswith("gradients"))
         items["not live at once"] = -min(passes, optimiser_step)
@@ -433,7 +451,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     memory = device_memory_gb * GB if device_memory_gb is not None else None
     result = Estimate(items=items, flops=flops, devices=devices, mesh=(data, fsdp, tensor), device_memory=memory,
                       parameters=P, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
-                      rollout_tokens=rollout_tokens, online=online)
+                      rollout_tokens=rollout_tokens, online=online, host=host)
     if suggest and result.fits is False:
         result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops)
     return result
@@ -449,6 +467,15 @@ def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[i
     if config.algorithm == "dpo" and config.dpo.reference == "live" and config.dpo.loss in ("dpo", "kto"):
         out.append(("dpo.reference=precomputed",
                     dataclasses.replace(config, dpo=dataclasses.replace(config.dpo, reference="precomputed")), mesh))
+    placement = config.placement
+    reference = (config.dpo.loss in ("dpo", "kto") and config.dpo.reference == "live" if config.algorithm == "dpo"
+                 else getattr(config, config.algorithm).kl_coef > 0 if config.algorithm in ("grpo", "ppo") else False)
+    if reference and placement.reference == "device" and config.lora is None:
+        out.append(("placement.reference=host", dataclasses.replace(
+            config, placement=dataclasses.replace(placement, reference="host")), mesh))
+    if config.algorithm in ("grpo", "ppo") and config.rewards.reward_models and placement.reward_models == "device":
+        out.append(("placement.reward_models=host", dataclasses.replace(
+            config, placement=dataclasses.replace(placement, reward_models="host")), mesh))
     if data > 1:
         out.append((f"mesh.shape=[1, {data * fsdp}, {tensor}] (more FSDP)", config, (1, data * fsdp, tensor)))
     if config.data.batch_size % (config.train.grad_accum_steps * 2) == 0:
@@ -463,6 +490,9 @@ def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[i
     elif pc.mu_dtype == "float32":
         out.append(("precision.mu_dtype=bfloat16", dataclasses.replace(
             config, precision=dataclasses.replace(pc, mu_dtype="bfloat16")), mesh))
+    if placement.optimizer_state == "device":  # last: a round trip of the state every step
+        out.append(("placement.optimizer_state=host", dataclasses.replace(
+            config, placement=dataclasses.replace(placement, optimizer_state="host")), mesh))
     return out
 
 

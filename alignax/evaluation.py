@@ -257,6 +257,7 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
     ``rollout.max_new_tokens``; the rollout's temperature / top-k / top-p are not read.
     With ``config.env.name`` set, the run's multi-turn rollouts with its environment
     (:class:`alignax.envs.rollout.EnvSampler`, which needs the policy's ``model_config``)."""
+    from alignax.parallel import placement
     from alignax.parallel.multihost import place_local_batch
     from alignax.parallel.sharding import batch_sharding
 
@@ -268,6 +269,7 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
     if config.rewards.reward_models:
         reward_models = RewardModels.load(config.rewards.reward_models, mesh=mesh, vocab_size=vocab_size,
                                           param_dtype=config.precision.frozen)
+        reward_models.states = placement.place(reward_models.states, config.placement.reward_models)
     scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=stop,
                           reward_models=reward_models, frozen_dtype=config.precision.frozen)
     # Greedy by default; evaluate_policy sets its own decoding (the rollout's sampling

@@ -29,6 +29,7 @@ from alignax import models
 from alignax.config import load_callable
 from alignax.losses import ensemble_rewards
 from alignax.parallel.multihost import local_rows
+from alignax.parallel.placement import to_device
 from alignax.rewards import shaping
 from alignax.rewards.judge import DEFAULT_RUBRIC, Judge
 from alignax.rewards.verifiers import verifier_rewards
@@ -149,12 +150,14 @@ class RewardModels:
         return cls(graphdefs, states)
 
     def score_fn(self):
-        """A jitted ``(states, tokens, positions, attention_mask) -> [K, R]``."""
+        """A jitted ``(states, tokens, positions, attention_mask) -> [K, R]``. Each model's
+        weights are moved into device memory right before its forward pass (a no-op where
+        they already are; ``placement.reward_models: host`` holds them in host memory)."""
         graphdefs = self.graphdefs
 
         def score(states, tokens, positions, attention_mask):
             return jnp.stack([
-                nnx.merge(g, s)(tokens, positions, attention_mask).rewards for g, s in zip(graphdefs, states)
+                nnx.merge(g, to_device(s))(tokens, positions, attention_mask).rewards for g, s in zip(graphdefs, states)
             ])
 
         return jax.jit(score)

@@ -6,6 +6,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     output_dir: runs/dpo      # checkpoints, metrics.jsonl, TensorBoard events, export
     model: {...}              # ModelSpec
     precision: {...}          # PrecisionConfig: parameter, compute, master, moment and frozen dtypes
+    placement: {...}          # alignax.parallel.placement.PlacementConfig: frozen models in device or host memory
     lora: {...}               # alignax.models.lora.LoraConfig: train low-rank adapters only (null: all params)
     data: {...}               # alignax.data.DataConfig
     optim: {...}              # OptimConfig
@@ -34,6 +35,7 @@ from alignax.evaluation import EvaluationConfig
 from alignax.models.lora import LoraConfig
 from alignax.ops import AggregationMode
 from alignax.parallel.multihost import DistributedConfig
+from alignax.parallel.placement import PlacementConfig
 from alignax.rewards.composite import RewardConfig
 from alignax.trainers.engine.optim import OptimConfig
 from alignax.trainers.engine.precision import PrecisionConfig
@@ -407,6 +409,7 @@ class TrainConfig:
     output_dir: str = "runs/default"
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     lora: LoraConfig | None = None
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)

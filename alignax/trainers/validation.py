@@ -296,10 +296,19 @@ FROZEN_MODELS = Named(
           All(ONLINE, AnyOf(Given("rewards.reward_models"), Given("rewards.judge_model"))),
           All(Is("algorithm", "grpo"), Given("grpo.process_reward_model"))))
 
+# A reference policy held as a model of its own during training (alignax.parallel.placement
+# places it): not a precomputed table of its log-probs.
+LIVE_REFERENCE = Named(
+    "a live reference policy (algorithm dpo|iterative_dpo with dpo.loss=dpo|kto and dpo.reference=live; "
+    "grpo.kl_coef > 0; ppo.kl_coef > 0)",
+    AnyOf(All(Is("algorithm", "dpo", "iterative_dpo"), Is("dpo.loss", "dpo", "kto"), Is("dpo.reference", "live")),
+          All(Is("algorithm", "grpo"), Above("grpo.kl_coef", 0)),
+          All(Is("algorithm", "ppo"), Above("ppo.kl_coef", 0))))
+
 KEY_RULES: tuple[Rule, ...] = (
     # --- shared by every algorithm
-    rule(["algorithm", "output_dir", "model", "precision", "optim", "train", "checkpoint", "logging", "mesh",
-          "distributed"], ALWAYS),
+    rule(["algorithm", "output_dir", "model", "precision", "placement", "optim", "train", "checkpoint", "logging",
+          "mesh", "distributed"], ALWAYS),
     rule(["model.param_dtype", "model.dtype"], NEVER,
          "the dtypes moved to the precision section: set precision.param_dtype and precision.compute_dtype"),
     rule("precision.master_dtype", Is("precision.param_dtype", "bfloat16"),
@@ -307,6 +316,9 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("precision.mu_dtype", Is("optim.name", "adamw", "adam"), "it is the dtype of Adam's first moment"),
     rule("precision.frozen_dtype", AnyOf(FROZEN_MODELS, Given("lora")),
          "it is the dtype of frozen weights: a reference, reward models, or a LoRA run's base"),
+    rule("placement.reference", All(LIVE_REFERENCE, Is("lora", None)),
+         "it places the frozen reference policy; with lora the reference is the base itself, adapters off"),
+    rule("placement.reward_models", Given("rewards.reward_models"), "it places the models of rewards.reward_models"),
     rule("lora", Is("algorithm", "sft", "dpo", "reward", "grpo", "ppo"),
          "adapters train sft, dpo, reward, grpo and ppo runs"),
     rule("lora.merge_for_sampling", ONLINE,

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from alignax.parallel.placement import to_device
 from alignax.parallel.sharding import batch_shards, constrain
 
 Array = jax.Array
@@ -214,6 +215,9 @@ def make_train_step(
             position = state.step - state.nonfinite_total
         else:
             position = schedule_position(state, batch)
+        # placement.optimizer_state: host holds it in host memory between steps; it is moved
+        # in here, after the backward pass (a no-op for a state already on the device)
+        opt_state = to_device(state.opt_state)
 
         def apply(params, opt_state):
             updates, new_opt_state = optimizer.update(grads, opt_state, params, schedule_step=position)
@@ -226,7 +230,7 @@ def make_train_step(
         # through the forward and backward passes (50-95% of the moments at the compiled
         # peaks); under ``cond`` the update runs in place on the donated buffers.
         new_params, new_opt_state = jax.lax.cond(finite, apply, lambda params, opt_state: (params, opt_state),
-                                                 state.params, state.opt_state)
+                                                 state.params, opt_state)
 
         streak = jnp.where(finite, 0, state.nonfinite_streak + 1)
         new_state = state._replace(

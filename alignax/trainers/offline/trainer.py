@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from alignax import evaluation
 from alignax.data import prepare_dataset
 from alignax.parallel.multihost import local_rows
+from alignax.parallel.placement import place, place_optimizer_state, to_device
 from alignax.parallel.sharding import place_array
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import adapters
@@ -35,6 +36,18 @@ from alignax.trainers.engine.step import TrainState, make_train_step
 from alignax.trainers.offline.task import Task
 
 TaskBuilder = Callable[[TrainConfig, nnx.GraphDef, nnx.State], Task]
+
+
+def _reference_on_device(fn):
+    """``fn(params, frozen, ...)`` with ``frozen["reference"]`` moved into device memory
+    inside the program, right before ``fn`` runs it (a no-op for a reference already there;
+    ``placement.reference: host`` holds it in host memory between steps)."""
+    def wrapped(params, frozen, *args):
+        if isinstance(frozen, dict) and "reference" in frozen:
+            frozen = {**frozen, "reference": to_device(frozen["reference"])}
+        return fn(params, frozen, *args)
+
+    return wrapped
 
 
 class OfflineTrainer:
@@ -54,8 +67,9 @@ class OfflineTrainer:
         self.base = None if base is None else frozen_params(base, config.precision)
         del params, base
         task = task_builder(config, self.graphdef, self.rest)
-        self.task = dataclasses.replace(task, loss_fn=adapters.with_base(adapters.with_dropout(task.loss_fn, config.lora)),
-                                        eval_fn=adapters.with_base(task.eval_fn))
+        loss_fn = adapters.with_base(adapters.with_dropout(task.loss_fn, config.lora))
+        self.task = dataclasses.replace(task, loss_fn=_reference_on_device(loss_fn),
+                                        eval_fn=_reference_on_device(adapters.with_base(task.eval_fn)))
         self.data = (prepare_dataset(config.data, self.tokenizer, records=records,
                                      required_fields=self.task.required_fields) if with_data else None)
         self.placer = BatchPlacer(self.mesh)
@@ -64,8 +78,10 @@ class OfflineTrainer:
 
     # ---- what api.py reads -----------------------------------------------------------
     def init_state(self) -> tuple[TrainState, Any]:
-        """The fresh train state on the mesh, and its shardings."""
-        return init_state_on_mesh(self.params, self.optimizer, seed=self.config.train.seed, mesh=self.mesh)
+        """The fresh train state on the mesh, and its shardings (the optimiser state's in host
+        memory with ``placement.optimizer_state: host``)."""
+        state, shardings = init_state_on_mesh(self.params, self.optimizer, seed=self.config.train.seed, mesh=self.mesh)
+        return place_optimizer_state(state, shardings, self.config.placement.optimizer_state)
 
     def export_models(self, params, *, critic: bool = False) -> dict[str, nnx.Module]:
         """``{"": the trained model}`` (a policy, or a reward model for ``reward``)."""
@@ -87,7 +103,9 @@ class OfflineTrainer:
         if self.task.precompute is not None:
             table = self.precompute_reference(frozen.pop("reference", reference))
             return {**frozen, **table}
-        return frozen or {"reference": reference}
+        # placement.reference: host holds it in host memory; the step and the evaluation
+        # move it to the device inside their programs (_reference_on_device)
+        return frozen or {"reference": place(reference, self.config.placement.reference)}
 
     def initial_reference(self) -> Any:
         """The reference the run starts from (``None`` when the task has none): the initial

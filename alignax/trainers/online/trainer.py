@@ -49,6 +49,7 @@ from alignax.metrics import to_host
 from alignax.models import lora as lora_lib
 from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
                                         process_rows)
+from alignax.parallel.placement import place, place_optimizer_state, to_device
 from alignax.parallel.sharding import batch_sharding, make_mesh, tree_shardings
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
@@ -141,6 +142,7 @@ class OnlineTrainer:
             reward_models = RewardModels.load(config.rewards.reward_models, mesh=self.mesh,
                                               vocab_size=self.model_config.vocab_size,
                                               param_dtype=config.precision.frozen)
+            reward_models.states = place(reward_models.states, config.placement.reward_models)
         self.scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=self.stop_ids,
                                    reward_models=reward_models, frozen_dtype=config.precision.frozen)
         # lora.merge_for_sampling: the sampler runs the merged model (W + s A B, once per rollout)
@@ -164,6 +166,8 @@ class OnlineTrainer:
         total_updates = config.train.total_steps * algorithm.epochs * algorithm.minibatches
         self.optimizer, self.schedule = self._build_optimizer(total_updates)
         self._policy_forward = jax.jit(self.policy_forward)
+        # the reference's forward moves it to the device first (placement.reference: host)
+        self._reference_forward = jax.jit(lambda reference, *args: self.policy_forward(to_device(reference), *args))
         self._critic_values = jax.jit(self.critic_values)
         self._advantages = jax.jit(algorithm.advantages)
 
@@ -277,7 +281,7 @@ class OnlineTrainer:
         (the reference is then that base with the adapters off, on the same buffers)."""
         if self.base is not None:
             return adapters.frozen_base(self.base, reference)
-        return {} if reference is None else {"reference": reference}
+        return {} if reference is None else {"reference": place(reference, self.config.placement.reference)}
 
     # ------------------------------------------------------------------ compiled pieces
     def policy_forward(self, policy_params, tokens, positions, attention):
@@ -347,8 +351,9 @@ class OnlineTrainer:
         """The fresh train state on the mesh (carrying the KL controller and the rollout
         count), and its shardings."""
         extra = {"kl_coef": self.algorithm.kl.controller.init(), "rollouts": jnp.zeros((), jnp.int32)}
-        return init_state_on_mesh(self.initial_params, self.optimizer, seed=self.config.train.seed, mesh=self.mesh,
-                                  extra=extra)
+        state, shardings = init_state_on_mesh(self.initial_params, self.optimizer, seed=self.config.train.seed,
+                                              mesh=self.mesh, extra=extra)
+        return place_optimizer_state(state, shardings, self.config.placement.optimizer_state)
 
     def start(self) -> tuple[TrainState, dict[str, Any]]:
         """``(fresh train state, frozen)`` on the mesh, ``frozen`` holding the reference (the
@@ -474,7 +479,7 @@ class OnlineTrainer:
                                                                       positions, attention)
         old_logps = sampler_logps if rc.old_logps == "sampler" else recomputed
         # no reference model (a zero fixed KL coefficient): no reference log-probs, no KL figures
-        ref_logps = (self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
+        ref_logps = (self._reference_forward(frozen["reference"], tokens, positions, attention)[0]
                      if self.uses_reference else None)
         if self.separate_critic:
             old_values = self._critic_values(self.whole_critic(state.params), tokens, positions, attention)
