@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,8 @@ from flax import nnx
 from alignax.trainers.api import build_trainer, train
 from alignax.trainers.online.rollout import response_forward
 from tests.fake_devices import mesh_equality
-from tests.toy_agent import CALL, agent_config, agent_tokenizer, lookup_records, make_agent_model
+from tests.toy_agent import (CALL, agent_config, agent_tokenizer, balanced_lookup_records, lookup_records,
+                              make_agent_model, warm_start_reader)
 
 
 @pytest.fixture(scope="module")
@@ -132,18 +134,38 @@ def test_observation_tokens_get_zero_gradient_and_model_tokens_a_single_turn_row
     assert max(float(np.abs(x).max()) for x in jax.tree.leaves(a)) > 1e-3  # not vacuous
 
 
-def test_grpo_learns_to_call_the_tool(agent_model, tmp_path):
-    """LookupEnv: the answer (the record's secret) is only reachable through the tool; the
-    first well-formed call earns a 0.2 shaping bonus, a correct answer 1."""
-    config = agent_config(tmp_path, agent_model, steps=12, env={"kwargs": {"call_bonus": 0.2}},
-                          rollout={"stop_token_ids": stop_ids()}, data={"eval_fraction": 0.0})
-    train(config, records=lookup_records(64))
-    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+def lookup_run(agent_model, tmp_path, *, hide=None, steps=5):
+    """Warm start (:func:`tests.toy_agent.warm_start_reader`), then GRPO on
+    :class:`LookupEnv` with the secret's reward only (no call bonus, no KL); the per-step
+    ``(correct, calls)`` of the rollouts (step 1 samples the warm-started policy)."""
+    repeat = 16
+    records = balanced_lookup_records()
+    warm = warm_start_reader(agent_model, tmp_path / "warm", records, repeat=repeat)
+    kwargs = {"repeat": repeat, **({"hide": hide} if hide else {})}
+    config = agent_config(tmp_path / "run", warm, steps=steps, data={"eval_fraction": 0.0},
+                          rollout={"stop_token_ids": stop_ids(), "max_new_tokens": 16 + repeat},
+                          env={"kwargs": kwargs, "max_turns": 2, "max_observation_tokens": 12 + repeat},
+                          optim={"learning_rate": 5e-3}, grpo={"kl_coef": 0.0})
+    train(config, records=records)
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
         rows = [r for r in map(json.loads, f) if "reward/total" in r]
-    rewards = [r["reward/total"] for r in rows]
-    calls = [r["env/tool_calls_per_trajectory"] for r in rows]
-    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05
-    assert np.mean(calls[-3:]) > np.mean(calls[:3]) + 0.25
+    return [r["reward/correct"] for r in rows], [r["env/tool_calls_per_trajectory"] for r in rows]
+
+
+def test_grpo_raises_accuracy_only_the_tool_can_give(agent_model, tmp_path):
+    """The secret is only in the tool's result: a policy that ignores it is right on at most
+    the most common secret's share of a prompt's records (1/4). After a warm start that
+    calls about half the time and reads the result, GRPO on correctness alone raises the
+    call rate and the accuracy well above that share (hidden result: see README)."""
+    records = balanced_lookup_records()
+    share = max(Counter(r["answer"] for r in records if r["prompt"] == p).most_common(1)[0][1]
+                / sum(r["prompt"] == p for r in records) for p in {r["prompt"] for r in records})
+    assert share == 0.25
+    correct, calls = lookup_run(agent_model, tmp_path)
+    assert 0.2 < calls[0] < 0.8  # the warm start calls some of the time: groups differ
+    assert np.mean(calls[-2:]) > calls[0] + 0.2
+    assert np.mean(correct[-2:]) > correct[0] + 0.15
+    assert np.mean(correct[-2:]) > share + 0.35
 
 
 @pytest.mark.xdist_group("mesh-equality")

@@ -68,15 +68,80 @@ def lookup_records(n: int, seed: int = 0) -> list[dict]:
             for _ in range(n)]
 
 
+def balanced_lookup_records() -> list[dict]:
+    """16 prompts, each with every secret once: a policy that ignores the tool's result
+    (it may read the prompt) is right on at most 1/4 of them."""
+    return [{"prompt": f"{a} {b}", "answer": s} for a in PROMPT_WORDS[:4] for b in PROMPT_WORDS[4:8] for s in SECRETS]
+
+
+def warm_start_reader(model_dir, out, records: list[dict], *, repeat: int, steps: int = 96,
+                      learning_rate: float = 1e-2) -> str:
+    """Teacher-forced warm start of the toy agent model on :class:`LookupEnv` trajectories,
+    written to ``out``: cross-entropy on the first assistant token (the call on even rows,
+    a guessed secret on odd rows, so the policy calls about half the time), on the answer
+    after the tool's result (the secret), and on the end of turn after it. Adam, every
+    step over all rows (full batch), the prompt rendered as the rollout renders it (tools
+    included). Why not the SFT trainer: see README (multi-turn section)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from alignax.envs.chat import render
+    from alignax.models import from_pretrained
+
+    tok = agent_tokenizer()
+    env = LookupEnv(repeat=repeat)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    call, eos = tok.convert_tokens_to_ids(CALL), tok.eos_token_id
+    rows, first, answer = [], [], []
+    for i, record in enumerate(records):
+        messages = env.reset(record)
+        observation = {"role": "tool", "content": env.tools[0].fn()}
+        start = len(ids(render(tok, messages, env.tools, add_generation_prompt=True)))
+        text = render(tok, [*messages, {"role": "assistant", "content": CALL}, observation], env.tools,
+                      add_generation_prompt=True)
+        rows.append(ids(text) + [tok.convert_tokens_to_ids(record["answer"])])
+        first.append(call if i % 2 == 0 else tok.convert_tokens_to_ids(SECRETS[(i // 2) % len(SECRETS)]))
+        answer.append(rows[-1][-1])
+    tokens, first, answer = jnp.asarray(rows), jnp.asarray(first), jnp.asarray(answer)
+    graphdef, state = nnx.split(from_pretrained(str(model_dir)))
+    opt = optax.adam(learning_rate)
+
+    def loss(state, tokens, first, answer):
+        logps = jax.nn.log_softmax(nnx.merge(graphdef, state)(tokens).logits, axis=-1)
+        pick = lambda t, target: jnp.take_along_axis(logps[:, t], target[:, None], axis=1).mean()  # noqa: E731
+        return -(pick(start - 1, first) + pick(-2, answer) + logps[:, -1, eos].mean()) / 3
+
+    @jax.jit
+    def step(state, opt_state, rows):
+        grads = jax.grad(loss)(state, tokens[rows], first[rows], answer[rows])
+        updates, opt_state = opt.update(grads, opt_state, state)
+        return optax.apply_updates(state, updates), opt_state
+
+    opt_state = opt.init(state)
+    everything = jnp.arange(len(rows))
+    for _ in range(steps):
+        state, opt_state = step(state, opt_state, everything)
+    save_pretrained(nnx.merge(graphdef, state), str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
 class LookupEnv:
     """``lookup`` returns the record's secret; a turn without a call is the final answer,
-    rewarded 1 when its first word is the secret."""
+    rewarded 1 when its first word is the secret.
 
-    def __init__(self, call_bonus: float = 0.0):
+    ``repeat``: the result writes the secret that many times (a long observation the random
+    two-layer model learns to read in a few dozen SFT steps; one copy took over 60).
+    ``hide``: the result is that word instead of the secret (a useless observation, the
+    control arm of the learning test)."""
+
+    def __init__(self, call_bonus: float = 0.0, repeat: int = 1, hide: str | None = None):
         self.call_bonus = call_bonus  # reward of the first well-formed call (shaping), once per trajectory
         self.called = False
         self.tools = (Tool("lookup", "the secret word", {"type": "object", "properties": {}},
-                           fn=lambda: self.secret),)
+                           fn=lambda: " ".join([hide or self.secret] * repeat)),)
         self.secret = None
 
     def reset(self, record):
