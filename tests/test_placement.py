@@ -160,12 +160,12 @@ def test_online_reference_and_reward_models_in_host_memory(tmp_path, toy_model):
     attention = jnp.asarray(np.arange(width)[None] < rng.integers(4, width + 1, size=(4, 1)), jnp.int32)
     positions = jnp.maximum(jnp.cumsum(attention, axis=-1) - 1, 0)
     on_device = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), frozen["reference"])
-    host_logps = trainer._reference_forward(frozen["reference"], tokens, positions, attention)[0]
-    device_logps = trainer._reference_forward(on_device, tokens, positions, attention)[0]
+    host_logps = trainer._policy_forward(frozen["reference"], tokens, positions, attention)[0]
+    device_logps = trainer._policy_forward(on_device, tokens, positions, attention)[0]
     np.testing.assert_array_equal(np.asarray(host_logps), np.asarray(device_logps))
-    traced = trainer._reference_forward.trace(frozen["reference"], tokens, positions, attention)
+    traced = trainer._policy_forward.trace(frozen["reference"], tokens, positions, attention)
     assert moves(traced, "device") == len(jax.tree.leaves(frozen["reference"]))
-    assert moves(trainer._reference_forward.trace(on_device, tokens, positions, attention), "device") == 0
+    assert moves(trainer._policy_forward.trace(on_device, tokens, positions, attention), "device") == 0
 
     score = rms.score_fn()
     device_states = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), rms.states)

@@ -165,9 +165,7 @@ class OnlineTrainer:
             self.ptx = prepare_dataset(algorithm.ptx.data, self.tokenizer).iterator("train")
         total_updates = config.train.total_steps * algorithm.epochs * algorithm.minibatches
         self.optimizer, self.schedule = self._build_optimizer(total_updates)
-        self._policy_forward = jax.jit(self.policy_forward)
-        # the reference's forward moves it to the device first (placement.reference: host)
-        self._reference_forward = jax.jit(lambda reference, *args: self.policy_forward(to_device(reference), *args))
+        self._policy_forward = jax.jit(self.policy_forward)  # the policy's and the reference's
         self._critic_values = jax.jit(self.critic_values)
         self._advantages = jax.jit(algorithm.advantages)
 
@@ -285,8 +283,10 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ compiled pieces
     def policy_forward(self, policy_params, tokens, positions, attention):
-        """``(log-probs, entropy, shared-head values or None)`` of the response window."""
-        model = nnx.merge(self.graphdef, policy_params, self.rest)
+        """``(log-probs, entropy, shared-head values or None)`` of the response window. The
+        params are moved into device memory first: a no-op for the policy's, and the
+        reference's under ``placement.reference: host`` (held in host memory between uses)."""
+        model = nnx.merge(self.graphdef, to_device(policy_params), self.rest)
         return response_forward(model, tokens, positions, attention, prompt_len=self.prompt_len,
                                 temperature=self.config.rollout.temperature,
                                 chunk_size=self.config.model.logprob_chunk_size, group=self.pack_group)
@@ -479,7 +479,7 @@ class OnlineTrainer:
                                                                       positions, attention)
         old_logps = sampler_logps if rc.old_logps == "sampler" else recomputed
         # no reference model (a zero fixed KL coefficient): no reference log-probs, no KL figures
-        ref_logps = (self._reference_forward(frozen["reference"], tokens, positions, attention)[0]
+        ref_logps = (self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
                      if self.uses_reference else None)
         if self.separate_critic:
             old_values = self._critic_values(self.whole_critic(state.params), tokens, positions, attention)
