@@ -278,9 +278,10 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         n_reward_models = max(n_reward_models, 1)  # the seed's GRPO/PPO count a reward model
     items["reward models"] = n_reward_models * scalar * p.frozen / shard
     # placement: host (alignax.parallel.placement): held in pinned host memory, each device's
-    # shard of it; the device holds a copy only while the program that runs it does, or
-    # (the optimiser state) during the update after the backward pass (not counted: how
-    # much of it is live at once is the compiler's scheduling)
+    # shard of it. A frozen model's device copy lives only while the program that runs it
+    # does (not counted: how much of it is live at once is the compiler's scheduling); the
+    # optimiser state comes back for the update after the backward pass and is counted
+    # there (``moved_in``, in "optimizer update").
     host = {}
     for key, name in (("reference", "reference"), ("reward_models", "reward models")):
         if getattr(config.placement, key) == "host" and items[name]:
@@ -467,10 +468,10 @@ def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[i
     if config.algorithm == "dpo" and config.dpo.reference == "live" and config.dpo.loss in ("dpo", "kto"):
         out.append(("dpo.reference=precomputed",
                     dataclasses.replace(config, dpo=dataclasses.replace(config.dpo, reference="precomputed")), mesh))
+    from alignax.trainers.validation import LIVE_REFERENCE  # the rule that accepts placement.reference
+
     placement = config.placement
-    reference = (config.dpo.loss in ("dpo", "kto") and config.dpo.reference == "live" if config.algorithm == "dpo"
-                 else getattr(config, config.algorithm).kl_coef > 0 if config.algorithm in ("grpo", "ppo") else False)
-    if reference and placement.reference == "device" and config.lora is None:
+    if LIVE_REFERENCE(config) and config.lora is None and placement.reference == "device":
         out.append(("placement.reference=host", dataclasses.replace(
             config, placement=dataclasses.replace(placement, reference="host")), mesh))
     if config.algorithm in ("grpo", "ppo") and config.rewards.reward_models and placement.reward_models == "device":
