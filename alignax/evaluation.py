@@ -269,6 +269,7 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
     if config.rewards.reward_models:
         reward_models = RewardModels.load(config.rewards.reward_models, mesh=mesh, vocab_size=vocab_size,
                                           param_dtype=config.precision.frozen)
+        # host: held there; submesh is training's layout: an evaluation has no sub-mesh, they run on `mesh`
         reward_models.states = placement.place(reward_models.states, config.placement.reward_models)
     scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=stop,
                           reward_models=reward_models, frozen_dtype=config.precision.frozen)

@@ -5,7 +5,8 @@
 Run by tests/test_multihost.py with ``--xla_force_host_platform_device_count`` set, once
 per process (``NUM_PROCESSES`` 1 runs without ``jax.distributed``). ``JOBS_JSON`` is a list
 of jobs ``{"name", "recipe" (dpo | grpo | ppo), "model_dir", "output_dir", "dpo_reference",
-"steps", "rollout_mesh" (optional: the online sampler's own mesh)}``; each trains that tiny recipe on the toy model through
+"steps", "rollout_mesh" (optional: the online sampler's own mesh), "placement" (optional: the
+run's ``placement`` section)}``; each trains that tiny recipe on the toy model through
 ``alignax.trainers.api.train`` on the same records and prints one JSON line: the losses of the steps it ran, the step metrics rows it wrote, and a
 digest of the final parameters (sums computed on the global arrays, so every process and
 every layout gives comparable numbers). A job ``{"name", "cli": [ARGS]}`` runs the command
@@ -27,6 +28,17 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+
+def frozen_layout(trainer) -> dict:
+    """Where a reference placed on a sub-mesh lies: how many devices hold it, how many of
+    them are this process's, and whether any is a training device (empty without one)."""
+    reference = getattr(trainer, "submesh_reference", None)
+    if reference is None:
+        return {}
+    devices = {d for x in jax.tree.leaves(reference) for d in x.sharding.device_set}
+    return {"reference_devices": len(devices), "reference_local_devices": sum(d in jax.local_devices() for d in devices),
+            "reference_on_training_devices": bool(devices & set(trainer.mesh.devices.flat))}
 
 
 def main() -> None:
@@ -74,7 +86,8 @@ def main() -> None:
                                 data={"batch_size": 8},
                                 rollout={"num_samples": 2, **({"mesh": job["rollout_mesh"]} if "rollout_mesh" in job
                                                               else {})},
-                                evaluation={"max_prompts": 8}, **{recipe: section}, **common)
+                                evaluation={"max_prompts": 8}, placement=job.get("placement", {}),
+                                **{recipe: section}, **common)
             records = toy_prompts(48)
         result = api.train(config, records=records)
         params = result.loop.state.params
@@ -92,6 +105,7 @@ def main() -> None:
             "losses": [h["loss"] for h in result.history], "steps": [h["step"] for h in result.history],
             "metric_steps": rows, "eval": result.eval_history,
             "sampler_mesh": list(getattr(trainers[-1], "sampler_mesh", trainers[-1].mesh).shape.values()),
+            **frozen_layout(trainers[-1]),
             "layout_changed": any("layout changed" in m for m in messages), "digest": [float(x) for x in jax.device_get(digest)],
         }), flush=True)
 

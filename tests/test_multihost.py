@@ -72,8 +72,12 @@ def assert_runs_match(two: list[list[dict]], one: dict, jobs: int) -> None:
         assert {(r["processes"], r["devices"], r["local_devices"]) for r in results} == {(2, 8, 4)}
         for r in results:
             want = one[r["job"]]
-            sampler_mesh = [4, 1, 2] if r["job"] == "grpo" else [1, 8, 1]  # GRPO's own, else the training mesh
+            # GRPO's own over the 4 training devices (4 are its reference's), else the training mesh
+            sampler_mesh = [2, 1, 2] if r["job"] == "grpo" else [1, 8, 1]
             assert r["sampler_mesh"] == want["sampler_mesh"] == sampler_mesh
+            if r["job"] == "grpo":  # the reference on 4 devices, none of training's: the last 2 of each process
+                layout = ("reference_devices", "reference_local_devices", "reference_on_training_devices")
+                assert [r[k] for k in layout] == [4, 2, False] and [want[k] for k in layout] == [4, 4, False]
             # the whole global batch every step (a dropped half would move the loss and parameters)
             assert_close(r["losses"], want["losses"][:len(r["losses"])], r["job"])
             if r["job"] != "pre":
@@ -85,13 +89,18 @@ def assert_runs_match(two: list[list[dict]], one: dict, jobs: int) -> None:
                 assert_close([got[k] for k in sorted(got)], [expected[k] for k in sorted(expected)], r["job"])
 
 
+GRPO_LAYOUT = {"rollout_mesh": [-1, 1, 2], "placement": {"reference": "submesh", "submesh": [1, 4, 1]}}
+
+
 @pytest.mark.xdist_group("multihost")
 def test_two_processes_train_like_one(tmp_path, toy_model):
     """DPO (precomputed reference) and GRPO (with a live reference for the KL): 2 processes
     x 4 devices against 1 x 8 on the same global batches — losses, final parameters,
     evaluation figures — with each step's metrics written once, and the DPO run saved by
-    the two resumed by one. GRPO samples on its own mesh (rollout.mesh (-1, 1, 2): prompts
-    split across the processes, heads within each). The two processes export the DPO run
+    the two resumed by one. GRPO's reference lies on devices of its own (placement.submesh
+    [1, 4, 1]: the last 2 of each process; its log-probs come back through each process's
+    rows) and it trains on the other 4, sampling on a mesh of its own (rollout.mesh
+    (-1, 1, 2) over those 4: prompts split across the processes, heads within each). The two processes export the DPO run
     with `alignax export` and leave the job in order at exit (multihost.leave). PPO, whose
     multi-process path is GRPO's plus a critic, runs the same comparison in the slow
     test_two_processes_train_ppo_like_one (its critic on a mesh: tests/mesh_ppo_check.py)."""
@@ -101,12 +110,12 @@ def test_two_processes_train_like_one(tmp_path, toy_model):
     export = {"name": "export", "cli": ["export", str(tmp_path / "split" / "config.yaml"), "--out",
                                         str(tmp_path / "export2")]}
     two = launch(2, [job(tmp_path, toy_model, "pre", "dpo", 2, "split", "precomputed"),
-                     job(tmp_path, toy_model, "grpo", "grpo", 2, "grpo2", rollout_mesh=[-1, 1, 2]), export],
+                     job(tmp_path, toy_model, "grpo", "grpo", 2, "grpo2", **GRPO_LAYOUT), export],
                  devices=4, exits=exits)
     # one process: the uninterrupted runs, then the two processes' DPO run resumed (one
     # launch for both, as an interpreter start and its compiles cost more than the steps)
     *single, resumed = launch(1, [job(tmp_path, toy_model, "pre", "dpo", 4, "pre1", "precomputed"),
-                                  job(tmp_path, toy_model, "grpo", "grpo", 2, "grpo1", rollout_mesh=[-1, 1, 2]),
+                                  job(tmp_path, toy_model, "grpo", "grpo", 2, "grpo1", **GRPO_LAYOUT),
                                   job(tmp_path, toy_model, "resumed", "dpo", 4, "split", "precomputed")],
                               devices=8)[0]
     one = {r["job"]: r for r in single}

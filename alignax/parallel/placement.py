@@ -14,6 +14,19 @@ after its backward pass, right before the optimiser's update
 (``alignax.trainers.engine.step.make_train_step``), and its outputs go back to host memory
 (the step's ``out_shardings``, :func:`place_optimizer_state`): one round trip per step.
 
+``submesh``: a frozen model lives on devices of its own (``placement.submesh``, a mesh
+shape ``[data, fsdp, tensor]``): the last ``size / P`` devices of each of the ``P``
+processes are set apart for it and the training mesh (``mesh:``, and ``rollout.mesh``)
+spans the rest (:func:`split_devices`). The model is built there directly (sharded over
+the sub-mesh as over a training mesh) and runs there: its inputs are placed on the
+sub-mesh from the host batch, and only its outputs (log-probs or scores, a few numbers a
+row) come back to the training mesh (:func:`rows_to`), through each process's host memory,
+since multi-controller JAX cannot reshard between disjoint sets of devices. The training
+devices hold none of its weights and no transfer of them ever happens; the price is the
+devices set apart, and that its forward passes run there rather than spread over every
+device (JAX dispatches asynchronously, so they overlap with the training devices' work only
+as far as the trainer's order of calls lets them).
+
 ``device`` (the default): the weights stay in device memory, as without this module.
 
 The CPU backend has the same memory kinds, so a CPU run takes the same code path (its
@@ -24,12 +37,20 @@ compiled program, not a saving).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from alignax.parallel.multihost import local_rows, place_local_batch
+from alignax.parallel.sharding import batch_sharding
 
 Where = Literal["device", "host"]
+FrozenWhere = Literal["device", "host", "submesh"]
 HOST_MEMORY = "pinned_host"
+SUBMESH_ROLES = ("reference", "reward_models")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,17 +60,27 @@ class PlacementConfig:
     Fields:
       reference: the frozen reference policy (DPO family and KTO with ``dpo.reference:
         live``; GRPO and PPO with a KL to the reference): ``device`` | ``host`` (held in
-        pinned host memory, moved to the device inside each program that runs it).
+        pinned host memory, moved to the device inside each program that runs it) |
+        ``submesh`` (on the devices of ``submesh``; its log-probs come back).
       reward_models: the reward models of online training (``rewards.reward_models``):
-        ``device`` | ``host``, as for ``reference``.
+        ``device`` | ``host`` | ``submesh``, as for ``reference``.
       optimizer_state: the optimiser's state (moments, master weights): ``device`` |
         ``host`` (held in pinned host memory between steps; each step moves it in and
         writes the updated state back to host memory).
+      submesh: the shape ``[data, fsdp, tensor]`` of the devices set apart for the models
+        placed on ``submesh`` (no ``-1``); its size must split evenly over the processes,
+        each keeping at least one device for training. E.g. ``[1, 2, 1]`` on 8 devices: the
+        reference sharded over the last 2, training over the first 6.
     """
 
-    reference: Where = "device"
-    reward_models: Where = "device"
+    reference: FrozenWhere = "device"
+    reward_models: FrozenWhere = "device"
     optimizer_state: Where = "device"
+    submesh: tuple[int, int, int] | None = None
+
+    def on_submesh(self, role: str) -> bool:
+        """Whether the model of ``role`` (``reference`` | ``reward_models``) lives on the sub-mesh."""
+        return getattr(self, role) == "submesh"
 
 
 def _is_array(x) -> bool:
@@ -63,8 +94,9 @@ def to_host(tree: Any) -> Any:
                         tree)
 
 
-def place(tree: Any, where: Where) -> Any:
-    """``tree`` held where ``where`` says (``device``: ``tree`` itself)."""
+def place(tree: Any, where: FrozenWhere) -> Any:
+    """``tree`` held where ``where`` says (``device``, and ``submesh`` for a tree already
+    built on the sub-mesh: ``tree`` itself)."""
     return to_host(tree) if where == "host" and tree is not None else tree
 
 
@@ -83,3 +115,32 @@ def to_device(tree: Any) -> Any:
     shardings); arrays already there are passed through. Call it right before the forward
     pass that reads them, so the device copy lives only as long as that pass needs it."""
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+
+def split_devices(config: PlacementConfig, devices: Sequence[jax.Device] | None = None
+                  ) -> tuple[list[jax.Device], list[jax.Device] | None]:
+    """``(the training mesh's devices, the sub-mesh's or None)`` of ``devices`` (default:
+    every device): with ``config.submesh`` of size ``S`` over ``P`` processes, the last
+    ``S / P`` devices of each process go to the sub-mesh, so both meshes give each process
+    one contiguous block of rows (what :func:`rows_to` and the data loaders need)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if config.submesh is None:  # (a role on "submesh" without it: alignax.trainers.validation refuses)
+        return devices, None
+    shape = tuple(config.submesh)
+    size = int(np.prod(shape))
+    processes = sorted({d.process_index for d in devices})
+    local = [[d for d in devices if d.process_index == p] for p in processes]
+    if size % len(processes) or size // len(processes) >= min(len(ds) for ds in local):
+        raise ValueError(f"placement.submesh={list(shape)} sets {size} devices apart, the same number from each of "
+                         f"the {len(processes)} processes, each keeping at least one for training; the processes "
+                         f"have {[len(ds) for ds in local]} devices")
+    per = size // len(processes)
+    return [d for ds in local for d in ds[:-per]], [d for ds in local for d in ds[-per:]]
+
+
+def rows_to(mesh: Mesh, tree: Any) -> Any:
+    """Arrays with rows over the batch axes of one mesh → the same global arrays with rows
+    over ``mesh``'s batch axes. Each process moves its own rows through its host memory
+    (``local_rows`` then ``place_local_batch``): multi-controller JAX cannot reshard
+    between disjoint sets of devices, and what crosses (log-probs, scores) is small."""
+    return jax.tree.map(lambda x: place_local_batch(local_rows(x), batch_sharding(mesh, x.ndim)), tree)

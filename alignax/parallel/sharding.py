@@ -166,18 +166,21 @@ def hybrid_mesh(
 
 
 
-def mesh_for_shape(shape: Sequence[int], dcn_shape: Sequence[int] | None = None) -> Mesh:
-    """:func:`make_mesh` of ``shape`` (and ``dcn_shape``, a multi-slice mesh); a
-    single-slice shape with fewer devices than present uses the first ones (with a
-    warning) instead of failing."""
+def mesh_for_shape(shape: Sequence[int], dcn_shape: Sequence[int] | None = None, *,
+                   devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """:func:`make_mesh` of ``shape`` (and ``dcn_shape``, a multi-slice mesh) over
+    ``devices`` (default: every device); a single-slice shape with fewer devices than
+    given uses the first ones (with a warning) instead of failing."""
+    devices = list(jax.devices() if devices is None else devices)
     if dcn_shape is not None:
-        return make_mesh(shape, dcn_shape=dcn_shape)
+        return make_mesh(shape, dcn_shape=dcn_shape, devices=devices)
     shape = tuple(shape)
     size = int(np.prod(shape))
-    if -1 not in shape and 0 < size < jax.device_count():
-        log.warning("mesh %s uses %d of %d devices", shape, size, jax.device_count())
-        return make_mesh(shape, devices=jax.devices()[:size])
-    return make_mesh(shape)
+    if -1 not in shape and 0 < size < len(devices):
+        log.warning("mesh %s uses %d of %d devices", shape, size, len(devices))
+        return make_mesh(shape, devices=devices[:size])
+    return make_mesh(shape, devices=devices)
+
 
 def logical_to_spec(
     names: Sequence[str | None],

@@ -40,9 +40,9 @@ from alignax.models import save_pretrained
 from alignax.parallel.sharding import mesh_for_shape
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
-from alignax.trainers.engine.precision import frozen_params, master_params
+from alignax.trainers.engine.precision import master_params
 from alignax.trainers.engine.session import TrainResult
-from alignax.trainers.engine.setup import build_model, load_tokenizer, split_params
+from alignax.trainers.engine.setup import build_model, load_tokenizer
 from alignax.trainers.offline import preference
 from alignax.trainers.offline.trainer import OfflineTrainer
 
@@ -111,8 +111,7 @@ class _RoundTrainer(OfflineTrainer):
     def _reference(self):
         if self._original is None:
             return None
-        model = build_model(self._original.model, mesh=self.mesh, precision=self._original.precision)
-        return frozen_params(split_params(model)[1], self.config.precision)
+        return self.reference_model_params(self._original)
 
     def start(self):
         state, reference = super().start()

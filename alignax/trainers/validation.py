@@ -47,6 +47,7 @@ from alignax.data.formats import DEFAULT_FIELDS, FORMATS, OPTIONAL_FIELDS
 from alignax.data.sources import DATA_FILE_SUFFIXES
 from alignax.losses.preference import DPO_VARIANTS
 from alignax.models import registry
+from alignax.parallel.placement import SUBMESH_ROLES
 from alignax.parallel.sharding import MESH_AXES
 from alignax.rewards.composite import RewardConfig
 from alignax.rewards.verifiers import check_task
@@ -319,6 +320,9 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("placement.reference", All(LIVE_REFERENCE, Is("lora", None)),
          "it places the frozen reference policy; with lora the reference is the base itself, adapters off"),
     rule("placement.reward_models", Given("rewards.reward_models"), "it places the models of rewards.reward_models"),
+    rule("placement.submesh", AnyOf(Is("placement.reference", "submesh"), Is("placement.reward_models", "submesh")),
+         "it is the shape of the devices set apart for the models placed on submesh (placement.reference or "
+         "placement.reward_models: submesh)"),
     rule("lora", Is("algorithm", "sft", "dpo", "reward", "grpo", "ppo"),
          "adapters train sft, dpo, reward, grpo and ppo runs"),
     rule("lora.merge_for_sampling", ONLINE,
@@ -638,6 +642,26 @@ def _mesh_shape(config):
     return None
 
 
+def _submesh(config):
+    placement = config.placement
+    roles = [f"placement.{role}" for role in SUBMESH_ROLES if placement.on_submesh(role)]
+    if not roles:
+        return None
+    if placement.submesh is None:
+        return (f"{roles[0]}=submesh needs placement.submesh: the shape [data, fsdp, tensor] of the devices set "
+                "apart for it (e.g. [1, 2, 1]: two devices of their own, the rest train)")
+    if min(placement.submesh) < 1:
+        return (f"placement.submesh={show(tuple(placement.submesh))}: each entry is a number of devices (>= 1, "
+                "no -1: the training mesh takes the remaining devices)")
+    if config.mesh.dcn_shape is not None:
+        return ("placement.submesh with mesh.dcn_shape: a multi-slice mesh spans every device of every slice; "
+                "place the frozen models on device or host instead")
+    if placement.on_submesh("reward_models") and config.algorithm not in ("grpo", "ppo"):
+        return (f"placement.reward_models=submesh with algorithm {config.algorithm}: only online training's "
+                "rollout scoring runs reward models on a sub-mesh (an evaluation loads them on its own mesh)")
+    return None
+
+
 def _reward_task(config):
     task = config.rewards.task
     if task is None:
@@ -805,6 +829,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _checkpoint_keep,
     _remote_output_dir,
     _mesh_shape,
+    _submesh,
     _reward_task,
     _model_folder,
     _data_files,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,17 +21,27 @@ from alignax.models import registry
 from alignax.models.lora import LoraConfig, with_adapters
 from alignax._checks import check_choice
 from alignax.parallel.multihost import place_local_batch
-from alignax.parallel.sharding import batch_sharding, mesh_for_shape
+from alignax.parallel.placement import split_devices
+from alignax.parallel.sharding import batch_sharding, make_mesh, mesh_for_shape
 from alignax.trainers.config import MeshSection, ModelSpec
 from alignax.trainers.engine.precision import PrecisionConfig
 
 log = logging.getLogger("alignax")
 
 
-def build_mesh(section: MeshSection) -> jax.sharding.Mesh:
-    """The run's mesh (``mesh.shape``, ``mesh.dcn_shape``); see
-    :func:`alignax.parallel.sharding.mesh_for_shape`."""
-    return mesh_for_shape(section.shape, section.dcn_shape)
+def build_mesh(section: MeshSection, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    """The run's mesh (``mesh.shape``, ``mesh.dcn_shape``) over ``devices`` (default:
+    every device); see :func:`alignax.parallel.sharding.mesh_for_shape`."""
+    return mesh_for_shape(section.shape, section.dcn_shape, devices=devices)
+
+
+def build_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
+    """``(training mesh, sub-mesh or None)`` of a run: with ``placement.submesh`` the
+    frozen models placed on ``submesh`` get devices of their own and ``mesh:`` spans the
+    rest (:func:`alignax.parallel.placement.split_devices`)."""
+    training, apart = split_devices(config.placement)
+    return (build_mesh(config.mesh, training),
+            None if apart is None else make_mesh(config.placement.submesh, devices=apart))
 
 
 def model_directory(spec: ModelSpec) -> str:

@@ -2,8 +2,10 @@
 
 Chosen and rejected sequences go through the policy in one forward pass (concatenated
 on the batch axis). The frozen reference is either live (``frozen["reference"]``, run
-under ``stop_gradient``) or precomputed once before training (``frozen["ref_logps"]``,
-per record, looked up by ``batch["record_index"]``).
+under ``stop_gradient``), or its log-probs of the batch come with the batch
+(``batch["ref_logps"]``, computed on devices of its own: ``placement.reference:
+submesh``), or precomputed once before training (``frozen["ref_logps"]``, per record,
+looked up by ``batch["record_index"]``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
         return nnx.merge(graphdef, params, rest)
 
     def reference_pair(frozen, batch):
+        if "ref_logps" in batch:
+            return batch["ref_logps"]["chosen"], batch["ref_logps"]["rejected"]
         if "ref_logps" in frozen:
             idx = batch["record_index"]
             return frozen["ref_logps"]["chosen"][idx], frozen["ref_logps"]["rejected"][idx]
@@ -114,7 +118,9 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
         model = model_of(params)
         policy, _ = _single_logps(model, batch, "", chunk, window)
         kl_policy, _ = _single_logps(model, batch, "kl_", chunk, window)
-        if "ref_logps" in frozen:
+        if "ref_logps" in batch:
+            ref, kl_ref = batch["ref_logps"]["completion"], batch["ref_logps"]["kl"]
+        elif "ref_logps" in frozen:
             idx = batch["record_index"]
             ref, kl_ref = frozen["ref_logps"]["completion"][idx], frozen["ref_logps"]["kl"][idx]
         else:
@@ -152,19 +158,21 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
         figures = {"loss": loss, **metrics}
         return {k: (v * count, count) for k, v in figures.items()}
 
-    precompute = _precompute_reference(loss_name, chunk, window, model_of) if section.reference == "precomputed" else None
+    reference_logps = _reference_logps(loss_name, chunk, window, model_of) if uses_reference else None
     return Task(
         loss_fn=loss_fn,
         normalisers_fn=normalisers_fn,
         eval_fn=eval_fn,
         uses_reference=uses_reference,
-        precompute=precompute if uses_reference else None,
+        reference_logps=reference_logps,
+        precompute=reference_logps if section.reference == "precomputed" else None,
         console_keys=("loss", "rewards/accuracies", "rewards/margins", "grad_norm"),
     )
 
 
-def _precompute_reference(loss_name, chunk, window, model_of):
-    """A pass over every record computing reference log-probs once (``ref_logps``)."""
+def _reference_logps(loss_name, chunk, window, model_of):
+    """The reference's sequence log-probs of a batch: ``{chosen, rejected}`` of the pairs,
+    or KTO's ``{completion, kl}`` (``ref_logps``, per batch or precomputed per record)."""
 
     def forward(reference_params, batch):
         reference = model_of(reference_params)

@@ -28,6 +28,10 @@ class Task:
       loss_fn / normalisers_fn / eval_fn: see the module docstring.
       uses_reference: the runner keeps a frozen copy of the initial params as
         ``frozen["reference"]`` (saved once in the checkpoint directory).
+      reference_logps: ``(reference params, batch) -> {name: [B]}``, the reference's
+        sequence log-probs of a batch (a task with a reference). The loss reads them from
+        ``batch["ref_logps"]`` where the batch carries them (``placement.reference:
+        submesh``: computed on the sub-mesh's devices); else it runs the live reference.
       precompute: optional ``(params, reference, batches) -> frozen`` run once before
         training (e.g. reference log-probs of every record); replaces the live reference.
       console_keys: metrics worth a place on the progress line.
@@ -40,6 +44,7 @@ class Task:
     normalisers_fn: Callable[[Mapping[str, Array]], dict[str, Array]]
     eval_fn: EvalFn
     uses_reference: bool = False
+    reference_logps: Callable | None = None
     precompute: Callable | None = None
     console_keys: tuple[str, ...] = ("loss",)
     required_fields: tuple[str, ...] = ()

@@ -4,7 +4,9 @@ DPO family, KTO) over a fixed dataset, run by the engine's session.
 It builds the mesh, tokenizer, data and model, the jitted step and the eval pass over the
 eval split; a reference-based task gets a frozen copy of the initial policy (saved once
 with the checkpoints), or the reference log-probs of every record computed once before
-training (``dpo.reference: precomputed``). With ``lora`` the train state holds the
+training (``dpo.reference: precomputed``), or (``placement.reference: submesh``) a
+reference built on devices of its own whose log-probs of each batch ride in the batch
+(:class:`SubmeshReference`). With ``lora`` the train state holds the
 adapters alone, the base rides in the frozen inputs and the reference is that base with
 the adapters off (:mod:`alignax.trainers.engine.adapters`).
 """
@@ -24,14 +26,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from alignax import evaluation
 from alignax.data import prepare_dataset
 from alignax.parallel.multihost import local_rows
-from alignax.parallel.placement import place, place_optimizer_state, to_device
+from alignax.parallel.placement import place, place_optimizer_state, rows_to, to_device
 from alignax.parallel.sharding import place_array
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import adapters
 from alignax.trainers.engine.optim import build_optimizer
 from alignax.trainers.engine.precision import frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
-from alignax.trainers.engine.setup import BatchPlacer, build_mesh, build_model, load_tokenizer, split_params
+from alignax.trainers.engine.setup import BatchPlacer, build_meshes, build_model, load_tokenizer, split_params
 from alignax.trainers.engine.step import TrainState, make_train_step
 from alignax.trainers.offline.task import Task
 
@@ -50,13 +52,30 @@ def _reference_on_device(fn):
     return wrapped
 
 
+class SubmeshReference:
+    """``placement.reference: submesh``: the reference's log-probs of each batch
+    (``task.reference_logps``), computed on the sub-mesh's devices from the host batch and
+    handed back as global arrays on the training mesh (``batch["ref_logps"]``)."""
+
+    def __init__(self, reference_logps: Callable, params: Any, *, submesh, mesh):
+        self.forward = jax.jit(reference_logps)
+        self.params = params  # built on the sub-mesh (OfflineTrainer.initial_reference)
+        self.placer = BatchPlacer(submesh)
+        self.mesh = mesh
+
+    def __call__(self, host_batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+        return rows_to(self.mesh, self.forward(self.params, self.placer(host_batch)))
+
+
 class OfflineTrainer:
     """One offline run's pieces, shared by train, eval and export."""
 
     def __init__(self, config: TrainConfig, *, task_builder: TaskBuilder, model_kind: str,
                  records: Sequence[Mapping] | None = None, with_data: bool = True):
         self.config = config
-        self.mesh = build_mesh(config.mesh)
+        self.mesh, self.submesh = build_meshes(config)
+        self.model_kind = model_kind
+        self.submesh_reference: SubmeshReference | None = None  # set by frozen_inputs
         self.tokenizer = load_tokenizer(config.model)
         model = build_model(config.model, kind=model_kind, mesh=self.mesh, precision=config.precision,
                             lora=config.lora)
@@ -103,9 +122,30 @@ class OfflineTrainer:
         if self.task.precompute is not None:
             table = self.precompute_reference(frozen.pop("reference", reference))
             return {**frozen, **table}
+        if self.config.placement.on_submesh("reference"):  # its log-probs ride in each batch (place_batch)
+            self.submesh_reference = SubmeshReference(self.task.reference_logps, reference, submesh=self.submesh,
+                                                      mesh=self.mesh)
+            return frozen
         # placement.reference: host holds it in host memory; the step and the evaluation
         # move it to the device inside their programs (_reference_on_device)
         return frozen or {"reference": place(reference, self.config.placement.reference)}
+
+    def place_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """A host batch on the training mesh, with the sub-mesh reference's log-probs of it
+        (``ref_logps``) under ``placement.reference: submesh``."""
+        placed = self.placer(batch)
+        if self.submesh_reference is not None:
+            placed["ref_logps"] = self.submesh_reference(batch)
+        return placed
+
+    def reference_model_params(self, config: TrainConfig) -> Any:
+        """The frozen params of ``config.model`` (a policy of this trainer's kind) built on
+        the mesh the reference lives on (the sub-mesh under ``placement.reference:
+        submesh``), in ``precision.frozen_dtype``."""
+        on_submesh = self.config.placement.on_submesh("reference")
+        model = build_model(config.model, kind=self.model_kind, mesh=self.submesh if on_submesh else self.mesh,
+                            precision=config.precision)
+        return frozen_params(split_params(model)[1], self.config.precision)
 
     def initial_reference(self) -> Any:
         """The reference the run starts from (``None`` when the task has none): the initial
@@ -114,6 +154,8 @@ class OfflineTrainer:
             return None
         if self.base is not None:
             return adapters.reference_adapters(self.params)
+        if self.config.placement.on_submesh("reference"):  # built there: the same weights, other devices
+            return self.reference_model_params(self.config)
         return frozen_params(self.params, self.config.precision)
 
     def eval_frozen(self) -> dict[str, Any]:
@@ -151,7 +193,7 @@ class OfflineTrainer:
         for i, batch in enumerate(self.data.iterator("eval")):
             if limit is not None and i >= limit:
                 break
-            figures = jax.device_get(fn(params, frozen, self.placer(batch)))
+            figures = jax.device_get(fn(params, frozen, self.place_batch(batch)))
             for key, (total, weight) in figures.items():
                 acc = sums.setdefault(key, [0.0, 0.0])
                 acc[0] += float(total)
@@ -215,7 +257,7 @@ class OfflineTrainer:
             del reference  # precomputed: no reference in memory during training
             result = session.run(
                 state=state, frozen=frozen, step_fn=self.step, batches=batches, data_stats=self.data.stats,
-                place_batch=self.placer,
+                place_batch=self.place_batch,
                 eval_fn=session.reporting_eval(lambda st: self.evaluate(st.params, frozen))
                 if self.has_evaluation() else None,
             )

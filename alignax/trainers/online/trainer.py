@@ -49,7 +49,7 @@ from alignax.metrics import to_host
 from alignax.models import lora as lora_lib
 from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
                                         process_rows)
-from alignax.parallel.placement import place, place_optimizer_state, to_device
+from alignax.parallel.placement import place, place_optimizer_state, rows_to, split_devices, to_device
 from alignax.parallel.sharding import batch_sharding, make_mesh, tree_shardings
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
@@ -62,7 +62,7 @@ from alignax.trainers.engine.optim import build_optimizer
 from alignax.trainers.engine.precision import compute_copy, frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
 from alignax.trainers.engine import adapters
-from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer, response_logps, split_params
+from alignax.trainers.engine.setup import build_meshes, build_model, load_tokenizer, response_logps, split_params
 from alignax.trainers.engine.step import LossAux, StepOutput, TrainState, make_train_step
 from alignax.trainers.online.algorithm import AdvantageInputs, OnlineAlgorithm
 from alignax.trainers.online.grpo import group_reward_std, select_informative_groups
@@ -100,7 +100,8 @@ class OnlineTrainer:
             raise ValueError(f"{self.rows} rollout rows (data.batch_size x rollout.num_samples) do not split into "
                              f"{algorithm.minibatches} minibatches")
 
-        self.mesh = build_mesh(config.mesh)
+        self.mesh, self.submesh = build_meshes(config)  # submesh: placement.submesh, or None
+        self.submesh_reference = None  # placement.reference: submesh: the reference's params there
         self.sampler_mesh = self._sampler_mesh(rc.mesh)
         self.tokenizer = load_tokenizer(config.model)
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
@@ -139,7 +140,7 @@ class OnlineTrainer:
         reward_models = None
         if config.rewards.reward_models:
             # held in precision.frozen_dtype, as the judge and a PRM are (they compute in float32)
-            reward_models = RewardModels.load(config.rewards.reward_models, mesh=self.mesh,
+            reward_models = RewardModels.load(config.rewards.reward_models, mesh=self.frozen_mesh("reward_models"),
                                               vocab_size=self.model_config.vocab_size,
                                               param_dtype=config.precision.frozen)
             reward_models.states = place(reward_models.states, config.placement.reward_models)
@@ -152,11 +153,13 @@ class OnlineTrainer:
             self.sampling_graphdef = lora_lib.merged_graphdef(
                 self.graphdef, nnx.merge_state(self.whole_policy(self.initial_params), self.rest))
         # The sampler decodes on its own mesh from a compute-dtype copy of the policy (made
-        # by sampling_state); rewards from reward models are computed on the training mesh.
+        # by sampling_state); rewards from reward models are computed on the training mesh
+        # (on the sub-mesh under placement.reward_models: submesh).
         self.sampler_copies = rc.mesh is not None or config.precision.compute_dtype != config.precision.param_dtype
         self._copy_program = None  # built on first use (it needs the state's structure)
         self.sampler = ScoredSampler(self.sampling_graphdef, self.tokenizer, self.scorer, self.sampling,
-                                     mesh=self.sampler_mesh, place=self.sampler_place, score_place=self.place)
+                                     mesh=self.sampler_mesh, place=self.sampler_place,
+                                     score_place=self.frozen_place("reward_models"))
         if config.env.name is not None:  # multi-turn: the environment gives the rewards
             self.sampler = self._env_sampler()
         self.alarms = Alarms()
@@ -179,13 +182,15 @@ class OnlineTrainer:
                           max_observation_tokens=ec.max_observation_tokens)
 
     def _sampler_mesh(self, shape) -> jax.sharding.Mesh:
-        """``rollout.mesh`` over every device, or the training mesh when it is null."""
+        """``rollout.mesh`` over the training mesh's devices (every device, less a sub-mesh's),
+        or the training mesh itself when it is null."""
         if shape is None:
             return self.mesh
+        devices, _ = split_devices(self.config.placement)
         try:
-            return make_mesh(shape)
+            return make_mesh(shape, devices=devices)
         except ValueError as err:
-            raise ValueError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {jax.device_count()} "
+            raise ValueError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {len(devices)} "
                              f"devices as training: {err}") from None
 
     def _with_critic(self, policy_params: nnx.State) -> Any:
@@ -228,6 +233,16 @@ class OnlineTrainer:
     def place(self, value: np.ndarray) -> jax.Array:
         value = np.asarray(value)
         return place_local_batch(value, batch_sharding(self.mesh, value.ndim))
+
+    def frozen_mesh(self, role: str) -> jax.sharding.Mesh:
+        """Where the frozen model of ``role`` (``reference`` | ``reward_models``) runs: the
+        sub-mesh under ``placement.<role>: submesh``, else the training mesh."""
+        return self.submesh if self.config.placement.on_submesh(role) else self.mesh
+
+    def frozen_place(self, role: str):
+        """Puts this process's rows of a host array on :meth:`frozen_mesh` of ``role``."""
+        mesh = self.frozen_mesh(role)
+        return lambda value: place_local_batch(np.asarray(value), batch_sharding(mesh, np.ndim(value)))
 
     def sampler_place(self, value: np.ndarray) -> jax.Array:
         """Prompt rows of this process on the sampler's mesh."""
@@ -276,10 +291,25 @@ class OnlineTrainer:
 
     def frozen_inputs(self, reference) -> dict[str, Any]:
         """``frozen`` of the update: the reference when the KL is on and, with LoRA, the base
-        (the reference is then that base with the adapters off, on the same buffers)."""
+        (the reference is then that base with the adapters off, on the same buffers). Under
+        ``placement.reference: submesh`` the reference stays with the trainer
+        (:meth:`reference_logps` runs it on the sub-mesh) and the update gets none."""
         if self.base is not None:
             return adapters.frozen_base(self.base, reference)
+        if reference is not None and self.config.placement.on_submesh("reference"):
+            self.submesh_reference = reference
+            return {}
         return {} if reference is None else {"reference": place(reference, self.config.placement.reference)}
+
+    def reference_logps(self, frozen, groups: Groups, tokens, positions, attention) -> jax.Array:
+        """The reference's log-probs of the rollout's response tokens, ``[R, N]`` on the
+        training mesh: from ``frozen["reference"]`` on the training mesh's ``tokens``, or
+        on the sub-mesh (placed there from the host rows) and brought back."""
+        if self.submesh_reference is None:
+            return self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
+        place = self.frozen_place("reference")
+        on_submesh = [place(a) for a in groups.full_sequences()]
+        return rows_to(self.mesh, self._policy_forward(self.submesh_reference, *on_submesh)[0])
 
     # ------------------------------------------------------------------ compiled pieces
     def policy_forward(self, policy_params, tokens, positions, attention):
@@ -371,8 +401,14 @@ class OnlineTrainer:
         self.reference = None  # what a run saves once as its reference
         if self.uses_reference:
             initial = self.policy_params(self.initial_params)
-            self.reference = (adapters.reference_adapters(initial) if self.base is not None
-                              else frozen_params(initial, self.config.precision))
+            if self.base is not None:
+                self.reference = adapters.reference_adapters(initial)
+            elif self.config.placement.on_submesh("reference"):  # built there: the same weights, other devices
+                model = build_model(self.config.model, kind=self.algorithm.policy_kind, mesh=self.submesh,
+                                    precision=self.config.precision)
+                self.reference = frozen_params(split_params(model)[1], self.config.precision)
+            else:
+                self.reference = frozen_params(initial, self.config.precision)
         self.initial_params = None
         return state, self.frozen_inputs(self.reference)
 
@@ -479,8 +515,7 @@ class OnlineTrainer:
                                                                       positions, attention)
         old_logps = sampler_logps if rc.old_logps == "sampler" else recomputed
         # no reference model (a zero fixed KL coefficient): no reference log-probs, no KL figures
-        ref_logps = (self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
-                     if self.uses_reference else None)
+        ref_logps = self.reference_logps(frozen, groups, tokens, positions, attention) if self.uses_reference else None
         if self.separate_critic:
             old_values = self._critic_values(self.whole_critic(state.params), tokens, positions, attention)
         elif shared_values is not None:
