@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="recipe YAML")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.add_argument("--debug", action="store_true", help="show the traceback of any error")
-    p.add_argument("--devices", type=int, default=None, help="devices (default: the product of mesh.shape)")
+    p.add_argument("--devices", type=int, default=None, help="devices (default: the product of mesh.shape, plus placement.submesh's)")
     p.add_argument("--device", default=None, help="device kind for memory and peak FLOPs: "
                    "h100, h200, a100, v4, v5e, v5p, v6e")
     p.add_argument("--device-memory", type=float, default=None, help="GB per device (overrides --device's)")
@@ -135,10 +135,10 @@ def _estimate(args, config) -> int:
     if len(mesh) != 3:
         raise ConfigError(f"--mesh {args.mesh!r}: expected data,fsdp,tensor")
     devices = args.devices
-    if devices is None:
+    if devices is None:  # the mesh's, and a sub-mesh's set apart for frozen models
         if -1 in mesh:
             raise ConfigError(f"mesh {list(mesh)} has a -1 axis: give --devices")
-        devices = mesh[0] * mesh[1] * mesh[2]
+        devices = mesh[0] * mesh[1] * mesh[2] + config.placement.devices_apart
     if args.device is not None and args.device not in est.PEAK_FLOPS:
         raise ConfigError(f"--device {args.device!r}: known: {', '.join(est.PEAK_FLOPS)}")
     memory = args.device_memory if args.device_memory is not None else est.DEVICE_MEMORY.get(args.device)

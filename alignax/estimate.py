@@ -29,6 +29,11 @@ base. The update's backward pass still carries
 activation gradients through the base (``4 N`` FLOPs per token) but computes no weight
 gradient for it.
 
+Placement: models held in host memory (``placement.*: host``) are host lines, not in the
+device total; models on devices of their own (``placement.*: submesh``) leave the training
+devices' items for a second set, per sub-mesh device (their shards and their forward
+pass's peak), and ``devices`` then counts the sub-mesh's devices as well.
+
 Activations are an estimate (the compiler decides what it keeps): with remat, each
 layer's input is kept and one layer's working set is live; without, every layer's
 working set, over the rows the step runs (a DPO pair, or a GRPO/PPO group under
@@ -49,6 +54,7 @@ from typing import Any
 from alignax.models.config import ModelConfig
 from alignax.models.lora import adapter_parameter_count, projection_sizes
 from alignax.models.quant import quantized_bytes
+from alignax.parallel.placement import SUBMESH_ROLES
 from alignax.parallel.sharding import logical_to_spec
 from alignax.trainers.engine import packing
 
@@ -148,6 +154,10 @@ class Estimate:
     suggestion: str | None = None
     online: bool = False
     host: dict[str, float] = dataclasses.field(default_factory=dict)  # per device's shard, in host memory
+    # placement.submesh: per device of the sub-mesh (its frozen models and their forward passes)
+    submesh: dict[str, float] = dataclasses.field(default_factory=dict)
+    submesh_shape: tuple[int, int, int] | None = None
+    submesh_flops: tuple[str, ...] = ()  # the FLOPs items that run on the sub-mesh
 
     @property
     def total(self) -> float:
@@ -162,14 +172,29 @@ class Estimate:
         return {k: v for k, v in self.items.items() if k not in left_out}
 
     @property
+    def submesh_total(self) -> float:
+        return float(sum(self.submesh.values()))
+
+    @property
     def fits(self) -> bool | None:
-        return None if self.device_memory is None else self.total <= self.device_memory
+        """Whether the training devices' total (and a sub-mesh's, with one) fits a device."""
+        if self.device_memory is None:
+            return None
+        return self.total <= self.device_memory and self.submesh_total <= self.device_memory
 
     @property
     def step_seconds(self) -> float | None:
+        """The step's FLOPs at the stated MFU over every device; with a sub-mesh, the
+        training devices' FLOPs over them plus the sub-mesh's over its devices (one after
+        the other: the trainers wait for the frozen models' outputs)."""
         if not self.peak_flops:
             return None
-        return sum(self.flops.values()) / (self.devices * self.peak_flops * self.mfu)
+        rate = self.peak_flops * self.mfu
+        if self.submesh_shape is None:
+            return sum(self.flops.values()) / (self.devices * rate)
+        apart = math.prod(self.submesh_shape)
+        frozen = sum(v for k, v in self.flops.items() if k in self.submesh_flops)
+        return (sum(self.flops.values()) - frozen) / ((self.devices - apart) * rate) + frozen / (apart * rate)
 
     def to_dict(self) -> dict[str, Any]:
         return {"per_device_bytes": dict(self.items), "total_bytes": self.total,
@@ -177,7 +202,9 @@ class Estimate:
                 "flops_per_step": dict(self.flops), "step_seconds_at_mfu": self.step_seconds, "mfu": self.mfu,
                 "devices": self.devices, "mesh": list(self.mesh), "parameters": self.parameters,
                 "rollout_tokens": self.rollout_tokens, "assumptions": self.assumptions,
-                "host_bytes_per_device": dict(self.host)}
+                "host_bytes_per_device": dict(self.host),
+                "submesh": None if self.submesh_shape is None else list(self.submesh_shape),
+                "submesh_bytes_per_device": dict(self.submesh), "submesh_total_bytes": self.submesh_total}
 
     def table(self) -> str:
         lines = [f"{'per device':<28}{'GB':>10}"]
@@ -187,13 +214,20 @@ class Estimate:
         lines.append(f"  {'total':<26}{self.total / GB:>10.2f}")
         for name, value in self.host.items():
             lines.append(f"  {name + ' (host memory)':<26}{value / GB:>10.2f}   not in the total")
+        if self.submesh_shape is not None:
+            lines.append(f"{'per sub-mesh device':<28}{'GB':>10}   (placement.submesh {list(self.submesh_shape)}: "
+                         f"{math.prod(self.submesh_shape)} of the {self.devices} devices)")
+            for name, value in self.submesh.items():
+                lines.append(f"  {name:<26}{value / GB:>10.2f}")
+            lines.append(f"  {'total':<26}{self.submesh_total / GB:>10.2f}")
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does not fit"
             lines.append(f"  {'device memory':<26}{self.device_memory / GB:>10.2f}   {verdict}")
         if self.suggestion:
             lines.append(self.suggestion)
+        training = self.devices - (math.prod(self.submesh_shape) if self.submesh_shape else 0)
         lines.append(f"parameters: {self.parameters / 1e9:.3f} B; mesh (data, fsdp, tensor) = {self.mesh} on "
-                     f"{self.devices} devices; accounting: {self.assumptions}")
+                     f"{training} devices; accounting: {self.assumptions}")
         if self.rollout_tokens is not None:
             lines.append(f"rollout tokens per step: {self.rollout_tokens:,}")
         flops = sum(self.flops.values())
@@ -244,10 +278,19 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
              device_memory_gb: float | None = None, assumptions: str = "standard", mfu: float = 0.4,
              peak_flops: float | None = None, suggest: bool = True) -> Estimate:
     """The estimate of one step of ``config`` (a ``TrainConfig``) for ``model``'s shape on
-    ``devices`` devices laid out as ``mesh`` (default: ``config.mesh.shape``)."""
+    ``devices`` devices laid out as ``mesh`` (default: ``config.mesh.shape``); with a model
+    on ``placement.submesh``, ``devices`` counts the sub-mesh's too and ``mesh`` lays out
+    the rest."""
     if assumptions not in ("standard", "seed"):
         raise ValueError(f"assumptions: {assumptions!r} is not one of 'standard', 'seed'")
-    data, fsdp, tensor = _mesh(tuple(mesh or config.mesh.shape), devices)
+    placement = config.placement
+    on_submesh = {role for role in SUBMESH_ROLES if placement.on_submesh(role)}
+    apart = placement.devices_apart
+    sub = tuple(placement.submesh) if apart else None
+    if apart and apart >= devices:
+        raise ValueError(f"placement.submesh={list(sub)} sets {apart} of the {devices} devices apart; training needs "
+                         "the rest")
+    data, fsdp, tensor = _mesh(tuple(mesh or config.mesh.shape), devices - apart)
     shard = fsdp * tensor
     p = SEED if assumptions == "seed" else precision_of(config)
     algorithm = config.algorithm
@@ -282,10 +325,13 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     # does (not counted: how much of it is live at once is the compiler's scheduling); the
     # optimiser state comes back for the update after the backward pass and is counted
     # there (``moved_in``, in "optimizer update").
-    host = {}
+    # placement: submesh: on the sub-mesh's devices, sharded over its fsdp x tensor
+    host, submesh = {}, {}
     for key, name in (("reference", "reference"), ("reward_models", "reward models")):
         if getattr(config.placement, key) == "host" and items[name]:
             host[name], items[name] = items[name], 0.0
+        if key in on_submesh and items[name]:
+            submesh[name], items[name] = items[name] * shard / (sub[1] * sub[2]), 0.0
     critic_kind = config.ppo.critic if algorithm == "ppo" else None
     critic = algorithm == "ppo" and (critic_kind in ("separate", "adapter") or assumptions == "seed")
     critic_trained = scalar
@@ -352,15 +398,21 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     # input (3, not measured)
     mlp_arrays = 6 if model.gated_mlp else 3
 
+    def layer_set_of(device_rows: float, row_length: int) -> tuple[float, float]:
+        """``(one layer's working set, its attention scores)`` over ``device_rows`` rows of
+        ``row_length`` tokens."""
+        tokens = device_rows * row_length
+        scores = 0.0 if fused else device_rows * heads * row_length * row_length * 4
+        # D-sized: the layer input, its norms' inputs and outputs, the residual stream, the
+        # attention and MLP outputs (8); q and the attention output; k and v
+        return tokens * (8 * D + 2 * q_width + 2 * kv_width + mlp_arrays * F / tensor) * p.compute + 2 * scores, scores
+
     def layer_activations(device_rows: float, row_length: int) -> float:
         """What the layers keep for the backward pass of one forward over ``device_rows``
         rows of ``row_length`` tokens: every layer's saved set under the remat policy, and
         the rest of one layer's working set while it is recomputed."""
         tokens = device_rows * row_length
-        scores = 0.0 if fused else device_rows * heads * row_length * row_length * 4
-        # D-sized: the layer input, its norms' inputs and outputs, the residual stream, the
-        # attention and MLP outputs (8); q and the attention output; k and v
-        layer_set = tokens * (8 * D + 2 * q_width + 2 * kv_width + mlp_arrays * F / tensor) * p.compute + 2 * scores
+        layer_set, scores = layer_set_of(device_rows, row_length)
         projections = tokens * (2 * D + q_width + 2 * kv_width + 2 * F / tensor) * p.compute  # q k v o gate up down
         inputs = tokens * D * p.compute
         saved = {"none": layer_set, "full": inputs,  # per layer, kept for the backward pass
@@ -401,7 +453,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         layer = (P - embedding * (1 if model.tie_word_embeddings else 2)) / L
         stored = p.frozen if adapters is not None else p.params
         head = embedding * stored / tensor
-        live_reference = uses_reference and adapters is None and not online
+        live_reference = uses_reference and adapters is None and not online and "reference" not in submesh
         held = 2 * head + (embedding * p.frozen / tensor if live_reference else 0.0)
         items["gathered weights"] = layer * stored / tensor + max(head, held - items["LM head buffers"])
     # The optimiser's step holds float32 temporaries beside the gradients, one trained
@@ -425,6 +477,18 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         kv_rows = rows / (data * fsdp)
         items["KV cache"] = kv_rows * length * L * 2 * (model.num_kv_heads / tensor) * model.head_dim * p.compute
         rollout_tokens = int(rows * config.rollout.max_new_tokens)
+
+    if submesh:
+        # the reference runs on every row of the step (online: of the rollout) at once, packed as the policy's are
+        packed_rows = policy_rows * accum * (minibatches if online else 1)
+        # the positions a row scores: G responses of a packed group, a packed pair's two windows
+        scored_per_row = (group * config.rollout.max_new_tokens if online
+                          else policy_length if algorithm != "dpo" or config.dpo.loss == "kto"
+                          else 2 * window if policy_rows != train_rows else length)
+        submesh.update(_submesh_forward(config, model, p, sub, submesh, rows=rows,
+                                        packed=(packed_rows, policy_length, scored_per_row),
+                                        online=online, length=length,
+                                        layer_set=lambda r, n: layer_set_of(r, n)[0], params=P))
 
     # ---- FLOPs of one step (all devices)
     non_embedding = P - V * model.hidden_size
@@ -452,10 +516,50 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     memory = device_memory_gb * GB if device_memory_gb is not None else None
     result = Estimate(items=items, flops=flops, devices=devices, mesh=(data, fsdp, tensor), device_memory=memory,
                       parameters=P, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
-                      rollout_tokens=rollout_tokens, online=online, host=host)
+                      rollout_tokens=rollout_tokens, online=online, host=host, submesh=submesh, submesh_shape=sub,
+                      submesh_flops=tuple(k for k, role in (("reference forward", "reference"),
+                                                            ("reward models", "reward_models")) if role in on_submesh))
     if suggest and result.fits is False:
         result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops)
     return result
+
+
+def _submesh_forward(config, model: ModelConfig, p: Precision, sub: tuple[int, int, int], placed: dict[str, float],
+                     *, rows: float, packed: tuple[float, int, int], online: bool, length: int, layer_set,
+                     params: int) -> dict[str, float]:
+    """Per sub-mesh device, the peak of the placed models' forward passes beyond their
+    weights (``{"forward pass": bytes}``). A forward keeps nothing for a backward pass, so
+    it peaks at one of two moments, as read from the compiled programs
+    (tools/estimate_vs_compiled.py ``--submesh``): in the layers, one layer's working set
+    (``layer_set``) beside that layer gathered whole (under FSDP); or at the LM head, the
+    larger of two whole heads (the gathered head and its copy, as in the training step) and
+    one head beside the chunked LM-head buffers (``[rows, chunk, V]`` float32: one, or two
+    where an online pass, which also takes the entropy, scans more than one chunk of a row;
+    as measured: GRPO's packed groups of 64 positions in chunks of 32 hold two, PPO's rows
+    of one chunk one, DPO's packed pairs one). The reference runs on every
+    row of the step at once (offline: the packed pairs before micro-batching; online: every
+    rollout row, groups packed as the update packs them), in chunks of at most the positions
+    a row scores (``packed``: rows, row length, scored positions a row); a reward model on the full rows,
+    with a scalar head. (The working set is the training mesh's per token; it assumes the
+    sub-mesh splits heads over ``tensor`` as training does.)"""
+    s_data, s_fsdp, s_tensor = sub
+    batch_devices = s_data * s_fsdp
+    gathered = s_fsdp * s_tensor > 1
+    embedding = model.vocab_size * model.hidden_size
+    layer = (params - embedding * (1 if model.tie_word_embeddings else 2)) / model.num_layers
+    layer_whole = layer * p.frozen / s_tensor if gathered else 0.0
+    peak = 0.0
+    if "reference" in placed:
+        ref_rows, ref_length, scored = packed
+        device_rows = max(ref_rows / batch_devices, 1)
+        chunk = min(config.model.logprob_chunk_size or scored, scored)
+        buffers = 2 if online and scored > chunk else 1
+        lm_buffers = device_rows * chunk * model.vocab_size * 4 * buffers / s_tensor
+        head = embedding * p.frozen / s_tensor if gathered else 0.0
+        peak = max(layer_whole + layer_set(device_rows, ref_length), 2 * head, head + lm_buffers)
+    if "reward models" in placed:
+        peak = max(peak, layer_whole + layer_set(max(rows / batch_devices, 1), length))
+    return {"forward pass": peak}
 
 
 def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[int, int, int]]]:

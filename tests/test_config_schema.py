@@ -215,6 +215,7 @@ SWEEP_VALUES = {
     "mesh.shape": [[1, 1, 1]],
     "mesh.dcn_shape": [[1, 1, 1]],  # one process: one slice
     "rollout.mesh": [[1, 1, 1]],  # one device here: the sampler on its own (1, 1, 1) mesh
+    "placement.submesh": [[1, 1, 1]],  # refused alone: no model is placed on it
     "logging.console_keys": [["loss"]],
     "dpo.variant": list(DPO_VARIANTS),
     "grpo.step_delimiter": ["\n\n"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -101,6 +102,65 @@ def test_frozen_models_placed_on_the_host_leave_the_device_total_and_are_suggest
     dpo = load_config("configs/dpo.yaml", [*BF16, "dpo.reference=precomputed", "model.remat=full"])
     small = estimate(dpo, model=model, devices=8, mesh=(8, 1, 1), device_memory_gb=80)
     assert small.fits is False and "placement.reference" not in small.suggestion
+
+
+def test_frozen_models_on_a_submesh_leave_the_training_devices_for_devices_of_their_own(capsys):
+    """placement.reference / reward_models = submesh on 16 devices, 8 of them apart: the
+    training devices' items lose the frozen models exactly, the sub-mesh's items hold them
+    sharded over its 8 devices plus their forward pass, the verdict reads both totals, the
+    step time puts the frozen models' FLOPs on their devices, and the CLI counts the
+    sub-mesh's devices in its default."""
+    rm = 'rewards.reward_models=["runs/reward-model"]'
+    common = ["configs/grpo.yaml", [*BF16, rm, "model.remat=full", "mesh.shape=[1,8,1]"]]
+    model = model_config_for(load_config(*common), "llama-2-7b")
+    device = estimate(load_config(*common), model=model, devices=8, mesh=(1, 8, 1), peak_flops=989e12)
+    placed_config = load_config(common[0], [*common[1], "placement.reference=submesh",
+                                            "placement.reward_models=submesh", "placement.submesh=[1,8,1]"])
+    placed = estimate(placed_config, model=model, devices=16, peak_flops=989e12)
+    assert placed.mesh == (1, 8, 1) and placed.submesh_shape == (1, 8, 1)
+    assert placed.items["reference"] == placed.items["reward models"] == 0.0
+    assert placed.submesh["reference"] == device.items["reference"] == pytest.approx(13.5e9 / 8, rel=0.01)
+    assert placed.submesh["reward models"] == device.items["reward models"]
+    assert placed.submesh["forward pass"] > 0
+    assert device.total - placed.total == pytest.approx(device.items["reference"] + device.items["reward models"])
+    assert placed.submesh_total == pytest.approx(sum(placed.submesh.values()))
+    # the frozen models' FLOPs on their 8 devices, the rest on the training 8
+    frozen = placed.flops["reference forward"] + placed.flops["reward models"]
+    rate = 989e12 * placed.mfu
+    assert placed.step_seconds == pytest.approx((sum(placed.flops.values()) - frozen) / (8 * rate) + frozen / (8 * rate))
+    # both frozen 7B models on one device apart: the training devices fit, that one does not
+    one_apart = dataclasses.replace(placed_config, placement=dataclasses.replace(placed_config.placement,
+                                                                                 submesh=(1, 1, 1)))
+    tight = estimate(one_apart, model=model, devices=9, device_memory_gb=placed.total / 1e9 + 0.01, suggest=False)
+    assert tight.total <= tight.device_memory < tight.submesh_total and tight.fits is False
+    assert "per sub-mesh device" in placed.table() and placed.to_dict()["submesh"] == [1, 8, 1]
+    with pytest.raises(ValueError, match="placement.submesh"):
+        estimate(placed_config, model=model, devices=8)
+
+    from alignax import cli
+
+    assert cli.main(["estimate", "configs/grpo.yaml", "--model", "llama-2-7b", "--json", *common[1],
+                     "placement.reference=submesh", "placement.submesh=[1,8,1]"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"] == 16
+
+
+@pytest.mark.xdist_group("fake_devices")
+def test_a_submesh_estimate_is_within_15_percent_of_the_compiled_programs():
+    """tools/estimate_vs_compiled.py --submesh 4 on 8 fake devices (the tiny recipes, remat
+    full): the training devices' step and the reference's program on the sub-mesh, each
+    against its part of the estimate (SmolLM2's shape and 16 devices, 8 apart:
+    docs/estimate_vs_compiled.json)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "tools/estimate_vs_compiled.py", "--devices", "8", "--submesh", "4",
+                           "--models", "tiny", "--algorithms", "dpo", "grpo", "ppo", "--remat", "full"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)  # the tool prints one indented JSON object
+    programs = [r for r in report["rows"] if r["spec"].get("program") == "submesh reference"]
+    assert len(programs) == 3 and len(report["rows"]) == 6
+    assert report["outside"] == [], [(r["case"], r["ratio"]) for r in report["rows"]]
 
 
 def test_an_optimizer_state_in_host_memory_leaves_the_states_but_returns_for_the_update():

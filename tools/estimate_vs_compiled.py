@@ -22,6 +22,15 @@ the same shapes::
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --devices --llama7b 8 64 --out runs/7b.json
 
+With ``--submesh S`` (and one device count N), each case also with its reference on
+devices of its own (``placement.reference: submesh``, ``placement.submesh=[1, S, 1]``;
+training on ``[1, N - S, 1]``): two rows, the training devices' step against the
+estimate's training items, and the reference's forward program on the sub-mesh (the
+offline trainer's per-batch log-probs; the online trainer's reference pass over a rollout)
+against the estimate's sub-mesh items::
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --devices 8 --submesh 4 --algorithms dpo grpo
+
 ``--reestimate A.json B.json --out C.json`` puts the rows of earlier runs in one output
 with the estimates recomputed (the compiled figures stay).
 
@@ -52,10 +61,14 @@ SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9
 STATES = ("weights", "gradients", "moments", "master", "reference", "reward models", "frozen base")
 
 
-def case_overrides(algorithm: str, model: str, devices: int, remat: str, output_dir: str) -> list[str]:
-    """The dotted overrides of one case on ``configs/tiny-<algorithm>.yaml``."""
-    out = [f"output_dir={output_dir}", f"mesh.shape=[1, {devices}, 1]", "model.scan_layers=true",
+def case_overrides(algorithm: str, model: str, devices: int, remat: str, output_dir: str, submesh: int = 0
+                   ) -> list[str]:
+    """The dotted overrides of one case on ``configs/tiny-<algorithm>.yaml`` (``submesh``:
+    that many of the ``devices`` hold the reference)."""
+    out = [f"output_dir={output_dir}", f"mesh.shape=[1, {devices - submesh}, 1]", "model.scan_layers=true",
            f"model.remat={remat}", "data.batch_size=8", "train.total_steps=1"]
+    if submesh:
+        out += ["placement.reference=submesh", f"placement.submesh=[1, {submesh}, 1]"]
     if model == "smollm2-135m":
         out.append("model.random_init=" + json.dumps(SMOLLM2))
     return out
@@ -70,24 +83,28 @@ def compiled_figures(compiled) -> dict[str, int]:
     return out
 
 
-def case_config(algorithm: str, model: str, devices: int, remat: str, output_dir: str = "runs/estimate-check"):
+def case_config(algorithm: str, model: str, devices: int, remat: str, output_dir: str = "runs/estimate-check",
+                submesh: int = 0):
     from alignax.trainers import api
 
     return api.load_config(str(ROOT / "configs" / f"tiny-{algorithm}.yaml"),
-                           case_overrides(algorithm, model, devices, remat, output_dir))
+                           case_overrides(algorithm, model, devices, remat, output_dir, submesh))
 
 
 def estimate_items(spec: dict) -> dict[str, float]:
-    """The estimator's per-device items for a row's ``spec`` (cheap: no compile)."""
+    """The estimator's per-device items for a row's ``spec`` (cheap: no compile): the
+    update step's, or with ``spec["program"] == "submesh reference"`` the sub-mesh's."""
     from alignax.estimate import estimate, model_config_for
 
+    submesh = spec.get("submesh", 0)
     if spec["model"] == "llama-2-7b":
         config = llama7b_config(spec["algorithm"], spec["devices"])
         model = model_config_for(config, "llama-2-7b")
     else:
-        config = case_config(spec["algorithm"], spec["model"], spec["devices"], spec["remat"])
+        config = case_config(spec["algorithm"], spec["model"], spec["devices"], spec["remat"], submesh=submesh)
         model = model_config_for(config)
-    return estimate(config, model=model, devices=spec["devices"], mesh=(1, spec["devices"], 1)).update_step_items()
+    result = estimate(config, model=model, devices=spec["devices"], mesh=(1, spec["devices"] - submesh, 1))
+    return result.submesh if spec.get("program") == "submesh reference" else result.update_step_items()
 
 
 @contextlib.contextmanager
@@ -127,26 +144,55 @@ def abstract_weights():
             setattr(owner, name, value)
 
 
-def measure_case(algorithm: str, model: str, devices: int, remat: str) -> dict:
+def measure_case(algorithm: str, model: str, devices: int, remat: str, submesh: int = 0) -> list[dict]:
+    """The case's row: its step compiled; with ``submesh``, the reference on a sub-mesh of
+    that many devices, and a second row for the reference's program there."""
+    import jax
+
+    from alignax.parallel import batch_sharding
     from alignax.trainers import api
 
+    spec = {"algorithm": algorithm, "model": model, "devices": devices, "remat": remat}
+    if submesh:
+        spec["submesh"] = submesh
     with tempfile.TemporaryDirectory() as tmp, abstract_weights():
-        config = case_config(algorithm, model, devices, remat, tmp)
+        config = case_config(algorithm, model, devices, remat, tmp, submesh)
         trainer = api.build_trainer(config)
         state, frozen = trainer.start()
+        reference = None
         if algorithm == "dpo":
+            reference = frozen
             frozen = trainer.frozen_inputs(frozen)
-            batch = trainer.placer(next(trainer.data.iterator("train")))
+            host_batch = next(trainer.data.iterator("train"))
+            batch = trainer.placer(host_batch)
+            if submesh:  # the sub-mesh's log-probs ride in the batch (shapes only: the weights are abstract)
+                on_submesh = trainer.submesh_reference.placer(host_batch)
+                reference_program = trainer.submesh_reference.forward.lower(reference, on_submesh).compile()
+                batch["ref_logps"] = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(trainer.mesh, x.ndim)),
+                    jax.eval_shape(trainer.submesh_reference.forward, reference, on_submesh))
             compiled = trainer.step.lower(state, frozen, batch).compile()
         else:
+            frozen = trainer.frozen_inputs(trainer.reference)
+            if submesh:  # the rollout's reference pass: every row, on the sub-mesh
+                rows = trainer.rows
+                width = trainer.prompt_len + trainer.max_new
+                sequence = jax.ShapeDtypeStruct((rows, width), jax.numpy.int32,
+                                                sharding=batch_sharding(trainer.submesh, 2))
+                reference_program = trainer._policy_forward.lower(trainer.submesh_reference, sequence, sequence,
+                                                                  sequence).compile()
             compiled = trainer.update.lower(state, frozen, trainer.minibatch_shapes()).compile()
-        figures = compiled_figures(compiled)
-    return row({"algorithm": algorithm, "model": model, "devices": devices, "remat": remat}, figures)
+        out = [row(spec, compiled_figures(compiled))]
+        if submesh:
+            out.append(row({**spec, "program": "submesh reference"}, compiled_figures(reference_program)))
+    return out
 
 
 def row(spec: dict, figures: dict) -> dict:
     items = estimate_items(spec)
     name = f"{spec['algorithm']} {spec['model']} {spec['devices']} dev remat={spec['remat']}"
+    if spec.get("submesh"):
+        name += f" reference on {spec['submesh']} dev" + (": its program" if spec.get("program") else ": training step")
     step_items = {k: float(v) for k, v in items.items() if v}
     states = sum(v for k, v in step_items.items() if any(s in k for s in STATES))
     total = sum(step_items.values())
@@ -169,9 +215,10 @@ def worker(args) -> None:
     for model in args.models:
         for algorithm in args.algorithms:
             for remat in args.remat:
-                rows.append(measure_case(algorithm, model, args.worker, remat))
-                # the whole row as it comes: a process killed later (out of memory) loses none
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                for measured in measure_case(algorithm, model, args.worker, remat, args.submesh):
+                    rows.append(measured)
+                    # the whole row as it comes: a process killed later (out of memory) loses none
+                    print(json.dumps(measured), file=sys.stderr, flush=True)
     print(json.dumps(rows))
 
 
@@ -222,6 +269,8 @@ def main() -> None:
                         choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots"))
     parser.add_argument("--llama7b", nargs="*", type=int, default=None, metavar="DEVICES",
                         help="also the compile-only Llama-2-7B steps of --algorithms on these device counts (8 64)")
+    parser.add_argument("--submesh", type=int, default=0, metavar="S",
+                        help="the reference on S devices of its own (placement.submesh [1, S, 1]), training on the rest")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--reestimate", nargs="+", metavar="JSON",
                         help="recompute the estimates of earlier outputs' rows (their compiled figures stay), "
@@ -239,7 +288,7 @@ def main() -> None:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
         command = [sys.executable, __file__, "--worker", str(devices), "--models", *args.models,
-                   "--algorithms", *args.algorithms, "--remat", *args.remat]
+                   "--algorithms", *args.algorithms, "--remat", *args.remat, "--submesh", str(args.submesh)]
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
         rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
     for devices in args.llama7b or ():

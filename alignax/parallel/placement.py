@@ -82,6 +82,13 @@ class PlacementConfig:
         """Whether the model of ``role`` (``reference`` | ``reward_models``) lives on the sub-mesh."""
         return getattr(self, role) == "submesh"
 
+    @property
+    def devices_apart(self) -> int:
+        """How many devices the sub-mesh takes (0 when no model is placed on it)."""
+        if self.submesh is None or not any(self.on_submesh(role) for role in SUBMESH_ROLES):
+            return 0
+        return int(np.prod(self.submesh))
+
 
 def _is_array(x) -> bool:
     return isinstance(x, jax.Array)
