@@ -6,6 +6,12 @@ training devices. Prints one JSON line of measured results.
   reference on ``placement.submesh: [2, 2, 1]`` (the other 4): where every array lies, the
   compiled step's inputs (no reference among them; argument bytes per device), which
   devices the reference's program runs on, three steps' figures and the state after them.
+- KTO (its reference's completion and KL log-probs ride in the batch), the same layout:
+  two steps' figures against the device-placed run's.
+- A DPO run through ``alignax.trainers.api.train`` with checkpoints, stopped after 2 steps
+  and resumed to 4 (its reference restored onto the sub-mesh), against 4 steps in one go.
+- Iterative DPO's round trainer with ``iterative.reference: original`` builds that
+  reference on the sub-mesh.
 - GRPO with a KL to the reference and a reward model, training on (1, 6, 1), both frozen
   models on ``[1, 2, 1]``: where they lie, and two rollouts' figures and params (the
   reference's log-probs and the reward model's scores come back from the sub-mesh).
@@ -21,10 +27,13 @@ import numpy as np
 from flax import nnx
 
 from alignax.models import from_pretrained, save_pretrained
-from alignax.trainers.api import build_trainer
+from alignax.trainers.api import build_trainer, train
+from alignax.trainers.iterative import _RoundTrainer
 from tests.rl_toy import toy_config, toy_prompts
 from tests.toy_model import make_toy_model
-from tests.trainer_helpers import separable_pairs, tiny_config
+from tests.trainer_helpers import separable_pairs, tiny_config, unpaired_feedback
+
+SUBMESH = {"reference": "submesh", "submesh": [2, 2, 1]}  # the offline checks' layout: 4 training, 4 apart
 
 
 def device_ids(tree) -> list[int]:
@@ -74,6 +83,45 @@ def dpo(model_dir: str, placement: dict) -> dict:
     return out
 
 
+def kto(model_dir: str, placement: dict) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = tiny_config(tmp, "kto", steps=2, model_dir=model_dir, checkpoint={"enabled": False},
+                             mesh={"shape": [2, 2, 1]}, placement=placement)
+        return [{k: float(v) for k, v in row.items() if k != "step"}
+                for row in train(config, records=unpaired_feedback(32)).history]
+
+
+def resumed_dpo(model_dir: str) -> dict:
+    """Losses and params of a DPO run stopped after 2 steps and resumed to 4, and of 4 in one go."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(name, steps):
+            config = tiny_config(f"{tmp}/{name}", "dpo", steps=steps, model_dir=model_dir, dpo={"beta": 0.5},
+                                 mesh={"shape": [2, 2, 1]}, placement=SUBMESH)  # saves every 2 steps
+            return train(config, records=separable_pairs(32))
+
+        run("split", 2)
+        resumed, whole = run("split", 4), run("whole", 4)
+    out["resumed_steps"] = [row["step"] for row in resumed.history]
+    out["resumed_losses"] = [row["loss"] for row in resumed.history]
+    out["whole_losses"] = [row["loss"] for row in whole.history]
+    out["max_param_diff"] = max_diff(resumed.loop.state.params, whole.loop.state.params)
+    return out
+
+
+def iterative_reference(model_dir: str) -> dict:
+    """The round trainer's original-model reference (``iterative.reference: original``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pairs = f"{tmp}/pairs.jsonl"  # a round reads its pairs from its data file
+        with open(pairs, "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in separable_pairs(16))
+        config = tiny_config(tmp, "dpo", steps=1, model_dir=model_dir, checkpoint={"enabled": False},
+                             mesh={"shape": [2, 2, 1]}, placement=SUBMESH, data={"paths": [pairs]})
+        trainer = _RoundTrainer(config, config)
+        state, reference = trainer.start()
+    return {"devices": device_ids(reference), "max_diff_to_initial": max_diff(reference, state.params)}
+
+
 def grpo(model_dir: str, scorer_dir: str, placement: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = toy_config(tmp, model_dir, "grpo", steps=2, checkpoint={"enabled": False},
@@ -95,10 +143,13 @@ def main() -> int:
         make_toy_model(model_dir)
         save_pretrained(from_pretrained(model_dir, kind="reward", new_head=True, seed=3), scorer_dir)
         arms = {"device": dpo(model_dir, {}),
-                "submesh": dpo(model_dir, {"reference": "submesh", "submesh": [2, 2, 1]})}
+                "submesh": dpo(model_dir, SUBMESH)}
         for name, arm in arms.items():
             out.update({f"dpo/{name}/{k}": v for k, v in arm.items() if k != "params"})
         out["dpo/max_param_diff"] = max_diff(arms["device"]["params"], arms["submesh"]["params"])
+        out["kto/device"], out["kto/submesh"] = kto(model_dir, {}), kto(model_dir, SUBMESH)
+        out.update({f"resume/{k}": v for k, v in resumed_dpo(model_dir).items()})
+        out.update({f"iterative/{k}": v for k, v in iterative_reference(model_dir).items()})
         online = {"device": grpo(model_dir, scorer_dir, {}),
                   "submesh": grpo(model_dir, scorer_dir, {"reference": "submesh", "reward_models": "submesh",
                                                           "submesh": [1, 2, 1]})}

@@ -16,7 +16,9 @@ the ``placement:`` section).
   reference and reward model on devices of their own; the training step's program touches
   none of those devices and its arguments shrink by exactly the reference's bytes per device
   (less the log-probs that now ride in the batch), the reference's program runs on the
-  sub-mesh only, and the runs step as the device-placed ones do. The two-process version
+  sub-mesh only, and the runs step as the device-placed ones do (KTO too); a resumed run
+  restores its reference onto the sub-mesh; iterative DPO builds its original-model
+  reference there. The two-process version
   (each process sets its last devices apart) is tests/test_multihost.py's GRPO job.
 - The keys are refused where there is no such model, and a sub-mesh that would leave a
   process no training device, or not split evenly over the processes, is refused.
@@ -272,6 +274,23 @@ def test_a_submesh_reference_steps_as_a_device_reference(submesh_runs):
                                    err_msg=key)
     assert r["grpo/device/history/kl/ref_seq"][-1] > 0.01  # the reference's log-probs are read
     assert r["grpo/max_param_diff"] < 1e-4
+
+
+def test_kto_a_resumed_run_and_iterative_dpo_read_a_submesh_reference(submesh_runs):
+    """KTO's two reference passes (completion and KL partner) ride in the batch: two steps'
+    figures equal the device-placed run's; a DPO run stopped after 2 steps and resumed (its
+    reference restored onto the sub-mesh) ends as 4 steps in one go (measured: equal); the
+    iterative round trainer's original-model reference is built on the sub-mesh."""
+    r = submesh_runs
+    for device, submesh in zip(r["kto/device"], r["kto/submesh"]):
+        for key, value in device.items():
+            if not key.startswith("perf/"):
+                assert submesh[key] == pytest.approx(value, abs=1e-6), key
+    assert r["kto/device"][-1]["rewards/chosen"] != 0  # the reference's log-probs are read
+    assert r["resume/resumed_steps"] == [3, 4]
+    np.testing.assert_allclose(r["resume/resumed_losses"], r["resume/whole_losses"][2:], atol=1e-6)
+    assert r["resume/max_param_diff"] <= 1e-6
+    assert r["iterative/devices"] == [4, 5, 6, 7] and r["iterative/max_diff_to_initial"] == 0.0
 
 
 def test_the_states_are_the_compiled_steps_arguments(dpo_steps):
