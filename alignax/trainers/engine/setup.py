@@ -24,7 +24,7 @@ from alignax.parallel.multihost import place_local_batch
 from alignax.parallel.placement import split_devices
 from alignax.parallel.sharding import batch_sharding, make_mesh, mesh_for_shape
 from alignax.trainers.config import MeshSection, ModelSpec
-from alignax.trainers.engine.precision import PrecisionConfig
+from alignax.trainers.engine.precision import PrecisionConfig, frozen_params
 
 log = logging.getLogger("alignax")
 
@@ -109,6 +109,15 @@ def attention_implementation(choice: str, compute_dtype: str, backend: str | Non
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """``(graphdef, trainable params, everything else)``; ``nnx.merge`` puts them back."""
     return nnx.split(model, nnx.Param, ...)
+
+
+def build_frozen_params(spec: ModelSpec, *, kind: str, mesh: jax.sharding.Mesh,
+                        precision: PrecisionConfig) -> nnx.State:
+    """The params of the model ``spec`` names, built on ``mesh`` as a frozen copy in
+    ``precision.frozen_dtype``: a reference built where it runs (its own sub-mesh), the same
+    weights as the policy's initial ones (the same folder, or the same seed)."""
+    model = build_model(spec, kind=kind, mesh=mesh, precision=precision)
+    return frozen_params(split_params(model)[1], precision)
 
 
 class BatchPlacer:

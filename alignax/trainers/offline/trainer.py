@@ -33,7 +33,8 @@ from alignax.trainers.engine import adapters
 from alignax.trainers.engine.optim import build_optimizer
 from alignax.trainers.engine.precision import frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
-from alignax.trainers.engine.setup import BatchPlacer, build_meshes, build_model, load_tokenizer, split_params
+from alignax.trainers.engine.setup import (BatchPlacer, build_frozen_params, build_meshes, build_model, load_tokenizer,
+                                           split_params)
 from alignax.trainers.engine.step import TrainState, make_train_step
 from alignax.trainers.offline.task import Task
 
@@ -143,9 +144,8 @@ class OfflineTrainer:
         the mesh the reference lives on (the sub-mesh under ``placement.reference:
         submesh``), in ``precision.frozen_dtype``."""
         on_submesh = self.config.placement.on_submesh("reference")
-        model = build_model(config.model, kind=self.model_kind, mesh=self.submesh if on_submesh else self.mesh,
-                            precision=config.precision)
-        return frozen_params(split_params(model)[1], self.config.precision)
+        return build_frozen_params(config.model, kind=self.model_kind, mesh=self.submesh if on_submesh else self.mesh,
+                                   precision=self.config.precision)
 
     def initial_reference(self) -> Any:
         """The reference the run starts from (``None`` when the task has none): the initial

@@ -62,7 +62,8 @@ from alignax.trainers.engine.optim import build_optimizer
 from alignax.trainers.engine.precision import compute_copy, frozen_params
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
 from alignax.trainers.engine import adapters
-from alignax.trainers.engine.setup import build_meshes, build_model, load_tokenizer, response_logps, split_params
+from alignax.trainers.engine.setup import (build_frozen_params, build_meshes, build_model, load_tokenizer,
+                                           response_logps, split_params)
 from alignax.trainers.engine.step import LossAux, StepOutput, TrainState, make_train_step
 from alignax.trainers.online.algorithm import AdvantageInputs, OnlineAlgorithm
 from alignax.trainers.online.grpo import group_reward_std, select_informative_groups
@@ -404,9 +405,8 @@ class OnlineTrainer:
             if self.base is not None:
                 self.reference = adapters.reference_adapters(initial)
             elif self.config.placement.on_submesh("reference"):  # built there: the same weights, other devices
-                model = build_model(self.config.model, kind=self.algorithm.policy_kind, mesh=self.submesh,
-                                    precision=self.config.precision)
-                self.reference = frozen_params(split_params(model)[1], self.config.precision)
+                self.reference = build_frozen_params(self.config.model, kind=self.algorithm.policy_kind,
+                                                     mesh=self.submesh, precision=self.config.precision)
             else:
                 self.reference = frozen_params(initial, self.config.precision)
         self.initial_params = None
