@@ -134,15 +134,16 @@ def test_observation_tokens_get_zero_gradient_and_model_tokens_a_single_turn_row
     assert max(float(np.abs(x).max()) for x in jax.tree.leaves(a)) > 1e-3  # not vacuous
 
 
-def lookup_run(agent_model, tmp_path, *, hide=None, steps=5):
-    """Warm start (:func:`tests.toy_agent.warm_start_reader`), then GRPO on
-    :class:`LookupEnv` with the secret's reward only (no call bonus, no KL); the per-step
-    ``(correct, calls)`` of the rollouts (step 1 samples the warm-started policy)."""
+def lookup_run(agent_model, tmp_path, *, hide=None, steps=6):
+    """Warm start (:func:`tests.toy_agent.warm_start_reader`, 192 steps: it reads the
+    result when it calls), then GRPO on :class:`LookupEnv` with the secret's reward only
+    (no call bonus, no KL), rollouts of 8 prompts x 4; the per-step ``(correct, calls)`` of
+    the rollouts (step 1 samples the warm-started policy)."""
     repeat = 16
     records = balanced_lookup_records()
-    warm = warm_start_reader(agent_model, tmp_path / "warm", records, repeat=repeat)
+    warm = warm_start_reader(agent_model, tmp_path / "warm", records, repeat=repeat, steps=192)
     kwargs = {"repeat": repeat, **({"hide": hide} if hide else {})}
-    config = agent_config(tmp_path / "run", warm, steps=steps, data={"eval_fraction": 0.0},
+    config = agent_config(tmp_path / "run", warm, steps=steps, data={"eval_fraction": 0.0, "batch_size": 8},
                           rollout={"stop_token_ids": stop_ids(), "max_new_tokens": 16 + repeat},
                           env={"kwargs": kwargs, "max_turns": 2, "max_observation_tokens": 12 + repeat},
                           optim={"learning_rate": 5e-3}, grpo={"kl_coef": 0.0})
@@ -156,16 +157,19 @@ def test_grpo_raises_accuracy_only_the_tool_can_give(agent_model, tmp_path):
     """The secret is only in the tool's result: a policy that ignores it is right on at most
     the most common secret's share of a prompt's records (1/4). After a warm start that
     calls about half the time and reads the result, GRPO on correctness alone raises the
-    call rate and the accuracy well above that share (hidden result: see README)."""
+    call rate and the accuracy well above that share (measured on jax 0.10.2: accuracy
+    0.62 -> 0.99, calls 0.53 -> 1.0, means of the last three rollouts; on 0.12.0.1 0.62 ->
+    0.93; with the result hidden the accuracy ends at 0.0-0.17 and the calls fall to 0-0.2,
+    so every assertion fails: see README)."""
     records = balanced_lookup_records()
     share = max(Counter(r["answer"] for r in records if r["prompt"] == p).most_common(1)[0][1]
                 / sum(r["prompt"] == p for r in records) for p in {r["prompt"] for r in records})
     assert share == 0.25
     correct, calls = lookup_run(agent_model, tmp_path)
     assert 0.2 < calls[0] < 0.8  # the warm start calls some of the time: groups differ
-    assert np.mean(calls[-2:]) > calls[0] + 0.2
-    assert np.mean(correct[-2:]) > correct[0] + 0.15
-    assert np.mean(correct[-2:]) > share + 0.35
+    assert np.mean(calls[-3:]) > calls[0] + 0.25
+    assert np.mean(correct[-3:]) > correct[0] + 0.2
+    assert np.mean(correct[-3:]) > share + 0.5
 
 
 @pytest.mark.xdist_group("mesh-equality")

@@ -19,7 +19,6 @@ import pytest
 
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
-from transformers.initialization import no_init_weights
 
 from alignax.models import registry
 from alignax.models.registry import DEFAULT_MODEL, ModelSpec, load, local_model_path
@@ -52,6 +51,7 @@ def transformers_smollm2():
     it converts with ``load_gguf_checkpoint``, called here directly. The meta-device skeleton
     only tells the loader which transformers names to produce.
     """
+    from transformers.initialization import no_init_weights  # imports torch (transformers >= 5.25)
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = registry.gguf_path(DEFAULT_MODEL)
