@@ -1,6 +1,8 @@
 """A GRPO step, sampling included, on a (2, 2, 2) mesh of 8 fake CPU devices equals the
 one-device step for the same seed."""
 
+from importlib.metadata import version
+
 import numpy as np
 import pytest
 
@@ -49,7 +51,11 @@ def test_sampler_on_its_own_mesh_decodes_from_a_compute_dtype_copy():
     assert out["rows"] == 32 and out["tokens_equal"] == 1.0 and out["lengths_equal"], out
     # the decoder casts each kernel to bfloat16 where it uses it, so only the order of the
     # sums differs (heads split over 4 devices instead of weights gathered): float32 noise
-    assert out["max_sampler_logp_diff"] < 1e-5, out
+    # on jaxlib 0.10. The CPU backend of jaxlib 0.12 rounds each device's partial sums of
+    # the head-split projections to bfloat16 before the tensor all-reduce (0.10's fused dot
+    # kept them float32; seen in the compiled HLO): bfloat16 rounding, 1.0e-3 measured
+    noise = 1e-5 if tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 12) else 3e-3
+    assert out["max_sampler_logp_diff"] < noise, out
 
 
 @pytest.mark.xdist_group("mesh-equality")
