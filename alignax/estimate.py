@@ -4,7 +4,9 @@
 [--assumptions standard|seed] [--json]`` prints, per device: the trained model's weights,
 gradients, optimiser moments and float32 master copy; the frozen models (reference, reward
 models) and PPO's critic; activations under the config's remat setting and micro-batch;
-the chunked LM-head buffers; the rollout's KV cache; the total against the device's
+the chunked LM-head buffers; the rollout's KV cache, decode buffers, gathered weights and
+the sampler's compute-dtype copy (a program of its own: the total counts the larger of the
+rollout's and the update's temporaries beside the states); the total against the device's
 memory, with a "does not fit; try ..." line naming the cheapest change that fits. It also
 gives the FLOPs of one step (policy update, reference and critic passes, generation) and
 the time they take at a stated MFU.
@@ -168,8 +170,18 @@ class Estimate:
         trainer's jitted step measures: arguments + outputs - aliased + temporaries): all
         but the rollout's KV cache, and for online runs but the frozen models, which the
         rollout's programs read (the update takes their log-probs)."""
-        left_out = ("KV cache", "reference", "reward models") if self.online else ("KV cache",)
+        left_out = (*ROLLOUT_TEMPORARIES, "rollout not live with the update")
+        if self.online:
+            left_out += ("reference", "reward models")
         return {k: v for k, v in self.items.items() if k not in left_out}
+
+    def rollout_items(self) -> dict[str, float]:
+        """The items the rollout's generation program holds (what ``memory_analysis()`` of
+        the compiled sampler measures): the weights it samples with (the policy's, or the
+        trainer's compute-dtype copy), the KV cache and its buffers (online runs only)."""
+        weights = "sampler weights" if self.items.get("sampler weights") else "policy weights"
+        keys = (weights, "KV cache", "sampling buffers", "sampler gathered weights")
+        return {k: self.items[k] for k in keys if k in self.items}
 
     @property
     def submesh_total(self) -> float:
@@ -474,9 +486,21 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         items["not live at once"] = -min(passes, optimiser_step)
     rollout_tokens = None
     if online:
-        kv_rows = rows / (data * fsdp)
-        items["KV cache"] = kv_rows * length * L * 2 * (model.num_kv_heads / tensor) * model.head_dim * p.compute
+        # the rollout's own program, on the sampler's mesh (rollout.mesh, or the training mesh)
+        r_data, r_fsdp, r_tensor = (_mesh(tuple(config.rollout.mesh), devices - apart) if config.rollout.mesh
+                                    else (data, fsdp, tensor))
+        kv_rows = rows / (r_data * r_fsdp)
+        items["KV cache"] = kv_rows * length * L * 2 * (model.num_kv_heads / r_tensor) * model.head_dim * p.compute
         rollout_tokens = int(rows * config.rollout.max_new_tokens)
+        if assumptions == "standard":
+            items.update(_rollout_items(config, model, p, (r_data, r_fsdp, r_tensor), rows=rows, params=P))
+            # the rollout and the update are programs of their own: the device holds the
+            # larger of the two sets of temporaries beside the states, not both
+            rollout = sum(items[k] for k in ROLLOUT_TEMPORARIES)
+            update = (items["activations"] + items["LM head buffers"] + items.get("gathered weights", 0.0)
+                      + items["optimizer update"] + sum(v for k, v in items.items() if k.endswith("gradients"))
+                      + items["not live at once"])
+            items["rollout not live with the update"] = -min(rollout, update)
 
     if submesh:
         # the reference runs on every row of the step (online: of the rollout) at once, packed as the policy's are
@@ -522,6 +546,36 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     if suggest and result.fits is False:
         result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops)
     return result
+
+
+# what the rollout's program holds beside the states (the update's own program holds none of it)
+ROLLOUT_TEMPORARIES = ("sampler weights", "KV cache", "sampling buffers", "sampler gathered weights")
+
+
+def _rollout_items(config, model: ModelConfig, p: Precision, mesh: tuple[int, int, int], *, rows: float,
+                   params: int) -> dict[str, float]:
+    """Per device, what the rollout's generation holds beyond the states and its KV cache
+    (read from the compiled sampler, ``alignax.sampling.generate``, tools/estimate_vs_compiled.py
+    ``--rollout``): a copy of the policy in the compute dtype on the sampler's mesh when the
+    trainer makes one (a compute dtype other than the parameters', or ``rollout.mesh``); the
+    decode step's buffers, six ``[rows, V]`` float32 arrays (the logits and the sampler's
+    work on them: tempered, log-softmax, noise, the untempered log-prob) and the ``[rows, N]``
+    token and log-prob buffers; and under FSDP one layer and, as measured, two and a half
+    whole embedding-sized heads gathered (the token lookup and the LM head, each step)."""
+    r_data, r_fsdp, r_tensor = mesh
+    shard = r_fsdp * r_tensor
+    device_rows = rows / (r_data * r_fsdp)
+    pc = config.precision
+    copies = config.rollout.mesh is not None or pc.compute_dtype != pc.param_dtype
+    stored = p.compute if copies else p.params
+    out = {"sampler weights": params * p.compute / shard if copies else 0.0,
+           "sampling buffers": device_rows * (6 * model.vocab_size * 4 / r_tensor + config.rollout.max_new_tokens * 16),
+           "sampler gathered weights": 0.0}
+    if shard > 1:
+        embedding = model.vocab_size * model.hidden_size
+        layer = (params - embedding * (1 if model.tie_word_embeddings else 2)) / model.num_layers
+        out["sampler gathered weights"] = (layer + 2.5 * embedding) * stored / r_tensor
+    return out
 
 
 def _submesh_forward(config, model: ModelConfig, p: Precision, sub: tuple[int, int, int], placed: dict[str, float],

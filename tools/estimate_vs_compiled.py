@@ -31,6 +31,13 @@ against the estimate's sub-mesh items::
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --devices 8 --submesh 4 --algorithms dpo grpo
 
+With ``--rollout``, each GRPO and PPO case also compiles the rollout's generation (the
+trainer's sampler, ``alignax.sampling.generate``, on the prompts of one step) against the
+estimate's ``rollout_items`` (the weights it samples with, the KV cache, the decode
+buffers and, under FSDP, the weights it gathers)::
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --devices 1 8 --algorithms grpo ppo --remat full --rollout
+
 ``--reestimate A.json B.json --out C.json`` puts the rows of earlier runs in one output
 with the estimates recomputed (the compiled figures stay).
 
@@ -104,6 +111,8 @@ def estimate_items(spec: dict) -> dict[str, float]:
         config = case_config(spec["algorithm"], spec["model"], spec["devices"], spec["remat"], submesh=submesh)
         model = model_config_for(config)
     result = estimate(config, model=model, devices=spec["devices"], mesh=(1, spec["devices"] - submesh, 1))
+    if spec.get("program") == "rollout":
+        return result.rollout_items()
     return result.submesh if spec.get("program") == "submesh reference" else result.update_step_items()
 
 
@@ -144,10 +153,13 @@ def abstract_weights():
             setattr(owner, name, value)
 
 
-def measure_case(algorithm: str, model: str, devices: int, remat: str, submesh: int = 0) -> list[dict]:
+def measure_case(algorithm: str, model: str, devices: int, remat: str, submesh: int = 0,
+                 rollout: bool = False) -> list[dict]:
     """The case's row: its step compiled; with ``submesh``, the reference on a sub-mesh of
-    that many devices, and a second row for the reference's program there."""
+    that many devices, and a second row for the reference's program there; with
+    ``rollout`` (online algorithms), a row for the rollout's generation program."""
     import jax
+    from flax import nnx
 
     from alignax.parallel import batch_sharding
     from alignax.trainers import api
@@ -185,6 +197,14 @@ def measure_case(algorithm: str, model: str, devices: int, remat: str, submesh: 
         out = [row(spec, compiled_figures(compiled))]
         if submesh:
             out.append(row({**spec, "program": "submesh reference"}, compiled_figures(reference_program)))
+        if rollout and algorithm != "dpo":  # the sampler's program on one step's prompts (float32: no copy)
+            sampler_state = nnx.merge_state(trainer.whole_policy(state.params), trainer.rest)
+            prompts = jax.ShapeDtypeStruct((config.data.batch_size, trainer.prompt_len), jax.numpy.int32,
+                                           sharding=batch_sharding(trainer.sampler_mesh, 2))
+            with jax.set_mesh(trainer.sampler_mesh):
+                generation = trainer.sampler._generate.lower(trainer.sampler.graphdef, sampler_state, prompts, prompts,
+                                                             jax.random.key(0), config=trainer.sampling).compile()
+            out.append(row({**spec, "program": "rollout"}, compiled_figures(generation)))
     return out
 
 
@@ -193,6 +213,8 @@ def row(spec: dict, figures: dict) -> dict:
     name = f"{spec['algorithm']} {spec['model']} {spec['devices']} dev remat={spec['remat']}"
     if spec.get("submesh"):
         name += f" reference on {spec['submesh']} dev" + (": its program" if spec.get("program") else ": training step")
+    if spec.get("program") == "rollout":
+        name += ": rollout generation"
     step_items = {k: float(v) for k, v in items.items() if v}
     states = sum(v for k, v in step_items.items() if any(s in k for s in STATES))
     total = sum(step_items.values())
@@ -215,7 +237,7 @@ def worker(args) -> None:
     for model in args.models:
         for algorithm in args.algorithms:
             for remat in args.remat:
-                for measured in measure_case(algorithm, model, args.worker, remat, args.submesh):
+                for measured in measure_case(algorithm, model, args.worker, remat, args.submesh, args.rollout):
                     rows.append(measured)
                     # the whole row as it comes: a process killed later (out of memory) loses none
                     print(json.dumps(measured), file=sys.stderr, flush=True)
@@ -271,6 +293,8 @@ def main() -> None:
                         help="also the compile-only Llama-2-7B steps of --algorithms on these device counts (8 64)")
     parser.add_argument("--submesh", type=int, default=0, metavar="S",
                         help="the reference on S devices of its own (placement.submesh [1, S, 1]), training on the rest")
+    parser.add_argument("--rollout", action="store_true",
+                        help="also the rollout's generation program of the GRPO and PPO cases")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--reestimate", nargs="+", metavar="JSON",
                         help="recompute the estimates of earlier outputs' rows (their compiled figures stay), "
@@ -288,7 +312,8 @@ def main() -> None:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
         command = [sys.executable, __file__, "--worker", str(devices), "--models", *args.models,
-                   "--algorithms", *args.algorithms, "--remat", *args.remat, "--submesh", str(args.submesh)]
+                   "--algorithms", *args.algorithms, "--remat", *args.remat, "--submesh", str(args.submesh),
+                   *(["--rollout"] if args.rollout else [])]
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
         rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
     for devices in args.llama7b or ():
