@@ -1,6 +1,7 @@
 """Run by tests/test_trainers_mesh.py on 8 fake CPU devices: one DPO step of the real
 trainer on a (2, 2, 2) mesh (FSDP over parameters and optimiser state, batch over data)
-against the same step on one device. Prints one JSON line of measured differences.
+against the same step on one device; and 4 pairs on (1, 8, 1), fewer rows than batch
+devices (placed whole on each device), against one device. Prints one JSON line of measured differences.
 ``--lora``: the same with LoRA adapters (rank 4 on every projection), the adapters trained;
 and a QLoRA (NF4 base) DPO run on the mesh against one device (``qlora_*``).
 """
@@ -20,13 +21,14 @@ from tests.toy_model import make_toy_model
 from tests.trainer_helpers import separable_pairs, tiny_config
 
 
-def run(model_dir, shape, quantize=None):
+def run(model_dir, shape, quantize=None, batch_size=None):
     lora = {"lora": {"rank": 4, "alpha": 8}} if "--lora" in sys.argv else {}
     if quantize is not None:  # the QLoRA check
         lora = {"lora": {"rank": 4, "alpha": 8, "quantize": quantize}}
+    data = {} if batch_size is None else {"data": {"batch_size": batch_size}}
     with tempfile.TemporaryDirectory() as tmp:
         config = tiny_config(tmp, "dpo", steps=2, model_dir=model_dir, checkpoint={"enabled": False},
-                             mesh={"shape": list(shape)}, train={"grad_accum_steps": 2}, **lora)
+                             mesh={"shape": list(shape)}, train={"grad_accum_steps": 2}, **lora, **data)
         result = train(config, records=separable_pairs(40))
     params = nnx.state(result.model, nnx.Param)
     return result, params
@@ -38,6 +40,10 @@ def main() -> int:
         make_toy_model(model_dir)
         single, single_params = run(model_dir, (1, 1, 1))
         sharded, sharded_params = run(model_dir, (2, 2, 2))
+        few = {}
+        if "--lora" not in sys.argv:  # a batch the batch devices do not divide (4 pairs, micro-batches of 2, on 8)
+            few = {f"few_rows_loss_{name}": [h["loss"] for h in run(model_dir, shape, batch_size=4)[0].history]
+                   for name, shape in (("single", (1, 1, 1)), ("sharded", (1, 8, 1)))}
         qlora = {}
         if "--lora" in sys.argv:
             q_single, q_single_params = run(model_dir, (1, 1, 1), quantize="nf4")
@@ -62,6 +68,7 @@ def main() -> int:
         "devices": jax.device_count(),
         "loss_single": [h["loss"] for h in single.history],
         "loss_sharded": [h["loss"] for h in sharded.history],
+        **few,
         "eval_accuracy_single": single.eval_history[-1]["eval/rewards/accuracies"],
         "eval_accuracy_sharded": sharded.eval_history[-1]["eval/rewards/accuracies"],
         "max_param_diff": max(diffs),

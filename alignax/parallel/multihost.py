@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -36,7 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from alignax.parallel.sharding import place_array
+from alignax.parallel.sharding import fit_rows, place_array
 
 log = logging.getLogger("alignax")
 
@@ -184,19 +185,31 @@ def place_local_batch(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     ``value`` holds ``B / P`` rows (``P`` processes); in the global array (``B`` rows) they
     are rows :func:`process_rows` — process 0's first. With one process this is a plain
     placement. The mesh must give each process's devices one contiguous block of the
-    batch axes (as ``jax.devices()``' process-major order does).
+    batch axes (as ``jax.devices()``' process-major order does). Batch axes that do not
+    divide ``B`` are dropped from ``sharding`` (:func:`alignax.parallel.sharding.fit_rows`:
+    the rows are whole on their devices); with several processes the rows must still split
+    over the processes.
     """
     value = np.asarray(value)
-    if jax.process_count() == 1 or value.ndim == 0:  # a 0-d leaf is the same on every process
+    if value.ndim == 0:  # a 0-d leaf is the same on every process
         return place_array(value, sharding)
     global_shape = (value.shape[0] * jax.process_count(), *value.shape[1:])
+    fitted = fit_rows(sharding, global_shape[0])
+    if jax.process_count() == 1:
+        return place_array(value, fitted)
     mine = process_rows(global_shape[0])
-    spans = _addressable_rows(sharding, global_shape)
+    spans = _addressable_rows(fitted, global_shape)
     if min(a for a, _ in spans) != mine.start or max(b for _, b in spans) != mine.stop:
+        if fitted is not sharding:
+            batch_devices = math.prod(sharding.mesh.shape[a] for a in np.atleast_1d(sharding.spec[0]))
+            raise ValueError(f"a batch of {global_shape[0]} rows does not split over the mesh's {batch_devices} "
+                             f"batch devices (data x fsdp), and with {jax.process_count()} processes each process "
+                             "must hold its own rows: make the batch (data.batch_size; online, its prompts x "
+                             f"rollout.num_samples) a multiple of {batch_devices}")
         raise ValueError(f"process {jax.process_index()}'s devices hold rows {sorted(spans)} of a batch of "
                          f"{global_shape[0]}, not its block {mine.start}:{mine.stop}; build the mesh so that each "
                          "process's devices are one contiguous block of the batch axes")
-    return jax.make_array_from_callback(global_shape, sharding, lambda index: _take_rows(value, index, mine.start))
+    return jax.make_array_from_callback(global_shape, fitted, lambda index: _take_rows(value, index, mine.start))
 
 
 def _take_rows(value: np.ndarray, index: tuple, offset: int) -> np.ndarray:

@@ -342,6 +342,26 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(batch_axes or None, *([None] * (ndim - 1))))
 
 
+def fit_rows(sharding: NamedSharding, rows: int) -> NamedSharding:
+    """``sharding`` of a ``[rows, ...]`` batch with the mesh axes of its first dim that do
+    not divide ``rows`` dropped, in order, as :func:`logical_to_spec` drops them for
+    activations: the rows are then whole on the devices of a dropped axis (e.g. 4 pairs on
+    8 devices run whole on each) instead of the placement failing."""
+    first = sharding.spec[0] if len(sharding.spec) else None
+    if first is None:
+        return sharding
+    axes = (first,) if isinstance(first, str) else tuple(first)
+    kept, size = [], 1
+    for axis in axes:
+        if rows % (size * sharding.mesh.shape[axis]) == 0:
+            kept.append(axis)
+            size *= sharding.mesh.shape[axis]
+    if len(kept) == len(axes):
+        return sharding
+    spec = PartitionSpec(None if not kept else kept[0] if len(kept) == 1 else tuple(kept), *sharding.spec[1:])
+    return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, *, rules=LOGICAL_AXIS_RULES) -> nnx.Module:
     """Move an existing model's state onto ``mesh`` by the rules (in place; returns it)."""
     nnx.update(model, shard_tree(nnx.state(model), mesh, rules=rules))
