@@ -186,6 +186,22 @@ def test_the_rollout_and_the_update_are_not_live_at_once():
                                            "sampler gathered weights"}
 
 
+def test_a_batch_the_batch_devices_do_not_divide_is_noted():
+    """16 pairs on 64 batch devices: one process places them whole on each device, several
+    refuse them, and the figures are not calibrated there: the estimate says so (its note,
+    in the table and the JSON); on 8 devices, or with 64 pairs, no note."""
+    config = load_config("configs/dpo.yaml", BF16)
+    model = model_config_for(config, "llama-2-7b")
+    small = estimate(config, model=model, devices=64, mesh=(1, 64, 1))
+    assert len(small.notes) == 1 and "data.batch_size 16" in small.notes[0] and "64 batch devices" in small.notes[0]
+    assert "note: data.batch_size 16" in small.table() and small.to_dict()["notes"] == list(small.notes)
+    assert estimate(config, model=model, devices=8, mesh=(1, 8, 1)).notes == ()
+    assert estimate(load_config("configs/dpo.yaml", [*BF16, "data.batch_size=64"]), model=model, devices=64,
+                    mesh=(1, 64, 1)).notes == ()
+    grpo = estimate(load_config("configs/grpo.yaml", BF16), model=model, devices=64, mesh=(1, 64, 1))
+    assert "data.batch_size 16" in grpo.notes[0] and "rollout rows" not in grpo.notes[0]  # 16 x 4 rows split
+
+
 def test_an_optimizer_state_in_host_memory_leaves_the_states_but_returns_for_the_update():
     """placement.optimizer_state=host: moments and master copy become host lines, and the
     update holds them again beside its temporaries. Under full remat the update is the

@@ -50,7 +50,7 @@ from alignax.models import lora as lora_lib
 from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
                                         process_rows)
 from alignax.parallel.placement import place, place_optimizer_state, rows_to, split_devices, to_device
-from alignax.parallel.sharding import batch_sharding, make_mesh, tree_shardings
+from alignax.parallel.sharding import batch_sharding, fit_rows, make_mesh, tree_shardings
 from alignax.rewards.composite import RewardModels, RewardScorer
 from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
 from alignax.rewards.verifiers import with_task
@@ -419,8 +419,8 @@ class OnlineTrainer:
         rows = self.rows // self.algorithm.minibatches
         width = self.prompt_len + self.max_new
 
-        def array(shape, dtype):  # rows over the batch axes; a scalar replicated
-            sharding = (batch_sharding(self.mesh, len(shape)) if shape
+        def array(shape, dtype):  # rows over the batch axes that divide them (as placed); a scalar replicated
+            sharding = (fit_rows(batch_sharding(self.mesh, len(shape)), shape[0]) if shape
                         else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
