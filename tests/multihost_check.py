@@ -9,7 +9,8 @@ of jobs ``{"name", "recipe" (dpo | grpo | ppo), "model_dir", "output_dir", "dpo_
 run's ``placement`` section)}``; each trains that tiny recipe on the toy model through
 ``alignax.trainers.api.train`` on the same records and prints one JSON line: the losses of the steps it ran, the step metrics rows it wrote, and a
 digest of the final parameters (sums computed on the global arrays, so every process and
-every layout gives comparable numbers). A job ``{"name", "cli": [ARGS]}`` runs the command
+every layout gives comparable numbers). A job ``{"name", "check": "batch_per_process"}`` places 4 rows on 8
+batch devices and prints the error it gets. A job ``{"name", "cli": [ARGS]}`` runs the command
 line (``alignax ARGS``, this process's ``distributed.*`` keys appended) and prints its exit
 status and stdout. Last, each process prints ``{"finished": TIME}`` and returns: the job
 is left the way a run leaves it (:func:`alignax.parallel.multihost.leave` at exit), which
@@ -28,6 +29,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def frozen_layout(trainer) -> dict:
@@ -64,6 +66,17 @@ def main() -> None:
     api.build_trainer = lambda *args, **kwargs: trainers.append(build_trainer(*args, **kwargs)) or trainers[-1]
     for job in jobs:
         messages.clear()
+        if job.get("check") == "batch_per_process":  # a batch that cannot give each process rows of its own
+            from alignax.parallel import batch_sharding, make_mesh
+            from alignax.parallel.multihost import place_local_batch
+
+            try:  # this process's 2 of 4 rows, on the 8 batch devices of both processes
+                place_local_batch(np.zeros((2, 3), np.float32), batch_sharding(make_mesh((1, -1, 1)), 2))
+                error = None
+            except ValueError as err:
+                error = str(err)
+            print(json.dumps({"job": job["name"], "process": jax.process_index(), "error": error}), flush=True)
+            continue
         if "cli" in job:
             from alignax import cli
 

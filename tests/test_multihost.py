@@ -109,9 +109,16 @@ def test_two_processes_train_like_one(tmp_path, toy_model):
     exits: list = []
     export = {"name": "export", "cli": ["export", str(tmp_path / "split" / "config.yaml"), "--out",
                                         str(tmp_path / "export2")]}
-    two = launch(2, [job(tmp_path, toy_model, "pre", "dpo", 2, "split", "precomputed"),
+    refused = {"name": "refused", "check": "batch_per_process"}  # after a run: the processes have joined
+    two = launch(2, [job(tmp_path, toy_model, "pre", "dpo", 2, "split", "precomputed"), refused,
                      job(tmp_path, toy_model, "grpo", "grpo", 2, "grpo2", **GRPO_LAYOUT), export],
                  devices=4, exits=exits)
+    # 4 rows on 8 batch devices: one process places them whole on each device; two cannot
+    # give each process rows of its own, and say what to change
+    for process, (_, check, *_) in enumerate(two):
+        assert check["process"] == process and "does not split over the mesh's 8 batch devices" in check["error"]
+        assert "data.batch_size" in check["error"] and "a multiple of 8" in check["error"]
+    two = [[pre, *rest] for pre, _, *rest in two]
     # one process: the uninterrupted runs, then the two processes' DPO run resumed (one
     # launch for both, as an interpreter start and its compiles cost more than the steps)
     *single, resumed = launch(1, [job(tmp_path, toy_model, "pre", "dpo", 4, "pre1", "precomputed"),
