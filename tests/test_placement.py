@@ -233,6 +233,7 @@ def test_a_submesh_takes_the_last_devices_of_each_process():
     training, apart = split_devices(config, devices)
     assert [d.id for d in training] == [0, 1, 100, 101] and [d.id for d in apart] == [2, 3, 102, 103]
     assert split_devices(PlacementConfig(), devices) == (devices, None)
+    assert split_devices(PlacementConfig(submesh=(1, 4, 1)), devices) == (devices, None)  # no model placed there
     for shape in ((1, 8, 1), (1, 3, 1)):  # no training device left; 3 does not split over 2 processes
         with pytest.raises(ValueError, match=r"placement\.submesh"):
             split_devices(dataclasses.replace(config, submesh=shape), devices)

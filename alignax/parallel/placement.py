@@ -131,10 +131,10 @@ def split_devices(config: PlacementConfig, devices: Sequence[jax.Device] | None 
     ``S / P`` devices of each process go to the sub-mesh, so both meshes give each process
     one contiguous block of rows (what :func:`rows_to` and the data loaders need)."""
     devices = list(jax.devices() if devices is None else devices)
-    if config.submesh is None:  # (a role on "submesh" without it: alignax.trainers.validation refuses)
+    size = config.devices_apart  # (a role on "submesh" without a shape: alignax.trainers.validation refuses)
+    if not size:
         return devices, None
     shape = tuple(config.submesh)
-    size = int(np.prod(shape))
     processes = sorted({d.process_index for d in devices})
     local = [[d for d in devices if d.process_index == p] for p in processes]
     if size % len(processes) or size // len(processes) >= min(len(ds) for ds in local):
