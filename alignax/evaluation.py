@@ -258,8 +258,7 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
     With ``config.env.name`` set, the run's multi-turn rollouts with its environment
     (:class:`alignax.envs.rollout.EnvSampler`, which needs the policy's ``model_config``)."""
     from alignax.parallel import placement
-    from alignax.parallel.multihost import place_local_batch
-    from alignax.parallel.sharding import batch_sharding
+    from alignax.parallel.multihost import place_rows
 
     rc = config.rollout
     eos = tokenizer.eos_token_id
@@ -278,8 +277,7 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
     sampling = SamplingConfig(max_new_tokens=rc.max_new_tokens, greedy=True, stop_token_ids=stop, pad_id=pad)
 
     def place(value):
-        value = np.asarray(value)
-        return place_local_batch(value, batch_sharding(mesh, value.ndim))
+        return place_rows(value, mesh)
 
     if config.env.name is not None:
         from alignax.envs.registry import env_factory

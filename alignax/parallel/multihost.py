@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from alignax.parallel.sharding import fit_rows, place_array
+from alignax.parallel.sharding import batch_sharding, fit_rows, place_array
 
 log = logging.getLogger("alignax")
 
@@ -210,6 +210,13 @@ def place_local_batch(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
                          f"{global_shape[0]}, not its block {mine.start}:{mine.stop}; build the mesh so that each "
                          "process's devices are one contiguous block of the batch axes")
     return jax.make_array_from_callback(global_shape, fitted, lambda index: _take_rows(value, index, mine.start))
+
+
+def place_rows(value: np.ndarray, mesh) -> jax.Array:
+    """This process's rows of a host array placed over ``mesh``'s batch axes
+    (:func:`place_local_batch` with :func:`alignax.parallel.sharding.batch_sharding`)."""
+    value = np.asarray(value)
+    return place_local_batch(value, batch_sharding(mesh, value.ndim))
 
 
 def _take_rows(value: np.ndarray, index: tuple, offset: int) -> np.ndarray:

@@ -44,8 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from alignax.parallel.multihost import local_rows, place_local_batch
-from alignax.parallel.sharding import batch_sharding
+from alignax.parallel.multihost import local_rows, place_rows
 
 Where = Literal["device", "host"]
 FrozenWhere = Literal["device", "host", "submesh"]
@@ -148,6 +147,6 @@ def split_devices(config: PlacementConfig, devices: Sequence[jax.Device] | None 
 def rows_to(mesh: Mesh, tree: Any) -> Any:
     """Arrays with rows over the batch axes of one mesh → the same global arrays with rows
     over ``mesh``'s batch axes. Each process moves its own rows through its host memory
-    (``local_rows`` then ``place_local_batch``): multi-controller JAX cannot reshard
-    between disjoint sets of devices, and what crosses (log-probs, scores) is small."""
-    return jax.tree.map(lambda x: place_local_batch(local_rows(x), batch_sharding(mesh, x.ndim)), tree)
+    (``local_rows`` then ``place_rows``): multi-controller JAX cannot reshard between
+    disjoint sets of devices, and what crosses (log-probs, scores) is small."""
+    return jax.tree.map(lambda x: place_rows(local_rows(x), mesh), tree)

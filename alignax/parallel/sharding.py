@@ -29,7 +29,7 @@ import contextlib
 import contextvars
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -182,6 +182,17 @@ def mesh_for_shape(shape: Sequence[int], dcn_shape: Sequence[int] | None = None,
     return make_mesh(shape, devices=devices)
 
 
+def _dividing_axes(axes: Sequence[str], dim: int, sizes: Mapping[str, int]) -> list[str]:
+    """The mesh axes of ``axes``, in order, that split a dimension of ``dim``: each kept
+    one's size times those kept before it divides ``dim``; the others are dropped."""
+    kept, size = [], 1
+    for axis in axes:
+        if dim % (size * sizes[axis]) == 0:
+            kept.append(axis)
+            size *= sizes[axis]
+    return kept
+
+
 def logical_to_spec(
     names: Sequence[str | None],
     shape: Sequence[int] | None = None,
@@ -206,19 +217,9 @@ def logical_to_spec(
             raise ValueError(f"logical axis {name!r} has no rule; known: {', '.join(table)}")
         target = table[name]
         targets = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-        kept: list[str] = []
-        size = 1
-        for axis in targets:
-            if axis in used:
-                continue
-            if mesh is not None:
-                if axis not in mesh.shape:
-                    continue
-                axis_size = mesh.shape[axis]
-                if shape is not None and shape[i] % (size * axis_size):
-                    continue
-                size *= axis_size
-            kept.append(axis)
+        kept = [axis for axis in targets if axis not in used and (mesh is None or axis in mesh.shape)]
+        if mesh is not None and shape is not None:
+            kept = _dividing_axes(kept, shape[i], mesh.shape)
         used.update(kept)
         spec.append(None if not kept else (kept[0] if len(kept) == 1 else tuple(kept)))
     return PartitionSpec(*spec)
@@ -351,11 +352,7 @@ def fit_rows(sharding: NamedSharding, rows: int) -> NamedSharding:
     if first is None:
         return sharding
     axes = (first,) if isinstance(first, str) else tuple(first)
-    kept, size = [], 1
-    for axis in axes:
-        if rows % (size * sharding.mesh.shape[axis]) == 0:
-            kept.append(axis)
-            size *= sharding.mesh.shape[axis]
+    kept = _dividing_axes(axes, rows, sharding.mesh.shape)
     if len(kept) == len(axes):
         return sharding
     spec = PartitionSpec(None if not kept else kept[0] if len(kept) == 1 else tuple(kept), *sharding.spec[1:])

@@ -20,9 +20,9 @@ from alignax import models
 from alignax.models import registry
 from alignax.models.lora import LoraConfig, with_adapters
 from alignax._checks import check_choice
-from alignax.parallel.multihost import place_local_batch
+from alignax.parallel.multihost import place_rows
 from alignax.parallel.placement import split_devices
-from alignax.parallel.sharding import batch_sharding, make_mesh, mesh_for_shape
+from alignax.parallel.sharding import make_mesh, mesh_for_shape
 from alignax.trainers.config import MeshSection, ModelSpec
 from alignax.trainers.engine.precision import PrecisionConfig, frozen_params
 
@@ -137,7 +137,7 @@ class BatchPlacer:
         for key, value in batch.items():
             if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
                 continue
-            placed[key] = place_local_batch(value, batch_sharding(self.mesh, value.ndim))
+            placed[key] = place_rows(value, self.mesh)
         return placed
 
 

@@ -47,8 +47,7 @@ from alignax.envs.rollout import EnvSampler, trajectory_figures
 from alignax.losses import sft_loss, value_loss
 from alignax.metrics import to_host
 from alignax.models import lora as lora_lib
-from alignax.parallel.multihost import (allgather_rows, host_global, local_rows, place_local_batch,
-                                        process_rows)
+from alignax.parallel.multihost import allgather_rows, host_global, local_rows, place_rows, process_rows
 from alignax.parallel.placement import place, place_optimizer_state, rows_to, split_devices, to_device
 from alignax.parallel.sharding import batch_sharding, fit_rows, make_mesh, tree_shardings
 from alignax.rewards.composite import RewardModels, RewardScorer
@@ -232,8 +231,7 @@ class OnlineTrainer:
         return optax.multi_transform({"policy": optimizer, "critic": critic_optimizer}, labels), schedule
 
     def place(self, value: np.ndarray) -> jax.Array:
-        value = np.asarray(value)
-        return place_local_batch(value, batch_sharding(self.mesh, value.ndim))
+        return place_rows(value, self.mesh)
 
     def frozen_mesh(self, role: str) -> jax.sharding.Mesh:
         """Where the frozen model of ``role`` (``reference`` | ``reward_models``) runs: the
@@ -243,12 +241,11 @@ class OnlineTrainer:
     def frozen_place(self, role: str):
         """Puts this process's rows of a host array on :meth:`frozen_mesh` of ``role``."""
         mesh = self.frozen_mesh(role)
-        return lambda value: place_local_batch(np.asarray(value), batch_sharding(mesh, np.ndim(value)))
+        return lambda value: place_rows(value, mesh)
 
     def sampler_place(self, value: np.ndarray) -> jax.Array:
         """Prompt rows of this process on the sampler's mesh."""
-        value = np.asarray(value)
-        return place_local_batch(value, batch_sharding(self.sampler_mesh, value.ndim))
+        return place_rows(value, self.sampler_mesh)
 
     def policy_params(self, params):
         """The policy's part of the trained tree."""
@@ -302,14 +299,13 @@ class OnlineTrainer:
             return {}
         return {} if reference is None else {"reference": place(reference, self.config.placement.reference)}
 
-    def reference_logps(self, frozen, groups: Groups, tokens, positions, attention) -> jax.Array:
+    def reference_logps(self, frozen, sequences: tuple[np.ndarray, ...], placed: tuple[jax.Array, ...]) -> jax.Array:
         """The reference's log-probs of the rollout's response tokens, ``[R, N]`` on the
-        training mesh: from ``frozen["reference"]`` on the training mesh's ``tokens``, or
-        on the sub-mesh (placed there from the host rows) and brought back."""
+        training mesh: from ``frozen["reference"]`` on the full sequences ``placed`` on the
+        training mesh, or on the sub-mesh (the host ``sequences`` placed there) and brought back."""
         if self.submesh_reference is None:
-            return self._policy_forward(frozen["reference"], tokens, positions, attention)[0]
-        place = self.frozen_place("reference")
-        on_submesh = [place(a) for a in groups.full_sequences()]
+            return self._policy_forward(frozen["reference"], *placed)[0]
+        on_submesh = [self.frozen_place("reference")(a) for a in sequences]
         return rows_to(self.mesh, self._policy_forward(self.submesh_reference, *on_submesh)[0])
 
     # ------------------------------------------------------------------ compiled pieces
@@ -506,7 +502,8 @@ class OnlineTrainer:
 
         # ---- per-token quantities of the rollout under the current policy ----
         t_fwd = time.perf_counter()
-        tokens, positions, attention = (self.place(a) for a in groups.full_sequences())
+        sequences = groups.full_sequences()
+        tokens, positions, attention = placed = tuple(self.place(a) for a in sequences)
         response_mask = self.place(groups.actions().astype(np.float32))  # the policy's tokens (model turns)
         sampler_logps = self.place(groups.sampler_logps)
         recomputed = entropy = shared_values = None  # single-update mode: the update returns them
@@ -515,7 +512,7 @@ class OnlineTrainer:
                                                                       positions, attention)
         old_logps = sampler_logps if rc.old_logps == "sampler" else recomputed
         # no reference model (a zero fixed KL coefficient): no reference log-probs, no KL figures
-        ref_logps = self.reference_logps(frozen, groups, tokens, positions, attention) if self.uses_reference else None
+        ref_logps = self.reference_logps(frozen, sequences, placed) if self.uses_reference else None
         if self.separate_critic:
             old_values = self._critic_values(self.whole_critic(state.params), tokens, positions, attention)
         elif shared_values is not None:
