@@ -37,8 +37,80 @@ from alignax.ops import AggregationMode
 from alignax.parallel.multihost import DistributedConfig
 from alignax.parallel.placement import PlacementConfig
 from alignax.rewards.composite import RewardConfig
-from alignax.trainers.engine.optim import OptimConfig
-from alignax.trainers.engine.precision import PrecisionConfig
+
+DtypeName = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Which dtype holds what.
+
+    Fields:
+      param_dtype: storage of the trained weights the model computes from.
+      compute_dtype: activations and matmuls (weights are cast to it where they are
+        used). Logits, log-probs, losses and the optimiser stay float32 (:mod:`alignax.trainers.engine.precision`).
+      master_dtype: with ``param_dtype: bfloat16``, the optimiser keeps the weights in this
+        dtype in its state (so checkpoints carry them), applies updates there and writes
+        their bfloat16 rounding back to the params. ``null``: updates are added to the
+        bfloat16 params directly, and any update smaller than half a weight's bfloat16
+        spacing (0.2 % of the weight) is lost; saves 4 bytes per parameter.
+      mu_dtype: Adam's first moment (optax's ``mu_dtype``). The second moment stays
+        float32: its running average moves by ``1 - b2`` (0.1 % at ``b2 = 0.999``) a step,
+        less than half a bfloat16 spacing, so a bfloat16 second moment could never decay.
+      frozen_dtype: the reference policy and reward models (weights; reward models compute
+        in float32); ``null``: ``param_dtype``.
+    """
+
+    param_dtype: DtypeName = "float32"
+    compute_dtype: DtypeName = "float32"
+    master_dtype: Literal["float32"] | None = "float32"
+    mu_dtype: DtypeName = "float32"
+    frozen_dtype: DtypeName | None = None
+
+    def model_dtypes(self) -> dict[str, str]:
+        """``param_dtype`` and ``dtype`` (compute) as :class:`alignax.models.ModelConfig` names them."""
+        return {"param_dtype": self.param_dtype, "dtype": self.compute_dtype}
+
+    @property
+    def frozen(self) -> str:
+        """The dtype frozen models are held in."""
+        return self.frozen_dtype or self.param_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Optimiser settings.
+
+    Fields:
+      name: ``adamw`` | ``adam`` | ``sgd``.
+      learning_rate: peak learning rate, reached after ``warmup_steps``.
+      schedule: ``constant`` | ``cosine`` | ``linear`` decay after warmup, to
+        ``learning_rate * min_lr_ratio`` at the last step.
+      warmup_steps: linear warmup from 0.
+      weight_decay: decoupled weight decay (AdamW), applied to parameters of rank >= 2
+        only — never to norms or biases.
+      b1, b2, eps: Adam moments.
+      max_grad_norm: clip the global gradient norm; ``null`` disables clipping.
+    """
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    learning_rate: float = 1e-5
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0; got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0; got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,50 +14,13 @@ computes in float32 on a float32 master copy of the weights.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from alignax.trainers.engine.precision import PrecisionConfig, with_precision
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """Optimiser settings.
-
-    Fields:
-      name: ``adamw`` | ``adam`` | ``sgd``.
-      learning_rate: peak learning rate, reached after ``warmup_steps``.
-      schedule: ``constant`` | ``cosine`` | ``linear`` decay after warmup, to
-        ``learning_rate * min_lr_ratio`` at the last step.
-      warmup_steps: linear warmup from 0.
-      weight_decay: decoupled weight decay (AdamW), applied to parameters of rank >= 2
-        only — never to norms or biases.
-      b1, b2, eps: Adam moments.
-      max_grad_norm: clip the global gradient norm; ``null`` disables clipping.
-    """
-
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
-    learning_rate: float = 1e-5
-    schedule: Literal["constant", "cosine", "linear"] = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-
-    def __post_init__(self):
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be > 0; got {self.learning_rate}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0; got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
+from alignax.trainers.config import OptimConfig, PrecisionConfig
+from alignax.trainers.engine.precision import with_precision
 
 
 def learning_rate_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -26,8 +26,7 @@ plus the gradients (in the parameter dtype) during a step.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,44 +34,7 @@ import optax
 from flax import nnx
 
 from alignax.models.quant import QuantizedParam
-
-DtypeName = Literal["float32", "bfloat16"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionConfig:
-    """Which dtype holds what.
-
-    Fields:
-      param_dtype: storage of the trained weights the model computes from.
-      compute_dtype: activations and matmuls (weights are cast to it where they are
-        used). Logits, log-probs, losses and the optimiser stay float32 (module docstring).
-      master_dtype: with ``param_dtype: bfloat16``, the optimiser keeps the weights in this
-        dtype in its state (so checkpoints carry them), applies updates there and writes
-        their bfloat16 rounding back to the params. ``null``: updates are added to the
-        bfloat16 params directly, and any update smaller than half a weight's bfloat16
-        spacing (0.2 % of the weight) is lost; saves 4 bytes per parameter.
-      mu_dtype: Adam's first moment (optax's ``mu_dtype``). The second moment stays
-        float32: its running average moves by ``1 - b2`` (0.1 % at ``b2 = 0.999``) a step,
-        less than half a bfloat16 spacing, so a bfloat16 second moment could never decay.
-      frozen_dtype: the reference policy and reward models (weights; reward models compute
-        in float32); ``null``: ``param_dtype``.
-    """
-
-    param_dtype: DtypeName = "float32"
-    compute_dtype: DtypeName = "float32"
-    master_dtype: Literal["float32"] | None = "float32"
-    mu_dtype: DtypeName = "float32"
-    frozen_dtype: DtypeName | None = None
-
-    def model_dtypes(self) -> dict[str, str]:
-        """``param_dtype`` and ``dtype`` (compute) as :class:`alignax.models.ModelConfig` names them."""
-        return {"param_dtype": self.param_dtype, "dtype": self.compute_dtype}
-
-    @property
-    def frozen(self) -> str:
-        """The dtype frozen models are held in."""
-        return self.frozen_dtype or self.param_dtype
+from alignax.trainers.config import PrecisionConfig
 
 
 def _is_float(x) -> bool:
