@@ -34,6 +34,7 @@ as ``false``. Ints, nulls and dates read as before. The typed conversion then de
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import decimal
 import difflib
@@ -43,7 +44,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import yaml
@@ -403,3 +404,265 @@ def load_callable(spec: str) -> Callable[..., Any]:
                           "callable")
     return obj
 
+
+# =========================================================================================
+# The condition language, the key table's rows and the schema walk: generic over any config
+# dataclass tree. ``alignax.trainers.validation`` writes the run config's table in them;
+# each algorithm's entry (``alignax.trainers.algorithms``) writes its own rows.
+# =========================================================================================
+
+MISSING = object()  # what :func:`get` returns through a null section
+
+
+def get(config: Any, path: str) -> Any:
+    """The value at a dotted ``path`` of ``config`` (``MISSING`` through a null section)."""
+    value = config
+    for part in path.split("."):
+        if value is None:
+            return MISSING
+        value = getattr(value, part)
+    return value
+
+
+def show(value: Any) -> str:
+    """A value as a recipe writes it."""
+    if value is None or value is MISSING:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):
+        return "{...}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------------- conditions
+class Cond(abc.ABC):
+    """A condition on a config: ``cond(config) -> bool``; ``text`` says it in recipe terms,
+    ``got(config)`` the values that make it fail."""
+
+    text: str
+
+    @abc.abstractmethod
+    def __call__(self, config: Any) -> bool:
+        """Whether the condition holds for ``config``."""
+
+    @abc.abstractmethod
+    def got(self, config: Any) -> str:
+        """The values of ``config`` that the condition reads, in recipe terms."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.text}>"
+
+
+class Is(Cond):
+    """``path`` holds one of ``values``."""
+
+    def __init__(self, path: str, *values: Any):
+        self.path, self.values = path, values
+        self.text = f"{path}={'|'.join(show(v) for v in values)}"
+
+    def __call__(self, config):
+        return get(config, self.path) in self.values
+
+    def got(self, config):
+        return f"{self.path}={show(get(config, self.path))}"
+
+
+class IsNot(Is):
+    """``path`` holds none of ``values``."""
+
+    def __init__(self, path: str, *values: Any):
+        super().__init__(path, *values)
+        self.text = f"{path} other than {'/'.join(show(v) for v in values)}"
+
+    def __call__(self, config):
+        return get(config, self.path) not in self.values
+
+
+class Above(Is):
+    """``path`` > ``bound``."""
+
+    def __init__(self, path: str, bound: float = 0):
+        super().__init__(path)
+        self.bound = bound
+        self.text = f"{path} > {show(bound)}"
+
+    def __call__(self, config):
+        value = get(config, self.path)
+        return value is not None and value is not MISSING and value > self.bound
+
+
+class NonZero(Is):
+    """``path`` != 0."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.text = f"{path} != 0"
+
+    def __call__(self, config):
+        return get(config, self.path) != 0
+
+
+class Given(Is):
+    """``path`` is set: not null, not empty."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.text = f"{path} set"
+
+    def __call__(self, config):
+        value = get(config, self.path)
+        return value is not MISSING and value is not None and value != () and value != {}
+
+    def got(self, config):
+        value = get(config, self.path)
+        return f"{self.path}={'[]' if value == () else '{}' if value == {} else show(value)}"
+
+
+class All(Cond):
+    def __init__(self, *conds: Cond):
+        self.conds = conds
+        self.text = " and ".join(c.text for c in conds)
+
+    def __call__(self, config):
+        return all(c(config) for c in self.conds)
+
+    def got(self, config):
+        return next(c.got(config) for c in self.conds if not c(config))
+
+
+class AnyOf(Cond):
+    def __init__(self, *conds: Cond):
+        self.conds = conds
+        self.text = " or ".join(f"({c.text})" if isinstance(c, (All, AnyOf)) else c.text for c in conds)
+
+    def __call__(self, config):
+        return any(c(config) for c in self.conds)
+
+    def got(self, config):
+        seen = []
+        for c in self.conds:
+            for part in c.got(config).split(", "):
+                if part and part not in seen:
+                    seen.append(part)
+        return ", ".join(seen)
+
+
+class Named(Cond):
+    """``cond`` said in words (``text``)."""
+
+    def __init__(self, text: str, cond: Cond):
+        self.text, self.cond = text, cond
+
+    def __call__(self, config):
+        return self.cond(config)
+
+    def got(self, config):
+        return self.cond.got(config)
+
+
+class Check(Cond):
+    """A condition computed by ``fn``; ``got_fn`` says the values it read."""
+
+    def __init__(self, text: str, fn: Callable[[Any], bool], got_fn: Callable[[Any], str]):
+        self.text, self.fn, self.got_fn = text, fn, got_fn
+
+    def __call__(self, config):
+        return self.fn(config)
+
+    def got(self, config):
+        return self.got_fn(config)
+
+
+ALWAYS = Check("any run", lambda c: True, lambda c: "")
+NEVER = Check("no run", lambda c: False, lambda c: "")
+
+
+# --- the key table's rows
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """``keys`` (dotted leaves, or a section: all keys under it) are read when ``when``
+    holds; ``why``: the reason in words, for the error message."""
+
+    keys: tuple[str, ...]
+    when: Cond
+    why: str = ""
+
+    def covers(self, key: str) -> bool:
+        return any(key == k or key.startswith(k + ".") for k in self.keys)
+
+
+def rule(keys: str | Sequence[str], when: Cond, why: str = "") -> Rule:
+    return Rule((keys,) if isinstance(keys, str) else tuple(keys), when, why)
+
+
+def keys_of(cls: type, prefix: str, *, but: Sequence[str] = ()) -> list[str]:
+    """The keys of section ``cls`` at ``prefix`` except ``but``."""
+    return [f"{prefix}.{f.name}" for f in dataclasses.fields(cls) if f.name not in but]
+
+
+# --- the schema walk
+def schema_keys(cls: type, prefix: str = "") -> Iterator[str]:
+    """Every dotted key of the schema: leaves, and optional sections (``ppo.ptx_data``)
+    with their leaves after them."""
+    hints = type_hints(cls)
+    for field in dataclasses.fields(cls):
+        tp, key = hints[field.name], prefix + field.name
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(tp):
+            yield from schema_keys(tp, key + ".")
+        elif inner:
+            yield key
+            yield from schema_keys(inner[0], key + ".")
+        else:
+            yield key
+
+
+def field_default(cls: type, field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return MISSING
+
+
+def set_keys(config: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """``(key, value, default)`` of every key whose value differs from its dataclass default;
+    a set optional section (``ppo.ptx_data``) comes before its own set keys."""
+    for field in dataclasses.fields(config):
+        value, key = getattr(config, field.name), prefix + field.name
+        if dataclasses.is_dataclass(value):
+            default = field_default(type(config), field)
+            if default is None:  # an optional section, set
+                yield key, value, None
+            yield from set_keys(value, key + ".")
+            continue
+        default = field_default(type(config), field)
+        if default is MISSING or value != default:
+            yield key, value, default
+
+
+@dataclasses.dataclass(frozen=True)
+class Unusable:
+    """A set key that the run would ignore: the first of its rules that fails."""
+
+    key: str
+    value: Any
+    default: Any
+    rule: Rule
+
+
+def unusable_keys(config: Any, rules_covering: Callable[[str], Sequence[Rule]]) -> list[Unusable]:
+    """The set keys whose rules (``rules_covering(key)``, in table order) do not all hold,
+    in schema order; the keys under an optional section reported for a rule are not
+    repeated for it."""
+    out: list[Unusable] = []
+    for key, value, default in set_keys(config):
+        for r in rules_covering(key):
+            if not r.when(config):
+                if not any(u.rule is r and key.startswith(u.key + ".") for u in out):
+                    out.append(Unusable(key, value, default, r))
+                break
+    return out

@@ -58,7 +58,10 @@ from alignax.models.lora import adapter_parameter_count, projection_sizes
 from alignax.models.quant import quantized_bytes
 from alignax.parallel.placement import SUBMESH_ROLES
 from alignax.parallel.sharding import logical_to_spec
+from alignax.config import NEVER, Is
+from alignax.trainers.algorithms import algorithm
 from alignax.trainers.engine import packing
+from alignax.trainers.validation import LIVE_REFERENCE  # the rule that accepts placement.reference
 
 GB = 1e9
 
@@ -307,8 +310,11 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     data, fsdp, tensor = _mesh(tuple(mesh or config.mesh.shape), devices - apart)
     shard = fsdp * tensor
     p = SEED if assumptions == "seed" else precision_of(config)
-    algorithm = config.algorithm
-    P = parameter_count(model, head="scalar" if algorithm == "reward" else "lm")
+    entry = algorithm(config.algorithm)
+    if entry.estimate_as is not None:  # e.g. iterative DPO: its rounds' training runs
+        config = entry.estimate_as(config)
+        entry = algorithm(config.algorithm)
+    P = parameter_count(model, head=entry.head)
     # the seed's rule counts every model (reward model, critic) at the policy's size
     scalar = P if assumptions == "seed" else parameter_count(model, head="scalar")
     lora = getattr(config, "lora", None)
@@ -320,15 +326,10 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         adapters = None
         items = {f"policy {k}": v for k, v in _trained(P, p, shard).items()}
     frozen = P * p.frozen / shard
-    online = algorithm in ("grpo", "ppo")
-    section = getattr(config, algorithm, None)
-    if algorithm == "dpo":
-        live = config.dpo.loss in ("dpo", "kto") and config.dpo.reference == "live"
-        uses_reference = live or assumptions == "seed"
-    elif online:
-        uses_reference = section.kl_coef > 0 or assumptions == "seed"
-    else:
-        uses_reference = False
+    online = entry.family == "online"
+    section = getattr(config, entry.sections[0])
+    live = entry.reference(config) and not entry.precomputed_reference(config)
+    uses_reference = live or (assumptions == "seed" and entry.reference is not NEVER)
     items["reference"] = frozen if uses_reference and adapters is None else 0.0  # LoRA: the base, adapters off
     n_reward_models = len(config.rewards.reward_models or ()) if online else 0
     if assumptions == "seed" and online:
@@ -346,10 +347,10 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
             host[name], items[name] = items[name], 0.0
         if key in on_submesh and items[name]:
             submesh[name], items[name] = items[name] * shard / (sub[1] * sub[2]), 0.0
-    critic_kind = config.ppo.critic if algorithm == "ppo" else None
-    critic = algorithm == "ppo" and (critic_kind in ("separate", "adapter") or assumptions == "seed")
+    critic_on_base = entry.critic_on_base(config)
+    critic = entry.critic(config) or (assumptions == "seed" and entry.critic is not NEVER)
     critic_trained = scalar
-    if critic_kind == "adapter" and adapters is not None:
+    if critic_on_base and adapters is not None:
         # ppo.critic=adapter: its own adapter on the policy's frozen base (no second base;
         # a value model has no LM head to adapt) and a value head
         critic_trained = adapter_parameter_count(model, lora, lm_head=False) + model.hidden_size
@@ -377,14 +378,12 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         policy_rows = train_rows / group
         policy_length = config.data.max_prompt_length + group * config.rollout.max_new_tokens
     else:
-        rows = config.data.batch_size * (2 if algorithm in ("dpo", "reward") and config.dpo.loss != "kto" else 1)
-        if algorithm == "dpo" and config.dpo.loss == "kto":
-            rows = config.data.batch_size * 2  # each record and its KL partner
+        rows = config.data.batch_size * entry.rows_per_record(config)  # a pair's two rows; KTO's KL partner
         length = config.data.max_length
         train_rows = rows / accum
         policy_rows, policy_length = train_rows, length
         window = config.data.max_response_length
-        if algorithm == "dpo" and config.dpo.loss != "kto" and packing.pair_packs(
+        if entry.packs_pairs(config) and packing.pair_packs(
                 config.model.attention, row_length=length, window=window):
             # a preference pair is one packed row: the prompt once, then both responses
             policy_rows, policy_length = train_rows / 2, packing.packed_width(length, 2, window)
@@ -521,7 +520,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         packed_rows = policy_rows * accum * (minibatches if online else 1)
         # the positions a row scores: G responses of a packed group, a packed pair's two windows
         scored_per_row = (group * config.rollout.max_new_tokens if online
-                          else policy_length if algorithm != "dpo" or config.dpo.loss == "kto"
+                          else policy_length if not entry.packs_pairs(config)
                           else 2 * window if policy_rows != train_rows else length)
         submesh.update(_submesh_forward(config, model, p, sub, submesh, rows=rows,
                                         packed=(packed_rows, policy_length, scored_per_row),
@@ -540,7 +539,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                  "policy forward": 2 * non_embedding * rows * length,
                  "reference forward": 2 * non_embedding * rows * length if uses_reference else 0.0}
         if critic:
-            critic_update = 6 * non_embedding if critic_kind != "adapter" or adapters is None else (
+            critic_update = 6 * non_embedding if not critic_on_base or adapters is None else (
                 4 * non_embedding + 6 * critic_trained)
             flops["critic update"] = trained_tokens * (critic_update + attention)
             flops["critic forward"] = 2 * non_embedding * rows * length
@@ -638,16 +637,18 @@ def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[i
     if config.model.remat not in ("full", "offload_dots"):
         out.append(("model.remat=full", dataclasses.replace(config, model=dataclasses.replace(config.model, remat="full")),
                     mesh))
-    if config.algorithm == "dpo" and config.dpo.reference == "live" and config.dpo.loss in ("dpo", "kto"):
-        out.append(("dpo.reference=precomputed",
-                    dataclasses.replace(config, dpo=dataclasses.replace(config.dpo, reference="precomputed")), mesh))
-    from alignax.trainers.validation import LIVE_REFERENCE  # the rule that accepts placement.reference
+    entry = algorithm(config.algorithm)
+    precompute = entry.precomputed_reference
+    if isinstance(precompute, Is) and entry.reference(config) and not precompute(config):
+        section, _, key = precompute.path.partition(".")  # e.g. preference.reference=precomputed
+        out.append((f"{precompute.path}={precompute.values[0]}", dataclasses.replace(config, **{section: dataclasses.replace(
+            getattr(config, section), **{key: precompute.values[0]})}), mesh))
 
     placement = config.placement
     if LIVE_REFERENCE(config) and config.lora is None and placement.reference == "device":
         out.append(("placement.reference=host", dataclasses.replace(
             config, placement=dataclasses.replace(placement, reference="host")), mesh))
-    if config.algorithm in ("grpo", "ppo") and config.rewards.reward_models and placement.reward_models == "device":
+    if entry.family == "online" and config.rewards.reward_models and placement.reward_models == "device":
         out.append(("placement.reward_models=host", dataclasses.replace(
             config, placement=dataclasses.replace(placement, reward_models="host")), mesh))
     if data > 1:

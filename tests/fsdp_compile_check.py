@@ -163,7 +163,7 @@ def train_program(args, mesh, config: models.ModelConfig):
     T, W = args.seq, args.response
     if args.program == "dpo":
         spec = ModelSpec(scan_layers=True, remat=True, logprob_chunk_size=args.chunk)
-        train_config = TrainConfig(algorithm="dpo", model=spec, dpo=PreferenceSection(),
+        train_config = TrainConfig(algorithm="dpo", model=spec, preference=PreferenceSection(),
                                    data=DataConfig(format="preference", max_length=T, max_prompt_length=T - W,
                                                    max_response_length=W))
         task = make_task(train_config, graphdef, rest)

@@ -91,7 +91,7 @@ def main() -> None:
         if recipe == "dpo":
             config = tiny_config(job["output_dir"], "dpo", steps=job["steps"], model_dir=job["model_dir"],
                                  data={"batch_size": 8, "eval_fraction": 0.0},
-                                 dpo={"reference": job["dpo_reference"]}, **common)
+                                 preference={"reference": job["dpo_reference"]}, **common)
             records = separable_pairs(48)
         else:  # online: 8 prompts x 2 samples, one minibatch (so the rows of an update are the same set)
             section = {"minibatches": 1, **({"epochs": 2} if recipe == "ppo" else {})}

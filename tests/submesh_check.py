@@ -54,7 +54,7 @@ def max_diff(a, b) -> float:
 
 def dpo(model_dir: str, placement: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        config = tiny_config(tmp, "dpo", steps=3, model_dir=model_dir, dpo={"beta": 0.5},
+        config = tiny_config(tmp, "dpo", steps=3, model_dir=model_dir, preference={"beta": 0.5},
                              checkpoint={"enabled": False}, mesh={"shape": [2, 2, 1]}, placement=placement)
         trainer = build_trainer(config, records=separable_pairs(32))
     state, reference = trainer.start()
@@ -96,7 +96,7 @@ def resumed_dpo(model_dir: str) -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         def run(name, steps):
-            config = tiny_config(f"{tmp}/{name}", "dpo", steps=steps, model_dir=model_dir, dpo={"beta": 0.5},
+            config = tiny_config(f"{tmp}/{name}", "dpo", steps=steps, model_dir=model_dir, preference={"beta": 0.5},
                                  mesh={"shape": [2, 2, 1]}, placement=SUBMESH)  # saves every 2 steps
             return train(config, records=separable_pairs(32))
 

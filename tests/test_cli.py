@@ -43,15 +43,15 @@ def alignax(*args, **kwargs):
 def test_unknown_and_ill_typed_keys_exit_2_naming_the_key(tmp_path, toy_model, capsys):
     recipe = write_recipe(tmp_path, toy_model)
     # once through the installed entrypoint as a user runs it (`python -m alignax.cli`) ...
-    proc = alignax("train", str(recipe), "dpo.betta=0.2")
+    proc = alignax("train", str(recipe), "preference.betta=0.2")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
-    assert "unknown config key 'dpo.betta' (did you mean 'beta'?)" in err
+    assert "unknown config key 'preference.betta' (did you mean 'beta'?)" in err
     # ... and the same `main` in this process for the other errors
     code, err = run_cli(capsys, "train", str(recipe), "train.total_steps=many")
     assert code == 2 and "train.total_steps: expected an integer, got 'many'" in err
-    code, err = run_cli(capsys, "train", str(recipe), "dpo.loss=ppo")
-    assert code == 2 and "dpo.loss: 'ppo' is not a valid choice; valid: 'dpo', 'simpo'" in err
+    code, err = run_cli(capsys, "train", str(recipe), "preference.loss=ppo")
+    assert code == 2 and "preference.loss: 'ppo' is not a valid choice; valid: 'dpo', 'simpo'" in err
 
 
 def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path, toy_model, capsys):

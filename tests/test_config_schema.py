@@ -22,12 +22,13 @@ import types
 import typing
 
 import pytest
+import yaml
 
 from alignax import config as config_io
 from alignax.config import ConfigError
 from alignax.data.formats import FORMATS
 from alignax.losses.preference import DPO_VARIANTS
-from alignax.trainers import validation
+from alignax.trainers import algorithms, validation
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.api import load_config
 from tests.trainer_helpers import CONFIGS
@@ -133,7 +134,8 @@ class ReadRecorder:
         while frame.f_code.co_name in _COMPREHENSIONS:
             frame = frame.f_back
         code = frame.f_code
-        if code.co_name in _NOT_USES or code.co_filename in ("<string>", dataclasses.__file__, validation.__file__):
+        if code.co_name in _NOT_USES or code.co_filename in ("<string>", dataclasses.__file__, validation.__file__, config_io.__file__,
+                                                                      algorithms.__file__):
             return
         self.reads.add(entry[1] + name)
 
@@ -217,7 +219,7 @@ SWEEP_VALUES = {
     "rollout.mesh": [[1, 1, 1]],  # one device here: the sampler on its own (1, 1, 1) mesh
     "placement.submesh": [[1, 1, 1]],  # refused alone: no model is placed on it
     "logging.console_keys": [["loss"]],
-    "dpo.variant": list(DPO_VARIANTS),
+    "preference.variant": list(DPO_VARIANTS),
     "grpo.step_delimiter": ["\n\n"],
     "grpo.process_reward": ["alignax.rewards.process:well_formed_steps"],
     "ppo.critic_path": ["runs/reward-model"],
@@ -272,7 +274,7 @@ def sweep_values(key: str, current):
     if key.rpartition(".")[0] in ("data", "ppo.ptx_data", "evaluation.prompts") and leaf in DATA_VALUES:
         return DATA_VALUES[leaf]
     tp, field = _field(key)
-    default = validation._default(None, field)
+    default = config_io.field_default(None, field)
     if current is not None and current != default:
         return [current]
     optional = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -313,8 +315,8 @@ def names_key(message: str, key: str) -> bool:
 
 
 def current_value(config: TrainConfig, key: str):
-    value = validation.get(config, key)
-    return None if value is validation._MISSING else value
+    value = config_io.get(config, key)
+    return None if value is config_io.MISSING else value
 
 
 def sweep(name: str, read: set[str]) -> list[str]:
@@ -375,8 +377,8 @@ def test_the_key_table_covers_the_whole_schema():
 
 
 def test_set_keys_are_those_that_differ_from_their_defaults():
-    config = load_config(data={"algorithm": "dpo", "dpo": {"beta": 0.1, "loss": "dpo", "label_smoothing": 0.1}})
-    assert [k for k, _, _ in validation.set_keys(config)] == ["algorithm", "dpo.label_smoothing"]
+    config = load_config(data={"algorithm": "dpo", "preference": {"beta": 0.1, "loss": "dpo", "label_smoothing": 0.1}})
+    assert [k for k, _, _ in validation.set_keys(config)] == ["algorithm", "preference.label_smoothing"]
 
 
 def test_every_recipe_validates():
@@ -416,20 +418,20 @@ def test_sections_of_other_algorithms_are_refused():
     assert "ppo.kl_coef, ppo.epochs apply to algorithm=ppo only; got algorithm=grpo" in message
     assert "grpo.clip_eps_low applies to algorithm=grpo only; got algorithm=ppo" in refused(
         PPO, ["grpo.clip_eps_low=0.2"])
-    assert "dpo.beta applies to algorithm=dpo|iterative_dpo only; got algorithm=sft" in refused(SFT, ["dpo.beta=0.5"])
+    assert "preference.beta applies to algorithm=dpo|iterative_dpo only; got algorithm=sft" in refused(SFT, ["preference.beta=0.5"])
     assert "sft.aggregation applies to algorithm=sft only; got algorithm=dpo" in refused(
         DPO, ["sft.aggregation=token-sum"])
-    assert "reward.center_coef applies to algorithm=reward only; got algorithm=dpo" in refused(
-        DPO, ["reward.center_coef=0.01"])
-    assert "reward.use_margin applies to algorithm=reward only; got algorithm=grpo" in refused(
-        GRPO, ["reward.use_margin=true"])
+    assert "reward_model.center_coef applies to algorithm=reward only; got algorithm=dpo" in refused(
+        DPO, ["reward_model.center_coef=0.01"])
+    assert "reward_model.use_margin applies to algorithm=reward only; got algorithm=grpo" in refused(
+        GRPO, ["reward_model.use_margin=true"])
     # left at their defaults, other sections are fine
-    load_config(data={**GRPO, "ppo": {"kl_coef": 0.05}, "dpo": {"beta": 0.1}})
+    load_config(data={**GRPO, "ppo": {"kl_coef": 0.05}, "preference": {"beta": 0.1}})
 
 
 def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
     message = refused(DPO, ["rollout.temperature=0.7", "rewards.format_weight=0.2"])
-    assert "rollout.temperature applies to algorithm=grpo|ppo|iterative_dpo only; got algorithm=dpo" in message
+    assert "rollout.temperature applies to algorithm=iterative_dpo|grpo|ppo only; got algorithm=dpo" in message
     assert "rewards.format_weight applies to online training or generation-based evaluation" in message
     assert "got algorithm=dpo, evaluation.prompts=null" in message
     assert "rollout.max_new_tokens applies to online training or generation-based evaluation" in refused(
@@ -441,7 +443,7 @@ def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
     load_config(data={**SFT, **prompts, "rollout": {"max_new_tokens": 32, "stop_token_ids": [2]},
                       "rewards": {"format_weight": 0.2}})
     # ... but not its sampling settings (evaluation has its own), nor the training-only mask
-    assert "rollout.top_p applies to algorithm=grpo|ppo|iterative_dpo only" in refused(
+    assert "rollout.top_p applies to algorithm=iterative_dpo|grpo|ppo only" in refused(
         {**SFT, **prompts}, ["rollout.top_p=0.9"])
     assert "rewards.mask_truncated applies to algorithm=grpo|ppo only" in refused(
         {**SFT, **prompts}, ["rewards.mask_truncated=true"])
@@ -451,10 +453,10 @@ def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
 
 
 def test_data_format_must_fit_the_algorithm():
-    assert "data.format=sft does not fit dpo.loss=dpo: it reads data.format=preference" in refused(
+    assert "data.format=sft does not fit preference.loss=dpo: it reads data.format=preference" in refused(
         {"algorithm": "dpo", "data": {"format": "sft"}})
-    assert "data.format=preference does not fit dpo.loss=kto: it reads data.format=unpaired" in refused(
-        {"algorithm": "dpo", "dpo": {"loss": "kto"}})
+    assert "data.format=preference does not fit preference.loss=kto: it reads data.format=unpaired" in refused(
+        {"algorithm": "dpo", "preference": {"loss": "kto"}})
     assert "data.format=preference does not fit algorithm grpo: it reads data.format=prompt" in refused(
         {"algorithm": "grpo"})
     assert "data.format=prompt does not fit algorithm reward" in refused(
@@ -568,26 +570,26 @@ def test_tis_cap_needs_recomputed_old_logps():
 
 def test_dpo_family_keys():
     cases = [
-        (["dpo.loss=orpo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing applies to (dpo.loss=dpo and "
-         "dpo.variant=sigmoid|robust|exo_pair) or dpo.loss=simpo|cpo only; got dpo.loss=orpo"),
-        (["dpo.variant=ipo", "dpo.label_smoothing=0.1"], "got dpo.variant=ipo"),
-        (["dpo.simpo_gamma=1.0"], "dpo.simpo_gamma applies to dpo.loss=simpo only; got dpo.loss=dpo"),
-        (["dpo.loss=simpo", "dpo.cpo_alpha=0.5"], "dpo.cpo_alpha applies to dpo.loss=cpo only; got dpo.loss=simpo"),
-        (["dpo.kto_desirable_weight=2.0"], "dpo.kto_desirable_weight applies to dpo.loss=kto only"),
-        (["dpo.loss=cpo", "dpo.variant=ipo"], "dpo.variant applies to dpo.loss=dpo only; got dpo.loss=cpo"),
-        (["dpo.dpop_lambda=10"], "dpo.dpop_lambda applies to dpo.loss=dpo and dpo.variant=dpop only; "
-         "got dpo.variant=sigmoid"),
-        (["dpo.loss=simpo", "dpo.reference=precomputed"], "dpo.reference applies to dpo.loss=dpo|kto only"),
-        (["dpo.variant=nope"], "dpo.variant=nope is not a DPO variant"),
+        (["preference.loss=orpo", "preference.label_smoothing=0.1"], "preference.label_smoothing applies to (preference.loss=dpo and "
+         "preference.variant=sigmoid|robust|exo_pair) or preference.loss=simpo|cpo only; got preference.loss=orpo"),
+        (["preference.variant=ipo", "preference.label_smoothing=0.1"], "got preference.variant=ipo"),
+        (["preference.simpo_gamma=1.0"], "preference.simpo_gamma applies to preference.loss=simpo only; got preference.loss=dpo"),
+        (["preference.loss=simpo", "preference.cpo_alpha=0.5"], "preference.cpo_alpha applies to preference.loss=cpo only; got preference.loss=simpo"),
+        (["preference.kto_desirable_weight=2.0"], "preference.kto_desirable_weight applies to preference.loss=kto only"),
+        (["preference.loss=cpo", "preference.variant=ipo"], "preference.variant applies to preference.loss=dpo only; got preference.loss=cpo"),
+        (["preference.dpop_lambda=10"], "preference.dpop_lambda applies to preference.loss=dpo and preference.variant=dpop only; "
+         "got preference.variant=sigmoid"),
+        (["preference.loss=simpo", "preference.reference=precomputed"], "preference.reference applies to preference.loss=dpo|kto only"),
+        (["preference.variant=nope"], "preference.variant=nope is not a DPO variant"),
     ]
     for overrides, expected in cases:
         assert expected in refused(DPO, overrides), overrides
-    for ok in (["dpo.loss=simpo", "dpo.simpo_gamma=1.0", "dpo.label_smoothing=0.1"],
-               ["dpo.variant=dpop", "dpo.dpop_lambda=10"], ["dpo.variant=robust", "dpo.label_smoothing=0.1"],
-               ["dpo.reference=precomputed"]):
+    for ok in (["preference.loss=simpo", "preference.simpo_gamma=1.0", "preference.label_smoothing=0.1"],
+               ["preference.variant=dpop", "preference.dpop_lambda=10"], ["preference.variant=robust", "preference.label_smoothing=0.1"],
+               ["preference.reference=precomputed"]):
         load_config(data=DPO, overrides=ok)
     load_config(data={"algorithm": "dpo", "data": {"format": "unpaired"}},
-                overrides=["dpo.loss=kto", "dpo.kto_undesirable_weight=2.0", "dpo.reference=precomputed"])
+                overrides=["preference.loss=kto", "preference.kto_undesirable_weight=2.0", "preference.reference=precomputed"])
 
 
 def test_shared_sections_with_conditions():
@@ -719,3 +721,37 @@ def test_env_keys_need_an_online_run_with_an_environment():
     assert any("env.max_turn_tokens=99" in p for p in problems(env={"name": "calculator", "max_turn_tokens": 99}))
     sft = _merge(base_raw("sft"), {"env": {"name": "calculator"}})
     assert any(names_key(p, "env.name") for p in validation.problems(config_io.from_dict(TrainConfig, sft)))
+
+
+# ---------------------------------------------------------------------------- renamed sections
+@pytest.mark.parametrize("old,new,key,value", [("dpo", "preference", "beta", 0.25),
+                                               ("reward", "reward_model", "center_coef", 0.01)])
+def test_an_old_section_name_loads_with_a_warning_naming_the_new_key(old, new, key, value):
+    algorithm = "dpo" if new == "preference" else "reward"
+    with pytest.warns(DeprecationWarning, match=rf"config section '{old}:' is now '{new}:' \({old}.<key> -> {new}"):
+        from_yaml = load_config(data={"algorithm": algorithm, old: {key: value}})
+    with pytest.warns(DeprecationWarning, match=f"'{new}:'"):
+        from_override = load_config(data={"algorithm": algorithm}, overrides=[f"{old}.{key}={value}"])
+    assert getattr(getattr(from_yaml, new), key) == getattr(getattr(from_override, new), key) == value
+    with pytest.warns(DeprecationWarning, match=f"TrainConfig.{old} is now TrainConfig.{new}"):
+        assert getattr(getattr(from_yaml, old), key) == value
+    assert old not in {f.name for f in dataclasses.fields(TrainConfig)}  # the new name is the field
+
+
+def test_a_section_under_both_names_merges_and_a_disagreement_names_both():
+    with pytest.warns(DeprecationWarning):
+        config = load_config(data={"algorithm": "dpo", "preference": {"beta": 0.3}}, overrides=["dpo.variant=ipo"])
+    assert (config.preference.beta, config.preference.variant) == (0.3, "ipo")
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=r"dpo.beta=0.5 and preference.beta=0.3: "
+                                                                            r"'dpo:' is the old name of 'preference:'"):
+        load_config(data={"algorithm": "dpo", "preference": {"beta": 0.3}}, overrides=["dpo.beta=0.5"])
+
+
+def test_a_run_saved_before_the_rename_resumes_without_changes(tmp_path):
+    from alignax.trainers.engine import rundir
+
+    config = load_config(data={"algorithm": "dpo", "output_dir": str(tmp_path), "preference": {"beta": 0.3}})
+    saved = config_io.to_dict(config)
+    saved["dpo"] = saved.pop("preference")  # as a run of the last release wrote it
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert rundir.saved_config_changes(str(tmp_path), config) == ([], [])

@@ -59,7 +59,7 @@ def test_the_seeds_table_and_the_standard_accounting():
     assert states_gb("grpo", "standard", rm) == pytest.approx(135, rel=0.02)
     assert states_gb("ppo", "standard", rm) == pytest.approx(240, rel=0.02)
     # a precomputed reference drops the reference; bf16 first moments save 2 bytes a parameter
-    assert states_gb("dpo", "standard", "dpo.reference=precomputed") == pytest.approx(121.3 - 13.5, abs=0.1)
+    assert states_gb("dpo", "standard", "preference.reference=precomputed") == pytest.approx(121.3 - 13.5, abs=0.1)
     assert states_gb("dpo", "standard", "precision.mu_dtype=bfloat16") == pytest.approx(121.3 - 13.5, abs=0.1)
 
 
@@ -100,7 +100,7 @@ def test_frozen_models_placed_on_the_host_leave_the_device_total_and_are_suggest
     tight = estimate(config, model=model, devices=1, mesh=(1, 1, 1), device_memory_gb=reference_only.total / 1e9 + 0.01)
     assert tight.fits is False and tight.suggestion.startswith("does not fit; try placement.reference=host (")
     # no reference to place (a precomputed one): the placement is not suggested
-    dpo = load_config("configs/dpo.yaml", [*BF16, "dpo.reference=precomputed", "model.remat=full"])
+    dpo = load_config("configs/dpo.yaml", [*BF16, "preference.reference=precomputed", "model.remat=full"])
     small = estimate(dpo, model=model, devices=8, mesh=(8, 1, 1), device_memory_gb=80)
     assert small.fits is False and "placement.reference" not in small.suggestion
 
@@ -351,3 +351,35 @@ def test_the_estimate_is_within_15_percent_of_the_compiled_step(tmp_path, algori
             + memory.temp_size_in_bytes)
     assert sum(result.rollout_items().values()) == pytest.approx(peak, rel=0.15), (result.rollout_items(), peak)
     assert result.rollout_items()["sampling buffers"] > result.rollout_items()["KV cache"]  # a 49,152-token vocabulary
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_process_reward_model_is_counted_with_its_score_head(family):
+    """``algorithm: prm`` trains a reward model (one score per step), not a causal LM: its
+    parameters are those of the ``reward`` model the trainer builds, counted by JAX here,
+    not those of an LM head (``vocab x hidden`` more)."""
+    config = load_config("configs/prm.yaml")
+    model = models.ModelConfig.from_hf_config(CONFIGS[family])
+    result = estimate(config, model=model, devices=1, mesh=(1, 1, 1))
+    assert result.parameters == abstract_count(CONFIGS[family], "reward")
+    assert result.items["policy weights"] == abstract_count(CONFIGS[family], "reward") * 4  # float32
+
+
+def test_iterative_dpo_is_sized_as_its_rounds_dpo_run():
+    """``algorithm: iterative_dpo`` trains each round as a DPO run on sampled pairs: rows of
+    ``max_prompt_length + max_new_tokens + 1`` tokens (128 + 32 + 1 in the recipe, not the
+    unread ``data.max_length``), two rows a pair, and the live reference. The same figures
+    as that DPO run written out by hand."""
+    iterative = load_config("configs/iterative-dpo.yaml")
+    by_hand = load_config(data={
+        "algorithm": "dpo", "model": {"name": "smollm2-135m-instruct"},
+        "data": {"format": "preference", "max_prompt_length": 128, "max_length": 161, "max_response_length": 33,
+                 "batch_size": 8},
+        "preference": {"loss": "dpo", "variant": "sigmoid", "beta": 0.1}})
+    model = model_config_for(iterative, "llama-2-7b")
+    ours, theirs = (estimate(c, model=model, devices=1, mesh=(1, 1, 1)) for c in (iterative, by_hand))
+    assert ours.items == theirs.items and ours.flops == theirs.flops
+    assert ours.items["reference"] == parameter_count(model) * 4  # a float32 live reference
+    rows, length = 2 * 8, 161
+    assert ours.flops["reference forward"] == 2 * (parameter_count(model) - model.vocab_size * model.hidden_size) \
+        * rows * length

@@ -26,7 +26,7 @@ SECTIONS = dict(
     rewards={"verifier_weight": 0.0, "format_weight": 0.0, "functions": {"tests.rl_toy:yes_share": 1.0}},
     evaluation={"max_prompts": None, "success_threshold": 0.5},
     data={"batch_size": 8, "eval_fraction": 0.25},
-    dpo={"beta": 0.5},
+    preference={"beta": 0.5},
     optim={"learning_rate": 1e-2},
     train={"save_every": 2},
 )
@@ -92,8 +92,8 @@ def test_the_run_directory_holds_one_configs_rounds(tmp_path, toy_model):
     with rundir.claim(first) as run:
         trainer._claim(run)  # writes config.yaml
     os.makedirs(tmp_path / "round_0" / "checkpoints")
-    changed = dataclasses.replace(first, dpo=dataclasses.replace(first.dpo, beta=0.25))
-    with pytest.raises(rundir.RunDirectoryError, match=r"holds rounds \(round_0\).*dpo.beta: 0.5 -> 0.25"):
+    changed = dataclasses.replace(first, preference=dataclasses.replace(first.preference, beta=0.25))
+    with pytest.raises(rundir.RunDirectoryError, match=r"holds rounds \(round_0\).*preference.beta: 0.5 -> 0.25"):
         IterativeTrainer(changed, records=toy_prompts(8)).train()
     allowed = dataclasses.replace(changed, checkpoint=dataclasses.replace(changed.checkpoint, allow_changes=True))
     with rundir.claim(allowed) as run:

@@ -155,7 +155,7 @@ LORA = {"rank": 4, "alpha": 8}
 @pytest.fixture(scope="module")
 def lora_dpo(tmp_path_factory, toy_model):
     out = tmp_path_factory.mktemp("lora-dpo")
-    config = tiny_config(out, "dpo", steps=30, model_dir=toy_model, dpo={"beta": 0.5}, lora=LORA,
+    config = tiny_config(out, "dpo", steps=30, model_dir=toy_model, preference={"beta": 0.5}, lora=LORA,
                          optim={"learning_rate": 3e-2}, train={"save_every": 0})
     trainer = build_trainer(config, records=separable_pairs(96))
     return config, trainer, train(config, records=separable_pairs(96))

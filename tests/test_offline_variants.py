@@ -148,7 +148,7 @@ def pairs(toy_model, tmp_path_factory):
     # reference: precomputed, so that the trainer's task can precompute tables; the live
     # reference's tasks are made by task_loss.
     config = tiny_config(tmp_path_factory.mktemp("variants"), "dpo", model_dir=toy_model,
-                         data={"max_response_length": WINDOW}, dpo={"beta": BETA, "reference": "precomputed"})
+                         data={"max_response_length": WINDOW}, preference={"beta": BETA, "reference": "precomputed"})
     trainer = build_trainer(config, records=separable_pairs(16))
     batch = next(trainer.data.iterator("train"))
     assert batch["chosen_tokens"].shape == (8, 32) and "prompt_length" in batch
@@ -167,7 +167,7 @@ def task_loss(setup, section: dict, frozen=None):
     section = {"reference": "live", **section}
     if section.get("loss") in preference.REFERENCE_FREE:
         section["reference"] = "live"
-    config = dataclasses.replace(config, dpo=dataclasses.replace(config.dpo, **section))
+    config = dataclasses.replace(config, preference=dataclasses.replace(config.preference, **section))
     trainer = setup["trainer"]
     task = preference.make_task(config, trainer.graphdef, trainer.rest)
     if frozen is None:
@@ -261,7 +261,7 @@ def test_precomputed_reference_gives_the_live_loss_for_pairs(pairs):
 @pytest.fixture(scope="module")
 def kto(toy_model, tmp_path_factory):
     config = tiny_config(tmp_path_factory.mktemp("kto"), "kto", model_dir=toy_model,
-                         data={"max_response_length": WINDOW}, dpo={"beta": BETA, "reference": "precomputed"})
+                         data={"max_response_length": WINDOW}, preference={"beta": BETA, "reference": "precomputed"})
     assert config.data.shuffle
     trainer = build_trainer(config, records=unpaired_feedback(24))
     batch = next(trainer.data.iterator("train"))  # a shuffled batch
@@ -327,7 +327,7 @@ def test_keys_the_loss_ignores_are_an_error_naming_them(tmp_path, section, keys)
     # Load-time validation (alignax.trainers.validation) refuses them before a model is read.
     recipe = "kto" if section["loss"] == "kto" else "dpo"
     with pytest.raises(ConfigError) as info:
-        tiny_config(tmp_path, recipe, dpo=section)
+        tiny_config(tmp_path, recipe, preference=section)
     for key in keys:
         assert f"dpo.{key}" in str(info.value)
 
@@ -341,4 +341,4 @@ def test_keys_the_loss_ignores_are_an_error_naming_them(tmp_path, section, keys)
     {"loss": "orpo", "beta": 0.3},
 ])
 def test_keys_the_loss_reads_are_accepted(tmp_path, section):
-    assert tiny_config(tmp_path, "dpo", dpo=section).dpo.loss == section["loss"]
+    assert tiny_config(tmp_path, "dpo", preference=section).preference.loss == section["loss"]

@@ -86,7 +86,7 @@ def dpo_steps(tmp_path_factory, toy_model):
     out = {}
     for where, placement in (("device", {}), ("host", HOST_PLACEMENT)):
         config = tiny_config(tmp_path_factory.mktemp(where), "dpo", steps=2, model_dir=toy_model,
-                             dpo={"beta": 0.5}, placement=placement, checkpoint={"enabled": False},
+                             preference={"beta": 0.5}, placement=placement, checkpoint={"enabled": False},
                              precision={"param_dtype": "bfloat16", "compute_dtype": "bfloat16"})
         trainer = build_trainer(config, records=records)
         state, reference = trainer.start()
@@ -203,8 +203,8 @@ def test_placement_keys_are_refused_where_there_is_no_such_model():
 
     prompts = {"algorithm": "grpo", "data": {"format": "prompt"}}
     refused({"algorithm": "sft"}, ["placement.reference=host"], "placement.reference")
-    refused({"algorithm": "dpo", "dpo": {"loss": "simpo"}}, ["placement.reference=host"], "placement.reference")
-    refused({"algorithm": "dpo", "dpo": {"reference": "precomputed"}}, ["placement.reference=host"],
+    refused({"algorithm": "dpo", "preference": {"loss": "simpo"}}, ["placement.reference=host"], "placement.reference")
+    refused({"algorithm": "dpo", "preference": {"reference": "precomputed"}}, ["placement.reference=host"],
             "placement.reference")
     refused({**prompts, "grpo": {"kl_coef": 0.0}}, ["placement.reference=host"], "placement.reference")
     refused({"algorithm": "dpo", "lora": {"rank": 4}}, ["placement.reference=host"], "placement.reference")

@@ -173,7 +173,7 @@ def test_logprobs_values_rewards_and_losses_stay_float32_under_bfloat16_compute(
     assert traced("value", lambda m: m(tokens, positions, attention).values).dtype == jnp.float32
     assert traced("reward", lambda m: m(tokens, positions, attention).rewards).dtype == jnp.float32
     # a bfloat16 DPO loss and every one of its metrics are float32
-    trainer = build_trainer(tiny_config(tmp_path, "dpo", steps=1, model_dir=toy_model, precision=BF16, dpo=DPO),
+    trainer = build_trainer(tiny_config(tmp_path, "dpo", steps=1, model_dir=toy_model, precision=BF16, preference=DPO),
                             records=separable_pairs(16))
     batch = trainer.placer(next(trainer.data.iterator("train")))
     loss, metrics = jax.eval_shape(trainer.task.loss_fn, trainer.params, {"reference": trainer.params}, batch,
@@ -203,7 +203,7 @@ def test_a_bfloat16_dpo_step_loss_is_within_bfloat16_rounding_of_the_float32_ste
     records = separable_pairs(64)
     figures = {}
     for name, precision in (("float32", {}), ("bfloat16", BF16)):
-        config = tiny_config(tmp_path / name, "dpo", steps=1, model_dir=toy_model, precision=precision, dpo=DPO)
+        config = tiny_config(tmp_path / name, "dpo", steps=1, model_dir=toy_model, precision=precision, preference=DPO)
         trainer = build_trainer(config, records=records)
         policy = _perturbed(cast_floating(trainer.params, jnp.float32))
         state, reference = trainer.start()
@@ -244,7 +244,7 @@ def _assert_bfloat16_state(state, masters: int = 1):
 def test_dpo_learns_a_separable_preference_in_bfloat16(tmp_path, toy_model):
     """tests/test_trainers.py::test_dpo_learns_a_separable_preference, bfloat16 params and compute
     (the trainer's step under the policy: float32 masters, a bfloat16 reference)."""
-    config = tiny_config(tmp_path, "dpo", steps=30, model_dir=toy_model, dpo=DPO, train={"save_every": 0},
+    config = tiny_config(tmp_path, "dpo", steps=30, model_dir=toy_model, preference=DPO, train={"save_every": 0},
                          precision=BF16)
     result, reference = _train_capturing_frozen(config, separable_pairs(96))
     _assert_bfloat16_state(result.loop.state)
@@ -319,7 +319,7 @@ def test_a_bfloat16_run_resumes_bit_for_bit_and_exports_its_master(tmp_path, toy
     records = separable_pairs(48)
 
     def config(where, steps, **sections):
-        return tiny_config(tmp_path / where, "dpo", steps=steps, model_dir=toy_model, precision=BF16, dpo=DPO,
+        return tiny_config(tmp_path / where, "dpo", steps=steps, model_dir=toy_model, precision=BF16, preference=DPO,
                            **sections)
 
     def run(where, steps, **sections):
@@ -381,7 +381,7 @@ def test_a_step_holds_only_the_weight_copies_it_needs(tmp_path, toy_model, polic
     are the reference, not copied: the trainer lets go of them in ``start``. (Before, the
     reference was a copy made while the trainer still held them: 5 float32 buffers after
     ``start``, and for as long as code that steps after ``start``, like the benchmarks, ran.)"""
-    config = tiny_config(tmp_path, "dpo", steps=2, model_dir=toy_model, train={"save_every": 0}, dpo=DPO,
+    config = tiny_config(tmp_path, "dpo", steps=2, model_dir=toy_model, train={"save_every": 0}, preference=DPO,
                          precision=BF16 if policy == "bfloat16" else {})
     trainer = build_trainer(config, records=separable_pairs(32))
     shape = trainer.params["model"]["embed"][...].shape
@@ -440,7 +440,7 @@ def test_precision_keys_are_checked_when_the_config_loads():
     assert "precision.mu_dtype applies to optim.name=adamw|adam only; got optim.name=sgd" in refused(
         dpo, ["optim.name=sgd", "precision.mu_dtype=bfloat16"])
     assert "precision.frozen_dtype applies to a frozen model" in refused(sft, ["precision.frozen_dtype=bfloat16"])
-    assert "only; got dpo.loss=simpo" in refused(dpo, ["dpo.loss=simpo", "precision.frozen_dtype=bfloat16"])
+    assert "only; got preference.loss=simpo" in refused(dpo, ["preference.loss=simpo", "precision.frozen_dtype=bfloat16"])
     config = load_config(data=dpo, overrides=["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
                                               "precision.master_dtype=null", "precision.mu_dtype=bfloat16",
                                               "precision.frozen_dtype=float32"])

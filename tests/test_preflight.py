@@ -139,11 +139,11 @@ def test_the_first_non_blank_record_decides_and_other_readers_are_named(tmp_path
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n\n" + json.dumps(PROMPT) + "\n")
     message = refused({**DPO, "data": {"paths": [str(prompts)]}})
-    assert "its records look like format 'prompt' (fields answer) but dpo.loss=dpo reads data.format=preference" \
+    assert "its records look like format 'prompt' (fields answer) but preference.loss=dpo reads data.format=preference" \
         in message
     unpaired = write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "p", "completion": "c", "label": True}])
     message = refused({**DPO, "data": {"paths": [unpaired]}})
-    assert "format 'unpaired' (fields completion, label) but dpo.loss=dpo reads data.format=preference" in message
+    assert "format 'unpaired' (fields completion, label) but preference.loss=dpo reads data.format=preference" in message
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": "raw"}])
     message = refused({"algorithm": "sft", "data": {"format": "sft", "paths": [text]}})
     assert "format 'text' (fields text) but algorithm sft reads data.format=sft; set data.format=text" in message

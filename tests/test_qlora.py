@@ -181,7 +181,7 @@ def _two_steps(tmp_path_factory, toy_model, quantize):
     from alignax.trainers.api import build_trainer
 
     config = tiny_config(tmp_path_factory.mktemp(f"qlora-{quantize}"), "dpo-lora", steps=2, model_dir=toy_model,
-                         dpo={"beta": 0.5}, lora={**LORA, "quantize": quantize}, optim={"learning_rate": 3e-2},
+                         preference={"beta": 0.5}, lora={**LORA, "quantize": quantize}, optim={"learning_rate": 3e-2},
                          train={"save_every": 0})
     trainer = build_trainer(config, records=separable_pairs(32))
     state, reference = trainer.start()

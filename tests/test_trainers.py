@@ -43,7 +43,7 @@ def test_every_recipe_parses():
 
 
 def test_dpo_learns_a_separable_preference(tmp_path, toy_model):
-    config = tiny_config(tmp_path, "dpo", steps=30, model_dir=toy_model, dpo={"beta": 0.5}, train={"save_every": 0})
+    config = tiny_config(tmp_path, "dpo", steps=30, model_dir=toy_model, preference={"beta": 0.5}, train={"save_every": 0})
     result = train(config, records=separable_pairs(96))
     before, after = result.eval_history[0], result.eval_history[-1]
     assert before["step"] == 0 and after["step"] == 30
@@ -72,7 +72,7 @@ def test_dpo_learns_a_separable_preference(tmp_path, toy_model):
     ids=["ipo", "simpo", "orpo", "kto"],
 )
 def test_recipes_run_end_to_end_on_reasoning_gym_data(tmp_path, recipe, section):
-    config = tiny_config(tmp_path, recipe, steps=2, dpo=section, checkpoint={"enabled": False})
+    config = tiny_config(tmp_path, recipe, steps=2, preference=section, checkpoint={"enabled": False})
     result = train(config)
     finite(result.history, "loss")
     assert result.data_stats["records"] > 0 and result.data_stats["skipped"] == 0
@@ -85,7 +85,7 @@ def test_precomputed_reference_matches_live_reference(tmp_path, toy_model):
     records = separable_pairs(32)
     live = train(tiny_config(tmp_path / "live", "dpo", steps=3, model_dir=toy_model, checkpoint={"enabled": False}),
                  records=records)
-    pre = train(tiny_config(tmp_path / "pre", "dpo", steps=3, model_dir=toy_model, dpo={"reference": "precomputed"},
+    pre = train(tiny_config(tmp_path / "pre", "dpo", steps=3, model_dir=toy_model, preference={"reference": "precomputed"},
                             checkpoint={"enabled": False}), records=records)
     assert len(live.history) == len(pre.history) == 3
     for a, b in zip(live.history, pre.history):
@@ -101,7 +101,7 @@ def test_kto_precomputed_reference_matches_live_on_shuffled_data(tmp_path, toy_m
     runs = {}
     for reference in ("live", "precomputed"):
         config = tiny_config(tmp_path / reference, "kto", steps=4, model_dir=toy_model, checkpoint={"enabled": False},
-                             dpo={"reference": reference}, optim={"learning_rate": 3e-2})
+                             preference={"reference": reference}, optim={"learning_rate": 3e-2})
         assert config.data.shuffle
         runs[reference] = train(config, records=records)
     live, pre = runs["live"].history, runs["precomputed"].history
@@ -123,7 +123,7 @@ def _graded_pairs(n: int) -> list[dict]:
 def test_reward_margin_enters_the_bradley_terry_loss(tmp_path, toy_model):
     records = _graded_pairs(32)
     config = tiny_config(tmp_path, "reward", steps=1, model_dir=toy_model, checkpoint={"enabled": False},
-                         reward={"use_margin": True})
+                         reward_model={"use_margin": True})
     first = train(config, records=records).history[0]["loss"]
     # The same first batch scored by the same initial reward model, outside the trainer.
     trainer = build_trainer(config, records=records)
@@ -148,7 +148,7 @@ def test_reward_margin_enters_the_bradley_terry_loss(tmp_path, toy_model):
 
 
 def test_reward_margin_is_required_of_every_record_with_use_margin(tmp_path):
-    config = tiny_config(tmp_path, "reward", reward={"use_margin": True})
+    config = tiny_config(tmp_path, "reward", reward_model={"use_margin": True})
     assert reward_task.make_task(config, None, None).required_fields == ("margin",)
     config = tiny_config(tmp_path, "reward")
     assert reward_task.make_task(config, None, None).required_fields == ()
@@ -157,7 +157,7 @@ def test_reward_margin_is_required_of_every_record_with_use_margin(tmp_path):
 def test_reward_use_margin_with_a_record_lacking_one_is_an_error(tmp_path, toy_model):
     records = _graded_pairs(16)
     del records[5]["margin"]
-    config = tiny_config(tmp_path, "reward", model_dir=toy_model, reward={"use_margin": True})
+    config = tiny_config(tmp_path, "reward", model_dir=toy_model, reward_model={"use_margin": True})
     with pytest.raises(BadRecordError, match=r"^records, record 5: field 'margin': record has no 'margin'"):
         build_trainer(config, records=records)
 
@@ -232,7 +232,7 @@ def test_eval_and_export_from_a_checkpoint(tmp_path, toy_model):
 
 
 def test_bad_algorithm_data_pairing_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="data.format=sft does not fit dpo.loss=dpo: it reads data.format=preference"):
+    with pytest.raises(ConfigError, match="data.format=sft does not fit preference.loss=dpo: it reads data.format=preference"):
         tiny_config(tmp_path, "dpo", steps=1, data={"format": "sft"})
 
 

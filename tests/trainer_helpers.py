@@ -63,7 +63,7 @@ def _merge(base: dict, extra: dict) -> dict:
 def tiny_config(tmp_path, recipe: str, *, steps: int = 4, model_dir: str | None = None,
                 overrides: tuple[str, ...] = (), **sections):
     """``configs/tiny-<recipe>.yaml`` writing under ``tmp_path``, quiet, with ``sections``
-    merged over it (e.g. ``dpo={"beta": 0.5}``) and dotted ``overrides`` applied last.
+    merged over it (e.g. ``preference={"beta": 0.5}``) and dotted ``overrides`` applied last.
     ``model_dir``: train that model folder (e.g. the toy model) instead of the recipe's."""
     raw = config_io.load_yaml(os.path.join(CONFIGS, f"tiny-{recipe}.yaml"))
     if model_dir is not None:

@@ -75,7 +75,7 @@ def train_config(args):
         optim=OptimConfig(name="adamw", learning_rate=LR, schedule="constant", weight_decay=WEIGHT_DECAY,
                           max_grad_norm=None),
         train=TrainSection(total_steps=args.warmup + args.rounds * args.steps, seed=args.seed),
-        dpo=PreferenceSection(loss="dpo", variant="sigmoid", beta=BETA, reference=args.reference),
+        preference=PreferenceSection(loss="dpo", variant="sigmoid", beta=BETA, reference=args.reference),
         mesh=MeshSection(shape=(1, 1, 1)),
     )
 

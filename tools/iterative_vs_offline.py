@@ -103,7 +103,7 @@ def iterative_config(args, train_path: str, eval_path: str):
                                    "max_prompt_length": args.max_prompt_length, "batch_size": args.batch_size,
                                    "read_threads": 0}},
         "iterative": {"rounds": 1, "reference": "previous"},
-        "dpo": {"loss": "dpo", "variant": "sigmoid", "beta": args.beta},
+        "preference": {"loss": "dpo", "variant": "sigmoid", "beta": args.beta},
         "optim": {"learning_rate": args.lr, "schedule": "constant", "warmup_steps": 0},
         "train": {"total_steps": args.steps, "save_every": 0, "eval_every": 0, "seed": args.seed},
         "checkpoint": {"enabled": False, "overwrite": True},

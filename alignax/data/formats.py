@@ -8,7 +8,7 @@ Five formats (``DataConfig.format``), with their canonical fields (renamed throu
   ``chosen`` and ``rejected`` are full conversations sharing their leading messages
   (Anthropic-HH style): the shared messages become the prompt. Optional ``margin``: a
   number per pair, how much better ``chosen`` is (Llama 2's graded preferences, used by
-  the reward model with ``reward.use_margin``); absent (or null) it is 0, unless the
+  the reward model with ``reward_model.use_margin``); absent (or null) it is 0, unless the
   encoder is told it is required (``required_fields``).
 - ``unpaired``: ``prompt``, ``completion``, ``label`` (bool or 0/1) — KTO.
 - ``sft``: ``messages`` (a conversation); the loss covers assistant turns only.
@@ -76,7 +76,7 @@ DEFAULT_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
     "steps": {"prompt": ("prompt", "question"), "steps": ("steps",), "labels": ("labels",)},
 }
 # Fields a record may lack; ``required_fields`` makes them mandatory (e.g. ``margin``
-# under ``reward.use_margin``).
+# under ``reward_model.use_margin``).
 OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"preference": ("prompt", "margin"), "prompt": ("answer",)}
 
 _MISSING = object()

@@ -220,3 +220,32 @@ def load(
     directory = model_directory(name, cache_dir=cache_dir, key=key)
     model = models.from_pretrained(directory, param_dtype=param_dtype, dtype=dtype, mesh=mesh, **model_kwargs)
     return model, load_tokenizer(name, cache_dir=cache_dir, key=key)
+
+
+# --- a local model folder, checked when a config loads (before any model is read)
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("spiece.model",), ("sentencepiece.bpe.model",),
+                    ("vocab.json", "merges.txt"), ("vocab.txt",))
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # alignax.models.hf.read_hf_tensors
+
+
+def model_folder_problem(name: str, *, random_init: bool = False) -> str | None:
+    """What a local model folder ``name`` (``model.name``; not a registry name) lacks of the
+    files a run reads from it (alignax.trainers.engine.setup: config.json, the safetensors
+    weights unless ``random_init``, and the tokenizer ``AutoTokenizer`` loads), in words;
+    None when nothing is missing, or when ``name`` is a registry name or no folder (the
+    loader names those)."""
+    if name in MODELS or not os.path.isdir(name):
+        return None  # a registry name, or no folder: the build step names it
+    files = set(os.listdir(name))
+    missing = []
+    if "config.json" not in files:
+        missing.append("config.json")
+    if not random_init and not files.intersection(_WEIGHT_FILES):
+        missing.append(f"weights ({' or '.join(_WEIGHT_FILES)})")
+    if not any(all(f in files for f in group) for group in _TOKENIZER_FILES):
+        missing.append("tokenizer files (tokenizer.json; or tokenizer.model, or vocab.json + merges.txt)")
+    if missing:
+        return (f"model.name={name}: the model folder lacks {'; '.join(missing)}. A Hugging Face model folder "
+                "holds config.json, model.safetensors and its tokenizer (save the tokenizer beside the weights: "
+                "tokenizer.save_pretrained(folder); alignax export writes all three)")
+    return None

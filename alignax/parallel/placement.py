@@ -57,7 +57,7 @@ class PlacementConfig:
     """Which memory holds the frozen models of a run.
 
     Fields:
-      reference: the frozen reference policy (DPO family and KTO with ``dpo.reference:
+      reference: the frozen reference policy (DPO family and KTO with ``preference.reference:
         live``; GRPO and PPO with a KL to the reference): ``device`` | ``host`` (held in
         pinned host memory, moved to the device inside each program that runs it) |
         ``submesh`` (on the devices of ``submesh``; its log-probs come back).

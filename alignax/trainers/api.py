@@ -1,9 +1,11 @@
-"""The one map of algorithms, and ``train`` / ``evaluate`` / ``export`` for every one of them.
+"""``load_config``, ``train`` / ``evaluate`` / ``export`` for every algorithm of the map.
 
-Each algorithm of a recipe's ``algorithm:`` key has an entry: its family (``offline``: a
-fixed dataset; ``online``: rollout → reward → advantage → update), the model kinds it
-builds (``alignax.models.MODEL_KINDS``), and the builder of its trainer. ``alignax.cli``,
-``tools/demo.py`` and the benchmarks come through here; no other module lists algorithms.
+The map (:mod:`alignax.trainers.algorithms`, re-exported here as ``ALGORITHMS`` and
+``algorithm``) has an entry for each value of a recipe's ``algorithm:`` key: its family
+(``offline``: a fixed dataset; ``online``: rollout → reward → advantage → update;
+``iterative``), the model kinds it builds, the builder of its trainer, and every other fact
+validation and the estimator ask. ``alignax.cli``, ``tools/demo.py`` and the benchmarks
+come through here.
 
 A trainer (:class:`~alignax.trainers.offline.trainer.OfflineTrainer` or
 :class:`~alignax.trainers.online.trainer.OnlineTrainer`) offers the same four things:
@@ -13,10 +15,8 @@ is restored into), ``evaluate(params, frozen)`` and ``export_models(params, crit
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
 
 import jax
 
@@ -28,57 +28,18 @@ from alignax.config import ConfigError
 from alignax.models import save_pretrained
 from alignax.models.lora import save_peft_adapter
 from alignax.parallel import multihost
-from alignax.trainers.config import TrainConfig
+from alignax.trainers.algorithms import ALGORITHMS, Algorithm, algorithm
+from alignax.trainers.config import TrainConfig, rename_sections
 from alignax.trainers.engine import rundir
 from alignax.trainers.engine.precision import cast_floating, master_params
 from alignax.trainers.engine.session import TrainResult, checkpoint_dir
 from alignax.trainers import iterative
-from alignax.trainers.iterative import IterativeTrainer
-from alignax.trainers.offline import preference, prm, reward, sft
 from alignax.trainers.offline.trainer import OfflineTrainer
-from alignax.trainers.online import grpo, ppo
 from alignax.trainers.online.trainer import OnlineTrainer
 from alignax.trainers.validation import validate
 
-
-@dataclasses.dataclass(frozen=True)
-class Algorithm:
-    """An entry of the map.
-
-    Fields:
-      name: the ``algorithm:`` value.
-      family: ``offline`` (``make`` is a task builder, ``(config, graphdef, rest) -> Task``),
-        ``online`` (``make`` is an algorithm builder, ``config -> OnlineAlgorithm``) or
-        ``iterative`` (``make`` is the trainer: rounds of runs, each in its own directory).
-      model_kinds: the model kinds the trainer may hold; the first is the one an offline
-        trainer trains (an online algorithm names its policy's kind, ``policy_kind``, and
-        PPO's separate critic is a ``value`` model).
-    """
-
-    name: str
-    family: Literal["offline", "online", "iterative"]
-    model_kinds: tuple[str, ...]
-    make: Callable[..., Any]
-
-
-ALGORITHMS: dict[str, Algorithm] = {
-    a.name: a
-    for a in (
-        Algorithm("sft", "offline", ("causal_lm",), sft.make_task),
-        Algorithm("reward", "offline", ("reward",), reward.make_task),
-        Algorithm("prm", "offline", ("reward",), prm.make_task),
-        Algorithm("dpo", "offline", ("causal_lm",), preference.make_task),
-        Algorithm("iterative_dpo", "iterative", ("causal_lm",), IterativeTrainer),
-        Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm),
-        Algorithm("ppo", "online", ("causal_lm", "policy_value", "value"), ppo.build_algorithm),
-    )
-}
-
-
-def algorithm(name: str) -> Algorithm:
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[name]
+__all__ = ["ALGORITHMS", "Algorithm", "algorithm", "build_trainer", "evaluate", "export", "load_config",
+           "restore_params", "train"]
 
 
 def build_trainer(config: TrainConfig, *, records: Sequence[Mapping] | None = None,
@@ -99,11 +60,13 @@ def build_trainer(config: TrainConfig, *, records: Sequence[Mapping] | None = No
 def load_config(path: str | None = None, overrides: Sequence[str] = (), *, data: dict | None = None) -> TrainConfig:
     """``TrainConfig`` from a YAML file (or a dict) plus ``dotted.key=value`` overrides,
     checked before any model or data is read: every key and type
-    (:func:`alignax.config.from_dict`), the algorithm's name, and the keys across sections
+    (:func:`alignax.config.from_dict`; a section under its old name,
+    :data:`~alignax.trainers.config.RENAMED_SECTIONS`, is read as the new one with a
+    ``DeprecationWarning``), the algorithm's name, and the keys across sections
     (:func:`alignax.trainers.validation.validate`: a key the algorithm cannot use, or values
     that disagree, is a ``ConfigError`` naming them)."""
     raw = config_io.load_yaml(path) if path is not None else dict(data or {})
-    raw = config_io.apply_overrides(raw, overrides)
+    raw = rename_sections(config_io.apply_overrides(raw, overrides))
     config = config_io.from_dict(TrainConfig, raw)
     if config.algorithm not in ALGORITHMS:
         raise ConfigError(f"algorithm: {config.algorithm!r} is not a valid choice; valid: "

@@ -14,7 +14,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     checkpoint: {...}         # CheckpointSection
     logging: {...}            # LoggingSection
     mesh: {...}               # MeshSection
-    sft / reward / prm / dpo / iterative / ppo / grpo: {...}   # the chosen algorithm's own settings
+    sft / reward_model / prm / preference / iterative / ppo / grpo: {...}   # the chosen algorithm's own settings
     rollout / rewards: {...}  # online RL (ppo, grpo): generation and the reward function
     evaluation: {...}         # alignax.evaluation.EvaluationConfig: greedy accuracy, pass@k
     env: {...}                # alignax.envs.EnvConfig: multi-turn rollouts with an environment and tools
@@ -22,13 +22,22 @@ A recipe YAML has these sections (every key optional unless noted)::
 ``alignax.trainers.api.load_config(path, overrides)`` reads it; an unknown or ill-typed
 key is an error naming its dotted path and the valid choices, and so is a key the
 algorithm cannot use (:mod:`alignax.trainers.validation`).
+
+Renamed sections (:data:`RENAMED_SECTIONS`): ``dpo:`` is ``preference:`` (it holds the whole
+offline preference family: DPO and its variants, SimPO, CPO, ORPO, KTO) and ``reward:`` is
+``reward_model:`` (training a Bradley-Terry reward model; ``rewards:`` is how online runs
+score completions). The old names load for one release with a ``DeprecationWarning`` naming
+the new key (:func:`rename_sections`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Mapping
 from typing import Any, Literal
 
+from alignax.config import ConfigError
 from alignax.data import DataConfig
 from alignax.envs.config import EnvConfig
 from alignax.evaluation import EvaluationConfig
@@ -254,7 +263,7 @@ class SFTSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardSection:
+class RewardModelSection:
     """Bradley-Terry reward model. ``center_coef``: TRL's centring term weight;
     ``use_margin``: subtract the record's ``margin`` field (Llama 2); every record must
     carry one (a record without it is a data error naming the record)."""
@@ -274,7 +283,8 @@ class PRMSection:
 
 @dataclasses.dataclass(frozen=True)
 class IterativeSection:
-    """Iterative DPO (``algorithm: iterative_dpo``). ``rounds``: sample-label-train rounds;
+    """Iterative DPO (``algorithm: iterative_dpo``; each round's training reads the
+    ``preference:`` section). ``rounds``: sample-label-train rounds;
     ``reference``: each round's DPO reference, ``previous`` (the policy the round starts
     from) or ``original`` (the model named by ``model``)."""
 
@@ -288,7 +298,7 @@ class IterativeSection:
 
 @dataclasses.dataclass(frozen=True)
 class PreferenceSection:
-    """Offline preference optimisation.
+    """Offline preference optimisation (the ``preference:`` section; ``dpo:`` before).
 
     Fields:
       loss: ``dpo`` | ``simpo`` | ``cpo`` | ``orpo`` | ``kto``.
@@ -491,9 +501,9 @@ class TrainConfig:
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
-    reward: RewardSection = dataclasses.field(default_factory=RewardSection)
+    reward_model: RewardModelSection = dataclasses.field(default_factory=RewardModelSection)
     prm: PRMSection = dataclasses.field(default_factory=PRMSection)
-    dpo: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)
+    preference: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)
     iterative: IterativeSection = dataclasses.field(default_factory=IterativeSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
@@ -501,3 +511,47 @@ class TrainConfig:
     ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
     evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+
+    @property
+    def dpo(self) -> PreferenceSection:
+        """The ``preference`` section under its old name (one release)."""
+        warnings.warn("TrainConfig.dpo is now TrainConfig.preference", DeprecationWarning, stacklevel=2)
+        return self.preference
+
+    @property
+    def reward(self) -> RewardModelSection:
+        """The ``reward_model`` section under its old name (one release)."""
+        warnings.warn("TrainConfig.reward is now TrainConfig.reward_model", DeprecationWarning, stacklevel=2)
+        return self.reward_model
+
+
+RENAMED_SECTIONS = {"dpo": "preference", "reward": "reward_model"}
+"""Old section name -> new; the old names load until the next release."""
+
+
+def rename_sections(raw: Mapping[str, Any], *, warn: bool = True) -> dict[str, Any]:
+    """``raw`` (a recipe's mapping, overrides applied) with each old section name of
+    :data:`RENAMED_SECTIONS` moved to its new name, with a ``DeprecationWarning`` naming the
+    new key. A section given under both names is merged; a key given under both with
+    different values is a ``ConfigError`` naming both."""
+    out = dict(raw)
+    for old, new in RENAMED_SECTIONS.items():
+        if old not in out:
+            continue
+        section = out.pop(old)
+        if warn:
+            warnings.warn(f"config section '{old}:' is now '{new}:' ({old}.<key> -> {new}.<key>); the old name "
+                          "loads until the next release", DeprecationWarning, stacklevel=3)
+        current = out.get(new)
+        if current is None or section is None:
+            out[new] = section if current is None else current
+            continue
+        if not isinstance(section, Mapping) or not isinstance(current, Mapping):
+            raise ConfigError(f"{old}: {section!r} and {new}: {current!r}: '{old}:' is the old name of '{new}:'; "
+                              f"set {new} only")
+        for key, value in section.items():
+            if key in current and current[key] != value:
+                raise ConfigError(f"{old}.{key}={value!r} and {new}.{key}={current[key]!r}: '{old}:' is the old "
+                                  f"name of '{new}:'; set {new}.{key} only")
+        out[new] = {**current, **section}
+    return out

@@ -11,7 +11,7 @@ others"; Xiong et al. 2024, "Iterative Preference Learning from Human Feedback";
    models, an LLM judge ``rewards.judge_model``, functions); a prompt's best and worst
    completion are a pair (chosen, rejected) when their rewards differ. The pairs are written
    to ``<output_dir>/round_<r>/pairs.jsonl`` once, so a resumed round trains on the same pairs;
-3. a DPO run (the ``dpo:`` section, ``train.total_steps`` steps) in ``round_<r>/`` trains
+3. a DPO run (the ``preference:`` section, ``train.total_steps`` steps) in ``round_<r>/`` trains
    the policy on them, against the round's starting policy (``iterative.reference:
    previous``) or the original model (``original``); its checkpoints make a stopped round
    resume exactly where it stopped (the engine's resume);

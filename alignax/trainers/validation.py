@@ -30,281 +30,78 @@ algorithm, the setting that makes the key unusable, and what would be right.
 
 from __future__ import annotations
 
-import abc
-import dataclasses
 import functools
-import json
-import os
-import typing
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
 
-from alignax import paths
 from alignax.best_of_n import BestOfNConfig
-from alignax.config import ConfigError, type_hints
-from alignax.data.builders import is_generator_spec
-from alignax.data.formats import DEFAULT_FIELDS, FORMATS, OPTIONAL_FIELDS
-from alignax.data.sources import DATA_FILE_SUFFIXES
-from alignax.losses.preference import DPO_VARIANTS
+from alignax.config import (ALWAYS, NEVER, Above, All, AnyOf, Check, Cond, ConfigError, Given, Is, IsNot,
+                            Named, NonZero, Rule, Unusable, keys_of, rule, set_keys, show)
+from alignax.config import schema_keys as config_schema_keys
+from alignax.config import unusable_keys as _unusable_keys
+from alignax.data import checks as data_checks
 from alignax.models import registry
 from alignax.parallel.placement import SUBMESH_ROLES
 from alignax.parallel.sharding import MESH_AXES
 from alignax.rewards.composite import RewardConfig
 from alignax.rewards.verifiers import check_task
+from alignax.trainers.algorithms import ENTRIES, algorithm, except_where, named, where
 from alignax.trainers.config import RolloutSection, TrainConfig
 
-_MISSING = object()
+
+def _names(test) -> str:
+    names = [a.name for a in ENTRIES if test(a)]
+    return ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
 
 
-def get(config: Any, path: str) -> Any:
-    """The value at a dotted ``path`` of ``config`` (``_MISSING`` through a null section)."""
-    value = config
-    for part in path.split("."):
-        if value is None:
-            return _MISSING
-        value = getattr(value, part)
-    return value
-
-
-def show(value: Any) -> str:
-    """A value as a recipe writes it."""
-    if value is None or value is _MISSING:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, tuple):
-        return "[" + ", ".join(show(v) for v in value) + "]"
-    if dataclasses.is_dataclass(value):
-        return "{...}"
-    return str(value)
-
-
-# ---------------------------------------------------------------------------- conditions
-class Cond(abc.ABC):
-    """A condition on a config: ``cond(config) -> bool``; ``text`` says it in recipe terms,
-    ``got(config)`` the values that make it fail."""
-
-    text: str
-
-    @abc.abstractmethod
-    def __call__(self, config: TrainConfig) -> bool:
-        """Whether the condition holds for ``config``."""
-
-    @abc.abstractmethod
-    def got(self, config: TrainConfig) -> str:
-        """The values of ``config`` that the condition reads, in recipe terms."""
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.text}>"
-
-
-class Is(Cond):
-    """``path`` holds one of ``values``."""
-
-    def __init__(self, path: str, *values: Any):
-        self.path, self.values = path, values
-        self.text = f"{path}={'|'.join(show(v) for v in values)}"
-
-    def __call__(self, config):
-        return get(config, self.path) in self.values
-
-    def got(self, config):
-        return f"{self.path}={show(get(config, self.path))}"
-
-
-class IsNot(Is):
-    """``path`` holds none of ``values``."""
-
-    def __init__(self, path: str, *values: Any):
-        super().__init__(path, *values)
-        self.text = f"{path} other than {'/'.join(show(v) for v in values)}"
-
-    def __call__(self, config):
-        return get(config, self.path) not in self.values
-
-
-class Above(Is):
-    """``path`` > ``bound``."""
-
-    def __init__(self, path: str, bound: float = 0):
-        super().__init__(path)
-        self.bound = bound
-        self.text = f"{path} > {show(bound)}"
-
-    def __call__(self, config):
-        value = get(config, self.path)
-        return value is not None and value is not _MISSING and value > self.bound
-
-
-class NonZero(Is):
-    """``path`` != 0."""
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self.text = f"{path} != 0"
-
-    def __call__(self, config):
-        return get(config, self.path) != 0
-
-
-class Given(Is):
-    """``path`` is set: not null, not empty."""
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self.text = f"{path} set"
-
-    def __call__(self, config):
-        value = get(config, self.path)
-        return value is not _MISSING and value is not None and value != () and value != {}
-
-    def got(self, config):
-        value = get(config, self.path)
-        return f"{self.path}={'[]' if value == () else '{}' if value == {} else show(value)}"
-
-
-class All(Cond):
-    def __init__(self, *conds: Cond):
-        self.conds = conds
-        self.text = " and ".join(c.text for c in conds)
-
-    def __call__(self, config):
-        return all(c(config) for c in self.conds)
-
-    def got(self, config):
-        return next(c.got(config) for c in self.conds if not c(config))
-
-
-class AnyOf(Cond):
-    def __init__(self, *conds: Cond):
-        self.conds = conds
-        self.text = " or ".join(f"({c.text})" if isinstance(c, (All, AnyOf)) else c.text for c in conds)
-
-    def __call__(self, config):
-        return any(c(config) for c in self.conds)
-
-    def got(self, config):
-        seen = []
-        for c in self.conds:
-            for part in c.got(config).split(", "):
-                if part and part not in seen:
-                    seen.append(part)
-        return ", ".join(seen)
-
-
-class Named(Cond):
-    """``cond`` said in words (``text``)."""
-
-    def __init__(self, text: str, cond: Cond):
-        self.text, self.cond = text, cond
-
-    def __call__(self, config):
-        return self.cond(config)
-
-    def got(self, config):
-        return self.cond.got(config)
-
-
-class Check(Cond):
-    """A condition computed by ``fn``; ``got_fn`` says the values it read."""
-
-    def __init__(self, text: str, fn: Callable[[TrainConfig], bool], got_fn: Callable[[TrainConfig], str]):
-        self.text, self.fn, self.got_fn = text, fn, got_fn
-
-    def __call__(self, config):
-        return self.fn(config)
-
-    def got(self, config):
-        return self.got_fn(config)
-
-
-ALWAYS = Check("any run", lambda c: True, lambda c: "")
-NEVER = Check("no run", lambda c: False, lambda c: "")
-
-ONLINE = Is("algorithm", "grpo", "ppo")
-OFFLINE = Is("algorithm", "sft", "reward", "prm", "dpo")
+# ---------------------------------------------------------------------------- conditions from the map
+ONLINE = where(lambda a: a.family == "online")
+OFFLINE = where(lambda a: a.family == "offline")
 EVAL_PROMPTS = Given("evaluation.prompts")
 NO_ENV = Named("no environment (env.name null)", Is("env.name", None))
-# alignax.evaluation: an online run evaluates by generation (on its eval split, or on
-# evaluation.prompts); an offline policy only on evaluation.prompts (its data are not
-# prompts), and a reward model never (it does not generate).
-OFFLINE_EVAL = All(Is("algorithm", "sft", "dpo"), EVAL_PROMPTS)
-ITERATIVE = Is("algorithm", "iterative_dpo")  # samples pairs from the policy each round
-GENERATION = Named("online training or generation-based evaluation (algorithm grpo, ppo or iterative_dpo; or "
-                   "evaluation.prompts set with algorithm sft or dpo)", AnyOf(ONLINE, ITERATIVE, OFFLINE_EVAL))
+# alignax.evaluation: a run that samples in training evaluates by generation (on its eval
+# split, or on evaluation.prompts); an offline policy only on evaluation.prompts (its data
+# are not prompts), and a reward model never (it does not generate).
+_OFFLINE_POLICY = lambda a: a.family == "offline" and a.head == "lm"  # noqa: E731
+OFFLINE_EVAL = All(where(_OFFLINE_POLICY), EVAL_PROMPTS)
+GENERATES = where(lambda a: a.generates)
+GENERATION = Named(f"online training or generation-based evaluation (algorithm {_names(lambda a: a.generates)}; "
+                   f"or evaluation.prompts set with algorithm {_names(_OFFLINE_POLICY)})", AnyOf(GENERATES, OFFLINE_EVAL))
 
 
-def _paths_read_from_disk(prefix: str) -> Check:
-    return Check(
-        f"a {prefix}.paths entry that is a file or folder (not a generator spec)",
-        lambda c: any(not is_generator_spec(p) for p in (get(c, f"{prefix}.paths") or ())),
-        lambda c: f"{prefix}.paths={show(get(c, prefix + '.paths'))}",
-    )
+def _per_entry(field: str) -> list[tuple[str, Cond]]:
+    return [(a.name, getattr(a, field)) for a in ENTRIES if getattr(a, field) is not NEVER]
 
 
-# ---------------------------------------------------------------------------- the key table
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """``keys`` (dotted leaves, or a section: all keys under it) are read when ``when``
-    holds; ``why``: the reason in words, for the error message."""
-
-    keys: tuple[str, ...]
-    when: Cond
-    why: str = ""
-
-    def covers(self, key: str) -> bool:
-        return any(key == k or key.startswith(k + ".") for k in self.keys)
-
-
-def rule(keys: str | Sequence[str], when: Cond, why: str = "") -> Rule:
-    return Rule((keys,) if isinstance(keys, str) else tuple(keys), when, why)
-
-
-def _keys_of(cls: type, prefix: str, *, but: Sequence[str] = ()) -> list[str]:
-    """The keys of section ``cls`` at ``prefix`` except ``but``."""
-    return [f"{prefix}.{f.name}" for f in dataclasses.fields(cls) if f.name not in but]
-
-
-def _data_rules(prefix: str) -> list[Rule]:
-    """The rows of a ``DataConfig`` at ``prefix`` (``data``, ``ppo.ptx_data``, ``evaluation.prompts``)."""
-    fmt = f"{prefix}.format"
-    return [
-        rule(prefix, ALWAYS),
-        rule([f"{prefix}.max_length", f"{prefix}.max_response_length"], IsNot(fmt, "prompt"),
-             "prompt batches are max_prompt_length wide; the response budget is rollout.max_new_tokens"),
-        rule(f"{prefix}.step_delimiter", Is(fmt, "steps"), "it separates the steps of a step-labelled solution"),
-        rule(f"{prefix}.apply_chat_template", Is(fmt, "preference", "unpaired", "prompt", "steps"),
-             "sft messages always go through the chat template; text never does"),
-        rule(f"{prefix}.system_prompt", IsNot(fmt, "text"), "plain text has no conversation to put it in"),
-        rule(f"{prefix}.split", _paths_read_from_disk(prefix), "a generator spec has no splits"),
-        rule(f"{prefix}.prefetch_batches", Above(f"{prefix}.read_threads", 0),
-             "batches are prefetched by the reading threads"),
-    ]
-
-
-_PREF_SMOOTHED = ("sigmoid", "robust", "exo_pair")  # alignax.losses.preference: eps of these only
-
-# Frozen models (alignax.trainers.engine.precision.frozen_params): the reference policy of
-# the DPO family and of online RL with a KL, and the models online training scores with
-# (reward models, an LLM judge, a PRM as GRPO's process reward).
+# Frozen models (alignax.trainers.engine.precision.frozen_params): a reference policy (each
+# entry's ``reference``), the models online training scores with (reward models, an LLM
+# judge) and an entry's own scoring models (GRPO's PRM).
 FROZEN_MODELS = Named(
-    "a frozen model: a reference policy (algorithm dpo with dpo.loss=dpo|kto; grpo.kl_coef > 0; ppo.kl_coef > 0) "
-    "or a scoring model of online training (rewards.reward_models or rewards.judge_model with algorithm grpo|ppo; "
-    "grpo.process_reward_model)",
-    AnyOf(All(Is("algorithm", "dpo", "iterative_dpo"), Is("dpo.loss", "dpo", "kto")),
-          All(Is("algorithm", "grpo"), Above("grpo.kl_coef", 0)),
-          All(Is("algorithm", "ppo"), Above("ppo.kl_coef", 0)),
-          All(ONLINE, AnyOf(Given("rewards.reward_models"), Given("rewards.judge_model"))),
-          All(Is("algorithm", "grpo"), Given("grpo.process_reward_model"))))
+    "a frozen model: a reference policy (" + "; ".join(f"algorithm {n} with {c.text}" for n, c in _per_entry("reference"))
+    + ") or a scoring model (rewards.reward_models or rewards.judge_model with online training; "
+    + "; ".join(c.text for _, c in _per_entry("scorers")) + ")",
+    AnyOf(*(All(named(n), c) for n, c in _per_entry("reference") + _per_entry("scorers")),
+          All(ONLINE, AnyOf(Given("rewards.reward_models"), Given("rewards.judge_model")))))
 
 # A reference policy held as a model of its own during training (alignax.parallel.placement
 # places it): not a precomputed table of its log-probs.
+_LIVE = [(a.name, All(a.reference, IsNot(a.precomputed_reference.path, *a.precomputed_reference.values))
+          if isinstance(a.precomputed_reference, Is) else a.reference) for a in ENTRIES if a.reference is not NEVER]
 LIVE_REFERENCE = Named(
-    "a live reference policy (algorithm dpo|iterative_dpo with dpo.loss=dpo|kto and dpo.reference=live; "
-    "grpo.kl_coef > 0; ppo.kl_coef > 0)",
-    AnyOf(All(Is("algorithm", "dpo", "iterative_dpo"), Is("dpo.loss", "dpo", "kto"), Is("dpo.reference", "live")),
-          All(Is("algorithm", "grpo"), Above("grpo.kl_coef", 0)),
-          All(Is("algorithm", "ppo"), Above("ppo.kl_coef", 0))))
+    "a live reference policy (" + "; ".join(f"algorithm {n} with {c.text}" for n, c in _LIVE) + ")",
+    AnyOf(*(All(named(n), c) for n, c in _LIVE)))
+
+
+def _entry_rules() -> list[Rule]:
+    """Each section read by its algorithms alone, then each entry's own rows (once)."""
+    sections: dict[str, list[str]] = {}
+    for a in ENTRIES:
+        for section in a.sections:
+            sections.setdefault(section, []).append(a.name)
+    out = [rule(section, named(*names)) for section, names in sections.items()]
+    for a in ENTRIES:
+        out += [r for r in a.rules if r not in out]
+    return out
+
 
 KEY_RULES: tuple[Rule, ...] = (
     # --- shared by every algorithm
@@ -323,14 +120,13 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("placement.submesh", AnyOf(Is("placement.reference", "submesh"), Is("placement.reward_models", "submesh")),
          "it is the shape of the devices set apart for the models placed on submesh (placement.reference or "
          "placement.reward_models: submesh)"),
-    rule("lora", Is("algorithm", "sft", "dpo", "reward", "grpo", "ppo"),
-         "adapters train sft, dpo, reward, grpo and ppo runs"),
+    rule("lora", where(lambda a: a.lora), f"adapters train {_names(lambda a: a.lora)} runs"),
     rule("lora.merge_for_sampling", ONLINE,
          "it merges the adapters for the rollouts' sampler; an offline run's evaluation samples unmerged"),
     rule("lora.quant_block_size", IsNot("lora.quantize", "none"),
          "it is the block size of a quantised base (lora.quantize: int8 | nf4)"),
-    rule("model.logprob_chunk_size", IsNot("algorithm", "reward", "prm"), "a reward model scores sequences, no log-probs"),
-    rule("model.seed", AnyOf(Given("model.random_init"), Is("algorithm", "reward", "prm")),
+    rule("model.logprob_chunk_size", except_where(lambda a: a.head == "scalar"), "a reward model scores sequences, no log-probs"),
+    rule("model.seed", AnyOf(Given("model.random_init"), where(lambda a: a.head == "scalar")),
          "it seeds random initialisation and a reward model's fresh score head"),
     rule("optim.weight_decay", Is("optim.name", "adamw")),
     rule(["optim.b1", "optim.b2", "optim.eps"], Is("optim.name", "adamw", "adam")),
@@ -338,57 +134,15 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("checkpoint.resume_step", Is("checkpoint.resume", True), "it picks the step a run resumes from"),
     rule("train.eval_batches", OFFLINE,
          "it caps the offline eval split's loss batches; online runs evaluate by generation (evaluation.*)"),
-    # --- data (the run's; PPO-ptx's and the evaluation prompts' below)
-    *_data_rules("data"),
-    # --- each algorithm's own section
-    rule("sft", Is("algorithm", "sft")),
-    rule("reward", Is("algorithm", "reward")),
-    rule("prm", Is("algorithm", "prm")),
-    rule("dpo", Is("algorithm", "dpo", "iterative_dpo")),
-    rule("iterative", ITERATIVE),
-    rule("grpo", Is("algorithm", "grpo")),
-    rule("ppo", Is("algorithm", "ppo")),
-    # --- DPO family (alignax.trainers.offline.preference)
-    rule("dpo.variant", Is("dpo.loss", "dpo")),
-    rule("dpo.label_smoothing", AnyOf(All(Is("dpo.loss", "dpo"), Is("dpo.variant", *_PREF_SMOOTHED)),
-                                      Is("dpo.loss", "simpo", "cpo"))),
-    rule("dpo.dpop_lambda", All(Is("dpo.loss", "dpo"), Is("dpo.variant", "dpop"))),
-    rule("dpo.simpo_gamma", Is("dpo.loss", "simpo")),
-    rule("dpo.cpo_alpha", Is("dpo.loss", "cpo")),
-    rule(["dpo.kto_desirable_weight", "dpo.kto_undesirable_weight"], Is("dpo.loss", "kto")),
-    rule("dpo.reference", Is("dpo.loss", "dpo", "kto"), "simpo, cpo and orpo have no reference model"),
-    # --- GRPO family (alignax.trainers.online.grpo)
-    rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process"), "only these divide by a std"),
-    rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
-    rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
-         "pg does not clip"),
-    rule("grpo.dual_clip_c", Is("grpo.policy_loss", "ppo"), "the dual clip is PPO-clip's"),
-    rule(["grpo.kl_kind", "grpo.adaptive_kl"], Above("grpo.kl_coef", 0),
-         "kl_coef 0 drops the reference and the KL with it"),
-    rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process")),
-         "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
-    rule(["grpo.kl_target", "grpo.kl_horizon"], Is("grpo.adaptive_kl", True)),
-    rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),
-    rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
-    rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
-    rule("grpo.process_reward_aggregation", Given("grpo.process_reward_model"), "it reduces the PRM's step scores"),
-    # --- PPO (alignax.trainers.online.ppo)
-    rule("ppo.critic_init", Is("ppo.critic", "separate"), "a shared critic is a value head on the policy"),
-    rule("ppo.critic_path", All(Is("ppo.critic", "separate"), Is("ppo.critic_init", "reward_model"))),
-    rule(["ppo.kl_kind", "ppo.kl_placement", "ppo.adaptive_kl"], Above("ppo.kl_coef", 0),
-         "kl_coef 0 drops the reference and the KL with it"),
-    rule(["ppo.kl_target", "ppo.kl_horizon"], Is("ppo.adaptive_kl", True)),
-    rule("ppo.target_kl", Above("ppo.epochs", 1), "it stops the remaining epochs of a rollout"),
-    rule("ppo.ptx_coef", Given("ppo.ptx_data"), "PPO-ptx's SFT loss needs its data"),
-    rule("ppo.ptx_data", Above("ppo.ptx_coef", 0), "the ptx data feed PPO-ptx's SFT loss at weight ppo.ptx_coef"),
-    *_data_rules("ppo.ptx_data"),
-    rule("ppo.ptx_data.eval_fraction", NEVER, "PPO-ptx reads its data's train split only"),
+    # --- data (the run's; PPO-ptx's is its entry's, the evaluation prompts' below)
+    *data_checks.key_rules("data"),
+    # --- each algorithm's own sections, then its own rows (alignax.trainers.algorithms)
+    *_entry_rules(),
     # --- generation (online rollouts; evaluation reuses the budget and stop tokens)
-    rule(_keys_of(RolloutSection, "rollout", but=("max_new_tokens", "stop_token_ids", "temperature", "top_k", "top_p",
-                                                  "num_samples")), ONLINE),
-    rule(["rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.num_samples"],
-         Is("algorithm", "grpo", "ppo", "iterative_dpo"),
-         "they are the sampling distribution of rollouts (iterative_dpo: of each round's pairs)"),
+    rule(keys_of(RolloutSection, "rollout", but=("max_new_tokens", "stop_token_ids", "temperature", "top_k", "top_p",
+                                                 "num_samples")), ONLINE),
+    rule(["rollout.temperature", "rollout.top_k", "rollout.top_p", "rollout.num_samples"], GENERATES,
+         "they are the sampling distribution of rollouts (an iterative run: of each round's pairs)"),
     rule(["rollout.max_new_tokens", "rollout.stop_token_ids"], GENERATION),
     rule("rollout.pack_groups", Above("rollout.num_samples", 1), "one sample per prompt has no group to pack"),
     rule("rollout.tis_cap", Is("rollout.old_logps", "recompute"),
@@ -396,8 +150,8 @@ KEY_RULES: tuple[Rule, ...] = (
     # --- rewards (alignax.rewards.composite): every rollout and every generation-based
     # evaluation is scored (under grpo.advantage=process too: the logged rewards, dynamic
     # sampling's group variance and the evaluation read them; the advantages do not)
-    rule(_keys_of(RewardConfig, "rewards", but=("mask_truncated",)), GENERATION),
-    rule(_keys_of(RewardConfig, "rewards", but=("mask_truncated",)), NO_ENV,
+    rule(keys_of(RewardConfig, "rewards", but=("mask_truncated",)), GENERATION),
+    rule(keys_of(RewardConfig, "rewards", but=("mask_truncated",)), NO_ENV,
          "with an environment (env.name set) the environment gives the rewards"),
     rule("rewards.mask_truncated", ONLINE, "it takes truncated completions out of the training loss"),
     rule("rewards.strict_format", NonZero("rewards.format_weight")),
@@ -418,14 +172,14 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("evaluation", GENERATION),
     rule("evaluation.temperature", AnyOf(Given("evaluation.pass_k"), Above("evaluation.best_of_n.n", 0)),
          "it is the temperature of the pass@k and best-of-N samples"),
-    rule(_keys_of(BestOfNConfig, "evaluation.best_of_n", but=("n",)), Above("evaluation.best_of_n.n", 0),
+    rule(keys_of(BestOfNConfig, "evaluation.best_of_n", but=("n",)), Above("evaluation.best_of_n.n", 0),
          "best-of-N is off while evaluation.best_of_n.n is 0"),
     rule(["evaluation.best_of_n.ensemble", "evaluation.best_of_n.ensemble_k"],
          Given("evaluation.best_of_n.reward_models"), "they combine the reward models' scores"),
     rule("evaluation.best_of_n.ensemble_k", Is("evaluation.best_of_n.ensemble", "mean_minus_std", "mean_minus_var")),
     rule(["evaluation.best_of_n.prm_aggregation", "evaluation.best_of_n.step_delimiter"],
          Given("evaluation.best_of_n.prm"), "they read the PRM's step scores"),
-    *_data_rules("evaluation.prompts"),
+    *data_checks.key_rules("evaluation.prompts"),
     rule(["evaluation.prompts.eval_fraction", "evaluation.prompts.shuffle", "evaluation.prompts.seed",
           "evaluation.prompts.num_epochs"], NEVER, "an evaluation reads its prompt set once, whole, in file order"),
 )
@@ -441,32 +195,11 @@ def rules_covering(key: str) -> tuple[Rule, ...]:
 
 
 # ---------------------------------------------------------------------------- value constraints
-def _formats_of(config: TrainConfig) -> tuple[tuple[str, ...], str]:
-    """The data formats the algorithm reads, and what decides them."""
-    algorithm = config.algorithm
-    if algorithm == "dpo":
-        if config.dpo.loss == "kto":
-            return ("unpaired",), "dpo.loss=kto"
-        return ("preference",), f"dpo.loss={config.dpo.loss}"
-    table = {"sft": ("sft", "text"), "reward": ("preference",), "prm": ("steps",), "grpo": ("prompt",),
-             "ppo": ("prompt",), "iterative_dpo": ("prompt",)}
-    return tuple(f for f in table[algorithm] if f in FORMATS), f"algorithm {algorithm}"
-
-
 def _data_format(config):
-    formats, by = _formats_of(config)
+    formats, by = algorithm(config.algorithm).data_formats(config)
     if config.data.format not in formats:
         return (f"data.format={config.data.format} does not fit {by}: it reads data.format="
                 f"{' or '.join(formats)} (algorithm {config.algorithm})")
-    return None
-
-
-def _ptx_format(config):
-    ptx = config.ppo.ptx_data
-    formats = tuple(f for f in ("sft", "text") if f in FORMATS)
-    if ptx is not None and ptx.format not in formats:
-        return (f"ppo.ptx_data.format={ptx.format}: PPO-ptx's SFT loss reads ppo.ptx_data.format="
-                f"{' or '.join(formats)}")
     return None
 
 
@@ -477,78 +210,47 @@ def _eval_prompts_format(config):
     return None
 
 
-def _group_size(config):
-    if config.algorithm == "grpo" and config.grpo.advantage != "remax" and config.rollout.num_samples < 2:
-        return (f"rollout.num_samples={config.rollout.num_samples}: grpo.advantage={config.grpo.advantage} compares "
-                "the samples of a prompt; set rollout.num_samples >= 2 (or grpo.advantage=remax)")
-    return None
+def _online_section(config):
+    """An online family's own section (its ``epochs``, ``minibatches``): its entry's first."""
+    return algorithm(config.algorithm).sections[0]
 
 
 def _minibatches(config):
-    if config.algorithm not in ("grpo", "ppo"):
+    if not ONLINE(config):
         return None
-    section = config.grpo if config.algorithm == "grpo" else config.ppo
+    name = _online_section(config)
+    minibatches = getattr(config, name).minibatches
     rows = config.data.batch_size * config.rollout.num_samples
-    name = f"{config.algorithm}.minibatches"
-    if rows % section.minibatches:
-        return (f"{name}={section.minibatches} does not divide the {rows} rollout rows (data.batch_size="
+    if rows % minibatches:
+        return (f"{name}.minibatches={minibatches} does not divide the {rows} rollout rows (data.batch_size="
                 f"{config.data.batch_size} x rollout.num_samples={config.rollout.num_samples})")
     accum = config.train.grad_accum_steps
-    if (rows // section.minibatches) % accum:
-        return (f"train.grad_accum_steps={accum} does not divide the {rows // section.minibatches} rows of a "
-                f"minibatch (data.batch_size x rollout.num_samples / {name})")
+    if (rows // minibatches) % accum:
+        return (f"train.grad_accum_steps={accum} does not divide the {rows // minibatches} rows of a "
+                f"minibatch (data.batch_size x rollout.num_samples / {name}.minibatches)")
     return None
 
 
 def _offline_micro_batches(config):
     accum = config.train.grad_accum_steps
-    if config.algorithm not in ("grpo", "ppo") and config.data.batch_size % accum:
+    if not ONLINE(config) and config.data.batch_size % accum:
         return (f"train.grad_accum_steps={accum} does not divide data.batch_size={config.data.batch_size} "
                 f"(algorithm {config.algorithm})")
     return None
 
 
-def _ptx_micro_batches(config):
-    ptx, accum = config.ppo.ptx_data, config.train.grad_accum_steps
-    if config.algorithm == "ppo" and ptx is not None and ptx.batch_size % accum:
-        return f"train.grad_accum_steps={accum} does not divide ppo.ptx_data.batch_size={ptx.batch_size}"
-    return None
-
-
 def _packed_groups(config):
     rc = config.rollout
-    if config.algorithm not in ("grpo", "ppo") or rc.pack_groups != "on" or rc.num_samples < 2:
+    if not ONLINE(config) or rc.pack_groups != "on" or rc.num_samples < 2:
         return None
-    minibatches = (config.grpo if config.algorithm == "grpo" else config.ppo).minibatches
+    name = _online_section(config)
+    minibatches = getattr(config, name).minibatches
     prompts, accum = config.data.batch_size, config.train.grad_accum_steps
     if prompts % minibatches or (prompts * rc.num_samples // minibatches // accum) % rc.num_samples:
         return (f"rollout.pack_groups=on needs whole groups of rollout.num_samples={rc.num_samples} in every "
                 f"minibatch and micro-batch: data.batch_size={prompts} prompts into "
-                f"{config.algorithm}.minibatches={minibatches} x train.grad_accum_steps={accum} do not give that; "
+                f"{name}.minibatches={minibatches} x train.grad_accum_steps={accum} do not give that; "
                 "use pack_groups auto/off or change the split")
-    return None
-
-
-def _critic_adapter(config):
-    """``ppo.critic=adapter`` is a LoRA run's critic, and a LoRA PPO run's only critic."""
-    if config.algorithm != "ppo":
-        return None
-    critic = config.ppo.critic
-    if critic == "adapter" and config.lora is None:
-        return ("ppo.critic=adapter is an adapter and value head on the policy's frozen base: it needs a lora "
-                "section (lora.rank, ...); without LoRA set ppo.critic=separate or shared")
-    if critic != "adapter" and config.lora is not None:
-        return (f"ppo.critic={critic} with a lora section: a LoRA PPO run's critic is its own adapter and value "
-                "head on the policy's frozen base; set ppo.critic=adapter (or lora: null to train every parameter)")
-    return None
-
-
-def _critic_path(config):
-    pc = config.ppo
-    separate_from_reward_model = pc.critic == "separate" and pc.critic_init == "reward_model"
-    if config.algorithm == "ppo" and separate_from_reward_model and not pc.critic_path:
-        return ("ppo.critic_init=reward_model needs ppo.critic_path (a reward model folder, alignax export of a "
-                "reward run)")
     return None
 
 
@@ -565,9 +267,6 @@ def _env_settings(config):
     env = config.env
     if env.name is None or not ONLINE(config):
         return None
-    if config.algorithm == "grpo" and config.grpo.advantage == "process":
-        return ("env.name is set with grpo.advantage=process: process advantages read step rewards at text "
-                "delimiters, which a trajectory's observation turns break; use another grpo.advantage")
     if env.max_turn_tokens is not None and env.max_turn_tokens > config.rollout.max_new_tokens:
         return (f"env.max_turn_tokens={env.max_turn_tokens} exceeds rollout.max_new_tokens="
                 f"{config.rollout.max_new_tokens}, the budget of the whole trajectory after the prompt")
@@ -594,33 +293,11 @@ def _pass_k_verdict(config):
     return None
 
 
-def _iterative_loss(config):
-    if config.algorithm == "iterative_dpo" and config.dpo.loss == "kto":
-        return "dpo.loss=kto does not fit algorithm iterative_dpo: each round trains on pairs (dpo, simpo, cpo or orpo)"
-    if config.algorithm == "iterative_dpo" and config.rollout.num_samples < 2:
-        return (f"rollout.num_samples={config.rollout.num_samples}: iterative_dpo pairs two of a prompt's samples; "
-                "set rollout.num_samples >= 2")
-    return None
-
-
-def _dpo_variant(config):
-    if config.algorithm in ("dpo", "iterative_dpo") and config.dpo.loss == "dpo" and config.dpo.variant not in DPO_VARIANTS:
-        return f"dpo.variant={config.dpo.variant} is not a DPO variant; valid: {', '.join(DPO_VARIANTS)}"
-    return None
-
-
 def _checkpoint_keep(config):
     keep = config.checkpoint.keep
     if keep < 1:
         return (f"checkpoint.keep={keep}: it is how many of the newest step checkpoints are kept, and {keep} would "
                 "delete every one; set checkpoint.keep >= 1 (or checkpoint.enabled=false to save none)")
-    return None
-
-
-def _remote_output_dir(config):
-    if config.algorithm == "iterative_dpo" and paths.is_remote(config.output_dir):
-        return (f"output_dir={config.output_dir}: iterative_dpo writes each round's pairs and exported policy as "
-                "local files and reads them back as the next round's data and model; use a local output_dir")
     return None
 
 
@@ -656,7 +333,7 @@ def _submesh(config):
     if config.mesh.dcn_shape is not None:
         return ("placement.submesh with mesh.dcn_shape: a multi-slice mesh spans every device of every slice; "
                 "place the frozen models on device or host instead")
-    if placement.on_submesh("reward_models") and config.algorithm not in ("grpo", "ppo"):
+    if placement.on_submesh("reward_models") and not ONLINE(config):
         return (f"placement.reward_models=submesh with algorithm {config.algorithm}: only online training's "
                 "rollout scoring runs reward models on a sub-mesh (an evaluation loads them on its own mesh)")
     return None
@@ -673,167 +350,37 @@ def _reward_task(config):
     return None
 
 
-# --- local files, checked at load before any model is read: model folders and data files
-_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("spiece.model",), ("sentencepiece.bpe.model",),
-                    ("vocab.json", "merges.txt"), ("vocab.txt",))
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # alignax.models.hf.read_hf_tensors
-
-
 def _model_folder(config):
-    """``model.name`` naming a local folder (not a registry name): the files the run reads
-    from it are there (alignax.trainers.engine.setup: config.json, the safetensors weights
-    unless ``model.random_init``, and the tokenizer ``AutoTokenizer`` loads)."""
-    name = config.model.name
-    if name in registry.MODELS or not os.path.isdir(name):
-        return None  # a registry name, or no folder: the build step names it
-    files = set(os.listdir(name))
-    missing = []
-    if "config.json" not in files:
-        missing.append("config.json")
-    if config.model.random_init is None and not files.intersection(_WEIGHT_FILES):
-        missing.append(f"weights ({' or '.join(_WEIGHT_FILES)})")
-    if not any(all(f in files for f in group) for group in _TOKENIZER_FILES):
-        missing.append("tokenizer files (tokenizer.json; or tokenizer.model, or vocab.json + merges.txt)")
-    if missing:
-        return (f"model.name={name}: the model folder lacks {'; '.join(missing)}. A Hugging Face model folder "
-                "holds config.json, model.safetensors and its tokenizer (save the tokenizer beside the weights: "
-                "tokenizer.save_pretrained(folder); alignax export writes all three)")
-    return None
-
-
-def _first_record(path: str) -> tuple[str, Any]:
-    """``("empty", why)``, ``("record", field names of the first record)``, or
-    ``("unknown", None)`` (a type or content this cheap look does not read: the data
-    pipeline reads it, and reports what is wrong with the file and line)."""
-    try:
-        size = os.path.getsize(path)
-        if size == 0:
-            return "empty", "0 bytes"
-        if path.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            meta = pq.ParquetFile(path).metadata
-            if meta.num_rows == 0:
-                return "empty", "a Parquet file of 0 rows"
-            return "record", list(meta.schema.to_arrow_schema().names)
-        if not path.endswith((".jsonl", ".json")):
-            return "unknown", None
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-            if path.endswith(".json") and head.lstrip().startswith(b"["):
-                text = (head + f.read(1 << 20)).decode("utf-8", errors="replace")
-                start = text.index("[") + 1
-                while start < len(text) and text[start].isspace():
-                    start += 1
-                if text[start:start + 1] == "]":
-                    return "empty", "an empty JSON array"
-                record, _ = json.JSONDecoder().raw_decode(text, start)
-            else:
-                f.seek(0)
-                for line in f:
-                    if line.strip():
-                        record = json.loads(line.decode("utf-8"))
-                        break
-                else:
-                    return "empty", "only blank lines"
-    except Exception:  # noqa: BLE001 - unreadable or malformed: the pipeline reports it with its line/row
-        return "unknown", None
-    return ("record", list(record)) if isinstance(record, dict) else ("unknown", None)
-
-
-def _fields_for(keys: Sequence[str], fmt: str, field_map: dict[str, str]) -> list[str] | None:
-    """The record keys that fill format ``fmt``'s fields (alignax.data.formats), or None
-    when a field the format needs is absent."""
-    found = []
-    for field, candidates in DEFAULT_FIELDS[fmt].items():
-        candidates = (field_map[field],) if field in field_map else candidates
-        key = next((k for k in candidates if k in keys), None)
-        if key is not None:
-            found.append(key)
-        elif field not in OPTIONAL_FIELDS.get(fmt, ()):
-            return None
-    return found
-
-
-def _data_files_of(config, prefix: str, reader: str, formats: tuple[str, ...]) -> str | None:
-    section = get(config, prefix)
-    if section is None or section is _MISSING:
-        return None
-    fmt, field_map = section.format, dict(section.field_map)
-    for i, path in enumerate(section.paths):
-        if is_generator_spec(path) or not os.path.isfile(path):
-            continue  # a generator, a folder, or a missing file (the data pipeline names it)
-        if not path.endswith(DATA_FILE_SUFFIXES):
-            continue
-        kind, what = _first_record(path)
-        where = f"{prefix}.paths[{i}] {path}"
-        if kind == "empty":
-            return f"{where}: the data file is empty ({what}); it holds no records"
-        if kind != "record" or fmt not in DEFAULT_FIELDS:
-            continue
-        keys = what
-        mine = _fields_for(keys, fmt, field_map)
-        others = {f: m for f in FORMATS if f != fmt and f in DEFAULT_FIELDS
-                  for m in [_fields_for(keys, f, {})] if m is not None}
-        reads = (f"{reader} reads {prefix}.format={fmt}" if fmt in formats else f"{prefix}.format is {fmt}")
-        if others:
-            other, fields = max(others.items(), key=lambda kv: len(kv[1]))
-            if mine is None or len(fields) > len(mine):
-                own = {k for c in DEFAULT_FIELDS[fmt].values() for k in c} | set(field_map.values())
-                shown = [k for k in fields if k not in own] or fields
-                fix = f"; set {prefix}.format={other}" if other in formats else ""
-                return (f"{where}: its records look like format '{other}' (fields {', '.join(shown)}) but "
-                        f"{reads}{fix}")
-        if mine is None and section.on_bad_record == "error":
-            needed = [f"{field} ({' or '.join((field_map[field],) if field in field_map else names)})"
-                      for field, names in DEFAULT_FIELDS[fmt].items() if field not in OPTIONAL_FIELDS.get(fmt, ())]
-            return (f"{where}: its first record has fields {', '.join(map(str, keys)) or 'none'}; {reads}, whose "
-                    f"records need {', '.join(needed)} (rename a field with {prefix}.field_map)")
-    return None
+    return registry.model_folder_problem(config.model.name, random_init=config.model.random_init is not None)
 
 
 def _data_files(config):
-    formats, by = _formats_of(config)
-    return _data_files_of(config, "data", by, formats)
-
-
-def _ptx_files(config):
-    if config.algorithm != "ppo":
-        return None
-    return _data_files_of(config, "ppo.ptx_data", "PPO-ptx's SFT loss", tuple(f for f in ("sft", "text") if f in FORMATS))
+    formats, by = algorithm(config.algorithm).data_formats(config)
+    return data_checks.data_file_problem(config.data, "data", by, formats)
 
 
 def _eval_prompts_files(config):
     if not GENERATION(config):
         return None
-    return _data_files_of(config, "evaluation.prompts", "an evaluation", ("prompt",))
+    return data_checks.data_file_problem(config.evaluation.prompts, "evaluation.prompts", "an evaluation", ("prompt",))
 
 
 CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _data_format,
-    _ptx_format,
     _eval_prompts_format,
-    _dpo_variant,
-    _group_size,
     _minibatches,
     _offline_micro_batches,
-    _ptx_micro_batches,
     _packed_groups,
-    _critic_adapter,
-    _critic_path,
     _reward_source,
     _overlong_buffer,
     _env_settings,
     _pass_k_verdict,
-    _iterative_loss,
     _checkpoint_keep,
-    _remote_output_dir,
     _mesh_shape,
     _submesh,
     _reward_task,
     _model_folder,
     _data_files,
-    _ptx_files,
     _eval_prompts_files,
 )
 """Each returns the problem in words (naming its keys), or None."""
@@ -841,66 +388,14 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
 
 # ---------------------------------------------------------------------------- the schema
 def schema_keys(cls: type = TrainConfig, prefix: str = "") -> Iterator[str]:
-    """Every dotted key of the schema: leaves, and optional sections (``ppo.ptx_data``)
-    with their leaves after them."""
-    hints = type_hints(cls)
-    for field in dataclasses.fields(cls):
-        tp, key = hints[field.name], prefix + field.name
-        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
-        if dataclasses.is_dataclass(tp):
-            yield from schema_keys(tp, key + ".")
-        elif inner:
-            yield key
-            yield from schema_keys(inner[0], key + ".")
-        else:
-            yield key
-
-
-def _default(cls: type, field: dataclasses.Field) -> Any:
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return _MISSING
-
-
-def set_keys(config: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
-    """``(key, value, default)`` of every key whose value differs from its dataclass default;
-    a set optional section (``ppo.ptx_data``) comes before its own set keys."""
-    for field in dataclasses.fields(config):
-        value, key = getattr(config, field.name), prefix + field.name
-        if dataclasses.is_dataclass(value):
-            default = _default(type(config), field)
-            if default is None:  # an optional section, set
-                yield key, value, None
-            yield from set_keys(value, key + ".")
-            continue
-        default = _default(type(config), field)
-        if default is _MISSING or value != default:
-            yield key, value, default
-
-
-@dataclasses.dataclass(frozen=True)
-class Unusable:
-    """A set key that the run would ignore: the first of its rules that fails."""
-
-    key: str
-    value: Any
-    default: Any
-    rule: Rule
+    """Every dotted key of the run config (:func:`alignax.config.schema_keys`)."""
+    return config_schema_keys(cls, prefix)
 
 
 def unusable_keys(config: TrainConfig) -> list[Unusable]:
-    """The set keys whose rows of :data:`KEY_RULES` do not all hold, in schema order; the
-    keys under an optional section reported for a rule are not repeated for it."""
-    out: list[Unusable] = []
-    for key, value, default in set_keys(config):
-        for r in rules_covering(key):
-            if not r.when(config):
-                if not any(u.rule is r and key.startswith(u.key + ".") for u in out):
-                    out.append(Unusable(key, value, default, r))
-                break
-    return out
+    """The set keys whose rows of :data:`KEY_RULES` do not all hold, in schema order
+    (:func:`alignax.config.unusable_keys`)."""
+    return _unusable_keys(config, rules_covering)
 
 
 def problems(config: TrainConfig) -> list[str]:
@@ -922,7 +417,7 @@ def problems(config: TrainConfig) -> list[str]:
         fix = remove + (f", or set {r.when.text}" if settable else "")
         out.append(f"{keys} {'applies' if one else 'apply'} to {r.when.text} only; got {r.when.got(config)}{why}. "
                    f"Algorithm {config.algorithm} would ignore {'it' if one else 'them'}: {fix}")
-    for constraint in CONSTRAINTS:
+    for constraint in (*CONSTRAINTS, *algorithm(config.algorithm).constraints):
         message = constraint(config)
         if message:
             out.append(message)
@@ -939,4 +434,5 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"{len(found)} problems in the config:\n" + "\n".join(f"- {p}" for p in found))
 
 
-__all__ = ["CONSTRAINTS", "KEY_RULES", "Rule", "problems", "schema_keys", "set_keys", "unusable_keys", "validate"]
+__all__ = ["CONSTRAINTS", "FROZEN_MODELS", "GENERATION", "KEY_RULES", "LIVE_REFERENCE", "ONLINE", "problems",
+           "schema_keys", "set_keys", "unusable_keys", "validate"]

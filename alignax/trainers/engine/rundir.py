@@ -48,7 +48,7 @@ from jax.experimental import multihost_utils
 
 from alignax import config as config_io
 from alignax import paths
-from alignax.trainers.config import TrainConfig
+from alignax.trainers.config import TrainConfig, rename_sections
 
 log = logging.getLogger("alignax")
 
@@ -220,7 +220,8 @@ def saved_config_changes(path: str, config: TrainConfig) -> tuple[list, list]:
     saved_path = paths.as_path(path) / CONFIG_NAME
     if not saved_path.exists():
         return [], []
-    saved = config_io.yaml_load(saved_path.read_text(encoding="utf-8")) or {}
+    # a run saved before a section was renamed compares under the new names
+    saved = rename_sections(config_io.yaml_load(saved_path.read_text(encoding="utf-8")) or {}, warn=False)
     changes = config_changes(saved, config_io.to_dict(config))
     constant_lr = config.optim.schedule == "constant" and saved.get("optim", {}).get("schedule") == "constant"
     bound = [c for c in changes if not (_is_free(c[0]) or (constant_lr and c[0] == "train.total_steps"))]

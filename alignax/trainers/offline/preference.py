@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from alignax.config import Is
 from alignax.losses import preference as pref
 from alignax.trainers.engine import packing
 from alignax.trainers.engine.setup import response_logps, sequence_logps
@@ -23,8 +24,7 @@ from alignax.trainers.config import TrainConfig
 from alignax.trainers.offline.task import Task
 
 Array = jax.Array
-PAIRED_LOSSES = ("dpo", "simpo", "cpo", "orpo")
-REFERENCE_FREE = ("simpo", "cpo", "orpo")
+USES_REFERENCE = Is("preference.loss", "dpo", "kto")  # simpo, cpo and orpo are reference-free
 def _example_weights(batch: Mapping[str, Array], key: str) -> Array:
     if "example_mask" in batch:
         return batch["example_mask"].astype(jnp.float32)
@@ -71,17 +71,12 @@ def _single_logps(model, batch, prefix, chunk_size, window):
 
 
 def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> Task:
-    section = config.dpo
+    # data.format and preference.variant were checked when the config loaded (the algorithm map's entry)
+    section = config.preference
     chunk = config.model.logprob_chunk_size
     window = config.data.max_response_length  # the LM head runs on response positions only
     loss_name = section.loss
-    uses_reference = loss_name not in REFERENCE_FREE
-    if loss_name == "kto" and config.data.format != "unpaired":
-        raise ValueError(f"dpo.loss=kto needs data.format=unpaired; got {config.data.format!r}")
-    if loss_name in PAIRED_LOSSES and config.data.format != "preference":
-        raise ValueError(f"dpo.loss={loss_name} needs data.format=preference; got {config.data.format!r}")
-    if loss_name == "dpo" and section.variant not in pref.DPO_VARIANTS:
-        raise ValueError(f"unknown dpo.variant {section.variant!r}; valid: {', '.join(pref.DPO_VARIANTS)}")
+    uses_reference = USES_REFERENCE(config)
 
     def model_of(params):
         return nnx.merge(graphdef, params, rest)

@@ -21,8 +21,7 @@ from alignax.trainers.offline.task import Task
 
 
 def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> Task:
-    if config.data.format != "steps":
-        raise ValueError(f"algorithm prm needs data.format=steps; got {config.data.format!r}")
+    # data.format was checked when the config loaded (the algorithm map's entry)
     aggregation = config.prm.aggregation
 
     def step_mask_of(batch):

@@ -1,7 +1,7 @@
 """Reward-model training: a Bradley-Terry loss on preference pairs, scored by a reward
 head on the last real token of each sequence. Held-out pair accuracy is the eval figure.
 
-With ``reward.use_margin`` the loss is ``-log s(r_c - r_r - m)``, ``m`` the record's
+With ``reward_model.use_margin`` the loss is ``-log s(r_c - r_r - m)``, ``m`` the record's
 ``margin`` field (Llama 2's graded preferences; the data's ``margin [B]``), and every
 record must carry one (the task's ``required_fields``).
 """
@@ -17,9 +17,8 @@ from alignax.trainers.offline.task import Task
 
 
 def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> Task:
-    if config.data.format != "preference":
-        raise ValueError(f"algorithm reward needs data.format=preference; got {config.data.format!r}")
-    section = config.reward
+    # data.format was checked when the config loaded (the algorithm map's entry)
+    section = config.reward_model
 
     def rewards(params, batch):
         model = nnx.merge(graphdef, params, rest)

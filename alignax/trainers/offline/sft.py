@@ -17,8 +17,7 @@ from alignax.trainers.offline.task import Task
 
 
 def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> Task:
-    if config.data.format not in ("sft", "text"):
-        raise ValueError(f"algorithm sft needs data.format=sft (or text); got {config.data.format!r}")
+    # data.format (sft or text) was checked when the config loaded (the algorithm map's entry)
     aggregation = config.sft.aggregation
     chunk = config.model.logprob_chunk_size
     window = config.data.max_response_length  # the LM head runs on response positions only

@@ -37,7 +37,7 @@ class Task:
       console_keys: metrics worth a place on the progress line.
       required_fields: optional fields of the data format that every record must carry
         for this task (``alignax.data.prepare_dataset(required_fields=...)``), e.g.
-        ``("margin",)`` for a reward model with ``reward.use_margin``.
+        ``("margin",)`` for a reward model with ``reward_model.use_margin``.
     """
 
     loss_fn: Callable

@@ -1,0 +1,284 @@
+"""The one map of algorithms: every fact about an algorithm, in its entry.
+
+An entry (:class:`Algorithm`) says what the ``algorithm:`` value builds and what it reads:
+its family, the model kinds it holds, its builder, its own config sections, the data
+formats it accepts, which frozen models it holds (a reference policy, scoring models), its
+own rows of the key table and its cross-field constraints, and what the memory estimator
+must count (the head of the trained model, rows per record, packed pairs, a critic).
+Validation (:mod:`alignax.trainers.validation`), ``alignax estimate``
+(:mod:`alignax.estimate`) and :mod:`alignax.trainers.api` ask the entry; no other module
+spells an algorithm's name.
+
+Adding an algorithm: its module (a task builder for an offline family, an
+``OnlineAlgorithm`` builder for an online one), its section dataclass in
+:mod:`alignax.trainers.config`, and one entry below (``docs/configuration.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+from alignax import paths
+from alignax.config import NEVER, Above, All, AnyOf, Cond, Given, Is, IsNot, Rule, rule
+from alignax.data import checks as data_checks
+from alignax.data.formats import FORMATS
+from alignax.losses.preference import DPO_VARIANTS
+from alignax.trainers import iterative
+from alignax.trainers.config import TrainConfig
+from alignax.trainers.iterative import IterativeTrainer
+from alignax.trainers.offline import preference, prm, reward, sft
+from alignax.trainers.online import grpo, ppo
+
+Constraint = Callable[[TrainConfig], "str | None"]
+
+
+def _one(_config) -> int:
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """An entry of the map.
+
+    Fields:
+      name: the ``algorithm:`` value.
+      family: ``offline`` (``make`` is a task builder, ``(config, graphdef, rest) -> Task``),
+        ``online`` (``make`` is an algorithm builder, ``config -> OnlineAlgorithm``) or
+        ``iterative`` (``make`` is the trainer: rounds of runs, each in its own directory).
+      model_kinds: the model kinds the trainer may hold; the first is the one an offline
+        trainer trains (an online algorithm names its policy's kind, ``policy_kind``, and
+        PPO's separate critic is a ``value`` model).
+      make: the builder (above).
+      sections: its own config sections (``TrainConfig`` fields), read by it alone; the first
+        holds an online family's ``epochs`` and ``minibatches``.
+      data_formats: ``config -> (formats of data.format it reads, what decides them)``.
+      reference: when it holds a frozen reference policy; ``precomputed_reference``: when
+        that reference is a table of log-probs computed before training (no model held).
+      scorers: when it holds frozen scoring models of its own (beyond ``rewards:``'s).
+      lora: whether a ``lora:`` section trains it.
+      rules: its rows of the key table (``alignax.config.Rule``: keys of its sections read
+        under a condition).
+      constraints: its cross-field checks, ``config -> problem in words | None``.
+      rows_per_record: the rows one record makes in a training batch (estimator: a pair is 2).
+      packs_pairs: when a preference pair may run as one packed row (estimator).
+      critic / critic_on_base: when it trains a critic model of its own / that critic is an
+        adapter on the policy's frozen base (estimator).
+      estimate_as: the config whose training step is the run's (iterative: a round's run).
+    """
+
+    name: str
+    family: Literal["offline", "online", "iterative"]
+    model_kinds: tuple[str, ...]
+    make: Callable[..., Any]
+    sections: tuple[str, ...]
+    data_formats: Callable[[TrainConfig], tuple[tuple[str, ...], str]]
+    reference: Cond = NEVER
+    precomputed_reference: Cond = NEVER
+    scorers: Cond = NEVER
+    lora: bool = True
+    rules: tuple[Rule, ...] = ()
+    constraints: tuple[Constraint, ...] = ()
+    rows_per_record: Callable[[TrainConfig], int] = _one
+    packs_pairs: Cond = NEVER
+    critic: Cond = NEVER
+    critic_on_base: Cond = NEVER
+    estimate_as: Callable[[TrainConfig], TrainConfig] | None = None
+
+    @property
+    def head(self) -> Literal["lm", "scalar"]:
+        """The head of the trained model: a reward model's score head is one number per sequence."""
+        return "scalar" if self.model_kinds[0] in ("reward", "value") else "lm"
+
+    @property
+    def generates(self) -> bool:
+        """Whether training samples completions (online rollouts, iterative rounds' pairs)."""
+        return self.family in ("online", "iterative")
+
+
+def _formats(*formats: str) -> Callable[[TrainConfig], tuple[tuple[str, ...], str]]:
+    chosen = tuple(f for f in formats if f in FORMATS)
+    return lambda config: (chosen, f"algorithm {config.algorithm}")
+
+
+# ---------------------------------------------------------------------------- the preference family
+_PREF_SMOOTHED = ("sigmoid", "robust", "exo_pair")  # alignax.losses.preference: eps of these only
+
+PREFERENCE_RULES: tuple[Rule, ...] = (
+    rule("preference.variant", Is("preference.loss", "dpo")),
+    rule("preference.label_smoothing", AnyOf(All(Is("preference.loss", "dpo"), Is("preference.variant", *_PREF_SMOOTHED)),
+                                             Is("preference.loss", "simpo", "cpo"))),
+    rule("preference.dpop_lambda", All(Is("preference.loss", "dpo"), Is("preference.variant", "dpop"))),
+    rule("preference.simpo_gamma", Is("preference.loss", "simpo")),
+    rule("preference.cpo_alpha", Is("preference.loss", "cpo")),
+    rule(["preference.kto_desirable_weight", "preference.kto_undesirable_weight"], Is("preference.loss", "kto")),
+    rule("preference.reference", preference.USES_REFERENCE, "simpo, cpo and orpo have no reference model"),
+)
+
+
+def _preference_formats(config):
+    loss = config.preference.loss
+    return (("unpaired",) if loss == "kto" else ("preference",)), f"preference.loss={loss}"
+
+
+def _dpo_variant(config):
+    section = config.preference
+    if section.loss == "dpo" and section.variant not in DPO_VARIANTS:
+        return f"preference.variant={section.variant} is not a DPO variant; valid: {', '.join(DPO_VARIANTS)}"
+    return None
+
+
+def _two_rows(_config) -> int:
+    return 2  # a pair's chosen and rejected; KTO's record and its KL partner
+
+
+PRECOMPUTED = Is("preference.reference", "precomputed")
+
+
+# ---------------------------------------------------------------------------- iterative DPO
+def _iterative_pairs(config):
+    if config.preference.loss == "kto":
+        return ("preference.loss=kto does not fit algorithm iterative_dpo: each round trains on pairs (dpo, simpo, "
+                "cpo or orpo)")
+    if config.rollout.num_samples < 2:
+        return (f"rollout.num_samples={config.rollout.num_samples}: iterative_dpo pairs two of a prompt's samples; "
+                "set rollout.num_samples >= 2")
+    return None
+
+
+def _local_output_dir(config):
+    if paths.is_remote(config.output_dir):
+        return (f"output_dir={config.output_dir}: iterative_dpo writes each round's pairs and exported policy as "
+                "local files and reads them back as the next round's data and model; use a local output_dir")
+    return None
+
+
+def _first_round(config):
+    return iterative.round_config(config, 0)
+
+
+# ---------------------------------------------------------------------------- GRPO
+GRPO_RULES: tuple[Rule, ...] = (
+    rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process"), "only these divide by a std"),
+    rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
+    rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
+         "pg does not clip"),
+    rule("grpo.dual_clip_c", Is("grpo.policy_loss", "ppo"), "the dual clip is PPO-clip's"),
+    rule(["grpo.kl_kind", "grpo.adaptive_kl"], Above("grpo.kl_coef", 0),
+         "kl_coef 0 drops the reference and the KL with it"),
+    rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process")),
+         "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
+    rule(["grpo.kl_target", "grpo.kl_horizon"], Is("grpo.adaptive_kl", True)),
+    rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),
+    rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
+    rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
+    rule("grpo.process_reward_aggregation", Given("grpo.process_reward_model"), "it reduces the PRM's step scores"),
+)
+
+
+def _group_size(config):
+    if config.grpo.advantage != "remax" and config.rollout.num_samples < 2:
+        return (f"rollout.num_samples={config.rollout.num_samples}: grpo.advantage={config.grpo.advantage} compares "
+                "the samples of a prompt; set rollout.num_samples >= 2 (or grpo.advantage=remax)")
+    return None
+
+
+def _process_without_env(config):
+    if config.env.name is not None and config.grpo.advantage == "process":
+        return ("env.name is set with grpo.advantage=process: process advantages read step rewards at text "
+                "delimiters, which a trajectory's observation turns break; use another grpo.advantage")
+    return None
+
+
+# ---------------------------------------------------------------------------- PPO
+_PTX_FORMATS = tuple(f for f in ("sft", "text") if f in FORMATS)
+
+PPO_RULES: tuple[Rule, ...] = (
+    rule("ppo.critic_init", Is("ppo.critic", "separate"), "a shared critic is a value head on the policy"),
+    rule("ppo.critic_path", All(Is("ppo.critic", "separate"), Is("ppo.critic_init", "reward_model"))),
+    rule(["ppo.kl_kind", "ppo.kl_placement", "ppo.adaptive_kl"], Above("ppo.kl_coef", 0),
+         "kl_coef 0 drops the reference and the KL with it"),
+    rule(["ppo.kl_target", "ppo.kl_horizon"], Is("ppo.adaptive_kl", True)),
+    rule("ppo.target_kl", Above("ppo.epochs", 1), "it stops the remaining epochs of a rollout"),
+    rule("ppo.ptx_coef", Given("ppo.ptx_data"), "PPO-ptx's SFT loss needs its data"),
+    rule("ppo.ptx_data", Above("ppo.ptx_coef", 0), "the ptx data feed PPO-ptx's SFT loss at weight ppo.ptx_coef"),
+    *data_checks.key_rules("ppo.ptx_data"),
+    rule("ppo.ptx_data.eval_fraction", NEVER, "PPO-ptx reads its data's train split only"),
+)
+
+
+def _ptx_data(config):
+    """PPO-ptx's data: its format, its batch against the micro-batches, its files."""
+    ptx, accum = config.ppo.ptx_data, config.train.grad_accum_steps
+    if ptx is None:
+        return None
+    if ptx.format not in _PTX_FORMATS:
+        return (f"ppo.ptx_data.format={ptx.format}: PPO-ptx's SFT loss reads ppo.ptx_data.format="
+                f"{' or '.join(_PTX_FORMATS)}")
+    if ptx.batch_size % accum:
+        return f"train.grad_accum_steps={accum} does not divide ppo.ptx_data.batch_size={ptx.batch_size}"
+    return data_checks.data_file_problem(ptx, "ppo.ptx_data", "PPO-ptx's SFT loss", _PTX_FORMATS)
+
+
+def _critic(config):
+    """``ppo.critic=adapter`` is a LoRA run's critic, and a LoRA PPO run's only critic; a
+    critic from a reward model needs its folder."""
+    pc = config.ppo
+    if pc.critic == "adapter" and config.lora is None:
+        return ("ppo.critic=adapter is an adapter and value head on the policy's frozen base: it needs a lora "
+                "section (lora.rank, ...); without LoRA set ppo.critic=separate or shared")
+    if pc.critic != "adapter" and config.lora is not None:
+        return (f"ppo.critic={pc.critic} with a lora section: a LoRA PPO run's critic is its own adapter and value "
+                "head on the policy's frozen base; set ppo.critic=adapter (or lora: null to train every parameter)")
+    if pc.critic == "separate" and pc.critic_init == "reward_model" and not pc.critic_path:
+        return ("ppo.critic_init=reward_model needs ppo.critic_path (a reward model folder, alignax export of a "
+                "reward run)")
+    return None
+
+
+# ---------------------------------------------------------------------------- the map
+ENTRIES: tuple[Algorithm, ...] = (
+    Algorithm("sft", "offline", ("causal_lm",), sft.make_task, ("sft",), _formats("sft", "text")),
+    Algorithm("reward", "offline", ("reward",), reward.make_task, ("reward_model",), _formats("preference"),
+              rows_per_record=_two_rows),
+    Algorithm("prm", "offline", ("reward",), prm.make_task, ("prm",), _formats("steps"), lora=False),
+    Algorithm("dpo", "offline", ("causal_lm",), preference.make_task, ("preference",), _preference_formats,
+              reference=preference.USES_REFERENCE, precomputed_reference=PRECOMPUTED, rules=PREFERENCE_RULES,
+              constraints=(_dpo_variant,), rows_per_record=_two_rows, packs_pairs=IsNot("preference.loss", "kto")),
+    Algorithm("iterative_dpo", "iterative", ("causal_lm",), IterativeTrainer, ("iterative", "preference"),
+              _formats("prompt"), reference=preference.USES_REFERENCE, precomputed_reference=PRECOMPUTED,
+              lora=False, rules=PREFERENCE_RULES, constraints=(_dpo_variant, _iterative_pairs, _local_output_dir),
+              estimate_as=_first_round),
+    Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm, ("grpo",), _formats("prompt"),
+              reference=Above("grpo.kl_coef", 0), scorers=Given("grpo.process_reward_model"), rules=GRPO_RULES,
+              constraints=(_group_size, _process_without_env)),
+    Algorithm("ppo", "online", ("causal_lm", "policy_value", "value"), ppo.build_algorithm, ("ppo",),
+              _formats("prompt"), reference=Above("ppo.kl_coef", 0), rules=PPO_RULES,
+              constraints=(_ptx_data, _critic), critic=Is("ppo.critic", "separate", "adapter"),
+              critic_on_base=Is("ppo.critic", "adapter")),
+)
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}
+
+
+def algorithm(name: str) -> Algorithm:
+    """The entry of ``name``; an unknown name is an error listing the valid ones."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def named(*names: str) -> Is:
+    """``algorithm`` is one of ``names`` (a condition of the key table)."""
+    return Is("algorithm", *names)
+
+
+def where(test: Callable[[Algorithm], bool]) -> Is:
+    """``algorithm`` is one whose entry passes ``test``."""
+    return named(*(a.name for a in ENTRIES if test(a)))
+
+
+def except_where(test: Callable[[Algorithm], bool]) -> IsNot:
+    """``algorithm`` is none of those whose entry passes ``test``."""
+    return IsNot("algorithm", *(a.name for a in ENTRIES if test(a)))
