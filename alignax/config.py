@@ -60,6 +60,22 @@ class ConfigError(ValueError):
         self.reason = reason  # what a union's "expected A | B" message should pass on
 
 
+_SHOWN_CHARS = 200  # a bad value longer than this is cut in the message, its length said
+
+
+def cut(text: str) -> str:
+    """``text`` for an error message: its first :data:`_SHOWN_CHARS` characters and its length
+    when longer (a pasted 100,000-character value would bury the message)."""
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[:_SHOWN_CHARS]}... ({len(text):,} characters)"
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, :func:`cut` when long."""
+    return cut(repr(value))
+
+
 # --- YAML with YAML 1.2 floats -----------------------------------------------------------
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
@@ -124,11 +140,11 @@ def _to_int(value: Any, path: str) -> int:
         if number.is_integer() and abs(number) <= _EXACT_FLOAT_INT:
             return int(number)
         if number.is_integer() and math.isfinite(number):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}, too large to read exactly "
+            raise ConfigError(f"{path}: expected an integer, got {shown(value)}, too large to read exactly "
                               "from a float; write its digits")
     if isinstance(number, decimal.Decimal) and number.is_finite() and number == number.to_integral_value():
         return int(number)
-    raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    raise ConfigError(f"{path}: expected an integer, got {shown(value)}")
 
 
 def _to_float(value: Any, path: str) -> float:
@@ -137,7 +153,7 @@ def _to_float(value: Any, path: str) -> float:
         number = _number_from_text(value)
         number = None if number is None else float(number)
     if isinstance(number, bool) or not isinstance(number, (int, float)):
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
+        raise ConfigError(f"{path}: expected a number, got {shown(value)}")
     number = float(number)
     if math.isnan(number):
         reason = "NaN is not a usable value; give a number (inf is allowed)"
@@ -163,11 +179,17 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return value
     if origin is typing.Literal:
         if value not in args:
-            raise ConfigError(f"{path}: {value!r} is not a valid choice; valid: {', '.join(map(repr, args))}")
+            raise ConfigError(f"{path}: {shown(value)} is not a valid choice; valid: "
+                              f"{', '.join(map(repr, args))}")
         return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if len(sections) == 1 and isinstance(value, Mapping):
+            # a mapping can only be the section: its own error names the field and the rule
+            # (``lora.rank: ...``), not "expected LoraConfig | null"
+            return _convert(sections[0], value, path)
         reasons = []
         for option in args:
             if option is type(None):
@@ -177,16 +199,16 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             except ConfigError as err:
                 reasons += [err.reason] if err.reason else []
         detail = "".join(f"; {r}" for r in reasons)
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}{detail}")
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {shown(value)}{detail}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")
+            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {shown(value)}")
         return from_dict(tp, value, path=path)
     if origin in (list, Sequence, tuple) or tp in (list, tuple):
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
+            raise ConfigError(f"{path}: expected a list, got {shown(value)}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
@@ -196,16 +218,16 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return tuple(items) if (origin is tuple or tp is tuple) else items
     if origin in (dict, Mapping) or tp is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{path}: expected a mapping, got {shown(value)}")
         key_tp, val_tp = args if args else (Any, Any)
         return {_convert(key_tp, k, path): _convert(val_tp, v, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+            raise ConfigError(f"{path}: expected true or false, got {shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigError(f"{path}: expected an integer, got {shown(value)}")
         return _to_int(value, path)
     if tp is float:
         return _to_float(value, path)
@@ -214,13 +236,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             key = path.rpartition(".")[2] or path
             reason = (f"quote the value to keep it as text (YAML: {key}: '...', command line: "
                       f"{path}=\"'...'\")")
-            raise ConfigError(f"{path}: expected a string, got the number {value!r}; {reason}", reason=reason)
+            raise ConfigError(f"{path}: expected a string, got the number {shown(value)}; {reason}", reason=reason)
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
+            raise ConfigError(f"{path}: expected a string, got {shown(value)}")
         return value
     if isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(f"{path}: cannot read a {_type_name(tp)} from {value!r}")
+    raise ConfigError(f"{path}: cannot read a {_type_name(tp)} from {shown(value)}")
 
 
 @functools.cache
@@ -243,7 +265,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
         where = f"{path}.{key}" if path else key
         close = difflib.get_close_matches(str(key), list(fields), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown config key {where!r}{hint}; valid keys here: {', '.join(fields)}")
+        raise ConfigError(f"unknown config key {shown(where)}{hint}; valid keys here: {', '.join(fields)}")
     kwargs = {}
     for name, value in data.items():
         where = f"{path}.{name}" if path else name
@@ -260,7 +282,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     except (TypeError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"{path or cls.__name__}: {err}") from err
+        said = str(err)  # a section's own check may name its dotted key already (lora.rank must be >= 1)
+        raise ConfigError(said if path and said.startswith(f"{path}.") else f"{path or cls.__name__}: {said}") from err
 
 
 def to_dict(config: Any) -> Any:
@@ -282,20 +305,22 @@ def _override_key(item: str, key: str) -> list[str]:
     naming the override ``item`` and what is wrong with it."""
     key = key.strip()
     if not key:
-        raise ConfigError(f"override {item!r}: the key before '=' is empty; expected dotted.key=value, "
+        raise ConfigError(f"override {shown(item)}: the key before '=' is empty; expected dotted.key=value, "
                           "e.g. optim.learning_rate=1e-4")
     parts = key.split(".")
     if "" in parts:
         where = ("starts with a dot" if parts[0] == "" else "ends with a dot" if parts[-1] == ""
                  else "has two dots in a row")
-        raise ConfigError(f"override {item!r}: the key {key!r} {where} (an empty part); expected dotted.key=value "
+        raise ConfigError(f"override {shown(item)}: the key {shown(key)} {where} (an empty part); expected "
+                          "dotted.key=value "
                           "with a name between every two dots")
     for part in parts:
         if not _OVERRIDE_PART.match(part):
             odd = sorted({ch for ch in part if not (ch.isascii() and (ch.isalnum() or ch in "_-"))})
             what = (f"holds {', '.join('a space' if c == ' ' else repr(c) for c in odd)}" if odd
                     else "starts with '-'")
-            raise ConfigError(f"override {item!r}: the key part {part!r} {what}; config keys are names of letters, "
+            raise ConfigError(f"override {shown(item)}: the key part {shown(part)} {what}; config keys are names of "
+                              "letters, "
                               "digits and '_' (no spaces; put any space in the value, after '=')")
     return parts
 
@@ -320,7 +345,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     data = _deep_copy(data)
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
-            raise ConfigError(f"override {item!r} must look like dotted.key=value")
+            raise ConfigError(f"override {shown(item)} must look like dotted.key=value")
         key, raw = item.split("=", 1)
         parts = _override_key(item, key)
         node = data
@@ -329,12 +354,12 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+                raise ConfigError(f"override {shown(item)}: {shown(part)} is a value, not a section")
             node = child
         try:
             value = yaml_load(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(err)})") from err
+            raise ConfigError(f"override {shown(item)}: the value is not valid YAML ({_yaml_problem(err)})") from err
         node[parts[-1]] = value
     return data
 
@@ -434,7 +459,7 @@ def show(value: Any) -> str:
         return "[" + ", ".join(show(v) for v in value) + "]"
     if dataclasses.is_dataclass(value):
         return "{...}"
-    return str(value)
+    return cut(str(value))
 
 
 # ---------------------------------------------------------------------------- conditions

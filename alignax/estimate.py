@@ -641,8 +641,9 @@ def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[i
     precompute = entry.precomputed_reference
     if isinstance(precompute, Is) and entry.reference(config) and not precompute(config):
         section, _, key = precompute.path.partition(".")  # e.g. preference.reference=precomputed
-        out.append((f"{precompute.path}={precompute.values[0]}", dataclasses.replace(config, **{section: dataclasses.replace(
-            getattr(config, section), **{key: precompute.values[0]})}), mesh))
+        value = precompute.values[0]
+        changed = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **{key: value})})
+        out.append((f"{precompute.path}={value}", changed, mesh))
 
     placement = config.placement
     if LIVE_REFERENCE(config) and config.lora is None and placement.reference == "device":

@@ -220,6 +220,40 @@ def test_recipes_in_configs_read_the_same_as_before():
             assert load_yaml(path) == yaml.safe_load(f), path
 
 
+# --- an optional section's own errors, and long values ---------------------------------
+
+
+@pytest.mark.parametrize("override,message", [
+    ("lora.rank=0", "lora.rank must be >= 1; got 0"),
+    ("lora.alpha=-1", "lora.alpha must be > 0; got -1.0"),
+    ("lora.targets=[nope]", "lora.targets: unknown 'nope'; valid: q, k, v, o, gate, up, down, lm_head, all"),
+    ("lora.dropout=1.5", "lora.dropout must be in [0, 1); got 1.5"),
+    ("lora.quantize=nf3", "lora.quantize: 'nf3' is not a valid choice; valid: 'none', 'int8', 'nf4'"),
+    ("lora.rank=abc", "lora.rank: expected an integer, got 'abc'"),
+])
+def test_a_bad_lora_value_names_its_field_and_rule(override, message):
+    """``lora: LoraConfig | null``: a mapping can only be the section, so its own error
+    comes through (it used to read ``lora: expected LoraConfig | null, got {...}``)."""
+    from alignax.trainers.api import load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(os.path.join(ROOT, "configs", "tiny-dpo-lora.yaml"), [override])
+    assert str(info.value) == message
+    with pytest.raises(ConfigError, match=r"^lora: expected LoraConfig \| null, got 5$"):  # not a mapping at all
+        load_config(os.path.join(ROOT, "configs", "tiny-dpo-lora.yaml"), ["lora=5"])
+
+
+def test_a_long_bad_value_is_cut_in_the_message():
+    value = "9" * 100_000 + "x"
+    with pytest.raises(ConfigError) as info:
+        from_dict(Outer, {"name": "n", "limit": value})
+    message = str(info.value)
+    assert message == f"limit: expected float | null, got '{'9' * 199}... (100,003 characters)"
+    with pytest.raises(ConfigError) as info:
+        from_dict(Outer, {"name": "n", "x" * 5000: 1})
+    assert len(str(info.value)) < 400 and "(5,002 characters)" in str(info.value)
+
+
 # --- load_callable ----------------------------------------------------------------------
 
 

@@ -107,8 +107,9 @@ _PREF_SMOOTHED = ("sigmoid", "robust", "exo_pair")  # alignax.losses.preference:
 
 PREFERENCE_RULES: tuple[Rule, ...] = (
     rule("preference.variant", Is("preference.loss", "dpo")),
-    rule("preference.label_smoothing", AnyOf(All(Is("preference.loss", "dpo"), Is("preference.variant", *_PREF_SMOOTHED)),
-                                             Is("preference.loss", "simpo", "cpo"))),
+    rule("preference.label_smoothing",
+         AnyOf(All(Is("preference.loss", "dpo"), Is("preference.variant", *_PREF_SMOOTHED)),
+               Is("preference.loss", "simpo", "cpo"))),
     rule("preference.dpop_lambda", All(Is("preference.loss", "dpo"), Is("preference.variant", "dpop"))),
     rule("preference.simpo_gamma", Is("preference.loss", "simpo")),
     rule("preference.cpo_alpha", Is("preference.loss", "cpo")),

@@ -65,7 +65,8 @@ _OFFLINE_POLICY = lambda a: a.family == "offline" and a.head == "lm"  # noqa: E7
 OFFLINE_EVAL = All(where(_OFFLINE_POLICY), EVAL_PROMPTS)
 GENERATES = where(lambda a: a.generates)
 GENERATION = Named(f"online training or generation-based evaluation (algorithm {_names(lambda a: a.generates)}; "
-                   f"or evaluation.prompts set with algorithm {_names(_OFFLINE_POLICY)})", AnyOf(GENERATES, OFFLINE_EVAL))
+                   f"or evaluation.prompts set with algorithm {_names(_OFFLINE_POLICY)})",
+                   AnyOf(GENERATES, OFFLINE_EVAL))
 
 
 def _per_entry(field: str) -> list[tuple[str, Cond]]:
@@ -76,7 +77,8 @@ def _per_entry(field: str) -> list[tuple[str, Cond]]:
 # entry's ``reference``), the models online training scores with (reward models, an LLM
 # judge) and an entry's own scoring models (GRPO's PRM).
 FROZEN_MODELS = Named(
-    "a frozen model: a reference policy (" + "; ".join(f"algorithm {n} with {c.text}" for n, c in _per_entry("reference"))
+    "a frozen model: a reference policy ("
+    + "; ".join(f"algorithm {n} with {c.text}" for n, c in _per_entry("reference"))
     + ") or a scoring model (rewards.reward_models or rewards.judge_model with online training; "
     + "; ".join(c.text for _, c in _per_entry("scorers")) + ")",
     AnyOf(*(All(named(n), c) for n, c in _per_entry("reference") + _per_entry("scorers")),
@@ -125,7 +127,8 @@ KEY_RULES: tuple[Rule, ...] = (
          "it merges the adapters for the rollouts' sampler; an offline run's evaluation samples unmerged"),
     rule("lora.quant_block_size", IsNot("lora.quantize", "none"),
          "it is the block size of a quantised base (lora.quantize: int8 | nf4)"),
-    rule("model.logprob_chunk_size", except_where(lambda a: a.head == "scalar"), "a reward model scores sequences, no log-probs"),
+    rule("model.logprob_chunk_size", except_where(lambda a: a.head == "scalar"),
+         "a reward model scores sequences, no log-probs"),
     rule("model.seed", AnyOf(Given("model.random_init"), where(lambda a: a.head == "scalar")),
          "it seeds random initialisation and a reward model's fresh score head"),
     rule("optim.weight_decay", Is("optim.name", "adamw")),
