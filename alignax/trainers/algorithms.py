@@ -159,18 +159,23 @@ def _first_round(config):
     return iterative.round_config(config, 0)
 
 
-# ---------------------------------------------------------------------------- GRPO
+# ---------------------------------------------------------------------------- the online families
+def _kl_rules(section: str, *with_the_coef: str) -> tuple[Rule, ...]:
+    """The rows of the KL keys a :class:`~alignax.trainers.config.PolicyUpdateSection` shares."""
+    return (rule([f"{section}.kl_kind", *with_the_coef, f"{section}.adaptive_kl"], Above(f"{section}.kl_coef", 0),
+                 "kl_coef 0 drops the reference and the KL with it"),
+            rule([f"{section}.kl_target", f"{section}.kl_horizon"], Is(f"{section}.adaptive_kl", True)))
+
+
 GRPO_RULES: tuple[Rule, ...] = (
+    *_kl_rules("grpo"),
     rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process"), "only these divide by a std"),
     rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
     rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
          "pg does not clip"),
     rule("grpo.dual_clip_c", Is("grpo.policy_loss", "ppo"), "the dual clip is PPO-clip's"),
-    rule(["grpo.kl_kind", "grpo.adaptive_kl"], Above("grpo.kl_coef", 0),
-         "kl_coef 0 drops the reference and the KL with it"),
     rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process")),
          "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
-    rule(["grpo.kl_target", "grpo.kl_horizon"], Is("grpo.adaptive_kl", True)),
     rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),
     rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
     rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
@@ -192,15 +197,12 @@ def _process_without_env(config):
     return None
 
 
-# ---------------------------------------------------------------------------- PPO
 _PTX_FORMATS = tuple(f for f in ("sft", "text") if f in FORMATS)
 
 PPO_RULES: tuple[Rule, ...] = (
+    *_kl_rules("ppo", "ppo.kl_placement"),
     rule("ppo.critic_init", Is("ppo.critic", "separate"), "a shared critic is a value head on the policy"),
     rule("ppo.critic_path", All(Is("ppo.critic", "separate"), Is("ppo.critic_init", "reward_model"))),
-    rule(["ppo.kl_kind", "ppo.kl_placement", "ppo.adaptive_kl"], Above("ppo.kl_coef", 0),
-         "kl_coef 0 drops the reference and the KL with it"),
-    rule(["ppo.kl_target", "ppo.kl_horizon"], Is("ppo.adaptive_kl", True)),
     rule("ppo.target_kl", Above("ppo.epochs", 1), "it stops the remaining epochs of a rollout"),
     rule("ppo.ptx_coef", Given("ppo.ptx_data"), "PPO-ptx's SFT loss needs its data"),
     rule("ppo.ptx_data", Above("ppo.ptx_coef", 0), "the ptx data feed PPO-ptx's SFT loss at weight ppo.ptx_coef"),

@@ -374,8 +374,40 @@ class RolloutSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOSection:
-    """The GRPO family from one config.
+class PolicyUpdateSection:
+    """What the online families (``grpo:``, ``ppo:``) share: the KL to the reference, the
+    entropy bonus, the loss aggregation, the passes over a rollout and the upper clips. Each
+    family's section sets its own defaults (its papers').
+
+    Fields:
+      kl_coef / kl_kind / kl_placement: the KL to the reference (``alignax.kl``, per token),
+        in the ``loss`` or subtracted from the ``reward``; ``kl_coef: 0`` drops the reference.
+      adaptive_kl / kl_target / kl_horizon: Ziegler et al. 2019's adaptive coefficient,
+        steering the sequence KL towards ``kl_target``.
+      entropy_coef: entropy bonus.
+      aggregation: loss aggregation (``alignax.ops.aggregate``).
+      epochs / minibatches: passes over each rollout, and minibatches per pass.
+      clip_eps_high / dual_clip_c: DAPO's clip-higher and the dual clip (Ye et al. 2020) for
+        negative advantages; ``null``: the family's own default (below).
+    """
+
+    kl_coef: float = 0.0
+    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k1"
+    kl_placement: Literal["loss", "reward"] = "loss"
+    adaptive_kl: bool = False
+    kl_target: float = 6.0
+    kl_horizon: float = 10000.0
+    entropy_coef: float = 0.0
+    aggregation: AggregationMode = "token-mean"
+    epochs: int = 1
+    minibatches: int = 1
+    clip_eps_high: float | None = None
+    dual_clip_c: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSection(PolicyUpdateSection):
+    """The GRPO family from one config (with :class:`PolicyUpdateSection`'s fields).
 
     Fields:
       advantage: ``grpo`` | ``dr_grpo`` | ``rloo`` | ``reinforce_pp`` | ``remax`` |
@@ -386,14 +418,9 @@ class GRPOSection:
       clip_eps_low / clip_eps_high / dual_clip_c: the clip ranges; ``null`` (the default)
         means the chosen loss's own default, its paper's: PPO-clip 0.2 / = low, GSPO
         3e-4 / 4e-4, CISPO no lower clip / 0.28. ``dual_clip_c`` is PPO-clip's only.
-      aggregation: loss aggregation (``token-mean`` for DAPO, ``seq-mean-token-sum-norm``
-        for Dr. GRPO, ``seq-mean-token-mean`` for GRPO).
-      kl_coef / kl_kind / kl_placement: KL to the reference, ``loss`` (GRPO, k3) or
-        ``reward`` (subtracted from the sequence reward); ``kl_coef: 0`` drops the reference.
-      adaptive_kl / kl_target / kl_horizon: Ziegler et al. 2019's adaptive coefficient,
-        steering the sequence KL towards ``kl_target``.
-      entropy_coef: entropy bonus.
-      epochs / minibatches: passes over each rollout, and minibatches per pass.
+      aggregation: ``token-mean`` for DAPO, ``seq-mean-token-sum-norm`` for Dr. GRPO,
+        ``seq-mean-token-mean`` (the default) for GRPO.
+      kl_coef / kl_kind / kl_placement: GRPO's defaults: 0.04, k3, in the loss.
       dynamic_sampling: DAPO: keep sampling prompt batches until the rollout holds
         ``num_prompts`` groups with non-zero reward variance (at most ``max_refills`` more).
       step_delimiter / process_reward: ``process`` advantages: steps end at this string;
@@ -405,23 +432,14 @@ class GRPOSection:
         weakest step, all steps, its last step) on its last step.
     """
 
+    kl_coef: float = 0.04
+    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
+    aggregation: AggregationMode = "seq-mean-token-mean"
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "process"] = "grpo"
     unbiased_std: bool = True
     reinforce_baseline: bool = False
     policy_loss: Literal["ppo", "gspo", "cispo", "pg"] = "ppo"
     clip_eps_low: float | None = None
-    clip_eps_high: float | None = None
-    dual_clip_c: float | None = None
-    aggregation: AggregationMode = "seq-mean-token-mean"
-    kl_coef: float = 0.04
-    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
-    kl_placement: Literal["loss", "reward"] = "loss"
-    adaptive_kl: bool = False
-    kl_target: float = 6.0
-    kl_horizon: float = 10000.0
-    entropy_coef: float = 0.0
-    epochs: int = 1
-    minibatches: int = 1
     dynamic_sampling: bool = False
     max_refills: int = 4
     step_delimiter: str = "\n"
@@ -431,8 +449,9 @@ class GRPOSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOSection:
-    """PPO with a critic (Ouyang et al. 2022's RLHF recipe; Huang et al. 2024's details).
+class PPOSection(PolicyUpdateSection):
+    """PPO with a critic (Ouyang et al. 2022's RLHF recipe; Huang et al. 2024's details), with
+    :class:`PolicyUpdateSection`'s fields.
 
     Fields:
       critic: ``separate`` (its own decoder, ``critic_init`` from the ``policy`` weights or
@@ -440,44 +459,32 @@ class PPOSection:
         policy trunk) or, with LoRA (and only with it), ``adapter`` (a LoRA adapter of its
         own and a value head on the policy's frozen base: the same base buffers).
       gamma / lam: GAE discount and lambda.
-      kl_coef / kl_kind / kl_placement: the KL to the reference as a per-token penalty in
-        the reward (``reward``, k1 by default: Ziegler et al. 2019) or in the loss
-        (``loss``, as GRPO); ``adaptive_kl`` with ``kl_target`` / ``kl_horizon``.
+      kl_coef / kl_kind / kl_placement: PPO's defaults: 0.05, k1, a per-token penalty in the
+        reward (Ziegler et al. 2019).
       whiten_advantages: standardise advantages over the rollout.
-      clip_eps / value_clip / vf_coef / entropy_coef: the PPO-clip losses;
-        ``clip_eps_high`` (``null``: = ``clip_eps``) is DAPO's clip-higher and
-        ``dual_clip_c`` the dual clip (Ye et al. 2020) for negative advantages.
+      clip_eps / value_clip / vf_coef: the PPO-clip losses; ``clip_eps_high`` (``null``: =
+        ``clip_eps``).
       critic_learning_rate: the critic's own peak learning rate (the separate critic, or
         the shared trunk's value head); ``null``: ``optim.learning_rate``.
-      aggregation: loss aggregation.
-      epochs / minibatches: passes over each rollout, minibatches per pass; ``target_kl``
-        stops the remaining epochs once the epoch's mean approx KL exceeds 1.5x it.
+      epochs: 4 by default; ``target_kl`` stops the remaining epochs once the epoch's mean
+        approx KL exceeds 1.5x it.
       ptx_coef: PPO-ptx, an SFT loss on ``ptx_data`` (format ``sft`` for chat data or ``text``
         for raw text) mixed in with this weight, normalised over the minibatch's tokens.
     """
 
+    kl_coef: float = 0.05
+    kl_placement: Literal["loss", "reward"] = "reward"
+    epochs: int = 4
     critic: Literal["separate", "shared", "adapter"] = "separate"
     critic_init: Literal["policy", "reward_model"] = "policy"
     critic_path: str | None = None
     gamma: float = 1.0
     lam: float = 0.95
-    kl_coef: float = 0.05
-    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k1"
-    kl_placement: Literal["reward", "loss"] = "reward"
-    adaptive_kl: bool = False
-    kl_target: float = 6.0
-    kl_horizon: float = 10000.0
     whiten_advantages: bool = True
     clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    dual_clip_c: float | None = None
     critic_learning_rate: float | None = None
     value_clip: float | None = 0.2
     vf_coef: float = 0.5
-    entropy_coef: float = 0.0
-    aggregation: AggregationMode = "token-mean"
-    epochs: int = 4
-    minibatches: int = 1
     target_kl: float | None = None
     ptx_coef: float = 0.0
     ptx_data: DataConfig | None = None
