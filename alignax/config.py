@@ -30,6 +30,13 @@ as ``false``. Ints, nulls and dates read as before. The typed conversion then de
 - ``bool`` fields take only ``true``/``false``.
 
 ``load_callable("package.module:function")`` imports the object a config names.
+
+The last part of the file is generic machinery for cross-field checks of any config tree:
+a condition language (:class:`Is`, :class:`Above`, :class:`Given`, :class:`All`, ...; each
+says itself in recipe terms and names the values that make it fail), the key table's rows
+(:class:`Rule`: keys read when a condition holds) and the schema walk (:func:`schema_keys`,
+:func:`set_keys`, :func:`unusable_keys`). The run config's table is
+:mod:`alignax.trainers.validation`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""Cross-field validation of a run config, before any model is read.
+"""Cross-field validation of a run config, before any model is read: the run config's key
+table and constraints, written in the condition language of :mod:`alignax.config`; what
+belongs to one algorithm (its sections' rows, its constraints, its data formats, its
+frozen models) comes from its entry in :mod:`alignax.trainers.algorithms`.
 
-``alignax.trainers.api.load_config`` calls :func:`validate` on every ``TrainConfig`` it builds. Two tables say
-what a valid config is:
+``alignax.trainers.api.load_config`` calls :func:`validate` on every ``TrainConfig`` it
+builds. Two tables say what a valid config is:
 
 - :data:`KEY_RULES`: every key of the schema, and the condition under which the run's
   code reads it (``grpo.dual_clip_c``: ``algorithm=grpo`` and ``grpo.policy_loss=ppo``).
@@ -15,13 +18,14 @@ what a valid config is:
   row, then a row of its own) needs all of them to hold. The table covers every key
   (``tests/test_config_schema.py`` checks that, and sweeps the schema against each
   algorithm's instrumented run).
-- :data:`CONSTRAINTS`: values that must agree with each other (``data.format`` with the
-  algorithm, batch sizes that split into minibatches and micro-batches, ...), values out
-  of range (``checkpoint.keep``, ``mesh.shape``, ``rewards.task``), and a cheap look at the
-  local files a run would read later: a ``model.name`` folder lacking config.json, weights
-  or tokenizer files; a data file (``data.paths``, ``ppo.ptx_data.paths``,
-  ``evaluation.prompts.paths``) that is empty, or whose first record has the fields of
-  another format than the section's ``format``. Generator specs, folders and paths that
+- :data:`CONSTRAINTS` (then the algorithm's own): values that must agree with each other
+  (``data.format`` with the algorithm, batch sizes that split into minibatches and
+  micro-batches, ...), values out of range (``checkpoint.keep``, ``mesh.shape``,
+  ``rewards.task``), and a cheap look at the local files a run would read later: a
+  ``model.name`` folder lacking config.json, weights or tokenizer files
+  (:func:`alignax.models.registry.model_folder_problem`); a data file that is empty, or
+  whose first record has the fields of another format than the section's ``format``
+  (:func:`alignax.data.checks.data_file_problem`). Generator specs, folders and paths that
   do not exist are left to the data pipeline and the model loader, which name them.
 
 Every error is a :class:`~alignax.config.ConfigError` naming the dotted key(s), the
