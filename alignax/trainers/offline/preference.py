@@ -10,6 +10,7 @@ looked up by ``batch["record_index"]``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -70,64 +71,74 @@ def _single_logps(model, batch, prefix, chunk_size, window):
     return sequence_logps(logps, mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+    """The forward passes of the family: the policy's (and the live reference's) summed
+    response log-probs of a batch, or the reference's from the batch or a precomputed table."""
+
+    graphdef: nnx.GraphDef
+    rest: nnx.State
+    chunk: int | None  # model.logprob_chunk_size
+    window: int | None  # data.max_response_length: the LM head runs on response positions only
+
+    def model(self, params):
+        return nnx.merge(self.graphdef, params, self.rest)
+
+    def pair(self, params, batch):
+        """``(chosen, rejected, chosen lengths, rejected lengths)``, each ``[B]``."""
+        return _pair_logps(self.model(params), batch, self.chunk, self.window)
+
+    def single(self, params, batch, prefix):
+        """``(summed log-probs [B], lengths [B])`` of the ``prefix`` rows (KTO's completion or KL partner)."""
+        return _single_logps(self.model(params), batch, prefix, self.chunk, self.window)
+
+    def reference(self, frozen, batch, keys):
+        """The reference's figures ``keys`` of ``batch``: carried by the batch (a sub-mesh
+        reference), looked up in the precomputed table, or run live under stop_gradient."""
+        if "ref_logps" in batch:
+            return tuple(batch["ref_logps"][k] for k in keys)
+        if "ref_logps" in frozen:
+            return tuple(frozen["ref_logps"][k][batch["record_index"]] for k in keys)
+        live = _reference_logps(keys == ("completion", "kl"), self)(frozen["reference"], batch)
+        return tuple(jax.lax.stop_gradient(live[k]) for k in keys)
+
+
+def _paired_loss(section, forward: _Forward, params, frozen, batch, weights, num_pairs, num_chosen_tokens):
+    """The ``preference.loss`` of a batch of pairs: ``(loss, metrics)``."""
+    pol_c, pol_r, len_c, len_r = forward.pair(params, batch)
+    common = dict(weights=weights, num_pairs=num_pairs)
+    if section.loss == "dpo":
+        ref_c, ref_r = forward.reference(frozen, batch, ("chosen", "rejected"))
+        return pref.dpo_loss(pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=section.beta, variant=section.variant,
+                             label_smoothing=section.label_smoothing, dpop_lambda=section.dpop_lambda, **common)
+    if section.loss == "simpo":
+        return pref.simpo_loss(pol_c, pol_r, len_c, len_r, beta=section.beta, gamma=section.simpo_gamma,
+                               label_smoothing=section.label_smoothing, **common)
+    if section.loss == "cpo":
+        return pref.cpo_loss(pol_c, pol_r, len_c, beta=section.beta, alpha=section.cpo_alpha,
+                             label_smoothing=section.label_smoothing, num_chosen_tokens=num_chosen_tokens, **common)
+    return pref.orpo_loss(pol_c, pol_r, len_c, len_r, beta=section.beta, num_chosen_tokens=num_chosen_tokens, **common)
+
+
+def _kto_loss(section, forward: _Forward, params, frozen, batch, weights, num_examples):
+    """KTO of a batch of unpaired records and their KL partners: ``(loss, metrics)``."""
+    policy, _ = forward.single(params, batch, "")
+    kl_policy, _ = forward.single(params, batch, "kl_")
+    ref, kl_ref = forward.reference(frozen, batch, ("completion", "kl"))
+    ref_point = pref.kto_reference_point(kl_policy, kl_ref, weights=weights)
+    return pref.kto_loss(
+        policy, ref, batch["label"], beta=section.beta, desirable_weight=section.kto_desirable_weight,
+        undesirable_weight=section.kto_undesirable_weight, kl_ref_point=ref_point, weights=weights,
+        num_examples=num_examples,
+    )
+
+
 def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> Task:
     # data.format and preference.variant were checked when the config loaded (the algorithm map's entry)
     section = config.preference
-    chunk = config.model.logprob_chunk_size
-    window = config.data.max_response_length  # the LM head runs on response positions only
     loss_name = section.loss
     uses_reference = USES_REFERENCE(config)
-
-    def model_of(params):
-        return nnx.merge(graphdef, params, rest)
-
-    def reference_pair(frozen, batch):
-        if "ref_logps" in batch:
-            return batch["ref_logps"]["chosen"], batch["ref_logps"]["rejected"]
-        if "ref_logps" in frozen:
-            idx = batch["record_index"]
-            return frozen["ref_logps"]["chosen"][idx], frozen["ref_logps"]["rejected"][idx]
-        ref_c, ref_r, _, _ = _pair_logps(model_of(frozen["reference"]), batch, chunk, window)
-        return jax.lax.stop_gradient(ref_c), jax.lax.stop_gradient(ref_r)
-
-    def paired_loss(params, frozen, batch, weights, num_pairs, num_chosen_tokens):
-        pol_c, pol_r, len_c, len_r = _pair_logps(model_of(params), batch, chunk, window)
-        if loss_name == "dpo":
-            ref_c, ref_r = reference_pair(frozen, batch)
-            return pref.dpo_loss(
-                pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=section.beta, variant=section.variant,
-                label_smoothing=section.label_smoothing, dpop_lambda=section.dpop_lambda,
-                weights=weights, num_pairs=num_pairs,
-            )
-        if loss_name == "simpo":
-            return pref.simpo_loss(pol_c, pol_r, len_c, len_r, beta=section.beta, gamma=section.simpo_gamma,
-                                   label_smoothing=section.label_smoothing, weights=weights, num_pairs=num_pairs)
-        if loss_name == "cpo":
-            return pref.cpo_loss(pol_c, pol_r, len_c, beta=section.beta, alpha=section.cpo_alpha,
-                                 label_smoothing=section.label_smoothing, weights=weights, num_pairs=num_pairs,
-                                 num_chosen_tokens=num_chosen_tokens)
-        return pref.orpo_loss(pol_c, pol_r, len_c, len_r, beta=section.beta, weights=weights, num_pairs=num_pairs,
-                              num_chosen_tokens=num_chosen_tokens)
-
-    def kto(params, frozen, batch, weights, num_examples):
-        model = model_of(params)
-        policy, _ = _single_logps(model, batch, "", chunk, window)
-        kl_policy, _ = _single_logps(model, batch, "kl_", chunk, window)
-        if "ref_logps" in batch:
-            ref, kl_ref = batch["ref_logps"]["completion"], batch["ref_logps"]["kl"]
-        elif "ref_logps" in frozen:
-            idx = batch["record_index"]
-            ref, kl_ref = frozen["ref_logps"]["completion"][idx], frozen["ref_logps"]["kl"][idx]
-        else:
-            reference = model_of(frozen["reference"])
-            ref = jax.lax.stop_gradient(_single_logps(reference, batch, "", chunk, window)[0])
-            kl_ref = jax.lax.stop_gradient(_single_logps(reference, batch, "kl_", chunk, window)[0])
-        ref_point = pref.kto_reference_point(kl_policy, kl_ref, weights=weights)
-        return pref.kto_loss(
-            policy, ref, batch["label"], beta=section.beta, desirable_weight=section.kto_desirable_weight,
-            undesirable_weight=section.kto_undesirable_weight, kl_ref_point=ref_point, weights=weights,
-            num_examples=num_examples,
-        )
+    forward = _Forward(graphdef, rest, config.model.logprob_chunk_size, config.data.max_response_length)
 
     def normalisers_fn(batch):
         key = "tokens" if loss_name == "kto" else "chosen_tokens"
@@ -141,9 +152,10 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
     def loss_fn(params, frozen, batch, normalisers, rng):
         del rng
         if loss_name == "kto":
-            return kto(params, frozen, batch, _example_weights(batch, "tokens"), normalisers["num_pairs"])
-        return paired_loss(params, frozen, batch, _example_weights(batch, "chosen_tokens"),
-                           normalisers["num_pairs"], normalisers.get("num_chosen_tokens"))
+            return _kto_loss(section, forward, params, frozen, batch, _example_weights(batch, "tokens"),
+                             normalisers["num_pairs"])
+        return _paired_loss(section, forward, params, frozen, batch, _example_weights(batch, "chosen_tokens"),
+                            normalisers["num_pairs"], normalisers.get("num_chosen_tokens"))
 
     def eval_fn(params, frozen, batch):
         # The loss's metrics are means weighted by example_mask; turned back into sums so
@@ -153,7 +165,7 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
         figures = {"loss": loss, **metrics}
         return {k: (v * count, count) for k, v in figures.items()}
 
-    reference_logps = _reference_logps(loss_name, chunk, window, model_of) if uses_reference else None
+    reference_logps = _reference_logps(loss_name == "kto", forward) if uses_reference else None
     return Task(
         loss_fn=loss_fn,
         normalisers_fn=normalisers_fn,
@@ -165,18 +177,15 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
     )
 
 
-def _reference_logps(loss_name, chunk, window, model_of):
+def _reference_logps(unpaired: bool, forward: _Forward):
     """The reference's sequence log-probs of a batch: ``{chosen, rejected}`` of the pairs,
-    or KTO's ``{completion, kl}`` (``ref_logps``, per batch or precomputed per record)."""
+    or KTO's (``unpaired``) ``{completion, kl}`` (``ref_logps``, per batch or precomputed per record)."""
 
-    def forward(reference_params, batch):
-        reference = model_of(reference_params)
-        if loss_name == "kto":
-            return {
-                "completion": _single_logps(reference, batch, "", chunk, window)[0],
-                "kl": _single_logps(reference, batch, "kl_", chunk, window)[0],
-            }
-        ref_c, ref_r, _, _ = _pair_logps(reference, batch, chunk, window)
+    def reference_forward(reference_params, batch):
+        if unpaired:
+            return {"completion": forward.single(reference_params, batch, "")[0],
+                    "kl": forward.single(reference_params, batch, "kl_")[0]}
+        ref_c, ref_r, _, _ = forward.pair(reference_params, batch)
         return {"chosen": ref_c, "rejected": ref_r}
 
-    return forward
+    return reference_forward
