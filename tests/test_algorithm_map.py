@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from alignax import config as config_io
+from alignax.config import ConfigError
 from alignax.models import MODEL_KINDS
 from alignax.trainers import algorithms
 from alignax.trainers.algorithms import ALGORITHMS, ENTRIES
@@ -206,3 +207,28 @@ def test_each_entry_says_whether_its_recipe_holds_a_reference(name, reference):
     path = os.path.join(CONFIGS, f"tiny-{name.replace('_', '-')}.yaml")
     config = config_io.from_dict(TrainConfig, config_io.load_yaml(path))
     assert bool(ALGORITHMS[name].reference(config)) is reference
+
+
+# ---------------------------------------------------------------------------- a new DPO variant
+def test_a_new_dpo_variant_is_one_function_and_one_entry(monkeypatch):
+    """A toy variant, the linear loss ``-b (r_c - r_r)``, put in the variant table alone:
+    ``preference.variant`` accepts it and ``dpo_loss`` computes it (numbers by hand)."""
+    import numpy as np
+
+    from alignax.losses import preference as pref
+    from alignax.trainers.api import load_config
+
+    def linear(r, beta, eps, dpop_lambda):
+        return -beta * (r.chosen - r.rejected)
+
+    monkeypatch.setitem(pref.DPO_VARIANT_TABLE, "toy_linear", pref.DPOVariant(linear))
+    config = load_config(data={"algorithm": "dpo", "preference": {"variant": "toy_linear"}})
+    assert config.preference.variant == "toy_linear"
+    # pairs: (pol_c, pol_r, ref_c, ref_r) = (-1, -3, -2, -2) and (-4, -1, -3, -2); beta 0.5
+    loss, metrics = pref.dpo_loss(np.array([-1.0, -4.0]), np.array([-3.0, -1.0]), np.array([-2.0, -3.0]),
+                                  np.array([-2.0, -2.0]), beta=0.5, variant="toy_linear")
+    # r_c - r_r: (1 - (-1)) = 2 and (-1 - 1) = -2 -> losses -1 and 1 -> mean 0
+    assert float(loss) == 0.0 and float(metrics["rewards/accuracies"]) == 0.5
+    monkeypatch.delitem(pref.DPO_VARIANT_TABLE, "toy_linear")
+    with pytest.raises(ConfigError, match="preference.variant=toy_linear is not a DPO variant"):
+        load_config(data={"algorithm": "dpo", "preference": {"variant": "toy_linear"}})

@@ -21,8 +21,10 @@ local denominators); average them across pieces for logging.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Literal
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,22 +35,6 @@ from alignax.losses._pairwise import batch_mean, check_scalar, check_vectors, f3
 
 Array = jax.Array
 
-DPO_VARIANTS = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "robust",
-    "dpop",
-    "exo_pair",
-    "nca_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-)
-DPOVariant = Literal[
-    "sigmoid", "hinge", "ipo", "robust", "dpop", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down"
-]
-_SMOOTHED_VARIANTS = ("sigmoid", "robust", "exo_pair")
 # EXO needs a label distribution strictly inside (0, 1); TRL uses this when eps is 0.
 _EXO_DEFAULT_EPS = 1e-3
 # ORPO's log(1 - p) diverges as the mean token log-prob -> 0. Values above this ceiling
@@ -74,6 +60,96 @@ def _smoothed_sigmoid_loss(z: Array, label_smoothing) -> Array:
     return -(1.0 - label_smoothing) * jax.nn.log_sigmoid(z) - label_smoothing * jax.nn.log_sigmoid(-z)
 
 
+# ---------------------------------------------------------------------------- the DPO variants
+class LogRatios(NamedTuple):
+    """A batch of pairs as a DPO variant reads it, each ``[B]`` float32 (length-averaged when
+    asked): ``chosen`` / ``rejected`` the policy-minus-reference log-ratios ``r_c``, ``r_r``;
+    ``policy_chosen`` / ``ref_chosen`` the two log-probs of the chosen response (DPOP)."""
+
+    chosen: Array
+    rejected: Array
+    policy_chosen: Array
+    ref_chosen: Array
+
+
+def _sigmoid(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    return _smoothed_sigmoid_loss(beta * (r.chosen - r.rejected), eps)
+
+
+def _hinge(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    return jax.nn.relu(1.0 - beta * (r.chosen - r.rejected))
+
+
+def _ipo(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    return jnp.square(r.chosen - r.rejected - 1.0 / (2.0 * beta))
+
+
+def _robust(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    z = beta * (r.chosen - r.rejected)
+    return (-(1.0 - eps) * jax.nn.log_sigmoid(z) + eps * jax.nn.log_sigmoid(-z)) / (1.0 - 2.0 * eps)
+
+
+def _dpop(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    penalty = jax.nn.relu(r.ref_chosen - r.policy_chosen)
+    return -jax.nn.log_sigmoid(beta * (r.chosen - r.rejected - dpop_lambda * penalty))
+
+
+def _exo_pair(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    z = beta * (r.chosen - r.rejected)
+    eps = jnp.where(eps == 0, _EXO_DEFAULT_EPS, eps)
+    return jax.nn.sigmoid(z) * (jax.nn.log_sigmoid(z) - jnp.log1p(-eps)) + jax.nn.sigmoid(-z) * (
+        jax.nn.log_sigmoid(-z) - jnp.log(eps)
+    )
+
+
+def _nca_pair(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    zc, zr = beta * r.chosen, beta * r.rejected
+    return -jax.nn.log_sigmoid(zc) - 0.5 * jax.nn.log_sigmoid(-zc) - 0.5 * jax.nn.log_sigmoid(-zr)
+
+
+def _sppo_hard(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    half_eta = 0.5 / beta
+    return jnp.square(r.chosen - half_eta) + jnp.square(r.rejected + half_eta)
+
+
+def _apo_zero(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    return 1.0 - jax.nn.sigmoid(beta * r.chosen) + jax.nn.sigmoid(beta * r.rejected)
+
+
+def _apo_down(r: LogRatios, beta, eps, dpop_lambda) -> Array:
+    return jax.nn.sigmoid(beta * r.chosen) + 1.0 - jax.nn.sigmoid(beta * (r.chosen - r.rejected))
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOVariant:
+    """A DPO variant: ``per_pair(r: LogRatios, beta, eps, dpop_lambda) -> [B]`` (formulas in
+    :func:`dpo_loss`), the interval ``(low, high, high_open)`` of the ``label_smoothing`` it
+    takes (closed below; ``None``: it takes none, eps must be 0), and whether it averages
+    log-probs over response tokens by default (IPO)."""
+
+    per_pair: Callable[..., Array]
+    smoothing: tuple[float, float, bool] | None = None
+    length_normalize: bool = False
+
+
+# Adding a variant: its per-pair function above and one entry here (the config's
+# ``preference.variant`` accepts every name of this table).
+DPO_VARIANT_TABLE: dict[str, DPOVariant] = {
+    "sigmoid": DPOVariant(_sigmoid, smoothing=(0.0, 0.5, False)),
+    "hinge": DPOVariant(_hinge),
+    "ipo": DPOVariant(_ipo, length_normalize=True),
+    "robust": DPOVariant(_robust, smoothing=(0.0, 0.5, True)),
+    "dpop": DPOVariant(_dpop),
+    "exo_pair": DPOVariant(_exo_pair, smoothing=(0.0, 1.0, True)),
+    "nca_pair": DPOVariant(_nca_pair),
+    "sppo_hard": DPOVariant(_sppo_hard),
+    "apo_zero": DPOVariant(_apo_zero),
+    "apo_down": DPOVariant(_apo_down),
+}
+DPO_VARIANTS = tuple(DPO_VARIANT_TABLE)
+SMOOTHED_VARIANTS = tuple(name for name, v in DPO_VARIANT_TABLE.items() if v.smoothing is not None)
+
+
 def dpo_loss(
     policy_chosen_logps: Array,
     policy_rejected_logps: Array,
@@ -83,7 +159,7 @@ def dpo_loss(
     rejected_lengths: Array | None = None,
     *,
     beta: float | Array = 0.1,
-    variant: DPOVariant = "sigmoid",
+    variant: str = "sigmoid",
     label_smoothing: float | Array = 0.0,
     dpop_lambda: float | Array = 50.0,
     length_normalize: bool | None = None,
@@ -154,7 +230,7 @@ def dpo_loss(
     ``logps/rejected`` (the policy log-probs as the loss used them, i.e. averaged when
     length-normalised). A worked value: ``h = 0`` under ``sigmoid`` gives ``log 2``.
     """
-    check_choice("variant", variant, DPO_VARIANTS)
+    check_choice("variant", variant, tuple(DPO_VARIANT_TABLE))
     check_vectors(
         policy_chosen_logps=policy_chosen_logps,
         policy_rejected_logps=policy_rejected_logps,
@@ -166,19 +242,17 @@ def dpo_loss(
     )
     check_scalar(num_pairs=num_pairs)
     check_interval("beta", beta, 0.0, math.inf, low_open=True, high_open=True)
-    if variant == "sigmoid":
-        check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=False)
-    elif variant == "robust":
-        check_interval("label_smoothing", label_smoothing, 0.0, 0.5, low_open=False, high_open=True)
-    elif variant == "exo_pair":
-        check_interval("label_smoothing", label_smoothing, 0.0, 1.0, low_open=False, high_open=True)
+    spec = DPO_VARIANT_TABLE[variant]
+    if spec.smoothing is not None:
+        low, high, high_open = spec.smoothing
+        check_interval("label_smoothing", label_smoothing, low, high, low_open=False, high_open=high_open)
     elif is_concrete_number(label_smoothing) and label_smoothing != 0:
         raise ValueError(
             f"label_smoothing={label_smoothing} has no meaning for variant {variant!r}; "
-            f"it is used by {', '.join(_SMOOTHED_VARIANTS)} only (set it to 0)"
+            f"it is used by {', '.join(SMOOTHED_VARIANTS)} only (set it to 0)"
         )
     if length_normalize is None:
-        length_normalize = variant == "ipo"
+        length_normalize = spec.length_normalize
 
     pol_c, pol_r = f32(policy_chosen_logps), f32(policy_rejected_logps)
     ref_c = jax.lax.stop_gradient(f32(ref_chosen_logps))
@@ -196,40 +270,10 @@ def dpo_loss(
         pol_r, ref_r = pol_r / len_r, ref_r / len_r
 
     beta = f32(beta)
-    eps = f32(label_smoothing)
     chosen_logratio = pol_c - ref_c
     rejected_logratio = pol_r - ref_r
-    margin = chosen_logratio - rejected_logratio
-    z = beta * margin
-
-    if variant == "sigmoid":
-        per_pair = _smoothed_sigmoid_loss(z, eps)
-    elif variant == "hinge":
-        per_pair = jax.nn.relu(1.0 - z)
-    elif variant == "ipo":
-        per_pair = jnp.square(margin - 1.0 / (2.0 * beta))
-    elif variant == "robust":
-        per_pair = (
-            -(1.0 - eps) * jax.nn.log_sigmoid(z) + eps * jax.nn.log_sigmoid(-z)
-        ) / (1.0 - 2.0 * eps)
-    elif variant == "dpop":
-        penalty = jax.nn.relu(ref_c - pol_c)
-        per_pair = -jax.nn.log_sigmoid(beta * (margin - f32(dpop_lambda) * penalty))
-    elif variant == "exo_pair":
-        eps = jnp.where(eps == 0, _EXO_DEFAULT_EPS, eps)
-        per_pair = jax.nn.sigmoid(z) * (jax.nn.log_sigmoid(z) - jnp.log1p(-eps)) + jax.nn.sigmoid(-z) * (
-            jax.nn.log_sigmoid(-z) - jnp.log(eps)
-        )
-    elif variant == "nca_pair":
-        zc, zr = beta * chosen_logratio, beta * rejected_logratio
-        per_pair = -jax.nn.log_sigmoid(zc) - 0.5 * jax.nn.log_sigmoid(-zc) - 0.5 * jax.nn.log_sigmoid(-zr)
-    elif variant == "sppo_hard":
-        half_eta = 0.5 / beta
-        per_pair = jnp.square(chosen_logratio - half_eta) + jnp.square(rejected_logratio + half_eta)
-    elif variant == "apo_zero":
-        per_pair = 1.0 - jax.nn.sigmoid(beta * chosen_logratio) + jax.nn.sigmoid(beta * rejected_logratio)
-    else:  # apo_down
-        per_pair = jax.nn.sigmoid(beta * chosen_logratio) + 1.0 - jax.nn.sigmoid(z)
+    ratios = LogRatios(chosen_logratio, rejected_logratio, pol_c, ref_c)
+    per_pair = spec.per_pair(ratios, beta, f32(label_smoothing), f32(dpop_lambda))
 
     loss = batch_mean(per_pair, weights, num_pairs)
     metrics = _pair_metrics(beta * chosen_logratio, beta * rejected_logratio, pol_c, pol_r, weights)

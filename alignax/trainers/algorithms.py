@@ -24,7 +24,7 @@ from alignax import paths
 from alignax.config import NEVER, Above, All, AnyOf, Cond, Given, Is, IsNot, Rule, rule
 from alignax.data import checks as data_checks
 from alignax.data.formats import FORMATS
-from alignax.losses.preference import DPO_VARIANTS
+from alignax.losses.preference import DPO_VARIANT_TABLE, SMOOTHED_VARIANTS
 from alignax.trainers import iterative
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.iterative import IterativeTrainer
@@ -103,12 +103,11 @@ def _formats(*formats: str) -> Callable[[TrainConfig], tuple[tuple[str, ...], st
 
 
 # ---------------------------------------------------------------------------- the preference family
-_PREF_SMOOTHED = ("sigmoid", "robust", "exo_pair")  # alignax.losses.preference: eps of these only
 
 PREFERENCE_RULES: tuple[Rule, ...] = (
     rule("preference.variant", Is("preference.loss", "dpo")),
     rule("preference.label_smoothing",
-         AnyOf(All(Is("preference.loss", "dpo"), Is("preference.variant", *_PREF_SMOOTHED)),
+         AnyOf(All(Is("preference.loss", "dpo"), Is("preference.variant", *SMOOTHED_VARIANTS)),
                Is("preference.loss", "simpo", "cpo"))),
     rule("preference.dpop_lambda", All(Is("preference.loss", "dpo"), Is("preference.variant", "dpop"))),
     rule("preference.simpo_gamma", Is("preference.loss", "simpo")),
@@ -125,8 +124,9 @@ def _preference_formats(config):
 
 def _dpo_variant(config):
     section = config.preference
-    if section.loss == "dpo" and section.variant not in DPO_VARIANTS:
-        return f"preference.variant={section.variant} is not a DPO variant; valid: {', '.join(DPO_VARIANTS)}"
+    if section.loss == "dpo" and section.variant not in DPO_VARIANT_TABLE:
+        return (f"preference.variant={section.variant} is not a DPO variant; valid: "
+                f"{', '.join(DPO_VARIANT_TABLE)}")
     return None
 
 
