@@ -24,13 +24,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from alignax.checkpoint import Checkpointer
 from alignax.metrics import MetricWriter, to_host
@@ -77,6 +80,9 @@ class LoopConfig:
       max_nonfinite_streak: stop with an error after this many skipped updates in a row.
       max_stalled_streak: stop with an error after this many stalled updates in a row (0: off).
       eval_at_start: evaluate before the first step (the baseline of a fresh run).
+      shutdown_timeout_s: with several processes, the seconds from a stop signal to the
+        process's exit: a process whose save and leave are not done by then (a peer gone,
+        a collective that never completes) exits with the signal's status without waiting.
     """
 
     total_steps: int
@@ -86,14 +92,56 @@ class LoopConfig:
     max_nonfinite_streak: int = 5
     max_stalled_streak: int = 5
     eval_at_start: bool = False
+    shutdown_timeout_s: float = 120.0
+
+
+# Signal names in the order the processes' stop codes rank them (0: none); an allgather
+# of the codes gives every process the same answer.
+_STOP_CODES = (None, "SIGINT", "SIGTERM")
+_EXIT_STATUS = {"SIGINT": 130, "SIGTERM": 143}
 
 
 class _StopSignals:
     """Turns SIGTERM and the first SIGINT into a flag the loop polls between steps (a step
-    is never cut); a second SIGINT interrupts at once (KeyboardInterrupt)."""
+    is never cut); a second SIGINT interrupts at once (KeyboardInterrupt).
 
-    def __init__(self):
+    With several processes a signal often reaches one of them only (a scheduler preempting
+    one host). :meth:`agreed` is then a collective at every step boundary: the largest stop
+    code of all processes (SIGTERM over SIGINT), so every process leaves the loop after the
+    same step and they save together. From that moment a watchdog gives the process
+    ``shutdown_timeout_s`` to save and leave the job; past it the process exits at once
+    with the signal's status, logging that nothing was saved after the last checkpoint."""
+
+    def __init__(self, shutdown_timeout_s: float = 120.0):
         self.received: str | None = None
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._watchdog: threading.Timer | None = None
+
+    def agreed(self) -> str | None:
+        """The stop signal received by any process (by this one with a single process)."""
+        if jax.process_count() == 1:
+            return self.received
+        codes = multihost_utils.process_allgather(np.array(_STOP_CODES.index(self.received), np.int32))
+        name = _STOP_CODES[int(np.max(codes))]
+        if name is not None:
+            self._arm_watchdog(name)
+        return name
+
+    def _arm_watchdog(self, name: str) -> None:
+        if self._watchdog is not None:
+            return
+        index, count, timeout = jax.process_index(), jax.process_count(), self.shutdown_timeout_s
+
+        def expire():
+            log.error("process %d of %d: %s, and the save and shutdown did not end within %g s "
+                      "(distributed.shutdown_timeout_s): exiting without waiting for the other processes; "
+                      "nothing after the last complete checkpoint is saved", index, count, name, timeout)
+            logging.shutdown()
+            os._exit(_EXIT_STATUS[name])
+
+        self._watchdog = threading.Timer(timeout, expire)
+        self._watchdog.daemon = True  # a process that ends in time is not held by it
+        self._watchdog.start()
 
     @contextlib.contextmanager
     def installed(self):
@@ -113,6 +161,8 @@ class _StopSignals:
         if signum == signal.SIGINT and self.received == "SIGINT":
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
+        if jax.process_count() > 1:  # the countdown starts now, even if a peer never reaches the next step
+            self._arm_watchdog(self.received)
         if signum == signal.SIGINT:
             log.warning("SIGINT: finishing this step and saving a checkpoint (press Ctrl-C again to abort)")
 
@@ -177,7 +227,7 @@ def run_loop(
     eval_history: list[dict[str, float]] = []
     start = int(jax.device_get(progress(state)))
     step = start
-    signals = _StopSignals()
+    signals = _StopSignals(config.shutdown_timeout_s)
     stall = StallWatch()
 
     def save(at_step: int, *, force: bool = False, data_state: Any = None) -> None:
@@ -209,7 +259,9 @@ def run_loop(
         tick = time.perf_counter()
         tokens_since_log = 0
         steps_since_log = 0
-        while step < config.total_steps and signals.received is None:
+        stop = None
+        # with several processes `agreed` is a collective: every process calls it after the same steps
+        while step < config.total_steps and (stop := signals.agreed()) is None:
             position = batches.get_state() if checkpointer is not None else None
             host_batch = next(batches)
             if count_tokens is not None:
@@ -268,9 +320,10 @@ def run_loop(
             if config.save_every and step % config.save_every == 0 and step < config.total_steps and healthy:
                 save(step)
 
-        stopped = signals.received is not None and step < config.total_steps
+        stopped = stop is not None and step < config.total_steps
         if stopped:
-            log.warning("%s at step %d: saving a checkpoint before exit", signals.received, step)
+            log.warning("%s at step %d: saving a checkpoint before exit%s", stop, step,
+                        "" if stop == signals.received else " (received by another process)")
             save(step, force=True)
         else:
             if step > start or eval_fn is not None:
@@ -283,4 +336,4 @@ def run_loop(
                 raise CheckpointSaveError(f"writing the last checkpoint under {checkpointer.directory} failed "
                                           f"({type(err).__name__}: {err})") from err
     return LoopResult(state=state, last_step=step, stopped_by_signal=stopped, history=history,
-                      eval_history=eval_history, signal_name=signals.received if stopped else None)
+                      eval_history=eval_history, signal_name=stop if stopped else None)
