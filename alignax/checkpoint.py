@@ -67,7 +67,7 @@ _CHUNK = 8 << 20  # bytes hashed at a time: checkpoint files can be gigabytes
 log = logging.getLogger("alignax")
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(ConfigError):
     """A checkpoint (a step, or the reference) whose files fail their digest or restore."""
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from alignax import models
-from alignax.config import load_callable
+from alignax.config import ConfigError, load_callable
 from alignax.losses import ensemble_rewards
 from alignax.parallel.multihost import local_rows
 from alignax.parallel.placement import to_device
@@ -99,7 +99,7 @@ class NonFiniteRewardError(ValueError):
     """A reward component came out NaN or infinite."""
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(ConfigError):
     """A ``rewards.functions`` entry raised while scoring; the message names the entry, the
     first completion it fails on (alone), the exception and the completion's start. The
     original exception is chained (``__cause__``)."""

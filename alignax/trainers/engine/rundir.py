@@ -48,6 +48,7 @@ from jax.experimental import multihost_utils
 
 from alignax import config as config_io
 from alignax import paths
+from alignax.config import ConfigError
 from alignax.trainers.config import TrainConfig
 
 log = logging.getLogger("alignax")
@@ -69,7 +70,7 @@ _FREE_KEYS = frozenset({"train.log_every", "train.eval_every", "train.save_every
                         "train.max_nonfinite_streak", "train.max_stalled_streak"})
 
 
-class RunDirectoryError(RuntimeError):
+class RunDirectoryError(ConfigError):
     """``output_dir`` cannot be used as asked (held by another run, holds a run that would
     be lost, or a resume with unapproved changes); the message says what to do."""
 

@@ -5,9 +5,7 @@ log-probs of a batch's response tokens.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +16,7 @@ from flax import nnx
 
 from alignax import models
 from alignax.models import registry
+from alignax.models.hf import read_config
 from alignax.models.lora import LoraConfig, with_adapters
 from alignax._checks import check_choice
 from alignax.parallel.multihost import place_rows
@@ -53,11 +52,6 @@ def load_tokenizer(spec: ModelSpec):
     return registry.load_tokenizer(spec.name, key="model.name")
 
 
-def _read_hf_config(directory: str) -> dict[str, Any]:
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        return json.load(f)
-
-
 def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.Mesh | None = None,
                 precision: PrecisionConfig = PrecisionConfig(), lora: LoraConfig | None = None) -> nnx.Module:
     """The model of ``kind`` (``alignax.models.MODEL_KINDS``) for ``spec``, sharded over ``mesh``,
@@ -74,7 +68,7 @@ def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.
             raise ValueError(f"model.{old} is no longer read: set precision.{new} (got model.{old}="
                              f"{getattr(spec, old)})")
     directory = model_directory(spec)
-    hf_config = _read_hf_config(directory)
+    hf_config = read_config(directory, name=spec.name)
     policy = dict(**precision.model_dtypes(), scan_layers=spec.scan_layers, remat=spec.remat,
                   attention=attention_implementation(spec.attention, precision.compute_dtype))
     if spec.random_init is not None:
