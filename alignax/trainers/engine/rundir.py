@@ -9,8 +9,11 @@ Before a run reads a model or data, :func:`claim` decides whether it may use
   another host when its heartbeat (the lock file's modification time, refreshed every
   ``HEARTBEAT_S`` by a daemon thread of the holder) is older than ``STALE_AFTER_S``.
 - **Resume, or say why not.** A directory that holds a run (checkpoints, metrics) is
-  resumed when ``checkpoint.resume`` is on and it has checkpoints. Otherwise it is refused
-  unless ``checkpoint.overwrite`` is set, which removes that run's files first.
+  resumed when ``checkpoint.resume`` is on and it has checkpoints. A run stopped before its
+  first checkpoint (``kill -9``, a crash) has nothing to resume: with the same config (no
+  change of what is trained) it starts over, its metrics replaced, so that the same
+  command restarts it. Otherwise it is refused unless ``checkpoint.overwrite`` is set,
+  which removes that run's files first.
 - **Say what changed.** Resuming compares the new config with the run's ``config.yaml``:
   keys that only change how a run is watched or laid out (logging, evaluation, checkpoint
   cadence, the mesh and the process count; ``train.total_steps`` under a constant learning
@@ -266,10 +269,16 @@ class RunDirectory:
         artefacts = [name for name in RUN_ARTEFACTS if (self.root / name).exists()]
         if ck.overwrite:
             if self.writer and (artefacts or self._configs()):
-                self._remove_run(artefacts)
+                self._remove_run(artefacts, "checkpoint.overwrite")
             return
         resuming = ck.enabled and ck.resume and bool(steps)
         if not resuming:
+            if artefacts and ck.enabled and ck.resume and not saved_config_changes(self.path, config)[0]:
+                # killed before its first save (a run that ends saves a last step): nothing to lose or
+                # mix, and an automatic restart must not need --overwrite
+                if self.writer:
+                    self._remove_run(artefacts, "no completed checkpoint to resume from, starting the run over")
+                return
             if artefacts:
                 held = f"checkpoints at steps {', '.join(map(str, steps))}" if steps else ", ".join(artefacts)
                 why = ("checkpoint.resume=false" if steps and not ck.resume
@@ -298,9 +307,8 @@ class RunDirectory:
         return sorted(name for name in (entry.name for entry in self.root.iterdir())
                       if name == CONFIG_NAME or (name.startswith("config.") and name.endswith(".yaml")))
 
-    def _remove_run(self, artefacts: list[str]) -> None:
-        log.warning("checkpoint.overwrite: removing the earlier run in %s (%s)", self.path,
-                    ", ".join(artefacts + self._configs()))
+    def _remove_run(self, artefacts: list[str], why: str) -> None:
+        log.warning("%s: removing the earlier run in %s (%s)", why, self.path, ", ".join(artefacts + self._configs()))
         for name in artefacts + self._configs():
             path = self.root / name
             if path.is_dir():
