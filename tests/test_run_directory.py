@@ -106,6 +106,20 @@ def test_leftovers_without_a_checkpoint_start_over_with_the_same_config_only(tmp
     assert "no completed checkpoint to resume from, starting the run over" in caplog.text
 
 
+def test_allow_changes_does_not_pass_a_change_of_the_data_position(tmp_path):
+    """The checkpoint's data position counts batches of data.batch_size into the dataset of
+    data.paths/seed/...: --allow-changes used to accept a batch-size change that then failed
+    the resume in the data iterator with a traceback; it is refused at start, naming the key."""
+    fake_run(make_config(tmp_path))
+    for section, key, value in (("data", "batch_size", 4), ("data", "seed", 3), ("data", "paths", ["other.jsonl"])):
+        changed = make_config(tmp_path, allow_changes=True, extra={section: {key: value}})
+        with pytest.raises(RunDirectoryError, match=rf"with data\.{key}: .* not even with --allow-changes"):
+            with claim(changed):
+                pass
+    with claim(make_config(tmp_path, allow_changes=True, extra={"optim": {"learning_rate": 1e-3}})):
+        pass  # what is trained may still change when allowed
+
+
 def test_resume_with_changes_names_them_and_needs_allow_changes(tmp_path, caplog):
     fake_run(make_config(tmp_path))
     changed = make_config(tmp_path, extra={"optim": {"learning_rate": 1e-3}, "train": {"log_every": 7}})

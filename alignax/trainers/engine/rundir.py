@@ -19,7 +19,9 @@ Before a run reads a model or data, :func:`claim` decides whether it may use
   cadence, the mesh and the process count; ``train.total_steps`` under a constant learning
   rate) pass; any other change — a
   longer run under a decaying schedule included, since it moves the schedule — is refused
-  unless ``checkpoint.allow_changes`` is set, and then logged. (A change of model shape is refused when the checkpoint is restored, naming the
+  unless ``checkpoint.allow_changes`` is set, and then logged; a change of what the saved
+  data position counts (``data.batch_size``, ``data.paths``, ``data.seed``...) is refused
+  even then. (A change of model shape is refused when the checkpoint is restored, naming the
   parameter; see :meth:`alignax.checkpoint.Checkpointer.restore`.)
 - **Config history.** The resolved config is written only once the run has been accepted
   and restored (:meth:`RunDirectory.write_config`); a different earlier ``config.yaml`` is
@@ -69,6 +71,9 @@ RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "evaluation", "e
 # may change them freely.
 _FREE_PREFIXES = ("logging.", "evaluation.", "checkpoint.", "output_dir",
                   "mesh.", "distributed.")  # a run resumes on another mesh or process count
+# Keys the saved data position (a count of global batches into one shuffled dataset,
+# alignax.data.pipeline) depends on: a resume cannot change them, even with allow_changes.
+_POSITION_KEYS = ("data.paths", "data.split", "data.seed", "data.shuffle", "data.batch_size", "data.eval_fraction")
 _FREE_KEYS = frozenset({"train.log_every", "train.eval_every", "train.save_every", "train.eval_batches",
                         "train.max_nonfinite_streak", "train.max_stalled_streak"})
 
@@ -293,6 +298,13 @@ class RunDirectory:
                                     f"{os.path.join(self.path, 'checkpoints')}; steps there: "
                                     f"{', '.join(map(str, steps))}")
         bound, free = saved_config_changes(self.path, config)
+        fixed = [c for c in bound if c[0] in _POSITION_KEYS]
+        if fixed:
+            raise RunDirectoryError(
+                f"resuming {self.path} (latest step {steps[-1]}) with {describe_changes(fixed)}: its checkpoints "
+                "hold a position in the data read with the saved value (a count of batches into one shuffled "
+                "dataset), so a resume cannot change it, not even with --allow-changes. Undo the change, or "
+                "start over with --overwrite or another output_dir")
         if bound and not ck.allow_changes:
             raise RunDirectoryError(
                 f"resuming {self.path} (latest step {steps[-1]}) with a config that changes what is trained: "
