@@ -372,6 +372,15 @@ def from_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", **kwarg
 # ------------------------------------------------------------------------------ saving
 
 
+def _written_dtype(tensors: Mapping[str, np.ndarray], *, default: str | None) -> str | None:
+    """The floating dtype holding most of ``tensors``' elements (config.json's ``dtype``)."""
+    counts: dict[str, int] = {}
+    for value in tensors.values():
+        if jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+            counts[str(value.dtype)] = counts.get(str(value.dtype), 0) + value.size
+    return max(counts, key=counts.get) if counts else default
+
+
 def to_hf_state_dict(model) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(config.json dict, HF-named NumPy tensors)`` of a model, in its parameter dtype; a
     model with LoRA adapters is written with them merged into its kernels."""
@@ -399,6 +408,9 @@ def to_hf_state_dict(model) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         tensors[e.hf] = out
     arch = "sequence_classification" if kind in ("reward", "value") else "causal_lm"
     hf_config = c.to_hf_config(architecture=arch)
+    # the dtype of the weights as written, not the one the model was built with: params cast
+    # for export (`alignax export --dtype`), or a bfloat16 run's float32 master, differ from it
+    hf_config["dtype"] = _written_dtype(tensors, default=hf_config.get("dtype"))
     if arch == "sequence_classification" and hf_config.get("pad_token_id") is None:
         eos = c.eos_token_id[0] if isinstance(c.eos_token_id, tuple) else c.eos_token_id
         hf_config["pad_token_id"] = eos if eos is not None else 0
