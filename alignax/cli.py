@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
     args.debug = args.debug or os.environ.get("ALIGNAX_DEBUG", "") not in ("", "0")
+    if not args.debug:
+        logging.getLogger("absl").addFilter(_without_traceback)
     try:
         return _run(args)
     except _USER_ERRORS as err:
@@ -201,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     except _stopped_errors() as err:
         _report(args, "run stopped", err)
         return 1
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """Orbax logs a failed background save (a full disk) with a traceback from each thread
+    it crosses; the run's own error says it in one line, so their records keep one line too."""
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return True
 
 
 def _report(args, kind: str, err: BaseException) -> None:

@@ -111,6 +111,34 @@ def test_kill_9_before_the_first_checkpoint_restarts_with_the_same_command(tmp_p
     assert [r["step"] for r in read_jsonl(str(metrics)) if "loss" in r] == [1, 2, 3]  # from scratch, once
 
 
+def test_a_full_disk_stops_the_run_in_one_line_exit_1(tmp_path, toy_model, capsys, caplog, monkeypatch):
+    """The second checkpoint cannot be written (ENOSPC raised by Orbax's JSON writer in its
+    background thread, as in tests/test_train_loop.py): exit 1 and one line naming the step,
+    its folder and the last good step; Orbax's own error records lose their tracebacks
+    (kept with --debug)."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+    write = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+    saves = []
+
+    async def full_disk(self, item, directory):
+        saves.append(directory)
+        if len(saves) >= 2:
+            raise OSError(28, "No space left on device", str(directory / "metadata"))
+        return await write(self, item, directory)
+
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", full_disk)
+    recipe = write_recipe(tmp_path, toy_model, total_steps=6, save_every=1)
+    code, err = run_cli(capsys, "train", str(recipe), "logging.console=false", "logging.tensorboard=false")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    assert err.startswith(f"alignax: run stopped: writing checkpoint step 2 to {checkpoints / '2'} failed (OSError: "
+                          "[Errno 28] No space left on device")
+    assert f"the last complete checkpoint is step 1 ({checkpoints / '1'})" in err and len(err.splitlines()) == 1
+    absl = [r for r in caplog.records if r.name == "absl" and r.levelname == "ERROR"]
+    assert absl and not any(r.exc_info for r in absl)
+
+
 def run_cli(capsys, *args):
     """``alignax ARGS`` in this process (faster than a subprocess): (exit status, stderr)."""
     from alignax import cli
