@@ -122,6 +122,43 @@ def test_sigterm_to_one_process_stops_both_and_resumes_bit_for_bit(tmp_path, toy
         np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
 
 
+@pytest.mark.parametrize("peer", ["killed", "frozen"])
+def test_a_stopped_process_whose_peer_is_gone_exits_143_within_the_shutdown_timeout(tmp_path, toy_model, peer):
+    """SIGTERM to process 0 while process 1 is killed (kill -9) or frozen (SIGSTOP: its
+    sockets stay open, so the next collective hangs rather than fails): process 0 cannot
+    save with it and must not wait for it (the job's leave() would wait
+    distributed.initialization_timeout_s, and jax notices a dead peer only after its 100 s
+    heartbeat timeout, then aborts natively). It exits 143 within
+    distributed.shutdown_timeout_s (5 s here): at once when the collective fails, by the
+    watchdog when it hangs, saying that nothing after the last complete checkpoint was
+    saved. (Had process 0, which hosts jax's coordination service, died instead, jax's
+    client aborts every other process at once: SIGABRT, not ours to catch.)"""
+    recipe = two_process_recipe(tmp_path, toy_model, "run", total_steps=100_000)
+    procs = start_job(recipe, "distributed.shutdown_timeout_s=5")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and any(r.get("step", 0) >= 2 and "loss" in r for r in read_jsonl(str(metrics)))):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate(timeout=60)[1][-3000:] for p in procs]
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL if peer == "killed" else signal.SIGSTOP)
+    procs[0].send_signal(signal.SIGTERM)
+    try:
+        (code, err, seconds), = finish(procs[:1], timeout=120)
+    finally:
+        procs[1].kill()
+        procs[1].communicate(timeout=60)
+    assert code == 143, err[-3000:]
+    assert seconds < 5 + 10, f"{seconds:.0f} s"  # the timeout, and the moments of a process's exit
+    why = ("the run failed before it could save with the other processes" if peer == "killed"
+           else "the save and shutdown did not end within 5 s (distributed.shutdown_timeout_s)")
+    assert f"process 0 of 2: SIGTERM, and {why}" in err, err[-3000:]
+    assert "nothing after the last complete checkpoint is saved" in err
+    assert "Check failure" not in err  # ended before jax's heartbeat check aborts the process
+    if peer == "frozen":
+        assert seconds > 4  # it waited the timeout for the frozen peer
+
+
 def test_a_job_that_cannot_gather_ends_in_one_line_with_exit_2(tmp_path, toy_model):
     """distributed.num_processes=2 with process 0 alone, and process 1 pointed at a
     coordinator where nothing listens: each gives up after distributed.initialization_timeout_s

@@ -108,9 +108,10 @@ class _StopSignals:
     With several processes a signal often reaches one of them only (a scheduler preempting
     one host). :meth:`agreed` is then a collective at every step boundary: the largest stop
     code of all processes (SIGTERM over SIGINT), so every process leaves the loop after the
-    same step and they save together. From that moment a watchdog gives the process
-    ``shutdown_timeout_s`` to save and leave the job; past it the process exits at once
-    with the signal's status, logging that nothing was saved after the last checkpoint."""
+    same step and they save together. From the signal (or from learning of it) a watchdog
+    gives the process ``shutdown_timeout_s`` to save and leave the job; past it, or when
+    the other processes cannot be reached, the process exits at once with the signal's
+    status, logging that nothing was saved after the last complete checkpoint."""
 
     def __init__(self, shutdown_timeout_s: float = 120.0):
         self.received: str | None = None
@@ -121,23 +122,35 @@ class _StopSignals:
         """The stop signal received by any process (by this one with a single process)."""
         if jax.process_count() == 1:
             return self.received
-        codes = multihost_utils.process_allgather(np.array(_STOP_CODES.index(self.received), np.int32))
+        try:
+            codes = multihost_utils.process_allgather(np.array(_STOP_CODES.index(self.received), np.int32))
+        except Exception as err:
+            if self.received is None:
+                raise
+            self.exit(f"{self.received}, and the other processes could not be reached to save together "
+                       f"({type(err).__name__}: {' '.join(str(err).split())[:300]})")
         name = _STOP_CODES[int(np.max(codes))]
         if name is not None:
             self._arm_watchdog(name)
         return name
 
+    def exit(self, why: str, name: str | None = None) -> None:
+        """End this process now with the stop signal's status: a job member told to stop
+        that cannot stop together with the others (the main thread may be stuck in a
+        collective, so no exception would reach the CLI)."""
+        log.error("process %d of %d: %s: exiting without waiting for the other processes; nothing after the last "
+                  "complete checkpoint is saved", jax.process_index(), jax.process_count(), why)
+        logging.shutdown()
+        os._exit(_EXIT_STATUS[name or self.received or "SIGTERM"])
+
     def _arm_watchdog(self, name: str) -> None:
         if self._watchdog is not None:
             return
-        index, count, timeout = jax.process_index(), jax.process_count(), self.shutdown_timeout_s
+        timeout = self.shutdown_timeout_s
 
         def expire():
-            log.error("process %d of %d: %s, and the save and shutdown did not end within %g s "
-                      "(distributed.shutdown_timeout_s): exiting without waiting for the other processes; "
-                      "nothing after the last complete checkpoint is saved", index, count, name, timeout)
-            logging.shutdown()
-            os._exit(_EXIT_STATUS[name])
+            self.exit(f"{name}, and the save and shutdown did not end within {timeout:g} s "
+                       "(distributed.shutdown_timeout_s)", name)
 
         self._watchdog = threading.Timer(timeout, expire)
         self._watchdog.daemon = True  # a process that ends in time is not held by it
@@ -245,6 +258,18 @@ class _Run:
         self.tick, self.tokens_since_log, self.steps_since_log = time.perf_counter(), 0, 0
 
     def train(self) -> LoopResult:
+        try:
+            return self._train()
+        except Exception as err:
+            if self.signals.received is None or jax.process_count() == 1:
+                raise
+            # told to stop, and a collective failed under it (a peer is gone): no exception can
+            # save with the others any more, and the job's leave() would wait for them
+            self.signals.exit(f"{self.signals.received}, and the run failed before it could save with the other "
+                              f"processes ({type(err).__name__}: {' '.join(str(err).split())[:300]})")
+            raise
+
+    def _train(self) -> LoopResult:
         config, stop = self.config, None
         if config.eval_at_start:
             self.evaluate()
