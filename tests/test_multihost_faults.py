@@ -65,6 +65,16 @@ def finish(procs, timeout: float) -> list[tuple[int, str, float]]:
     return out
 
 
+def wait_for_step(procs, metrics, step: int) -> None:
+    """Until ``metrics`` (a run's metrics.jsonl) has a loss row of ``step``: the job is
+    in its loop, its signal handlers installed; every process must still be running."""
+    deadline = time.time() + 240
+    while not (metrics.exists() and any(r.get("step", 0) >= step and "loss" in r for r in read_jsonl(str(metrics)))):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate(timeout=60)[1][-3000:] for p in procs]
+        time.sleep(0.2)
+
+
 def final_state(output_dir) -> tuple[int, dict]:
     """(latest step, its saved arrays as NumPy by leaf path) of a run's checkpoints."""
     import jax
@@ -91,11 +101,7 @@ def test_sigterm_to_one_process_stops_both_and_resumes_bit_for_bit(tmp_path, toy
     recipe = two_process_recipe(tmp_path, toy_model, "run", total_steps=100_000)
     procs = start_job(recipe)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while not (metrics.exists() and any(r.get("step", 0) >= 2 and "loss" in r for r in read_jsonl(str(metrics)))):
-        assert time.time() < deadline and all(p.poll() is None for p in procs), \
-            [p.communicate(timeout=60)[1][-3000:] for p in procs]
-        time.sleep(0.2)
+    wait_for_step(procs, metrics, 2)
     procs[1].send_signal(signal.SIGTERM)  # the non-writer: process 0 writes the files and never sees it
     ended = finish(procs, timeout=120)
     for process, (code, err, seconds) in enumerate(ended):
@@ -136,11 +142,7 @@ def test_a_stopped_process_whose_peer_is_gone_exits_143_within_the_shutdown_time
     recipe = two_process_recipe(tmp_path, toy_model, "run", total_steps=100_000)
     procs = start_job(recipe, "distributed.shutdown_timeout_s=5")
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while not (metrics.exists() and any(r.get("step", 0) >= 2 and "loss" in r for r in read_jsonl(str(metrics)))):
-        assert time.time() < deadline and all(p.poll() is None for p in procs), \
-            [p.communicate(timeout=60)[1][-3000:] for p in procs]
-        time.sleep(0.2)
+    wait_for_step(procs, metrics, 2)
     procs[1].send_signal(signal.SIGKILL if peer == "killed" else signal.SIGSTOP)
     procs[0].send_signal(signal.SIGTERM)
     try:
