@@ -71,6 +71,9 @@ REFUSALS = {
                                     "--mesh 'a,b': expected three sizes data,fsdp,tensor"),
     "estimate --device-memory negative": (["estimate", "{dpo.yaml}", "--device-memory", "-5"],
                                           "--device-memory -5: expected a positive number of GB"),
+    "estimate --devices zero": (["estimate", "{dpo.yaml}", "--devices", "0"],
+                                "--devices 0: expected a positive number of devices"),
+    "estimate --mfu above one": (["estimate", "{dpo.yaml}", "--mfu", "40"], "--mfu 40: expected a fraction in (0, 1]"),
 }
 
 
