@@ -128,7 +128,7 @@ class _StopSignals:
             if self.received is None:
                 raise
             self.exit(f"{self.received}, and the other processes could not be reached to save together "
-                       f"({type(err).__name__}: {' '.join(str(err).split())[:300]})")
+                      f"({type(err).__name__}: {' '.join(str(err).split())[:300]})")
         name = _STOP_CODES[int(np.max(codes))]
         if name is not None:
             self._arm_watchdog(name)
@@ -150,7 +150,7 @@ class _StopSignals:
 
         def expire():
             self.exit(f"{name}, and the save and shutdown did not end within {timeout:g} s "
-                       "(distributed.shutdown_timeout_s)", name)
+                      "(distributed.shutdown_timeout_s)", name)
 
         self._watchdog = threading.Timer(timeout, expire)
         self._watchdog.daemon = True  # a process that ends in time is not held by it
