@@ -35,6 +35,18 @@ def files(tmp_path_factory, toy_model):
     for name in os.listdir(toy_model):
         (broken / name).write_bytes((open(os.path.join(toy_model, name), "rb")).read())
     (broken / "config.json").write_text('{"model_type": "llama", "vocab')  # cut mid-string
+    damaged = {}  # one file of the toy model folder damaged each
+    for name, file, damage in (("bad-tokenizer", "tokenizer.json", lambda b: b[:13]),
+                               ("bad-weights", "model.safetensors", lambda b: b[:100]),
+                               ("bad-architecture", "config.json",
+                                lambda b: b.replace(b'"model_type": "llama"', b'"model_type": "mamba"'))):
+        folder = base / name
+        folder.mkdir()
+        for other in os.listdir(toy_model):
+            data = open(os.path.join(toy_model, other), "rb").read()
+            (folder / other).write_bytes(damage(data) if other == file else data)
+        damaged[name] = str(folder)
+    assert b'"model_type": "mamba"' in (base / "bad-architecture" / "config.json").read_bytes()
     common = {"model": {"name": toy_model}, "train": {"total_steps": 1},
               "logging": {"console": False, "tensorboard": False}, "mesh": {"shape": [1, 1, 1]}}
     dpo = {"algorithm": "dpo", "output_dir": str(base / "run"), **common,
@@ -47,8 +59,8 @@ def files(tmp_path_factory, toy_model):
     (base / "dpo.yaml").write_text(yaml.safe_dump(dpo))
     (base / "grpo.yaml").write_text(yaml.safe_dump(grpo))
     (base / "syntax.yaml").write_text("algorithm: dpo\nmodel: {name: x\n  bad: [\n")
-    return {name: str(base / name) for name in ("dpo.yaml", "grpo.yaml", "syntax.yaml", "bad.parquet",
-                                                "empty-model", "broken-model")}
+    return {**{name: str(base / name) for name in ("dpo.yaml", "grpo.yaml", "syntax.yaml", "bad.parquet",
+                                                   "empty-model", "broken-model")}, **damaged}
 
 
 # name: (arguments with {file} placeholders, what the one line must say)
@@ -62,6 +74,16 @@ REFUSALS = {
                                    "model.name={empty-model}: the model folder lacks config.json"),
     "corrupt config.json": (["train", "{dpo.yaml}", "model.name={broken-model}"],
                             "model.name={broken-model}: {broken-model}/config.json is not valid JSON"),
+    "truncated tokenizer.json": (["train", "{dpo.yaml}", "model.name={bad-tokenizer}"],
+                                 "model.name={bad-tokenizer}: the tokenizer in {bad-tokenizer} cannot be read"),
+    "truncated weights": (["train", "{dpo.yaml}", "model.name={bad-weights}"],
+                          "{bad-weights}/model.safetensors: header length"),
+    "unsupported architecture": (["train", "{dpo.yaml}", "model.name={bad-architecture}"],
+                                 "model.name={bad-architecture}: the model (config.json and weights) in "
+                                 "{bad-architecture} cannot be read: ValueError: unsupported architecture "
+                                 "model_type='mamba'"),
+    "data file of another kind": (["train", "{dpo.yaml}", "data.paths=[{syntax.yaml}]"],
+                                  "unsupported data file '{syntax.yaml}'; expected one of .jsonl"),
     "sub-mesh larger than the devices": (
         ["train", "{grpo.yaml}", "placement.reference=submesh", "placement.submesh=[1,2,1]"],
         "placement.submesh=[1, 2, 1] sets 2 devices apart"),

@@ -256,7 +256,7 @@ def _open_file(path: str, name: str):
             return ListSource(records, name, unit="item")
     if path.endswith((".jsonl", ".json")):
         return JsonlSource(path, name)
-    raise ValueError(f"unsupported data file {name!r}; expected one of {', '.join(DATA_FILE_SUFFIXES)}")
+    raise ConfigError(f"unsupported data file {name!r}; expected one of {', '.join(DATA_FILE_SUFFIXES)}")
 
 
 def _read_arrow_stream(path: str) -> pa.Table:
