@@ -104,6 +104,12 @@ def test_leftovers_without_a_checkpoint_start_over_with_the_same_config_only(tmp
     with claim(make_config(tmp_path)):
         assert sorted(os.listdir(tmp_path / "run")) == [rundir.LOCK_NAME]  # the dead run's files replaced
     assert "no completed checkpoint to resume from, starting the run over" in caplog.text
+    # a finished run that saved no checkpoints on purpose is not a killed one: its files stay
+    fake_run(make_config(tmp_path / "off", enabled=False), steps=())
+    with pytest.raises(RunDirectoryError, match=r"\(metrics.jsonl\) and .*--overwrite"):
+        with claim(make_config(tmp_path / "off")):
+            pass
+    assert (tmp_path / "off" / "run" / "metrics.jsonl").exists()
 
 
 def test_allow_changes_does_not_pass_a_change_of_the_data_position(tmp_path):

@@ -278,9 +278,7 @@ class RunDirectory:
             return
         resuming = ck.enabled and ck.resume and bool(steps)
         if not resuming:
-            if artefacts and ck.enabled and ck.resume and not saved_config_changes(self.path, config)[0]:
-                # killed before its first save (a run that ends saves a last step): nothing to lose or
-                # mix, and an automatic restart must not need --overwrite
+            if self._stopped_before_first_save(artefacts):
                 if self.writer:
                     self._remove_run(artefacts, "no completed checkpoint to resume from, starting the run over")
                 return
@@ -314,6 +312,17 @@ class RunDirectory:
             log.warning("resuming %s with changes (checkpoint.allow_changes): %s", self.path, describe_changes(bound))
         if free:
             log.info("resuming %s with changed settings: %s", self.path, describe_changes(free))
+
+    def _stopped_before_first_save(self, artefacts: list[str]) -> bool:
+        """Whether ``output_dir`` holds a run killed before its first checkpoint, that this
+        config would train again: nothing to lose or mix (a run that ends saves a last step;
+        one that exported had one), and an automatic restart must not need --overwrite. A
+        run that saved no checkpoints on purpose (``checkpoint.enabled=false``) is not one."""
+        ck = self.config.checkpoint
+        if not (artefacts and ck.enabled and ck.resume) or "export" in artefacts:
+            return False
+        bound, free = saved_config_changes(self.path, self.config)
+        return not bound and all(key != "checkpoint.enabled" for key, _, _ in free)
 
     def _configs(self) -> list[str]:
         return sorted(name for name in (entry.name for entry in self.root.iterdir())
