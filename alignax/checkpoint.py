@@ -67,8 +67,17 @@ _CHUNK = 8 << 20  # bytes hashed at a time: checkpoint files can be gigabytes
 log = logging.getLogger("alignax")
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(ConfigError):
     """A checkpoint (a step, or the reference) whose files fail their digest or restore."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save that failed (a full disk, a lost bucket), asynchronous or not: the message
+    names the step and the folder it was being written to; :attr:`step` is that step."""
+
+    def __init__(self, step: int | None, path: str, cause: BaseException):
+        self.step = step
+        super().__init__(f"writing checkpoint step {step} to {path} failed ({type(cause).__name__}: {cause})")
 
 
 class CheckpointMismatchError(ConfigError):
@@ -219,6 +228,8 @@ class Checkpointer:
             registry.add(item, restore, handler)
         self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options, handler_registry=registry)
         self._undigested: set[int] = set()  # steps this object saved whose manifest is not written yet
+        self._writing: int | None = None  # the step of the save in flight (None: none, or it committed)
+        self._failed: CheckpointWriteError | None = None  # a failed save, once known: every later save raises it
         self.restored_step: int | None = None
 
     # ---- the frozen reference -------------------------------------------------------
@@ -269,18 +280,35 @@ class Checkpointer:
         """Start saving ``state`` (a pytree of arrays) and ``meta`` (JSON-able) at ``step``.
 
         The previous save is waited for (Orbax would wait for it anyway) so that its
-        digest manifest is written before the next one starts."""
+        digest manifest is written before the next one starts. A save that fails, now or
+        in the background, raises :class:`CheckpointWriteError` naming its own step (here,
+        or at the next :meth:`save`, :meth:`wait` or :meth:`check_for_errors`)."""
+        if self._failed is not None:
+            raise self._failed
         if self._undigested:
             self.wait()
         meta = dict(meta, reference=REFERENCE_DIR if self.has_reference() else None)
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=force,
-        )
+        self._writing = step
+        try:
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=force,
+            )
+        except Exception as err:
+            raise self._failure(err) from err
         if saved:
             self._undigested.add(step)
+        else:
+            self._writing = None
         return saved
+
+    def _failure(self, err: BaseException) -> CheckpointWriteError:
+        """The failed save's error (the first one: Orbax raises it again on every later call)."""
+        if self._failed is None:
+            where = self.step_path(self._writing) if self._writing is not None else self.directory
+            self._failed = CheckpointWriteError(self._writing, where, err)
+        return self._failed
 
     def _write_digests(self) -> None:
         """Write the manifest of every committed step this object saved (call once no save
@@ -431,16 +459,50 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every asynchronous save has committed, and write their digests."""
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise self._failure(err) from err
+        self._writing = None
         self._write_digests()
 
     def check_for_errors(self) -> None:
-        """Raise the error of an asynchronous save that has already failed (no waiting)."""
-        self._manager.check_for_errors()
+        """Raise the :class:`CheckpointWriteError` of a save that has already failed,
+        without waiting for one still writing.
+
+        Orbax's own ``check_for_errors`` cannot tell: its finalize thread consumes the
+        background error (and logs it) before a caller sees it. So a save in flight that
+        has ended is waited for here (at once), which raises its failure or writes its
+        digest. With several processes that is left to the next save or the end of the run:
+        Orbax's "in progress" flag is per process, and ``wait`` is a collective that every
+        process must reach at the same step."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self._manager.check_for_errors()
+        except Exception as err:
+            raise self._failure(err) from err
+        if self._writing is not None and jax.process_count() == 1 and not self._manager.is_saving_in_progress():
+            self.wait()
 
     def close(self) -> None:
-        self.wait()
-        self._manager.close()
+        """Wait for the saves in flight and release Orbax's threads. After a failed save
+        (already raised to the run) nothing is raised again: the run is stopping on it."""
+        if self._failed is None:
+            try:
+                self.wait()
+            except CheckpointWriteError:
+                self._close_after_failure()
+                raise
+            self._manager.close()
+        else:
+            self._close_after_failure()
+
+    def _close_after_failure(self) -> None:
+        try:
+            self._manager.close()  # joins the background threads, which re-raise the failure
+        except Exception as err:  # noqa: BLE001 - the failure is known and reported
+            log.debug("closing the checkpoint manager after a failed save: %s", err)
 
     def __enter__(self):
         return self

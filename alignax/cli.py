@@ -11,9 +11,12 @@ Every algorithm of ``alignax.trainers.api.ALGORITHMS`` supports all three.
 Exit status:
   0    done.
   2    an error the user can fix — a config key, value or combination, an override, a
-       missing or unreadable file, a bad data record, an output_dir that is in use or holds
-       another run, a corrupt checkpoint, a reward function that fails: one line naming
-       the key, file or spec (``--debug`` adds the traceback).
+       YAML syntax error, a mesh or placement the devices cannot hold, a missing or
+       unreadable file (a model folder, a corrupt config.json or Parquet file), a bad data
+       record, an output_dir that is in use or holds another run, a corrupt checkpoint, a
+       reward function or environment that fails, a job whose processes cannot gather:
+       one line naming the key, file or spec (``--debug`` or ``ALIGNAX_DEBUG=1`` adds the
+       traceback). Every such refusal is an ``alignax.config.ConfigError``.
   1    the run stopped itself (non-finite or stalled updates, a non-finite reward, a
        checkpoint that could not be written): one line saying why; or an internal error,
        with its traceback.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 
@@ -60,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="recipe YAML")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.add_argument("--debug", action="store_true", help="show the traceback of any error")
-    p.add_argument("--devices", type=int, default=None, help="devices (default: the product of mesh.shape, plus placement.submesh's)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices (default: the product of mesh.shape, plus placement.submesh's; with a -1 axis, "
+                        "one host of --device's kind, else this machine's)")
     p.add_argument("--device", default=None, help="device kind for memory and peak FLOPs: "
                    "h100, h200, a100, v4, v5e, v5p, v6e")
     p.add_argument("--device-memory", type=float, default=None, help="GB per device (overrides --device's)")
@@ -87,15 +93,10 @@ def _flag_overrides(args) -> list[str]:
     return flags
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors a user fixes by changing a config, a file or a command (exit 2)."""
-    from alignax.checkpoint import CorruptCheckpointError
-    from alignax.data.sources import BadRecordError
-    from alignax.rewards.composite import RewardFunctionError
-    from alignax.trainers.engine.rundir import RunDirectoryError
-
-    return (ConfigError, RunDirectoryError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            PermissionError, BadRecordError, CorruptCheckpointError, RewardFunctionError)
+# Errors a user fixes by changing a config, a file or a command (exit 2): every refusal of
+# user input is a ConfigError (a run directory, a data record, a checkpoint... subclass it);
+# the OS's own errors for a path the user named are the rest.
+_USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 def _stopped_errors() -> tuple[type[BaseException], ...]:
@@ -128,19 +129,47 @@ def _run(args) -> int:
     return 0
 
 
+# Devices of one host of each --device kind: what `estimate` assumes for a mesh with a -1
+# axis when --devices is not given (an 8-GPU node; a TPU VM host).
+_HOST_DEVICES = {"h100": 8, "h200": 8, "a100": 8, "v4": 4, "v5e": 8, "v5p": 4, "v6e": 8}
+
+
+def _estimate_mesh(args, config) -> tuple[tuple[int, int, int], int]:
+    """``(mesh, devices)`` of ``alignax estimate``'s flags, each flag checked in one line."""
+    mesh: tuple[int, ...] = tuple(config.mesh.shape)
+    if args.mesh is not None:
+        try:
+            mesh = tuple(int(x) for x in args.mesh.split(","))
+        except ValueError:
+            mesh = ()
+        if len(mesh) != 3 or any(x < 1 and x != -1 for x in mesh):
+            raise ConfigError(f"--mesh {args.mesh!r}: expected three sizes data,fsdp,tensor, each a positive "
+                              "integer or one -1 (e.g. 1,8,1)")
+    if args.devices is not None and args.devices < 1:
+        raise ConfigError(f"--devices {args.devices}: expected a positive number of devices")
+    devices = args.devices
+    if devices is None and -1 not in mesh:  # the mesh's, and a sub-mesh's set apart for frozen models
+        devices = mesh[0] * mesh[1] * mesh[2] + config.placement.devices_apart
+    elif devices is None:  # a -1 axis takes what there is: one host of the named kind, or this machine
+        import jax
+
+        devices = _HOST_DEVICES[args.device] if args.device is not None else jax.device_count()
+        where = f"one {args.device} host" if args.device is not None else "this machine"
+        print(f"alignax: mesh {list(mesh)} has a -1 axis; assuming the {devices} devices of {where} "
+              "(--devices N to choose)", file=sys.stderr)
+    return mesh, devices
+
+
 def _estimate(args, config) -> int:
     from alignax import estimate as est
 
-    mesh = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else tuple(config.mesh.shape)
-    if len(mesh) != 3:
-        raise ConfigError(f"--mesh {args.mesh!r}: expected data,fsdp,tensor")
-    devices = args.devices
-    if devices is None:  # the mesh's, and a sub-mesh's set apart for frozen models
-        if -1 in mesh:
-            raise ConfigError(f"mesh {list(mesh)} has a -1 axis: give --devices")
-        devices = mesh[0] * mesh[1] * mesh[2] + config.placement.devices_apart
     if args.device is not None and args.device not in est.PEAK_FLOPS:
         raise ConfigError(f"--device {args.device!r}: known: {', '.join(est.PEAK_FLOPS)}")
+    if args.device_memory is not None and not args.device_memory > 0:
+        raise ConfigError(f"--device-memory {args.device_memory:g}: expected a positive number of GB per device")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu {args.mfu:g}: expected a fraction in (0, 1]")
+    mesh, devices = _estimate_mesh(args, config)
     memory = args.device_memory if args.device_memory is not None else est.DEVICE_MEMORY.get(args.device)
     try:
         model = est.model_config_for(config, args.model)
@@ -163,24 +192,33 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
+    args.debug = args.debug or os.environ.get("ALIGNAX_DEBUG", "") not in ("", "0")
+    if not args.debug:
+        logging.getLogger("absl").addFilter(_without_traceback)
     try:
         return _run(args)
-    except ConfigError as err:
-        _report(args, "config error", err)
-        return 2
-    except _user_errors() as err:
-        _report(args, "error", err)
+    except _USER_ERRORS as err:
+        _report(args, "config error" if type(err) is ConfigError else "error", err)
         return 2
     except _stopped_errors() as err:
         _report(args, "run stopped", err)
         return 1
 
 
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """Orbax logs a failed background save (a full disk) with a traceback from each thread
+    it crosses; the run's own error says it in one line, so their records keep one line too."""
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return True
+
+
 def _report(args, kind: str, err: BaseException) -> None:
+    """One line on stderr (a multi-line message joined), or the traceback with ``--debug``."""
     if args.debug:
         traceback.print_exception(err)
     hint = "" if args.debug else " (--debug shows the traceback)"
-    print(f"alignax: {kind}: {err}{hint}", file=sys.stderr)
+    message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    print(f"alignax: {kind}: {message}{hint}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,11 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A config key or value is wrong; the message names the dotted path."""
+    """A config key or value is wrong; the message names the dotted path.
+
+    The base of every refusal of user input (a run directory, a data record, a checkpoint,
+    a model folder, a reward function's spec...): ``alignax`` prints any of them as one
+    line and exits 2 (``alignax.cli``)."""
 
     def __init__(self, message: str, *, reason: str | None = None):
         super().__init__(message)
@@ -382,7 +386,12 @@ def _deep_copy(data: Any) -> Any:
 def load_yaml(path: str) -> dict[str, Any]:
     """The mapping in a YAML file (read with :class:`YamlLoader`: ``1e-3`` is a float)."""
     with open(path, encoding="utf-8") as f:
-        data = yaml_load(f)
+        try:
+            data = yaml_load(f)
+        except yaml.YAMLError as err:  # a syntax error: where it is, not a parser traceback
+            mark = getattr(err, "problem_mark", None)
+            where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+            raise ConfigError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or err})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

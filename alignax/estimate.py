@@ -700,7 +700,8 @@ def model_config_for(config, model: str | Mapping[str, Any] | None = None) -> Mo
         return ModelConfig.from_hf_config(MODEL_PRESETS[model], **policy)
     if isinstance(model, Mapping):
         return ModelConfig.from_hf_config(model, **policy)
-    from alignax.trainers.engine.setup import _read_hf_config, model_directory
+    from alignax.models.hf import read_config
+    from alignax.trainers.engine.setup import model_directory
 
-    hf = _read_hf_config(model_directory(config.model))
+    hf = read_config(model_directory(config.model), name=config.model.name)
     return ModelConfig.from_hf_config({**hf, **(config.model.random_init or {})}, **policy)

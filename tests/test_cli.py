@@ -87,6 +87,58 @@ def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path, toy_model, cap
     assert os.listdir(tmp_path / "run" / "tensorboard")  # event files written
 
 
+def test_kill_9_before_the_first_checkpoint_restarts_with_the_same_command(tmp_path, toy_model, capsys, caplog):
+    """kill -9 before any checkpoint leaves config.yaml, metrics and a lock of a dead
+    process: the rerun starts the run over instead of asking for --overwrite (which an
+    automatic restart loop never passes)."""
+    recipe = write_recipe(tmp_path, toy_model, total_steps=100_000, save_every=0)
+    quiet = ("optim.schedule=constant", "logging.console=false", "logging.tensorboard=false")
+    proc = alignax("train", str(recipe), *quiet)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and any(r.get("step", 0) >= 2 and "loss" in r for r in read_jsonl(str(metrics)))):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.kill()
+    proc.communicate(timeout=60)
+    run = tmp_path / "run"
+    assert {"config.yaml", ".alignax.lock", "metrics.jsonl"} <= set(os.listdir(run))
+    assert not [d for d in os.listdir(run / "checkpoints") if d.isdigit()]
+    # the same run (a shorter one: under a constant schedule the length is not what is trained)
+    code, err = run_cli(capsys, "train", str(recipe), *quiet, "train.total_steps=3")
+    assert code == 0, err[-3000:]
+    assert "no completed checkpoint to resume from, starting the run over" in caplog.text
+    assert [r["step"] for r in read_jsonl(str(metrics)) if "loss" in r] == [1, 2, 3]  # from scratch, once
+
+
+def test_a_full_disk_stops_the_run_in_one_line_exit_1(tmp_path, toy_model, capsys, caplog, monkeypatch):
+    """The second checkpoint cannot be written (ENOSPC raised by Orbax's JSON writer in its
+    background thread, as in tests/test_train_loop.py): exit 1 and one line naming the step,
+    its folder and the last good step; Orbax's own error records lose their tracebacks
+    (kept with --debug)."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+    write = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+    saves = []
+
+    async def full_disk(self, item, directory):
+        saves.append(directory)
+        if len(saves) >= 2:
+            raise OSError(28, "No space left on device", str(directory / "metadata"))
+        return await write(self, item, directory)
+
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", full_disk)
+    recipe = write_recipe(tmp_path, toy_model, total_steps=6, save_every=1)
+    code, err = run_cli(capsys, "train", str(recipe), "logging.console=false", "logging.tensorboard=false")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    assert err.startswith(f"alignax: run stopped: writing checkpoint step 2 to {checkpoints / '2'} failed (OSError: "
+                          "[Errno 28] No space left on device")
+    assert f"the last complete checkpoint is step 1 ({checkpoints / '1'})" in err and len(err.splitlines()) == 1
+    absl = [r for r in caplog.records if r.name == "absl" and r.levelname == "ERROR"]
+    assert absl and not any(r.exc_info for r in absl)
+
+
 def run_cli(capsys, *args):
     """``alignax ARGS`` in this process (faster than a subprocess): (exit status, stderr)."""
     from alignax import cli

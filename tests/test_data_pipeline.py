@@ -192,7 +192,7 @@ def test_restore_from_state_continues_identically(tok, prompt_file):
 def test_state_of_another_dataset_is_rejected(tok, prompt_file):
     state = build_dataset(_config(prompt_file, seed=1), tok, process_index=0, process_count=1).get_state()
     it = build_dataset(_config(prompt_file, seed=2), tok, process_index=0, process_count=1)
-    with pytest.raises(ValueError, match="does not match this dataset \\(seed: saved 1, now 2\\)"):
+    with pytest.raises(ValueError, match="into another dataset than this config reads \\(seed: saved 1, now 2\\)"):
         it.set_state(state)
 
 

@@ -13,6 +13,10 @@ import pytest
 from flax import nnx
 
 from alignax import models
+from alignax.config import ConfigError
+from alignax.envs.base import EnvError
+from alignax.envs.calculator import CalculatorEnv
+from alignax.envs.registry import env_spec
 from alignax.envs import rollout
 from alignax.envs.rollout import EnvSampler, trajectory_figures
 from alignax.models import positions_from_mask
@@ -191,6 +195,31 @@ def test_each_end_reason_is_clean_and_counted(agent, case):
         assert groups.stopped[ended > 0].all()
     if case == "env_error":  # the first step's reward is kept, the trajectory ends at the raise
         assert np.all(groups.trajectory["turns"][ended > 0] == 2)
+
+
+class ResetBreakingEnv(ChattyEnv):
+    """Raises in reset (a user's environment that cannot start a conversation)."""
+
+    def reset(self, record):
+        raise KeyError("question")
+
+
+class SilentEnv(ChattyEnv):
+    def reset(self, record):
+        return "what is two plus two"  # a string, not a list of messages
+
+
+def test_an_environment_whose_reset_fails_is_named_with_its_record(agent):
+    """reset raising (or returning no conversation) cannot be skipped like a failed step:
+    the error names env.name as a user writes it and the record, with the cause chained."""
+    with pytest.raises(EnvError, match=r"env.name='tests.test_multiturn:ResetBreakingEnv': reset\(record 0\) raised "
+                                       r"KeyError: 'question'") as info:
+        sampler(agent, ResetBreakingEnv).sample(agent["state"], {"references": lookup_records(2)}, jax.random.key(0))
+    assert isinstance(info.value.__cause__, KeyError) and isinstance(info.value, ConfigError)
+    with pytest.raises(EnvError, match=r"env.name='tests.test_multiturn:SilentEnv': reset\(record 0\) must return a "
+                                       r"list of chat messages; got str"):
+        sampler(agent, SilentEnv).sample(agent["state"], {"references": lookup_records(2)}, jax.random.key(0))
+    assert env_spec(CalculatorEnv()) == "calculator"  # a built-in by its name
 
 
 def test_a_records_trajectories_share_one_prompt_prefill(agent, chatty):

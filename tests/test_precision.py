@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import gc
+import json
 
 import jax
 import jax.numpy as jnp
@@ -351,6 +352,23 @@ def test_a_bfloat16_run_resumes_bit_for_bit_and_exports_its_master(tmp_path, toy
         np.testing.assert_array_equal(bf16[name], rounded[name], err_msg=name)
         moved += int(np.sum(value != np.asarray(rounded[name], np.float32)))
     assert moved > 0  # the master holds what its bfloat16 rounding lost
+    # config.json says what was written: the float32 master of a bfloat16 run, or --dtype's
+    assert [json.loads((tmp_path / d / "config.json").read_text())["dtype"] for d in ("export", "export-bf16")] \
+        == ["float32", "bfloat16"]
+
+
+def test_config_json_names_the_dtype_of_the_weights_written(toy_model, tmp_path):
+    """`alignax export --dtype bfloat16` of a float32 run wrote bfloat16 weights under a
+    config.json saying float32 (the dtype the model was built with): loaders that follow
+    config.json (transformers' dtype="auto") then upcast, or mislabel, the checkpoint."""
+    from alignax.models import from_pretrained, read_hf_tensors, save_pretrained
+
+    model = from_pretrained(toy_model)
+    assert model.config.param_dtype == "float32"
+    nnx.update(model, cast_floating(nnx.state(model, nnx.Param), "bfloat16"))  # what export --dtype does
+    save_pretrained(model, tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {str(v.dtype) for v in read_hf_tensors(tmp_path / "bf16").values()} == {"bfloat16"}
 
 
 # ---------------------------------------------------------------------------- the initial params are let go

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from alignax.config import ConfigError, apply_overrides
-from alignax.rewards.composite import RewardConfig, RewardFunctionError, RewardScorer
+from alignax.rewards.composite import RewardConfig, RewardFunctionError, RewardScorer, _reward_values
 from alignax.trainers.api import load_config
 
 GRPO = {"algorithm": "grpo", "data": {"format": "prompt"}}
@@ -272,9 +272,28 @@ def test_a_reward_function_that_raises_names_entry_completion_and_exception():
     message = str(info.value)
     assert message.startswith(f"rewards.functions entry '{spec}' raised KeyError: 'no score for this' on "
                               "completion 2 (of 4); completion starts 'then boom, it broke x")
-    assert isinstance(info.value, RuntimeError) and isinstance(info.value.__cause__, KeyError)
+    assert isinstance(info.value, ConfigError) and isinstance(info.value.__cause__, KeyError)
     total, parts = _score(RewardConfig(verifier_weight=0.0, functions={spec: 1.0}), completions[:2], [{}] * 2)
     np.testing.assert_array_equal(total, [1, 1])
+
+
+def text_reward(completions, references):
+    del references
+    return ["1.0" if "yes" in c else "0.0" for c in completions]
+
+
+def test_a_reward_function_returning_other_than_numbers_names_its_entry():
+    """Strings (even numeric ones), None, or another count: the entry is named, not a bare
+    NumPy conversion error."""
+    spec = "tests.test_preflight:text_reward"
+    with pytest.raises(RewardFunctionError, match=rf"rewards.functions entry '{spec}' returned list of str "
+                                                  r"\(first: '0.0'\); expected 2 numbers"):
+        _score(RewardConfig(verifier_weight=0.0, functions={spec: 1.0}), ["no", "yes"], [{}] * 2)
+    for returned, message in (([None, 1.0], "returned list of NoneType"), ([1.0], r"returned shape \(1,\)"),
+                              ([[1.0], [2.0, 3.0]], "returned a ragged list")):
+        with pytest.raises(RewardFunctionError, match=message):
+            _reward_values("my.rewards:score", returned, 2)
+    np.testing.assert_array_equal(_reward_values("my.rewards:score", [True, 0.5], 2), [1.0, 0.5])
 
 
 def test_a_reward_function_failing_only_on_the_batch_says_so():

@@ -90,11 +90,40 @@ def test_resume_false_on_a_directory_with_checkpoints_is_refused_unless_overwrit
     assert "removing the earlier run" in caplog.text
 
 
-def test_leftovers_without_a_checkpoint_need_overwrite(tmp_path):
+def test_leftovers_without_a_checkpoint_start_over_with_the_same_config_only(tmp_path, caplog):
+    """A run killed before its first save left its config and metrics: the same config
+    starts it over (an automatic restart needs no --overwrite); another config, or a run
+    with checkpoints off or resume off, is refused as before (its files could be a
+    finished run's). The real kill -9 is tests/test_cli.py's."""
     fake_run(make_config(tmp_path), steps=())
-    with pytest.raises(RunDirectoryError, match=r"\(metrics.jsonl\) and there is no checkpoint to resume from"):
-        with claim(make_config(tmp_path)):
+    for other in (make_config(tmp_path, extra={"optim": {"learning_rate": 1e-3}}), make_config(tmp_path, resume=False),
+                  make_config(tmp_path, enabled=False)):
+        with pytest.raises(RunDirectoryError, match=r"\(metrics.jsonl\) and .*--overwrite"):
+            with claim(other):
+                pass
+    with claim(make_config(tmp_path)):
+        assert sorted(os.listdir(tmp_path / "run")) == [rundir.LOCK_NAME]  # the dead run's files replaced
+    assert "no completed checkpoint to resume from, starting the run over" in caplog.text
+    # a finished run that saved no checkpoints on purpose is not a killed one: its files stay
+    fake_run(make_config(tmp_path / "off", enabled=False), steps=())
+    with pytest.raises(RunDirectoryError, match=r"\(metrics.jsonl\) and .*--overwrite"):
+        with claim(make_config(tmp_path / "off")):
             pass
+    assert (tmp_path / "off" / "run" / "metrics.jsonl").exists()
+
+
+def test_allow_changes_does_not_pass_a_change_of_the_data_position(tmp_path):
+    """The checkpoint's data position counts batches of data.batch_size into the dataset of
+    data.paths/seed/...: --allow-changes used to accept a batch-size change that then failed
+    the resume in the data iterator with a traceback; it is refused at start, naming the key."""
+    fake_run(make_config(tmp_path))
+    for section, key, value in (("data", "batch_size", 4), ("data", "seed", 3), ("data", "paths", ["other.jsonl"])):
+        changed = make_config(tmp_path, allow_changes=True, extra={section: {key: value}})
+        with pytest.raises(RunDirectoryError, match=rf"with data\.{key}: .* not even with --allow-changes"):
+            with claim(changed):
+                pass
+    with claim(make_config(tmp_path, allow_changes=True, extra={"optim": {"learning_rate": 1e-3}})):
+        pass  # what is trained may still change when allowed
 
 
 def test_resume_with_changes_names_them_and_needs_allow_changes(tmp_path, caplog):

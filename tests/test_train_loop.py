@@ -4,8 +4,10 @@ Model-free on purpose: what is checked here is accumulation, the non-finite guar
 checkpoint/resume and SIGTERM handling, independent of any decoder.
 """
 
+import errno
 import os
 import signal
+import time
 
 import jax
 import jax.numpy as jnp
@@ -242,6 +244,7 @@ def test_a_stalled_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_a_failed_save_stops_the_run_at_once(tmp_path, monkeypatch):
+    """A save that fails when it starts (here Checkpointer.save raising ENOSPC itself)."""
     def disk_full(self, *args, **kwargs):
         raise OSError(28, "No space left on device")
 
@@ -250,6 +253,51 @@ def test_a_failed_save_stops_the_run_at_once(tmp_path, monkeypatch):
     with pytest.raises(CheckpointSaveError, match="step 2 .*No space left on device"):
         run(tmp_path, 20, batches, save_every=2)
     assert batches.position == 2  # stopped at the failed save, not trained on
+
+
+def test_a_save_failing_in_the_background_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
+    """The disk fills while a checkpoint is written asynchronously. Simulated: from the third
+    save on, Orbax's writer of the JSON item raises ENOSPC inside its background commit
+    thread, the path a real full disk takes (the arrays are written by tensorstore's C++,
+    which cannot be patched). It used to be noticed only at the next save, naming that step,
+    with orbax's exit-time tracebacks after; now the run stops at the first step boundary
+    after the failure, naming the step that failed, its folder, and the last good step, which
+    stays intact and resumes."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+    write = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+    saves = []
+
+    async def full_disk(self, item, directory):
+        saves.append(directory)
+        if len(saves) >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory / "metadata"))
+        return await write(self, item, directory)
+
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", full_disk)
+    opt = optax.adam(0.05)
+    inner = jax.jit(make_train_step(loss_fn, opt, normalisers_fn=normalisers_fn))
+
+    def slow_step(state, frozen, batch):  # slower than a toy save: the failure is known before step 12
+        time.sleep(0.3)
+        return inner(state, frozen, batch)
+
+    batches = ToyBatches()
+    with pytest.raises(CheckpointSaveError) as info:
+        run(tmp_path, 30, batches, save_every=3, opt=opt, step=slow_step)
+    message = str(info.value)
+    assert message.startswith(f"writing checkpoint step 9 to {tmp_path / 'ckpt' / '9'} failed (OSError: [Errno 28] "
+                              "No space left on device")
+    assert f"the last complete checkpoint is step 6 ({tmp_path / 'ckpt' / '6'})" in message
+    # at once: at the save itself when the write failed that fast, else at the first step after;
+    # not trained on to the next save (step 12), where the failure used to surface
+    assert 9 <= batches.position < 12
+    assert f"the run stops at step {batches.position} " in message
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", write)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:  # the half-written step 9 is cleared away
+        assert ckpt.all_steps() == [3, 6] and sorted(os.listdir(tmp_path / "ckpt")) == ["3", "6"]
+        state, meta = ckpt.restore(fresh_state(opt))
+    assert int(state.step) == 6 and meta["data"] == {"position": 6}
 
 
 def test_a_step_that_raises_saves_the_state_before_it(tmp_path):

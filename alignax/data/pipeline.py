@@ -69,6 +69,7 @@ import grain
 import numpy as np
 
 from alignax import paths
+from alignax.config import ConfigError
 from alignax.data.formats import FORMATS, TRUNCATIONS, Encoder
 from alignax.data.sources import BadRecordError, ConcatSource, ListSource, open_source
 
@@ -596,7 +597,10 @@ class DataIterator:
             diff = ", ".join(
                 f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in mine if saved.get(k) != mine.get(k)
             )
-            raise ValueError(f"data iterator state does not match this dataset ({diff})")
+            raise ConfigError(f"the checkpoint's data position is into another dataset than this config reads "
+                              f"({diff}): a resumed run must read the same data (data.paths, the data.* keys "
+                              "that filter records, data.batch_size); undo the change, or start over with "
+                              "--overwrite")
         self._iterator.set_state({"next_index": int(state["next_index"])})
 
 

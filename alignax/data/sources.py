@@ -34,10 +34,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from alignax.config import ConfigError
+
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class BadRecordError(ValueError):
+class BadRecordError(ConfigError):
     """A record that cannot be used: where it is, which field, and why.
 
     ``reason`` is a short key used to count skips (``malformed``, ``not_utf8``,
@@ -50,6 +52,7 @@ class BadRecordError(ValueError):
         self.detail = message
         self.where = where
         super().__init__(self._text())
+        self.reason = reason  # ConfigError's initialiser set its own (None)
 
     def _text(self) -> str:
         parts = [self.where] if self.where else []
@@ -230,7 +233,12 @@ class ConcatSource:
 
 def _open_file(path: str, name: str):
     if path.endswith(".parquet"):
-        return ArrowTableSource(pq.read_table(path, memory_map=True), name)
+        try:
+            table = pq.read_table(path, memory_map=True)
+        except (pa.ArrowException, OSError) as e:  # pyarrow's own errors, raised on a truncated or foreign file
+            raise BadRecordError("malformed", None, f"not a readable Parquet file ({' '.join(str(e).split())})",
+                                 name) from None
+        return ArrowTableSource(table, name)
     if path.endswith(".json"):
         with open(path, "rb") as f:
             head = f.read(4096).lstrip()
@@ -248,7 +256,7 @@ def _open_file(path: str, name: str):
             return ListSource(records, name, unit="item")
     if path.endswith((".jsonl", ".json")):
         return JsonlSource(path, name)
-    raise ValueError(f"unsupported data file {name!r}; expected one of {', '.join(DATA_FILE_SUFFIXES)}")
+    raise ConfigError(f"unsupported data file {name!r}; expected one of {', '.join(DATA_FILE_SUFFIXES)}")
 
 
 def _read_arrow_stream(path: str) -> pa.Table:

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from alignax.config import ConfigError
+
 Message = dict[str, Any]
 
 # Per-step counts an environment may report in ``info``; the rollout sums them per trajectory.
@@ -48,6 +50,13 @@ class Environment(Protocol):
 
     def step(self, assistant_message: Message) -> tuple[list[Message], float, bool, dict[str, Any]]:
         ...
+
+
+class EnvError(ConfigError):
+    """An environment's ``reset`` raised, or returned what is not a conversation: the run
+    cannot build that record's prompt. The message names ``env.name`` and the record; the
+    environment's exception is chained (``__cause__``). (A failing ``step`` only ends its
+    trajectory: ``env_error``.)"""
 
 
 def check_messages(messages: Any, *, where: str) -> list[Message]:

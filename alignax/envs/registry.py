@@ -14,6 +14,13 @@ from alignax.envs.feedback import RetryEnv
 ENVIRONMENTS: dict[str, type] = {"calculator": CalculatorEnv, "retry": RetryEnv}
 
 
+def env_spec(env: Any) -> str:
+    """The ``env.name`` that builds ``env``'s class: a built-in's name, else ``package.module:Class``."""
+    cls = type(env)
+    builtin = [name for name, known in ENVIRONMENTS.items() if known is cls]
+    return builtin[0] if builtin else f"{cls.__module__}:{cls.__qualname__}"
+
+
 def env_factory(name: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[], Environment]:
     """A callable making a fresh environment per trajectory: ``ENVIRONMENTS[name](**kwargs)``
     or the class ``"package.module:Class"`` names. One instance is built here, so bad

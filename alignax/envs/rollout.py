@@ -49,8 +49,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from alignax.envs.base import INFO_COUNTS, check_messages
+from alignax.envs.base import INFO_COUNTS, EnvError, check_messages
 from alignax.envs.chat import observation_text, render
+from alignax.envs.registry import env_spec
 from alignax.parallel.multihost import allgather_rows, local_rows
 from alignax.sampling.multiturn import generate_turn, turn_cache_length
 from alignax.sampling.sampler import SamplingConfig
@@ -113,7 +114,15 @@ class EnvSampler:
         self.eos = tokenizer.eos_token_id
 
     def _prompt(self, row: _Row, record: Mapping[str, Any], index: int) -> list[int]:
-        messages = check_messages(row.env.reset(record), where=f"{type(row.env).__name__}.reset (record {index})")
+        where = f"env.name={env_spec(row.env)!r}: reset(record {index})"
+        try:
+            returned = row.env.reset(record)
+        except Exception as err:  # the environment's own code: name it, its record and what it raised
+            raise EnvError(f"{where} raised {type(err).__name__}: {err}") from err
+        try:
+            messages = check_messages(returned, where=where)
+        except TypeError as err:
+            raise EnvError(str(err)) from None
         row.history = messages
         ids = list(self.tokenizer.encode(render(self.tokenizer, messages, row.env.tools, add_generation_prompt=True),
                                          add_special_tokens=False))
@@ -137,8 +146,8 @@ class EnvSampler:
             info = dict(info or {})
         except Exception as err:  # a broken environment ends this trajectory, not the run
             row.env_s += time.perf_counter() - start
-            log.warning("environment %s failed on a turn, the trajectory ends (env_error): %s: %s",
-                        type(row.env).__name__, type(err).__name__, err)
+            log.warning("environment env.name=%r failed on a turn, the trajectory ends (env_error): %s: %s",
+                        env_spec(row.env), type(err).__name__, err)
             row.ended = "env_error"
             return None
         row.env_s += time.perf_counter() - start

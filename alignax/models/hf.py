@@ -32,6 +32,7 @@ from flax import nnx
 
 from alignax import paths
 from alignax._checks import check_choice
+from alignax.config import ConfigError
 from alignax.models.config import ModelConfig
 from alignax.models.lora import merge_adapters
 from alignax.models.modeling import MODEL_KINDS, PolicyValueModel
@@ -306,15 +307,25 @@ def from_hf_state_dict(
     return nnx.merge(graphdef, state)
 
 
-def _read_config(path: str) -> dict[str, Any]:
+def read_config(path: str, *, name: str | None = None) -> dict[str, Any]:
+    """The ``config.json`` dict of the model folder ``path``. A missing file is a
+    ``FileNotFoundError``; an unreadable or non-JSON one a :class:`~alignax.config.ConfigError`;
+    both name the file and, when ``name`` is given, the ``model.name`` it was found through."""
     cfg_path = os.path.join(path, "config.json")
+    where = f"model.name={name}: " if name is not None else ""
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"no config.json in {path}")
+        raise FileNotFoundError(f"{where}no config.json in the model folder {path}")
     try:
-        with open(cfg_path) as f:
-            return json.load(f)
+        with open(cfg_path, encoding="utf-8") as f:
+            config = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+        raise ConfigError(f"{where}{cfg_path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}); "
+                          "restore it from the model's source, or re-export the model") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}{cfg_path} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}{cfg_path} holds a JSON {type(config).__name__}, not an object of model fields")
+    return config
 
 
 def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -351,7 +362,7 @@ def from_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", **kwarg
     :func:`save_pretrained`) supplies the value head.
     """
     path = paths.staged(path, key="model folder")  # a URI is read from a local copy
-    hf_config = _read_config(path)
+    hf_config = read_config(path)
     tensors = read_hf_tensors(path)
     if kind == "policy_value" and os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)):
         tensors = {**tensors, **read_safetensors(os.path.join(path, VALUE_HEAD_FILE))}
@@ -359,6 +370,15 @@ def from_pretrained(path: str | os.PathLike, *, kind: str = "causal_lm", **kwarg
 
 
 # ------------------------------------------------------------------------------ saving
+
+
+def _written_dtype(tensors: Mapping[str, np.ndarray], *, default: str | None) -> str | None:
+    """The floating dtype holding most of ``tensors``' elements (config.json's ``dtype``)."""
+    counts: dict[str, int] = {}
+    for value in tensors.values():
+        if jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+            counts[str(value.dtype)] = counts.get(str(value.dtype), 0) + value.size
+    return max(counts, key=counts.get) if counts else default
 
 
 def to_hf_state_dict(model) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -388,6 +408,9 @@ def to_hf_state_dict(model) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         tensors[e.hf] = out
     arch = "sequence_classification" if kind in ("reward", "value") else "causal_lm"
     hf_config = c.to_hf_config(architecture=arch)
+    # the dtype of the weights as written, not the one the model was built with: params cast
+    # for export (`alignax export --dtype`), or a bfloat16 run's float32 master, differ from it
+    hf_config["dtype"] = _written_dtype(tensors, default=hf_config.get("dtype"))
     if arch == "sequence_classification" and hf_config.get("pad_token_id") is None:
         eos = c.eos_token_id[0] if isinstance(c.eos_token_id, tuple) else c.eos_token_id
         hf_config["pad_token_id"] = eos if eos is not None else 0

@@ -12,7 +12,11 @@ the same figures; process 0 alone writes files (:func:`is_writer`).
 Joining: :func:`initialize` calls ``jax.distributed.initialize`` once, before anything
 touches a JAX backend, from the ``distributed`` config section or from the environment
 (TPU VMs, SLURM, and ``JAX_COORDINATOR_ADDRESS``, as ``jax.distributed.initialize()``
-detects them). One process is the default and needs nothing.
+detects them). One process is the default and needs nothing. A process that has not
+joined within ``distributed.initialization_timeout_s`` (a coordinator that does not
+answer, a process never started) exits with status 2 and one line naming the
+coordinator, its process id and the timeout, before jax's own deadline would end it
+natively (SIGABRT and a C++ stack).
 
 Leaving: a process that :func:`initialize` joined to a job leaves it with :func:`leave`, run
 at interpreter exit (before jax's own exit-time clean-up) and callable earlier: a barrier
@@ -30,6 +34,9 @@ import dataclasses
 import logging
 import math
 import os
+import socket
+import sys
+import threading
 import time
 from typing import Any
 
@@ -57,6 +64,9 @@ class DistributedConfig:
         where jaxlib was built with it).
       initialization_timeout_s: how long to wait for every process to join, and at the
         end for every process to finish (:func:`leave`).
+      shutdown_timeout_s: after SIGTERM or SIGINT reaches any process of the job, how long
+        each process has to save the checkpoint with the others and leave; past it the
+        process exits at once with status 143 (130) (see docs/reliability.md).
     """
 
     coordinator: str | None = None
@@ -65,6 +75,7 @@ class DistributedConfig:
     local_device_ids: tuple[int, ...] | None = None
     cpu_collectives: str = "gloo"
     initialization_timeout_s: int = 300
+    shutdown_timeout_s: int = 120
 
     def __post_init__(self):
         if self.num_processes is not None and self.num_processes < 1:
@@ -73,6 +84,8 @@ class DistributedConfig:
                 and not 0 <= self.process_id < self.num_processes):
             raise ValueError(f"distributed.process_id={self.process_id} is not in [0, distributed.num_processes="
                              f"{self.num_processes})")
+        if self.shutdown_timeout_s <= 0:
+            raise ValueError(f"distributed.shutdown_timeout_s must be > 0 seconds; got {self.shutdown_timeout_s}")
         if self.cpu_collectives not in ("gloo", "mpi"):
             raise ValueError(f"distributed.cpu_collectives: {self.cpu_collectives!r} is not one of 'gloo', 'mpi'")
 
@@ -114,18 +127,57 @@ def initialize(config: DistributedConfig | None) -> bool:
     if not explicit and not _cluster_detected():
         return False
     jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
-    kwargs: dict[str, Any] = {"initialization_timeout": config.initialization_timeout_s}
+    timeout = config.initialization_timeout_s
+    # jax's own deadline comes later than ours: when it passes, its coordination client ends the
+    # process natively (SIGABRT, a C++ stack); the watchdog below ends it first, in one line
+    kwargs: dict[str, Any] = {"initialization_timeout": timeout + max(30, timeout // 10)}
     if explicit:
         kwargs.update(coordinator_address=config.coordinator, num_processes=config.num_processes,
                       process_id=config.process_id)
     if config.local_device_ids is not None:
         kwargs["local_device_ids"] = list(config.local_device_ids)
-    jax.distributed.initialize(**kwargs)
+    watchdog = threading.Timer(timeout, _join_failed, args=(config,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(**kwargs)
+    finally:
+        watchdog.cancel()
     _joined["timeout_s"] = config.initialization_timeout_s
     atexit.register(leave)  # after jax's exit-time clean-up was registered (at import), so it runs before it
     log.info("joined a %d-process job as process %d (%d local devices of %d)", jax.process_count(),
              jax.process_index(), jax.local_device_count(), jax.device_count())
     return True
+
+
+def _coordinator_answers(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _join_failed(config: DistributedConfig) -> None:
+    """End this process, in one line and with status 2, when it has not joined the job
+    within ``distributed.initialization_timeout_s`` (run by :func:`initialize`'s watchdog
+    while ``jax.distributed.initialize`` still waits; the main thread cannot be woken)."""
+    coordinator = config.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or "(from the environment)"
+    process = "?" if config.process_id is None else config.process_id
+    count = "?" if config.num_processes is None else config.num_processes
+    if process == 0:
+        why = f"not all {count} processes joined; start the others with distributed.coordinator={coordinator}"
+    elif _coordinator_answers(coordinator):
+        why = f"the coordinator answers but not all {count} processes joined; start every process of the job"
+    else:
+        why = (f"nothing answers at {coordinator}: start process 0 there, or correct distributed.coordinator "
+               "(host:port of process 0)")
+    print(f"alignax: error: process {process} of {count} could not join the job at coordinator {coordinator} within "
+          f"{config.initialization_timeout_s} s (distributed.initialization_timeout_s): {why}", file=sys.stderr,
+          flush=True)
+    logging.shutdown()
+    os._exit(2)
 
 
 def leave() -> None:

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from alignax.config import ConfigError
 from alignax.parallel.multihost import local_rows, place_rows
 
 Where = Literal["device", "host"]
@@ -137,7 +138,7 @@ def split_devices(config: PlacementConfig, devices: Sequence[jax.Device] | None 
     processes = sorted({d.process_index for d in devices})
     local = [[d for d in devices if d.process_index == p] for p in processes]
     if size % len(processes) or size // len(processes) >= min(len(ds) for ds in local):
-        raise ValueError(f"placement.submesh={list(shape)} sets {size} devices apart, the same number from each of "
+        raise ConfigError(f"placement.submesh={list(shape)} sets {size} devices apart, the same number from each of "
                          f"the {len(processes)} processes, each keeping at least one for training; the processes "
                          f"have {[len(ds) for ds in local]} devices")
     per = size // len(processes)

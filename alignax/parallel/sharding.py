@@ -37,6 +37,8 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from alignax.config import ConfigError
+
 log = logging.getLogger("alignax")
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -103,18 +105,18 @@ def _complete_shape(shape: Sequence[int] | None, axis_names: tuple[str, ...], n:
             shape = (n,) + (1,) * (len(axis_names) - 1)
     shape = list(shape)
     if len(shape) != len(axis_names):
-        raise ValueError(
+        raise ConfigError(
             f"mesh shape {tuple(shape)} has {len(shape)} axes; axis_names {axis_names} has {len(axis_names)}"
         )
     if shape.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1; got shape {tuple(shape)}")
+        raise ConfigError(f"at most one mesh axis may be -1; got shape {tuple(shape)}")
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
         if n % known:
-            raise ValueError(f"cannot infer -1 in mesh shape {tuple(shape)} from {n} devices")
+            raise ConfigError(f"cannot infer -1 in mesh shape {tuple(shape)} from {n} devices")
         shape[shape.index(-1)] = n // known
     if math.prod(shape) != n:
-        raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices; {n} are available")
+        raise ConfigError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices; {n} are available")
     return tuple(shape)
 
 

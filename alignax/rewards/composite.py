@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from alignax import models
-from alignax.config import load_callable
+from alignax.config import ConfigError, load_callable
 from alignax.losses import ensemble_rewards
 from alignax.parallel.multihost import local_rows
 from alignax.parallel.placement import to_device
@@ -99,7 +99,7 @@ class NonFiniteRewardError(ValueError):
     """A reward component came out NaN or infinite."""
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(ConfigError):
     """A ``rewards.functions`` entry raised while scoring; the message names the entry, the
     first completion it fails on (alone), the exception and the completion's start. The
     original exception is chained (``__cause__``)."""
@@ -123,6 +123,26 @@ def _call_reward_function(spec: str, fn, completions: Sequence[str], references:
             f"rewards.functions entry {spec!r} raised {type(err).__name__}: {err} on the batch of "
             f"{len(completions)} completions, but on none of them alone"
         ) from err
+
+
+def _reward_values(spec: str, returned: Any, count: int) -> np.ndarray:
+    """What a reward function returned, as ``[count]`` float32; anything else (strings,
+    ``None``, another length) is a :class:`RewardFunctionError` naming the entry."""
+    try:
+        raw = np.asarray(returned)
+    except ValueError as err:  # ragged nesting
+        raise RewardFunctionError(f"rewards.functions entry {spec!r} returned a ragged {type(returned).__name__}; "
+                                  f"expected {count} numbers, one per completion") from err
+    if raw.dtype.kind not in "biuf":  # numeric strings too: a score is a number, not its text
+        first = raw.flat[0] if raw.size else None
+        first = first.item() if isinstance(first, np.generic) else first  # the Python value returned
+        raise RewardFunctionError(f"rewards.functions entry {spec!r} returned {type(returned).__name__} of "
+                                  f"{type(first).__name__} (first: {str(first)[:40]!r}); expected {count} numbers, "
+                                  "one float per completion")
+    if raw.shape != (count,):
+        raise RewardFunctionError(f"rewards.functions entry {spec!r} returned shape {raw.shape}; expected "
+                                  f"({count},), one float per completion")
+    return raw.astype(np.float32)
 
 
 @dataclasses.dataclass
@@ -207,9 +227,7 @@ class RewardScorer:
             extra["correct"] = parts["correct"]
             extra["scorer_error"] = parts["scorer_error"]
         for spec, (fn, weight) in self.functions.items():
-            values = np.asarray(_call_reward_function(spec, fn, completions, references), np.float32)
-            if values.shape != (len(completions),):
-                raise ValueError(f"reward function {spec} returned shape {values.shape}; expected ({len(completions)},)")
+            values = _reward_values(spec, _call_reward_function(spec, fn, completions, references), len(completions))
             weighted[f"fn/{spec}"] = weight * values
         if self._score_rm is not None:
             tokens, positions, attention = full_sequences

@@ -9,14 +9,19 @@ Before a run reads a model or data, :func:`claim` decides whether it may use
   another host when its heartbeat (the lock file's modification time, refreshed every
   ``HEARTBEAT_S`` by a daemon thread of the holder) is older than ``STALE_AFTER_S``.
 - **Resume, or say why not.** A directory that holds a run (checkpoints, metrics) is
-  resumed when ``checkpoint.resume`` is on and it has checkpoints. Otherwise it is refused
-  unless ``checkpoint.overwrite`` is set, which removes that run's files first.
+  resumed when ``checkpoint.resume`` is on and it has checkpoints. A run stopped before its
+  first checkpoint (``kill -9``, a crash) has nothing to resume: with the same config (no
+  change of what is trained) it starts over, its metrics replaced, so that the same
+  command restarts it. Otherwise it is refused unless ``checkpoint.overwrite`` is set,
+  which removes that run's files first.
 - **Say what changed.** Resuming compares the new config with the run's ``config.yaml``:
   keys that only change how a run is watched or laid out (logging, evaluation, checkpoint
   cadence, the mesh and the process count; ``train.total_steps`` under a constant learning
   rate) pass; any other change — a
   longer run under a decaying schedule included, since it moves the schedule — is refused
-  unless ``checkpoint.allow_changes`` is set, and then logged. (A change of model shape is refused when the checkpoint is restored, naming the
+  unless ``checkpoint.allow_changes`` is set, and then logged; a change of what the saved
+  data position counts (``data.batch_size``, ``data.paths``, ``data.seed``...) is refused
+  even then. (A change of model shape is refused when the checkpoint is restored, naming the
   parameter; see :meth:`alignax.checkpoint.Checkpointer.restore`.)
 - **Config history.** The resolved config is written only once the run has been accepted
   and restored (:meth:`RunDirectory.write_config`); a different earlier ``config.yaml`` is
@@ -48,6 +53,7 @@ from jax.experimental import multihost_utils
 
 from alignax import config as config_io
 from alignax import paths
+from alignax.config import ConfigError
 from alignax.trainers.config import TrainConfig, rename_sections
 
 log = logging.getLogger("alignax")
@@ -65,11 +71,14 @@ RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "evaluation", "e
 # may change them freely.
 _FREE_PREFIXES = ("logging.", "evaluation.", "checkpoint.", "output_dir",
                   "mesh.", "distributed.")  # a run resumes on another mesh or process count
+# Keys the saved data position (a count of global batches into one shuffled dataset,
+# alignax.data.pipeline) depends on: a resume cannot change them, even with allow_changes.
+_POSITION_KEYS = ("data.paths", "data.split", "data.seed", "data.shuffle", "data.batch_size", "data.eval_fraction")
 _FREE_KEYS = frozenset({"train.log_every", "train.eval_every", "train.save_every", "train.eval_batches",
                         "train.max_nonfinite_streak", "train.max_stalled_streak"})
 
 
-class RunDirectoryError(RuntimeError):
+class RunDirectoryError(ConfigError):
     """``output_dir`` cannot be used as asked (held by another run, holds a run that would
     be lost, or a resume with unapproved changes); the message says what to do."""
 
@@ -266,10 +275,14 @@ class RunDirectory:
         artefacts = [name for name in RUN_ARTEFACTS if (self.root / name).exists()]
         if ck.overwrite:
             if self.writer and (artefacts or self._configs()):
-                self._remove_run(artefacts)
+                self._remove_run(artefacts, "checkpoint.overwrite")
             return
         resuming = ck.enabled and ck.resume and bool(steps)
         if not resuming:
+            if self._stopped_before_first_save(artefacts):
+                if self.writer:
+                    self._remove_run(artefacts, "no completed checkpoint to resume from, starting the run over")
+                return
             if artefacts:
                 held = f"checkpoints at steps {', '.join(map(str, steps))}" if steps else ", ".join(artefacts)
                 why = ("checkpoint.resume=false" if steps and not ck.resume
@@ -284,6 +297,13 @@ class RunDirectory:
                                     f"{os.path.join(self.path, 'checkpoints')}; steps there: "
                                     f"{', '.join(map(str, steps))}")
         bound, free = saved_config_changes(self.path, config)
+        fixed = [c for c in bound if c[0] in _POSITION_KEYS]
+        if fixed:
+            raise RunDirectoryError(
+                f"resuming {self.path} (latest step {steps[-1]}) with {describe_changes(fixed)}: its checkpoints "
+                "hold a position in the data read with the saved value (a count of batches into one shuffled "
+                "dataset), so a resume cannot change it, not even with --allow-changes. Undo the change, or "
+                "start over with --overwrite or another output_dir")
         if bound and not ck.allow_changes:
             raise RunDirectoryError(
                 f"resuming {self.path} (latest step {steps[-1]}) with a config that changes what is trained: "
@@ -294,13 +314,23 @@ class RunDirectory:
         if free:
             log.info("resuming %s with changed settings: %s", self.path, describe_changes(free))
 
+    def _stopped_before_first_save(self, artefacts: list[str]) -> bool:
+        """Whether ``output_dir`` holds a run killed before its first checkpoint, that this
+        config would train again: nothing to lose or mix (a run that ends saves a last step;
+        one that exported had one), and an automatic restart must not need --overwrite. A
+        run that saved no checkpoints on purpose (``checkpoint.enabled=false``) is not one."""
+        ck = self.config.checkpoint
+        if not (artefacts and ck.enabled and ck.resume) or "export" in artefacts:
+            return False
+        bound, free = saved_config_changes(self.path, self.config)
+        return not bound and all(key != "checkpoint.enabled" for key, _, _ in free)
+
     def _configs(self) -> list[str]:
         return sorted(name for name in (entry.name for entry in self.root.iterdir())
                       if name == CONFIG_NAME or (name.startswith("config.") and name.endswith(".yaml")))
 
-    def _remove_run(self, artefacts: list[str]) -> None:
-        log.warning("checkpoint.overwrite: removing the earlier run in %s (%s)", self.path,
-                    ", ".join(artefacts + self._configs()))
+    def _remove_run(self, artefacts: list[str], why: str) -> None:
+        log.warning("%s: removing the earlier run in %s (%s)", why, self.path, ", ".join(artefacts + self._configs()))
         for name in artefacts + self._configs():
             path = self.root / name
             if path.is_dir():

@@ -185,6 +185,7 @@ class Session:
             max_nonfinite_streak=config.train.max_nonfinite_streak,
             max_stalled_streak=config.train.max_stalled_streak,
             eval_at_start=eval_fn is not None and not self.resumed,
+            shutdown_timeout_s=config.distributed.shutdown_timeout_s,
         )
         return run_loop(
             config=loop_config, state=state, frozen=frozen, step_fn=step_fn, batches=batches,

@@ -5,10 +5,9 @@ log-probs of a batch's response tokens.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,7 +16,9 @@ import numpy as np
 from flax import nnx
 
 from alignax import models
+from alignax.config import ConfigError
 from alignax.models import registry
+from alignax.models.hf import read_config
 from alignax.models.lora import LoraConfig, with_adapters
 from alignax._checks import check_choice
 from alignax.parallel.multihost import place_rows
@@ -49,13 +50,23 @@ def model_directory(spec: ModelSpec) -> str:
     return str(registry.model_directory(spec.name, key="model.name"))
 
 
+@contextlib.contextmanager
+def reading_model_folder(spec: ModelSpec, what: str) -> Iterator[None]:
+    """A ``ValueError`` (a corrupt file, an unsupported ``model_type``...) or ``OSError``
+    while reading ``what`` of the model folder becomes a :class:`ConfigError` naming
+    ``model.name`` and the folder: input the user fixes, printed in one line."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"model.name={spec.name}: {what} in {model_directory(spec)} cannot be read: "
+                          f"{type(err).__name__}: {err}") from err
+
+
 def load_tokenizer(spec: ModelSpec):
-    return registry.load_tokenizer(spec.name, key="model.name")
-
-
-def _read_hf_config(directory: str) -> dict[str, Any]:
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        return json.load(f)
+    with reading_model_folder(spec, "the tokenizer"):
+        return registry.load_tokenizer(spec.name, key="model.name")
 
 
 def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.Mesh | None = None,
@@ -74,17 +85,18 @@ def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.
             raise ValueError(f"model.{old} is no longer read: set precision.{new} (got model.{old}="
                              f"{getattr(spec, old)})")
     directory = model_directory(spec)
-    hf_config = _read_hf_config(directory)
+    hf_config = read_config(directory, name=spec.name)
     policy = dict(**precision.model_dtypes(), scan_layers=spec.scan_layers, remat=spec.remat,
                   attention=attention_implementation(spec.attention, precision.compute_dtype))
-    if spec.random_init is not None:
-        config = models.ModelConfig.from_hf_config({**hf_config, **spec.random_init}, **policy)
-        model = models.create_model(config, kind=kind, seed=spec.seed, mesh=mesh)
-    else:
-        tensors = models.read_hf_tensors(directory)
-        new_head = kind == "reward" and "score.weight" not in tensors
-        model = models.from_hf_state_dict(hf_config, tensors, kind=kind, mesh=mesh, new_head=new_head,
-                                          seed=spec.seed, **policy)
+    with reading_model_folder(spec, "the model (config.json and weights)"):
+        if spec.random_init is not None:
+            config = models.ModelConfig.from_hf_config({**hf_config, **spec.random_init}, **policy)
+            model = models.create_model(config, kind=kind, seed=spec.seed, mesh=mesh)
+        else:
+            tensors = models.read_hf_tensors(directory)
+            new_head = kind == "reward" and "score.weight" not in tensors
+            model = models.from_hf_state_dict(hf_config, tensors, kind=kind, mesh=mesh, new_head=new_head,
+                                              seed=spec.seed, **policy)
     return model if lora is None else with_adapters(model, lora, mesh=mesh)
 
 

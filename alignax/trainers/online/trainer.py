@@ -41,6 +41,7 @@ from flax import nnx
 
 from alignax import evaluation, models, ops
 from alignax import kl as kl_lib
+from alignax.config import ConfigError
 from alignax.data import prepare_dataset
 from alignax.envs.registry import env_factory
 from alignax.envs.rollout import EnvSampler, trajectory_figures
@@ -190,7 +191,7 @@ class OnlineTrainer:
         try:
             return make_mesh(shape, devices=devices)
         except ValueError as err:
-            raise ValueError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {len(devices)} "
+            raise ConfigError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {len(devices)} "
                              f"devices as training: {err}") from None
 
     def _with_critic(self, policy_params: nnx.State) -> Any:
