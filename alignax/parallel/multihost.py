@@ -57,6 +57,7 @@ class DistributedConfig:
         where jaxlib was built with it).
       initialization_timeout_s: how long to wait for every process to join, and at the
         end for every process to finish (:func:`leave`).
+      require_accelerator: refuse to start on CPU (:func:`alignax.parallel.hardware.announce`).
     """
 
     coordinator: str | None = None
@@ -65,6 +66,7 @@ class DistributedConfig:
     local_device_ids: tuple[int, ...] | None = None
     cpu_collectives: str = "gloo"
     initialization_timeout_s: int = 300
+    require_accelerator: bool = False
 
     def __post_init__(self):
         if self.num_processes is not None and self.num_processes < 1:
