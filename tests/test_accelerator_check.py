@@ -24,8 +24,9 @@ TINY_FORWARD_4x32 = 29_360_128
 def test_the_device_check_runs_on_cpu_and_reports_every_field(tmp_path):
     out = tmp_path / "check.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "tools/accelerator_check.py", "--tiny", "--steps", "1", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    command = [sys.executable, "tools/accelerator_check.py", "--tiny", "--steps", "1", "--budget-s", "3600",
+               "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     device = result["device"]

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import json
 import os
 import statistics
@@ -450,18 +451,23 @@ def device_info() -> dict:
     chip = hardware.chip(found.device_kind)
     return {"platform": found.platform, "device_kind": found.device_kind, "chip": chip,
             "local_devices": found.local_devices, "devices": found.devices, "processes": found.processes,
-            "devices_used": 1, "jax": jax.__version__, "jaxlib": jax.lib.__version__,
+            "devices_used": 1, "jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
             "peak_bf16_flops": PEAK_FLOPS.get(chip), "hbm_bandwidth_bytes_per_s": hardware.HBM_BANDWIDTH.get(chip)}
 
 
 WORKLOADS = {"dpo": dpo_workload, "grpo": grpo_workload, "ppo": ppo_workload}
 
 
-def run_shape(shape: str, sizes: dict, attention: str, steps: int, device: dict, result: dict, save) -> None:
+def run_shape(shape: str, sizes: dict, attention: str, steps: int, device: dict, result: dict, save,
+              deadline: float) -> None:
     """Every workload of one shape into ``result``, saved after each (a workload that fails,
-    an out-of-memory say, is recorded as its error and the rest still run)."""
+    an out-of-memory say, is recorded as its error and the rest still run; none starts after
+    ``deadline``, a ``time.perf_counter()`` value)."""
     c = model_config(shape, attention=attention)
     for algorithm, workload in WORKLOADS.items():
+        if time.perf_counter() > deadline:
+            result["throughput"].setdefault(shape, {})[algorithm] = {"skipped": "past --budget-s"}
+            continue
         try:
             found = workload(shape, sizes, attention, steps, device["peak_bf16_flops"])
             found["memory"] = {"peak_bytes_in_use": found.pop("peak_bytes_in_use"),
@@ -471,6 +477,9 @@ def run_shape(shape: str, sizes: dict, attention: str, steps: int, device: dict,
             found = {"error": f"{type(err).__name__}: {err}"[:2000]}
         result["throughput"].setdefault(shape, {})[algorithm] = found
         save()
+    if time.perf_counter() > deadline:
+        result["decode"][shape] = {"skipped": "past --budget-s"}
+        return save()
     try:
         result["decode"][shape] = decode_workload(shape, sizes, attention, steps,
                                                   device["hbm_bandwidth_bytes_per_s"])
@@ -485,6 +494,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="smollm2-135m,1b", help="shapes on an accelerator (of: %(default)s)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
     parser.add_argument("--out", help="write the JSON here (also printed)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="start no workload after this many seconds (the device run's limit)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     device = device_info()
@@ -505,7 +516,7 @@ def main(argv=None) -> int:
     result["attention"] = attention_check(shapes[0], sizes, device["platform"])
     save()
     for shape in shapes:
-        run_shape(shape, sizes, attention, args.steps, device, result, save)
+        run_shape(shape, sizes, attention, args.steps, device, result, save, start + args.budget_s)
     print(json.dumps(result, indent=1))
     return 0
 
