@@ -27,6 +27,8 @@ Fields (``docs/accelerators.md`` reads them):
 - ``decode[shape][batch]``: the sampler's tokens/s at batch 1, 8 and 64 (greedy, bfloat16
   weights) against the HBM ceiling ``batch * bandwidth / (weight bytes + mean KV bytes)``
   (every weight and cached key/value read once per decode step).
+- ``seconds``: the check's wall time. The JSON is rewritten after each workload; a workload
+  that fails is its error string, and none starts past ``--budget-s`` (it says so).
 
 Model FLOPs (PaLM's convention): per token, ``2 N + 4 L D T`` forward and three times that
 for a training pass, ``N`` the matmul parameters (LM head included, embeddings' lookup not).
@@ -437,7 +439,8 @@ def estimate_figures(algorithm: str, c: ModelConfig, sizes: dict) -> dict:
                       f"data.max_response_length={response}", "dpo.reference=live"]
     else:
         prompts, group = (sizes["prompts"], sizes["group"]) if algorithm == "grpo" else (sizes["ppo_prompts"], 1)
-        overrides += [f"data.batch_size={prompts}", f"rollout.num_samples={group}", f"rollout.max_new_tokens={response}",
+        overrides += [f"data.batch_size={prompts}", f"rollout.num_samples={group}",
+                      f"rollout.max_new_tokens={response}",
                       "rollout.pack_groups=off", f"{algorithm}.epochs=1", f"{algorithm}.minibatches=1"]
     raw = config_io.apply_overrides(config_io.load_yaml(os.path.join(ROOT, "configs", f"tiny-{algorithm}.yaml")),
                                     overrides)
