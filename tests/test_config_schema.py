@@ -62,6 +62,7 @@ READ_ELSEWHERE = {
     **{f"distributed.{key}": "read when a process joins a multi-process job (tests/test_multihost.py)"
        for key in ("coordinator", "num_processes", "process_id", "local_device_ids", "cpu_collectives",
                    "initialization_timeout_s", "shutdown_timeout_s")},
+    "distributed.require_accelerator": "read at alignax train's start-up (tests/test_hardware.py)",
     "checkpoint.allow_changes": "read when a run resumes with a changed config (tests/test_run_directory.py)",
     "checkpoint.resume_step": "read when a run resumes (tests/test_run_directory.py, tests/test_cli.py)",
 }

@@ -8,9 +8,10 @@
 - ``attention: splash`` runs the Pallas kernel (interpreted on CPU): values and gradients
   equal the dense attention's with left and right padding.
 - ``attention: cudnn`` routes full forward passes through ``jax.nn.dot_product_attention``
-  (decode steps stay on the materialised path); on CPU the same call with XLA's
-  implementation gives the materialised attention's logits on packed, left-padded rows and
-  through a prefill + decode.
+  with causal + sequence lengths and no dense mask (passes into a KV cache stay on the
+  materialised path); on CPU the same call with XLA's implementation gives the materialised
+  attention's logits and gradient on left-, right- and both-padded rows; lowered for CUDA,
+  the step holds cuDNN's kernels and no ``[T, T]`` tensor; shared-prompt packing is refused.
 """
 
 from __future__ import annotations
@@ -88,32 +89,72 @@ def _xla_instead_of_cudnn(monkeypatch):
     return calls
 
 
-def test_the_fused_attention_route_equals_the_materialised_one(monkeypatch):
-    calls = _xla_instead_of_cudnn(monkeypatch)
-    materialised = jitted(create_model(ModelConfig(**BASE), seed=1))
-    fused = jitted(create_model(ModelConfig(**BASE, attention="cudnn"), seed=1))
-    B, T = 2, 24
-    tokens, _, _ = _batch(B, T, seed=2)
-    # row 0: left padding, then a prompt shared by two continuations (restarted positions)
-    mask = np.ones((B, T), np.int32)
-    mask[0, :4] = 0
-    segments = np.zeros((B, T), np.int32)
-    segments[0, 12:18], segments[0, 18:] = 1, 2
-    segments[1, 10:] = 1
-    positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
-    positions[0, 18:] = positions[0, 12:18]
-    args = (tokens, jnp.asarray(positions), jnp.asarray(mask))
-    want = materialised(*args, segment_ids=jnp.asarray(segments)).logits
-    got = fused(*args, segment_ids=jnp.asarray(segments)).logits
-    real = mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=1e-5)
-    assert calls and set(calls) == {"cudnn"}
+def _padded_rows(B, T):
+    """``[B, T]`` masks with every padding the decoder meets: left (a rollout's prompt),
+    right (the data pipeline's rows) and both at once, plus a hole (a masked token inside)."""
+    mask = np.ones((B, T), bool)
+    mask[0, :4] = False
+    mask[1, -5:] = False
+    mask[2, :3], mask[2, -2:] = False, False
+    mask[3, 7] = False
+    return mask
 
-    # prefill through the fused route, then decode steps (materialised for every setting)
+
+def test_fused_attention_without_a_dense_mask_equals_a_reference_with_one():
+    """``fused_attention`` (real tokens gathered to the front, causal + sequence lengths) with
+    XLA's implementation, against softmax over ``causal & real key`` written out here; values
+    at real queries and all three gradients, two query heads per key/value head."""
+    B, T, K, G, H = 4, 16, 2, 2, 8
+    rng = np.random.RandomState(0)
+    q, k, v = (jnp.asarray(rng.randn(B, T, n, H), jnp.float32) for n in (K * G, K, K))
+    mask = _padded_rows(B, T)
+    weights = jnp.asarray(rng.randn(B, T, K * G, H), jnp.float32) * jnp.asarray(mask)[:, :, None, None]
+    allowed = np.tril(np.ones((T, T), bool))[None] & mask[:, None, :]
+
+    def reference(q, k, v):
+        s = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, G, axis=2)) * H**-0.5
+        p = jax.nn.softmax(jnp.where(allowed[:, None], s, -1e30), axis=-1)
+        return jnp.einsum("bnts,bsnh->btnh", p, jnp.repeat(v, G, axis=2))
+
+    def fused(q, k, v):
+        return layers.fused_attention(q, k, v, jnp.asarray(mask), scale=H**-0.5, implementation="xla")
+
+    got = np.asarray(jax.jit(fused)(q, k, v))
+    np.testing.assert_allclose(got[mask], np.asarray(reference(q, k, v))[mask], atol=1e-5)
+    assert np.all(got[~mask] == 0)  # pad queries: zeros, never NaN
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(fused(*a) * weights), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(reference(*a) * weights), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", grads, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=name)
+
+
+def test_the_cudnn_route_equals_the_materialised_one_and_keeps_caches_materialised(monkeypatch):
+    calls = _xla_instead_of_cudnn(monkeypatch)
+    materialised = create_model(ModelConfig(**BASE), seed=1)
+    fused = create_model(ModelConfig(**BASE, attention="cudnn"), seed=1)
+    B, T = 4, 24
+    tokens, _, _ = _batch(B, T, seed=2)
+    mask = _padded_rows(B, T)
+    positions = jnp.asarray(np.maximum(np.cumsum(mask, 1) - 1, 0))
+    response = jnp.asarray(mask & (np.arange(T) >= 12))  # a response's tokens score the loss
+
+    def loss(model):  # a masked log-likelihood: its gradient reaches every parameter
+        logits = model(tokens, positions, jnp.asarray(mask, jnp.int32)).logits
+        logps = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)[..., 0]
+        return jnp.sum(logps * response[:, 1:]) / jnp.sum(response[:, 1:]), logits
+
+    (want_loss, want), want_grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(materialised)
+    (got_loss, got), got_grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(fused)
+    np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(nnx.state(got_grad)), jax.tree.leaves(nnx.state(want_grad))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+    assert calls == ["cudnn"] * BASE["num_layers"]  # one trace, once per layer
+    # passes into a KV cache (a prefill, then decode steps) stay on the materialised path
     calls.clear()
     prompt, step = _batch(B, 8, seed=3)[0], _batch(B, 1, seed=4)[0]
     outs = {}
-    for name, model in (("materialised", materialised), ("fused", fused)):
+    for name, model in (("materialised", jitted(materialised)), ("fused", jitted(fused))):
         cache = init_cache(ModelConfig(**BASE), B, 16)
         pos = jnp.broadcast_to(jnp.arange(8), (B, 8))
         first = model(prompt, pos, jnp.ones((B, 8), jnp.int32), cache=cache)
@@ -121,7 +162,56 @@ def test_the_fused_attention_route_equals_the_materialised_one(monkeypatch):
         outs[name] = (first.logits, second.logits)
     for got, want in zip(outs["fused"], outs["materialised"]):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
-    assert calls == ["cudnn"] * BASE["num_layers"]  # the prefill only, once per layer
+    assert calls == []
+
+
+def test_cudnn_refuses_shared_prompt_packing_in_one_line_and_packing_steps_aside():
+    """Packed rows need a prefix every continuation sees, beyond causal + lengths: the decoder
+    refuses ``segment_ids`` under ``cudnn`` (nothing is computed with segments merged), and
+    the packing decisions leave rows unpacked (``auto``) or name the key (``on``)."""
+    from types import SimpleNamespace
+
+    from alignax.trainers.engine import packing
+
+    fused = jitted(create_model(ModelConfig(**BASE, attention="cudnn"), seed=1))
+    tokens, positions, mask = _batch(2, 10)
+    with pytest.raises(ValueError, match=r"^model.attention=cudnn cannot run shared-prompt packing"):
+        fused(tokens, positions, mask, segment_ids=jnp.zeros((2, 10), jnp.int32))
+    assert not packing.pair_packs("cudnn", row_length=64, window=16)
+    assert packing.pair_packs("xla", row_length=64, window=16)
+    config = SimpleNamespace(
+        rollout=SimpleNamespace(num_samples=4, pack_groups="on", max_new_tokens=16),
+        data=SimpleNamespace(max_prompt_length=64, batch_size=4), train=SimpleNamespace(grad_accum_steps=1))
+    with pytest.raises(ValueError, match="model.attention=cudnn cannot express"):
+        packing.packed_group_size(config, ModelConfig(**BASE, attention="cudnn"), minibatches=1)
+    config.rollout.pack_groups = "auto"
+    assert packing.packed_group_size(config, ModelConfig(**BASE, attention="cudnn"), minibatches=1) == 1
+
+
+def test_the_cudnn_program_lowered_for_a_gpu_has_no_dense_mask(monkeypatch):
+    """A train step's gradient, lowered for CUDA on this CPU machine (StableHLO, what XLA's GPU
+    compiler receives): cuDNN's fused forward and backward with its own padding-causal mask,
+    and no ``[.., T, T]`` tensor anywhere (the mask this replaced was ``[B, 1, T, T]``). The
+    lowering asks the installed cuDNN's version, which a CPU install lacks: a stand-in says 9.10."""
+    import re
+    from types import SimpleNamespace
+
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "cuda_versions", SimpleNamespace(cudnn_get_version=lambda: 91000))
+    B, T = 2, 24
+    model = create_model(ModelConfig(**BASE, attention="cudnn", dtype="bfloat16"), seed=1)
+    graphdef, state = nnx.split(model)
+    tokens, positions, _ = _batch(B, T)
+    mask = jnp.asarray(_padded_rows(4, T)[:B], jnp.int32)
+
+    def loss(state):
+        return jnp.mean(nnx.merge(graphdef, state)(tokens, positions, mask).logits ** 2)
+
+    text = jax.jit(jax.grad(loss)).trace(state).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
+    assert "PADDING_CAUSAL" in text
+    assert not re.findall(rf"tensor<[0-9x]*{T}x{T}[x>]", text), set(re.findall(rf"tensor<[0-9x]*{T}x{T}\w*>", text))
 
 
 def test_attention_choice_is_resolved_per_backend():

@@ -57,6 +57,7 @@ may use the eos id (SmolLM2: pad == eos); masks, never token ids, say what is pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -65,7 +66,6 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import grain
 import numpy as np
 
 from alignax import paths
@@ -439,25 +439,34 @@ def _kl_partners(indices: np.ndarray, prompt_keys: Mapping[int, bytes], seed) ->
     return records, np.roll(records, -shift)
 
 
-class _ProcessBlocks(grain.MapDataset):
-    """Process ``index`` of ``count``'s elements of ``parent``: block ``index`` of each run
-    of ``batch_size`` consecutive elements (one global batch)."""
+@functools.cache
+def _process_blocks():
+    """The ``_ProcessBlocks`` dataset class, defined on first use: grain is imported where a
+    data iterator is built, not with the package (configs, the estimator and the device check
+    run where grain is not installed)."""
+    import grain
 
-    def __init__(self, parent: grain.MapDataset, batch_size: int, index: int, count: int):
-        super().__init__(parent)
-        self._batch, self._local, self._offset = batch_size, batch_size // count, index * (batch_size // count)
+    class _ProcessBlocks(grain.MapDataset):
+        """Process ``index`` of ``count``'s elements of ``parent``: block ``index`` of each run
+        of ``batch_size`` consecutive elements (one global batch)."""
 
-    def __len__(self) -> int:
-        return len(self._parents[0]) // self._batch * self._local
+        def __init__(self, parent: grain.MapDataset, batch_size: int, index: int, count: int):
+            super().__init__(parent)
+            self._batch, self._local, self._offset = batch_size, batch_size // count, index * (batch_size // count)
 
-    def __getitem__(self, position):
-        if isinstance(position, slice):
-            return self.slice(position)
-        batch, within = divmod(position, self._local)
-        return self._parents[0][batch * self._batch + self._offset + within]
+        def __len__(self) -> int:
+            return len(self._parents[0]) // self._batch * self._local
 
-    def __str__(self) -> str:
-        return f"_ProcessBlocks(batch_size={self._batch}, local={self._local}, offset={self._offset})"
+        def __getitem__(self, position):
+            if isinstance(position, slice):
+                return self.slice(position)
+            batch, within = divmod(position, self._local)
+            return self._parents[0][batch * self._batch + self._offset + within]
+
+        def __str__(self) -> str:
+            return f"_ProcessBlocks(batch_size={self._batch}, local={self._local}, offset={self._offset})"
+
+    return _ProcessBlocks
 
 
 def _batch_fn(examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -519,6 +528,9 @@ class DataIterator:
             example["record_index"] = np.int32(indices[position])
             return example
 
+        import grain
+
+        _ProcessBlocks = _process_blocks()
         batch_fn = _batch_fn
         if not ordered:
             ds = grain.MapDataset.range(n)

@@ -132,22 +132,41 @@ def apply_rope(x: Array, sin: Array, cos: Array) -> Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KeyMask:
-    """What the splash kernel needs of a full pass's mask: causal over the real keys
-    ``mask [B, T]`` (the decoder passes this instead of the dense ``allowed``)."""
+    """What the fused kernels (splash, cuDNN) need of a full pass's mask: causal over the
+    real keys ``mask [B, T]`` (the decoder passes this instead of the dense ``allowed``)."""
 
     mask: Array
 
 
-def fused_attention(q: Array, k: Array, v: Array, allowed: Array, *, scale: float, implementation: str) -> Array:
-    """``jax.nn.dot_product_attention`` on the decoder's layout: ``q [B, T, N, H]``, ``k, v
-    [B, S, K, H]`` (grouped heads), ``allowed [B, T, S]`` (causal, padding and packed
-    segments in one boolean mask, shared by every head) -> ``[B, T, N, H]``.
+def fused_attention(q: Array, k: Array, v: Array, mask: Array, *, scale: float, implementation: str) -> Array:
+    """Causal attention over the real tokens of a full pass through ``jax.nn.dot_product_attention``
+    with no dense mask: ``q [B, T, N, H]``, ``k, v [B, T, K, H]`` (grouped heads), ``mask [B, T]``
+    (1 = real token, anywhere in the row: left padding, right padding or holes) -> ``[B, T, N, H]``.
 
-    ``implementation="cudnn"`` is the fused GPU kernel (the mask becomes its bias; no
-    ``[B, N, T, S]`` float32 scores are kept for the backward pass); ``"xla"`` runs the same
-    call on any backend (the suite checks the arguments with it on CPU).
+    The kernel's own masks are ``is_causal`` and per-row sequence lengths, which describe a
+    right-padded row only. So each row's real tokens are gathered to its front, in order
+    (a stable sort of the pad flags), attended with ``query_seq_lengths = key_value_seq_lengths
+    = sum(mask)``, and put back. Causality among real tokens is their order, which the
+    gather keeps; positions (RoPE) were applied before, so they travel with q and k. Pad
+    queries get zeros (the materialised path gives them finite garbage; nothing reads them).
+    The gathers cost ``O(B T N H)``, where the dense mask they replace is ``[B, T, T]``.
+
+    ``implementation="cudnn"`` is cuDNN's fused kernel (GPU, bfloat16/float16; no
+    ``[B, N, T, S]`` scores kept for the backward pass); ``"xla"`` runs the same call on any
+    backend (the suite checks the arguments with it on CPU).
     """
-    return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], scale=scale, implementation=implementation)
+    real = mask.astype(bool)
+    order = jnp.argsort(jnp.logical_not(real).astype(jnp.int32), axis=1, stable=True)  # [B, T] real first
+    restore = jnp.argsort(order, axis=1)
+    lengths = jnp.sum(real, axis=1, dtype=jnp.int32)  # [B]
+
+    def along_rows(x, index):
+        return jnp.take_along_axis(x, index[:, :, None, None], axis=1)
+
+    out = jax.nn.dot_product_attention(
+        along_rows(q, order), along_rows(k, order), along_rows(v, order), scale=scale, is_causal=True,
+        query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation)
+    return jnp.where(real[:, :, None, None], along_rows(out, restore), 0).astype(q.dtype)
 
 
 class Attention(nnx.Module):
@@ -219,17 +238,17 @@ class Attention(nnx.Module):
             kv = (k_all, v_all)
         B, T, N, H = q.shape
         S, K, G = k.shape[1], c.num_kv_heads, c.num_groups
-        if isinstance(allowed, KeyMask):  # attention=splash, a full pass without packed segments
+        if isinstance(allowed, KeyMask) and c.attention == "splash":  # a full pass, no packed segments
             out = splash_attention(q, k, v, allowed.mask, scale=c.attention_scale)
+        elif isinstance(allowed, KeyMask):  # attention=cudnn, a full pass without packed segments
+            out = fused_attention(q, k, v, allowed.mask, scale=c.attention_scale, implementation=c.attention)
         elif T == 1:  # a decode step: contract in place, no transposed copy of the cache
             q = q.reshape(B, T, K, G, H)
             scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
             scores = jnp.where(allowed[:, None, None, :, :], scores * c.attention_scale, _MASKED)
             probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
             out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
-        elif c.attention == "cudnn":
-            out = fused_attention(q, k, v, allowed, scale=c.attention_scale, implementation=c.attention)
-        else:
+        else:  # attention=xla, and every pass into a KV cache (prefill: no backward, once per generate)
             # Heads-major: each kv head's G query heads x T positions form one [G*T, H]
             # matrix, so both products are plain batched matmuls over (B, K); on CPU this
             # is ~1.6x faster, forward and backward, than contracting G and T separately.

@@ -147,10 +147,10 @@ class Decoder(nnx.Module):
         x = constrain(constrain(x, ("activation_lookup_batch", "length", "embed")), RESIDUAL)
         sin_cos = rope_sin_cos(positions, rope_inv_freq(c)) if c.position_embedding == "rope" else None
 
-        if cache is None and c.attention == "splash":
+        if cache is None and c.attention in ("splash", "cudnn"):  # fused kernels: causal + real keys only
             if segment_ids is not None:
-                raise ValueError("model.attention=splash cannot run shared-prompt packing (segment_ids: a prefix "
-                                 "every continuation sees); set rollout.pack_groups=off or model.attention=xla")
+                raise ValueError(f"model.attention={c.attention} cannot run shared-prompt packing (segment_ids: a "
+                                 "prefix every continuation sees); set rollout.pack_groups=off or model.attention=xla")
             allowed, index, kv, slot_mask = KeyMask(mask), None, None, None
         elif cache is None:
             t = jnp.arange(T)

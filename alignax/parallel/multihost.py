@@ -67,6 +67,7 @@ class DistributedConfig:
       shutdown_timeout_s: after SIGTERM or SIGINT reaches any process of the job, how long
         each process has to save the checkpoint with the others and leave; past it the
         process exits at once with status 143 (130) (see docs/reliability.md).
+      require_accelerator: refuse to start on CPU (:func:`alignax.parallel.hardware.announce`).
     """
 
     coordinator: str | None = None
@@ -76,6 +77,7 @@ class DistributedConfig:
     cpu_collectives: str = "gloo"
     initialization_timeout_s: int = 300
     shutdown_timeout_s: int = 120
+    require_accelerator: bool = False
 
     def __post_init__(self):
         if self.num_processes is not None and self.num_processes < 1:

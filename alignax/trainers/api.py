@@ -27,7 +27,7 @@ from alignax.checkpoint import Checkpointer
 from alignax.config import ConfigError
 from alignax.models import save_pretrained
 from alignax.models.lora import save_peft_adapter
-from alignax.parallel import multihost
+from alignax.parallel import hardware, multihost
 from alignax.trainers.algorithms import ALGORITHMS, Algorithm, algorithm
 from alignax.trainers.config import TrainConfig, rename_sections
 from alignax.trainers.engine import rundir
@@ -83,6 +83,7 @@ def train(config: TrainConfig, *, records: Sequence[Mapping] | None = None) -> T
     directory held by another run, an earlier run that would be lost, or a resume with
     unapproved config changes is refused before any model or data is read."""
     multihost.initialize(config.distributed)
+    hardware.announce(config)  # before output_dir is claimed: a refused run leaves nothing behind
     with rundir.claim(config):
         return build_trainer(config, records=records).train()
 

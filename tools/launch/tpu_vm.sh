@@ -2,9 +2,11 @@
 # alignax on a multi-host Cloud TPU VM slice: the same command on every worker at once.
 #
 #   tools/launch/tpu_vm.sh TPU_NAME ZONE CONFIG.yaml [key=value ...]
-#   ALIGNAX_SETUP=1 tools/launch/tpu_vm.sh ...   # first: clone/update and `make install` on every worker
+#   ALIGNAX_SETUP=1 tools/launch/tpu_vm.sh ...   # first: clone/update and `make install-tpu` on every worker
 #
 # jax.distributed finds the slice itself (TPU metadata); no distributed keys are needed.
+# distributed.require_accelerator=true is set on every run: a worker whose jax came up on
+# its CPUs (a CPU jaxlib, libtpu missing) stops at once, in one line, with exit 2.
 # ALIGNAX_REPO (default: this repository's origin URL) and ALIGNAX_DIR (default: ~/alignax)
 # say where the code comes from and lives on the workers. output_dir must be on storage
 # every worker sees (a shared mount); checkpoints are written by all workers together.
@@ -23,6 +25,6 @@ run() {
 }
 if [ "${ALIGNAX_SETUP:-0}" = 1 ]; then
   [ -n "$repo" ] || { echo "set ALIGNAX_REPO to the repository URL" >&2; exit 2; }
-  run "set -e; if [ -d $dir ]; then git -C $dir pull --ff-only; else git clone $repo $dir; fi; make -C $dir install"
+  run "set -e; if [ -d $dir ]; then git -C $dir pull --ff-only; else git clone $repo $dir; fi; make -C $dir install-tpu"
 fi
-run "cd $dir && HF_HUB_OFFLINE=1 .venv/bin/alignax train $quoted"
+run "cd $dir && HF_HUB_OFFLINE=1 .venv/bin/alignax train $quoted distributed.require_accelerator=true"

@@ -37,6 +37,11 @@ from alignax import models
 
 Array = jax.Array
 
+# Attention kernels whose masks are causal + real keys only (splash: equal segment ids;
+# cuDNN: sequence lengths): a prefix every continuation sees is beyond them, so rows they
+# run are never packed.
+FUSED_ATTENTION = ("splash", "cudnn")
+
 
 @struct.dataclass
 class Packed:
@@ -66,8 +71,8 @@ def packed_width(row_length: int, num_continuations: int, window: int) -> int:
 def pair_packs(attention: str, *, row_length: int, window: int | None) -> bool:
     """Whether a preference pair runs as one packed row (the prompt once, then chosen, then
     rejected): when the LM head's response window is shorter than the rows and the
-    attention can express a prompt both continuations see (not ``splash``)."""
-    return attention != "splash" and window is not None and window < row_length
+    attention can express a prompt both continuations see (not the fused kernels)."""
+    return attention not in FUSED_ATTENTION and window is not None and window < row_length
 
 
 def pack(rows: Sequence[Mapping[str, Array]], prompt_length: Array, window: int) -> Packed:
@@ -200,8 +205,8 @@ def packed_group_size(config, model_config, *, minibatches: int, batch_devices: 
     policy's :class:`alignax.models.ModelConfig`, ``batch_devices`` the devices a batch's
     rows are split over (the mesh's ``data`` x ``fsdp``). Packing needs every minibatch and
     micro-batch to hold whole groups (minibatches are then drawn group by group);
-    ``pack_groups: on`` says so when they cannot, and when ``model.attention=splash``
-    cannot express the shared-prompt mask. ``auto`` also leaves the rows unpacked when
+    ``pack_groups: on`` says so when they cannot, and when ``model.attention`` is a fused kernel,
+    which cannot express the shared-prompt mask. ``auto`` also leaves the rows unpacked when
     the packed rows would not split over the batch devices but the unpacked ones do: a
     row dimension that does not divide is not split at all (the logical-axis rule), so
     every device would run every packed group, ``G`` times the tokens of its share of
@@ -211,10 +216,10 @@ def packed_group_size(config, model_config, *, minibatches: int, batch_devices: 
     G, P, N = rc.num_samples, config.data.max_prompt_length, rc.max_new_tokens
     if rc.pack_groups == "off" or G < 2:
         return 1
-    if model_config.attention == "splash":  # equal segment ids only: no shared prefix
+    if model_config.attention in FUSED_ATTENTION:
         if rc.pack_groups == "on":
-            raise ValueError("rollout.pack_groups=on needs a shared-prompt mask, which model.attention=splash "
-                             "cannot express; set rollout.pack_groups=auto or off")
+            raise ValueError(f"rollout.pack_groups=on needs a shared-prompt mask, which model.attention="
+                             f"{model_config.attention} cannot express; set rollout.pack_groups=auto or off")
         return 1
     if rc.pack_groups == "auto" and not group_packing_pays(model_config, prompt_len=P, new_tokens=N, group=G):
         return 1

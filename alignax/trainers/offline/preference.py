@@ -38,8 +38,8 @@ def _pair_logps(model, batch, chunk_size, window):
     With ``prompt_length`` in the batch (the data pipeline's preference batches) and a
     response window shorter than the rows, the pair is one packed row (the prompt once,
     then chosen, then rejected; see :mod:`alignax.trainers.engine.packing`); otherwise chosen and
-    rejected are two rows of one forward pass (also under ``model.attention=splash``, whose
-    kernel cannot express a prompt both continuations see).
+    rejected are two rows of one forward pass (also under ``model.attention=splash|cudnn``,
+    whose kernels cannot express a prompt both continuations see).
     """
     rows = batch["chosen_tokens"].shape[1]
     if "prompt_length" in batch and packing.pair_packs(model.config.attention, row_length=rows, window=window):
