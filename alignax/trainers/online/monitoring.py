@@ -22,11 +22,16 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 
+import jax
 import numpy as np
 
 from alignax import kl as kl_lib
+from alignax.envs.rollout import trajectory_figures
+from alignax.parallel.multihost import allgather_rows, host_global
 from alignax.sampling.scored import Groups
+from alignax.trainers.online.collect import RolloutBatch
 from alignax.trainers.online.grpo import group_reward_std
+from alignax.trainers.online.update import UpdateResult
 
 log = logging.getLogger("alignax")
 
@@ -141,3 +146,48 @@ def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recom
     if group_size > 1:
         figures["groups/zero_variance_fraction"] = float(np.mean(group_reward_std(groups.rewards, group_size) == 0))
     return figures
+
+
+def step_figures(batch: RolloutBatch, result: UpdateResult, *, mesh: jax.sharding.Mesh,
+                 group_size: int) -> dict[str, float]:
+    """One rollout step's figures (host floats, the same on every process): the batch's own
+    (generation, refills, step rewards), :func:`rollout_figures` over every process's rows,
+    a multi-turn run's trajectory figures, the updates' metrics (means; ``grad_norm_max``,
+    ``update_skipped`` summed, the first minibatch's ratios), ``epochs_run``, the next
+    ``kl_coef`` and the learner's timing."""
+    figures = dict(batch.figures)
+    groups, rewards = batch.groups, batch.rewards
+    device_arrays = (result.old_logps, batch.rollout.ref_logps, result.recomputed, batch.rollout.sampler_logps,
+                     batch.response_mask, result.entropy, batch.rollout.advantages)
+    if jax.process_count() > 1:  # the per-row host values gathered, the device arrays fetched whole
+        groups = dataclasses.replace(  # only these fields are read by rollout_figures
+            groups, rewards=allgather_rows(groups.rewards), stopped=allgather_rows(groups.stopped),
+            components={k: allgather_rows(v) for k, v in groups.components.items()})
+        rewards = allgather_rows(rewards)
+    figures.update(rollout_figures(groups, rewards, result.seq_kl, *host_global(device_arrays, mesh),
+                                   group_size=group_size))
+    if batch.groups.trajectory:
+        figures.update(trajectory_figures(gathered_trajectories(batch.groups), figures["perf/generation_s"]))
+    updates = result.metrics
+    for key in updates[0]:
+        figures[key] = float(np.mean([m[key] for m in updates]))
+    figures["grad_norm_max"] = float(np.max([m["grad_norm"] for m in updates]))
+    figures["update_skipped"] = float(np.sum([m["update_skipped"] for m in updates]))
+    for key in ("ratio_mean", "ratio_min", "ratio_max", "approx_kl"):
+        if key in updates[0]:
+            figures[f"first_minibatch/{key}"] = updates[0][key]
+    figures["epochs_run"] = float(result.epochs_run)
+    figures["kl_coef"] = float(jax.device_get(result.kl_coef.coef))
+    train_tokens = float(jax.device_get(jax.numpy.sum(batch.rollout.loss_mask))) * result.epochs_run
+    figures["perf/training_s"] = result.seconds
+    figures["perf/training_tokens_per_s"] = train_tokens / max(result.seconds, 1e-9)
+    return figures
+
+
+def gathered_trajectories(groups: Groups) -> Groups:
+    """The per-row trajectory counts of every process (multi-turn monitoring)."""
+    if jax.process_count() == 1:
+        return groups
+    return dataclasses.replace(groups, response_mask=allgather_rows(groups.response_mask),
+                               action_mask=allgather_rows(groups.actions()),
+                               trajectory={k: allgather_rows(v) for k, v in groups.trajectory.items()})
