@@ -12,7 +12,12 @@ raised) and a logged warning naming the figures behind it:
   (the policy has stopped exploring);
 - ``length_drift``: mean response length moved by more than ``length_change`` (relative)
   over the window while the raw task reward did not rise (length is being exploited,
-  not the task learned).
+  not the task learned);
+- ``no_signal``: every update of the rollout had an exactly zero gradient (tied rewards,
+  zero advantages, nothing for a critic to learn). The engine's stall watch counts a zero
+  loss with a zero gradient as "no signal", not a stall, because one such GRPO batch is
+  normal; a run where it lasts ``train.max_stalled_streak`` rollouts never trains (a
+  recipe whose rewards are all 0), and stops with :class:`StalledRunError`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from alignax import kl as kl_lib
 from alignax.envs.rollout import trajectory_figures
 from alignax.parallel.multihost import allgather_rows, host_global
 from alignax.sampling.scored import Groups
+from alignax.trainers.engine.loop import StalledRunError
 from alignax.trainers.online.collect import RolloutBatch
 from alignax.trainers.online.grpo import group_reward_std
 from alignax.trainers.online.update import UpdateResult
@@ -47,33 +53,38 @@ class AlarmSettings:
 class Alarms:
     """Keeps a short history of figures; ``update`` returns the ``alarm/*`` metrics."""
 
-    def __init__(self, settings: AlarmSettings | None = None):
+    def __init__(self, settings: AlarmSettings | None = None, *, max_stalled_streak: int = 0):
         self.settings = settings or AlarmSettings()
         n = self.settings.window + 1
         self.kl = collections.deque(maxlen=n)
         self.length = collections.deque(maxlen=n)
         self.reward = collections.deque(maxlen=n)
         self.first_entropy: float | None = None
+        self.max_stalled_streak = max_stalled_streak  # 0: never stop the run
+        self.no_signal = 0  # rollouts in a row whose every update had a zero gradient
 
     def state(self) -> dict:
         """JSON-able history, saved with checkpoints so a resumed run alarms the same."""
         return {"kl": list(self.kl), "length": list(self.length), "reward": list(self.reward),
-                "first_entropy": self.first_entropy}
+                "first_entropy": self.first_entropy, "no_signal": self.no_signal}
 
     def set_state(self, state: Mapping) -> None:
         self.kl.extend(state.get("kl", []))
         self.length.extend(state.get("length", []))
         self.reward.extend(state.get("reward", []))
         self.first_entropy = state.get("first_entropy")
+        self.no_signal = int(state.get("no_signal", 0))
 
     def update(self, step: int, *, kl: float | None, entropy: float | None, length: float,
-               reward: float) -> dict[str, float]:
+               reward: float, grad_norm: float | None = None) -> dict[str, float]:
         """``kl``: the sequence KL to the reference, ``None`` without a reference (the KL
-        history is then left as it is and ``kl_acceleration`` stays down)."""
+        history is then left as it is and ``kl_acceleration`` stays down); ``grad_norm``:
+        the largest gradient norm of the rollout's updates (``None``: not watched)."""
         s = self.settings
         self.length.append(length)
         self.reward.append(reward)
-        raised = {"kl_acceleration": False, "entropy_collapse": False, "length_drift": False}
+        raised = {"kl_acceleration": False, "entropy_collapse": False, "length_drift": False,
+                  "no_signal": self._no_signal(step, grad_norm, reward)}
         if kl is not None:
             self.kl.append(kl)
             if len(self.kl) == self.kl.maxlen:
@@ -98,6 +109,24 @@ class Alarms:
                 log.warning("step %d: mean response length moved %.4g -> %.4g while the task reward did not rise "
                             "(%.4g -> %.4g)", step, start_len, length, start_reward, reward)
         return {f"alarm/{k}": float(v) for k, v in raised.items()}
+
+    def _no_signal(self, step: int, grad_norm: float | None, reward: float) -> bool:
+        """Counts rollouts in a row with a zero gradient; raises :class:`StalledRunError`
+        when they reach ``max_stalled_streak``."""
+        if grad_norm is None:
+            return False
+        self.no_signal = self.no_signal + 1 if grad_norm == 0.0 else 0
+        if not self.no_signal:
+            return False
+        log.warning("step %d: no learning signal: every update had a zero gradient (%d rollouts in a row)", step,
+                    self.no_signal)
+        if self.max_stalled_streak and self.no_signal >= self.max_stalled_streak:
+            raise StalledRunError(
+                f"{self.no_signal} rollouts in a row had an exactly zero gradient (step {step}, mean reward "
+                f"{reward:.6g}): the rewards give no learning signal (every sample's reward the same, e.g. all 0), "
+                f"so the run never trains; stopping (train.max_stalled_streak={self.max_stalled_streak}). Give "
+                "the rewards (rewards.*) a component that varies between samples.")
+        return True
 
 
 def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recomputed, sampler_logps, response_mask,

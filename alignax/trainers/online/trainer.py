@@ -79,7 +79,7 @@ class OnlineTrainer:
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
         self.collector = Collector(config, algorithm, self.actors, self.layout, single_pass=self.single_pass)
         self.learner = Learner(config, algorithm, self.actors, self.layout)
-        self.alarms = Alarms()
+        self.alarms = Alarms(max_stalled_streak=config.train.max_stalled_streak)
         self.reference = None  # what a run saves once as its reference (set by start)
 
     # ------------------------------------------------------------------ the program seam
@@ -140,7 +140,8 @@ class OnlineTrainer:
         figures = step_figures(batch, result, mesh=self.mesh, group_size=self.layout.group_size)
         figures.update(self.alarms.update(batch.policy_version + 1, kl=figures.get("kl/ref_seq"),
                                           entropy=figures["entropy"], length=figures["response/length_mean"],
-                                          reward=figures.get("reward/answer", figures["reward/total"])))
+                                          reward=figures.get("reward/answer", figures["reward/total"]),
+                                          grad_norm=figures["grad_norm_max"]))
         return figures
 
     # ------------------------------------------------------------------ evaluation and export
