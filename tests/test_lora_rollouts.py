@@ -103,7 +103,8 @@ def test_merged_sampler_generates_as_unmerged_without_adapter_matmuls(ppo_lora, 
     from alignax.models import from_pretrained
 
     trainer, state = ppo_lora["trainer"], ppo_lora["state"]
-    assert trainer.actors.sampler.graphdef is trainer.actors.sampling_graphdef is not trainer.actors.graphdef  # the key is read
+    actors = trainer.actors
+    assert actors.sampler.graphdef is actors.sampling_graphdef is not actors.graphdef  # the key is read
     params = dict(state.params, policy=_perturbed(state.params["policy"], 0.2, seed=1))  # adapters that matter
     unmerged = nnx.merge_state(trainer.actors.whole_policy(params), trainer.actors.rest)
     merged = trainer.actors.sampling_state(params)
@@ -171,10 +172,11 @@ def test_critic_adapter_value_gradient_values_and_one_base(ppo_lora):
 
     # the critic's values = the policy's graph with the critic's adapters, hidden @ value head
     ro = mb.rollout
-    values = trainer.actors.critic_values(trainer.actors.whole_critic(params), ro.tokens, ro.positions, ro.attention_mask)
+    actors = trainer.actors
+    values = actors.critic_values(actors.whole_critic(params), ro.tokens, ro.positions, ro.attention_mask)
 
     def via_policy_graph(lora_leaves):
-        policy = nnx.merge(trainer.actors.graphdef, nnx.merge_state(lora_leaves, trainer.actors.base), trainer.actors.rest)
+        policy = nnx.merge(actors.graphdef, nnx.merge_state(lora_leaves, actors.base), actors.rest)
         hidden = policy(ro.tokens, ro.positions, ro.attention_mask, return_logits=False).hidden
         head = np.asarray(params["critic"]["value_head"][...])
         return (np.asarray(hidden, np.float64) @ head.astype(np.float64))[:, trainer.actors.prompt_len - 1:-1, 0]

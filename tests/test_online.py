@@ -405,7 +405,8 @@ def test_group_packing_decision(tmp_path, toy_model):
     records = toy_prompts(16)
 
     def group(**sections):
-        return make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, **sections), records=records).actors.pack_group
+        trainer = make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, **sections), records=records)
+        return trainer.actors.pack_group
 
     # toy shapes: prompt 24, 8 new tokens, G = 4: one row of 56 tokens instead of 4 of 32
     assert group() == 4

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alignax.rewards.verifiers import (answer_reward, extract_answer, format_reward, length_closeness, numeric_closeness,
-                                      verifier_rewards)
+from alignax.rewards.verifiers import (answer_reward, extract_answer, format_reward, length_closeness,
+                                      numeric_closeness, verifier_rewards)
 
 REF = {"answer": "-4", "task": "chain_sum"}
 

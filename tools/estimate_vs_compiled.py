@@ -196,12 +196,13 @@ def measure_case(algorithm: str, model: str, devices: int, remat: str, submesh: 
         if submesh:
             out.append(row({**spec, "program": "submesh reference"}, compiled_figures(reference_program)))
         if rollout and algorithm != "dpo":  # the sampler's program on one step's prompts (float32: no copy)
-            sampler_state = nnx.merge_state(trainer.actors.whole_policy(state.params), trainer.actors.rest)
-            prompts = jax.ShapeDtypeStruct((config.data.batch_size, trainer.actors.prompt_len), jax.numpy.int32,
-                                           sharding=batch_sharding(trainer.actors.sampler_mesh, 2))
-            with jax.set_mesh(trainer.actors.sampler_mesh):
-                generation = trainer.actors.sampler._generate.lower(trainer.actors.sampler.graphdef, sampler_state, prompts, prompts,
-                                                             jax.random.key(0), config=trainer.actors.sampler.config).compile()
+            actors = trainer.actors
+            sampler_state = nnx.merge_state(actors.whole_policy(state.params), actors.rest)
+            prompts = jax.ShapeDtypeStruct((config.data.batch_size, actors.prompt_len), jax.numpy.int32,
+                                           sharding=batch_sharding(actors.sampler_mesh, 2))
+            with jax.set_mesh(actors.sampler_mesh):
+                generation = actors.sampler._generate.lower(actors.sampler.graphdef, sampler_state, prompts, prompts,
+                                                            jax.random.key(0), config=actors.sampler.config).compile()
             out.append(row({**spec, "program": "rollout"}, compiled_figures(generation)))
     return out
 

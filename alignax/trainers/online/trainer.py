@@ -71,7 +71,9 @@ class OnlineTrainer:
         self.layout = RowLayout(num_prompts=config.data.batch_size, group_size=config.rollout.num_samples)
         check_layout(config, algorithm, self.layout)
         if single_pass and not single_update(config, algorithm):
-            raise ValueError("single_pass needs one update per rollout that nothing before it reads the policy for")
+            raise ValueError(f"single_pass=True needs one update per rollout ({config.algorithm}: epochs x "
+                             f"minibatches = {algorithm.epochs * algorithm.minibatches}) and no critic nor KL in the "
+                             "reward reading the policy's log-probs before it (collect.single_update)")
         self.config, self.algorithm = config, algorithm
         self.single_pass = single_update(config, algorithm) if single_pass is None else single_pass
         self.actors = Actors(config, algorithm)

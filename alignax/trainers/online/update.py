@@ -174,7 +174,8 @@ class Learner:
         every group contiguous)."""
         minibatches, layout = self.algorithm.minibatches, self.layout
         if self.actors.pack_group == 1:
-            return [layout.row_offset + rows for rows in np.split(order_rng.permutation(layout.local_rows), minibatches)]
+            rows = np.split(order_rng.permutation(layout.local_rows), minibatches)
+            return [layout.row_offset + part for part in rows]
         G = self.actors.pack_group
         groups = np.split(order_rng.permutation(layout.local_prompts), minibatches)
         return [layout.row_offset + (g[:, None] * G + np.arange(G)[None, :]).reshape(-1) for g in groups]
