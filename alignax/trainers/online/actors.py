@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from alignax import evaluation, models
+from alignax.config import ConfigError
 from alignax.models import lora as lora_lib
 from alignax.parallel.multihost import place_rows
 from alignax.parallel.placement import place, rows_to, split_devices, to_device
@@ -89,8 +90,8 @@ class Actors:
         try:
             return make_mesh(shape, devices=devices)
         except ValueError as err:
-            raise ValueError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {len(devices)} "
-                             f"devices as training: {err}") from None
+            raise ConfigError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {len(devices)} "
+                              f"devices as training: {err}") from None
 
     def place(self, value: np.ndarray) -> jax.Array:
         """This process's rows of a host array, global on the training mesh."""
