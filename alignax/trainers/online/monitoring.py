@@ -184,19 +184,14 @@ def step_figures(batch: RolloutBatch, result: UpdateResult, *, mesh: jax.shardin
     a multi-turn run's trajectory figures, the updates' metrics (means; ``grad_norm_max``,
     ``update_skipped`` summed, the first minibatch's ratios), ``epochs_run``, the next
     ``kl_coef`` and the learner's timing."""
+    groups, rewards = gathered_rows(batch.groups, batch.rewards)
+    device_arrays = host_global((result.old_logps, batch.rollout.ref_logps, result.recomputed,
+                                 batch.rollout.sampler_logps, batch.response_mask, result.entropy,
+                                 batch.rollout.advantages), mesh)
     figures = dict(batch.figures)
-    groups, rewards = batch.groups, batch.rewards
-    device_arrays = (result.old_logps, batch.rollout.ref_logps, result.recomputed, batch.rollout.sampler_logps,
-                     batch.response_mask, result.entropy, batch.rollout.advantages)
-    if jax.process_count() > 1:  # the per-row host values gathered, the device arrays fetched whole
-        groups = dataclasses.replace(  # only these fields are read by rollout_figures
-            groups, rewards=allgather_rows(groups.rewards), stopped=allgather_rows(groups.stopped),
-            components={k: allgather_rows(v) for k, v in groups.components.items()})
-        rewards = allgather_rows(rewards)
-    figures.update(rollout_figures(groups, rewards, result.seq_kl, *host_global(device_arrays, mesh),
-                                   group_size=group_size))
-    if batch.groups.trajectory:
-        figures.update(trajectory_figures(gathered_trajectories(batch.groups), figures["perf/generation_s"]))
+    figures.update(rollout_figures(groups, rewards, result.seq_kl, *device_arrays, group_size=group_size))
+    if groups.trajectory:
+        figures.update(trajectory_figures(groups, figures["perf/generation_s"]))
     updates = result.metrics
     for key in updates[0]:
         figures[key] = float(np.mean([m[key] for m in updates]))
@@ -213,10 +208,18 @@ def step_figures(batch: RolloutBatch, result: UpdateResult, *, mesh: jax.shardin
     return figures
 
 
-def gathered_trajectories(groups: Groups) -> Groups:
-    """The per-row trajectory counts of every process (multi-turn monitoring)."""
+def gathered_rows(groups: Groups, rewards: np.ndarray) -> tuple[Groups, np.ndarray]:
+    """Every process's rows of what the figures read (this process's, with one process):
+    the rewards ``[R]`` the advantages saw, and of ``groups`` the rewards, stop flags and
+    reward components, and a multi-turn run's per-row trajectory counts and masks."""
     if jax.process_count() == 1:
-        return groups
-    return dataclasses.replace(groups, response_mask=allgather_rows(groups.response_mask),
-                               action_mask=allgather_rows(groups.actions()),
-                               trajectory={k: allgather_rows(v) for k, v in groups.trajectory.items()})
+        return groups, rewards
+    trajectory = {}
+    if groups.trajectory:
+        trajectory = dict(response_mask=allgather_rows(groups.response_mask),
+                          action_mask=allgather_rows(groups.actions()),
+                          trajectory={k: allgather_rows(v) for k, v in groups.trajectory.items()})
+    groups = dataclasses.replace(groups, rewards=allgather_rows(groups.rewards), stopped=allgather_rows(groups.stopped),
+                                 components={k: allgather_rows(v) for k, v in groups.components.items()},
+                                 **trajectory)
+    return groups, allgather_rows(rewards)
