@@ -250,31 +250,26 @@ def evaluate_policy(sampler: ScoredSampler, state: nnx.State, batches: Iterable[
 
 # ---------------------------------------------------------------------- from a run's config
 def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mesh: jax.sharding.Mesh,
-                  vocab_size: int, model_config=None) -> ScoredSampler:
+                  vocab_size: int, model_config=None, rollout: bool = False,
+                  reward_mesh: jax.sharding.Mesh | None = None) -> ScoredSampler:
     """A sampler scoring like the run's rollouts: ``config.rewards`` (its reward models
-    loaded; they must have the policy's ``vocab_size``), the stop tokens of
-    ``rollout.stop_token_ids`` (default: the tokenizer's EOS) and the response budget
-    ``rollout.max_new_tokens``; the rollout's temperature / top-k / top-p are not read.
-    With ``config.env.name`` set, the run's multi-turn rollouts with its environment
+    loaded on ``reward_mesh``, default ``mesh``; they must have the policy's
+    ``vocab_size``), the stop tokens of ``rollout.stop_token_ids`` (default: the
+    tokenizer's EOS) and the response budget ``rollout.max_new_tokens``. Greedy, one
+    sample a prompt; with ``rollout`` the rollout's own distribution
+    (:func:`rollout_sampling`), as the online trainer samples. With ``config.env.name``
+    set, the run's multi-turn rollouts with its environment
     (:class:`alignax.envs.rollout.EnvSampler`, which needs the policy's ``model_config``)."""
     from alignax.parallel import placement
     from alignax.parallel.multihost import place_rows
 
     rc = config.rollout
-    eos = tokenizer.eos_token_id
-    stop = tuple(rc.stop_token_ids) if rc.stop_token_ids else (eos,)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    reward_models = None
-    if config.rewards.reward_models:
-        reward_models = RewardModels.load(config.rewards.reward_models, mesh=mesh, vocab_size=vocab_size,
-                                          param_dtype=config.precision.frozen)
-        # host: held there; submesh is training's layout: an evaluation has no sub-mesh, they run on `mesh`
-        reward_models.states = placement.place(reward_models.states, config.placement.reward_models)
-    scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=stop,
-                          reward_models=reward_models, frozen_dtype=config.precision.frozen)
+    reward_mesh = mesh if reward_mesh is None else reward_mesh
     # Greedy by default; evaluate_policy sets its own decoding (the rollout's sampling
     # distribution is training's, not the evaluation's).
-    sampling = SamplingConfig(max_new_tokens=rc.max_new_tokens, greedy=True, stop_token_ids=stop, pad_id=pad)
+    sampling = greedy_sampling(config, tokenizer)
+    if rollout:
+        sampling = rollout_sampling(sampling, rc)
 
     def place(value):
         return place_rows(value, mesh)
@@ -287,7 +282,34 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
         return EnvSampler(graphdef, model_config, tokenizer, env_factory(ec.name, ec.kwargs), sampling, mesh=mesh,
                           place=place, prompt_len=config.data.max_prompt_length, max_turns=ec.max_turns,
                           max_turn_tokens=ec.max_turn_tokens, max_observation_tokens=ec.max_observation_tokens)
-    return ScoredSampler(graphdef, tokenizer, scorer, sampling, mesh=mesh, place=place)
+    reward_models = None
+    if config.rewards.reward_models:
+        reward_models = RewardModels.load(config.rewards.reward_models, mesh=reward_mesh, vocab_size=vocab_size,
+                                          param_dtype=config.precision.frozen)
+        # host: held there; submesh: built on reward_mesh (the sub-mesh of a training run)
+        reward_models.states = placement.place(reward_models.states, config.placement.reward_models)
+    scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=sampling.stop_token_ids,
+                          reward_models=reward_models, frozen_dtype=config.precision.frozen)
+    return ScoredSampler(graphdef, tokenizer, scorer, sampling, mesh=mesh, place=place,
+                         score_place=lambda value: place_rows(value, reward_mesh))
+
+
+def greedy_sampling(config: TrainConfig, tokenizer) -> SamplingConfig:
+    """Greedy decoding, one sample a prompt, within ``rollout.max_new_tokens``, stopping at
+    ``rollout.stop_token_ids`` (default: the tokenizer's EOS) and padding with its pad id
+    (default: EOS)."""
+    rc = config.rollout
+    eos = tokenizer.eos_token_id
+    stop = tuple(rc.stop_token_ids) if rc.stop_token_ids else (eos,)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return SamplingConfig(max_new_tokens=rc.max_new_tokens, greedy=True, stop_token_ids=stop, pad_id=pad)
+
+
+def rollout_sampling(base: SamplingConfig, rollout) -> SamplingConfig:
+    """``base`` (stop tokens, pad, budget) with the rollout's sampling distribution:
+    ``rollout.temperature`` / ``top_k`` / ``top_p`` and ``rollout.num_samples`` a prompt."""
+    return dataclasses.replace(base, greedy=False, temperature=rollout.temperature, top_k=rollout.top_k,
+                               top_p=rollout.top_p, num_samples=rollout.num_samples)
 
 
 def prompt_batches(config: TrainConfig, tokenizer, *, prompts: DataConfig | None = None,

@@ -51,15 +51,17 @@ def sampler_copy(model_dir) -> dict:
         own = build_trainer(toy_config(tmp, model_dir, "grpo", steps=1, rollout={"mesh": [2, 1, 4]}, **sections),
                             records=toy_prompts(24))
     # the sampler as it was before it had a mesh of its own: the training mesh and weights
-    shared = ScoredSampler(own.graphdef, own.tokenizer, own.scorer, own.sampling, mesh=own.mesh, place=own.place)
-    params = own.initial_params
-    copy = own.sampling_state(params)
+    actors = own.actors
+    shared = ScoredSampler(actors.graphdef, own.tokenizer, actors.sampler.scorer, actors.sampler.config,
+                           mesh=own.mesh, place=actors.place)
+    params = actors.initial_params
+    copy = actors.sampling_state(params)
     kernels = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(copy) if x.ndim >= 2]
-    originals = dict(jax.tree_util.tree_leaves_with_path(nnx.merge_state(params, own.rest)))
+    originals = dict(jax.tree_util.tree_leaves_with_path(nnx.merge_state(params, actors.rest)))
     batch = next(own.data.iterator("train"))
     key = jax.random.key(5)
-    a, _, _ = own.sampler.sample(copy, batch, key)
-    b, _, _ = shared.sample(nnx.merge_state(params, own.rest), batch, key)
+    a, _, _ = actors.sampler.sample(copy, batch, key)
+    b, _, _ = shared.sample(nnx.merge_state(params, actors.rest), batch, key)
     both = a.response_mask * b.response_mask
     return {
         "copy_kernel_dtypes": sorted({str(x.dtype) for _, x in kernels}),

@@ -38,7 +38,7 @@ def run(model_dir, shape, pack_groups="auto"):
                             ppo={"critic": "separate", "epochs": 2, "minibatches": 2})
         trainer = build_trainer(config, records=toy_prompts(24))
         result = trainer.train()
-    return result, jax.device_get(result.loop.state.params), result.loop.state.params, trainer.pack_group
+    return result, jax.device_get(result.loop.state.params), result.loop.state.params, trainer.actors.pack_group
 
 
 def diffs(a, b) -> dict[str, float]:

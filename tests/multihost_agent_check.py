@@ -39,8 +39,8 @@ def main() -> int:
         multihost.initialize(config.distributed)
         trainer = build_trainer(config, records=lookup_records(16))
         batch = next(trainer.data.iterator("train"))
-        groups, _, _ = trainer.sampler.sample(trainer.sampling_state(trainer.initial_params), batch,
-                                              jax.random.key(3))
+        actors = trainer.actors
+        groups, _, _ = actors.sampler.sample(actors.sampling_state(actors.initial_params), batch, jax.random.key(3))
     print(json.dumps({
         "process": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
         "prompts": [r["prompt"] for r in groups.references[:: config.rollout.num_samples]],

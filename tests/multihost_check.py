@@ -35,7 +35,7 @@ import numpy as np
 def frozen_layout(trainer) -> dict:
     """Where a reference placed on a sub-mesh lies: how many devices hold it, how many of
     them are this process's, and whether any is a training device (empty without one)."""
-    reference = getattr(trainer, "submesh_reference", None)
+    reference = getattr(getattr(trainer, "actors", trainer), "submesh_reference", None)  # online: the actors hold it
     if reference is None:
         return {}
     devices = {d for x in jax.tree.leaves(reference) for d in x.sharding.device_set}
@@ -117,7 +117,8 @@ def main() -> None:
             "devices": jax.device_count(), "local_devices": jax.local_device_count(),
             "losses": [h["loss"] for h in result.history], "steps": [h["step"] for h in result.history],
             "metric_steps": rows, "eval": result.eval_history,
-            "sampler_mesh": list(getattr(trainers[-1], "sampler_mesh", trainers[-1].mesh).shape.values()),
+            "sampler_mesh": list(getattr(getattr(trainers[-1], "actors", None), "sampler_mesh",
+                                         trainers[-1].mesh).shape.values()),
             **frozen_layout(trainers[-1]),
             "layout_changed": any("layout changed" in m for m in messages), "digest": [float(x) for x in jax.device_get(digest)],
         }), flush=True)

@@ -57,8 +57,8 @@ def dpo(model_dir: str, placement: dict) -> dict:
         config = tiny_config(tmp, "dpo", steps=3, model_dir=model_dir, preference={"beta": 0.5},
                              checkpoint={"enabled": False}, mesh={"shape": [2, 2, 1]}, placement=placement)
         trainer = build_trainer(config, records=separable_pairs(32))
-    state, reference = trainer.start()
-    frozen = trainer.frozen_inputs(reference)
+    state, frozen = trainer.start()
+    reference = trainer.reference
     batches = trainer.data.iterator("train")
     batch = trainer.place_batch(next(batches))
     compiled = trainer.step.lower(state, frozen, batch).compile()
@@ -118,7 +118,8 @@ def iterative_reference(model_dir: str) -> dict:
         config = tiny_config(tmp, "dpo", steps=1, model_dir=model_dir, checkpoint={"enabled": False},
                              mesh={"shape": [2, 2, 1]}, placement=SUBMESH, data={"paths": [pairs]})
         trainer = _RoundTrainer(config, config)
-        state, reference = trainer.start()
+        state, _ = trainer.start()
+        reference = trainer.reference
     return {"devices": device_ids(reference), "max_diff_to_initial": max_diff(reference, state.params)}
 
 
@@ -129,10 +130,10 @@ def grpo(model_dir: str, scorer_dir: str, placement: dict) -> dict:
                             grpo={"kl_coef": 0.1}, rewards={"reward_models": [scorer_dir]})
         trainer = build_trainer(config, records=toy_prompts(24))
         result = trainer.train()
-    reference = trainer.submesh_reference
+    reference = trainer.actors.submesh_reference
     return {"history": result.history, "params": jax.device_get(nnx.state(result.model, nnx.Param)),
             "reference_devices": device_ids(reference) if reference is not None else None,
-            "reward_model_devices": device_ids(trainer.scorer.reward_models.states),
+            "reward_model_devices": device_ids(trainer.actors.sampler.scorer.reward_models.states),
             "params_devices": device_ids(nnx.state(result.model, nnx.Param))}
 
 

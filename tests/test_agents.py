@@ -31,23 +31,15 @@ def stop_ids():
 
 
 def one_rollout_step(trainer):
-    """``(groups, the minibatch the update read, figures)`` of one rollout step of ``trainer``."""
+    """``(groups, the minibatch the update read, figures)`` of one rollout step of ``trainer``,
+    through its seams: collect, then learn with an observer."""
     state, frozen = trainer.start()
-    seen = {}
-    update, collect = trainer.update, trainer.collect
-
-    def spy(state, frozen, minibatch):
-        seen["minibatch"] = minibatch
-        return update(state, frozen, minibatch)
-
-    def keep(*args):
-        seen["groups"], figures = collect(*args)
-        return seen["groups"], figures
-
-    trainer.update, trainer.collect = spy, keep
+    seen = []
     batches = trainer.data.iterator("train")
-    _, out = trainer.rollout_step(state, frozen, next(batches), batches)
-    return seen["groups"], seen["minibatch"], out.metrics
+    batch = trainer.collect(state, frozen, next(batches), batches)
+    _, result = trainer.learn(state, frozen, batch, observe=lambda minibatch, out: seen.append(minibatch))
+    (minibatch,) = seen
+    return batch.groups, minibatch, trainer.figures(batch, result)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +49,7 @@ def captured(agent_model, tmp_path_factory):
                           env={"name": "tests.toy_agent:ChattyEnv"},
                           grpo={"aggregation": "token-sum", "kl_coef": 0.0})
     trainer = build_trainer(config, records=lookup_records(16))
-    params = jax.tree.map(jnp.copy, trainer.initial_params)
+    params = jax.tree.map(jnp.copy, trainer.actors.initial_params)
     groups, minibatch, metrics = one_rollout_step(trainer)
     return trainer, params, groups, minibatch, metrics
 
@@ -81,18 +73,11 @@ def test_observation_tokens_get_zero_gradient_and_model_tokens_a_single_turn_row
     trainer, params, groups, minibatch, _ = captured
     ro = minibatch.rollout
     norms = {"num_tokens": jnp.sum(ro.loss_mask), "num_seqs": jnp.asarray(float(groups.size))}
-    forward = trainer.policy_forward
+    logps, entropy, _ = trainer.actors.forward(params, ro.tokens, ro.positions, ro.attention_mask)
+    at_ratio_one = minibatch.replace(rollout=ro.replace(old_logps=logps))
 
-    def loss_of_offsets(offsets):  # d loss / d per-token log-prob through the trainer's own loss
-        def shifted(*args):
-            logps, entropy, values = forward(*args)
-            return logps + offsets, entropy, values
-        trainer.policy_forward = shifted
-        try:
-            return trainer.loss_fn(params, {}, minibatch.replace(rollout=ro.replace(old_logps=ro.sampler_logps)),
-                                   norms, None)[0]
-        finally:
-            trainer.policy_forward = forward
+    def loss_of_offsets(offsets):  # d loss / d per-token log-prob through the trainer's own policy loss
+        return trainer.learner.policy_loss(logps + offsets, entropy, at_ratio_one, norms)[0]
 
     per_token = np.asarray(jax.jit(jax.grad(loss_of_offsets))(jnp.zeros(ro.loss_mask.shape)))
     observations = (groups.response_mask > 0) & (groups.actions() == 0)

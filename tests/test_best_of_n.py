@@ -135,7 +135,7 @@ def test_a_trained_prm_is_grpos_process_reward(tmp_path, toy, toy_model):
         "process_reward_aggregation": "step"})
     ro, inputs = run.updates[0]["rollout"], run.inputs[0]
     tokens, positions, attention = (np.asarray(a) for a in (ro.tokens, ro.positions, ro.attention_mask))
-    step_mask, width = inputs["step_mask"], run.trainer.prompt_len
+    step_mask, width = inputs["step_mask"], run.trainer.actors.prompt_len
     expected = np.zeros(step_mask.shape)
     for r in range(step_mask.shape[0]):
         ends = np.flatnonzero(step_mask[r])

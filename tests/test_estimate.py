@@ -326,9 +326,9 @@ def test_the_estimate_is_within_15_percent_of_the_compiled_step(tmp_path, algori
     state, frozen = trainer.start()
     if algorithm == "dpo":
         batch = trainer.placer(next(trainer.data.iterator("train")))
-        compiled = trainer.step.lower(state, trainer.frozen_inputs(frozen), batch).compile()
+        compiled = trainer.step.lower(state, frozen, batch).compile()
     else:
-        compiled = trainer.update.lower(state, frozen, trainer.minibatch_shapes()).compile()
+        compiled = trainer.step.lower(state, frozen, trainer.minibatch_shapes()).compile()
     memory = compiled.memory_analysis()
     peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
             + memory.temp_size_in_bytes)
@@ -341,11 +341,12 @@ def test_the_estimate_is_within_15_percent_of_the_compiled_step(tmp_path, algori
     # weights, KV cache and decode buffers (measured 0.96 GRPO, 0.94 PPO)
     from flax import nnx
 
-    prompts = jnp.zeros((config.data.batch_size, trainer.prompt_len), jnp.int32)
-    sampler_state = nnx.merge_state(trainer.whole_policy(state.params), trainer.rest)
-    with jax.set_mesh(trainer.sampler_mesh):
-        generation = trainer.sampler._generate.lower(trainer.sampler.graphdef, sampler_state, prompts, prompts,
-                                                     jax.random.key(0), config=trainer.sampling).compile()
+    actors = trainer.actors
+    prompts = jnp.zeros((config.data.batch_size, actors.prompt_len), jnp.int32)
+    sampler_state = nnx.merge_state(actors.whole_policy(state.params), actors.rest)
+    with jax.set_mesh(actors.sampler_mesh):
+        generation = actors.sampler._generate.lower(actors.sampler.graphdef, sampler_state, prompts, prompts,
+                                                    jax.random.key(0), config=actors.sampler.config).compile()
     memory = generation.memory_analysis()
     peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
             + memory.temp_size_in_bytes)

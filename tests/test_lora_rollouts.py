@@ -54,7 +54,7 @@ def ppo_lora(tmp_path_factory, toy_model):
     trainer = build_trainer(config, records=toy_prompts(16))
     state, frozen = trainer.start()
     initial = _copy(state.params)
-    base_before = _copy(trainer.base)
+    base_before = _copy(trainer.actors.base)
     batches = trainer.data.iterator("train")
     state, _ = trainer.rollout_step(state, frozen, next(batches), batches)
     ckpt = Checkpointer(str(tmp / "checkpoints"), async_save=False)
@@ -103,35 +103,36 @@ def test_merged_sampler_generates_as_unmerged_without_adapter_matmuls(ppo_lora, 
     from alignax.models import from_pretrained
 
     trainer, state = ppo_lora["trainer"], ppo_lora["state"]
-    assert trainer.sampler.graphdef is trainer.sampling_graphdef is not trainer.graphdef  # the key is read
+    actors = trainer.actors
+    assert actors.sampler.graphdef is actors.sampling_graphdef is not actors.graphdef  # the key is read
     params = dict(state.params, policy=_perturbed(state.params["policy"], 0.2, seed=1))  # adapters that matter
-    unmerged = nnx.merge_state(trainer.whole_policy(params), trainer.rest)
-    merged = trainer.sampling_state(params)
-    assert not jax.tree.leaves(nnx.state(nnx.merge(trainer.sampling_graphdef, merged), LoRAParam))
+    unmerged = nnx.merge_state(trainer.actors.whole_policy(params), trainer.actors.rest)
+    merged = trainer.actors.sampling_state(params)
+    assert not jax.tree.leaves(nnx.state(nnx.merge(trainer.actors.sampling_graphdef, merged), LoRAParam))
     batch = ppo_lora["batch"]
     prompts, mask = (jnp.asarray(batch[k]) for k in ("prompt_tokens", "prompt_attention_mask"))
-    run = functools.partial(generate, config=trainer.greedy)
+    run = functools.partial(generate, config=trainer.actors.greedy)
     key = jax.random.key(0)
-    out_unmerged = run(trainer.graphdef, unmerged, prompts, mask, key)
-    out_merged = run(trainer.sampling_graphdef, merged, prompts, mask, key)
+    out_unmerged = run(trainer.actors.graphdef, unmerged, prompts, mask, key)
+    out_merged = run(trainer.actors.sampling_graphdef, merged, prompts, mask, key)
     np.testing.assert_array_equal(np.asarray(out_merged.tokens), np.asarray(out_unmerged.tokens))
     np.testing.assert_allclose(np.asarray(out_merged.logps), np.asarray(out_unmerged.logps), atol=1e-5)
-    off = nnx.merge_state(trainer.whole_policy(dict(params, policy=adapters.adapters_off(params["policy"]))),
-                          trainer.rest)
-    assert np.any(np.asarray(run(trainer.graphdef, off, prompts, mask, key).tokens)
+    off = nnx.merge_state(trainer.actors.whole_policy(dict(params, policy=adapters.adapters_off(params["policy"]))),
+                          trainer.actors.rest)
+    assert np.any(np.asarray(run(trainer.actors.graphdef, off, prompts, mask, key).tokens)
                   != np.asarray(out_unmerged.tokens))  # the adapters are in the samples
 
     # the decode step: the merged model's dots are the plain base model's; unmerged adds x A and (x A) B
-    assert not trainer.model_config.scan_layers
-    n_adapters = len(jax.tree.leaves(nnx.state(nnx.merge(trainer.graphdef, unmerged), LoRAParam))) // 2
-    assert n_adapters == 7 * trainer.model_config.num_layers
+    assert not trainer.actors.model_config.scan_layers
+    n_adapters = len(jax.tree.leaves(nnx.state(nnx.merge(trainer.actors.graphdef, unmerged), LoRAParam))) // 2
+    assert n_adapters == 7 * trainer.actors.model_config.num_layers
 
     def dots(graphdef, state):
         return _dots_in_decode_loop(lambda s: run(graphdef, s, prompts, mask, key), state)
 
     plain = dots(*nnx.split(from_pretrained(toy_model)))
-    assert plain > 0 and dots(trainer.sampling_graphdef, merged) == plain
-    assert dots(trainer.graphdef, unmerged) == plain + 2 * n_adapters
+    assert plain > 0 and dots(trainer.actors.sampling_graphdef, merged) == plain
+    assert dots(trainer.actors.graphdef, unmerged) == plain + 2 * n_adapters
 
 
 # ---------------------------------------------------------------------------- PPO's critic adapter
@@ -140,9 +141,9 @@ def _minibatch(trainer, batch, seed=0):
     tokens = np.asarray(batch["prompt_tokens"])
     mask = np.asarray(batch["prompt_attention_mask"])
     R, P = tokens.shape
-    N = trainer.max_new
+    N = trainer.actors.max_new
     rng = np.random.default_rng(seed)
-    response = rng.integers(3, trainer.model_config.vocab_size, (R, N)).astype(np.int32)
+    response = rng.integers(3, trainer.actors.model_config.vocab_size, (R, N)).astype(np.int32)
     full = np.concatenate([tokens, response], axis=1)
     attention = np.concatenate([mask, np.ones((R, N), np.int32)], axis=1)
     positions = np.maximum(np.cumsum(attention, axis=1) - 1, 0).astype(np.int32)
@@ -158,10 +159,10 @@ def test_critic_adapter_value_gradient_values_and_one_base(ppo_lora):
     trainer, state, frozen = ppo_lora["trainer"], ppo_lora["state"], ppo_lora["frozen"]
     params = dict(state.params, critic=_perturbed(state.params["critic"], 0.3, seed=2))
     mb = _minibatch(trainer, ppo_lora["batch"])
-    loss = adapters.with_base(trainer.loss_fn, merge=trainer.with_frozen_base)
+    loss = adapters.with_base(trainer.learner.loss_fn, merge=trainer.actors.with_frozen_base)
 
     def value_loss(p):
-        return loss(p, frozen, mb, trainer.normalisers_fn(mb), jax.random.key(0))[1].sums["value/loss"]
+        return loss(p, frozen, mb, trainer.learner.normalisers_fn(mb), jax.random.key(0))[1].sums["value/loss"]
 
     grads = jax.jit(jax.grad(value_loss))(params)
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads["policy"]))  # the policy: untouched
@@ -171,13 +172,14 @@ def test_critic_adapter_value_gradient_values_and_one_base(ppo_lora):
 
     # the critic's values = the policy's graph with the critic's adapters, hidden @ value head
     ro = mb.rollout
-    values = trainer.critic_values(trainer.whole_critic(params), ro.tokens, ro.positions, ro.attention_mask)
+    actors = trainer.actors
+    values = actors.critic_values(actors.whole_critic(params), ro.tokens, ro.positions, ro.attention_mask)
 
     def via_policy_graph(lora_leaves):
-        policy = nnx.merge(trainer.graphdef, nnx.merge_state(lora_leaves, trainer.base), trainer.rest)
+        policy = nnx.merge(actors.graphdef, nnx.merge_state(lora_leaves, actors.base), actors.rest)
         hidden = policy(ro.tokens, ro.positions, ro.attention_mask, return_logits=False).hidden
         head = np.asarray(params["critic"]["value_head"][...])
-        return (np.asarray(hidden, np.float64) @ head.astype(np.float64))[:, trainer.prompt_len - 1:-1, 0]
+        return (np.asarray(hidden, np.float64) @ head.astype(np.float64))[:, trainer.actors.prompt_len - 1:-1, 0]
 
     critic_lora = nnx.split_state(params["critic"], LoRAParam, ...)[0]
     policy_lora = params["policy"]
@@ -186,24 +188,24 @@ def test_critic_adapter_value_gradient_values_and_one_base(ppo_lora):
 
     # one base: every buffer the run holds is the base's, an adapter's, the value head or the
     # reference's adapter-sized zeros; the critic's decoder is the base's own arrays
-    base_ids = {id(x) for x in jax.tree.leaves(trainer.base)}
-    whole_critic = trainer.whole_critic(state.params)
+    base_ids = {id(x) for x in jax.tree.leaves(trainer.actors.base)}
+    whole_critic = trainer.actors.whole_critic(state.params)
     decoder = nnx.split_state(whole_critic, nnx.Not(nnx.Any(LoRAParam, nnx.PathContains("value_head"))), ...)[0]
     assert jax.tree.leaves(decoder) and all(id(x) in base_ids for x in jax.tree.leaves(decoder))
     buffers = {}
     for x in jax.tree.leaves((state.params, frozen, whole_critic)):
         buffers[x.unsafe_buffer_pointer()] = x.nbytes
-    base_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.base))
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.actors.base))
     trained_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
     reference_zeros = sum(x.nbytes for x in jax.tree.leaves(frozen["reference"]) if id(x) not in base_ids)
     assert reference_zeros == sum(x.nbytes for x in jax.tree.leaves(state.params["policy"]))
     assert sum(buffers.values()) == base_bytes + trained_bytes + reference_zeros
-    assert any(x.dtype == jnp.uint8 for x in jax.tree.leaves(trainer.base))  # NF4 codes
+    assert any(x.dtype == jnp.uint8 for x in jax.tree.leaves(trainer.actors.base))  # NF4 codes
 
 
 def test_critic_adapter_trains_the_base_stays_and_resume_is_bit_identical(ppo_lora):
     trainer, state, frozen = ppo_lora["trainer"], ppo_lora["state"], ppo_lora["frozen"]
-    for before, now in zip(jax.tree.leaves(ppo_lora["base_before"]), jax.tree.leaves(trainer.base), strict=True):
+    for before, now in zip(jax.tree.leaves(ppo_lora["base_before"]), jax.tree.leaves(trainer.actors.base), strict=True):
         np.testing.assert_array_equal(np.asarray(now), before)
     initial = ppo_lora["initial"]
     # fresh: the critic's A are its own draw (lora.seed + 1), its B and value head zero
@@ -231,11 +233,11 @@ def test_the_estimator_counts_the_critic_adapter_not_a_second_model(ppo_lora):
     from alignax import estimate as est
 
     trainer, state = ppo_lora["trainer"], ppo_lora["state"]
-    items = est.estimate(trainer.config, model=trainer.model_config, devices=1).items
+    items = est.estimate(trainer.config, model=trainer.actors.model_config, devices=1).items
     critic = sum(x.size for x in jax.tree.leaves(state.params["critic"]))
     policy = sum(x.size for x in jax.tree.leaves(state.params["policy"]))
     # the toy model's head is tied (no LM-head adapter): the critic's adapters are the
     # policy's count, plus a value head of hidden_size weights
-    assert critic == policy + trainer.model_config.hidden_size
+    assert critic == policy + trainer.actors.model_config.hidden_size
     assert items["critic weights"] == critic * 4 and items["critic optimizer moments"] == critic * 8  # float32
     assert items["policy weights"] == policy * 4

@@ -107,6 +107,25 @@ def test_length_drift_not_raised_otherwise(lengths, rewards):
     assert raised(feed(Alarms(), lengths=lengths, rewards=rewards), "length_drift") == [0] * len(lengths)
 
 
+# ----------------------------------------------------------------------- no_signal
+
+
+def test_no_signal_counts_zero_gradient_rollouts_and_stops_the_run_at_the_streak_limit():
+    from alignax.trainers.engine.loop import StalledRunError
+
+    alarms = Alarms(max_stalled_streak=3)
+    outs = [alarms.update(i + 1, kl=None, grad_norm=g, **QUIET) for i, g in enumerate([0.0, 0.0, 0.5, 0.0, 0.0])]
+    assert raised(outs, "no_signal") == [1, 1, 0, 1, 1]  # a gradient resets the count
+    resumed = Alarms(max_stalled_streak=3)
+    resumed.set_state(json.loads(json.dumps(alarms.state())))  # two in a row, carried by the checkpoint
+    with pytest.raises(StalledRunError, match=r"3 rollouts in a row had an exactly zero gradient \(step 6.*"
+                                              r"train\.max_stalled_streak=3"):
+        resumed.update(6, kl=None, grad_norm=0.0, **QUIET)
+    unlimited = Alarms()  # max_stalled_streak 0: watched, never stopped
+    assert raised([unlimited.update(i, kl=None, grad_norm=0.0, **QUIET) for i in range(9)], "no_signal") == [1] * 9
+    assert raised(feed(Alarms(max_stalled_streak=1), kls=[0.0] * 3), "no_signal") == [0] * 3  # not watched
+
+
 # ----------------------------------------------------------------------- saved state
 
 

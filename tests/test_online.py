@@ -13,7 +13,10 @@ import pytest
 from alignax.checkpoint import Checkpointer
 from alignax.trainers.api import build_trainer as make_trainer
 from alignax.trainers.api import train
+from alignax.trainers.online import grpo
+from alignax.trainers.online.collect import single_update
 from alignax.trainers.online.rollout import Minibatch, Rollout
+from alignax.trainers.online.trainer import OnlineTrainer
 from alignax.rewards.composite import NonFiniteRewardError
 from tests.rl_toy import toy_config, toy_prompts
 
@@ -70,9 +73,9 @@ def one_rollout_step(toy_model: str, grad_accum_steps: int, *, reuse: bool = Tru
     config = toy_config(tempfile.mkdtemp(prefix="one-rollout-step-"), toy_model, "grpo", steps=1,
                         checkpoint={"enabled": False}, train={"grad_accum_steps": grad_accum_steps},
                         rollout={"pack_groups": pack})
-    trainer = make_trainer(config, records=toy_prompts(16))
-    assert trainer.logps_from_update and trainer.pack_group == (1 if pack == "off" else 4)
-    trainer.logps_from_update = reuse  # read when the step is first traced, and by rollout_step
+    trainer = OnlineTrainer(config, grpo.build_algorithm(config), records=toy_prompts(16), single_pass=reuse)
+    assert single_update(config, trainer.algorithm) and trainer.actors.pack_group == (1 if pack == "off" else 4)
+    assert trainer.single_pass == reuse and trainer.collector.single_pass == reuse
     state, frozen = trainer.start()
     state, out = trainer.rollout_step(state, frozen, next(trainer.data.iterator("train")), iter(()))
     return jax.device_get(state.params), out.metrics
@@ -98,13 +101,18 @@ def test_single_update_reuses_its_forward_pass_and_matches_the_separate_pass(toy
 
 
 def test_several_updates_or_kl_in_the_reward_keep_the_separate_forward_pass(tmp_path, toy_model):
-    records = toy_prompts(16)
+    from alignax.trainers.online import ppo
+
+    config = toy_config(tmp_path, toy_model, "grpo", steps=1)
+    assert single_update(config, grpo.build_algorithm(config))
     for sections in (dict(grpo={"minibatches": 2}), dict(grpo={"epochs": 2}),
                      dict(grpo={"kl_placement": "reward", "kl_kind": "k1"})):
-        assert not make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, **sections),
-                                records=records).logps_from_update, sections
-    assert not make_trainer(toy_config(tmp_path, toy_model, "ppo", steps=1, ppo={"epochs": 1}),
-                            records=records).logps_from_update
+        config = toy_config(tmp_path, toy_model, "grpo", steps=1, **sections)
+        assert not single_update(config, grpo.build_algorithm(config)), sections
+    config = toy_config(tmp_path, toy_model, "ppo", steps=1, ppo={"epochs": 1})
+    assert not single_update(config, ppo.build_algorithm(config))  # the critic's values read the policy
+    with pytest.raises(ValueError, match="single_pass"):
+        OnlineTrainer(config, ppo.build_algorithm(config), records=toy_prompts(16), single_pass=True)
 
 
 def test_sampler_log_probs_agree_with_the_trainer_at_temperature_one(tmp_path, toy_model):
@@ -122,6 +130,33 @@ def test_zero_variance_groups_give_zero_advantage_and_no_nan(tmp_path, toy_model
         assert row["groups/zero_variance_fraction"] == 1.0
         assert row["advantages/abs_mean"] == 0.0
         assert row["update_skipped"] == 0.0
+
+
+def test_an_online_run_whose_rewards_never_vary_stops_as_stalled(tmp_path, toy_model):
+    """Every reward the same: zero advantages and (no KL) an exactly zero gradient in every
+    update. The engine's stall watch reads that as "no signal", never a stall; the online
+    alarm stops the run after train.max_stalled_streak such rollouts."""
+    from alignax.trainers.engine.loop import StalledRunError
+
+    config = toy_config(tmp_path, toy_model, "grpo", steps=4, checkpoint={"enabled": False},
+                        train={"max_stalled_streak": 2}, grpo={"kl_coef": 0.0},
+                        rewards={"functions": {"tests.rl_toy:constant_reward": 1.0}})
+    with pytest.raises(StalledRunError, match="2 rollouts in a row had an exactly zero gradient"):
+        train(config, records=toy_prompts(16))
+
+
+def test_the_tiny_ppo_recipe_gets_rewards_that_vary_and_trains(tmp_path):
+    """configs/tiny-ppo.yaml on its random model: the verifiers alone give every sample 0
+    (no answer tag, no digit), so its rewards include length_closeness."""
+    from alignax.trainers.api import load_config
+
+    config = load_config("configs/tiny-ppo.yaml", [f"output_dir={tmp_path}", "train.total_steps=1",
+                                                   "checkpoint.enabled=false", "data.eval_fraction=0.0",
+                                                   "logging.console=false", "logging.tensorboard=false"])
+    (row,) = train(config).history
+    assert row["reward/answer"] == 0.0 and row["reward/std"] > 0.0
+    assert row["reward/fn/alignax.rewards.verifiers:length_closeness"] > 0.0
+    assert row["grad_norm"] > 0.0 and row["alarm/no_signal"] == 0.0
 
 
 def test_an_all_truncated_batch_trains_nothing_and_stays_finite(tmp_path, toy_model):
@@ -173,7 +208,8 @@ def test_stop_token_stays_in_the_mask_when_pad_equals_eos(tmp_path, toy_model):
     import jax
 
     batch = next(trainer.data.iterator("train"))
-    groups, _, _ = trainer.sampler.sample(trainer.sampling_state(trainer.initial_params), batch, jax.random.key(3))
+    actors = trainer.actors
+    groups, _, _ = actors.sampler.sample(actors.sampling_state(actors.initial_params), batch, jax.random.key(3))
     stopped = np.flatnonzero(groups.stopped)
     assert stopped.size > 0
     for r in stopped:
@@ -190,9 +226,9 @@ def test_loss_reads_response_tokens_only(tmp_path, toy_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
                         rollout={"max_new_tokens": 12})
     trainer = make_trainer(config, records=toy_prompts(16))
-    params = trainer.initial_params
+    params = trainer.actors.initial_params
     rng = np.random.default_rng(0)
-    r, n, p = trainer.rows, trainer.max_new, trainer.prompt_len
+    r, n, p = trainer.layout.rows, trainer.actors.max_new, trainer.actors.prompt_len
     prompt_mask = np.ones((r, p), np.int32)
     prompt_mask[:, : p // 2] = 0  # left padding
     response_mask = np.ones((r, n), np.float32)
@@ -205,7 +241,7 @@ def test_loss_reads_response_tokens_only(tmp_path, toy_model):
           "ref_logps": np.full((r, n), -2.5, np.float32), "advantages": rng.normal(size=(r, n)).astype(np.float32),
           "old_values": np.zeros((r, n), np.float32), "returns": np.zeros((r, n), np.float32)}
     norms = {"num_tokens": response_mask.sum(), "num_seqs": float(r)}
-    grad = jax.jit(jax.grad(lambda prm, b: trainer.loss_fn(prm, {}, b, norms, None)[0]))
+    grad = jax.jit(jax.grad(lambda prm, b: trainer.learner.loss_fn(prm, {}, b, norms, None)[0]))
 
     def minibatch(fields):
         return Minibatch(rollout=Rollout(**{k: jnp.asarray(v) for k, v in fields.items()}),
@@ -257,10 +293,56 @@ def test_each_variant_runs(tmp_path, toy_model, variant):
     last = result.history[-1]
     if variant == "remax_single_sample":
         assert "reward/greedy_baseline" in last
-    if variant == "ppo_shared_critic":
-        assert last["epochs_run"] >= 1 and "value/loss" in last
+    if variant == "ppo_shared_critic":  # the epochs the target KL lets run: test_target_kl_stops_...
+        assert "value/loss" in last and "value/explained_variance" in last
     if variant == "tis":
         assert last["mismatch/sampler_trainer_abs"] > 0.0 and "tis_weight_mean" in last
+
+
+def observed_update(trainer):
+    """``(rollout batch, update result, [(minibatch rollout, step output)] on the host)`` of
+    one rollout of ``trainer`` through its seams: collect, then learn with an observer."""
+    import jax
+
+    state, frozen = trainer.start()
+    batches = trainer.data.iterator("train")
+    seen = []
+    batch = trainer.collect(state, frozen, next(batches), batches)
+    _, result = trainer.learn(state, frozen, batch,
+                              observe=lambda mb, out: seen.append(jax.device_get((mb.rollout, out))))
+    return batch, result, seen
+
+
+def test_sampler_old_logps_are_the_ratios_denominator(tmp_path, toy_model):
+    """rollout.old_logps=sampler: the update's old log-probs are the sampler's, bit for bit,
+    and the loss's importance ratio is exp(trainer - sampler log-prob) over the loss tokens,
+    away from 1 (top_p=0.9 renormalises the sampler's distribution; with recomputed old
+    log-probs the single update's ratio is exactly 1)."""
+    config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
+                        rollout={"old_logps": "sampler", "top_p": 0.9})
+    _, _, seen = observed_update(make_trainer(config, records=toy_prompts(16)))
+    (ro, out), = seen
+    np.testing.assert_array_equal(ro.old_logps, ro.sampler_logps)
+    ratio = np.exp(np.asarray(out.rows.logps, np.float64) - ro.sampler_logps)[ro.loss_mask > 0]
+    np.testing.assert_allclose(out.metrics["ratio_mean"], ratio.mean(), rtol=1e-5)
+    np.testing.assert_allclose(out.metrics["ratio_max"], ratio.max(), rtol=1e-5)
+    assert abs(ratio.mean() - 1) > 1e-3
+
+
+def test_target_kl_ends_the_epochs_after_the_first_one_over_one_and_a_half_targets(tmp_path, toy_model):
+    """PPO's target KL: every epoch that ran but the last has mean approx KL <= 1.5 x target,
+    and the epochs end early only after one above it; ``epochs_run`` counts them."""
+    epochs, minibatches, target = 4, 2, 0.01
+    config = toy_config(tmp_path, toy_model, "ppo", steps=1, checkpoint={"enabled": False},
+                        ppo={"critic": "shared", "epochs": epochs, "minibatches": minibatches, "target_kl": target},
+                        rewards={"functions": {"tests.test_online_variants:hashed_reward": 1.0}})
+    _, result, seen = observed_update(make_trainer(config, records=toy_prompts(16)))
+    assert len(seen) == result.epochs_run * minibatches == len(result.metrics)
+    over = [np.mean([out.metrics["approx_kl"] for _, out in seen[e * minibatches:(e + 1) * minibatches]])
+            > 1.5 * target for e in range(result.epochs_run)]
+    assert not any(over[:-1])
+    assert result.epochs_run == epochs or over[-1]
+    assert 1 < result.epochs_run < epochs, over  # these settings stop part-way: the rule was exercised
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +405,8 @@ def test_group_packing_decision(tmp_path, toy_model):
     records = toy_prompts(16)
 
     def group(**sections):
-        return make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, **sections), records=records).pack_group
+        trainer = make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, **sections), records=records)
+        return trainer.actors.pack_group
 
     # toy shapes: prompt 24, 8 new tokens, G = 4: one row of 56 tokens instead of 4 of 32
     assert group() == 4
@@ -334,7 +417,7 @@ def test_group_packing_decision(tmp_path, toy_model):
     # minibatches of whole groups, drawn group by group
     trainer = make_trainer(toy_config(tmp_path, toy_model, "grpo", steps=1, grpo={"minibatches": 2}),
                            records=records)
-    parts = trainer._minibatch_rows(np.random.default_rng(0))
+    parts = trainer.learner.minibatch_rows(np.random.default_rng(0))
     assert len(parts) == 2 and sorted(np.concatenate(parts).tolist()) == list(range(16))
     for rows in parts:
         by_group = rows.reshape(-1, 4)

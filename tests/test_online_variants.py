@@ -99,28 +99,13 @@ def run_steps(tmp_path, toy_model, algorithm: str, *, steps: int = 1, ref_noise:
     config = toy_config(tmp_path, toy_model, algorithm, steps=steps, checkpoint={"enabled": False}, **sections)
     trainer = build_trainer(config, records=records)
     inputs, advantages, returns, updates = [], [], [], []
-    advantages_fn = trainer._advantages
 
-    def recording_advantages(x):
-        adv, ret = advantages_fn(x)
-        inputs.append({k: None if v is None else np.asarray(v)
-                       for k, v in dataclasses.asdict(jax.device_get(x)).items()})
-        advantages.append(np.asarray(adv))
-        returns.append(np.asarray(ret))
-        return adv, ret
-
-    trainer._advantages = recording_advantages
-    state, frozen = trainer.start()
-    update_fn = trainer.update
-
-    def recording_update(st, fr, minibatch):
+    def record_update(minibatch, out):  # each step's minibatch and output, through the update's observer
         host_mb = jax.device_get(minibatch)
-        st, out = update_fn(st, fr, minibatch)
         updates.append({"rollout": host_mb.rollout, "ptx": host_mb.ptx, "metrics": jax.device_get(out.metrics),
                         "logps": np.asarray(out.rows.logps)})
-        return st, out
 
-    trainer.update = recording_update
+    state, frozen = trainer.start()
     if ref_noise and "reference" in frozen:
         frozen["reference"] = perturbed(frozen["reference"], ref_noise)
     params0 = jax.device_get(state.params)
@@ -129,8 +114,14 @@ def run_steps(tmp_path, toy_model, algorithm: str, *, steps: int = 1, ref_noise:
     for _ in range(steps):
         batch = next(batches)
         prompt_batch = prompt_batch or batch
-        state, out = trainer.rollout_step(state, frozen, batch, batches)
-        figures.append(out.metrics)
+        # the trainer's seams in turn: collect, learn, figures (what rollout_step runs)
+        rollout = trainer.collect(state, frozen, batch, batches)
+        inputs.append({k: None if v is None else np.asarray(v)
+                       for k, v in dataclasses.asdict(jax.device_get(rollout.inputs)).items()})
+        advantages.append(np.asarray(rollout.rollout.advantages))
+        returns.append(np.asarray(rollout.rollout.returns))
+        state, result = trainer.learn(state, frozen, rollout, observe=record_update)
+        figures.append(trainer.figures(rollout, result))
         params.append(jax.device_get(state.params))
     return Run(trainer, params0, params, figures, inputs, advantages, returns, updates, prompt_batch)
 
@@ -340,11 +331,11 @@ def test_remax_subtracts_the_greedy_completions_reward(runs):
     assert_same_rollout(run, default)
     trainer = run.trainer
     # the greedy completion of each prompt under the starting policy, scored independently
-    greedy, _, _ = trainer.sampler.sample(trainer.sampling_state(jax.tree.map(jnp.asarray, run.params0)),
-                                          run.prompt_batch, jax.random.key(0), config=trainer.greedy)
+    greedy, _, _ = trainer.actors.sampler.sample(trainer.actors.sampling_state(jax.tree.map(jnp.asarray, run.params0)),
+                                          run.prompt_batch, jax.random.key(0), config=trainer.actors.greedy)
     greedy_rewards = np.asarray(hashed_reward(greedy.completions, None), np.float64)
     assert np.all(greedy_rewards > 0)  # a real baseline, not the zeros of no baseline
-    baseline = np.repeat(greedy_rewards, trainer.group_size)
+    baseline = np.repeat(greedy_rewards, trainer.layout.group_size)
     np.testing.assert_allclose(run.inputs[0]["baseline"], baseline, rtol=1e-6)
     np.testing.assert_allclose(sequence_advantages(run), run.inputs[0]["rewards"] - baseline, rtol=1e-5, atol=1e-6)
     assert run.figures[0]["reward/greedy_baseline"] == pytest.approx(greedy_rewards.mean(), rel=1e-6)
@@ -357,7 +348,7 @@ def expected_process(run: Run):
     (``step_words`` of each step's text) and DeepSeekMath's process advantages, in NumPy."""
     trainer = run.trainer
     ro = run.updates[0]["rollout"]
-    response = np.asarray(ro.tokens)[:, trainer.prompt_len:]
+    response = np.asarray(ro.tokens)[:, trainer.actors.prompt_len:]
     mask = np.asarray(ro.loss_mask)
     rows, n = mask.shape
     step_mask = np.zeros((rows, n))
@@ -374,7 +365,7 @@ def expected_process(run: Run):
             step_rewards[r, end] = len(text.split()) + 0.5 * j
             start = end + 1
     normed = np.zeros((rows, n))
-    g = trainer.group_size
+    g = trainer.layout.group_size
     for first in range(0, rows, g):
         block = slice(first, first + g)
         values = step_rewards[block][step_mask[block] > 0]
@@ -410,7 +401,7 @@ def test_dapo_clip_higher_token_mean_and_dynamic_sampling(runs):
     algo = run.trainer.algorithm
     assert algo.objective.keywords == {"clip_eps_low": 0.2, "clip_eps_high": 0.28}
     assert algo.objective.aggregation == "token-mean"
-    assert not run.trainer.uses_reference  # kl_coef 0: no reference model at all
+    assert not run.trainer.algorithm.kl.uses_reference  # kl_coef 0: no reference model at all
     # ... so no reference log-probs reach the advantages or the update, no KL figures are
     # reported (a KL against zeros would be minus the policy's log-probs), and the KL alarm
     # is never fed (its other alarms are)
@@ -707,7 +698,7 @@ def test_ppo_kl_in_the_reward_vs_in_the_loss_and_the_adaptive_coefficient(runs):
     assert u["metrics"]["kl"] == pytest.approx(float(np.mean(u["logps"] - u["rollout"].ref_logps, where=mask)),
                                                rel=1e-4)  # k1, PPO's default estimator
     # the adaptive controller: KL above a tiny target raises beta, below a huge one lowers it
-    rows = up.trainer.rows
+    rows = up.trainer.layout.rows
     for run, target in ((up, 1e-4), (down, 1e4)):
         measured = float(np.mean(seq_kl_k1(run.inputs[0])))
         assert run.figures[0]["kl/ref_seq"] == pytest.approx(measured, rel=1e-4)
@@ -742,9 +733,9 @@ def test_ppo_critic_learning_rate_reaches_a_shared_value_head(tmp_path, toy_mode
     config = toy_config(tmp_path, toy_model, "ppo", steps=1, optim=SGD,
                         ppo={"critic": "shared", "critic_learning_rate": 5e-2})
     trainer = build_trainer(config, records=RECORDS)
-    params = trainer.initial_params
+    params = trainer.actors.initial_params
     grads = jax.tree.map(jnp.ones_like, params)
-    updates, _ = trainer.optimizer.update(grads, trainer.optimizer.init(params), params)
+    updates, _ = trainer.learner.optimizer.update(grads, trainer.learner.optimizer.init(params), params)
     flat = jax.tree_util.tree_flatten_with_path(updates)[0]
     head = [v for path, v in flat if any(getattr(k, "key", None) == "value_head" for k in path)]
     trunk = [v for path, v in flat if not any(getattr(k, "key", None) == "value_head" for k in path)]

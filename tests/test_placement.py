@@ -89,8 +89,7 @@ def dpo_steps(tmp_path_factory, toy_model):
                              preference={"beta": 0.5}, placement=placement, checkpoint={"enabled": False},
                              precision={"param_dtype": "bfloat16", "compute_dtype": "bfloat16"})
         trainer = build_trainer(config, records=records)
-        state, reference = trainer.start()
-        frozen = trainer.frozen_inputs(reference)
+        state, frozen = trainer.start()
         seen = {"reference": [kinds(frozen["reference"])], "opt_state": [kinds(state.opt_state)]}
         batches = trainer.data.iterator("train")
         batch = trainer.placer(next(batches))
@@ -161,22 +160,22 @@ def test_online_reference_and_reward_models_in_host_memory(tmp_path, toy_model):
                         grpo={"kl_coef": 0.1}, rewards={"reward_models": [scorer_dir]},
                         placement={"reference": "host", "reward_models": "host", "optimizer_state": "host"})
     trainer = build_trainer(config, records=toy_prompts(8))
-    rms = trainer.scorer.reward_models
+    rms = trainer.actors.sampler.scorer.reward_models
     assert kinds(rms.states) == {HOST_MEMORY}
     state, frozen = trainer.start()
     assert kinds(frozen["reference"]) == kinds(state.opt_state) == {HOST_MEMORY}
 
-    rng, width = np.random.default_rng(0), trainer.prompt_len + trainer.max_new  # a rollout's rows
+    rng, width = np.random.default_rng(0), trainer.actors.prompt_len + trainer.actors.max_new  # a rollout's rows
     tokens = jnp.asarray(rng.integers(3, 32, size=(4, width)), jnp.int32)
     attention = jnp.asarray(np.arange(width)[None] < rng.integers(4, width + 1, size=(4, 1)), jnp.int32)
     positions = jnp.maximum(jnp.cumsum(attention, axis=-1) - 1, 0)
     on_device = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), frozen["reference"])
-    host_logps = trainer._policy_forward(frozen["reference"], tokens, positions, attention)[0]
-    device_logps = trainer._policy_forward(on_device, tokens, positions, attention)[0]
+    host_logps = trainer.actors.forward(frozen["reference"], tokens, positions, attention)[0]
+    device_logps = trainer.actors.forward(on_device, tokens, positions, attention)[0]
     np.testing.assert_array_equal(np.asarray(host_logps), np.asarray(device_logps))
-    traced = trainer._policy_forward.trace(frozen["reference"], tokens, positions, attention)
+    traced = trainer.actors.forward.trace(frozen["reference"], tokens, positions, attention)
     assert moves(traced, "device") == len(jax.tree.leaves(frozen["reference"]))
-    assert moves(trainer._policy_forward.trace(on_device, tokens, positions, attention), "device") == 0
+    assert moves(trainer.actors.forward.trace(on_device, tokens, positions, attention), "device") == 0
 
     score = rms.score_fn()
     device_states = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), rms.states)

@@ -207,10 +207,10 @@ def test_a_bfloat16_dpo_step_loss_is_within_bfloat16_rounding_of_the_float32_ste
         config = tiny_config(tmp_path / name, "dpo", steps=1, model_dir=toy_model, precision=precision, preference=DPO)
         trainer = build_trainer(config, records=records)
         policy = _perturbed(cast_floating(trainer.params, jnp.float32))
-        state, reference = trainer.start()
+        state, frozen = trainer.start()
         state = state._replace(params=cast_floating(policy, jnp.dtype(precision.get("param_dtype", "float32"))))
         batch = trainer.placer(next(trainer.data.iterator("train")))
-        _, out = trainer.step(state, trainer.frozen_inputs(reference), batch)
+        _, out = trainer.step(state, frozen, batch)
         figures[name] = {k: float(v) for k, v in jax.device_get(out.metrics).items()}
     f32, bf16 = figures["float32"], figures["bfloat16"]
     assert abs(f32["loss"] - np.log(2)) > 0.02  # the noise moved the policy off the reference
@@ -221,17 +221,11 @@ def test_a_bfloat16_dpo_step_loss_is_within_bfloat16_rounding_of_the_float32_ste
 
 # ---------------------------------------------------------------------------- learning and stepping in bfloat16
 def _train_capturing_frozen(config, records):
-    """``(result, the frozen models start() handed the loop)`` of a run of ``config``."""
-    trainer, seen = build_trainer(config, records=records), {}
-    start = trainer.start
-
-    def capturing_start():
-        state, frozen = start()
-        seen["frozen"] = frozen
-        return state, frozen
-
-    trainer.start = capturing_start
-    return trainer.train(), seen["frozen"]
+    """``(result of a run of config, the frozen models start() hands such a run)``: the
+    program seam, asked of a trainer of its own (``train`` builds another and starts it
+    the same way)."""
+    _, frozen = build_trainer(config, records=records).start()
+    return train(config, records=records), frozen
 
 
 def _assert_bfloat16_state(state, masters: int = 1):
@@ -298,7 +292,7 @@ def test_every_trainer_steps_under_the_bfloat16_policy(tmp_path, toy_model, algo
     if algorithm in OFFLINE_ONE_STEP:
         if algorithm == "kto":  # the reference, in precision.frozen_dtype
             assert dtypes(frozen) == {"float32"}
-        state, out = trainer.step(state, trainer.frozen_inputs(frozen), trainer.placer(batch))
+        state, out = trainer.step(state, frozen, trainer.placer(batch))
         figures = jax.device_get(out.metrics)
     else:
         assert dtypes(frozen["reference"]) == {"bfloat16"}
@@ -421,7 +415,8 @@ def test_a_step_holds_only_the_weight_copies_it_needs(tmp_path, toy_model, polic
     start = OfflineTrainer.start
 
     def counting_start(self):
-        state, reference = start(self)
+        state, frozen = start(self)
+        reference = self.reference
         assert self.params is None
         step = self.step
 
@@ -432,7 +427,7 @@ def test_a_step_holds_only_the_weight_copies_it_needs(tmp_path, toy_model, polic
         self.step = counting_step
         assert reference["model"]["embed"][...].unsafe_buffer_pointer() == initial  # not a copy
         count("after start")
-        return state, reference
+        return state, frozen
 
     monkeypatch.setattr(OfflineTrainer, "start", counting_start)
     trainer.train()  # with its checkpoints (the reference is saved before the first step)
@@ -531,7 +526,7 @@ def test_scoring_models_load_in_the_frozen_dtype_and_score_as_float32_does(tmp_p
                         rewards={"reward_models": [toy_scorer], "judge_model": toy_model},
                         grpo={"advantage": "process", "step_delimiter": "no", "process_reward_model": toy_scorer})
     trainer = build_trainer(config, records=toy_prompts(8))
-    assert _param_dtypes(trainer.scorer.reward_models.states[0]) == {"bfloat16"}
-    assert _param_dtypes(trainer.scorer.judge.state) == {"bfloat16"}
+    assert _param_dtypes(trainer.actors.sampler.scorer.reward_models.states[0]) == {"bfloat16"}
+    assert _param_dtypes(trainer.actors.sampler.scorer.judge.state) == {"bfloat16"}
     assert _param_dtypes(trainer.algorithm.process_reward._load()[1]) == {"bfloat16"}
-    assert dtypes(trainer.initial_params) == {"float32"}  # the policy keeps precision.param_dtype
+    assert dtypes(trainer.actors.initial_params) == {"float32"}  # the policy keeps precision.param_dtype

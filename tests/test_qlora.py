@@ -184,8 +184,8 @@ def _two_steps(tmp_path_factory, toy_model, quantize):
                          preference={"beta": 0.5}, lora={**LORA, "quantize": quantize}, optim={"learning_rate": 3e-2},
                          train={"save_every": 0})
     trainer = build_trainer(config, records=separable_pairs(32))
-    state, reference = trainer.start()
-    frozen = trainer.frozen_inputs(reference)
+    state, frozen = trainer.start()
+    reference = trainer.reference
     base_before = [np.array(x) for x in jax.tree.leaves(trainer.base)]
     adapters_before = [np.array(x) for x in jax.tree.leaves(state.params)]
     batches = trainer.data.iterator("train")

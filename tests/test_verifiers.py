@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alignax.rewards.verifiers import answer_reward, extract_answer, format_reward, numeric_closeness, verifier_rewards
+from alignax.rewards.verifiers import (answer_reward, extract_answer, format_reward, length_closeness,
+                                      numeric_closeness, verifier_rewards)
 
 REF = {"answer": "-4", "task": "chain_sum"}
 
@@ -122,3 +123,11 @@ def test_numeric_closeness_grades_near_misses_worked_by_hand():
     assert numeric_closeness(["17"], refs[:1], extraction="tag")[0] == 0.0  # no tag, and only the tag is read
     with pytest.raises(ValueError, match="reference 0 has no numeric 'answer'"):
         numeric_closeness(["1"], [{"answer": "seven"}])
+
+
+def test_length_closeness_worked_by_hand():
+    refs = [{"answer": "17"}, {"answer": 17}, {"answer": "seven"}]
+    # |2-2| = 0 -> 1; "so 17" is 5 long: |5-2| = 3 -> 1/4; "" against "seven": 5 -> 1/6
+    np.testing.assert_allclose(length_closeness(["42", "so 17", ""], refs), [1.0, 1 / 4, 1 / 6], rtol=1e-6)
+    with pytest.raises(ValueError, match="reference 1 has no 'answer'"):
+        length_closeness(["a", "b"], [{"answer": "x"}, {"task": "chain_sum"}])

@@ -138,8 +138,8 @@ class AlignaxDPO:
         # The trainer of `alignax train` (alignax.trainers.api), minus data files, checkpoints and writers.
         trainer = api.build_trainer(config, with_data=False)
         params = trainer.params
-        self.state, reference = trainer.start()
-        self.frozen = trainer.frozen_inputs(reference) if trainer.task.precompute is None else {"reference": reference}
+        self.state, self.frozen = trainer.start()  # with precompute (no data here): {"reference": ...}
+        reference = trainer.reference
         total = args.warmup + args.rounds * args.steps
         batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1,
                                packed=not args.unpacked)
@@ -149,6 +149,7 @@ class AlignaxDPO:
             t_pre = time.perf_counter()  # the trainer's one pass over every record
             self.frozen = trainer.precompute_reference(reference, batches, num_records=total * BATCH)
             del reference
+            trainer.reference = None  # the table replaces it, as in training
             self.precompute_s = time.perf_counter() - t_pre
         self.step_fn = trainer.step
         jax.block_until_ready(self.state)

@@ -118,7 +118,7 @@ class AlignaxGRPO:
         self.state, self.frozen = self.trainer.start()  # as OnlineTrainer.train sets them up
         jax.block_until_ready((self.state, self.frozen))
         self.build_s = time.perf_counter() - t0
-        self.model = common.model_summary(args, self.trainer.policy_params(self.state.params))
+        self.model = common.model_summary(args, self.trainer.actors.policy_params(self.state.params))
         total = args.warmup + args.rounds * args.steps
         self.batches = iter(prompt_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]),
                                            seed=args.seed + 1))

@@ -176,7 +176,7 @@ class Variant:
         if task == "dpo":
             self.recorder = self.bench.step_fn = Recorder(self.bench.step_fn)
         else:
-            self.recorder = self.bench.trainer.update = Recorder(self.bench.trainer.update)
+            self.recorder = self.bench.trainer.learner.step = Recorder(self.bench.trainer.learner.step)
 
     def figures(self) -> dict:
         import jax

@@ -81,9 +81,7 @@ class Policy:
         t0 = time.perf_counter()
         trainer = api.build_trainer(config, with_data=False)
         self.placer = trainer.placer
-        self.state, reference = trainer.start()
-        self.frozen = trainer.frozen_inputs(reference)
-        del reference
+        self.state, self.frozen = trainer.start()
         self.held_bytes = {"params": nbytes(self.state.params), "optimizer_state": nbytes(self.state.opt_state),
                            "reference": nbytes(self.frozen)}
         t1 = time.perf_counter()

@@ -58,9 +58,7 @@ def measure(args, policy: str, batches) -> dict:
     config = bench_dpo.train_config(args)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=policy))
     trainer = api.build_trainer(config, with_data=False)
-    state, reference = trainer.start()
-    frozen = trainer.frozen_inputs(reference)
-    del reference
+    state, frozen = trainer.start()
     t0 = time.perf_counter()
     step = trainer.step.lower(state, frozen, trainer.placer(batches[0])).compile()
     model_config = trainer.model_from(state.params).config

@@ -173,8 +173,7 @@ def measure_case(algorithm: str, model: str, devices: int, remat: str, submesh: 
         state, frozen = trainer.start()
         reference = None
         if algorithm == "dpo":
-            reference = frozen
-            frozen = trainer.frozen_inputs(frozen)
+            reference = trainer.reference
             host_batch = next(trainer.data.iterator("train"))
             batch = trainer.placer(host_batch)
             if submesh:  # the sub-mesh's log-probs ride in the batch (shapes only: the weights are abstract)
@@ -185,25 +184,25 @@ def measure_case(algorithm: str, model: str, devices: int, remat: str, submesh: 
                     jax.eval_shape(trainer.submesh_reference.forward, reference, on_submesh))
             compiled = trainer.step.lower(state, frozen, batch).compile()
         else:
-            frozen = trainer.frozen_inputs(trainer.reference)
             if submesh:  # the rollout's reference pass: every row, on the sub-mesh
-                rows = trainer.rows
-                width = trainer.prompt_len + trainer.max_new
+                rows = trainer.layout.rows
+                width = trainer.actors.prompt_len + trainer.actors.max_new
                 sequence = jax.ShapeDtypeStruct((rows, width), jax.numpy.int32,
-                                                sharding=batch_sharding(trainer.submesh, 2))
-                reference_program = trainer._policy_forward.lower(trainer.submesh_reference, sequence, sequence,
+                                                sharding=batch_sharding(trainer.actors.submesh, 2))
+                reference_program = trainer.actors.forward.lower(trainer.actors.submesh_reference, sequence, sequence,
                                                                   sequence).compile()
-            compiled = trainer.update.lower(state, frozen, trainer.minibatch_shapes()).compile()
+            compiled = trainer.step.lower(state, frozen, trainer.minibatch_shapes()).compile()
         out = [row(spec, compiled_figures(compiled))]
         if submesh:
             out.append(row({**spec, "program": "submesh reference"}, compiled_figures(reference_program)))
         if rollout and algorithm != "dpo":  # the sampler's program on one step's prompts (float32: no copy)
-            sampler_state = nnx.merge_state(trainer.whole_policy(state.params), trainer.rest)
-            prompts = jax.ShapeDtypeStruct((config.data.batch_size, trainer.prompt_len), jax.numpy.int32,
-                                           sharding=batch_sharding(trainer.sampler_mesh, 2))
-            with jax.set_mesh(trainer.sampler_mesh):
-                generation = trainer.sampler._generate.lower(trainer.sampler.graphdef, sampler_state, prompts, prompts,
-                                                             jax.random.key(0), config=trainer.sampling).compile()
+            actors = trainer.actors
+            sampler_state = nnx.merge_state(actors.whole_policy(state.params), actors.rest)
+            prompts = jax.ShapeDtypeStruct((config.data.batch_size, actors.prompt_len), jax.numpy.int32,
+                                           sharding=batch_sharding(actors.sampler_mesh, 2))
+            with jax.set_mesh(actors.sampler_mesh):
+                generation = actors.sampler._generate.lower(actors.sampler.graphdef, sampler_state, prompts, prompts,
+                                                            jax.random.key(0), config=actors.sampler.config).compile()
             out.append(row({**spec, "program": "rollout"}, compiled_figures(generation)))
     return out
 

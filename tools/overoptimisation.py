@@ -239,7 +239,7 @@ def rl_points(args, measure: Measure, config) -> list[dict]:
     trainer = build_trainer(config)
     points = []
     for step in range(0, args.rl_steps + 1, args.rl_every):
-        state = measure.ref_state if step == 0 else trainer.sampling_state(restore_params(trainer, config, step))
+        state = measure.ref_state if step == 0 else trainer.actors.sampling_state(restore_params(trainer, config, step))
         groups, gold, proxy = measure.sample(state, args.rl_samples, args.seed + 1)
         points.append(point(measure.kl(state, groups), float(proxy.mean()), float(gold.mean()), step=step))
     return points

@@ -17,6 +17,9 @@ reasoning-gym puts in every entry), plus whatever the task's scorer reads from
 - :func:`numeric_closeness`: a graded reward for tasks with a numeric answer,
   ``1 / (1 + |answer - truth|)`` (a ``rewards.functions`` entry, e.g. the dense gold reward
   of ``tools/overoptimisation.py``).
+- :func:`length_closeness`: ``1 / (1 + |len(completion) - len(answer)|)`` in characters, a
+  reward every completion earns some of (the tiny recipes' random models never write an
+  answer tag or a digit, so the verifiers give them all 0 and nothing trains).
 
 The answer format follows reasoning-gym's system prompts (``reasoning_gym.utils.SYSTEM_PROMPTS``)
 and DeepSeek-R1's ``<think>``/``<answer>`` convention (DeepSeek-AI 2025).
@@ -243,4 +246,21 @@ def numeric_closeness(completions: Sequence[str], references: Sequence[Mapping],
         match = _NUMBER.search(answer) if answer is not None else None
         if match is not None:
             out[i] = 1.0 / (1.0 + abs(float(match.group()) - truth))
+    return out
+
+
+def length_closeness(completions: Sequence[str], references: Sequence[Mapping]) -> np.ndarray:
+    """How close each completion's length is to its reference answer's, in characters:
+    float32 ``[N]``, ``r_i = 1 / (1 + |len(c_i) - len(str(y_i))|)`` with ``y_i =
+    reference['answer']``. 1 for a completion exactly as long as the answer, falling with
+    every character more or less; never 0, and different for completions of different
+    lengths, so even a random policy's samples get rewards that vary (a ``rewards.functions``
+    entry of ``configs/tiny-ppo.yaml``). A reference without an ``answer`` raises
+    ``ValueError`` naming it."""
+    _check_lengths(completions, references)
+    out = np.zeros((len(completions),), np.float32)
+    for i, (completion, reference) in enumerate(zip(completions, references)):
+        if not isinstance(reference, Mapping) or reference.get("answer") is None:
+            raise ValueError(f"reference {i} has no 'answer' (got {reference!r}); length_closeness needs one")
+        out[i] = 1.0 / (1.0 + abs(len(completion) - len(str(reference["answer"]))))
     return out

@@ -11,6 +11,10 @@ every run shares, and two wings.
 - ``engine/``: the run session (output dir, writers, checkpoints, resume, SIGTERM), the host
   loop, the jitted step, optimiser, shared-prompt packing, model/tokenizer/mesh setup.
 - ``offline/``: SFT, reward-model and preference (DPO family, KTO) tasks on fixed data.
-- ``online/``: rollout → reward → advantage → update; the GRPO and PPO families as
+- ``online/``: rollout → reward → advantage → update in four rooms (``actors``, ``collect``,
+  ``update``, ``trainer``); the GRPO and PPO families as
   :class:`~alignax.trainers.online.algorithm.OnlineAlgorithm` bundles; monitoring.
+
+Both wings' trainers share one program seam: ``state, frozen = trainer.start()`` and the
+compiled step ``trainer.step(state, frozen, batch)``.
 """

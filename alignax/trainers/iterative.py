@@ -113,10 +113,10 @@ class _RoundTrainer(OfflineTrainer):
             return None
         return self.reference_model_params(self._original)
 
-    def start(self):
-        state, reference = super().start()
+    def initial_reference(self):
+        reference = super().initial_reference()
         original = self._reference()
-        return state, (original if original is not None and reference is not None else reference)
+        return original if original is not None and reference is not None else reference
 
 
 def sample_pairs(sampler, state: nnx.State, config: TrainConfig, round_index: int, *,
@@ -126,8 +126,7 @@ def sample_pairs(sampler, state: nnx.State, config: TrainConfig, round_index: in
     reward of a prompt's ``rollout.num_samples``), and figures of the sampling."""
     tokenizer = sampler.tokenizer
     rc = config.rollout
-    sampling = dataclasses.replace(sampler.config, greedy=False, temperature=rc.temperature, top_k=rc.top_k,
-                                   top_p=rc.top_p, num_samples=rc.num_samples)
+    sampling = evaluation.rollout_sampling(sampler.config, rc)
     data = prepare_dataset(config.data, tokenizer, records=records)
     pairs, rewards, prompts = [], [], 0
     key = jax.random.fold_in(jax.random.key(config.train.seed), round_index)

@@ -175,6 +175,38 @@ def accumulate_gradients(
                                 sums=jax.tree.map(lambda m: jnp.sum(m, axis=0), aux.sums))
 
 
+def guarded_update(optimizer: optax.GradientTransformationExtraArgs, state: TrainState, grads: Any, *,
+                   finite: Array, position: Array, rng: Array) -> TrainState:
+    """``state`` after one optimiser update with ``grads`` (``schedule_step=position``),
+    its step counted and ``rng`` stored; when ``finite`` is false the params and optimiser
+    state stay as they were and the non-finite counters rise."""
+    # placement.optimizer_state: host holds it in host memory between steps; it is moved
+    # in here, after the backward pass (a no-op for a state already on the device)
+    opt_state = to_device(state.opt_state)
+
+    def apply(params, opt_state):
+        updates, new_opt_state = optimizer.update(grads, opt_state, params, schedule_step=position)
+        return optax.apply_updates(params, updates), new_opt_state
+
+    # The non-finite guard: a step whose loss or gradients are not finite leaves params
+    # and optimiser state as they were. As a conditional, not a select between the new
+    # and the old state: selecting needs the old moments alive until the new ones exist,
+    # and XLA then copies the donated moments when the step starts and holds the copies
+    # through the forward and backward passes (50-95% of the moments at the compiled
+    # peaks); under ``cond`` the update runs in place on the donated buffers.
+    new_params, new_opt_state = jax.lax.cond(finite, apply, lambda params, opt_state: (params, opt_state),
+                                             state.params, opt_state)
+    streak = jnp.where(finite, 0, state.nonfinite_streak + 1)
+    return state._replace(
+        step=state.step + 1,
+        params=new_params,
+        opt_state=new_opt_state,
+        rng=jax.random.key_data(rng),
+        nonfinite_streak=streak.astype(jnp.int32),
+        nonfinite_total=state.nonfinite_total + jnp.where(finite, 0, 1).astype(jnp.int32),
+    )
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -215,32 +247,7 @@ def make_train_step(
             position = state.step - state.nonfinite_total
         else:
             position = schedule_position(state, batch)
-        # placement.optimizer_state: host holds it in host memory between steps; it is moved
-        # in here, after the backward pass (a no-op for a state already on the device)
-        opt_state = to_device(state.opt_state)
-
-        def apply(params, opt_state):
-            updates, new_opt_state = optimizer.update(grads, opt_state, params, schedule_step=position)
-            return optax.apply_updates(params, updates), new_opt_state
-
-        # The non-finite guard: a step whose loss or gradients are not finite leaves params
-        # and optimiser state as they were. As a conditional, not a select between the new
-        # and the old state: selecting needs the old moments alive until the new ones exist,
-        # and XLA then copies the donated moments when the step starts and holds the copies
-        # through the forward and backward passes (50-95% of the moments at the compiled
-        # peaks); under ``cond`` the update runs in place on the donated buffers.
-        new_params, new_opt_state = jax.lax.cond(finite, apply, lambda params, opt_state: (params, opt_state),
-                                                 state.params, opt_state)
-
-        streak = jnp.where(finite, 0, state.nonfinite_streak + 1)
-        new_state = state._replace(
-            step=state.step + 1,
-            params=new_params,
-            opt_state=new_opt_state,
-            rng=jax.random.key_data(rng),
-            nonfinite_streak=streak.astype(jnp.int32),
-            nonfinite_total=state.nonfinite_total + jnp.where(finite, 0, 1).astype(jnp.int32),
-        )
+        new_state = guarded_update(optimizer, state, grads, finite=finite, position=position, rng=rng)
         metrics = {**aux.metrics, **aux.sums}
         metrics["loss"] = loss
         metrics["grad_norm"] = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))

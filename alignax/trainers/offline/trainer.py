@@ -77,6 +77,7 @@ class OfflineTrainer:
         self.mesh, self.submesh = build_meshes(config)
         self.model_kind = model_kind
         self.submesh_reference: SubmeshReference | None = None  # set by frozen_inputs
+        self.reference = None  # what a run saves once as its reference (set by start)
         self.tokenizer = load_tokenizer(config.model)
         model = build_model(config.model, kind=model_kind, mesh=self.mesh, precision=config.precision,
                             lora=config.lora)
@@ -230,10 +231,12 @@ class OfflineTrainer:
         return {"ref_logps": {k: place_array(v, whole) for k, v in tables.items()}}
 
     def start(self) -> tuple[TrainState, Any]:
-        """``(fresh train state, reference or None)`` on the mesh; compiles :attr:`step` for
-        the state. The reference, when the task uses one, is the initial params themselves (in
-        ``precision.frozen_dtype``); the trainer lets go of them (:attr:`params` is None from
-        here on): the state holds buffers of its own."""
+        """``(fresh train state, frozen)`` on the mesh, as the online trainer's: ``frozen`` is
+        what :attr:`step` reads besides the params (:meth:`frozen_inputs` of the reference);
+        compiles :attr:`step` for the state. :attr:`reference`, when the task uses one, is
+        what the run saves once: the initial params themselves (in ``precision.frozen_dtype``);
+        the trainer lets go of them (:attr:`params` is None from here on): the state holds
+        buffers of its own."""
         state, shardings = self.init_state()
         task = self.task
         self.step = jax.jit(
@@ -241,20 +244,25 @@ class OfflineTrainer:
                             grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule),
             donate_argnums=(0,), out_shardings=(shardings, None),
         )
-        reference = self.initial_reference()
+        self.reference = self.initial_reference()
         self.params = None
-        return state, reference
+        if self.task.precompute is not None and self.data is None:
+            # with_data=False: no records to precompute over; the caller's batches
+            # (precompute_reference) make the table from the reference handed here
+            return state, adapters.frozen_base(self.base, self.reference) or {"reference": self.reference}
+        return state, self.frozen_inputs(self.reference)
 
     # ---- the run ---------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Run to ``train.total_steps`` (resuming from the run's checkpoints when allowed)."""
         config, task = self.config, self.task
-        state, reference = self.start()
+        state, frozen = self.start()
         batches = self.data.iterator("train")
         with Session(config, console_keys=task.console_keys) as session:
-            state, reference = session.resume(state, batches, reference)
-            frozen = self.frozen_inputs(reference)
-            del reference  # precomputed: no reference in memory during training
+            state, reference = session.resume(state, batches, self.reference)
+            if session.resumed and reference is not None:  # the saved reference, as the checkpoint holds it
+                frozen = self.frozen_inputs(reference)
+            self.reference = reference = None  # precomputed: no reference in memory during training
             result = session.run(
                 state=state, frozen=frozen, step_fn=self.step, batches=batches, data_stats=self.data.stats,
                 place_batch=self.place_batch,

@@ -26,10 +26,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
+import numpy as np
 from flax import struct
 
 from alignax import kl as kl_lib
 from alignax.data import DataConfig
+from alignax.parallel.multihost import host_global, local_rows
 from alignax.rewards.process import ProcessRewardModel
 from alignax.trainers.engine.optim import OptimConfig
 
@@ -91,6 +93,40 @@ class KLSetup:
     @property
     def uses_reference(self) -> bool:
         return self.coef > 0 or isinstance(self.controller, kl_lib.AdaptiveKLController)
+
+    # The KL to the reference is applied here and nowhere else: to the sequence rewards,
+    # to the per-token rewards GAE sees, or in the loss, as ``placement`` says.
+    def sequence_rewards(self, rewards: np.ndarray, old_logps: Array, ref_logps: Array | None, mask: Array,
+                         coef: Array) -> np.ndarray:
+        """This process's sequence rewards ``[R_local]`` less ``coef`` x each completion's
+        KL (estimator ``kind``, summed over ``mask`` ``[R, N]``) under ``sequence_reward``;
+        ``rewards`` as they are otherwise."""
+        if self.placement != "sequence_reward" or not self.uses_reference:
+            return rewards
+        seq_kl = kl_lib.sequence_kl(old_logps, ref_logps, mask, kind=self.kind)
+        return rewards - float(jax.device_get(coef)) * local_rows(seq_kl)
+
+    def token_penalty(self, x: AdvantageInputs) -> Array | None:
+        """Under ``token_reward``: ``kl_coef * KL_t`` ``[R, N]`` on the loss mask, what the
+        per-token rewards lose (PPO's RLHF reward); ``None`` otherwise or without a reference."""
+        if self.placement != "token_reward" or x.ref_logps is None:
+            return None
+        return kl_lib.kl_penalty(x.old_logps, x.ref_logps, x.loss_mask, beta=x.kl_coef, kind=self.kind)
+
+    def loss_keywords(self, ref_logps: Array | None, coef: Array) -> dict[str, Any]:
+        """The policy loss's KL keywords under ``loss`` (``ref_logps [R, N]``, the
+        coefficient, the estimator); none otherwise."""
+        if self.placement != "loss" or not self.uses_reference:
+            return {}
+        return dict(ref_logps=ref_logps, kl_coef=coef, kl_kind=self.kind)
+
+    def next_coef(self, coef, old_logps: Array, ref_logps: Array | None, mask: Array, *, mesh, rows: int):
+        """``(sequence k1 KL [R] on the host or None, the controller's next state)`` after a
+        rollout whose policy log-probs were ``old_logps`` (a fixed 0 without a reference)."""
+        if not self.uses_reference:
+            return None, coef
+        seq_kl = host_global(kl_lib.sequence_kl(old_logps, ref_logps, mask, kind="k1"), mesh)
+        return seq_kl, self.controller.update(coef, float(np.mean(seq_kl)), rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,12 @@ raised) and a logged warning naming the figures behind it:
   (the policy has stopped exploring);
 - ``length_drift``: mean response length moved by more than ``length_change`` (relative)
   over the window while the raw task reward did not rise (length is being exploited,
-  not the task learned).
+  not the task learned);
+- ``no_signal``: every update of the rollout had an exactly zero gradient (tied rewards,
+  zero advantages, nothing for a critic to learn). The engine's stall watch counts a zero
+  loss with a zero gradient as "no signal", not a stall, because one such GRPO batch is
+  normal; a run where it lasts ``train.max_stalled_streak`` rollouts never trains (a
+  recipe whose rewards are all 0), and stops with :class:`StalledRunError`.
 """
 
 from __future__ import annotations
@@ -22,11 +27,17 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 
+import jax
 import numpy as np
 
 from alignax import kl as kl_lib
+from alignax.envs.rollout import trajectory_figures
+from alignax.parallel.multihost import allgather_rows, host_global
 from alignax.sampling.scored import Groups
+from alignax.trainers.engine.loop import StalledRunError
+from alignax.trainers.online.collect import RolloutBatch
 from alignax.trainers.online.grpo import group_reward_std
+from alignax.trainers.online.update import UpdateResult
 
 log = logging.getLogger("alignax")
 
@@ -42,33 +53,38 @@ class AlarmSettings:
 class Alarms:
     """Keeps a short history of figures; ``update`` returns the ``alarm/*`` metrics."""
 
-    def __init__(self, settings: AlarmSettings | None = None):
+    def __init__(self, settings: AlarmSettings | None = None, *, max_stalled_streak: int = 0):
         self.settings = settings or AlarmSettings()
         n = self.settings.window + 1
         self.kl = collections.deque(maxlen=n)
         self.length = collections.deque(maxlen=n)
         self.reward = collections.deque(maxlen=n)
         self.first_entropy: float | None = None
+        self.max_stalled_streak = max_stalled_streak  # 0: never stop the run
+        self.no_signal = 0  # rollouts in a row whose every update had a zero gradient
 
     def state(self) -> dict:
         """JSON-able history, saved with checkpoints so a resumed run alarms the same."""
         return {"kl": list(self.kl), "length": list(self.length), "reward": list(self.reward),
-                "first_entropy": self.first_entropy}
+                "first_entropy": self.first_entropy, "no_signal": self.no_signal}
 
     def set_state(self, state: Mapping) -> None:
         self.kl.extend(state.get("kl", []))
         self.length.extend(state.get("length", []))
         self.reward.extend(state.get("reward", []))
         self.first_entropy = state.get("first_entropy")
+        self.no_signal = int(state.get("no_signal", 0))
 
     def update(self, step: int, *, kl: float | None, entropy: float | None, length: float,
-               reward: float) -> dict[str, float]:
+               reward: float, grad_norm: float | None = None) -> dict[str, float]:
         """``kl``: the sequence KL to the reference, ``None`` without a reference (the KL
-        history is then left as it is and ``kl_acceleration`` stays down)."""
+        history is then left as it is and ``kl_acceleration`` stays down); ``grad_norm``:
+        the largest gradient norm of the rollout's updates (``None``: not watched)."""
         s = self.settings
         self.length.append(length)
         self.reward.append(reward)
-        raised = {"kl_acceleration": False, "entropy_collapse": False, "length_drift": False}
+        raised = {"kl_acceleration": False, "entropy_collapse": False, "length_drift": False,
+                  "no_signal": self._no_signal(step, grad_norm, reward)}
         if kl is not None:
             self.kl.append(kl)
             if len(self.kl) == self.kl.maxlen:
@@ -93,6 +109,24 @@ class Alarms:
                 log.warning("step %d: mean response length moved %.4g -> %.4g while the task reward did not rise "
                             "(%.4g -> %.4g)", step, start_len, length, start_reward, reward)
         return {f"alarm/{k}": float(v) for k, v in raised.items()}
+
+    def _no_signal(self, step: int, grad_norm: float | None, reward: float) -> bool:
+        """Counts rollouts in a row with a zero gradient; raises :class:`StalledRunError`
+        when they reach ``max_stalled_streak``."""
+        if grad_norm is None:
+            return False
+        self.no_signal = self.no_signal + 1 if grad_norm == 0.0 else 0
+        if not self.no_signal:
+            return False
+        log.warning("step %d: no learning signal: every update had a zero gradient (%d rollouts in a row)", step,
+                    self.no_signal)
+        if self.max_stalled_streak and self.no_signal >= self.max_stalled_streak:
+            raise StalledRunError(
+                f"{self.no_signal} rollouts in a row had an exactly zero gradient (step {step}, mean reward "
+                f"{reward:.6g}): the rewards give no learning signal (every sample's reward the same, e.g. all 0), "
+                f"so the run never trains; stopping (train.max_stalled_streak={self.max_stalled_streak}). Give "
+                "the rewards (rewards.*) a component that varies between samples.")
+        return True
 
 
 def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recomputed, sampler_logps, response_mask,
@@ -141,3 +175,51 @@ def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recom
     if group_size > 1:
         figures["groups/zero_variance_fraction"] = float(np.mean(group_reward_std(groups.rewards, group_size) == 0))
     return figures
+
+
+def step_figures(batch: RolloutBatch, result: UpdateResult, *, mesh: jax.sharding.Mesh,
+                 group_size: int) -> dict[str, float]:
+    """One rollout step's figures (host floats, the same on every process): the batch's own
+    (generation, refills, step rewards), :func:`rollout_figures` over every process's rows,
+    a multi-turn run's trajectory figures, the updates' metrics (means; ``grad_norm_max``,
+    ``update_skipped`` summed, the first minibatch's ratios), ``epochs_run``, the next
+    ``kl_coef`` and the learner's timing."""
+    groups, rewards = gathered_rows(batch.groups, batch.rewards)
+    device_arrays = host_global((result.old_logps, batch.rollout.ref_logps, result.recomputed,
+                                 batch.rollout.sampler_logps, batch.response_mask, result.entropy,
+                                 batch.rollout.advantages), mesh)
+    figures = dict(batch.figures)
+    figures.update(rollout_figures(groups, rewards, result.seq_kl, *device_arrays, group_size=group_size))
+    if groups.trajectory:
+        figures.update(trajectory_figures(groups, figures["perf/generation_s"]))
+    updates = result.metrics
+    for key in updates[0]:
+        figures[key] = float(np.mean([m[key] for m in updates]))
+    figures["grad_norm_max"] = float(np.max([m["grad_norm"] for m in updates]))
+    figures["update_skipped"] = float(np.sum([m["update_skipped"] for m in updates]))
+    for key in ("ratio_mean", "ratio_min", "ratio_max", "approx_kl"):
+        if key in updates[0]:
+            figures[f"first_minibatch/{key}"] = updates[0][key]
+    figures["epochs_run"] = float(result.epochs_run)
+    figures["kl_coef"] = float(jax.device_get(result.kl_coef.coef))
+    train_tokens = float(jax.device_get(jax.numpy.sum(batch.rollout.loss_mask))) * result.epochs_run
+    figures["perf/training_s"] = result.seconds
+    figures["perf/training_tokens_per_s"] = train_tokens / max(result.seconds, 1e-9)
+    return figures
+
+
+def gathered_rows(groups: Groups, rewards: np.ndarray) -> tuple[Groups, np.ndarray]:
+    """Every process's rows of what the figures read (this process's, with one process):
+    the rewards ``[R]`` the advantages saw, and of ``groups`` the rewards, stop flags and
+    reward components, and a multi-turn run's per-row trajectory counts and masks."""
+    if jax.process_count() == 1:
+        return groups, rewards
+    trajectory = {}
+    if groups.trajectory:
+        trajectory = dict(response_mask=allgather_rows(groups.response_mask),
+                          action_mask=allgather_rows(groups.actions()),
+                          trajectory={k: allgather_rows(v) for k, v in groups.trajectory.items()})
+    groups = dataclasses.replace(groups, rewards=allgather_rows(groups.rewards), stopped=allgather_rows(groups.stopped),
+                                 components={k: allgather_rows(v) for k, v in groups.components.items()},
+                                 **trajectory)
+    return groups, allgather_rows(rewards)

@@ -25,7 +25,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from alignax import advantages as adv_lib
-from alignax import kl as kl_lib
 from alignax import ops
 from alignax.losses import ppo_policy_loss
 from alignax.trainers.config import TrainConfig
@@ -53,13 +52,11 @@ def target_kl_rule(target: float):
 def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
     """PPO of ``config.ppo``."""
     pc = config.ppo
-    kl_in_reward = pc.kl_placement == "reward"
+    kl = KLSetup(pc.kl_coef, kl_controller(pc.kl_coef, pc.adaptive_kl, pc.kl_target, pc.kl_horizon), pc.kl_kind,
+                 "token_reward" if pc.kl_placement == "reward" else "loss")
 
     def advantages(x: AdvantageInputs):
-        penalty = None
-        if kl_in_reward and x.ref_logps is not None:  # None: no reference (kl_coef 0), no penalty
-            penalty = kl_lib.kl_penalty(x.old_logps, x.ref_logps, x.loss_mask, beta=x.kl_coef, kind=pc.kl_kind)
-        token_rewards = adv_lib.token_rewards(x.rewards, x.loss_mask, kl_penalty=penalty)
+        token_rewards = adv_lib.token_rewards(x.rewards, x.loss_mask, kl_penalty=kl.token_penalty(x))
         adv, returns = adv_lib.gae(token_rewards, x.old_values, x.loss_mask, gamma=pc.gamma, lam=pc.lam)
         if pc.whiten_advantages:
             adv = ops.masked_whiten(adv, x.loss_mask)
@@ -77,8 +74,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
         epochs=pc.epochs,
         minibatches=pc.minibatches,
         objective=PolicyObjective(ppo_policy_loss, clip, pc.aggregation, pc.entropy_coef),
-        kl=KLSetup(pc.kl_coef, kl_controller(pc.kl_coef, pc.adaptive_kl, pc.kl_target, pc.kl_horizon), pc.kl_kind,
-                   "token_reward" if kl_in_reward else "loss"),
+        kl=kl,
         advantages=advantages,
         critic=CriticSetup(pc.critic, pc.critic_init, pc.critic_path, pc.vf_coef, pc.value_clip, critic_optim),
         ptx=PtxSetup(pc.ptx_coef, pc.ptx_data) if pc.ptx_coef > 0 else None,

@@ -9,13 +9,16 @@ hidden state at sequence position ``P + t - 1``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from alignax.models import token_logprobs_from_hidden
+from alignax.parallel.multihost import process_rows
 from alignax.trainers.engine import packing
 
 Array = jax.Array
@@ -92,3 +95,36 @@ class UpdateRows:
 
     logps: Array
     entropy: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """Which rollout rows are whose: ``num_prompts`` prompts (every process's: the global
+    ``data.batch_size``) of ``group_size`` samples each, ``rows = B * G``. Each process
+    samples, scores and picks minibatch rows of its own ``local_prompts`` prompts
+    (:mod:`alignax.parallel.multihost`), global rows ``row_offset`` on."""
+
+    num_prompts: int
+    group_size: int
+
+    @property
+    def rows(self) -> int:
+        return self.num_prompts * self.group_size
+
+    @property
+    def local_prompts(self) -> int:
+        return self.num_prompts // jax.process_count()
+
+    @property
+    def local_rows(self) -> int:
+        return self.local_prompts * self.group_size
+
+    @property
+    def row_offset(self) -> int:
+        return process_rows(self.rows).start
+
+    def group_ids(self) -> np.ndarray:
+        """``[R_local]`` int32: the global prompt index of each of this process's rows (no
+        two processes share a group)."""
+        first = self.row_offset // self.group_size
+        return np.repeat(np.arange(first, first + self.local_prompts, dtype=np.int32), self.group_size)

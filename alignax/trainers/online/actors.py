@@ -1,0 +1,227 @@
+"""The online run's actors: its models, meshes and where each lives (Tunix's ``RLCluster``
+idea: actors apart from the learner).
+
+:class:`Actors` holds the policy (graph, trainable params, the frozen LoRA base), a
+separate critic when the algorithm trains one, the frozen reference (built by
+:meth:`Actors.initial_reference`, placed by :meth:`Actors.frozen_inputs`), the sampler
+(built by :func:`alignax.evaluation.build_sampler`, the one that evaluation uses, with
+the rollout's sampling distribution) with its reward models, and the meshes: training,
+the sub-mesh of frozen models (``placement.submesh``) and the sampler's
+(``rollout.mesh``). Its forward passes (:meth:`Actors.forward`, :meth:`Actors.values`)
+give the per-token quantities of a rollout; nothing here updates a parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from alignax import evaluation, models
+from alignax.config import ConfigError
+from alignax.models import lora as lora_lib
+from alignax.parallel.multihost import place_rows
+from alignax.parallel.placement import place, rows_to, split_devices, to_device
+from alignax.parallel.sharding import make_mesh, tree_shardings
+from alignax.trainers.config import TrainConfig
+from alignax.trainers.engine import adapters, packing
+from alignax.trainers.engine.precision import compute_copy, frozen_params
+from alignax.trainers.engine.setup import build_frozen_params, build_meshes, build_model, load_tokenizer, split_params
+from alignax.trainers.online.algorithm import OnlineAlgorithm
+from alignax.trainers.online.rollout import response_forward
+
+
+class Actors:
+    """The models of an online run and where they run (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig, algorithm: OnlineAlgorithm):
+        self.config, self.algorithm = config, algorithm
+        rc = config.rollout
+        self.prompt_len, self.max_new = config.data.max_prompt_length, rc.max_new_tokens
+        self.mesh, self.submesh = build_meshes(config)  # submesh: placement.submesh, or None
+        self.submesh_reference = None  # placement.reference: submesh: the reference's params there
+        self.sampler_mesh = self._sampler_mesh(rc.mesh)
+        self.tokenizer = load_tokenizer(config.model)
+        policy = build_model(config.model, kind=algorithm.policy_kind, mesh=self.mesh, precision=config.precision,
+                             lora=config.lora)
+        self.model_config = policy.config
+        self.graphdef, policy_params, self.rest = split_params(policy)
+        del policy
+        # with LoRA: the adapters are trained, the base is frozen (alignax.trainers.engine.adapters)
+        policy_params, base = adapters.split_trainable(policy_params, config.lora)
+        self.base = None if base is None else frozen_params(base, config.precision)
+        del base
+        # a critic with trained params of its own: its own decoder, or (LoRA) its own adapter
+        # and value head on the policy's frozen base (ppo.critic=adapter)
+        critic_kind = None if algorithm.critic is None else algorithm.critic.kind
+        self.separate_critic = critic_kind in ("separate", "adapter")
+        self.adapter_critic = critic_kind == "adapter"
+        self.initial_params = self._with_critic(policy_params)
+        self.pack_group = packing.packed_group_size(config, self.model_config, minibatches=algorithm.minibatches,
+                                                    batch_devices=self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+        # lora.merge_for_sampling: the sampler runs the merged model (W + s A B, once per rollout)
+        self.merge_sampling = config.lora is not None and config.lora.merge_for_sampling
+        self.sampling_graphdef = self.graphdef
+        if self.merge_sampling:
+            self.sampling_graphdef = lora_lib.merged_graphdef(
+                self.graphdef, nnx.merge_state(self.whole_policy(self.initial_params), self.rest))
+        # The sampler decodes on its own mesh from a compute-dtype copy of the policy (made
+        # by sampling_state); rewards from reward models are computed on the training mesh
+        # (on the sub-mesh under placement.reward_models: submesh).
+        self.sampler_copies = rc.mesh is not None or config.precision.compute_dtype != config.precision.param_dtype
+        self._copy_program = None  # built on first use (it needs the state's structure)
+        self.sampler = evaluation.build_sampler(self.sampling_graphdef, self.tokenizer, config,
+                                                mesh=self.sampler_mesh, vocab_size=self.model_config.vocab_size,
+                                                model_config=self.model_config, rollout=True,
+                                                reward_mesh=self.frozen_mesh("reward_models"))
+        self.greedy = evaluation.greedy_sampling(config, self.tokenizer)  # ReMax's baseline
+        self.forward = jax.jit(self.policy_forward)  # the policy's and the reference's
+        self.values = jax.jit(self.critic_values)
+
+    # ------------------------------------------------------------------ meshes and placement
+    def _sampler_mesh(self, shape) -> jax.sharding.Mesh:
+        """``rollout.mesh`` over the training mesh's devices (every device, less a sub-mesh's),
+        or the training mesh itself when it is null."""
+        if shape is None:
+            return self.mesh
+        devices, _ = split_devices(self.config.placement)
+        try:
+            return make_mesh(shape, devices=devices)
+        except ValueError as err:
+            raise ConfigError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {len(devices)} "
+                              f"devices as training: {err}") from None
+
+    def place(self, value: np.ndarray) -> jax.Array:
+        """This process's rows of a host array, global on the training mesh."""
+        return place_rows(value, self.mesh)
+
+    def frozen_mesh(self, role: str) -> jax.sharding.Mesh:
+        """Where the frozen model of ``role`` (``reference`` | ``reward_models``) runs: the
+        sub-mesh under ``placement.<role>: submesh``, else the training mesh."""
+        return self.submesh if self.config.placement.on_submesh(role) else self.mesh
+
+    # ------------------------------------------------------------------ the trained tree
+    def _with_critic(self, policy_params: nnx.State) -> Any:
+        """The trained tree: the policy's params, or ``{"policy", "critic"}`` with a separate critic."""
+        critic = self.algorithm.critic
+        if not self.separate_critic:
+            return policy_params
+        if self.adapter_critic:
+            self.critic_graphdef, critic_params, self.critic_rest = adapters.critic_adapter(
+                self.model_config, mesh=self.mesh)
+            return {"policy": policy_params, "critic": critic_params}
+        if critic.init == "reward_model":
+            if not critic.path:
+                raise ValueError("ppo.critic_init=reward_model needs ppo.critic_path (a reward model folder)")
+            model = models.from_pretrained(critic.path, kind="value", mesh=self.mesh,
+                                           **self.config.precision.model_dtypes())
+        else:
+            model = build_model(self.config.model, kind="value", mesh=self.mesh, precision=self.config.precision)
+        self.critic_graphdef, critic_params, self.critic_rest = split_params(model)
+        return {"policy": policy_params, "critic": critic_params}
+
+    def policy_params(self, params):
+        """The policy's part of the trained tree."""
+        return params["policy"] if self.separate_critic else params
+
+    def whole_policy(self, params):
+        """The policy's parameters whole: its trained part, with the frozen base of a LoRA run."""
+        policy = self.policy_params(params)
+        return policy if self.base is None else nnx.merge_state(policy, self.base)
+
+    def whole_critic(self, params):
+        """A separate critic's parameters whole: with ``ppo.critic=adapter``, its adapter and
+        value head with the policy's frozen decoder (the same buffers)."""
+        return self.with_frozen_base(params, self.base)["critic"]
+
+    def with_frozen_base(self, params, base):
+        """The trained tree with the frozen ``base`` merged in: into the policy's params, and
+        with ``ppo.critic=adapter`` its decoder into the critic's (no second copy)."""
+        if base is None:
+            return params
+        if self.adapter_critic:
+            return {"policy": nnx.merge_state(params["policy"], base),
+                    "critic": nnx.merge_state(params["critic"], adapters.critic_base(base))}
+        return nnx.merge_state(params, base)
+
+    def export_models(self, params, *, critic: bool = False) -> dict[str, nnx.Module]:
+        """``{"": the policy}``, and ``{"critic": ...}`` with ``critic`` (a separate critic)."""
+        out = {"": nnx.merge(self.graphdef, self.whole_policy(params), self.rest)}
+        if critic:
+            if not self.separate_critic:
+                raise ValueError("only ppo.critic=separate has a critic model of its own to export "
+                                 "(a shared critic is the policy's value head)")
+            out["critic"] = nnx.merge(self.critic_graphdef, self.whole_critic(params), self.critic_rest)
+        return out
+
+    # ------------------------------------------------------------------ the sampler's weights
+    def sampling_state(self, params) -> nnx.State:
+        """What the sampler generates with: base + adapters, unmerged, under LoRA (with
+        ``lora.merge_for_sampling`` the merged model's weights, computed here once a call);
+        with its own mesh or a compute dtype other than the parameters', a copy with kernels
+        in the compute dtype laid out on the sampler's mesh (:func:`compute_copy`), made from
+        ``params`` at each call (each rollout, after the previous rollout's updates)."""
+        state = nnx.merge_state(self.whole_policy(params), self.rest)
+        if self.merge_sampling:
+            state = lora_lib.merged_state(self.graphdef, state)
+        if not self.sampler_copies:
+            return state
+        if self._copy_program is None:
+            self._copy_program = compute_copy(self.config.precision.compute_dtype,
+                                              tree_shardings(state, self.sampler_mesh))
+        return self._copy_program(state)
+
+    # ------------------------------------------------------------------ the frozen reference
+    def initial_reference(self, initial_params) -> Any:
+        """The reference a run starts from and saves once (``None`` without a KL): with LoRA
+        the adapters switched off; under ``placement.reference: submesh`` the same weights
+        built on the sub-mesh; else the initial policy params in ``precision.frozen_dtype``."""
+        if not self.algorithm.kl.uses_reference:
+            return None
+        initial = self.policy_params(initial_params)
+        if self.base is not None:
+            return adapters.reference_adapters(initial)
+        if self.config.placement.on_submesh("reference"):  # built there: the same weights, other devices
+            return build_frozen_params(self.config.model, kind=self.algorithm.policy_kind, mesh=self.submesh,
+                                       precision=self.config.precision)
+        return frozen_params(initial, self.config.precision)
+
+    def frozen_inputs(self, reference) -> dict[str, Any]:
+        """``frozen`` of the update: the reference when the KL is on and, with LoRA, the base
+        (the reference is then that base with the adapters off, on the same buffers). Under
+        ``placement.reference: submesh`` the reference stays here (:meth:`reference_logps`
+        runs it on the sub-mesh) and the update gets none."""
+        if self.base is not None:
+            return adapters.frozen_base(self.base, reference)
+        if reference is not None and self.config.placement.on_submesh("reference"):
+            self.submesh_reference = reference
+            return {}
+        return {} if reference is None else {"reference": place(reference, self.config.placement.reference)}
+
+    def reference_logps(self, frozen, sequences: tuple[np.ndarray, ...], placed: tuple[jax.Array, ...]) -> jax.Array:
+        """The reference's log-probs of the rollout's response tokens, ``[R, N]`` on the
+        training mesh: from ``frozen["reference"]`` on the full sequences ``placed`` on the
+        training mesh, or on the sub-mesh (the host ``sequences`` placed there) and brought back."""
+        if self.submesh_reference is None:
+            return self.forward(frozen["reference"], *placed)[0]
+        submesh = self.frozen_mesh("reference")
+        on_submesh = [place_rows(a, submesh) for a in sequences]
+        return rows_to(self.mesh, self.forward(self.submesh_reference, *on_submesh)[0])
+
+    # ------------------------------------------------------------------ forward passes
+    def policy_forward(self, policy_params, tokens, positions, attention):
+        """``(log-probs, entropy, shared-head values or None)`` of the response window,
+        each ``[R, N]``. The params are moved into device memory first: a no-op for the
+        policy's, and the reference's under ``placement.reference: host`` (held in host
+        memory between uses)."""
+        model = nnx.merge(self.graphdef, to_device(policy_params), self.rest)
+        return response_forward(model, tokens, positions, attention, prompt_len=self.prompt_len,
+                                temperature=self.config.rollout.temperature,
+                                chunk_size=self.config.model.logprob_chunk_size, group=self.pack_group)
+
+    def critic_values(self, critic_params, tokens, positions, attention):
+        """A separate critic's values at the positions that predict each response token, ``[R, N]``."""
+        critic = nnx.merge(self.critic_graphdef, critic_params, self.critic_rest)
+        return critic(tokens, positions, attention).values[:, self.prompt_len - 1 : -1]

@@ -1,0 +1,225 @@
+"""Collect: prompts -> one typed :class:`RolloutBatch` (samples, masks, behaviour and
+reference log-probs, rewards, advantages, the policy version that sampled them).
+
+:meth:`Collector.collect` runs the same straight line for every algorithm:
+
+1. sample ``G`` completions for each of ``B`` prompts and score them
+   (:func:`sample_groups`: under DAPO's dynamic sampling, refill until enough groups have
+   varying rewards);
+2. the per-token quantities under the current policy (:meth:`Collector.token_quantities`):
+   old log-probs (recomputed by a forward pass, or the sampler's), reference log-probs,
+   the critic's values. In single-update mode (:func:`single_update`) the separate
+   forward pass is skipped: the update's own pass is the rollout's policy;
+3. the sequence rewards (less the KL where the algorithm's
+   :class:`~alignax.trainers.online.algorithm.KLSetup` places it), ReMax's greedy baseline
+   (:func:`greedy_baseline`) and process step rewards (:func:`step_rewards`), and the
+   algorithm's advantages.
+
+What an algorithm gathers is read from its bundle by those functions; the collector
+itself has no branch over an algorithm's flags. The policy version of a batch is the
+number of rollouts whose updates the sampling weights had seen (``state.extra["rollouts"]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from alignax.parallel.multihost import allgather_rows
+from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
+from alignax.rewards.verifiers import with_task
+from alignax.sampling.scored import Groups
+from alignax.trainers.config import TrainConfig
+from alignax.trainers.online.actors import Actors
+from alignax.trainers.online.algorithm import AdvantageInputs, OnlineAlgorithm
+from alignax.trainers.online.grpo import group_reward_std, select_informative_groups
+from alignax.trainers.online.rollout import Rollout, RowLayout
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    """One rollout, ready for the update.
+
+    ``groups``: this process's samples on the host (tokens, rewards and their components);
+    ``rollout``: what the update reads, on device (``[R, P + N]`` sequences, ``[R, N]``
+    per-token arrays); ``inputs``: what the advantages were computed from; ``rewards``
+    ``[R_local]``: the sequence rewards the advantages saw (after a ``sequence_reward``
+    KL); ``response_mask [R, N]``: the policy's own tokens; ``recomputed``/``entropy``
+    ``[R, N]``: the policy's log-probs and entropy from the separate forward pass (``None``
+    in single-update mode: the update supplies them); ``policy_version``: rollouts the
+    sampling weights had been updated on; ``figures``: generation, refill and step-reward
+    figures, and ``perf/logprob_s``.
+    """
+
+    groups: Groups
+    rollout: Rollout
+    inputs: AdvantageInputs
+    rewards: np.ndarray
+    response_mask: Array
+    recomputed: Array | None
+    entropy: Array | None
+    policy_version: int
+    figures: dict[str, float]
+
+
+def single_update(config: TrainConfig, algorithm: OnlineAlgorithm) -> bool:
+    """Whether the rollout's one update supplies the old log-probs: exactly one update per
+    rollout and nothing before it reads the policy's log-probs (no critic, no KL in the
+    reward computed from recomputed log-probs). Its forward pass is then the policy the
+    rollout came from, so the old log-probs are its log-probs with the gradient stopped
+    (ratio exactly 1, as TRL and Tunix do)."""
+    kl = algorithm.kl
+    reads_policy = algorithm.critic is not None or (
+        kl.placement != "loss" and kl.uses_reference and config.rollout.old_logps == "recompute")
+    return algorithm.epochs * algorithm.minibatches == 1 and not reads_policy
+
+
+def generation_figures(seconds: float, tokens: int) -> dict[str, float]:
+    return {"perf/generation_s": seconds, "perf/generation_tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+
+
+def sample_groups(algorithm: OnlineAlgorithm, sampler, sampling_state, prompt_batch: Mapping[str, Any],
+                  batches: Iterator, key: Array, layout: RowLayout) -> tuple[Groups, dict[str, float]]:
+    """This step's scored groups and generation figures; under DAPO's dynamic sampling
+    (``algorithm.dynamic_sampling_refills``) more prompt batches from ``batches`` until
+    every process holds its share of groups whose rewards vary."""
+    groups, gen_s, gen_tokens = sampler.sample(sampling_state, prompt_batch, jax.random.fold_in(key, 0))
+    max_refills = algorithm.dynamic_sampling_refills
+    if max_refills is None:
+        return groups, generation_figures(gen_s, gen_tokens)
+    G = layout.group_size
+    parts = [groups]
+    informative = int(np.sum(group_reward_std(groups.rewards, G) > 0))
+    refills = 0
+    # sampling is a collective: the processes refill together
+    while refills < max_refills and not np.all(allgather_rows(np.array([informative >= layout.local_prompts]))):
+        refills += 1
+        extra, s, t = sampler.sample(sampling_state, next(batches), jax.random.fold_in(key, refills))
+        parts.append(extra)
+        gen_s, gen_tokens = gen_s + s, gen_tokens + t
+        informative += int(np.sum(group_reward_std(extra.rewards, G) > 0))
+    groups, _ = select_informative_groups(parts, num_groups=layout.local_prompts, group_size=G)
+    figures = generation_figures(gen_s, gen_tokens)
+    figures["groups/refills"] = float(refills)
+    figures["groups/sampled"] = float(sum(p.size for p in parts) // G * jax.process_count())
+    return groups, figures
+
+
+def greedy_baseline(algorithm: OnlineAlgorithm, actors: Actors, sampling_state, groups: Groups, layout: RowLayout,
+                    figures: dict[str, float]) -> np.ndarray:
+    """``[R_local]`` float32: ReMax's baseline (``algorithm.greedy_baseline``), the reward of
+    each prompt's greedy completion repeated over its group; zeros for other algorithms."""
+    if not algorithm.greedy_baseline:
+        return np.zeros(layout.local_rows, np.float32)
+    G = layout.group_size
+    prompts = {"prompt_tokens": groups.prompt_tokens[::G], "prompt_attention_mask": groups.prompt_mask[::G],
+               "references": groups.references[::G]}
+    greedy, _, _ = actors.sampler.sample(sampling_state, prompts, jax.random.key(0), config=actors.greedy)
+    figures["reward/greedy_baseline"] = float(np.mean(allgather_rows(greedy.rewards)))
+    return np.repeat(greedy.rewards, G).astype(np.float32)
+
+
+def step_rewards(algorithm: OnlineAlgorithm, tokenizer, groups: Groups, task: str | None,
+                 figures: dict[str, float]) -> tuple[np.ndarray, np.ndarray]:
+    """``(step rewards, step-end mask)``, each ``[R_local, N]`` float32: process rewards
+    (``algorithm.process_reward``: a function of the steps' texts or a trained PRM) on the
+    last token of each step; zeros for algorithms without them."""
+    zeros = np.zeros(groups.tokens.shape, np.float32)
+    if algorithm.process_reward is None:
+        return zeros, zeros
+    step_mask, texts = step_boundaries(tokenizer, groups.tokens, groups.response_mask, algorithm.step_delimiter)
+    if isinstance(algorithm.process_reward, ProcessRewardModel):
+        rewards = algorithm.process_reward.step_rewards(groups, step_mask)
+    else:
+        rewards = process_step_rewards(algorithm.process_reward, step_mask, texts, with_task(groups.references, task))
+    counts = allgather_rows(np.array([[step_mask.sum(), groups.size]], np.float64)).sum(axis=0)
+    figures["process/steps_per_completion"] = float(counts[0] / max(counts[1], 1))
+    return rewards, step_mask.astype(np.float32)
+
+
+class Collector:
+    """Prompts -> :class:`RolloutBatch` for one algorithm on one set of actors."""
+
+    def __init__(self, config: TrainConfig, algorithm: OnlineAlgorithm, actors: Actors, layout: RowLayout, *,
+                 single_pass: bool):
+        self.config, self.algorithm, self.actors, self.layout = config, algorithm, actors, layout
+        self.single_pass = single_pass  # see single_update
+        self.advantages = jax.jit(algorithm.advantages)
+
+    def rollout_key(self, state) -> tuple[int, Array]:
+        """``(rollout index, its key)``: a rollout's randomness comes from the seed and its
+        index, so a resumed run repeats the same rollouts."""
+        rollout_index = int(jax.device_get(state.extra["rollouts"]))
+        return rollout_index, jax.random.fold_in(jax.random.key(self.config.train.seed), rollout_index)
+
+    def collect(self, state, frozen, prompt_batch: Mapping[str, Any], batches: Iterator) -> RolloutBatch:
+        """Sample, score and price one rollout from the policy in ``state`` (see the module docstring)."""
+        algo, actors, layout = self.algorithm, self.actors, self.layout
+        version, key = self.rollout_key(state)
+        sampling_state = actors.sampling_state(state.params)  # merged once a rollout (lora.merge_for_sampling)
+        groups, figures = sample_groups(algo, actors.sampler, sampling_state, prompt_batch, batches, key, layout)
+        t_fwd = time.perf_counter()
+        tokens = self.token_quantities(state, frozen, groups)
+        kl_coef = jnp.array(state.extra["kl_coef"].coef)  # a copy: the update donates the state
+        rewards = algo.kl.sequence_rewards(groups.rewards.astype(np.float32), tokens["old_logps"],
+                                           tokens["ref_logps"], tokens["response_mask"], kl_coef)
+        steps, step_mask = step_rewards(algo, actors.tokenizer, groups, self.config.rewards.task, figures)
+        baseline = greedy_baseline(algo, actors, sampling_state, groups, layout, figures)
+        del sampling_state  # the merged weights (lora.merge_for_sampling) are not needed past sampling
+        # In single-update mode nothing here reads the policy's log-probs (that is what the
+        # mode requires), so the sampler's stand in for the inputs' old log-probs.
+        old_logps = tokens["old_logps"]
+        inputs = AdvantageInputs(
+            rewards=actors.place(rewards), loss_mask=tokens["loss_mask"], group_ids=actors.place(layout.group_ids()),
+            old_logps=tokens["sampler_logps"] if old_logps is None else old_logps, ref_logps=tokens["ref_logps"],
+            old_values=tokens["old_values"], kl_coef=kl_coef, baseline=actors.place(baseline),
+            step_rewards=actors.place(steps), step_mask=actors.place(step_mask),
+        )
+        advantages, returns = self.advantages(inputs)
+        rollout = Rollout(tokens=tokens["tokens"], positions=tokens["positions"], attention_mask=tokens["attention"],
+                          loss_mask=tokens["loss_mask"], sampler_logps=tokens["sampler_logps"], old_logps=old_logps,
+                          ref_logps=tokens["ref_logps"], old_values=tokens["old_values"], advantages=advantages,
+                          returns=returns)
+        jax.block_until_ready(rollout)  # so perf/logprob_s times the forward passes, not their dispatch
+        figures["perf/logprob_s"] = time.perf_counter() - t_fwd
+        return RolloutBatch(groups=groups, rollout=rollout, inputs=inputs, rewards=rewards,
+                            response_mask=tokens["response_mask"], recomputed=tokens["recomputed"],
+                            entropy=tokens["entropy"], policy_version=version, figures=figures)
+
+    def token_quantities(self, state, frozen, groups: Groups) -> dict[str, Array | None]:
+        """The rollout's sequences and per-token arrays on the training mesh: ``tokens``,
+        ``positions``, ``attention`` ``[R, P + N]``; ``response_mask`` (the policy's tokens),
+        ``loss_mask`` (less observation tokens and, under ``rewards.mask_truncated``,
+        truncated rows), ``sampler_logps``, ``old_logps``, ``recomputed``, ``entropy``,
+        ``ref_logps`` (``None`` without a reference) and ``old_values``, each ``[R, N]``."""
+        actors, rc = self.actors, self.config.rollout
+        sequences = groups.full_sequences()
+        placed = tuple(actors.place(a) for a in sequences)
+        actions = groups.actions().astype(np.float32)  # the policy's tokens (model turns)
+        sampler_logps = actors.place(groups.sampler_logps)
+        recomputed = entropy = shared_values = None  # single-update mode: the update returns them
+        if not self.single_pass:
+            recomputed, entropy, shared_values = actors.forward(actors.whole_policy(state.params), *placed)
+        if actors.separate_critic:
+            old_values = actors.values(actors.whole_critic(state.params), *placed)
+        elif shared_values is not None:
+            old_values = shared_values
+        else:
+            old_values = jnp.zeros_like(sampler_logps)
+        loss_mask = actions  # observation tokens of a trajectory get no loss
+        if self.config.rewards.mask_truncated:
+            loss_mask = loss_mask * groups.stopped[:, None].astype(np.float32)
+        # no reference model (a zero fixed KL coefficient): no reference log-probs, no KL figures
+        ref_logps = actors.reference_logps(frozen, sequences, placed) if self.algorithm.kl.uses_reference else None
+        return dict(tokens=placed[0], positions=placed[1], attention=placed[2], response_mask=actors.place(actions),
+                    loss_mask=actors.place(loss_mask), sampler_logps=sampler_logps,
+                    old_logps=sampler_logps if rc.old_logps == "sampler" else recomputed, recomputed=recomputed,
+                    entropy=entropy, ref_logps=ref_logps, old_values=old_values)
