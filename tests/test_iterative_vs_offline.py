@@ -1,4 +1,4 @@
-"""tools/iterative_vs_offline.py on the toy model: one round of iterative DPO (pairs sampled
+"""tools/studies/iterative_vs_offline.py on the toy model: one round of iterative DPO (pairs sampled
 from the starting policy, labelled by the "yes"-share reward) against offline DPO on as many
 fixed pairs for the same prompts; both arms train, and are judged on the held-out prompts."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from alignax.data import write_jsonl
 from tests.rl_toy import toy_prompts
-from tools import iterative_vs_offline as tool  # tools/ is a namespace package beside tests/
+from tools.studies import iterative_vs_offline as tool  # tools/ is a namespace package beside tests/
 
 
 def test_both_arms_train_on_the_same_number_of_pairs_for_the_same_prompts(tmp_path, toy_model):

@@ -16,7 +16,7 @@ reasoning-gym puts in every entry), plus whatever the task's scorer reads from
 - :func:`verifier_rewards`: a weighted sum of those, with every component returned.
 - :func:`numeric_closeness`: a graded reward for tasks with a numeric answer,
   ``1 / (1 + |answer - truth|)`` (a ``rewards.functions`` entry, e.g. the dense gold reward
-  of ``tools/overoptimisation.py``).
+  of ``tools/studies/overoptimisation.py``).
 
 The answer format follows reasoning-gym's system prompts (``reasoning_gym.utils.SYSTEM_PROMPTS``)
 and DeepSeek-R1's ``<think>``/``<answer>`` convention (DeepSeek-AI 2025).

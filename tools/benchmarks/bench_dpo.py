@@ -1,7 +1,7 @@
 """DPO step time: alignax's trainer vs Google Tunix's DPOTrainer, same shapes, same run.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_dpo.py --model tiny
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_dpo.py --model smollm2-135m --steps 3 --out runs/bench/dpo.json
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_dpo.py --model tiny
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_dpo.py --model smollm2-135m --steps 3 --out runs/bench/dpo.json
 
 One step: 8 preference pairs x 128 tokens (prompt 64 + response 64, every token real,
 random ids), sigmoid DPO loss (beta 0.1) on response log-probs summed per sequence,
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
 import bench_common as common  # noqa: E402
 
 common.offline_environment()
@@ -63,7 +63,7 @@ def parse_args(argv=None):
 def train_config(args):
     from alignax.data import DataConfig
     from alignax.trainers.config import MeshSection, PreferenceSection, TrainConfig, TrainSection
-    from alignax.trainers.engine.optim import OptimConfig
+    from alignax.trainers.config import OptimConfig
 
     return TrainConfig(
         algorithm="dpo",

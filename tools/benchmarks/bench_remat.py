@@ -1,11 +1,11 @@
 """Compiled memory of the DPO step under each ``model.remat`` policy (and the estimator's
 activation figure beside it), same model, shapes and batch, in one process.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_remat.py --model tiny
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_remat.py --model smollm2-135m --steps 2 \\
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_remat.py --model tiny
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_remat.py --model smollm2-135m --steps 2 \\
         --out runs/bench/remat.json
 
-The step is tools/bench_dpo.py's alignax side (8 preference pairs x 128 tokens, live
+The step is tools/benchmarks/bench_dpo.py's alignax side (8 preference pairs x 128 tokens, live
 reference, AdamW), built by ``alignax.trainers.api.build_trainer`` with only
 ``model.remat`` changed, compiled ahead of time (``OfflineTrainer.start``'s donation and
 shardings). For each policy: XLA's memory analysis (temporaries are what remat changes;
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
 import bench_common as common  # noqa: E402
 
 common.offline_environment()
