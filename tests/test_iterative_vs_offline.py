@@ -9,7 +9,7 @@ import json
 import pytest
 
 from alignax.data import write_jsonl
-from tests.rl_toy import toy_prompts
+from tests.support.rl_toy import toy_prompts
 from tools.studies import iterative_vs_offline as tool  # tools/ is a namespace package beside tests/
 
 
@@ -22,7 +22,7 @@ def test_both_arms_train_on_the_same_number_of_pairs_for_the_same_prompts(tmp_pa
     args = tool.parse_args(["--out", str(tmp_path / "out"), "--model", toy_model,
                             "--prompts", str(tmp_path / "prompts.jsonl"),
                             "--offline-pairs", str(tmp_path / "offline.jsonl"),
-                            "--reward-function", "tests.rl_toy:yes_share", "--success-threshold", "0.5",
+                            "--reward-function", "tests.support.rl_toy:yes_share", "--success-threshold", "0.5",
                             "--train-prompts", "16", "--eval-prompts", "8", "--samples", "4",
                             "--max-prompt-length", "24", "--max-new-tokens", "6", "--batch-size", "4",
                             "--steps", "4", "--lr", "1e-2", "--beta", "0.5"])

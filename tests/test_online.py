@@ -1,6 +1,6 @@
 """Online RL end to end on a tiny word-level model and a toy verifiable task.
 
-The reward is the share of "yes" in a completion (tests/rl_toy.py): PPO and GRPO must
+The reward is the share of "yes" in a completion (tests/support/rl_toy.py): PPO and GRPO must
 raise it; the token-level invariants of the seeds are checked on real rollouts.
 """
 
@@ -15,7 +15,7 @@ from alignax.trainers.api import build_trainer as make_trainer
 from alignax.trainers.api import train
 from alignax.trainers.online.rollout import Minibatch, Rollout
 from alignax.rewards.composite import NonFiniteRewardError
-from tests.rl_toy import toy_config, toy_prompts
+from tests.support.rl_toy import toy_config, toy_prompts
 
 
 def rewards_of(result):
@@ -115,7 +115,7 @@ def test_sampler_log_probs_agree_with_the_trainer_at_temperature_one(tmp_path, t
 
 def test_zero_variance_groups_give_zero_advantage_and_no_nan(tmp_path, toy_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=2, checkpoint={"enabled": False},
-                        rewards={"functions": {"tests.rl_toy:constant_reward": 1.0}})
+                        rewards={"functions": {"tests.support.rl_toy:constant_reward": 1.0}})
     result = train(config, records=toy_prompts(16))
     finite_history(result)
     for row in result.history:
@@ -138,8 +138,8 @@ def test_an_all_truncated_batch_trains_nothing_and_stays_finite(tmp_path, toy_mo
 
 def test_nan_rewards_are_rejected_with_a_clear_error(tmp_path, toy_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
-                        rewards={"functions": {"tests.rl_toy:nan_reward": 1.0}})
-    with pytest.raises(NonFiniteRewardError, match="reward component 'fn/tests.rl_toy:nan_reward' is nan for completion 0"):
+                        rewards={"functions": {"tests.support.rl_toy:nan_reward": 1.0}})
+    with pytest.raises(NonFiniteRewardError, match="reward component 'fn/tests.support.rl_toy:nan_reward' is nan for completion 0"):
         train(config, records=toy_prompts(16))
 
 
@@ -148,7 +148,7 @@ def test_a_nan_reward_saves_the_work_before_it_stops_the_run(tmp_path, toy_model
 
     rl_toy.SCORED_BATCHES.clear()
     config = toy_config(tmp_path, toy_model, "grpo", steps=4, data={"eval_fraction": 0.0},
-                        rewards={"functions": {"tests.rl_toy:nan_on_second_batch": 1.0}})
+                        rewards={"functions": {"tests.support.rl_toy:nan_on_second_batch": 1.0}})
     with pytest.raises(NonFiniteRewardError, match="is nan for completion 0"):
         train(config, records=toy_prompts(16))
     assert len(rl_toy.SCORED_BATCHES) == 2
@@ -268,7 +268,7 @@ def toy_reward_model(tmp_path_factory, toy_model):
     """A reward model trained (briefly) on the toy model and exported as an HF folder."""
     from alignax.trainers.api import export
     from alignax.trainers.api import train as train_offline
-    from tests.trainer_helpers import separable_pairs, tiny_config
+    from tests.support.trainer_helpers import separable_pairs, tiny_config
 
     tmp = tmp_path_factory.mktemp("toy-reward")
     config = tiny_config(tmp, "reward", steps=4, model_dir=toy_model)
@@ -279,7 +279,7 @@ def toy_reward_model(tmp_path_factory, toy_model):
 @pytest.mark.xdist_group("toy-reward-model")  # shares the module fixture: one worker builds it
 def test_ppo_critic_from_a_reward_model_ensemble_and_ptx(tmp_path, toy_model, toy_reward_model):
     from alignax.data import write_jsonl
-    from tests.trainer_helpers import sft_conversations
+    from tests.support.trainer_helpers import sft_conversations
 
     ptx_path = tmp_path / "ptx.jsonl"
     write_jsonl(sft_conversations(16), ptx_path)
@@ -350,7 +350,7 @@ def test_lr_schedule_follows_the_rollouts_when_target_kl_stops_epochs_early(tmp_
     config = toy_config(tmp_path, toy_model, "ppo", steps=steps, checkpoint={"enabled": False},
                         optim={"learning_rate": lr, "schedule": "linear", "warmup_steps": 0},
                         ppo={"epochs": epochs, "minibatches": minibatches, "target_kl": 1e-9},
-                        rewards={"functions": {"tests.test_online_variants:hashed_reward": 1.0}})
+                        rewards={"functions": {"tests.support.rl_toy:hashed_reward": 1.0}})
     result = train(config, records=toy_prompts(16))
     total = steps * epochs * minibatches
     for k, row in enumerate(result.history):

@@ -16,7 +16,7 @@ import pytest
 
 from alignax.best_of_n import best_of_n_kl
 from alignax.data import write_jsonl
-from tests.rl_toy import toy_prompts
+from tests.support.rl_toy import toy_prompts
 
 TOOL = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "studies", "overoptimisation.py")
 
@@ -58,7 +58,7 @@ def test_sample_kl_by_hand():
     assert tool.sample_kl(logps, ref, mask) == pytest.approx((-0.5 + 1.25) / 2)
 
 
-ARGS = ["--gold-function", "tests.rl_toy:yes_share", "--max-prompt-length", "24", "--max-new-tokens", "6",
+ARGS = ["--gold-function", "tests.support.rl_toy:yes_share", "--max-prompt-length", "24", "--max-new-tokens", "6",
         "--batch-size", "8", "--eval-prompts", "8", "--pair-prompts", "24", "--label-samples", "4",
         "--rm-steps", "6", "--rm-lr", "1e-2", "--n-max", "8", "--rl-steps", "4", "--rl-every", "2",
         "--rl-group", "4", "--rl-lr", "2e-2", "--rl-samples", "4"]
