@@ -7,7 +7,7 @@ peak memory of the step, and the estimator's figure; Tunix's LoRA (qwix) DPO ste
         --steps 1 --rounds 2 --warmup 1 --dpo-pairs 4 --dpo-seq 64 --grpo-prompts 4 --grpo-prompt-len 32 \
         --grpo-new-tokens 16 --peer-timeout 2400 --out runs/bench/lora-smollm2.json
 
-(the README's figures: 58 min under a load average of 7 to 25 on 2 cores, 40 min of it the two
+(docs/lora.md's figures: 58 min under a load average of 7 to 25 on 2 cores, 40 min of it the two
 Tunix processes).
 
 The steps are those of tools/benchmarks/bench_dpo.py (preference pairs, live reference, shared-prompt
