@@ -115,10 +115,10 @@ class AlignaxGRPO:
         # The data section needs records to build; the steps are fed prompt batches directly.
         records = [{"prompt": "hi", "answer": ""} for _ in range(PROMPTS)]
         self.trainer = make_trainer(config, records=records)
-        self.state, self.frozen = self.trainer.start()  # as OnlineTrainer.train sets them up
+        self.state, self.frozen = self.trainer.start()  # the fresh state, and what the step reads besides it
         jax.block_until_ready((self.state, self.frozen))
         self.build_s = time.perf_counter() - t0
-        self.model = common.model_summary(args, self.trainer.policy_params(self.state.params))
+        self.model = common.model_summary(args, self.state.params)  # GRPO trains the policy alone
         total = args.warmup + args.rounds * args.steps
         self.batches = iter(prompt_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]),
                                            seed=args.seed + 1))

@@ -173,10 +173,17 @@ class Variant:
         with lora_recipe(module, self.lora):
             self.config = module.train_config(bench_args)
             self.bench = getattr(module, bench_class)(bench_args)
-        if task == "dpo":
-            self.recorder = self.bench.step_fn = Recorder(self.bench.step_fn)
-        else:
-            self.recorder = self.bench.trainer.step = Recorder(self.bench.trainer.step)  # the compiled step of both trainers
+        # DPO: the bench's own loop calls the step, so it runs the executable it measured. GRPO:
+        # the trainer's rollout step calls it, so its memory is read from a compile of the same
+        # step after the timed steps (trainer.step.lower on the minibatch shapes, untimed).
+        self.recorder = self.bench.step_fn = Recorder(self.bench.step_fn) if task == "dpo" else None
+
+    def memory(self) -> dict:
+        if self.recorder is not None:
+            return self.recorder.memory
+        trainer = self.bench.trainer
+        return common.compiled_memory(
+            trainer.step.lower(self.bench.state, self.bench.frozen, trainer.minibatch_shapes()).compile())
 
     def figures(self) -> dict:
         import jax
@@ -188,7 +195,7 @@ class Variant:
         return {"lora": None if self.lora is None else dataclasses.asdict(self.lora),
                 **{key: summary[key] for key in ("step_time_s_median", "step_times_s", "step_time_s_min",
                                                  "compile_time_s", "build_time_s", *keys)},
-                **self.recorder.memory,
+                **self.memory(),
                 "trainable_parameters": int(sum(x.size for x in jax.tree.leaves(state.params))),
                 "trainable_bytes": _nbytes(state.params), "optimizer_state_bytes": _nbytes(state.opt_state),
                 "estimate_total_bytes": _estimate(self.config)}

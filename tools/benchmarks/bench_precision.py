@@ -80,10 +80,8 @@ class Policy:
         config = dataclasses.replace(bench_dpo.train_config(args), precision=PrecisionConfig(**POLICIES[name]))
         t0 = time.perf_counter()
         trainer = api.build_trainer(config, with_data=False)
-        self.placer = trainer.placer
-        self.state, reference = trainer.start()
-        self.frozen = trainer.frozen_inputs(reference)
-        del reference
+        self.placer = trainer.place_batch
+        self.state, self.frozen = trainer.start()  # the fresh state, and what the step reads besides it
         self.held_bytes = {"params": nbytes(self.state.params), "optimizer_state": nbytes(self.state.opt_state),
                            "reference": nbytes(self.frozen)}
         t1 = time.perf_counter()

@@ -58,11 +58,9 @@ def measure(args, policy: str, batches) -> dict:
     config = bench_dpo.train_config(args)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=policy))
     trainer = api.build_trainer(config, with_data=False)
-    state, reference = trainer.start()
-    frozen = trainer.frozen_inputs(reference)
-    del reference
+    state, frozen = trainer.start()  # the fresh state, and what the step reads besides it
     t0 = time.perf_counter()
-    step = trainer.step.lower(state, frozen, trainer.placer(batches[0])).compile()
+    step = trainer.step.lower(state, frozen, trainer.place_batch(batches[0])).compile()
     model_config = trainer.model_from(state.params).config
     figures = {"compile_time_s": time.perf_counter() - t0, "compiled_memory": common.compiled_memory(step),
                "estimated_activations_bytes": int(estimate(config, model=model_config, devices=1,
@@ -70,7 +68,7 @@ def measure(args, policy: str, batches) -> dict:
     times = []
     for i in range(args.steps + (1 if args.steps else 0)):  # the first step is untimed
         t0 = time.perf_counter()
-        state, out = step(state, frozen, trainer.placer(batches[i]))
+        state, out = step(state, frozen, trainer.place_batch(batches[i]))
         jax.block_until_ready(out.metrics)
         times.append(time.perf_counter() - t0)
     if args.steps:
