@@ -3,6 +3,7 @@ model (tests/support/toy_model.py), and small synthetic datasets whose answers a
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -87,7 +88,6 @@ def tiny_config(tmp_path, recipe: str, *, steps: int = 4, model_dir: str | None 
     return load_config(data=raw, overrides=overrides)
 
 
-
 def step_solutions(n: int, seed: int = 0) -> list[dict]:
     """Step-labelled solutions (format ``steps``) a PRM can learn from the steps alone: a
     step starting with "no" is a slip, and every step from the first slip on is labelled 0."""
@@ -102,6 +102,7 @@ def step_solutions(n: int, seed: int = 0) -> list[dict]:
     return records
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "seed"))  # one program, not an op-by-op draw per leaf
 def perturbed(tree, *, scale: float, seed: int):
     """``tree`` (params) with Gaussian noise of std ``scale`` added to every leaf, one key per
     leaf split from ``seed``: a policy or reference that differs from its twin by a known amount."""
