@@ -18,10 +18,8 @@ error naming them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
-import jax
 import numpy as np
 import pytest
 
@@ -43,7 +41,6 @@ KTO_SEEDS = (2, 1)  # a positive KL reference point on the KTO batch (for the to
 WINDOW = 8  # data.max_response_length < the rows: pairs are packed, KTO rows windowed
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))  # one program, not an op-by-op draw per weight
 def sequence_logps(trainer, params, batch, prefix):
     """Summed log-probs of the response tokens and their counts, ``[B]`` float64, from a
     plain forward pass with full logits (no window, no packing)."""
