@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/examples/ -> the repository
 TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)  # what the demo trains on
 HARD_TASK = dict(min_terms=2, max_terms=2, min_digits=2, max_digits=2)  # never trained on
 HELD_OUT = 16  # questions kept out of the training data (unchanged: the training data depend on it)

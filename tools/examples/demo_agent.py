@@ -30,7 +30,7 @@ import resource
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/examples/ -> the repository
 TASK = dict(min_terms=2, max_terms=2, min_digits=4, max_digits=4)
 PROMPT_LENGTH = 136  # SmolLM2 renders a question with the calculator's compact tool prompt in 133 tokens
 FULL = dict(held_out=64, sft_steps=24, grpo_steps=12)
