@@ -11,6 +11,8 @@ the same order. What "checked" means per command, since most of them train for m
   ``export`` stop there, ``estimate`` runs (it is arithmetic, milliseconds).
 - ``python tools/....py ...``: the script runs up to its ``argparse`` call, which parses
   the command's options and stops it (an unknown or misspelt option fails).
+- a shell program (``{"kind": "script"}``: a loop, a quoted program over several lines):
+  ``bash -n`` parses it.
 - a YAML snippet: each top-level key, as its own alternative, merged into the recipe its
   marker names (``<!-- checked against configs/X.yaml with a.b=c -->`` just above the
   fence; default ``configs/tiny-grpo.yaml``) must load as a valid config.
@@ -28,6 +30,7 @@ import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,6 +139,19 @@ def check_yaml(snippet: str, recipe: str, overrides: list[str]) -> str | None:
     return None
 
 
+def check_script_syntax(script: str) -> str | None:
+    done = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=60)
+    return None if done.returncode == 0 else f"bash -n: {done.stderr.strip()[-1000:]}"
+
+
+def check(item: dict) -> str | None:
+    if item["kind"] == "shell":
+        return check_shell(item["command"])
+    if item["kind"] == "script":
+        return check_script_syntax(item["script"])
+    return check_yaml(item["snippet"], item["recipe"], item["overrides"])
+
+
 def main() -> None:
     os.chdir(ROOT)
     with open(sys.argv[1], encoding="utf-8") as f:
@@ -143,8 +159,7 @@ def main() -> None:
     results = []
     for item in items:
         try:
-            why = check_shell(item["command"]) if item["kind"] == "shell" else check_yaml(
-                item["snippet"], item["recipe"], item["overrides"])
+            why = check(item)
         except Exception as err:  # noqa: BLE001 - one bad command must not hide the others
             why = f"{type(err).__name__}: {err}"
         results.append({"ok": why is None, "why": why or ""})

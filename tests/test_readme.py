@@ -4,7 +4,11 @@
   repository root, with the hub offline.
 - ```bash blocks train for minutes, so their commands are checked the cheaper way
   tests/docs_commands_check.py describes (make targets exist, ``alignax`` commands parse and
-  their configs load, tool scripts accept their options, ``alignax estimate`` runs).
+  their configs load, tool scripts accept their options, ``alignax estimate`` runs). A block
+  that is a shell program rather than a list of commands (a loop, a quoted program over
+  several lines) is checked by ``bash -n``: it parses.
+- A ```python block marked ``<!-- fragment -->`` just above (a piece of a larger file) is
+  compiled, not run.
 - ```yaml blocks are merged into a recipe and must load as a valid config.
 - Blocks without a language are drawings (the layout tree): not code, not run.
 - Paths into the repository (``tools/...py``, ``configs/...yaml``, ``docs/...``) and relative
@@ -18,6 +22,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -29,11 +34,13 @@ PAGES = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), rec
 FENCE = re.compile(r"^([ \t]*)```(\w*)[ \t]*\n(.*?)^\1```[ \t]*$", re.S | re.M)
 # <!-- checked against configs/X.yaml with a.b=c d.e=f --> above a ```yaml block
 MARKER = re.compile(r"<!--\s*checked against (\S+)(?: with (.*?))?\s*-->\s*$")
+FRAGMENT = re.compile(r"<!--\s*fragment\b.*-->\s*$")
+SHELL_KEYWORDS = {"for", "while", "until", "if", "case", "do", "done", "then", "fi", "function"}
 DEFAULT_RECIPE = "configs/tiny-grpo.yaml"
 MAX_README_LINES = 250
 # Pages the README links to that other branches of this round write (configuration: the config
-# room; accelerators: installs and the hardware report; reliability-faults: the fault work).
-WRITTEN_ON_OTHER_BRANCHES = {"docs/configuration.md", "docs/accelerators.md", "docs/reliability-faults.md",
+# room; accelerators: installs and the hardware report; reliability: each fault and its test).
+WRITTEN_ON_OTHER_BRANCHES = {"docs/configuration.md", "docs/accelerators.md", "docs/reliability.md",
                              "tools/accelerator_check.py"}
 
 
@@ -66,7 +73,8 @@ def page_blocks() -> list[tuple[str, dict]]:
 
 
 BLOCKS = page_blocks()
-PYTHON = [(page, b) for page, b in BLOCKS if b["language"] == "python"]
+PYTHON = [(page, b) for page, b in BLOCKS if b["language"] == "python" and not FRAGMENT.search(b["above"])]
+FRAGMENTS = [(page, b) for page, b in BLOCKS if b["language"] == "python" and FRAGMENT.search(b["above"])]
 
 
 def shell_commands(code: str) -> list[str]:
@@ -75,13 +83,30 @@ def shell_commands(code: str) -> list[str]:
     return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
+def is_shell_program(commands: list[str]) -> bool:
+    """Whether a block's lines are one shell program (a loop, a quoted program over several
+    lines) rather than commands that stand alone."""
+    for command in commands:
+        try:
+            words = shlex.split(command, comments=True)
+        except ValueError:  # a quote that closes on a later line
+            return True
+        if words and (words[0] in SHELL_KEYWORDS or words[-1] in ("&", "do", "then")):
+            return True
+    return False
+
+
 def check_items() -> list[tuple[str, dict]]:
-    """``(where, item)`` for every shell command and YAML block of the pages."""
+    """``(where, item)`` for every shell command (or shell program) and YAML block of the pages."""
     items = []
     for page, block in BLOCKS:
         where = f"{page}:{block['line']}"
         if block["language"] in ("bash", "sh", "shell", "console"):
-            items.extend((where, {"kind": "shell", "command": c}) for c in shell_commands(block["code"]))
+            commands = shell_commands(block["code"])
+            if is_shell_program(commands):
+                items.append((where, {"kind": "script", "script": block["code"]}))
+            else:
+                items.extend((where, {"kind": "shell", "command": c}) for c in commands)
         elif block["language"] in ("yaml", "yml"):
             marker = MARKER.search(block["above"])
             recipe = marker.group(1) if marker else DEFAULT_RECIPE
@@ -102,6 +127,9 @@ def test_the_extraction_finds_the_blocks():
         ("yaml", "B", 17, "k: v\n")]
     assert shell_commands(blocks[1]["code"]) == ["ls -l  # long"]
     assert MARKER.search(blocks[3]["above"]).groups() == ("configs/tiny-dpo.yaml", "a=1 b=2")
+    assert FRAGMENT.search("<!-- fragment: a piece of trainers/api.py -->") and not FRAGMENT.search(blocks[3]["above"])
+    assert is_shell_program(["for p in 0 1; do", "done"]) and is_shell_program(['python -c "', 'print(1)"'])
+    assert not is_shell_program(["make test", ".venv/bin/alignax train configs/dpo.yaml"])
     assert any(b["heading"] == "Front door 2: the functional core in your own code" for _, b in PYTHON)
 
 
@@ -124,6 +152,11 @@ def run_block(code: str, tmp_path, suffix: str = "") -> subprocess.CompletedProc
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
+
+
+@pytest.mark.parametrize("page, block", FRAGMENTS, ids=[f"{p}:{b['line']}" for p, b in FRAGMENTS])
+def test_python_fragment_compiles(page, block):
+    compile(block["code"], f"{page}:{block['line']}", "exec")
 
 
 @pytest.mark.parametrize("page, block", PYTHON, ids=[f"{p}:{b['line']}" for p, b in PYTHON])
@@ -173,12 +206,14 @@ def checked() -> list[dict]:
 def test_command_or_snippet_is_checked(index):
     where, item = ITEMS[index]
     verdict = checked()[index]
-    assert verdict["ok"], f"{where}: {item.get('command') or item.get('snippet')!r}: {verdict['why']}"
+    what = item.get("command") or item.get("snippet") or item.get("script")
+    assert verdict["ok"], f"{where}: {what!r}: {verdict['why']}"
 
 
 def test_the_checker_fails_what_is_wrong():
     """The check is not vacuous: a misspelt option, a wrong key, a missing target, a missing
-    script, a command it has no check for and a wrong YAML key each fail; a right one passes."""
+    script, a command it has no check for, a wrong YAML key and a shell program that does not
+    parse each fail; a right command and a shell program that parses pass."""
     verdicts = run_checker([
         {"kind": "shell", "command": ".venv/bin/python tools/studies/fsdp_memory.py --no-such-flag"},
         {"kind": "shell", "command": ".venv/bin/alignax train configs/tiny-dpo.yaml train.no_such_key=1"},
@@ -186,11 +221,19 @@ def test_the_checker_fails_what_is_wrong():
         {"kind": "shell", "command": "python tools/no_such_tool.py"},
         {"kind": "shell", "command": "curl https://example.com"},
         {"kind": "yaml", "snippet": "rollout: {no_such_key: 1}\n", "recipe": DEFAULT_RECIPE, "overrides": []},
+        {"kind": "script", "script": "for p in 0 1; do\n  echo $p\n"},
         {"kind": "shell", "command": "HF_HUB_OFFLINE=1 nice -n 19 .venv/bin/python tools/studies/fsdp_memory.py "
                                      "--devices 8 --programs dpo"},
+        {"kind": "script", "script": "for p in 0 1; do\n  echo \"$p\n\" &\ndone; wait\n"},
     ])
-    assert [v["ok"] for v in verdicts] == [False] * 6 + [True], verdicts
+    assert [v["ok"] for v in verdicts] == [False] * 7 + [True] * 2, verdicts
     assert "no-such-flag" in verdicts[0]["why"] and "no_such_key" in verdicts[1]["why"], verdicts
+
+
+def is_module_attribute(path: str) -> bool:
+    """``tests/test_x.some_function``: a name inside a module that exists."""
+    module = path.split(".", 1)[0] + ".py"
+    return "." in path and not path.endswith(".py") and os.path.isfile(os.path.join(ROOT, module))
 
 
 PATH = re.compile(r"(?<![\w./-])((?:tools|configs|docs|notebooks|tests|alignax)/[\w./*<>-]*)")
@@ -201,10 +244,14 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 def test_every_path_and_link_exists(page):
     with open(os.path.join(ROOT, page), encoding="utf-8") as f:
         text = f.read()
-    # a pattern (tiny-*.yaml) or a placeholder (<out>) names no one file
-    named = {m.rstrip(".-") for m in PATH.findall(text) if "*" not in m and "<" not in m}
+    # a pattern (tiny-*.yaml) or a placeholder (<out>) names no one file; what a command
+    # writes (--out PATH) need not exist yet
+    named = {m.group(1).rstrip(".-") for m in PATH.finditer(text)
+             if "*" not in m.group(1) and "<" not in m.group(1)
+             and not re.search(r"--out[ =]$", text[max(0, m.start() - 6):m.start()])}
     linked = {os.path.normpath(os.path.join(os.path.dirname(page), target))
               for target in LINK.findall(text) if "://" not in target}
     missing = sorted(p for p in named | linked
-                     if not os.path.exists(os.path.join(ROOT, p)) and p not in WRITTEN_ON_OTHER_BRANCHES)
+                     if not os.path.exists(os.path.join(ROOT, p)) and p not in WRITTEN_ON_OTHER_BRANCHES
+                     and not is_module_attribute(p))
     assert not missing, f"{page} names paths that do not exist: {missing}"
