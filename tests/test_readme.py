@@ -154,9 +154,9 @@ def run_block(code: str, tmp_path, suffix: str = "") -> subprocess.CompletedProc
                           timeout=300)
 
 
-@pytest.mark.parametrize("page, block", FRAGMENTS, ids=[f"{p}:{b['line']}" for p, b in FRAGMENTS])
-def test_python_fragment_compiles(page, block):
-    compile(block["code"], f"{page}:{block['line']}", "exec")
+def test_python_fragments_compile():
+    for page, block in FRAGMENTS:  # none may be the case: a page with no fragment
+        compile(block["code"], f"{page}:{block['line']}", "exec")
 
 
 @pytest.mark.parametrize("page, block", PYTHON, ids=[f"{p}:{b['line']}" for p, b in PYTHON])
