@@ -80,15 +80,15 @@ test-latest: $(LATEST_VENV)/.installed
 # The main job: DPO then GRPO on SmolLM2-135M-Instruct (reasoning-gym chain_sum), ~15 min
 # on 2 CPU cores; prints held-out accuracies before/after, writes runs/demo/.
 demo: install
-	$(PY) tools/demo.py
+	$(PY) tools/examples/demo.py
 
 # SFT on generated calculator traces, then multi-turn GRPO with the calculator environment;
 # prints held-out accuracy with the tool before/after, next to accuracy without it.
 demo-agent: install
-	$(PY) tools/demo_agent.py
+	$(PY) tools/examples/demo_agent.py
 
 demo-long: install
-	$(PY) tools/demo.py --long --out runs/demo-long
+	$(PY) tools/examples/demo.py --long --out runs/demo-long
 
 # Google Tunix in its own venv (.venv-bench), for the peer benchmarks in tools/.
 bench-env:

@@ -41,8 +41,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def toy_model(tmp_path_factory):
-    """The toy word-level model folder (tests/toy_model.py), written once per session."""
-    from tests.toy_model import make_toy_model
+    """The toy word-level model folder (tests/support/toy_model.py), written once per session."""
+    from tests.support.toy_model import make_toy_model
 
     return make_toy_model(tmp_path_factory.mktemp("toy-model"))
 

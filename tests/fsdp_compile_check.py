@@ -1,7 +1,7 @@
 """Compile (never run) a Llama-2-7B-shaped step on fake CPU devices; print one JSON line of
 per-device memory and collectives, as XLA planned them.
 
-Run in a subprocess by tests/test_fsdp_compile.py and tools/fsdp_memory.py: the device
+Run in a subprocess by tests/test_fsdp_compile.py and tools/studies/fsdp_memory.py: the device
 count is fixed when jax is imported, so each count is its own process::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=64 JAX_PLATFORMS=cpu \
@@ -32,7 +32,7 @@ devices: with the weights the online trainer decodes from when ``rollout.mesh`` 
 (``compute_copy``: kernels in ``--dtype``, laid out by the rules for that mesh), or with
 ``:train`` the training parameters as they lie (``--param-dtype``). Their figures are
 the JSON's ``decode`` list, one entry per mesh. ``--program decode`` compiles only those
-(tools/fsdp_memory.py ``--sampler``).
+(tools/studies/fsdp_memory.py ``--sampler``).
 
 Memory is ``compiled.memory_analysis()`` of the per-device program: arguments + outputs
 - aliased (donated) + temporaries. Collectives are read from ``compiled.as_text()``; a

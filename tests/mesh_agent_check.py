@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from alignax.trainers.api import train
-from tests.toy_agent import agent_config, agent_tokenizer, lookup_records, make_agent_model
+from tests.support.toy_agent import agent_config, agent_tokenizer, lookup_records, make_agent_model
 
 
 def run(model_dir, shape):
@@ -21,7 +21,7 @@ def run(model_dir, shape):
     stops = [tok.convert_tokens_to_ids(w) for w in ("<|im_end|>", "yes", "no", "ok", "sure", "hi", "is")]
     with tempfile.TemporaryDirectory() as tmp:
         config = agent_config(tmp, model_dir, steps=1, mesh={"shape": list(shape)},
-                              env={"name": "tests.toy_agent:ChattyEnv"}, rollout={"stop_token_ids": stops},
+                              env={"name": "tests.support.toy_agent:ChattyEnv"}, rollout={"stop_token_ids": stops},
                               data={"eval_fraction": 0.0})
         result = train(config, records=lookup_records(16))
     return result, nnx.state(result.model, nnx.Param)

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from alignax.trainers.api import train
-from tests.toy_model import make_toy_model
-from tests.trainer_helpers import separable_pairs, tiny_config
+from tests.support.toy_model import make_toy_model
+from tests.support.trainer_helpers import separable_pairs, tiny_config
 
 
 def run(model_dir, shape, quantize=None, batch_size=None):

@@ -21,8 +21,8 @@ from alignax.sampling.scored import ScoredSampler
 from alignax.trainers.api import build_trainer, train
 from alignax.trainers.engine.step import join_micro_rows, split_micro_batches
 from tests.fsdp_compile_check import captured_stderr
-from tests.rl_toy import toy_config, toy_prompts
-from tests.toy_model import make_toy_model
+from tests.support.rl_toy import toy_config, toy_prompts
+from tests.support.toy_model import make_toy_model
 
 
 def run(model_dir, shape):

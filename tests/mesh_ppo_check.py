@@ -6,7 +6,6 @@ measured differences.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import tempfile
@@ -15,17 +14,11 @@ import jax
 import numpy as np
 
 from alignax.trainers.api import build_trainer
-from tests.rl_toy import toy_config, toy_prompts
-from tests.toy_model import make_toy_model
+from tests.support.rl_toy import toy_config, toy_prompts
+from tests.support.toy_model import make_toy_model
 
 KEYS = ("reward/total", "response/length_mean", "loss", "grad_norm", "value/loss", "pg_loss", "kl/ref_seq",
         "entropy", "advantages/abs_mean", "approx_kl", "epochs_run")
-
-
-def hashed_reward(completions, references):
-    """A reward in [0, 1) from the completion's text, so every rollout has advantages to learn from."""
-    del references
-    return [int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32 for text in completions]
 
 
 def run(model_dir, shape, pack_groups="auto"):
@@ -33,7 +26,7 @@ def run(model_dir, shape, pack_groups="auto"):
     with tempfile.TemporaryDirectory() as tmp:
         config = toy_config(tmp, model_dir, "ppo", steps=2, checkpoint={"enabled": False},
                             mesh={"shape": list(shape)}, data={"eval_fraction": 0.0},
-                            rewards={"functions": {"tests.mesh_ppo_check:hashed_reward": 1.0}},
+                            rewards={"functions": {"tests.support.rl_toy:hashed_reward": 1.0}},
                             rollout={"pack_groups": pack_groups},
                             ppo={"critic": "separate", "epochs": 2, "minibatches": 2})
         trainer = build_trainer(config, records=toy_prompts(24))

@@ -7,7 +7,7 @@ Run by tests/test_multihost_agents.py with ``--xla_force_host_platform_device_co
 once per process (``NUM_PROCESSES`` 1 runs without ``jax.distributed``). The rollout is
 the online trainer's own (its :class:`alignax.envs.rollout.EnvSampler`, its data
 iterator: this process reads its block of the global batch), with
-:class:`tests.toy_agent.ChattyEnv` and stop words that end turns early, so rows see
+:class:`tests.support.toy_agent.ChattyEnv` and stop words that end turns early, so rows see
 observations and finish at different turns.
 """
 
@@ -22,7 +22,7 @@ import jax
 from alignax.parallel import multihost
 from alignax.trainers.api import build_trainer
 from tests.fake_devices import leave_processes
-from tests.toy_agent import agent_config, agent_tokenizer, lookup_records
+from tests.support.toy_agent import agent_config, agent_tokenizer, lookup_records
 
 
 def main() -> int:
@@ -33,7 +33,7 @@ def main() -> int:
     stops = [tok.convert_tokens_to_ids(w) for w in ("<|im_end|>", "yes", "no", "ok", "sure", "hi", "is")]
     with tempfile.TemporaryDirectory() as tmp:
         config = agent_config(tmp, model_dir, steps=1, mesh={"shape": [1, -1, 1]}, distributed=distributed,
-                              env={"name": "tests.toy_agent:ChattyEnv"},
+                              env={"name": "tests.support.toy_agent:ChattyEnv"},
                               rollout={"stop_token_ids": stops}, data={"eval_fraction": 0.0},
                               logging={"console": False, "tensorboard": False})
         multihost.initialize(config.distributed)

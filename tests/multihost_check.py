@@ -46,8 +46,8 @@ def frozen_layout(trainer) -> dict:
 def main() -> None:
     process_id, num_processes, port, jobs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
     from alignax.trainers import api
-    from tests.rl_toy import toy_config, toy_prompts
-    from tests.trainer_helpers import separable_pairs, tiny_config
+    from tests.support.rl_toy import toy_config, toy_prompts
+    from tests.support.trainer_helpers import separable_pairs, tiny_config
 
     distributed = ({"coordinator": f"127.0.0.1:{port}", "num_processes": num_processes, "process_id": process_id}
                    if num_processes > 1 else {})

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from alignax.trainers.api import train
-from tests.rl_toy import toy_config, toy_prompts
-from tests.toy_model import make_toy_model
+from tests.support.rl_toy import toy_config, toy_prompts
+from tests.support.toy_model import make_toy_model
 
 CASES = {
     "grpo": ("grpo", {}),

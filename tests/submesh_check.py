@@ -29,9 +29,9 @@ from flax import nnx
 from alignax.models import from_pretrained, save_pretrained
 from alignax.trainers.api import build_trainer, train
 from alignax.trainers.iterative import _RoundTrainer
-from tests.rl_toy import toy_config, toy_prompts
-from tests.toy_model import make_toy_model
-from tests.trainer_helpers import separable_pairs, tiny_config, unpaired_feedback
+from tests.support.rl_toy import toy_config, toy_prompts
+from tests.support.toy_model import make_toy_model
+from tests.support.trainer_helpers import separable_pairs, tiny_config, unpaired_feedback
 
 SUBMESH = {"reference": "submesh", "submesh": [2, 2, 1]}  # the offline checks' layout: 4 training, 4 apart
 

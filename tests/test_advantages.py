@@ -12,7 +12,7 @@ import pytest
 from absl.testing import parameterized
 
 from alignax import advantages as adv_lib
-from tests import references
+from tests.support import references
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 

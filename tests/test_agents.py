@@ -1,4 +1,4 @@
-"""Multi-turn GRPO through the online trainer on the toy tool task (tests/toy_agent.py):
+"""Multi-turn GRPO through the online trainer on the toy tool task (tests/support/toy_agent.py):
 trajectory masks in the update, and learning to call the tool."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from flax import nnx
 from alignax.trainers.api import build_trainer, train
 from alignax.trainers.online.rollout import response_forward
 from tests.fake_devices import mesh_equality
-from tests.toy_agent import (CALL, agent_config, agent_tokenizer, balanced_lookup_records, lookup_records,
+from tests.support.toy_agent import (CALL, agent_config, agent_tokenizer, balanced_lookup_records, lookup_records,
                               make_agent_model, warm_start_reader)
 
 
@@ -46,7 +46,7 @@ def one_rollout_step(trainer):
 def captured(agent_model, tmp_path_factory):
     """One rollout step of a multi-turn GRPO trainer, with the minibatch its update read."""
     config = agent_config(tmp_path_factory.mktemp("run"), agent_model, steps=1,
-                          env={"name": "tests.toy_agent:ChattyEnv"},
+                          env={"name": "tests.support.toy_agent:ChattyEnv"},
                           grpo={"aggregation": "token-sum", "kl_coef": 0.0})
     trainer = build_trainer(config, records=lookup_records(16))
     params = jax.tree.map(jnp.copy, trainer.actors.initial_params)
@@ -120,7 +120,7 @@ def test_observation_tokens_get_zero_gradient_and_model_tokens_a_single_turn_row
 
 
 def lookup_run(agent_model, tmp_path, *, hide=None, steps=6):
-    """Warm start (:func:`tests.toy_agent.warm_start_reader`, 192 steps: it reads the
+    """Warm start (:func:`tests.support.toy_agent.warm_start_reader`, 192 steps: it reads the
     result when it calls), then GRPO on :class:`LookupEnv` with the secret's reward only
     (no call bonus, no KL), rollouts of 8 prompts x 4; the per-step ``(correct, calls)`` of
     the rollouts (step 1 samples the warm-started policy)."""
@@ -145,7 +145,7 @@ def test_grpo_raises_accuracy_only_the_tool_can_give(agent_model, tmp_path):
     call rate and the accuracy well above that share (measured on jax 0.10.2: accuracy
     0.62 -> 0.99, calls 0.53 -> 1.0, means of the last three rollouts; on 0.12.0.1 0.62 ->
     0.93; with the result hidden the accuracy ends at 0.0-0.25 and the calls fall to 0.0-0.31,
-    so every assertion fails: see README)."""
+    so every assertion fails: see docs/algorithms/agents.md)."""
     records = balanced_lookup_records()
     share = max(Counter(r["answer"] for r in records if r["prompt"] == p).most_common(1)[0][1]
                 / sum(r["prompt"] == p for r in records) for p in {r["prompt"] for r in records})
@@ -188,14 +188,14 @@ def test_ppo_gae_runs_over_model_tokens_only(agent_model, tmp_path):
     the row's model tokens written contiguously (a NumPy loop of Schulman et al.'s formula)."""
     from alignax import config as config_io
     from alignax.trainers.api import load_config
-    from tests.trainer_helpers import CONFIGS
+    from tests.support.trainer_helpers import CONFIGS
 
     raw = config_io.load_yaml(os.path.join(CONFIGS, "tiny-grpo-calculator.yaml"))
     raw.pop("grpo")
     raw.update(algorithm="ppo", output_dir=str(tmp_path), model={"name": agent_model},
                data={**raw["data"], "max_prompt_length": 16, "eval_fraction": 0.0, "read_threads": 0},
                rollout={"max_new_tokens": 24, "num_samples": 1},
-               env={"name": "tests.toy_agent:ChattyEnv", "max_turns": 3, "max_turn_tokens": 4,
+               env={"name": "tests.support.toy_agent:ChattyEnv", "max_turns": 3, "max_turn_tokens": 4,
                     "max_observation_tokens": 12},
                ppo={"critic": "shared", "kl_coef": 0.0, "whiten_advantages": False, "epochs": 1, "gamma": 0.9,
                     "lam": 0.8},

@@ -30,7 +30,7 @@ from alignax.models import MODEL_KINDS
 from alignax.trainers import algorithms
 from alignax.trainers.algorithms import ALGORITHMS, ENTRIES
 from alignax.trainers.config import TrainConfig
-from tests.trainer_helpers import CONFIGS
+from tests.support.trainer_helpers import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = set(ALGORITHMS)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from alignax.trainers.api import ALGORITHMS, evaluate, export, train
-from tests.rl_toy import toy_config, toy_prompts
-from tests.trainer_helpers import separable_pairs, sft_conversations, step_solutions, tiny_config, unpaired_feedback
+from tests.support.rl_toy import toy_config, toy_prompts
+from tests.support.trainer_helpers import separable_pairs, sft_conversations, step_solutions, tiny_config, unpaired_feedback
 
 pytestmark = pytest.mark.xdist_group("api")
 

@@ -17,7 +17,7 @@ from alignax.rewards.process import aggregate_step_scores
 from alignax.evaluation import EvaluationConfig, evaluate_model, pass_at_k
 from alignax.models import save_pretrained
 from alignax.trainers.engine.setup import build_model, load_tokenizer
-from tests.rl_toy import toy_config
+from tests.support.rl_toy import toy_config
 from tests.test_evaluation import COUNTS, prompt_set, scripted_records
 
 

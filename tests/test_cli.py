@@ -11,7 +11,7 @@ import yaml
 from alignax.checkpoint import Checkpointer
 from alignax.data import write_jsonl
 from alignax.metrics import read_jsonl
-from tests.trainer_helpers import separable_pairs
+from tests.support.trainer_helpers import separable_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -31,7 +31,8 @@ from alignax.losses.preference import DPO_VARIANTS
 from alignax.trainers import algorithms, validation
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.api import load_config
-from tests.trainer_helpers import CONFIGS
+from tests.support.trainer_helpers import CONFIGS
+from tests.support.trainer_helpers import merge_sections as _merge  # the one deep merge of recipes
 
 SCHEMA = list(validation.schema_keys())
 
@@ -66,13 +67,6 @@ READ_ELSEWHERE = {
     "checkpoint.allow_changes": "read when a run resumes with a changed config (tests/test_run_directory.py)",
     "checkpoint.resume_step": "read when a run resumes (tests/test_run_directory.py, tests/test_cli.py)",
 }
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 # Keys a recipe sets that its algorithm cannot use, dropped until the recipe drops them.
@@ -230,7 +224,7 @@ SWEEP_VALUES = {
     "distributed.coordinator": ["10.0.0.1:1234"],
     "distributed.local_device_ids": [[0, 1]],
     "distributed.cpu_collectives": ["mpi"],
-    "rewards.functions": [{"tests.rl_toy:yes_share": 1.0}],
+    "rewards.functions": [{"tests.support.rl_toy:yes_share": 1.0}],
     "rewards.reward_models": [["runs/reward-model"]],
     "rewards.clip": [[-1.0, 1.0]],
     "evaluation.pass_k": [[1, 2]],
@@ -634,7 +628,7 @@ def test_evaluation_keys():
         online, ["evaluation.temperature=0.6"])
     assert "evaluation.pass_k needs a verdict" in refused(online, ["evaluation.pass_k=[1,4]",
                                                                    "rewards.verifier_weight=0",
-                                                                   "rewards.functions={'tests.rl_toy:yes_share': 1}"])
+                                                                   "rewards.functions={'tests.support.rl_toy:yes_share': 1}"])
     assert "evaluation.prompts.shuffle is read by no run" in refused(
         online, ["evaluation.prompts={paths: [p.jsonl], format: prompt, shuffle: false}"])
     load_config(data=online, overrides=["evaluation.pass_k=[1,4]", "evaluation.temperature=0.6"])

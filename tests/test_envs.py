@@ -13,7 +13,7 @@ from alignax.envs import (CalculatorEnv, RetryEnv, Tool, ToolError, env_factory,
                           parse_tool_calls, run_tool_calls, tools_system_prompt)
 from alignax.envs.chat import observation_text, render, template_takes_tools
 from tests.data.tiny_tokenizer import bpe_tokenizer
-from tests.toy_agent import agent_tokenizer
+from tests.support.toy_agent import agent_tokenizer
 
 CHAIN = {"prompt": "State the final answer: 123456789 + 987654321 =", "answer": "1111111110", "task": "chain_sum"}
 
@@ -122,7 +122,7 @@ def test_retry_env_gives_feedback_and_a_turn_penalty():
 def test_registry_names_builtins_and_user_classes_and_refuses_bad_ones():
     assert isinstance(env_factory("calculator")(), CalculatorEnv)
     assert env_factory("retry", {"max_attempts": 2})().max_attempts == 2
-    assert type(env_factory("tests.toy_agent:LookupEnv")()).__name__ == "LookupEnv"
+    assert type(env_factory("tests.support.toy_agent:LookupEnv")()).__name__ == "LookupEnv"
     with pytest.raises(ConfigError, match="not a built-in environment"):
         env_factory("calculater")
     with pytest.raises(ConfigError, match="env.kwargs"):

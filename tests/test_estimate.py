@@ -14,7 +14,7 @@ from flax import nnx
 from alignax import models
 from alignax.estimate import MODEL_PRESETS, ROLLOUT_TEMPORARIES, estimate, model_config_for, parameter_count
 from alignax.trainers.api import load_config
-from tests.model_families import CONFIGS
+from tests.support.model_families import CONFIGS
 
 BF16 = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16"]
 

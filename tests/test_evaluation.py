@@ -15,9 +15,9 @@ from alignax import evaluation
 from alignax.data import DataConfig, prepare_dataset
 from alignax.evaluation import EvaluationConfig, evaluate_model, pass_at_k, write_report
 from alignax.trainers.engine.setup import build_model, load_tokenizer
-from tests.rl_toy import toy_config
-from tests.toy_model import TOY_WORDS
-from tests.trainer_helpers import tiny_config
+from tests.support.rl_toy import toy_config
+from tests.support.toy_model import TOY_WORDS
+from tests.support.trainer_helpers import tiny_config
 
 N_SAMPLES = 4
 
@@ -153,7 +153,7 @@ def test_missing_prompts_or_verdicts_are_clear_errors(toy, tmp_path, toy_model):
     with pytest.raises(ValueError, match="needs a verdict"):  # a reward function has no verdict of its own
         evaluate_model(model, tokenizer, config, prompts=prompt_set(), records=scripted_records(COUNTS),
                        evaluation=EvaluationConfig(pass_k=(2,)))
-    # the run's own evaluation settings: max_prompts 4 (tests/rl_toy.py), counts 4, 0, 1, 0
+    # the run's own evaluation settings: max_prompts 4 (tests/support/rl_toy.py), counts 4, 0, 1, 0
     no_verdict = evaluate_model(model, tokenizer, config, prompts=prompt_set(), records=scripted_records(COUNTS))
     assert "accuracy" not in no_verdict
     assert no_verdict["prompts"] == 4 and no_verdict["reward"] == pytest.approx(2 / 4)

@@ -15,15 +15,15 @@ from alignax import config as config_io
 from alignax.trainers.api import evaluate, export, load_config, train
 from alignax.trainers.engine import rundir
 from alignax.trainers.iterative import IterativeTrainer, round_config, round_done
-from tests.rl_toy import toy_prompts
-from tests.trainer_helpers import CONFIGS
+from tests.support.rl_toy import toy_prompts
+from tests.support.trainer_helpers import CONFIGS
 
 # The tests share module fixtures (built once per worker): keep them on one xdist worker.
 pytestmark = pytest.mark.xdist_group("iterative")
 
 SECTIONS = dict(
     rollout={"max_new_tokens": 6, "num_samples": 4, "temperature": 1.0},
-    rewards={"verifier_weight": 0.0, "format_weight": 0.0, "functions": {"tests.rl_toy:yes_share": 1.0}},
+    rewards={"verifier_weight": 0.0, "format_weight": 0.0, "functions": {"tests.support.rl_toy:yes_share": 1.0}},
     evaluation={"max_prompts": None, "success_threshold": 0.5},
     data={"batch_size": 8, "eval_fraction": 0.25},
     preference={"beta": 0.5},

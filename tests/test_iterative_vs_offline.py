@@ -1,4 +1,4 @@
-"""tools/iterative_vs_offline.py on the toy model: one round of iterative DPO (pairs sampled
+"""tools/studies/iterative_vs_offline.py on the toy model: one round of iterative DPO (pairs sampled
 from the starting policy, labelled by the "yes"-share reward) against offline DPO on as many
 fixed pairs for the same prompts; both arms train, and are judged on the held-out prompts."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from alignax.data import write_jsonl
-from tests.rl_toy import toy_prompts
-from tools import iterative_vs_offline as tool  # tools/ is a namespace package beside tests/
+from tests.support.rl_toy import toy_prompts
+from tools.studies import iterative_vs_offline as tool  # tools/ is a namespace package beside tests/
 
 
 def test_both_arms_train_on_the_same_number_of_pairs_for_the_same_prompts(tmp_path, toy_model):
@@ -22,7 +22,7 @@ def test_both_arms_train_on_the_same_number_of_pairs_for_the_same_prompts(tmp_pa
     args = tool.parse_args(["--out", str(tmp_path / "out"), "--model", toy_model,
                             "--prompts", str(tmp_path / "prompts.jsonl"),
                             "--offline-pairs", str(tmp_path / "offline.jsonl"),
-                            "--reward-function", "tests.rl_toy:yes_share", "--success-threshold", "0.5",
+                            "--reward-function", "tests.support.rl_toy:yes_share", "--success-threshold", "0.5",
                             "--train-prompts", "16", "--eval-prompts", "8", "--samples", "4",
                             "--max-prompt-length", "24", "--max-new-tokens", "6", "--batch-size", "4",
                             "--steps", "4", "--lr", "1e-2", "--beta", "0.5"])

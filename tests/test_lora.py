@@ -29,7 +29,7 @@ from alignax.models.lora import (LoRAParam, LoraConfig, count_adapter_params, lo
                                  save_peft_adapter, with_adapters)
 from alignax.trainers.api import build_trainer, export, train
 from alignax.trainers.engine.setup import response_logps
-from tests.trainer_helpers import separable_pairs, tiny_config
+from tests.support.trainer_helpers import separable_pairs, tiny_config
 
 HF = dict(model_type="llama", vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
           num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=64, rms_norm_eps=1e-5,
@@ -277,7 +277,7 @@ def test_lora_grpo_raises_the_mean_reward_with_the_adapters_off_reference(tmp_pa
     untied so that it gets an adapter too. (With the tied random embeddings frozen, the final
     norm bounds every logit gap below ~1.3 nats: adapters on the trunk alone cannot make
     "yes" likely, whatever they learn.)"""
-    from tests.rl_toy import toy_config, toy_prompts
+    from tests.support.rl_toy import toy_config, toy_prompts
 
     model_dir = _untied(toy_model, tmp_path / "untied")
     config = toy_config(tmp_path / "run", model_dir, "grpo", steps=20, checkpoint={"enabled": False},

@@ -1,7 +1,7 @@
 """LoRA in online RL: the merged sampler (``lora.merge_for_sampling``) and PPO's critic as
 an adapter of its own on the policy's frozen base (``ppo.critic: adapter``).
 
-One QLoRA PPO run (NF4 base) on the toy task (tests/rl_toy.py) with both keys on, built
+One QLoRA PPO run (NF4 base) on the toy task (tests/support/rl_toy.py) with both keys on, built
 once (the critic shares the quantised base; the merge dequantises it):
 
 - the merged sampler generates what the unmerged one does (greedy: same tokens,
@@ -31,6 +31,7 @@ from alignax.models.lora import LoRAParam
 from alignax.sampling import generate
 from alignax.trainers.engine import adapters
 from alignax.trainers.online.rollout import Minibatch, Rollout
+from tests.support.trainer_helpers import perturbed
 
 pytestmark = pytest.mark.xdist_group("lora-ppo")  # every test shares the module's run: one worker builds it
 
@@ -43,14 +44,14 @@ def _copy(tree):
 def ppo_lora(tmp_path_factory, toy_model):
     from alignax.checkpoint import Checkpointer
     from alignax.trainers.api import build_trainer
-    from tests.rl_toy import toy_config, toy_prompts
+    from tests.support.rl_toy import toy_config, toy_prompts
 
     tmp = tmp_path_factory.mktemp("lora-ppo")
     config = toy_config(tmp / "run", toy_model, "ppo", steps=2, checkpoint={"enabled": False},
                         lora={"rank": 4, "alpha": 8, "quantize": "nf4", "merge_for_sampling": True},
                         ppo={"critic": "adapter", "epochs": 1, "minibatches": 1},
                         # a reward every row gets: returns the value head must learn from the first step
-                        rewards={"functions": {"tests.rl_toy:constant_reward": 1.0}})
+                        rewards={"functions": {"tests.support.rl_toy:constant_reward": 1.0}})
     trainer = build_trainer(config, records=toy_prompts(16))
     state, frozen = trainer.start()
     initial = _copy(state.params)
@@ -67,11 +68,6 @@ def ppo_lora(tmp_path_factory, toy_model):
 
 
 # ---------------------------------------------------------------------------- the merged sampler
-def _perturbed(tree, scale, seed):
-    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(tree))))
-    return jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape, x.dtype), tree)
-
-
 def _dots_in_decode_loop(fn, *args) -> int:
     """``dot_general`` ops in the body of the (one) ``while`` of ``fn``'s jaxpr: the decode step."""
 
@@ -105,7 +101,7 @@ def test_merged_sampler_generates_as_unmerged_without_adapter_matmuls(ppo_lora, 
     trainer, state = ppo_lora["trainer"], ppo_lora["state"]
     actors = trainer.actors
     assert actors.sampler.graphdef is actors.sampling_graphdef is not actors.graphdef  # the key is read
-    params = dict(state.params, policy=_perturbed(state.params["policy"], 0.2, seed=1))  # adapters that matter
+    params = dict(state.params, policy=perturbed(state.params["policy"], scale=0.2, seed=1))  # adapters that matter
     unmerged = nnx.merge_state(trainer.actors.whole_policy(params), trainer.actors.rest)
     merged = trainer.actors.sampling_state(params)
     assert not jax.tree.leaves(nnx.state(nnx.merge(trainer.actors.sampling_graphdef, merged), LoRAParam))
@@ -157,7 +153,7 @@ def _minibatch(trainer, batch, seed=0):
 
 def test_critic_adapter_value_gradient_values_and_one_base(ppo_lora):
     trainer, state, frozen = ppo_lora["trainer"], ppo_lora["state"], ppo_lora["frozen"]
-    params = dict(state.params, critic=_perturbed(state.params["critic"], 0.3, seed=2))
+    params = dict(state.params, critic=perturbed(state.params["critic"], scale=0.3, seed=2))
     mb = _minibatch(trainer, ppo_lora["batch"])
     loss = adapters.with_base(trainer.learner.loss_fn, merge=trainer.actors.with_frozen_base)
 

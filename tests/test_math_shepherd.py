@@ -19,7 +19,7 @@ from alignax.evaluation import build_sampler
 from alignax.math_shepherd import hoeffding_epsilon, label_solutions, labels_from_counts
 from alignax.parallel.sharding import mesh_for_shape
 from alignax.trainers.engine.setup import build_model, load_tokenizer
-from tests.rl_toy import toy_config
+from tests.support.rl_toy import toy_config
 
 SUCCESS = {0: {"yes"}, 1: {"yes", "no", "hi", "there", "bye", "now", "ok", "sure"}, 2: set(), 3: {"yes"}}
 K = 512

@@ -28,8 +28,8 @@ from alignax.models import (
     token_logprobs_from_hidden,
 )
 
-from tests.compiled import jitted
-from tests.model_families import COMMON, CONFIGS
+from tests.support.compiled import jitted
+from tests.support.model_families import COMMON, CONFIGS
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from alignax.models import KVCache, ModelConfig, create_model, init_cache
-from tests.compiled import jitted
+from tests.support.compiled import jitted
 
 BASE = dict(vocab_size=50, num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=40)
 CASES = {

@@ -14,7 +14,7 @@ import pytest
 
 from tests.fake_devices import last_json_line, subprocess_env
 from tests.test_multihost import free_port
-from tests.toy_agent import make_agent_model
+from tests.support.toy_agent import make_agent_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

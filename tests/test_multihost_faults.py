@@ -21,7 +21,7 @@ from alignax.data import write_jsonl
 from alignax.metrics import read_jsonl
 from tests.fake_devices import subprocess_env
 from tests.test_multihost import free_port
-from tests.trainer_helpers import separable_pairs
+from tests.support.trainer_helpers import separable_pairs
 
 pytestmark = pytest.mark.xdist_group("multihost")
 

@@ -16,7 +16,7 @@ from alignax.config import ConfigError
 from alignax.parallel.sharding import hybrid_mesh
 from alignax.trainers.api import load_config
 from tests.fake_devices import last_json_line, subprocess_env
-from tests.trainer_helpers import CONFIGS
+from tests.support.trainer_helpers import CONFIGS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

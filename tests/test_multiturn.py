@@ -24,7 +24,7 @@ from alignax.models.cache import init_cache
 from alignax.sampling import SamplingConfig
 from alignax.sampling.multiturn import extend, generate_turn
 from alignax.trainers.online.rollout import response_forward
-from tests.toy_agent import ChattyEnv, agent_tokenizer, lookup_records, make_agent_model
+from tests.support.toy_agent import ChattyEnv, agent_tokenizer, lookup_records, make_agent_model
 
 P = 16  # prompt width
 

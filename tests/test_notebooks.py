@@ -19,7 +19,7 @@ model notebooks' imports) and jax's compiled programs (the model notebooks score
 tiny model). A kernel that died is replaced by a new one.
 
 The notebooks that run a model (``MODEL_NOTEBOOKS``, on SmolLM2 for a user) run here on a
-tiny random Llama: the toy model's shape (tests/toy_model.py) over a byte-level BPE
+tiny random Llama: the toy model's shape (tests/support/toy_model.py) over a byte-level BPE
 tokenizer with SmolLM2's chat template, so reasoning-gym text tokenises, written to a
 temporary folder and named by ``ALIGNAX_NOTEBOOK_MODEL``.
 """

@@ -3,7 +3,7 @@
 For every DPO variant, SimPO, CPO, ORPO and KTO, the loss of the trainer's task
 (``alignax.trainers.offline.preference.make_task(...).loss_fn``: data pipeline batch,
 packed or windowed forward passes, the loss wiring) on one batch equals the paper's
-formula evaluated here in NumPy (float64, ``tests.references`` scalars) on sequence
+formula evaluated here in NumPy (float64, ``tests.support.references`` scalars) on sequence
 log-probs that this file computes on its own, from full-vocabulary logits of the toy
 model row by row. Policy and reference are the initial model with two different draws of
 fixed noise added to its weights, so the implicit rewards are not zero (and of both
@@ -18,10 +18,8 @@ error naming them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
-import jax
 import numpy as np
 import pytest
 
@@ -29,9 +27,9 @@ from alignax.config import ConfigError
 from alignax.trainers.api import build_trainer
 from alignax.trainers.config import PreferenceSection
 from alignax.trainers.offline import preference
-from tests.compiled import jitted
-from tests.references import log_sigmoid, mean, sigmoid
-from tests.trainer_helpers import separable_pairs, tiny_config, unpaired_feedback
+from tests.support.compiled import jitted
+from tests.support.references import dpo_pair_loss, log_sigmoid, mean, sigmoid
+from tests.support.trainer_helpers import perturbed, separable_pairs, tiny_config, unpaired_feedback
 
 # The tests share module fixtures (built once per worker): keep them on one xdist worker.
 pytestmark = pytest.mark.xdist_group("offline-variants")
@@ -41,14 +39,6 @@ NOISE = 0.1  # std of the weight perturbations
 PAIR_SEEDS = (2, 3)  # policy's and reference's noise: margins of both signs, DPOP's penalty on some pairs
 KTO_SEEDS = (2, 1)  # a positive KL reference point on the KTO batch (for the toy model as it is)
 WINDOW = 8  # data.max_response_length < the rows: pairs are packed, KTO rows windowed
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))  # one program, not an op-by-op draw per weight
-def perturbed(params, seed=0, scale=NOISE):
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, noisy)
 
 
 def sequence_logps(trainer, params, batch, prefix):
@@ -68,37 +58,12 @@ def sequence_logps(trainer, params, batch, prefix):
 # --------------------------------------------------------------------------- the papers' formulas
 
 
-def dpo_pair_loss(variant, pc, pr, rc, rr, lc, lr, *, beta, eps, lam):
-    """One pair's loss; ``pc/pr`` policy, ``rc/rr`` reference summed log-probs, ``l*`` lengths."""
-    if variant == "ipo":  # length-averaged log-probs (TRL's IPO)
+def pair_loss(variant, pc, pr, rc, rr, lc, lr, *, beta, eps, lam):
+    """One pair's loss (``tests.support.references.dpo_pair_loss``); IPO reads length-averaged
+    log-probs (TRL's IPO), every other variant the summed ones."""
+    if variant == "ipo":
         pc, rc, pr, rr = pc / lc, rc / lc, pr / lr, rr / lr
-    chosen, rejected = pc - rc, pr - rr  # implicit rewards / beta
-    h = chosen - rejected
-    z = beta * h
-    if variant == "sigmoid":  # Rafailov et al. 2023 eq. 7; eps > 0: conservative DPO
-        return -(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z)
-    if variant == "hinge":  # SLiC-HF with the reference-normalised margin
-        return max(0.0, 1.0 - z)
-    if variant == "ipo":  # Azar et al. 2023 eq. 17
-        return (h - 1.0 / (2.0 * beta)) ** 2
-    if variant == "robust":  # Chowdhury et al. 2024
-        return ((1 - eps) * -log_sigmoid(z) - eps * -log_sigmoid(-z)) / (1 - 2 * eps)
-    if variant == "dpop":  # Pal et al. 2024 eq. 3
-        return -log_sigmoid(beta * (h - lam * max(0.0, rc - pc)))
-    if variant == "exo_pair":  # Ji et al. 2024: KL(p_theta || p_label) over the pair
-        eps = eps or 1e-3
-        p = sigmoid(z)
-        return p * (math.log(p) - math.log(1 - eps)) + (1 - p) * (math.log(1 - p) - math.log(eps))
-    if variant == "nca_pair":  # Chen et al. 2024
-        return (-log_sigmoid(beta * chosen) - 0.5 * log_sigmoid(-beta * chosen)
-                - 0.5 * log_sigmoid(-beta * rejected))
-    if variant == "sppo_hard":  # Wu et al. 2024, eta = 1/beta
-        return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
-    if variant == "apo_zero":  # D'Oosterlinck et al. 2024 eq. 7
-        return 1 - sigmoid(beta * chosen) + sigmoid(beta * rejected)
-    if variant == "apo_down":  # eq. 8
-        return sigmoid(beta * chosen) + 1 - sigmoid(z)
-    raise ValueError(variant)
+    return dpo_pair_loss(variant, pc, pr, rc, rr, beta=beta, eps=eps, lam=lam)
 
 
 def reference_loss(section: dict, logps: dict) -> float:
@@ -108,7 +73,7 @@ def reference_loss(section: dict, logps: dict) -> float:
     n = len(pc)
     nll = -sum(pc) / sum(lc)  # token-mean NLL of the chosen responses (CPO, ORPO)
     if s.loss == "dpo":
-        return mean(dpo_pair_loss(s.variant, pc[i], pr[i], rc[i], rr[i], lc[i], lr[i], beta=s.beta,
+        return mean(pair_loss(s.variant, pc[i], pr[i], rc[i], rr[i], lc[i], lr[i], beta=s.beta,
                                   eps=s.label_smoothing, lam=s.dpop_lambda) for i in range(n))
     if s.loss == "simpo":  # Meng et al. 2024 eq. 6
         zs = [s.beta * (pc[i] / lc[i] - pr[i] / lr[i]) - s.simpo_gamma for i in range(n)]
@@ -152,7 +117,8 @@ def pairs(toy_model, tmp_path_factory):
     trainer = build_trainer(config, records=separable_pairs(16))
     batch = next(trainer.data.iterator("train"))
     assert batch["chosen_tokens"].shape == (8, 32) and "prompt_length" in batch
-    policy, reference = perturbed(trainer.params, seed=PAIR_SEEDS[0]), perturbed(trainer.params, seed=PAIR_SEEDS[1])
+    policy, reference = (perturbed(trainer.params, scale=NOISE, seed=PAIR_SEEDS[0]),
+                         perturbed(trainer.params, scale=NOISE, seed=PAIR_SEEDS[1]))
     pc, lc = sequence_logps(trainer, policy, batch, "chosen_")
     pr, lr = sequence_logps(trainer, policy, batch, "rejected_")
     rc, _ = sequence_logps(trainer, reference, batch, "chosen_")
@@ -266,7 +232,8 @@ def kto(toy_model, tmp_path_factory):
     trainer = build_trainer(config, records=unpaired_feedback(24))
     batch = next(trainer.data.iterator("train"))  # a shuffled batch
     assert not np.array_equal(np.sort(batch["record_index"]), batch["record_index"])
-    policy, reference = perturbed(trainer.params, seed=KTO_SEEDS[0]), perturbed(trainer.params, seed=KTO_SEEDS[1])
+    policy, reference = (perturbed(trainer.params, scale=NOISE, seed=KTO_SEEDS[0]),
+                         perturbed(trainer.params, scale=NOISE, seed=KTO_SEEDS[1]))
     logps = {
         "policy": sequence_logps(trainer, policy, batch, "")[0],
         "ref": sequence_logps(trainer, reference, batch, "")[0],

@@ -1,6 +1,6 @@
 """Online RL end to end on a tiny word-level model and a toy verifiable task.
 
-The reward is the share of "yes" in a completion (tests/rl_toy.py): PPO and GRPO must
+The reward is the share of "yes" in a completion (tests/support/rl_toy.py): PPO and GRPO must
 raise it; the token-level invariants of the seeds are checked on real rollouts.
 """
 
@@ -18,7 +18,7 @@ from alignax.trainers.online.collect import single_update
 from alignax.trainers.online.rollout import Minibatch, Rollout
 from alignax.trainers.online.trainer import OnlineTrainer
 from alignax.rewards.composite import NonFiniteRewardError
-from tests.rl_toy import toy_config, toy_prompts
+from tests.support.rl_toy import toy_config, toy_prompts
 
 
 def rewards_of(result):
@@ -123,7 +123,7 @@ def test_sampler_log_probs_agree_with_the_trainer_at_temperature_one(tmp_path, t
 
 def test_zero_variance_groups_give_zero_advantage_and_no_nan(tmp_path, toy_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=2, checkpoint={"enabled": False},
-                        rewards={"functions": {"tests.rl_toy:constant_reward": 1.0}})
+                        rewards={"functions": {"tests.support.rl_toy:constant_reward": 1.0}})
     result = train(config, records=toy_prompts(16))
     finite_history(result)
     for row in result.history:
@@ -140,7 +140,7 @@ def test_an_online_run_whose_rewards_never_vary_stops_as_stalled(tmp_path, toy_m
 
     config = toy_config(tmp_path, toy_model, "grpo", steps=4, checkpoint={"enabled": False},
                         train={"max_stalled_streak": 2}, grpo={"kl_coef": 0.0},
-                        rewards={"functions": {"tests.rl_toy:constant_reward": 1.0}})
+                        rewards={"functions": {"tests.support.rl_toy:constant_reward": 1.0}})
     with pytest.raises(StalledRunError, match="2 rollouts in a row had an exactly zero gradient"):
         train(config, records=toy_prompts(16))
 
@@ -173,8 +173,8 @@ def test_an_all_truncated_batch_trains_nothing_and_stays_finite(tmp_path, toy_mo
 
 def test_nan_rewards_are_rejected_with_a_clear_error(tmp_path, toy_model):
     config = toy_config(tmp_path, toy_model, "grpo", steps=1, checkpoint={"enabled": False},
-                        rewards={"functions": {"tests.rl_toy:nan_reward": 1.0}})
-    with pytest.raises(NonFiniteRewardError, match="reward component 'fn/tests.rl_toy:nan_reward' is nan for completion 0"):
+                        rewards={"functions": {"tests.support.rl_toy:nan_reward": 1.0}})
+    with pytest.raises(NonFiniteRewardError, match="reward component 'fn/tests.support.rl_toy:nan_reward' is nan for completion 0"):
         train(config, records=toy_prompts(16))
 
 
@@ -183,7 +183,7 @@ def test_a_nan_reward_saves_the_work_before_it_stops_the_run(tmp_path, toy_model
 
     rl_toy.SCORED_BATCHES.clear()
     config = toy_config(tmp_path, toy_model, "grpo", steps=4, data={"eval_fraction": 0.0},
-                        rewards={"functions": {"tests.rl_toy:nan_on_second_batch": 1.0}})
+                        rewards={"functions": {"tests.support.rl_toy:nan_on_second_batch": 1.0}})
     with pytest.raises(NonFiniteRewardError, match="is nan for completion 0"):
         train(config, records=toy_prompts(16))
     assert len(rl_toy.SCORED_BATCHES) == 2
@@ -335,7 +335,7 @@ def test_target_kl_ends_the_epochs_after_the_first_one_over_one_and_a_half_targe
     epochs, minibatches, target = 4, 2, 0.01
     config = toy_config(tmp_path, toy_model, "ppo", steps=1, checkpoint={"enabled": False},
                         ppo={"critic": "shared", "epochs": epochs, "minibatches": minibatches, "target_kl": target},
-                        rewards={"functions": {"tests.test_online_variants:hashed_reward": 1.0}})
+                        rewards={"functions": {"tests.support.rl_toy:hashed_reward": 1.0}})
     _, result, seen = observed_update(make_trainer(config, records=toy_prompts(16)))
     assert len(seen) == result.epochs_run * minibatches == len(result.metrics)
     over = [np.mean([out.metrics["approx_kl"] for _, out in seen[e * minibatches:(e + 1) * minibatches]])
@@ -350,7 +350,7 @@ def toy_reward_model(tmp_path_factory, toy_model):
     """A reward model trained (briefly) on the toy model and exported as an HF folder."""
     from alignax.trainers.api import export
     from alignax.trainers.api import train as train_offline
-    from tests.trainer_helpers import separable_pairs, tiny_config
+    from tests.support.trainer_helpers import separable_pairs, tiny_config
 
     tmp = tmp_path_factory.mktemp("toy-reward")
     config = tiny_config(tmp, "reward", steps=4, model_dir=toy_model)
@@ -361,7 +361,7 @@ def toy_reward_model(tmp_path_factory, toy_model):
 @pytest.mark.xdist_group("toy-reward-model")  # shares the module fixture: one worker builds it
 def test_ppo_critic_from_a_reward_model_ensemble_and_ptx(tmp_path, toy_model, toy_reward_model):
     from alignax.data import write_jsonl
-    from tests.trainer_helpers import sft_conversations
+    from tests.support.trainer_helpers import sft_conversations
 
     ptx_path = tmp_path / "ptx.jsonl"
     write_jsonl(sft_conversations(16), ptx_path)
@@ -433,7 +433,7 @@ def test_lr_schedule_follows_the_rollouts_when_target_kl_stops_epochs_early(tmp_
     config = toy_config(tmp_path, toy_model, "ppo", steps=steps, checkpoint={"enabled": False},
                         optim={"learning_rate": lr, "schedule": "linear", "warmup_steps": 0},
                         ppo={"epochs": epochs, "minibatches": minibatches, "target_kl": 1e-9},
-                        rewards={"functions": {"tests.test_online_variants:hashed_reward": 1.0}})
+                        rewards={"functions": {"tests.support.rl_toy:hashed_reward": 1.0}})
     result = train(config, records=toy_prompts(16))
     total = steps * epochs * minibatches
     for k, row in enumerate(result.history):

@@ -1,6 +1,6 @@
 """What each online-RL variant changes, measured on the real trainer.
 
-Every run builds the trainer on the toy word-level model (tests/toy_model.py) with the same
+Every run builds the trainer on the toy word-level model (tests/support/toy_model.py) with the same
 records and seed, runs one or two rollout steps, and records what the trainer computed: the
 advantage inputs and outputs of each rollout, and each update's minibatch, metrics and
 per-row log-probs. The rollout depends only on the policy and the seed, so every GRPO
@@ -19,7 +19,6 @@ interfere (e.g. a tiny target KL with the KL in the loss), to keep the file fast
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from typing import Any
 
@@ -33,23 +32,18 @@ from alignax.trainers.api import build_trainer, train
 from alignax.trainers.api import load_config
 from alignax.trainers.online import grpo as grpo_family
 from alignax.trainers.online import ppo as ppo_family
-from tests.rl_toy import toy_config, toy_prompts
+from tests.support.rl_toy import hashed_reward, toy_config, toy_prompts
+from tests.support.trainer_helpers import perturbed
 
 # The runs are shared by the tests of this file (a module fixture): keep them on one xdist worker.
 pytestmark = pytest.mark.xdist_group("online_variants")
 
 RECORDS = toy_prompts(32)  # 24 train prompts: 6 rollouts of 4 prompts
-HASHED = {"functions": {"tests.test_online_variants:hashed_reward": 1.0}}
+HASHED = {"functions": {"tests.support.rl_toy:hashed_reward": 1.0}}
 NEW_TOKENS = 8  # toy_config's rollout.max_new_tokens
 
 
 # ----------------------------------------------------------------------------- rewards
-
-
-def hashed_reward(completions, references):
-    """A reward in [0, 1) from the completion's text: distinct completions, distinct rewards."""
-    del references
-    return [int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32 for text in completions]
 
 
 def gated_reward(completions, references):
@@ -83,13 +77,6 @@ class Run:
     prompt_batch: Any
 
 
-def perturbed(params, scale: float, seed: int = 1):
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                        for x, k in zip(leaves, keys)])
-
-
 REF_NOISE = 0.05
 
 
@@ -107,7 +94,7 @@ def run_steps(tmp_path, toy_model, algorithm: str, *, steps: int = 1, ref_noise:
 
     state, frozen = trainer.start()
     if ref_noise and "reference" in frozen:
-        frozen["reference"] = perturbed(frozen["reference"], ref_noise)
+        frozen["reference"] = perturbed(frozen["reference"], scale=ref_noise, seed=1)
     params0 = jax.device_get(state.params)
     batches = trainer.data.iterator("train")
     figures, params, prompt_batch = [], [], None
@@ -168,7 +155,7 @@ PPO_RUNS = {
 
 def ptx_data(directory) -> dict:
     from alignax.data import write_jsonl
-    from tests.trainer_helpers import sft_conversations
+    from tests.support.trainer_helpers import sft_conversations
 
     path = directory / "ptx.jsonl"
     write_jsonl(sft_conversations(16), path)

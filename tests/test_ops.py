@@ -11,7 +11,7 @@ import pytest
 from absl.testing import parameterized
 
 from alignax import ops
-from tests import references
+from tests.support import references
 
 
 def batch(seed=0, b=4, t=7):

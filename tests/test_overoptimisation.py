@@ -1,4 +1,4 @@
-"""The over-optimisation study (tools/overoptimisation.py, Gao et al. 2022): the analytic
+"""The over-optimisation study (tools/studies/overoptimisation.py, Gao et al. 2022): the analytic
 best-of-N KL against the exact KL of the best-of-N distribution, the sample KL estimator
 against log-probs worked in NumPy from the models' logits, and the tool end to end on the
 toy model (a "yes"-share gold reward, a proxy reward model trained on gold-labelled pairs,
@@ -16,9 +16,9 @@ import pytest
 
 from alignax.best_of_n import best_of_n_kl
 from alignax.data import write_jsonl
-from tests.rl_toy import toy_prompts
+from tests.support.rl_toy import toy_prompts
 
-TOOL = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "overoptimisation.py")
+TOOL = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "studies", "overoptimisation.py")
 
 
 def load_tool():
@@ -58,7 +58,7 @@ def test_sample_kl_by_hand():
     assert tool.sample_kl(logps, ref, mask) == pytest.approx((-0.5 + 1.25) / 2)
 
 
-ARGS = ["--gold-function", "tests.rl_toy:yes_share", "--max-prompt-length", "24", "--max-new-tokens", "6",
+ARGS = ["--gold-function", "tests.support.rl_toy:yes_share", "--max-prompt-length", "24", "--max-new-tokens", "6",
         "--batch-size", "8", "--eval-prompts", "8", "--pair-prompts", "24", "--label-samples", "4",
         "--rm-steps", "6", "--rm-lr", "1e-2", "--n-max", "8", "--rl-steps", "4", "--rl-every", "2",
         "--rl-group", "4", "--rl-lr", "2e-2", "--rl-samples", "4"]
@@ -112,7 +112,7 @@ def test_the_sample_kl_reads_the_sampled_tokens_log_probs(study, toy_model):
     config = tool.policy_config(args, os.path.join(args.out, "check"), tool.gold_rewards(args),
                                 os.path.join(args.out, "prompts.jsonl"))
     base = from_pretrained(toy_model)
-    measure = tool.Measure(config, tool.load_tokenizer(config.model), base, os.path.join(args.out, "proxy"))
+    measure = tool.Measure(config, tool.load_tokenizer(config), base, os.path.join(args.out, "proxy"))
     trained = from_pretrained(toy_model)
     graphdef, state = nnx.split(trained)
     state = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), state)

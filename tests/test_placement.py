@@ -43,8 +43,8 @@ from alignax.config import ConfigError
 from alignax.parallel.placement import HOST_MEMORY, PlacementConfig, place, split_devices
 from alignax.trainers.api import build_trainer, load_config
 from tests.fake_devices import run_check
-from tests.rl_toy import toy_config, toy_prompts
-from tests.trainer_helpers import separable_pairs, tiny_config
+from tests.support.rl_toy import toy_config, toy_prompts
+from tests.support.trainer_helpers import separable_pairs, tiny_config
 
 HOST_SPACE = "S(5)"  # XLA's memory space of pinned host memory, in the compiled program's layouts
 

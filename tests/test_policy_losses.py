@@ -26,8 +26,8 @@ from alignax.losses.policy import (
     policy_loss_clip_keywords,
     ppo_policy_loss,
 )
-from tests import references
-from tests.references import clip
+from tests.support import references
+from tests.support.references import clip
 
 MODES = references.AGGREGATION_MODES
 TOL = dict(rtol=1e-6, atol=1e-6)

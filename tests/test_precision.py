@@ -31,8 +31,8 @@ from alignax.trainers.api import build_trainer, train
 from alignax.trainers.engine.optim import OptimConfig, build_optimizer
 from alignax.trainers.engine.precision import MasterWeightsState, PrecisionConfig, cast_floating, with_precision
 from alignax.trainers.engine.setup import response_logps
-from tests.rl_toy import toy_config, toy_prompts
-from tests.trainer_helpers import separable_pairs, sft_conversations, tiny_config, unpaired_feedback
+from tests.support.rl_toy import toy_config, toy_prompts
+from tests.support.trainer_helpers import perturbed, separable_pairs, sft_conversations, tiny_config, unpaired_feedback
 
 BF16 = {"param_dtype": "bfloat16", "compute_dtype": "bfloat16"}
 DPO = {"beta": 0.5}  # every DPO run here, and the float32 learning test: their steps compile once (the XLA cache)
@@ -182,13 +182,6 @@ def test_logprobs_values_rewards_and_losses_stay_float32_under_bfloat16_compute(
     assert loss.dtype == jnp.float32 and dtypes(metrics) == {"float32"}
 
 
-def _perturbed(params, seed: int = 0, scale: float = 0.05):
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                        for x, k in zip(leaves, keys)])
-
-
 def test_a_bfloat16_dpo_step_loss_is_within_bfloat16_rounding_of_the_float32_step(tmp_path, toy_model):
     """The same policy (initial weights + noise) against the same reference, one step each.
 
@@ -206,7 +199,7 @@ def test_a_bfloat16_dpo_step_loss_is_within_bfloat16_rounding_of_the_float32_ste
     for name, precision in (("float32", {}), ("bfloat16", BF16)):
         config = tiny_config(tmp_path / name, "dpo", steps=1, model_dir=toy_model, precision=precision, preference=DPO)
         trainer = build_trainer(config, records=records)
-        policy = _perturbed(cast_floating(trainer.params, jnp.float32))
+        policy = perturbed(cast_floating(trainer.params, jnp.float32), scale=0.05, seed=0)
         state, frozen = trainer.start()
         state = state._replace(params=cast_floating(policy, jnp.dtype(precision.get("param_dtype", "float32"))))
         batch = trainer.placer(next(trainer.data.iterator("train")))

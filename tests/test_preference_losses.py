@@ -24,7 +24,7 @@ from alignax.losses.preference import (
     orpo_loss,
     simpo_loss,
 )
-from tests.references import log_sigmoid, sigmoid
+from tests.support.references import dpo_pair_loss, log_sigmoid, sigmoid
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -66,31 +66,7 @@ def ref_dpo(pol_c, pol_r, ref_c, ref_r, len_c, len_r, *, beta, variant, eps, lam
             pc, qc, pr, qr = pc / nc, qc / nc, pr / nr, qr / nr
         rw = pc - qc  # log pi(y_w)/pi_ref(y_w)
         rl = pr - qr
-        h = rw - rl
-        if variant == "sigmoid":  # Rafailov eq. 7; Mitchell's cDPO mixes in the flipped label
-            loss = -(1 - eps) * log_sigmoid(beta * h) - eps * log_sigmoid(-beta * h)
-        elif variant == "hinge":
-            loss = max(0.0, 1.0 - beta * h)
-        elif variant == "ipo":  # Azar eq. 17 with tau = beta
-            loss = (h - 1.0 / (2.0 * beta)) ** 2
-        elif variant == "robust":  # Chowdhury et al.: unbiased loss under flip rate eps
-            loss = ((1 - eps) * -log_sigmoid(beta * h) - eps * -log_sigmoid(-beta * h)) / (1 - 2 * eps)
-        elif variant == "dpop":  # Pal et al. eq. 3
-            loss = -log_sigmoid(beta * (h - lam * max(0.0, qc - pc)))
-        elif variant == "exo_pair":  # KL(p_theta || p_label) over the two responses
-            e = eps if eps > 0 else 1e-3
-            p_w = math.exp(beta * rw) / (math.exp(beta * rw) + math.exp(beta * rl))
-            p_l = 1.0 - p_w
-            loss = p_w * (math.log(p_w) - math.log(1 - e)) + p_l * (math.log(p_l) - math.log(e))
-        elif variant == "nca_pair":
-            loss = -log_sigmoid(beta * rw) - 0.5 * log_sigmoid(-beta * rw) - 0.5 * log_sigmoid(-beta * rl)
-        elif variant == "sppo_hard":  # (log ratio - eta (P - 1/2))^2 with P = 1, 0 and eta = 1/beta
-            eta = 1.0 / beta
-            loss = (rw - eta * (1.0 - 0.5)) ** 2 + (rl - eta * (0.0 - 0.5)) ** 2
-        elif variant == "apo_zero":
-            loss = (1.0 - sigmoid(beta * rw)) + sigmoid(beta * rl)
-        elif variant == "apo_down":
-            loss = sigmoid(beta * rw) + (1.0 - sigmoid(beta * (rw - rl)))
+        loss = dpo_pair_loss(variant, pc, pr, qc, qr, beta=beta, eps=eps, lam=lam)
         losses.append(loss)
         rc_all.append(beta * rw)
         rr_all.append(beta * rl)

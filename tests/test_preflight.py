@@ -229,7 +229,7 @@ def test_rewards_task_is_checked_at_load_and_read_by_the_verifier():
     assert "rewards.task=chainsum: unknown reasoning-gym task 'chainsum' (did you mean 'chain_sum'" in message
     assert "rewards.task applies to" in refused({**DPO, "rewards": {"task": "chain_sum"}})
     assert "rewards.task applies to" in refused({**GRPO, "rewards": {"task": "chain_sum", "verifier_weight": 0,
-                                                                      "functions": {"tests.rl_toy:yes_share": 1}}})
+                                                                      "functions": {"tests.support.rl_toy:yes_share": 1}}})
 
 
 def _score(section: RewardConfig, completions, references):

@@ -21,7 +21,7 @@ from alignax.models import ModelConfig, create_model
 from alignax.trainers.api import train
 from alignax.trainers.offline import prm as prm_task
 from tests.data.tiny_tokenizer import ids, word_tokenizer
-from tests.trainer_helpers import step_solutions, tiny_config
+from tests.support.trainer_helpers import step_solutions, tiny_config
 
 TOK = word_tokenizer()
 

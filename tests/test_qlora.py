@@ -29,9 +29,9 @@ from alignax.models.dense import dense
 from alignax.models.lora import LoRAParam, LoraConfig, count_adapter_params, merge_adapters, with_adapters
 from alignax.models.quant import (NF4, QuantizedKernel, QuantizedParam, block_axes, dequantize, max_error, project,
                                   quantize, quantized_bytes)
-from tests.compiled import jitted
+from tests.support.compiled import jitted
 from tests.test_lora import _perturbed
-from tests.trainer_helpers import CONFIGS, separable_pairs, tiny_config
+from tests.support.trainer_helpers import CONFIGS, separable_pairs, tiny_config
 
 HF = dict(model_type="llama", vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
           num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=64, rms_norm_eps=1e-5,

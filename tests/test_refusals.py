@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from alignax.data import write_jsonl
-from tests.trainer_helpers import separable_pairs
+from tests.support.trainer_helpers import separable_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

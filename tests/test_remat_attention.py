@@ -27,7 +27,7 @@ from alignax.models.config import REMAT_POLICIES
 from alignax.models.splash import splash_attention
 from alignax.trainers.config import ModelSpec
 from alignax.trainers.engine.setup import attention_implementation
-from tests.compiled import jitted
+from tests.support.compiled import jitted
 
 BASE = dict(model_type="llama", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=16, intermediate_size=128, norm_eps=1e-5, max_position_embeddings=128)

@@ -24,7 +24,7 @@ from alignax.metrics import JsonlWriter, TensorBoardWriter, read_jsonl
 from alignax.trainers.engine import rundir
 from alignax.trainers.engine.rundir import RunDirectoryError, claim
 from alignax.trainers.validation import validate
-from tests.trainer_helpers import sft_conversations, tiny_config
+from tests.support.trainer_helpers import sft_conversations, tiny_config
 
 
 class _LocalBucketBackend(epath_backend._OsPathBackend):  # noqa: SLF001 - the stand-in store

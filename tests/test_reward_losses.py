@@ -11,7 +11,7 @@ import pytest
 from absl.testing import parameterized
 
 from alignax.losses.reward import ENSEMBLE_METHODS, bradley_terry_loss, ensemble_rewards
-from tests import references
+from tests.support import references
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 

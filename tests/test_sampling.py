@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from alignax.models import CausalLM, from_hf_state_dict, positions_from_mask
 from alignax.sampling import SamplingConfig, generate, left_pad, sampling_logprobs
-from tests.compiled import jitted
+from tests.support.compiled import jitted
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
 

@@ -12,7 +12,7 @@ from absl.testing import parameterized
 
 from alignax import ops
 from alignax.losses.sft import sft_loss
-from tests import references
+from tests.support import references
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 

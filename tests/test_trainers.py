@@ -3,7 +3,7 @@
 Each run goes through the real entry (``alignax.trainers.api.train``) with a recipe from
 configs/tiny-*.yaml: data pipeline, jitted step, eval, checkpoints and metrics files.
 Tests that assert learning, resume or export train the toy word-level model
-(tests/toy_model.py) on synthetic records whose right answer is known; the recipes
+(tests/support/toy_model.py) on synthetic records whose right answer is known; the recipes
 themselves run on reasoning-gym data with SmolLM2's tokenizer.
 """
 
@@ -22,9 +22,9 @@ from alignax.metrics import read_jsonl
 from alignax.trainers.api import load_config
 from alignax.trainers.api import build_trainer, evaluate, export, train
 from alignax.trainers.offline import reward as reward_task
-from tests.compiled import jitted
-from tests.references import log_sigmoid
-from tests.trainer_helpers import CONFIGS, WORDS, separable_pairs, sft_conversations, tiny_config, unpaired_feedback
+from tests.support.compiled import jitted
+from tests.support.references import log_sigmoid
+from tests.support.trainer_helpers import CONFIGS, WORDS, separable_pairs, sft_conversations, tiny_config, unpaired_feedback
 
 
 def finite(history, key):

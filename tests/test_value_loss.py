@@ -13,7 +13,7 @@ from absl.testing import parameterized
 
 from alignax import ops
 from alignax.losses.value import explained_variance, value_loss
-from tests import references
+from tests.support import references
 
 MODES = references.AGGREGATION_MODES
 TOL = dict(rtol=1e-6, atol=1e-6)

@@ -14,7 +14,9 @@ What lives here:
   * ``run_peer``: the Tunix script as a subprocess, its one JSON line parsed;
   * ``shape_notes``: checks that the peer built the network we did;
   * ``even_char_share``: the cheap rule reward of the GRPO benchmark;
-  * ``finish``: the result JSON on stdout (and in ``--out``).
+  * ``finish``: the result JSON on stdout (and in ``--out``);
+  * ``fake_devices_env`` / ``run_on_fake_devices``: a child interpreter on N fake CPU
+    devices (the count is fixed when jax is imported, so each count is its own process).
 """
 
 from __future__ import annotations
@@ -328,6 +330,26 @@ def source_state() -> dict:
     changed = git("status", "--porcelain", "--", "alignax")
     return {"commit": git("rev-parse", "HEAD").strip() or None,
             "uncommitted_alignax_files": [line[3:] for line in changed.splitlines()]}
+
+
+def fake_devices_env(devices: int) -> dict:
+    """This process's environment for a child on ``devices`` fake CPU devices (other XLA
+    flags kept), with the repository importable."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}",
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def run_on_fake_devices(script: Path, *args: str, devices: int, timeout: float) -> dict:
+    """The last line of ``python script args`` on ``devices`` fake CPU devices, a JSON object;
+    a failed run is an error carrying the end of its output."""
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          env=fake_devices_env(devices), timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{script.name} {' '.join(args)} on {devices} devices failed (exit {done.returncode}):\n"
+                           f"{done.stdout[-2000:]}{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def offline_environment() -> None:

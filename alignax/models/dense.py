@@ -13,7 +13,7 @@ on CPU XLA answers with a transposed copy of the activation gradient for every p
 and a weight-gradient product outside its fast matmul path. Asking for the two products
 above directly, on the 2-core CPU at 16 × 128 tokens: the SmolLM2 MLP's forward + backward
 takes 176 ms instead of 241 ms, and the gradient of the whole SmolLM2 model 11.0 s instead
-of 13.1 s (tools/bench_backward.py). The values are those of autodiff up to the order of
+of 13.1 s (tools/benchmarks/bench_backward.py). The values are those of autodiff up to the order of
 float32 summation (tests/test_dense.py).
 
 The cotangent keeps its dtype into the products (a float32 gradient of float32-accumulated

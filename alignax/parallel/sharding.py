@@ -20,7 +20,7 @@ parameters sharded, XLA is free to keep a weight where it lies and move the acti
 it (all-reducing partial sums over ``fsdp``, memory per device rising with the device
 count); with the residual stream pinned to ``[batch over (data, fsdp), length, embed
 replicated]``, the only way to run a layer is to all-gather its weights, and only weight
-gradients are reduced over ``fsdp`` (tests/test_fsdp_compile.py, tools/fsdp_memory.py).
+gradients are reduced over ``fsdp`` (tests/test_fsdp_compile.py, tools/studies/fsdp_memory.py).
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def activation_constraints(enabled: bool = True) -> Iterator[None]:
 
     Off, the decoder compiles as it did before it constrained its activations (XLA's
     propagation alone decides): for measuring what the constraints buy
-    (tools/fsdp_memory.py). Read at trace time, so a function already compiled keeps
+    (tools/studies/fsdp_memory.py). Read at trace time, so a function already compiled keeps
     what it was traced with.
     """
     token = _CONSTRAINTS_ON.set(bool(enabled))

@@ -16,7 +16,7 @@ reasoning-gym puts in every entry), plus whatever the task's scorer reads from
 - :func:`verifier_rewards`: a weighted sum of those, with every component returned.
 - :func:`numeric_closeness`: a graded reward for tasks with a numeric answer,
   ``1 / (1 + |answer - truth|)`` (a ``rewards.functions`` entry, e.g. the dense gold reward
-  of ``tools/overoptimisation.py``).
+  of ``tools/studies/overoptimisation.py``).
 - :func:`length_closeness`: ``1 / (1 + |len(completion) - len(answer)|)`` in characters, a
   reward every completion earns some of (the tiny recipes' random models never write an
   answer tag or a digit, so the verifiers give them all 0 and nothing trains).

@@ -8,7 +8,7 @@ random SmolLM2-shaped weights: the gradient of the summed token log-probs of
 ``batch x seq`` random tokens, jitted. Prints one JSON object with the minimum step time
 of each and their ratio.
 
-    .venv/bin/python tools/bench_backward.py [--layers 30 --batch 16 --seq 128 --rounds 2]
+    .venv/bin/python tools/benchmarks/bench_backward.py [--layers 30 --batch 16 --seq 128 --rounds 2]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
 import bench_common as common  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """A toy tool-use task for multi-turn RL tests on a word-level model.
 
-The toy model's vocabulary (tests/toy_model.py) plus ``tool`` and one token that *is* a
+The toy model's vocabulary (tests/support/toy_model.py) plus ``tool`` and one token that *is* a
 whole tool call, ``<tool_call>{"name": "lookup", "arguments": {}}</tool_call>``, so a
 two-layer model can learn to call. :class:`LookupEnv`: the record's ``answer`` (a secret
 word, not in the prompt) is only reachable through the ``lookup`` tool; the reward is 1
@@ -81,7 +81,7 @@ def warm_start_reader(model_dir, out, records: list[dict], *, repeat: int, steps
     a guessed secret on odd rows, so the policy calls about half the time), on the answer
     after the tool's result (the secret), and on the end of turn after it. Adam, every
     step over all rows (full batch), the prompt rendered as the rollout renders it (tools
-    included). Why not the SFT trainer: see README (multi-turn section)."""
+    included). Why not the SFT trainer: see docs/algorithms/agents.md."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -175,12 +175,12 @@ class ChattyEnv(LookupEnv):
 
 def agent_config(tmp_path, model_dir: str, *, steps: int, overrides=(), **sections):
     """configs/tiny-grpo-calculator.yaml on the toy agent model with :class:`LookupEnv`."""
-    from tests.trainer_helpers import tiny_config
+    from tests.support.trainer_helpers import tiny_config
 
     base = {
         "data": {"max_prompt_length": 16, "batch_size": 4, "eval_fraction": 0.25},
         "rollout": {"max_new_tokens": 24},
-        "env": {"name": "tests.toy_agent:LookupEnv", "max_turns": 3, "max_turn_tokens": 4,
+        "env": {"name": "tests.support.toy_agent:LookupEnv", "max_turns": 3, "max_turn_tokens": 4,
                 "max_observation_tokens": 12},
         "evaluation": {"max_prompts": 4},
         "checkpoint": {"enabled": False},

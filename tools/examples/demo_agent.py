@@ -30,7 +30,7 @@ import resource
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/examples/ -> the repository
 TASK = dict(min_terms=2, max_terms=2, min_digits=4, max_digits=4)
 PROMPT_LENGTH = 136  # SmolLM2 renders a question with the calculator's compact tool prompt in 133 tokens
 FULL = dict(held_out=64, sft_steps=24, grpo_steps=12)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from alignax.data import DataConfig
     from alignax.models import save_pretrained
     from alignax.trainers import api
-    from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer
+    from alignax.trainers.program import load_model, load_tokenizer, run_mesh
 
     clock = Clock()
     started = clock.now()
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                                                          "rollout.max_new_tokens=48"])
     held_out = DataConfig(paths=(paths["held_out"],), format="prompt", max_prompt_length=PROMPT_LENGTH,
                           batch_size=8, shuffle=False, read_threads=0, truncation="reject")
-    mesh = build_mesh(grpo_config.mesh)
+    mesh = run_mesh(grpo_config)
     every = evaluation.EvaluationConfig(max_prompts=None)
 
     def judge(name, model, tokenizer, *, without_tool: bool = False) -> dict:
@@ -135,8 +135,8 @@ def main(argv=None) -> int:
 
     summary: dict = {"task": {"name": "chain_sum", **TASK}, "sizes": size}
     print("\n== base model")
-    base = build_model(sft_config.model, mesh=mesh)
-    tokenizer = load_tokenizer(sft_config.model)
+    base = load_model(sft_config, mesh=mesh)
+    tokenizer = load_tokenizer(sft_config)
     summary["base"] = judge("base", base, tokenizer, without_tool=True)
     del base
 

@@ -1,11 +1,11 @@
 """Compiled memory of the DPO step under each ``model.remat`` policy (and the estimator's
 activation figure beside it), same model, shapes and batch, in one process.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_remat.py --model tiny
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_remat.py --model smollm2-135m --steps 2 \\
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_remat.py --model tiny
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_remat.py --model smollm2-135m --steps 2 \\
         --out runs/bench/remat.json
 
-The step is tools/bench_dpo.py's alignax side (8 preference pairs x 128 tokens, live
+The step is tools/benchmarks/bench_dpo.py's alignax side (8 preference pairs x 128 tokens, live
 reference, AdamW), built by ``alignax.trainers.api.build_trainer`` with only
 ``model.remat`` changed, compiled ahead of time (``OfflineTrainer.start``'s donation and
 shardings). For each policy: XLA's memory analysis (temporaries are what remat changes;
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
 import bench_common as common  # noqa: E402
 
 common.offline_environment()
@@ -58,9 +58,9 @@ def measure(args, policy: str, batches) -> dict:
     config = bench_dpo.train_config(args)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=policy))
     trainer = api.build_trainer(config, with_data=False)
-    state, frozen = trainer.start()
+    state, frozen = trainer.start()  # the fresh state, and what the step reads besides it
     t0 = time.perf_counter()
-    step = trainer.step.lower(state, frozen, trainer.placer(batches[0])).compile()
+    step = trainer.step.lower(state, frozen, trainer.place_batch(batches[0])).compile()
     model_config = trainer.model_from(state.params).config
     figures = {"compile_time_s": time.perf_counter() - t0, "compiled_memory": common.compiled_memory(step),
                "estimated_activations_bytes": int(estimate(config, model=model_config, devices=1,
@@ -68,7 +68,7 @@ def measure(args, policy: str, batches) -> dict:
     times = []
     for i in range(args.steps + (1 if args.steps else 0)):  # the first step is untimed
         t0 = time.perf_counter()
-        state, out = step(state, frozen, trainer.placer(batches[i]))
+        state, out = step(state, frozen, trainer.place_batch(batches[i]))
         jax.block_until_ready(out.metrics)
         times.append(time.perf_counter() - t0)
     if args.steps:

@@ -1,8 +1,8 @@
 """What a second process costs: step time of 1 process x 8 fake CPU devices against
 2 processes x 4 (gloo collectives), on the tiny DPO and GRPO recipes.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_multiprocess.py
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_multiprocess.py --algorithms dpo --rounds 3 --out runs/bench/mp.json
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_multiprocess.py
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_multiprocess.py --algorithms dpo --rounds 3 --out runs/bench/mp.json
 
 Both layouts train the same recipe (configs/tiny-dpo.yaml, configs/tiny-grpo.yaml: a
 2-layer random Llama with SmolLM2's vocabulary) through ``alignax.trainers.api.train`` on
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
 import bench_common as common  # noqa: E402
 
 common.offline_environment()
@@ -83,10 +83,7 @@ def worker(args) -> None:
 def launch(args, algorithm: str, layout: str, output_dir: str) -> dict:
     """One fresh launch of ``layout``; process 0's report."""
     processes, devices = LAYOUTS[layout]
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join([str(common.ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = common.fake_devices_env(devices)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])

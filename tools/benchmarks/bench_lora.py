@@ -1,17 +1,17 @@
 """LoRA vs full-parameter training, side by side in one run: DPO and GRPO step time, compiled
 peak memory of the step, and the estimator's figure; Tunix's LoRA (qwix) DPO step as a peer.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_lora.py --model tiny
-    HF_HUB_OFFLINE=1 TUNIX_PYTHON=/work/venv-tunix/bin/python nice -n 19 .venv/bin/python tools/bench_lora.py \
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_lora.py --model tiny
+    HF_HUB_OFFLINE=1 TUNIX_PYTHON=/work/venv-tunix/bin/python nice -n 19 .venv/bin/python tools/benchmarks/bench_lora.py \
         --model smollm2-135m --weights real --peer-weights random --scan-layers --variants full,lora,nf4 \
         --steps 1 --rounds 2 --warmup 1 --dpo-pairs 4 --dpo-seq 64 --grpo-prompts 4 --grpo-prompt-len 32 \
         --grpo-new-tokens 16 --peer-timeout 2400 --out runs/bench/lora-smollm2.json
 
-(the README's figures: 58 min under a load average of 7 to 25 on 2 cores, 40 min of it the two
+(docs/lora.md's figures: 58 min under a load average of 7 to 25 on 2 cores, 40 min of it the two
 Tunix processes).
 
-The steps are those of tools/bench_dpo.py (preference pairs, live reference, shared-prompt
-packing) and tools/bench_grpo.py (prompts x 2 samples, KL to the reference in the loss),
+The steps are those of tools/benchmarks/bench_dpo.py (preference pairs, live reference, shared-prompt
+packing) and tools/benchmarks/bench_grpo.py (prompts x 2 samples, KL to the reference in the loss),
 with their batch and sequence sizes set by the ``--dpo-*`` / ``--grpo-*`` flags (defaults:
 those scripts' 8 x 128 and 8 x 2 x (64 + 64); the JSON states the sizes run). Each step
 runs in the ``--variants`` asked for: ``full`` (full-parameter), ``lora`` (``lora: {rank:
@@ -49,7 +49,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
 import bench_common as common  # noqa: E402
 
 common.offline_environment()
@@ -173,10 +173,17 @@ class Variant:
         with lora_recipe(module, self.lora):
             self.config = module.train_config(bench_args)
             self.bench = getattr(module, bench_class)(bench_args)
-        if task == "dpo":
-            self.recorder = self.bench.step_fn = Recorder(self.bench.step_fn)
-        else:
-            self.recorder = self.bench.trainer.learner.step = Recorder(self.bench.trainer.learner.step)
+        # DPO: the bench's own loop calls the step, so it runs the executable it measured. GRPO:
+        # the trainer's rollout step calls it, so its memory is read from a compile of the same
+        # step after the timed steps (trainer.step.lower on the minibatch shapes, untimed).
+        self.recorder = self.bench.step_fn = Recorder(self.bench.step_fn) if task == "dpo" else None
+
+    def memory(self) -> dict:
+        if self.recorder is not None:
+            return self.recorder.memory
+        trainer = self.bench.trainer
+        return common.compiled_memory(
+            trainer.step.lower(self.bench.state, self.bench.frozen, trainer.minibatch_shapes()).compile())
 
     def figures(self) -> dict:
         import jax
@@ -188,7 +195,7 @@ class Variant:
         return {"lora": None if self.lora is None else dataclasses.asdict(self.lora),
                 **{key: summary[key] for key in ("step_time_s_median", "step_times_s", "step_time_s_min",
                                                  "compile_time_s", "build_time_s", *keys)},
-                **self.recorder.memory,
+                **self.memory(),
                 "trainable_parameters": int(sum(x.size for x in jax.tree.leaves(state.params))),
                 "trainable_bytes": _nbytes(state.params), "optimizer_state_bytes": _nbytes(state.opt_state),
                 "estimate_total_bytes": _estimate(self.config)}

@@ -7,7 +7,7 @@ whose labels are replaced). Each step prefix gets ``--samples`` completions; the
 (``--estimator hard|soft``) are written as format ``steps`` JSONL, ready for ``algorithm:
 prm``. Prints one JSON object: solutions, prefixes, mean label, seconds.
 
-    .venv/bin/python tools/math_shepherd.py configs/grpo.yaml SOLUTIONS OUT.jsonl \\
+    .venv/bin/python tools/studies/math_shepherd.py configs/grpo.yaml SOLUTIONS OUT.jsonl \\
         [--samples 8 --estimator soft --batch-prefixes 8 --limit 32]
 """
 
@@ -38,7 +38,7 @@ def main() -> None:
     from alignax.math_shepherd import label_solutions
     from alignax.parallel.sharding import mesh_for_shape
     from alignax.trainers.api import load_config
-    from alignax.trainers.engine.setup import build_model, load_tokenizer
+    from alignax.trainers.program import load_model, load_tokenizer
 
     config = load_config(args.config, args.overrides)
     if builders.is_generator_spec(args.solutions):
@@ -48,9 +48,9 @@ def main() -> None:
         solutions = [source[i] for i in range(len(source))]
     solutions = solutions[: args.limit]
     start = time.perf_counter()
-    model = build_model(config.model, precision=config.precision)
+    model = load_model(config)
     graphdef, state = nnx.split(model)
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(config)
     sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh_for_shape(config.mesh.shape, config.mesh.dcn_shape),
                             vocab_size=model.config.vocab_size)
     labelled = label_solutions(sampler, state, solutions, num_samples=args.samples, estimator=args.estimator,

@@ -1,7 +1,7 @@
 """DPO step time: alignax's trainer vs Google Tunix's DPOTrainer, same shapes, same run.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_dpo.py --model tiny
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_dpo.py --model smollm2-135m --steps 3 --out runs/bench/dpo.json
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_dpo.py --model tiny
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_dpo.py --model smollm2-135m --steps 3 --out runs/bench/dpo.json
 
 One step: 8 preference pairs x 128 tokens (prompt 64 + response 64, every token real,
 random ids), sigmoid DPO loss (beta 0.1) on response log-probs summed per sequence,
@@ -12,11 +12,11 @@ instead of 2 x 128; alignax.trainers.engine.packing), as the data pipeline's bat
 is live, so every step also runs its forward.
 
 alignax side: what ``alignax train`` with ``algorithm: dpo`` and ``dpo.reference: live``
-runs: the trainer ``alignax.trainers.api.build_trainer`` builds from a TrainConfig, its
-jitted step (``OfflineTrainer.start``: same donation and shardings as ``alignax train``)
-and reference precompute, driven by the trainer's
-own loop (alignax.trainers.engine.loop.run_loop: place the batch, step, read the non-finite
-streak, pull the metrics to the host). Step times are the loop's ``perf/step_time_s``.
+runs, through the public seam: the trainer ``alignax.trainers.api.build_trainer`` builds
+from a TrainConfig, ``trainer.start()`` (the fresh state and what the step reads besides
+it, the reference; same donation and shardings as ``alignax train``) and the compiled
+``trainer.step``. A step's time runs from placing its batch (``trainer.place_batch``) to
+its metrics on the host, as the run loop takes it.
 
 Tunix side: tools/peers/tunix_dpo.py in .venv-bench (reference forward in
 ``_prepare_inputs`` + the jitted train step, both blocked).
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
 import bench_common as common  # noqa: E402
 
 common.offline_environment()
@@ -63,7 +63,7 @@ def parse_args(argv=None):
 def train_config(args):
     from alignax.data import DataConfig
     from alignax.trainers.config import MeshSection, PreferenceSection, TrainConfig, TrainSection
-    from alignax.trainers.engine.optim import OptimConfig
+    from alignax.trainers.config import OptimConfig
 
     return TrainConfig(
         algorithm="dpo",
@@ -105,26 +105,8 @@ def make_batches(n: int, *, vocab: int, seed: int, packed: bool = True) -> list[
     return batches
 
 
-class _Batches:
-    """The data iterator protocol run_loop expects, over in-memory batches."""
-
-    def __init__(self, batches):
-        self.batches, self.position = batches, 0
-
-    def __next__(self):
-        batch = self.batches[self.position]
-        self.position += 1
-        return batch
-
-    def get_state(self):
-        return {"position": self.position}
-
-    def set_state(self, state):
-        self.position = state["position"]
-
-
 class AlignaxDPO:
-    """alignax's DPO steps through the trainer's own loop; ``warm()`` then ``run(n)`` rounds."""
+    """alignax's DPO steps through the trainer's seam; ``warm()`` then ``run(n)`` rounds."""
 
     def __init__(self, args):
         import jax
@@ -138,48 +120,39 @@ class AlignaxDPO:
         # The trainer of `alignax train` (alignax.trainers.api), minus data files, checkpoints and writers.
         trainer = api.build_trainer(config, with_data=False)
         params = trainer.params
-        self.state, self.frozen = trainer.start()  # with precompute (no data here): {"reference": ...}
-        reference = trainer.reference
         total = args.warmup + args.rounds * args.steps
         batches = make_batches(total, vocab=int(common.SHAPES[args.model]["vocab_size"]), seed=args.seed + 1,
                                packed=not args.unpacked)
-        self.placer = trainer.placer
         self.precompute_s = None
-        if trainer.task.precompute is not None:
-            t_pre = time.perf_counter()  # the trainer's one pass over every record
-            self.frozen = trainer.precompute_reference(reference, batches, num_records=total * BATCH)
-            del reference
+        if args.reference == "precomputed":
+            # start() would precompute over the run's data files; here the records are the
+            # benchmark's batches: the trainer's one pass over them, timed on its own
+            self.state, _ = trainer.start()
+            t_pre = time.perf_counter()
+            self.frozen = trainer.precompute_reference(trainer.reference, batches, num_records=total * BATCH)
             trainer.reference = None  # the table replaces it, as in training
             self.precompute_s = time.perf_counter() - t_pre
+        else:
+            self.state, self.frozen = trainer.start()  # the fresh state, and what the step reads besides it
+        self.place_batch = trainer.place_batch
         self.step_fn = trainer.step
         jax.block_until_ready(self.state)
         self.build_s = time.perf_counter() - t0
         self.model = common.model_summary(args, params)
-        self.batches = _Batches(batches)
-        self.history = []  # the loop's logged figures, one entry per step
+        self.batches = iter(batches)
+        self.history = []  # each step's metrics and time, one entry per step
         self.compiles = []  # compile-clock deltas, one per step
 
-    def _marked_step(self, state, frozen, batch):
+    def _loop(self, n: int) -> None:
         import jax
 
-        before = self.clock.snapshot()
-        out = self.step_fn(state, frozen, batch)
-        jax.block_until_ready(out)  # the loop blocks right after (non-finite streak); the clock needs it here
-        self.compiles.append(tuple(a - b for a, b in zip(self.clock.snapshot(), before)))
-        return out
-
-    def _loop(self, n: int) -> None:
-        from alignax.metrics import MultiWriter
-        from alignax.trainers.engine.loop import LoopConfig, run_loop
-
-        if n == 0:
-            return
-        result = run_loop(
-            config=LoopConfig(total_steps=len(self.history) + n, log_every=1), state=self.state, frozen=self.frozen,
-            step_fn=self._marked_step, batches=self.batches, place_batch=self.placer, writer=MultiWriter([]),
-        )
-        self.state = result.state
-        self.history.extend(result.history)
+        for _ in range(n):
+            started, before = time.perf_counter(), self.clock.snapshot()
+            self.state, out = self.step_fn(self.state, self.frozen, self.place_batch(next(self.batches)))
+            metrics = jax.device_get(out.metrics)  # blocks: the step is done when its figures are on the host
+            self.compiles.append(tuple(a - b for a, b in zip(self.clock.snapshot(), before)))
+            self.history.append({**{k: float(v) for k, v in metrics.items()},
+                                 "perf/step_time_s": time.perf_counter() - started})
 
     def warm(self) -> None:
         self._loop(self.args.warmup)
@@ -202,9 +175,9 @@ class AlignaxDPO:
             "grad_norm_first": history[0]["grad_norm"],
             "devices": [str(d) for d in jax.devices()],
             "jax": jax.__version__,
-            "what": "alignax.trainers.engine.loop.run_loop over OfflineTrainer.step (the jitted make_train_step of "
-                    "the DPO task's loss_fn): per step place batch + policy fwd/bwd on 2B rows (+ reference fwd when live) + "
-                    "AdamW, non-finite streak and metrics pulled to the host (perf/step_time_s of the loop)",
+            "what": "trainer.step of api.build_trainer's DPO trainer (the jitted train step of the DPO task's "
+                    "loss_fn) after trainer.start(): per step place batch + policy fwd/bwd on 2B rows (+ reference "
+                    "fwd when live) + AdamW, metrics pulled to the host",
         }
 
 

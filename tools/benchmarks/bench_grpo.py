@@ -1,8 +1,8 @@
 """GRPO step time (generation + update): alignax's OnlineTrainer vs Google Tunix's
 GRPOLearner, same shapes, same run.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_grpo.py --model tiny
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_grpo.py --model smollm2-135m --steps 2 --out runs/bench/grpo.json
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_grpo.py --model tiny
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_grpo.py --model smollm2-135m --steps 2 --out runs/bench/grpo.json
 
 One step: 8 prompts of 64 real tokens (random ids), G = 2 completions each of exactly 64
 sampled tokens (no stop token on either side), temperature 0.9, top_p 1.0, a cheap rule
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
 import bench_common as common  # noqa: E402
 
 common.offline_environment()
@@ -60,7 +60,7 @@ def train_config(args):
     from alignax.data import DataConfig
     from alignax.trainers.config import (CheckpointSection, GRPOSection, LoggingSection, MeshSection, RewardConfig,
                                          RolloutSection, TrainConfig, TrainSection)
-    from alignax.trainers.engine.optim import OptimConfig
+    from alignax.trainers.config import OptimConfig
 
     vocab = int(common.SHAPES[args.model]["vocab_size"])
     return TrainConfig(
@@ -115,7 +115,7 @@ class AlignaxGRPO:
         # The data section needs records to build; the steps are fed prompt batches directly.
         records = [{"prompt": "hi", "answer": ""} for _ in range(PROMPTS)]
         self.trainer = make_trainer(config, records=records)
-        self.state, self.frozen = self.trainer.start()  # as OnlineTrainer.train sets them up
+        self.state, self.frozen = self.trainer.start()  # the fresh state, and what the step reads besides it
         jax.block_until_ready((self.state, self.frozen))
         self.build_s = time.perf_counter() - t0
         self.model = common.model_summary(args, self.trainer.actors.policy_params(self.state.params))

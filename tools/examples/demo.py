@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/examples/ -> the repository
 TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)  # what the demo trains on
 HARD_TASK = dict(min_terms=2, max_terms=2, min_digits=2, max_digits=2)  # never trained on
 HELD_OUT = 16  # questions kept out of the training data (unchanged: the training data depend on it)
@@ -89,12 +89,12 @@ class Judge:
     def __init__(self, paths: dict[str, str], grpo_config, dpo_config, out: str, pass_k=()):
         from alignax.data import DataConfig
         from alignax.evaluation import EvaluationConfig
-        from alignax.trainers.engine.setup import build_mesh
+        from alignax.trainers.program import run_mesh
 
         self.config = grpo_config
         self.settings = EvaluationConfig(max_prompts=None, pass_k=tuple(pass_k))
         self.dpo_data = dpo_config.data
-        self.mesh = build_mesh(grpo_config.mesh)
+        self.mesh = run_mesh(grpo_config)
         self.out = out
         self.sets = {
             name: DataConfig(paths=(paths[name],), format="prompt", max_prompt_length=JUDGE_PROMPT_LENGTH,
@@ -131,7 +131,7 @@ class Judge:
         from flax import nnx
 
         from alignax.data import prepare_dataset
-        from alignax.trainers.engine.setup import response_logps, sequence_logps
+        from alignax.trainers.program import response_logps, sequence_logps
 
         graphdef, state = nnx.split(model)
         if self._pair_logps is None:
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from alignax.trainers import api
-    from alignax.trainers.engine.setup import build_mesh, build_model, load_tokenizer
+    from alignax.trainers.program import load_model, load_tokenizer, run_mesh
 
     started = time.time()
     out = args.out
@@ -218,8 +218,8 @@ def main(argv=None) -> int:
                                  "rewards": "configs/demo-grpo.yaml rewards (verifier: answer tag or last number)"}}
 
     print("\n== base model")
-    base = build_model(dpo_config.model, mesh=build_mesh(dpo_config.mesh))  # the trainers' mesh: one compile
-    tokenizer = load_tokenizer(dpo_config.model)
+    base = load_model(dpo_config, mesh=run_mesh(dpo_config))  # the trainers' mesh: one compile
+    tokenizer = load_tokenizer(dpo_config)
     summary["base"] = judge("base", base, tokenizer)
     del base
     gc.collect()

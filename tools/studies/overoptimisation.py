@@ -4,7 +4,7 @@ Overoptimization"): gold and proxy reward against sqrt(KL(pi || pi_ref)), for be
 1. ``--pair-prompts`` training prompts are sampled ``--label-samples`` times each from the
    starting policy; a prompt's best and worst completion by the **gold** reward (a
    reasoning-gym verifier, ``--gold-function module:fn`` or ``--gold-reward-model DIR``) make
-   one preference pair (:func:`alignax.trainers.iterative.sample_pairs`);
+   one preference pair (:func:`alignax.trainers.program.sample_pairs`);
 2. a **proxy** Bradley-Terry reward model is trained on those pairs (``algorithm: reward``,
    ``--rm-steps``) and written to ``<out>/proxy``;
 3. best-of-N against the proxy: ``--n-max`` samples of every held-out prompt from the starting
@@ -22,7 +22,7 @@ pairs and the proxy's held-out pair accuracy, ``best_of_n`` and ``rl`` point lis
 (``kl``, ``sqrt_kl``, ``proxy``, ``gold``), and wall and CPU seconds per stage.
 notebooks/overoptimisation.ipynb plots it.
 
-    .venv/bin/python tools/overoptimisation.py --out runs/overopt [--rm-steps 20 --rl-steps 12 ...]
+    .venv/bin/python tools/studies/overoptimisation.py --out runs/overopt [--rm-steps 20 --rl-steps 12 ...]
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ from alignax.kl import sequence_kl
 from alignax.models import save_pretrained
 from alignax.parallel.sharding import mesh_for_shape
 from alignax.sampling.scored import Groups
-from alignax.trainers import iterative
 from alignax.trainers.api import build_trainer, load_config, restore_params, train
-from alignax.trainers.engine.setup import build_model, load_tokenizer, response_logps
+from alignax.trainers.program import load_model, load_tokenizer, response_logps, sample_pairs
 
 CHAIN_SUM = "reasoning_gym:chain_sum?size=400&seed=7&max_terms=3&max_digits=1"
 
@@ -260,15 +259,15 @@ def run(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     prompts_path = write_prompts(args)
     gold_config = policy_config(args, os.path.join(args.out, "labels"), gold_rewards(args), prompts_path)
-    tokenizer = load_tokenizer(gold_config.model)
-    base = build_model(gold_config.model, precision=gold_config.precision)
+    tokenizer = load_tokenizer(gold_config)
+    base = load_model(gold_config)
     # 1. gold-labelled pairs from the starting policy's samples of the training prompts
     graphdef, state = nnx.split(base)
     labeller = evaluation.build_sampler(graphdef, tokenizer, gold_config, mesh=mesh_for_shape(gold_config.mesh.shape),
                                         vocab_size=base.config.vocab_size)
     label_config = dataclasses.replace(gold_config, rollout=dataclasses.replace(gold_config.rollout,
                                                                                num_samples=args.label_samples))
-    pairs, label_figures = iterative.sample_pairs(labeller, state, label_config, 0)
+    pairs, label_figures = sample_pairs(labeller, state, label_config, 0)
     if len(pairs) < 2:
         raise ValueError(f"only {len(pairs)} of {args.pair_prompts} training prompts had samples the gold reward "
                          "tells apart; raise --pair-prompts or --label-samples")

@@ -2,8 +2,8 @@
 8, 64 and 256 fake CPU devices, without and with the decoder's activation constraints
 (issue 12, "Real FSDP").
 
-    .venv/bin/python tools/fsdp_memory.py
-    .venv/bin/python tools/fsdp_memory.py --devices 8 64 --programs dpo --out runs/fsdp_memory.json
+    .venv/bin/python tools/studies/fsdp_memory.py
+    .venv/bin/python tools/studies/fsdp_memory.py --devices 8 64 --programs dpo --out runs/fsdp_memory.json
 
 Each (program, device count, constraints) is one subprocess of tests/fsdp_compile_check.py
 (the device count is fixed when jax is imported), which lowers and compiles the program
@@ -27,7 +27,7 @@ tensor parallel within a host and data parallel across hosts, from the bfloat16 
 the float32 parameters. Per device count: the mesh, per-device GB, the KV cache's bytes
 per device (the donated loop state) and what is all-gathered.
 
-    .venv/bin/python tools/fsdp_memory.py --sampler --devices 8 64 256 --out runs/sampler_memory.json
+    .venv/bin/python tools/studies/fsdp_memory.py --sampler --devices 8 64 256 --out runs/sampler_memory.json
 """
 
 from __future__ import annotations
@@ -37,19 +37,19 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-from bench_common import finish  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
+from bench_common import ROOT, finish, run_on_fake_devices  # noqa: E402
 
-from tests.fake_devices import run_check  # noqa: E402
+# The compile check is the one tests/test_fsdp_compile.py asserts on: run as a program (by
+# path, never imported), so the study measures exactly what the test checks.
+CHECK = ROOT / "tests" / "fsdp_compile_check.py"
 
 KINDS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter")
 
 
 def measure(program: str, devices: int, constraints: bool, extra: list[str]) -> dict:
     flags = ["--program", program, *extra] + ([] if constraints else ["--no-constraints"])
-    return run_check("fsdp_compile_check.py", *flags, devices=devices, timeout=3600)
+    return run_on_fake_devices(CHECK, *flags, devices=devices, timeout=3600)
 
 
 def summary(result: dict) -> dict:
@@ -66,8 +66,8 @@ def sampler_rows(devices: list[int], rows: int, seq: int, layers: int) -> dict:
     out = []
     for count in devices:
         mesh = f"{max(count // 8, 1)},1,{min(count, 8)}"
-        result = run_check("fsdp_compile_check.py", "--program", "decode", "--decode-meshes", mesh, "--decode-rows",
-                           str(rows), "--seq", str(seq), "--layers", str(layers), devices=count, timeout=3600)
+        result = run_on_fake_devices(CHECK, "--program", "decode", "--decode-meshes", mesh, "--decode-rows",
+                                     str(rows), "--seq", str(seq), "--layers", str(layers), devices=count, timeout=3600)
         decode = result["decode"][0]
         gathers = decode["collectives"]["all-gather"]
         out.append({"devices": count, "mesh": decode["mesh"], "gb": round(decode["memory_total"] / 1e9, 3),

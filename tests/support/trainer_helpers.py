@@ -1,21 +1,24 @@
 """Shared pieces of the trainer tests: the tiny recipes of configs/, the toy word-level
-model (tests/toy_model.py), and small synthetic datasets whose answers are known."""
+model (tests/support/toy_model.py), and small synthetic datasets whose answers are known."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+
+import jax
 
 from alignax import config as config_io
 from alignax.trainers.api import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support/ -> the repository
 CONFIGS = os.path.join(ROOT, "configs")
 
 # The tiny model of configs/tiny-*.yaml (scripts that write their own recipe use it).
 TINY_MODEL = config_io.load_yaml(os.path.join(CONFIGS, "tiny-dpo.yaml"))["model"]
 
-from tests.toy_model import TOY_WORDS
+from tests.support.toy_model import TOY_WORDS
 
 # Content words of the synthetic records ("yes" / "no" are kept for the answers).
 WORDS = [w for w in TOY_WORDS if w not in ("yes", "no")]
@@ -53,10 +56,13 @@ def unpaired_feedback(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge_sections(base: dict, extra: dict) -> dict:
+    """``base`` (a raw recipe) with ``extra`` laid over it: nested sections merge key by key,
+    anything else replaces. Neither argument is changed."""
     out = dict(base)
     for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merge_sections(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
     return out
 
 
@@ -73,17 +79,16 @@ def tiny_config(tmp_path, recipe: str, *, steps: int = 4, model_dir: str | None 
         if data.get("format") != "prompt":  # prompt batches have no max_length (rollout.max_new_tokens)
             data["max_length"] = 32
         # the recipe's reward functions read its own prompts' answers; a run on other
-        # records brings its own (tests/rl_toy.py)
+        # records brings its own (tests/support/rl_toy.py)
         raw.get("rewards", {}).pop("functions", None)
-    raw = _merge(raw, {
+    raw = merge_sections(raw, {
         "output_dir": str(tmp_path),
         "train": {"total_steps": steps, "log_every": 1},
         "data": {"read_threads": 0},
         "logging": {"console": False, "tensorboard": False},
     })
-    raw = _merge(raw, sections)
+    raw = merge_sections(raw, sections)
     return load_config(data=raw, overrides=overrides)
-
 
 
 def step_solutions(n: int, seed: int = 0) -> list[dict]:
@@ -98,3 +103,12 @@ def step_solutions(n: int, seed: int = 0) -> list[dict]:
         labels = [int(slip is None or k < slip) for k in range(count)]
         records.append({"prompt": f"what is {' '.join(rng.sample(WORDS, 2))}", "steps": steps, "labels": labels})
     return records
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "seed"))  # one program, not an op-by-op draw per leaf
+def perturbed(tree, *, scale: float, seed: int):
+    """``tree`` (params) with Gaussian noise of std ``scale`` added to every leaf, one key per
+    leaf split from ``seed``: a policy or reference that differs from its twin by a known amount."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])

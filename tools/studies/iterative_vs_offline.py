@@ -19,7 +19,7 @@ the same sampler. Prints (and writes to ``<out>/iterative_vs_offline.json``) one
 object: settings, pair counts, accuracy and reward before and after each arm, wall seconds
 per stage and the machine's load average at the start and the end.
 
-    .venv/bin/python tools/iterative_vs_offline.py --out runs/iter-vs-off [--steps 8 --train-prompts 32 ...]
+    .venv/bin/python tools/studies/iterative_vs_offline.py --out runs/iter-vs-off [--steps 8 --train-prompts 32 ...]
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from collections.abc import Sequence
 
 from alignax.data import write_jsonl
 from alignax.data.builders import generate, is_generator_spec
-from alignax.trainers.api import load_config, train
-from alignax.trainers.engine.setup import build_model
-from alignax.trainers.iterative import IterativeTrainer
+from alignax.trainers.api import build_trainer, load_config, train
+from alignax.trainers.program import load_model
 
 CHAIN_SUM = "reasoning_gym:chain_sum?size=400&seed=7&max_terms=3&max_digits=1"
 
@@ -145,8 +144,8 @@ def run(args) -> dict:
 
     train_path, eval_path, train_prompts = write_prompts(args)
     config = iterative_config(args, train_path, eval_path)
-    trainer = IterativeTrainer(config)
-    before = stage("eval_start", trainer.judge, build_model(config.model, precision=config.precision))
+    trainer = build_trainer(config)  # algorithm: iterative_dpo -> the iterative trainer
+    before = stage("eval_start", trainer.judge, load_model(config))
 
     round_cfg, sampling = stage("iterative_sample", trainer.prepare_round, 0)
     with open(round_cfg.data.paths[0], encoding="utf-8") as f:

@@ -1,15 +1,16 @@
 """A toy verifiable task for online-RL tests on the toy word-level model
-(tests/toy_model.py): answer a prompt; the reward is the share of the word "yes" among
+(tests/support/toy_model.py): answer a prompt; the reward is the share of the word "yes" among
 the completion's words — dense enough that a random policy sees variance in every group,
 and learnable within a few dozen updates.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 
-from tests.toy_model import TOY_WORDS
-from tests.trainer_helpers import tiny_config
+from tests.support.toy_model import TOY_WORDS
+from tests.support.trainer_helpers import tiny_config
 
 
 def yes_share(completions, references):
@@ -20,6 +21,13 @@ def yes_share(completions, references):
         words = text.split()
         out.append(sum(w == "yes" for w in words) / max(len(words), 1))
     return out
+
+
+def hashed_reward(completions, references):
+    """A reward in [0, 1) from the completion's text: distinct completions, distinct rewards,
+    so every group has advantages to learn from."""
+    del references
+    return [int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32 for text in completions]
 
 
 def constant_reward(completions, references):
@@ -63,7 +71,7 @@ def toy_config(tmp_path, model_dir: str, algorithm: str, *, steps: int, override
     }
     if algorithm in ("grpo", "ppo"):  # an offline run reads no rollout, rewards nor evaluation settings
         base.update(rollout={"max_new_tokens": 8}, evaluation={"max_prompts": 4}, rewards={
-            "verifier_weight": 0.0, "format_weight": 0.0, "functions": {"tests.rl_toy:yes_share": 1.0}})
+            "verifier_weight": 0.0, "format_weight": 0.0, "functions": {"tests.support.rl_toy:yes_share": 1.0}})
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}
     return tiny_config(tmp_path, algorithm, steps=steps, model_dir=model_dir, overrides=tuple(overrides), **base)

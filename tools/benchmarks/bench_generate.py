@@ -8,7 +8,7 @@ truncation). Each side's time is the median of ``--repeats`` whole-generation ca
 alternating the two sides so a change in machine load hits both; alignax's compile time
 is measured on the first call and reported separately (excluded from tokens/s).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_generate.py            # prints JSON
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_generate.py            # prints JSON
 
 ``tokens_per_s = batch * new_tokens / median seconds`` (prefill included on both sides).
 transformers runs once per ``--torch-threads`` setting (default: torch's own default and

@@ -211,6 +211,43 @@ def group_advantages(rewards, group_ids, method, eps=1e-6, ddof=1, baseline=None
     return np.asarray(out)
 
 
+# --------------------------------------------------------------------------- preference pairs
+
+
+def dpo_pair_loss(variant: str, pc: float, pr: float, rc: float, rr: float, *, beta: float, eps: float = 0.0,
+                  lam: float = 0.0) -> float:
+    """One pair's loss of the DPO family from its paper: ``pc/pr`` the policy's and ``rc/rr``
+    the reference's log-probs of the chosen and rejected response (summed, or length-averaged
+    where the caller normalises), ``eps`` the label smoothing / flip rate, ``lam`` DPOP's lambda."""
+    chosen, rejected = pc - rc, pr - rr  # implicit rewards / beta: log pi(y)/pi_ref(y)
+    h = chosen - rejected
+    z = beta * h
+    if variant == "sigmoid":  # Rafailov et al. 2023 eq. 7; eps > 0: Mitchell's conservative DPO
+        return -(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z)
+    if variant == "hinge":  # SLiC-HF with the reference-normalised margin
+        return max(0.0, 1.0 - z)
+    if variant == "ipo":  # Azar et al. 2023 eq. 17 with tau = beta
+        return (h - 1.0 / (2.0 * beta)) ** 2
+    if variant == "robust":  # Chowdhury et al. 2024: unbiased under flip rate eps
+        return ((1 - eps) * -log_sigmoid(z) - eps * -log_sigmoid(-z)) / (1 - 2 * eps)
+    if variant == "dpop":  # Pal et al. 2024 eq. 3
+        return -log_sigmoid(beta * (h - lam * max(0.0, rc - pc)))
+    if variant == "exo_pair":  # Ji et al. 2024: KL(p_theta || p_label) over the two responses
+        e = eps if eps > 0 else 1e-3
+        p = sigmoid(z)  # the model's probability that the chosen response wins
+        return p * (math.log(p) - math.log(1 - e)) + (1 - p) * (math.log(1 - p) - math.log(e))
+    if variant == "nca_pair":  # Chen et al. 2024
+        return -log_sigmoid(beta * chosen) - 0.5 * log_sigmoid(-beta * chosen) - 0.5 * log_sigmoid(-beta * rejected)
+    if variant == "sppo_hard":  # Wu et al. 2024: (log ratio - eta (P - 1/2))^2, P = 1 and 0, eta = 1/beta
+        eta = 1.0 / beta
+        return (chosen - eta * (1.0 - 0.5)) ** 2 + (rejected - eta * (0.0 - 0.5)) ** 2
+    if variant == "apo_zero":  # D'Oosterlinck et al. 2024 eq. 7
+        return (1.0 - sigmoid(beta * chosen)) + sigmoid(beta * rejected)
+    if variant == "apo_down":  # eq. 8
+        return sigmoid(beta * chosen) + (1.0 - sigmoid(z))
+    raise ValueError(f"no reference for DPO variant {variant!r}")
+
+
 # --------------------------------------------------------------------------- gradients
 
 

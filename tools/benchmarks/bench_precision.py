@@ -1,11 +1,11 @@
 """DPO step time and memory under each precision policy: float32 vs bfloat16 (with its
 float32 master copy), same model, shapes and batches, in one process.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_precision.py --model tiny
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_precision.py --model smollm2-135m --steps 2 --rounds 2 \\
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_precision.py --model tiny
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_precision.py --model smollm2-135m --steps 2 --rounds 2 \\
         --out runs/bench/precision.json
 
-The run is tools/bench_dpo.py's alignax side (8 preference pairs x 128 tokens, packed
+The run is tools/benchmarks/bench_dpo.py's alignax side (8 preference pairs x 128 tokens, packed
 shared prompt, live reference, AdamW lr 1e-5 constant, no clipping), built once per policy
 by ``alignax.trainers.api.build_trainer`` with only ``precision`` changed:
 
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: bench_common
 import bench_common as common  # noqa: E402
 
 common.offline_environment()
@@ -74,14 +74,14 @@ class Policy:
         import jax
 
         from alignax.trainers import api
-        from alignax.trainers.engine.precision import PrecisionConfig
+        from alignax.trainers.config import PrecisionConfig
 
         self.name, self.batches, self.position = name, batches, 0
         config = dataclasses.replace(bench_dpo.train_config(args), precision=PrecisionConfig(**POLICIES[name]))
         t0 = time.perf_counter()
         trainer = api.build_trainer(config, with_data=False)
-        self.placer = trainer.placer
-        self.state, self.frozen = trainer.start()
+        self.placer = trainer.place_batch
+        self.state, self.frozen = trainer.start()  # the fresh state, and what the step reads besides it
         self.held_bytes = {"params": nbytes(self.state.params), "optimizer_state": nbytes(self.state.opt_state),
                            "reference": nbytes(self.frozen)}
         t1 = time.perf_counter()

@@ -14,7 +14,7 @@ strings, correct vs wrong) or the policy's own (``--orm-pairs policy``: ``--labe
 samples of each of ``--pair-prompts`` other chain_sum questions, a question's best and worst
 by the verifier, as iterative DPO labels them; questions that are held out are left out).
 
-    .venv/bin/python tools/best_of_n_curves.py [--out runs/bon --steps 30 --n 8 --prompts 32]
+    .venv/bin/python tools/studies/best_of_n_curves.py [--out runs/bon --steps 30 --n 8 --prompts 32]
 """
 
 from __future__ import annotations
@@ -36,21 +36,20 @@ def policy_pairs(args, config, questions: str) -> str:
     from alignax.data import write_jsonl
     from alignax.data.builders import generate
     from alignax.parallel.sharding import mesh_for_shape
-    from alignax.trainers import iterative
-    from alignax.trainers.engine.setup import build_model, load_tokenizer
+    from alignax.trainers.program import load_model, load_tokenizer, sample_pairs
 
     held_out = {r["prompt"] for r in generate(questions, "prompt")[:args.prompts]}
     records = [r for r in generate(questions.replace("seed=7", "seed=8"), "prompt") if r["prompt"] not in held_out]
     records = records[:args.pair_prompts]
-    tokenizer = load_tokenizer(config.model)
-    model = build_model(config.model, precision=config.precision)
+    tokenizer = load_tokenizer(config)
+    model = load_model(config)
     graphdef, state = nnx.split(model)
     sampler = evaluation.build_sampler(graphdef, tokenizer, config, mesh=mesh_for_shape(config.mesh.shape),
                                        vocab_size=model.config.vocab_size)
     labels = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_fraction=0.0),
                                  rollout=dataclasses.replace(config.rollout, num_samples=args.label_samples,
                                                              temperature=1.0))
-    pairs, figures = iterative.sample_pairs(sampler, state, labels, 0, records=records)
+    pairs, figures = sample_pairs(sampler, state, labels, 0, records=records)
     if len(pairs) < 8:
         raise ValueError(f"only {len(pairs)} of {len(records)} questions had samples the verifier tells apart; "
                          "raise --pair-prompts or --label-samples")
@@ -80,7 +79,7 @@ def main() -> None:
     from alignax.data import DataConfig
     from alignax.evaluation import evaluate_model
     from alignax.trainers.api import export, load_config, train
-    from alignax.trainers.engine.setup import build_model, load_tokenizer
+    from alignax.trainers.program import load_model, load_tokenizer
 
     questions = "reasoning_gym:chain_sum?size=400&seed=7&max_terms=3&max_digits=1"
     policy = {
@@ -122,8 +121,8 @@ def main() -> None:
         "max_prompts": args.prompts, "temperature": 1.0,
         "best_of_n": {"n": args.n, "reward_models": [selectors["orm"]], "prm": selectors["prm"]}}})
     start = time.perf_counter()
-    model = build_model(config.model, precision=config.precision)
-    figures = evaluate_model(model, load_tokenizer(config.model), config,
+    model = load_model(config)
+    figures = evaluate_model(model, load_tokenizer(config), config,
                              prompts=DataConfig(paths=(questions,), format="prompt", max_prompt_length=128,
                                                 batch_size=args.batch_size, read_threads=0))
     seconds["best_of_n"] = time.perf_counter() - start

@@ -6,7 +6,7 @@ the user cache); the scan variant and transformers read that same cached directo
 tokens/s of each, their ratio, compile time of our forward with and without scan over
 layers, and the max |logit difference| as a sanity check.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/bench_forward.py [--batch 8 --seq 256 --iters 5]
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/benchmarks/bench_forward.py [--batch 8 --seq 256 --iters 5]
 """
 
 from __future__ import annotations
