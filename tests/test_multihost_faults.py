@@ -144,6 +144,8 @@ def test_a_stopped_process_whose_peer_is_gone_exits_143_within_the_shutdown_time
     metrics = tmp_path / "run" / "metrics.jsonl"
     wait_for_step(procs, metrics, 2)
     procs[1].send_signal(signal.SIGKILL if peer == "killed" else signal.SIGSTOP)
+    if peer == "frozen":  # process 0 is now waiting in a step's collective for the frozen peer: its
+        time.sleep(2)     # Python handler cannot run, and the signal-watch thread must arm the watchdog
     procs[0].send_signal(signal.SIGTERM)
     try:
         (code, err, seconds), = finish(procs[:1], timeout=120)

@@ -179,7 +179,7 @@ def test_nan_rewards_are_rejected_with_a_clear_error(tmp_path, toy_model):
 
 
 def test_a_nan_reward_saves_the_work_before_it_stops_the_run(tmp_path, toy_model):
-    from tests import rl_toy
+    from tests.support import rl_toy
 
     rl_toy.SCORED_BATCHES.clear()
     config = toy_config(tmp_path, toy_model, "grpo", steps=4, data={"eval_fraction": 0.0},

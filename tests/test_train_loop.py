@@ -7,6 +7,7 @@ checkpoint/resume and SIGTERM handling, independent of any decoder.
 import errno
 import os
 import signal
+import threading
 import time
 
 import jax
@@ -294,6 +295,12 @@ def test_a_save_failing_in_the_background_stops_the_run_at_the_next_step(tmp_pat
     assert 9 <= batches.position < 12
     assert f"the run stops at step {batches.position} " in message
     monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", write)
+    # The failed save's array writers may still be running in this process (a stopped run's
+    # process exits and takes them along): let them end before the next start clears up.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(
+            t.name.startswith(("array_type_handler", "json_ch_save")) for t in threading.enumerate()):
+        time.sleep(0.1)
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt:  # the half-written step 9 is cleared away
         assert ckpt.all_steps() == [3, 6] and sorted(os.listdir(tmp_path / "ckpt")) == ["3", "6"]
         state, meta = ckpt.restore(fresh_state(opt))

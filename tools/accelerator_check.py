@@ -436,7 +436,7 @@ def estimate_figures(algorithm: str, c: ModelConfig, sizes: dict) -> dict:
                  "model.remat=full", "model.scan_layers=true", f"model.logprob_chunk_size={sizes['chunk']}"]
     if algorithm == "dpo":
         overrides += [f"data.batch_size={sizes['pairs']}", f"data.max_length={sizes['prompt'] + response}",
-                      f"data.max_response_length={response}", "dpo.reference=live"]
+                      f"data.max_response_length={response}", "preference.reference=live"]
     else:
         prompts, group = (sizes["prompts"], sizes["group"]) if algorithm == "grpo" else (sizes["ppo_prompts"], 1)
         overrides += [f"data.batch_size={prompts}", f"rollout.num_samples={group}",

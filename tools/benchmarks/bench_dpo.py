@@ -11,7 +11,7 @@ instead of 2 x 128; alignax.trainers.engine.packing), as the data pipeline's bat
 ``--unpacked`` runs chosen and rejected as two full rows like Tunix. The frozen reference
 is live, so every step also runs its forward.
 
-alignax side: what ``alignax train`` with ``algorithm: dpo`` and ``dpo.reference: live``
+alignax side: what ``alignax train`` with ``algorithm: dpo`` and ``preference.reference: live``
 runs, through the public seam: the trainer ``alignax.trainers.api.build_trainer`` builds
 from a TrainConfig, ``trainer.start()`` (the fresh state and what the step reads besides
 it, the reference; same donation and shardings as ``alignax train``) and the compiled
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, steps=5, warmup=1)
     parser.add_argument("--reference", default="live", choices=("live", "precomputed"),
-                        help="dpo.reference: live (the parity setting: Tunix always runs its reference each step) "
+                        help="preference.reference: live (the parity setting: Tunix always runs its reference each step) "
                              "or precomputed (alignax's one pass before training; timed apart)")
     parser.add_argument("--unpacked", action="store_true",
                         help="leave prompt_length out of the batches, so chosen and rejected run as two rows "
@@ -202,7 +202,7 @@ def main(argv=None) -> None:
         "one row [prompt 64 | chosen 64 | rejected 64], 192 trunk tokens instead of 256; Tunix runs 2 rows of 128.",
     ]
     if args.reference == "precomputed":
-        notes.append("dpo.reference=precomputed: alignax's steps run no reference forward (one pass before "
+        notes.append("preference.reference=precomputed: alignax's steps run no reference forward (one pass before "
                      "training, reference_precompute_time_s, compile included); Tunix still runs it every step.")
     if ours["compile_time_timed_steps_s"] > 0.5:
         notes.append(f"alignax compiled {ours['compile_time_timed_steps_s']:.2f}s during timed steps.")

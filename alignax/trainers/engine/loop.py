@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -101,6 +102,14 @@ _STOP_CODES = (None, "SIGINT", "SIGTERM")
 _EXIT_STATUS = {"SIGINT": 130, "SIGTERM": 143}
 
 
+def _recv_or_empty(sock: socket.socket) -> bytes:
+    """The next bytes on ``sock``, or ``b""`` once it is shut down."""
+    try:
+        return sock.recv(64)
+    except OSError:
+        return b""
+
+
 class _StopSignals:
     """Turns SIGTERM and the first SIGINT into a flag the loop polls between steps (a step
     is never cut); a second SIGINT interrupts at once (KeyboardInterrupt).
@@ -117,6 +126,7 @@ class _StopSignals:
         self.received: str | None = None
         self.shutdown_timeout_s = shutdown_timeout_s
         self._watchdog: threading.Timer | None = None
+        self._arming = threading.Lock()
 
     def agreed(self) -> str | None:
         """The stop signal received by any process (by this one with a single process)."""
@@ -144,8 +154,12 @@ class _StopSignals:
         os._exit(_EXIT_STATUS[name or self.received or "SIGTERM"])
 
     def _arm_watchdog(self, name: str) -> None:
-        if self._watchdog is not None:
-            return
+        with self._arming:  # the handler and the signal-watch thread may both arm it
+            if self._watchdog is not None:
+                return
+            self._start_watchdog(name)
+
+    def _start_watchdog(self, name: str) -> None:
         timeout = self.shutdown_timeout_s
 
         def expire():
@@ -164,11 +178,43 @@ class _StopSignals:
                 previous[sig] = signal.signal(sig, self._handle)
         except ValueError:  # not the main thread: no signal handling
             pass
+        watcher = self._watch_while_blocked() if previous and jax.process_count() > 1 else contextlib.nullcontext()
         try:
-            yield self
+            with watcher:
+                yield self
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def _watch_while_blocked(self):
+        """Arm the watchdog from a thread of its own. A Python handler runs only when the
+        main thread next runs Python: while it waits in a collective for a peer that is frozen
+        (its sockets open, so the collective never fails) it never does, and jax's heartbeat
+        check would abort the process natively 100 s later. The C-level handler writes each
+        signal's number to the wakeup fd from whichever thread it interrupts, so this thread
+        learns of the signal at once."""
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+        def watch():
+            while data := _recv_or_empty(reader):
+                for signum in data:
+                    if signum in (signal.SIGTERM, signal.SIGINT):
+                        self._arm_watchdog(signal.Signals(signum).name)
+
+        thread = threading.Thread(target=watch, name="alignax-signal-watch", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(previous_fd)
+            with contextlib.suppress(OSError):
+                reader.shutdown(socket.SHUT_RDWR)
+            writer.close()
+            thread.join(timeout=5)
+            reader.close()
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.received == "SIGINT":
