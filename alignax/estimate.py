@@ -100,7 +100,7 @@ _BYTES = {"float32": 4, "bfloat16": 2}
 # softmax's exponential is computed inside the logits' dot, so the logits are never written
 # apart (1); the entropy's cotangent becomes a YNNPACK fusion with a reduction, whose output
 # cannot be written over the logits it reads and whose [rows, chunk] scale operand is
-# broadcast to the full shape first (5). The program jax emits is the same on all three.
+# broadcast to the full shape first (5). alignax's code is the same on all three.
 LM_HEAD_ARRAYS = (((0, 10), 2, 4), ((0, 12), 1, 5))
 CALIBRATED_JAXLIB = ("0.10.2", "0.11.2", "0.12.1")  # the jaxlib releases the compiled steps were read on
 
