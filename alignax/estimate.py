@@ -43,13 +43,16 @@ working set, over the rows the step runs (a DPO pair, or a GRPO/PPO group under
 gradients, moments, master, frozen models) are exact. The per-token working set and the
 transient terms (LM-head buffers, weights gathered whole under FSDP, the optimiser's
 update) are calibrated against compiled steps by tools/estimate_vs_compiled.py
-(docs/estimate_vs_compiled.json).
+(docs/estimate_vs_compiled.json), on XLA:CPU of jaxlib 0.10.2, 0.11.2 and 0.12.1; where those
+differ (the LM-head buffers: :data:`LM_HEAD_ARRAYS`) the estimate counts as the installed
+jaxlib compiles (``jaxlib=`` picks another) and says which (``Estimate.jaxlib``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,6 +92,37 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _BYTES = {"float32": 4, "bfloat16": 2}
+
+# The float32 [rows, chunk, V] arrays the backward pass of one log-prob chunk holds at once,
+# per row the compiled step runs, by the jaxlib whose XLA compiles it: ``(first jaxlib,
+# log-probs alone, log-probs and the entropy)``. Read from the compiled steps' buffer
+# assignments (``XLA_FLAGS=--xla_dump_to``; docs/jax-versions.md). Before 0.12: the
+# recomputed logits and their softmax (2); with the entropy, the logits, the two softmaxes
+# (log-prob and entropy) and their product, the cotangent then written over the logits (4).
+# From 0.12, XLA:CPU's YNNPACK fusions take in the elementwise work around a dot: the
+# softmax's exponential is computed inside the logits' dot, so the logits are never written
+# apart (1); the entropy's cotangent becomes a YNNPACK fusion with a reduction, whose output
+# cannot be written over the logits it reads and whose [rows, chunk] scale operand is
+# broadcast to the full shape first (5). alignax's code is the same on all three.
+LM_HEAD_ARRAYS = (((0, 10), 2, 4), ((0, 12), 1, 5))
+CALIBRATED_JAXLIB = ("0.10.2", "0.11.2", "0.12.1")  # the jaxlib releases the compiled steps were read on
+
+
+def installed_jaxlib() -> str:
+    import jaxlib.version
+
+    return jaxlib.version.__version__
+
+
+def lm_head_arrays(jaxlib: str) -> tuple[int, int]:
+    """``(log-probs alone, log-probs and the entropy)``: how many float32 ``[rows, chunk, V]``
+    arrays a log-prob chunk's backward pass holds under jaxlib ``jaxlib`` ("0.12.1";
+    :data:`LM_HEAD_ARRAYS`, the newest entry at or before it)."""
+    version = tuple(int(x) for x in re.findall(r"\d+", jaxlib)[:2])
+    if len(version) < 2:
+        raise ValueError(f"jaxlib version {jaxlib!r}: expected a release such as '0.12.1'")
+    at_or_before = [entry for entry in LM_HEAD_ARRAYS if entry[0] <= version] or LM_HEAD_ARRAYS[:1]
+    return at_or_before[-1][1:]
 
 
 def parameter_count(model: ModelConfig, *, head: str = "lm") -> int:
@@ -164,6 +198,7 @@ class Estimate:
     submesh: dict[str, float] = dataclasses.field(default_factory=dict)
     submesh_shape: tuple[int, int, int] | None = None
     submesh_flops: tuple[str, ...] = ()  # the FLOPs items that run on the sub-mesh
+    jaxlib: str = ""  # the jaxlib whose XLA the LM-head buffers are counted for (LM_HEAD_ARRAYS)
 
     @property
     def total(self) -> float:
@@ -220,7 +255,8 @@ class Estimate:
                 "rollout_tokens": self.rollout_tokens, "assumptions": self.assumptions, "notes": list(self.notes),
                 "host_bytes_per_device": dict(self.host),
                 "submesh": None if self.submesh_shape is None else list(self.submesh_shape),
-                "submesh_bytes_per_device": dict(self.submesh), "submesh_total_bytes": self.submesh_total}
+                "submesh_bytes_per_device": dict(self.submesh), "submesh_total_bytes": self.submesh_total,
+                "jaxlib": self.jaxlib}
 
     def table(self) -> str:
         lines = [f"{'per device':<28}{'GB':>10}"]
@@ -293,11 +329,13 @@ def _frozen_base_bytes(model: ModelConfig, lora, params: int, frozen_bytes: int)
 
 def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, int] | None = None,
              device_memory_gb: float | None = None, assumptions: str = "standard", mfu: float = 0.4,
-             peak_flops: float | None = None, suggest: bool = True) -> Estimate:
+             peak_flops: float | None = None, suggest: bool = True, jaxlib: str | None = None) -> Estimate:
     """The estimate of one step of ``config`` (a ``TrainConfig``) for ``model``'s shape on
     ``devices`` devices laid out as ``mesh`` (default: ``config.mesh.shape``); with a model
     on ``placement.submesh``, ``devices`` counts the sub-mesh's too and ``mesh`` lays out
-    the rest."""
+    the rest. ``jaxlib``: the release whose compiler the LM-head buffers are counted for
+    (default: the installed one)."""
+    jaxlib = jaxlib or installed_jaxlib()
     if assumptions not in ("standard", "seed"):
         raise ValueError(f"assumptions: {assumptions!r} is not one of 'standard', 'seed'")
     placement = config.placement
@@ -454,13 +492,19 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     if critic and assumptions == "standard":
         items["activations"] += layer_activations(per_device_rows, length)
     # float32 logits of one chunk of positions (alignax.models.token_logprobs_from_hidden;
-    # the chunk is recomputed in the backward pass): one [rows, chunk, V] buffer live for
-    # log-probs alone, four when the online loss also takes the entropy (logits, softmax
-    # and their cotangents), as the compiled steps show (tools/estimate_vs_compiled.py).
+    # the chunk is recomputed in the backward pass): the [rows, chunk, V] arrays live at once
+    # for log-probs alone (offline; over the rows the step runs, a packed DPO pair one) or
+    # with the entropy (the online loss), as many as jaxlib's XLA writes (LM_HEAD_ARRAYS).
     # Online updates score the response positions only.
     scored = config.rollout.max_new_tokens if online else length
     chunk = min(config.model.logprob_chunk_size or scored, scored)
-    items["LM head buffers"] = per_device_rows * chunk * V * 4 * (4 if online else 1) / tensor
+    logprob_arrays, entropy_arrays = lm_head_arrays(jaxlib)
+    lm_rows, arrays = (per_device_rows, entropy_arrays) if online else (rows_per_device(policy_rows), logprob_arrays)
+    items["LM head buffers"] = lm_rows * chunk * V * 4 * arrays / tensor
+    if jaxlib.split(".")[:2] not in [v.split(".")[:2] for v in CALIBRATED_JAXLIB]:
+        notes.append(f"the LM-head buffers are counted as jaxlib {jaxlib}'s XLA would be by the releases before it; "
+                     f"the terms were read from compiled steps of jaxlib {', '.join(CALIBRATED_JAXLIB)} "
+                     "(tools/estimate_vs_compiled.py)")
     # Under FSDP a weight is all-gathered whole where it is used: the embedding or LM head
     # for the logits, and one layer at a time in the scan (models run one after another,
     # so one model's layer at a time), in the dtype they are stored in. The gathered head is
@@ -480,7 +524,15 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         head = embedding * stored / tensor
         live_reference = uses_reference and adapters is None and not online and "reference" not in submesh
         held = 2 * head + (embedding * p.frozen / tensor if live_reference else 0.0)
-        items["gathered weights"] = layer * stored / tensor + max(head, held - items["LM head buffers"])
+        # A third moment: the head's gradient, written whole before its reduce-scatter, beside
+        # the gathered head and the last chunk's cotangent (one of the chunk's arrays). It is
+        # the peak where the chunk holds few arrays: jaxlib 0.12's one for log-probs (DPO
+        # with its reference on a 4-device sub-mesh: 0.75 of the compiled step without it,
+        # 0.93 with), and it moves eleven jaxlib 0.10.2 rows up by 0.2-3.2 points
+        # (SmolLM2's shape on 4-16 devices, 7B GRPO/PPO on 64), none past 0.96.
+        lm_buffers = items["LM head buffers"]
+        with_gradient = 2 * head + lm_buffers / arrays if adapters is None else 0.0
+        items["gathered weights"] = layer * stored / tensor + max(head, held - lm_buffers, with_gradient - lm_buffers)
     # The optimiser's step holds float32 temporaries beside the gradients, one trained
     # weights' worth (Adam's update; the compiled steps under full remat peak there with
     # exactly gradients + 1x: SmolLM2's shape on one device, the 7B steps on 8 devices),
@@ -554,11 +606,12 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     result = Estimate(items=items, flops=flops, devices=devices, mesh=(data, fsdp, tensor), device_memory=memory,
                       parameters=P, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
                       rollout_tokens=rollout_tokens, online=online, host=host, submesh=submesh, submesh_shape=sub,
-                      notes=tuple(notes),
+                      notes=tuple(notes), jaxlib=jaxlib,
                       submesh_flops=tuple(k for k, role in (("reference forward", "reference"),
                                                             ("reward models", "reward_models")) if role in on_submesh))
     if suggest and result.fits is False:
-        result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops)
+        result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
+                                        jaxlib=jaxlib)
     return result
 
 

@@ -13,8 +13,9 @@
   compile). Both are about how XLA turns the program into CPU code; the numeric tests pass
   under them (one float64 comparison in the ops tests allows 5e-6 for level 0's summation
   order; the emitter flag needed no tolerance change). Subprocess checks inherit both
-  (tests/fake_devices.py). The emitter flag is gone from the XLA of jaxlib 0.12 (where an
-  unknown XLA flag ends the process), so it is set for older jaxlib only.
+  (tests/fake_devices.py). The emitter flag is gone from the XLA of jaxlib 0.11 (where an
+  unknown XLA flag ends the process: "Unknown flag in XLA_FLAGS" on 0.11.2), so it is set
+  for older jaxlib only.
 """
 
 import os
@@ -29,7 +30,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".pytest_c
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 FAST_CODEGEN = ["--xla_backend_optimization_level=0"]
-if tuple(int(part) for part in version("jaxlib").split(".")[:2]) < (0, 12):
+if tuple(int(part) for part in version("jaxlib").split(".")[:2]) < (0, 11):
     FAST_CODEGEN.append("--xla_cpu_use_fusion_emitters=false")
 for _flag in FAST_CODEGEN:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):

@@ -8,11 +8,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 import pytest
 from flax import nnx
 
 from alignax import models
-from alignax.estimate import MODEL_PRESETS, ROLLOUT_TEMPORARIES, estimate, model_config_for, parameter_count
+from alignax.estimate import (MODEL_PRESETS, ROLLOUT_TEMPORARIES, estimate, lm_head_arrays, model_config_for,
+                              parameter_count)
 from alignax.trainers.api import load_config
 from tests.support.model_families import CONFIGS
 
@@ -261,11 +263,13 @@ SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9
            "head_dim": 64, "intermediate_size": 1536}
 
 
-def smollm2_items(algorithm: str, *overrides: str, devices: int = 1) -> dict[str, float]:
+def smollm2_items(algorithm: str, *overrides: str, devices: int = 1, jaxlib: str = "0.10.2") -> dict[str, float]:
+    """The items as counted for ``jaxlib``'s XLA (the hand-worked figures below were read on 0.10.2)."""
     config = load_config(f"configs/tiny-{algorithm}.yaml", [
         "model.random_init=" + json.dumps(SMOLLM2), "model.scan_layers=true", "model.remat=none",
         "data.batch_size=8", *overrides])
-    return estimate(config, model=model_config_for(config), devices=devices, mesh=(1, devices, 1)).items
+    return estimate(config, model=model_config_for(config), devices=devices, mesh=(1, devices, 1),
+                    jaxlib=jaxlib).items
 
 
 def smollm2_activations(algorithm: str, *overrides: str) -> float:
@@ -307,6 +311,29 @@ def test_packed_rows_are_counted_as_the_compiled_steps_run_them():
         "model.random_init=" + json.dumps(SMOLLM2)]))) - 49_152 * 576) / 30 * 4
     assert dpo["LM head buffers"] == pytest.approx(logits)
     assert dpo["gathered weights"] == pytest.approx(layer + 3 * head - logits, rel=1e-9)
+
+
+def test_the_lm_head_buffers_are_counted_as_each_jaxlib_compiles_them():
+    """One device's [rows, 32, 49,152] float32 arrays of a log-prob chunk's backward pass
+    (SmolLM2's vocabulary), as read from the compiled steps' buffer assignments: DPO's 8
+    packed pairs hold the recomputed logits and their softmax under jaxlib 0.10 and 0.11 (2 x
+    [8, 32, V]: ynn_fusion and subtract_exponential_fusion), one array from 0.12, whose
+    XLA:CPU computes the exponential inside the dot's fusion; GRPO's 32 rows of 16 scored
+    positions (log-probs and entropy) hold 4 x [32, 16, V] and from 0.12 5 (the cotangent's
+    YNNPACK fusion takes a buffer of its own and a broadcast operand)."""
+    assert lm_head_arrays("0.10.2") == lm_head_arrays("0.11.2") == (2, 4)
+    assert lm_head_arrays("0.12.1") == lm_head_arrays("0.13.0.dev20270101") == (1, 5)
+    dpo_array, grpo_array = 8 * 32 * 49_152 * 4, 32 * 16 * 49_152 * 4  # [8, 32, V] and [32, 16, V] float32
+    for release, dpo, grpo in (("0.10.2", 2 * dpo_array, 4 * grpo_array), ("0.11.2", 2 * dpo_array, 4 * grpo_array),
+                               ("0.12.1", 1 * dpo_array, 5 * grpo_array)):
+        assert smollm2_items("dpo", jaxlib=release)["LM head buffers"] == pytest.approx(dpo), release
+        assert smollm2_items("grpo", jaxlib=release)["LM head buffers"] == pytest.approx(grpo), release
+    config = load_config("configs/tiny-dpo.yaml", ["data.batch_size=8"])
+    newer = estimate(config, model=model_config_for(config), devices=1, mesh=(1, 1, 1), jaxlib="0.13.0")
+    assert newer.jaxlib == "0.13.0" and any("0.10.2, 0.11.2, 0.12.1" in note for note in newer.notes)
+    assert estimate(config, model=model_config_for(config), devices=1, mesh=(1, 1, 1)).jaxlib == jaxlib.version.__version__
+    with pytest.raises(ValueError, match="jaxlib version 'main'"):
+        lm_head_arrays("main")
 
 
 @pytest.mark.parametrize("algorithm", ["dpo", "grpo", "ppo"])

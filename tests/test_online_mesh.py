@@ -53,8 +53,9 @@ def test_sampler_on_its_own_mesh_decodes_from_a_compute_dtype_copy():
     # sums differs (heads split over 4 devices instead of weights gathered): float32 noise
     # on jaxlib 0.10. The CPU backend of jaxlib 0.12 rounds each device's partial sums of
     # the head-split projections to bfloat16 before the tensor all-reduce (0.10's fused dot
-    # kept them float32; seen in the compiled HLO): bfloat16 rounding, 1.0e-3 measured
-    noise = 1e-5 if tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 12) else 3e-3
+    # kept them float32; seen in the compiled HLO): bfloat16 rounding, 1.0e-3 measured.
+    # jaxlib 0.11.2 measures 1.04e-3, the same bfloat16 scale (its HLO not read).
+    noise = 1e-5 if tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 11) else 3e-3
     assert out["max_sampler_logp_diff"] < noise, out
 
 

@@ -39,7 +39,15 @@ buffers and, under FSDP, the weights it gathers)::
     HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py --devices 1 8 --algorithms grpo ppo --remat full --rollout
 
 ``--reestimate A.json B.json --out C.json`` puts the rows of earlier runs in one output
-with the estimates recomputed (the compiled figures stay).
+with the estimates recomputed (the compiled figures stay), each for the jaxlib its row was
+compiled with.
+
+Each row names the jaxlib that compiled it (``jaxlib``, also in ``spec``): XLA's buffers
+move between releases, and the estimate counts the LM-head buffers as that release's XLA
+writes them (``alignax.estimate.LM_HEAD_ARRAYS``). Rows from before the column were all
+compiled by the pinned jaxlib 0.10.2. Run the tool from another venv for another jax::
+
+    HF_HUB_OFFLINE=1 .venv-latest/bin/python tools/estimate_vs_compiled.py --models tiny --devices 1 8 --out x.json
 
 Each row: the estimate's items, the compiled figures, and ``ratio`` = estimate /
 compiled (within 0.85..1.15 is the issue's bar); the states (weights, gradients, moments,
@@ -98,9 +106,14 @@ def case_config(algorithm: str, model: str, devices: int, remat: str, output_dir
                            case_overrides(algorithm, model, devices, remat, output_dir, submesh))
 
 
+# what compiled the rows written before each row named its jaxlib (the pinned set of constraints.txt)
+JAXLIB_BEFORE_THE_COLUMN = "0.10.2"
+
+
 def estimate_items(spec: dict) -> dict[str, float]:
     """The estimator's per-device items for a row's ``spec`` (cheap: no compile): the
-    update step's, or with ``spec["program"] == "submesh reference"`` the sub-mesh's."""
+    update step's, or with ``spec["program"] == "submesh reference"`` the sub-mesh's; for
+    the jaxlib that compiled the row."""
     from alignax.estimate import estimate, model_config_for
 
     submesh = spec.get("submesh", 0)
@@ -110,7 +123,8 @@ def estimate_items(spec: dict) -> dict[str, float]:
     else:
         config = case_config(spec["algorithm"], spec["model"], spec["devices"], spec["remat"], submesh=submesh)
         model = model_config_for(config)
-    result = estimate(config, model=model, devices=spec["devices"], mesh=(1, spec["devices"] - submesh, 1))
+    result = estimate(config, model=model, devices=spec["devices"], mesh=(1, spec["devices"] - submesh, 1),
+                      jaxlib=spec.get("jaxlib", JAXLIB_BEFORE_THE_COLUMN))
     if spec.get("program") == "rollout":
         return result.rollout_items()
     return result.submesh if spec.get("program") == "submesh reference" else result.update_step_items()
@@ -164,7 +178,9 @@ def measure_case(algorithm: str, model: str, devices: int, remat: str, submesh: 
     from alignax.parallel import batch_sharding
     from alignax.trainers import api
 
-    spec = {"algorithm": algorithm, "model": model, "devices": devices, "remat": remat}
+    from alignax.estimate import installed_jaxlib
+
+    spec = {"algorithm": algorithm, "model": model, "devices": devices, "remat": remat, "jaxlib": installed_jaxlib()}
     if submesh:
         spec["submesh"] = submesh
     with tempfile.TemporaryDirectory() as tmp, abstract_weights():
@@ -214,10 +230,12 @@ def row(spec: dict, figures: dict) -> dict:
         name += f" reference on {spec['submesh']} dev" + (": its program" if spec.get("program") else ": training step")
     if spec.get("program") == "rollout":
         name += ": rollout generation"
+    jaxlib = spec.get("jaxlib", JAXLIB_BEFORE_THE_COLUMN)
+    name += f" (jaxlib {jaxlib})"
     step_items = {k: float(v) for k, v in items.items() if v}
     states = sum(v for k, v in step_items.items() if any(s in k for s in STATES))
     total = sum(step_items.values())
-    out = {"case": name, "spec": spec, "estimate_bytes": total, "compiled_bytes": figures["total"],
+    out = {"case": name, "jaxlib": jaxlib, "spec": spec, "estimate_bytes": total, "compiled_bytes": figures["total"],
            "ratio": round(total / figures["total"], 3),
            "states_estimate_bytes": states, "compiled_argument_bytes": figures["argument"],
            "rest_estimate_bytes": total - states, "compiled_temp_bytes": figures["temp"],
@@ -275,7 +293,10 @@ def llama7b(devices: int, program: str) -> dict:
     flags = ["--ref-logps"] if program == "grpo" else []
     compiled = run_check("fsdp_compile_check.py", "--program", program, *flags, devices=devices, timeout=3600)
     memory = compiled["memory"]
-    spec = {"algorithm": program, "model": "llama-2-7b", "devices": devices, "remat": "full"}
+    from alignax.estimate import installed_jaxlib
+
+    spec = {"algorithm": program, "model": "llama-2-7b", "devices": devices, "remat": "full",
+            "jaxlib": installed_jaxlib()}
     return row(spec, {"argument": memory["argument"], "output": memory["output"], "alias": memory["alias"],
                 "temp": memory["temp"], "total": memory["total"]})
 
@@ -319,7 +340,8 @@ def main() -> None:
         for program in args.algorithms:
             rows.append(llama7b(devices, program))
             print(json.dumps({k: rows[-1][k] for k in ("case", "ratio")}), file=sys.stderr, flush=True)
-    command = "HF_HUB_OFFLINE=1 .venv/bin/python tools/estimate_vs_compiled.py " + " ".join(sys.argv[1:])
+    python = os.path.relpath(sys.executable, ROOT)  # .venv/bin/python, or .venv-latest/... for another jax
+    command = f"HF_HUB_OFFLINE=1 {python} tools/estimate_vs_compiled.py " + " ".join(sys.argv[1:])
     report([{**r, "command": command} for r in rows], args.out)
 
 
@@ -329,6 +351,7 @@ def report(rows: list[dict], out_path: str | None) -> None:
     nothing): it is listed apart, not counted either way."""
     comparable = [r for r in rows if "note" not in r]
     finish({"bar": "estimate within 15% of compiled (ratio 0.85..1.15)",
+            "jaxlib": sorted({r["jaxlib"] for r in rows}),
             "within_15_percent": sum(0.85 <= r["ratio"] <= 1.15 for r in comparable), "cases": len(comparable),
             "outside": [r["case"] for r in comparable if not 0.85 <= r["ratio"] <= 1.15],
             "not_comparable_here": {r["case"]: r["note"] for r in rows if "note" in r}, "rows": rows},
