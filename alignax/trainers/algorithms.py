@@ -248,6 +248,15 @@ DISTILL_RULES: tuple[Rule, ...] = (
     rule("distill.beta", All(Is("distill.divergence", "jsd"), Is("distill.top_k", None)),
          "beta is the JSD's; top-k teacher logits give a forward KL"),
     rule("distill.divergence", Is("distill.top_k", None), "top-k teacher logits give a forward KL"),
+    rule("model.logprob_chunk_size", IsNot("algorithm", "distill", "gkd"),
+         "distillation compares whole next-token distributions: the logits are never chunked"),
+    rule("distill.teacher.logprob_chunk_size", NEVER,
+         "distillation compares whole next-token distributions: the logits are never chunked"),
+    rule(["distill.teacher.param_dtype", "distill.teacher.dtype"], NEVER,
+         "the teacher is a frozen model: precision.frozen_dtype sets its dtype"),
+    rule("distill.teacher.seed", Given("distill.teacher.random_init"), "only a random teacher is seeded"),
+    rule("distill.lmbda", Is("algorithm", "gkd"), "only GKD trains on the student's own samples"),
+    rule("distill.teacher_logits", Is("algorithm", "distill"), "GKD's teacher scores the student's samples live"),
 )
 
 
@@ -267,10 +276,7 @@ def _teacher(config):
 
 
 def _on_policy_teacher(config):
-    """GKD's teacher scores the student's samples inside the step: it runs live, beside the student."""
-    if config.distill.teacher_logits == "precomputed":
-        return ("distill.teacher_logits=precomputed with algorithm gkd: the teacher scores the student's own samples "
-                "as they are drawn; set distill.teacher_logits=live (or algorithm distill)")
+    """GKD's teacher scores the student's samples inside the step: it runs beside the student."""
     if config.placement.on_submesh("reference"):
         return ("placement.reference=submesh with algorithm gkd: the teacher scores the student's samples inside the "
                 "step; place it on device or host")
@@ -306,11 +312,10 @@ ENTRIES: tuple[Algorithm, ...] = (
               critic_on_base=Is("ppo.critic", "adapter")),
     Algorithm("distill", "offline", ("causal_lm",), distill.make_task, ("distill",), _formats("sft", "text"),
               reference=ALWAYS, precomputed_reference=DISTILL_PRECOMPUTED, lora=False,
-              rules=(*DISTILL_RULES, rule("distill.lmbda", NEVER, "only algorithm gkd trains on the student's samples")),
+              rules=DISTILL_RULES,
               constraints=(_teacher,), teacher=_teacher_spec),
     Algorithm("gkd", "offline", ("causal_lm",), distill.make_gkd_task, ("distill",), _formats("sft"),
-              reference=ALWAYS, lora=False, rules=(*DISTILL_RULES, rule("distill.teacher_logits", NEVER,
-                                                                        "the teacher scores the student's samples live")),
+              reference=ALWAYS, lora=False, rules=DISTILL_RULES,
               constraints=(_teacher, _on_policy_teacher), teacher=_teacher_spec),
 )
 
