@@ -248,8 +248,6 @@ DISTILL_RULES: tuple[Rule, ...] = (
     rule("distill.beta", All(Is("distill.divergence", "jsd"), Is("distill.top_k", None)),
          "beta is the JSD's; top-k teacher logits give a forward KL"),
     rule("distill.divergence", Is("distill.top_k", None), "top-k teacher logits give a forward KL"),
-    rule("model.logprob_chunk_size", IsNot("algorithm", "distill", "gkd"),
-         "distillation compares whole next-token distributions: the logits are never chunked"),
     rule("distill.teacher.logprob_chunk_size", NEVER,
          "distillation compares whole next-token distributions: the logits are never chunked"),
     rule(["distill.teacher.param_dtype", "distill.teacher.dtype"], NEVER,

@@ -1,0 +1,89 @@
+"""Distillation trainers end to end on the toy word model: the student learns a task from
+the teacher's logits alone, and the teacher is refused when its tokenizer is not the student's."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from alignax.config import ConfigError
+from alignax.models import save_pretrained
+from alignax.sampling.sampler import SamplingConfig, generate, left_pad
+from alignax.trainers.api import train
+from alignax.trainers.engine.setup import build_model
+from tests.support.toy_model import make_toy_model
+from tests.support.trainer_helpers import WORDS, tiny_config
+
+# The task: "what is W" is answered by the next word of the list after W. Learnable only from
+# the mapping itself (no copying shortcut); a random model answers right about 1 time in 32.
+ANSWER = {w: WORDS[(i + 1) % len(WORDS)] for i, w in enumerate(WORDS)}
+PLACEHOLDER = "ok"  # the distillation records' responses: the same word whatever the question
+
+
+def conversations(words, answer):
+    return [{"messages": [{"role": "user", "content": f"what is {w}"},
+                          {"role": "assistant", "content": answer(w)}]} for w in words]
+
+
+def accuracy(model, tokenizer, words) -> float:
+    """Share of ``words`` whose greedy first answer token is the task's answer."""
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"what is {w}"}],
+                                             add_generation_prompt=True, tokenize=True) for w in words]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    tokens, mask = left_pad(prompts, pad_id=tokenizer.pad_token_id)
+    graphdef, state = nnx.split(model)
+    out = generate(graphdef, state, tokens, mask, jax.random.key(0),
+                   config=SamplingConfig(max_new_tokens=1, greedy=True, stop_token_ids=(tokenizer.eos_token_id,),
+                                         pad_id=tokenizer.pad_token_id))
+    want = np.array([tokenizer.convert_tokens_to_ids(ANSWER[w]) for w in words])
+    return float(np.mean(np.asarray(out.tokens[:, 0]) == want))
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A two-layer toy model trained (SFT) on the task: ``(folder, its accuracy)``."""
+    root = tmp_path_factory.mktemp("teacher")
+    base = make_toy_model(root / "base", seed=3, layers=2)
+    records = conversations(WORDS * 6, ANSWER.get)
+    config = tiny_config(root / "run", "sft", steps=100, model_dir=base, checkpoint={"enabled": False},
+                         optim={"learning_rate": 5e-3}, data={"eval_fraction": 0.0})
+    result = train(config, records=records)
+    folder = str(root / "export")
+    save_pretrained(result.model, folder)
+    result.tokenizer.save_pretrained(folder)
+    return folder, accuracy(result.model, result.tokenizer, WORDS)
+
+
+NOT_RANDOM = {"random_init": None, "seed": 0}  # the trained teacher, not the recipe's random one
+
+
+def distill_config(tmp_path, student, teacher_dir, recipe="distill", **distill):
+    return tiny_config(tmp_path, recipe, steps=100, model_dir=student, checkpoint={"enabled": False},
+                       optim={"learning_rate": 5e-3}, data={"eval_fraction": 0.0},
+                       distill={"teacher": {"name": teacher_dir, **NOT_RANDOM}, **distill})
+
+
+@pytest.mark.parametrize("distill", [{"divergence": "forward_kl"}, {"top_k": 4, "teacher_logits": "precomputed"}],
+                         ids=["live", "precomputed_top4"])
+def test_student_reaches_the_teachers_accuracy_from_its_logits(tmp_path, teacher, distill):
+    teacher_dir, teacher_accuracy = teacher
+    assert teacher_accuracy >= 0.9  # the teacher learnt the task
+    student = make_toy_model(tmp_path / "student", seed=5, layers=1)  # smaller than the teacher
+    config = distill_config(tmp_path / "run", student, teacher_dir, **distill)
+    records = conversations(WORDS * 4, lambda w: PLACEHOLDER)  # the answers are in the teacher's logits only
+    result = train(config, records=records)
+    tokenizer = result.tokenizer
+    before = accuracy(build_model(config.model), tokenizer, WORDS)
+    after = accuracy(result.model, tokenizer, WORDS)
+    assert before <= 0.2  # near chance
+    assert after >= teacher_accuracy - 0.10, (before, after, teacher_accuracy)
+    assert result.history[-1]["teacher_agreement"] > result.history[0]["teacher_agreement"]
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path, teacher, toy_model):
+    config = tiny_config(tmp_path, "distill", steps=1, model_dir=toy_model, checkpoint={"enabled": False},
+                         distill={"teacher": {"name": "smollm2-135m-instruct",
+                                              "random_init": {"num_hidden_layers": 1, "hidden_size": 32}}})
+    with pytest.raises(ConfigError, match=rf"distill.teacher=smollm2-135m-instruct and model.name={toy_model} "
+                                          "have different tokenizers"):
+        train(config, records=conversations(WORDS, ANSWER.get))
