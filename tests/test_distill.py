@@ -1,18 +1,22 @@
 """Distillation trainers end to end on the toy word model: the student learns a task from
 the teacher's logits alone, and the teacher is refused when its tokenizer is not the student's."""
 
+import dataclasses
+import os
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from alignax import estimate
 from alignax.config import ConfigError
 from alignax.models import save_pretrained
 from alignax.sampling.sampler import SamplingConfig, generate, left_pad
-from alignax.trainers.api import train
+from alignax.trainers.api import load_config, train
 from alignax.trainers.engine.setup import build_model
 from tests.support.toy_model import make_toy_model
-from tests.support.trainer_helpers import WORDS, tiny_config
+from tests.support.trainer_helpers import CONFIGS, WORDS, tiny_config
 
 # The task: "what is W" is answered by the next word of the list after W. Learnable only from
 # the mapping itself (no copying shortcut); a random model answers right about 1 time in 32.
@@ -94,3 +98,16 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path, teach
     with pytest.raises(ConfigError, match=rf"distill.teacher=smollm2-135m-instruct and model.name={toy_model} "
                                           "have different tokenizers"):
         train(config, records=conversations(WORDS, ANSWER.get))
+
+
+def test_estimate_counts_the_teacher_at_its_own_size():
+    config = load_config(os.path.join(CONFIGS, "tiny-distill.yaml"))
+    teacher = build_model(config.distill.teacher)
+    teacher_params = sum(x.size for x in jax.tree.leaves(nnx.state(teacher, nnx.Param)))
+    student_params = sum(x.size for x in jax.tree.leaves(nnx.state(build_model(config.model), nnx.Param)))
+    assert teacher_params > student_params  # the recipe's teacher is the larger model
+    result = estimate.estimate(config, model=estimate.model_config_for(config), devices=1)
+    assert result.items["reference"] == teacher_params * 4  # float32, one device
+    precomputed = dataclasses.replace(config, distill=dataclasses.replace(config.distill, top_k=8,
+                                                                          teacher_logits="precomputed"))
+    assert estimate.estimate(precomputed, model=estimate.model_config_for(config), devices=1).items["reference"] == 0
