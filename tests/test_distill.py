@@ -15,6 +15,7 @@ from alignax.models import save_pretrained
 from alignax.sampling.sampler import SamplingConfig, generate, left_pad
 from alignax.trainers.api import load_config, train
 from alignax.trainers.engine.setup import build_model
+from alignax.trainers.offline import distill as distill_task
 from tests.support.toy_model import make_toy_model
 from tests.support.trainer_helpers import CONFIGS, WORDS, tiny_config
 
@@ -111,3 +112,36 @@ def test_estimate_counts_the_teacher_at_its_own_size():
     precomputed = dataclasses.replace(config, distill=dataclasses.replace(config.distill, top_k=8,
                                                                           teacher_logits="precomputed"))
     assert estimate.estimate(precomputed, model=estimate.model_config_for(config), devices=1).items["reference"] == 0
+
+
+def test_prompts_are_left_padded_from_the_rows_before_their_first_response_token():
+    pad = 1
+    batch = {"tokens": np.array([[5, 6, 7, 8, 9, 1], [4, 3, 2, 9, 1, 1], [7, 8, 9, 1, 1, 1]]),
+             "response_mask": np.array([[0, 0, 0, 1, 1, 0], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])}
+    tokens, mask = distill_task.left_padded_prompts(batch, 4, pad)
+    np.testing.assert_array_equal(tokens, [[1, 5, 6, 7],   # prompt of 3
+                                           [1, 1, 1, 4],   # prompt of 1
+                                           [1, 1, 1, 7]])  # no response: its first token
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 1]])
+    tokens, mask = distill_task.left_padded_prompts(batch, 2, pad)  # too long: the prompt's last tokens
+    np.testing.assert_array_equal(tokens[0], [6, 7])
+    np.testing.assert_array_equal(mask[0], [1, 1])
+
+
+def test_teacher_in_host_memory_gives_the_device_placed_losses(tmp_path, teacher, toy_model):
+    records = conversations(WORDS, lambda w: PLACEHOLDER)
+    losses = {}
+    for where in ("device", "host"):
+        config = distill_config(tmp_path / where, toy_model, teacher[0])
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, total_steps=3),
+                                     placement=dataclasses.replace(config.placement, reference=where))
+        losses[where] = [h["loss"] for h in train(config, records=records).history]
+    assert losses["host"] == losses["device"] and losses["host"][0] > 0.5  # the trained teacher, far from the student
+
+
+def test_gkd_mixes_on_policy_and_dataset_steps(tmp_path, teacher, toy_model):
+    config = distill_config(tmp_path, toy_model, teacher[0], "gkd", lmbda=0.5, data={"max_response_length": 2})
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, total_steps=12))
+    history = train(config, records=conversations(WORDS, lambda w: PLACEHOLDER)).history
+    shares = [h["on_policy"] for h in history]
+    assert set(shares) == {0.0, 1.0}, shares  # both kinds of step, one coin each

@@ -158,6 +158,23 @@ def _divergence(setup: _Setup, student_logits, teacher, mask, normalisers):
                         temperature=s.temperature, aggregation=s.aggregation, **normalisers)
 
 
+def _mixed(lmbda: float, on_policy_loss, dataset_loss):
+    """The step's loss: on the student's samples with probability ``lmbda``, else on the
+    dataset's rows. One coin a (micro-)batch, as GKD draws one a step; ``lmbda`` 0 or 1
+    compiles one branch only."""
+    def loss_fn(params, frozen, batch, normalisers, rng):
+        if lmbda == 0.0:
+            return dataset_loss(params, frozen, batch, normalisers)
+        sample_rng, coin_rng = jax.random.split(rng)
+        if lmbda == 1.0:
+            return on_policy_loss(params, frozen, batch, sample_rng)
+        return jax.lax.cond(jax.random.uniform(coin_rng) < lmbda,
+                            lambda: on_policy_loss(params, frozen, batch, sample_rng),
+                            lambda: dataset_loss(params, frozen, batch, normalisers))
+
+    return loss_fn
+
+
 def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State, *, on_policy: bool = False) -> Task:
     tokenizer = check_same_tokenizer(config)
     teacher = Teacher(config)
@@ -194,17 +211,6 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State, *, o
         loss, metrics = _divergence(setup, logits, teacher_out, _example_mask(mask, batch), {})
         return loss, {**metrics, "on_policy": jnp.float32(1.0)}
 
-    def loss_fn(params, frozen, batch, normalisers, rng):
-        if setup.lmbda == 0.0:
-            return dataset_loss(params, frozen, batch, normalisers)
-        sample_rng, coin_rng = jax.random.split(rng)
-        if setup.lmbda == 1.0:
-            return on_policy_loss(params, frozen, batch, sample_rng)
-        # GKD: one coin a step, so a step is either all on-policy or all dataset rows
-        return jax.lax.cond(jax.random.uniform(coin_rng) < setup.lmbda,
-                            lambda: on_policy_loss(params, frozen, batch, sample_rng),
-                            lambda: dataset_loss(params, frozen, batch, normalisers))
-
     def normalisers_fn(batch):
         mask = batch["response_mask"][:, 1:].astype(jnp.float32)
         return ops.aggregation_normalisers(_example_mask(mask, batch))
@@ -218,7 +224,7 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State, *, o
                 "teacher_agreement": (metrics["teacher_agreement"] * tokens, tokens)}
 
     precomputed = config.distill.teacher_logits == "precomputed"
-    return Task(loss_fn=loss_fn, normalisers_fn=normalisers_fn, eval_fn=eval_fn, uses_reference=True,
+    return Task(loss_fn=_mixed(setup.lmbda, on_policy_loss, dataset_loss), normalisers_fn=normalisers_fn, eval_fn=eval_fn, uses_reference=True,
                 reference_logps=teacher_scores if config.distill.top_k is not None else None,
                 precompute=teacher_scores if precomputed else None, reference_params=teacher.build,
                 console_keys=("loss", "divergence", "teacher_agreement"))
