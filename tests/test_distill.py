@@ -16,6 +16,7 @@ from alignax.sampling.sampler import SamplingConfig, generate, left_pad
 from alignax.trainers.api import load_config, train
 from alignax.trainers.engine.setup import build_model
 from alignax.trainers.offline import distill as distill_task
+from tests.fake_devices import run_check
 from tests.support.toy_model import make_toy_model
 from tests.support.trainer_helpers import CONFIGS, WORDS, tiny_config
 
@@ -145,3 +146,12 @@ def test_gkd_mixes_on_policy_and_dataset_steps(tmp_path, teacher, toy_model):
     history = train(config, records=conversations(WORDS, lambda w: PLACEHOLDER)).history
     shares = [h["on_policy"] for h in history]
     assert set(shares) == {0.0, 1.0}, shares  # both kinds of step, one coin each
+
+
+def test_a_teacher_on_a_submesh_steps_as_a_device_teacher():
+    runs = run_check("distill_submesh_check.py")  # 8 fake devices: 4 train, the teacher on the other 4
+    np.testing.assert_allclose(runs["submesh"]["loss"], runs["device"]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(runs["submesh"]["teacher_agreement"], runs["device"]["teacher_agreement"])
+    assert runs["device"]["loss"][0] > 0.1  # a random teacher, its own weights: far from the student
+    assert runs["submesh"]["teacher_devices"] == [4, 5, 6, 7] and runs["device"]["teacher_devices"] == [0, 1, 2, 3]
+    assert runs["submesh"]["frozen_keys"] == [] and runs["submesh"]["teacher_in_batch"] == ["topk_ids", "topk_logps"]

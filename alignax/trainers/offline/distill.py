@@ -224,7 +224,8 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State, *, o
                 "teacher_agreement": (metrics["teacher_agreement"] * tokens, tokens)}
 
     precomputed = config.distill.teacher_logits == "precomputed"
-    return Task(loss_fn=_mixed(setup.lmbda, on_policy_loss, dataset_loss), normalisers_fn=normalisers_fn, eval_fn=eval_fn, uses_reference=True,
+    return Task(loss_fn=_mixed(setup.lmbda, on_policy_loss, dataset_loss), normalisers_fn=normalisers_fn,
+                eval_fn=eval_fn, uses_reference=True,
                 reference_logps=teacher_scores if config.distill.top_k is not None else None,
                 precompute=teacher_scores if precomputed else None, reference_params=teacher.build,
                 console_keys=("loss", "divergence", "teacher_agreement"))
