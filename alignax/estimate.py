@@ -364,6 +364,9 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         adapters = None
         items = {f"policy {k}": v for k, v in _trained(P, p, shard).items()}
     frozen = P * p.frozen / shard
+    teacher = _teacher_model(config, entry)
+    if teacher is not None:  # distillation's teacher, held in the reference's place at its own size
+        frozen = parameter_count(teacher) * p.frozen / shard
     online = entry.family == "online"
     section = getattr(config, entry.sections[0])
     live = entry.reference(config) and not entry.precomputed_reference(config)
@@ -599,9 +602,14 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
             flops["reward models"] = n_reward_models * 2 * non_embedding * rows * length
     else:
         trained_tokens = rows * length
+        frozen_non_embedding = (non_embedding if teacher is None
+                                else parameter_count(teacher) - teacher.vocab_size * teacher.hidden_size)
         flops = {"policy update": trained_tokens * (update + attention),
-                 "reference forward": 2 * non_embedding * trained_tokens if uses_reference else 0.0}
+                 "reference forward": 2 * frozen_non_embedding * trained_tokens if uses_reference else 0.0}
 
+    if teacher is not None:
+        notes.append(f"the reference rows are the teacher's ({parameter_count(teacher):,} parameters); its whole "
+                     "[rows, window, vocab] logits, the student's and the divergence's are not counted")
     memory = device_memory_gb * GB if device_memory_gb is not None else None
     result = Estimate(items=items, flops=flops, devices=devices, mesh=(data, fsdp, tensor), device_memory=memory,
                       parameters=P, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
@@ -741,6 +749,15 @@ def _suggestion(config, model, result: Estimate, **kwargs) -> str:
     return (f"does not fit even with {combined} ({last.total / GB:.1f} GB per device); use more devices, "
             + ("or a smaller LoRA rank" if getattr(config, "lora", None) is not None
                else "or LoRA (parameter-efficient training: lora.rank)"))
+
+
+def _teacher_model(config, entry) -> ModelConfig | None:
+    """The shape of the frozen model an entry holds in the reference's place (distillation's
+    teacher, ``entry.teacher``), from its folder or registry name (+ ``random_init``)."""
+    spec = entry.teacher(config) if entry.teacher is not None else None
+    if spec is None:
+        return None
+    return model_config_for(dataclasses.replace(config, model=spec))
 
 
 def model_config_for(config, model: str | Mapping[str, Any] | None = None) -> ModelConfig:

@@ -52,9 +52,11 @@ BASES = {
     "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
     "grpo-calculator": ("grpo-calculator", {"evaluation": {"max_prompts": 4}}),
     "ppo": ("ppo", {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}, "evaluation": {"max_prompts": 4}}),
+    "distill": ("distill", {}),
+    "gkd": ("gkd", {}),
 }
 # A section the sweep sets from nothing (its keys under a base without it) starts valid.
-SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "evaluation.prompts": EVAL_PROMPTS, "lora": {"rank": 2}}
+SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "distill.teacher": {"name": "smollm2-135m-instruct"}, "evaluation.prompts": EVAL_PROMPTS, "lora": {"rank": 2}}
 # Keys read on a path one tiny step cannot reach, and where that path is tested.
 READ_ELSEWHERE = {
     "data.on_bad_record": "read when a record is bad (tests/test_data.py)",
@@ -229,6 +231,10 @@ SWEEP_VALUES = {
     "rewards.clip": [[-1.0, 1.0]],
     "evaluation.pass_k": [[1, 2]],
     "ppo.ptx_data": [PTX_DATA],
+    "distill.teacher": [{"name": "smollm2-135m-instruct", "random_init": {"num_hidden_layers": 1}}],
+    "distill.teacher.name": ["runs/some-model"],
+    "distill.teacher.remat": ["full"],
+    "distill.teacher.random_init": [{"num_hidden_layers": 1}],
     "evaluation.prompts": [EVAL_PROMPTS],
     "evaluation.prompts.format": ["prompt"],  # the only format of a prompt set
     "precision.master_dtype": [None],  # its one other value: no master copy

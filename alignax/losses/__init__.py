@@ -10,8 +10,11 @@
 - reward: ``bradley_terry_loss``, ``ensemble_rewards``.
 - sft: ``sft_loss``.
 - process: ``prm_loss`` (per-step BCE of a process reward model), ``prm_step_counts``.
+- distill: ``distill_loss`` (forward KL, reverse KL, GKD's JSD(beta) to a teacher's logits),
+  ``sparse_distill_loss`` (to its top-k log-probs).
 """
 
+from alignax.losses.distill import distill_loss, sparse_distill_loss
 from alignax.losses.policy import (
     POLICY_LOSSES,
     cispo_policy_loss,
@@ -41,6 +44,7 @@ __all__ = [
     "bradley_terry_loss",
     "cispo_policy_loss",
     "cpo_loss",
+    "distill_loss",
     "dpo_loss",
     "ensemble_rewards",
     "explained_variance",
@@ -55,5 +59,6 @@ __all__ = [
     "ppo_policy_loss",
     "sft_loss",
     "simpo_loss",
+    "sparse_distill_loss",
     "value_loss",
 ]

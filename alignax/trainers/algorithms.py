@@ -21,14 +21,14 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from alignax import paths
-from alignax.config import NEVER, Above, All, AnyOf, Cond, Given, Is, IsNot, Rule, rule
+from alignax.config import ALWAYS, NEVER, Above, All, AnyOf, Cond, Given, Is, IsNot, Rule, rule
 from alignax.data import checks as data_checks
 from alignax.data.formats import FORMATS
 from alignax.losses.preference import DPO_VARIANT_TABLE, SMOOTHED_VARIANTS
 from alignax.trainers import iterative
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.iterative import IterativeTrainer
-from alignax.trainers.offline import preference, prm, reward, sft
+from alignax.trainers.offline import distill, preference, prm, reward, sft
 from alignax.trainers.online import grpo, ppo
 
 Constraint = Callable[[TrainConfig], "str | None"]
@@ -66,6 +66,8 @@ class Algorithm:
       critic / critic_on_base: when it trains a critic model of its own / that critic is an
         adapter on the policy's frozen base (estimator).
       estimate_as: the config whose training step is the run's (iterative: a round's run).
+      teacher: ``config -> ModelSpec`` of the frozen model of its own that it holds in the
+        reference's place (distillation's teacher; the estimator counts it at its own size).
     """
 
     name: str
@@ -85,6 +87,7 @@ class Algorithm:
     critic: Cond = NEVER
     critic_on_base: Cond = NEVER
     estimate_as: Callable[[TrainConfig], TrainConfig] | None = None
+    teacher: Callable[[TrainConfig], Any] | None = None
 
     @property
     def head(self) -> Literal["lm", "scalar"]:
@@ -240,6 +243,51 @@ def _critic(config):
     return None
 
 
+# ---------------------------------------------------------------------------- distillation
+DISTILL_RULES: tuple[Rule, ...] = (
+    rule("distill.beta", All(Is("distill.divergence", "jsd"), Is("distill.top_k", None)),
+         "beta is the JSD's; top-k teacher logits give a forward KL"),
+    rule("distill.divergence", Is("distill.top_k", None), "top-k teacher logits give a forward KL"),
+    rule("distill.teacher.logprob_chunk_size", NEVER,
+         "distillation compares whole next-token distributions: the logits are never chunked"),
+    rule(["distill.teacher.param_dtype", "distill.teacher.dtype"], NEVER,
+         "the teacher is a frozen model: precision.frozen_dtype sets its dtype"),
+    rule("distill.teacher.seed", Given("distill.teacher.random_init"), "only a random teacher is seeded"),
+    rule("distill.lmbda", Is("algorithm", "gkd"), "only GKD trains on the student's own samples"),
+    rule("distill.teacher_logits", Is("algorithm", "distill"), "GKD's teacher scores the student's samples live"),
+)
+
+
+def _teacher(config):
+    """The teacher is named, and a precomputed or sub-mesh teacher hands over its top-k."""
+    section = config.distill
+    if section.teacher is None:
+        return (f"algorithm {config.algorithm} needs distill.teacher (the frozen teacher model: distill.teacher.name, "
+                "a folder or registry name)")
+    if section.top_k is None and section.teacher_logits == "precomputed":
+        return ("distill.teacher_logits=precomputed stores the teacher's top-k log-probs of every record; set "
+                "distill.top_k (e.g. 32)")
+    if section.top_k is None and config.placement.on_submesh("reference"):
+        return ("placement.reference=submesh sends the teacher's top-k log-probs back to the training devices; set "
+                "distill.top_k (e.g. 32)")
+    return None
+
+
+def _on_policy_teacher(config):
+    """GKD's teacher scores the student's samples inside the step: it runs beside the student."""
+    if config.placement.on_submesh("reference"):
+        return ("placement.reference=submesh with algorithm gkd: the teacher scores the student's samples inside the "
+                "step; place it on device or host")
+    return None
+
+
+def _teacher_spec(config):
+    return config.distill.teacher
+
+
+DISTILL_PRECOMPUTED = Is("distill.teacher_logits", "precomputed")
+
+
 # ---------------------------------------------------------------------------- the map
 ENTRIES: tuple[Algorithm, ...] = (
     Algorithm("sft", "offline", ("causal_lm",), sft.make_task, ("sft",), _formats("sft", "text")),
@@ -260,6 +308,13 @@ ENTRIES: tuple[Algorithm, ...] = (
               _formats("prompt"), reference=Above("ppo.kl_coef", 0), rules=PPO_RULES,
               constraints=(_ptx_data, _critic), critic=Is("ppo.critic", "separate", "adapter"),
               critic_on_base=Is("ppo.critic", "adapter")),
+    Algorithm("distill", "offline", ("causal_lm",), distill.make_task, ("distill",), _formats("sft", "text"),
+              reference=ALWAYS, precomputed_reference=DISTILL_PRECOMPUTED, lora=False,
+              rules=DISTILL_RULES,
+              constraints=(_teacher,), teacher=_teacher_spec),
+    Algorithm("gkd", "offline", ("causal_lm",), distill.make_gkd_task, ("distill",), _formats("sft"),
+              reference=ALWAYS, lora=False, rules=DISTILL_RULES,
+              constraints=(_teacher, _on_policy_teacher), teacher=_teacher_spec),
 )
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}

@@ -14,7 +14,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     checkpoint: {...}         # CheckpointSection
     logging: {...}            # LoggingSection
     mesh: {...}               # MeshSection
-    sft / reward_model / prm / preference / iterative / ppo / grpo: {...}   # the chosen algorithm's own settings
+    sft / reward_model / prm / preference / iterative / ppo / grpo / distill: {...}   # the chosen algorithm's own settings
     rollout / rewards: {...}  # online RL (ppo, grpo): generation and the reward function
     evaluation: {...}         # alignax.evaluation.EvaluationConfig: greedy accuracy, pass@k
     env: {...}                # alignax.envs.EnvConfig: multi-turn rollouts with an environment and tools
@@ -326,6 +326,49 @@ class PreferenceSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillSection:
+    """Distillation from a frozen teacher (``algorithm: distill`` on the dataset's sequences;
+    ``algorithm: gkd`` also on the student's own samples), :mod:`alignax.losses.distill`.
+
+    Fields:
+      teacher: the teacher model (a :class:`ModelSpec`: a folder or registry name); its
+        tokenizer must be the student's. It may differ from the student in size.
+      divergence: ``forward_kl`` (``KL(teacher || student)``), ``reverse_kl`` or ``jsd``
+        (GKD's generalised JSD at ``beta``: 0 is forward KL, 1 reverse KL).
+      beta: the JSD's interpolation, in ``[0, 1]``.
+      temperature: divides both models' logits in the loss (and the student's when it
+        samples, ``gkd``).
+      top_k: keep only the teacher's ``top_k`` most likely tokens a position (sparse
+        teacher logits, a forward KL); ``None``: the whole vocabulary.
+      teacher_logits: ``live`` (the teacher runs on every batch) or ``precomputed`` (its
+        top-``k`` log-probs of every record computed once before training and kept as a
+        table, like DPO's precomputed reference; needs ``top_k``).
+      lmbda: ``gkd``: the probability that a step trains on the student's own samples of
+        the batch's prompts rather than the dataset's responses (GKD's ``lambda``).
+      aggregation: how per-token divergences reduce (``alignax.ops.aggregate``).
+    """
+
+    teacher: ModelSpec | None = None
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    beta: float = 0.5
+    temperature: float = 1.0
+    top_k: int | None = None
+    teacher_logits: Literal["live", "precomputed"] = "live"
+    lmbda: float = 0.5
+    aggregation: AggregationMode = "token-mean"
+
+    def __post_init__(self):
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"distill.beta must lie in [0, 1]; got {self.beta}")
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ValueError(f"distill.lmbda must lie in [0, 1]; got {self.lmbda}")
+        if not self.temperature > 0:
+            raise ValueError(f"distill.temperature must be > 0; got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"distill.top_k must be >= 1 (or null: the whole vocabulary); got {self.top_k}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSection:
     """Generation for online RL (the on-device sampler).
 
@@ -512,6 +555,7 @@ class TrainConfig:
     prm: PRMSection = dataclasses.field(default_factory=PRMSection)
     preference: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)
     iterative: IterativeSection = dataclasses.field(default_factory=IterativeSection)
+    distill: DistillSection = dataclasses.field(default_factory=DistillSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)

@@ -153,6 +153,25 @@ class BatchPlacer:
         return placed
 
 
+def response_hidden(model: nnx.Module, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+                    response_mask: jax.Array, *, window: int | None = None):
+    """The final hidden states that score the response tokens: ``(hidden [B, W, D],
+    targets [B, W], mask [B, W] float32)``, position ``t`` predicting ``targets[:, t]``;
+    ``W = T - 1`` without ``window``, else the ``window`` positions from each row's first
+    response token on (:func:`response_logps`)."""
+    hidden = model(tokens, positions, attention_mask, return_logits=False).hidden[:, :-1]
+    targets = tokens[:, 1:]
+    mask = response_mask[:, 1:].astype(jnp.float32)
+    if window is not None and window < targets.shape[1]:
+        first = jnp.argmax(mask > 0, axis=1)  # first scored position of each row
+        index = jnp.minimum(first[:, None] + jnp.arange(window)[None, :], targets.shape[1] - 1)
+        in_range = (first[:, None] + jnp.arange(window)[None, :]) < targets.shape[1]
+        hidden = jnp.take_along_axis(hidden, index[:, :, None], axis=1)
+        targets = jnp.take_along_axis(targets, index, axis=1)
+        mask = jnp.take_along_axis(mask, index, axis=1) * in_range
+    return hidden, targets, mask
+
+
 def response_logps(
     model: nnx.Module,
     tokens: jax.Array,
@@ -178,16 +197,7 @@ def response_logps(
     ``with_entropy`` adds the entropy of each scored position's distribution. Float32
     whatever the compute dtype.
     """
-    hidden = model(tokens, positions, attention_mask, return_logits=False).hidden[:, :-1]
-    targets = tokens[:, 1:]
-    mask = response_mask[:, 1:].astype(jnp.float32)
-    if window is not None and window < targets.shape[1]:
-        first = jnp.argmax(mask > 0, axis=1)  # first scored position of each row
-        index = jnp.minimum(first[:, None] + jnp.arange(window)[None, :], targets.shape[1] - 1)
-        in_range = (first[:, None] + jnp.arange(window)[None, :]) < targets.shape[1]
-        hidden = jnp.take_along_axis(hidden, index[:, :, None], axis=1)
-        targets = jnp.take_along_axis(targets, index, axis=1)
-        mask = jnp.take_along_axis(mask, index, axis=1) * in_range
+    hidden, targets, mask = response_hidden(model, tokens, positions, attention_mask, response_mask, window=window)
     result = models.token_logprobs_from_hidden(hidden, model, targets, chunk_size=chunk_size, with_entropy=with_entropy)
     if with_entropy:
         logps, entropy = result

@@ -32,8 +32,12 @@ class Task:
         sequence log-probs of a batch (a task with a reference). The loss reads them from
         ``batch["ref_logps"]`` where the batch carries them (``placement.reference:
         submesh``: computed on the sub-mesh's devices); else it runs the live reference.
-      precompute: optional ``(params, reference, batches) -> frozen`` run once before
-        training (e.g. reference log-probs of every record); replaces the live reference.
+      precompute: optional ``(reference params, batch) -> {name: [B, ...]}`` run once
+        before training over every record (e.g. reference log-probs); the tables, indexed
+        by record (``frozen["ref_logps"][name][record_index]``), replace the live reference.
+      reference_params: optional ``mesh -> params``: the frozen model the task holds is a
+        model of its own rather than a copy of the initial params (distillation's teacher),
+        built on the mesh it is placed on; held, placed and saved as a reference is.
       console_keys: metrics worth a place on the progress line.
       required_fields: optional fields of the data format that every record must carry
         for this task (``alignax.data.prepare_dataset(required_fields=...)``), e.g.
@@ -46,5 +50,6 @@ class Task:
     uses_reference: bool = False
     reference_logps: Callable | None = None
     precompute: Callable | None = None
+    reference_params: Callable | None = None
     console_keys: tuple[str, ...] = ("loss",)
     required_fields: tuple[str, ...] = ()

@@ -153,6 +153,9 @@ class OfflineTrainer:
         params in ``precision.frozen_dtype``, or with LoRA the adapters switched off."""
         if not self.task.uses_reference:
             return None
+        if self.task.reference_params is not None:  # a model of its own (a teacher), built where it is placed
+            return self.task.reference_params(self.submesh if self.config.placement.on_submesh("reference")
+                                              else self.mesh)
         if self.base is not None:
             return adapters.reference_adapters(self.params)
         if self.config.placement.on_submesh("reference"):  # built there: the same weights, other devices
@@ -210,7 +213,7 @@ class OfflineTrainer:
         return self._jitted_eval
 
     def precompute_reference(self, reference_params, batches=None, num_records: int | None = None) -> dict[str, Any]:
-        """Reference log-probs of every record, indexed by record index (``[num_records]``):
+        """Reference log-probs of every record, indexed by record index (``[num_records, ...]``):
         one pass over the train split (in file order) and the eval split, or over ``batches``."""
         forward = jax.jit(self.task.precompute)
         if batches is None:
@@ -223,8 +226,9 @@ class OfflineTrainer:
             values = forward(reference_params, self.placer(batch))
             keep = batch["example_mask"] > 0 if "example_mask" in batch else slice(None)
             for key, value in values.items():
-                table = tables.setdefault(key, np.zeros(num_records, np.float32))
-                table[batch["record_index"][keep]] = local_rows(value)[keep]
+                rows = local_rows(value)  # [B] a number a record, or [B, ...] (a teacher's top-k a position)
+                table = tables.setdefault(key, np.zeros((num_records, *rows.shape[1:]), rows.dtype))
+                table[batch["record_index"][keep]] = rows[keep]
         if jax.process_count() > 1:  # each record was scored by one process: sum the tables
             tables = {k: np.sum(multihost_utils.process_allgather(v), axis=0) for k, v in tables.items()}
         whole = NamedSharding(self.mesh, PartitionSpec())
