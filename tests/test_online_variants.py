@@ -135,6 +135,10 @@ GRPO_RUNS = {
     # off-policy updates (a second epoch), where the clip ranges act; clip keys left out
     "gspo_2epochs": dict(grpo={"epochs": 2, "policy_loss": "gspo"}),
     "cispo_2epochs": dict(grpo={"epochs": 2, "policy_loss": "cispo"}),
+    # the KL's importance weight: off-policy in the second epoch, on-policy in one
+    "epochs2": dict(grpo={"epochs": 2}),
+    "epochs2_kl_detached": dict(grpo={"epochs": 2, "kl_importance_weight": "detached_ratio"}),
+    "kl_ratio": dict(grpo={"kl_importance_weight": "ratio"}),
 }
 
 PPO_RUNS = {
@@ -568,6 +572,51 @@ def test_kl_in_the_reward_vs_in_the_loss(runs):
     assert in_loss.figures[0]["reward/after_kl"] == in_loss.figures[0]["reward/total"]
     assert u["metrics"]["loss"] == pytest.approx(
         float(u["metrics"]["pg_loss"]) + 0.04 * agg_np(k3, mask, "seq-mean-token-mean"), rel=1e-4, abs=1e-6)
+
+
+def test_kl_importance_weight_changes_the_update_only_off_policy(runs):
+    """``grpo.kl_importance_weight``: with ``detached_ratio`` the first (on-policy) update is
+    the default's, loss and gradient; the second epoch's KL term is 0.04 x agg(w k3) with
+    w = pi_theta / pi_old from the update's own log-probs, so its loss and step differ.
+    With ``ratio`` the on-policy loss is the default's but the gradient is not (the
+    differentiated weight adds the score-function term)."""
+    plain, weighted = runs("epochs2"), runs("epochs2_kl_detached")
+    assert_same_rollout(weighted, plain)
+    assert len(weighted.updates) == len(plain.updates) == 2
+    first, first_plain = weighted.updates[0]["metrics"], plain.updates[0]["metrics"]
+    for key in ("loss", "kl", "grad_norm"):
+        assert first[key] == pytest.approx(first_plain[key], rel=1e-6, abs=1e-8), key
+    u, u_plain = weighted.updates[1], plain.updates[1]
+    np.testing.assert_allclose(u["logps"], u_plain["logps"], rtol=1e-6, atol=1e-6)  # the same policy after epoch 1
+    ro, mask = u["rollout"], u["rollout"].loss_mask > 0
+    lp = u["logps"].astype(np.float64)
+    log_ratio = lp - ro.ref_logps
+    k3 = np.expm1(-log_ratio) + log_ratio
+    w = np.exp(lp - ro.old_logps)
+    assert np.max(np.abs(w - 1), where=mask, initial=0.0) > 1e-2  # off-policy
+    assert u["metrics"]["kl"] == pytest.approx(float(np.mean(w * k3, where=mask)), rel=1e-4)
+    assert u["metrics"]["loss"] == pytest.approx(
+        float(u["metrics"]["pg_loss"]) + 0.04 * agg_np(w * k3, mask, "seq-mean-token-mean"), rel=1e-4, abs=1e-6)
+    assert not math.isclose(u["metrics"]["loss"], u_plain["metrics"]["loss"], rel_tol=1e-5)
+    assert not math.isclose(u["metrics"]["grad_norm"], u_plain["metrics"]["grad_norm"], rel_tol=1e-5)
+    assert max_abs_diff(weighted.params[0], plain.params[0]) > 0
+
+    ratio, base = runs("kl_ratio"), runs("base")
+    assert_same_rollout(ratio, base)
+    assert ratio.updates[0]["metrics"]["loss"] == pytest.approx(base.updates[0]["metrics"]["loss"], rel=1e-6)
+    assert not math.isclose(ratio.figures[0]["grad_norm"], base.figures[0]["grad_norm"], rel_tol=1e-4)
+
+
+def test_kl_importance_weight_needs_the_kl_in_the_loss():
+    from alignax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="kl_importance_weight"):
+        load_config(data={"algorithm": "grpo", "data": {"format": "prompt"},
+                          "grpo": {"kl_placement": "reward", "kl_importance_weight": "ratio"}})
+    with pytest.raises(ConfigError, match="kl_importance_weight"):
+        load_config(data={"algorithm": "ppo", "data": {"format": "prompt"}, "ppo": {"kl_importance_weight": "ratio"}})
+    algo = grpo_algorithm(kl_importance_weight="detached_ratio")
+    assert algo.kl.loss_keywords(None, 0.04)["kl_importance_weight"] == "detached_ratio"
 
 
 def adaptive_coef(coef, kl, target, rows, horizon):

@@ -689,3 +689,84 @@ def test_clip_keywords_follow_the_signatures():
         pg_loss(*args, clip_eps_low=0.2)
     with pytest.raises(ValueError, match="unknown policy loss 'dpo'; valid: ppo, gspo, cispo, pg"):
         policy_loss_clip_keywords("dpo")
+
+
+# ---------------------------------------------------------------------------------------
+# Importance-weighted KL term (kl_importance_weight)
+# ---------------------------------------------------------------------------------------
+
+
+def ref_weighted_kl(data, opts, weight, mode):
+    """``kl_coef * agg(w_t k3_t)`` and its d/d logps, by loops (DeepSeek-V3.2 eq. 8):
+    ``w = pi_theta / pi_old``; d(w k3) = w k3 + w (1 - pi_ref / pi_theta) when ``w`` is
+    differentiated (``ratio``), w (1 - pi_ref / pi_theta) when it is not."""
+    lp, old, mask = (np.asarray(data[k], np.float64) for k in ("logps", "old_logps", "mask"))
+    ref = np.asarray(opts["ref_logps"], np.float64)
+    value, d_value = np.zeros(lp.shape), np.zeros(lp.shape)
+    for i, t in zip(*np.nonzero(mask)):
+        x = lp[i, t] - ref[i, t]
+        k3 = math.exp(-x) - 1.0 + x
+        w = 1.0 if weight == "none" else math.exp(lp[i, t] - old[i, t])
+        value[i, t] = w * k3
+        d_value[i, t] = w * (1.0 - math.exp(-x)) + (w * k3 if weight == "ratio" else 0.0)
+    coef = opts["kl_coef"]
+    return (coef * references.aggregate(value, mask, mode), coef * agg_weights(mask, mode) * d_value,
+            value[mask > 0].mean() if mask.any() else 0.0)
+
+
+def _kl_terms(kind, data, weight, mode):
+    args = [jnp.asarray(data[k]) for k in DATA_KEYS]
+
+    def f(lp):
+        return POLICY_LOSSES[kind](lp, *args[1:], aggregation=mode, **HPARAMS[kind], ref_logps=OPTS["ref_logps"],
+                                   kl_coef=OPTS["kl_coef"], kl_importance_weight=weight)
+
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(args[0])
+    return float(loss), {k: float(v) for k, v in metrics.items()}, np.asarray(grad)
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("weight", ["ratio", "detached_ratio"])
+def test_importance_weighted_kl_off_policy_matches_reference(kind, weight):
+    """Off-policy (ratios != 1, a row with no response token): the loss and its gradient
+    move from the unweighted ones by exactly the reference's KL difference in every mode;
+    the ``kl`` metric is the weighted masked mean."""
+    for mode in MODES:
+        base_loss, _, base_grad = _kl_terms(kind, DATA, "none", mode)
+        loss, metrics, grad = _kl_terms(kind, DATA, weight, mode)
+        want, d_want, kl_metric = ref_weighted_kl(DATA, OPTS, weight, mode)
+        plain, d_plain, _ = ref_weighted_kl(DATA, OPTS, "none", mode)
+        assert abs(want - plain) > 1e-4  # the weighting matters on this data
+        np.testing.assert_allclose(loss - base_loss, want - plain, rtol=1e-4, atol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(grad - base_grad, d_want - d_plain, rtol=1e-4, atol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(metrics["kl"], kl_metric, rtol=1e-5, err_msg=mode)
+        assert np.all(grad[DATA["mask"] == 0] == 0)
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_importance_weighted_kl_on_policy(kind):
+    """On-policy (old_logps == logps, ratio 1): the loss is unchanged by either weighting;
+    ``detached_ratio`` leaves the gradient unchanged too, ``ratio`` adds the score-function
+    term ``kl_coef * agg-weight * k3_t`` (what makes its expected gradient that of
+    KL(pi_theta || ref))."""
+    data = {**DATA, "old_logps": DATA["logps"]}
+    for mode in MODES:
+        base_loss, base_metrics, base_grad = _kl_terms(kind, data, "none", mode)
+        loss, metrics, grad = _kl_terms(kind, data, "detached_ratio", mode)
+        assert loss == pytest.approx(base_loss, rel=1e-6, abs=1e-7)
+        assert metrics["kl"] == pytest.approx(base_metrics["kl"])
+        np.testing.assert_allclose(grad, base_grad, rtol=1e-6, atol=1e-7, err_msg=mode)
+        loss, _, grad = _kl_terms(kind, data, "ratio", mode)
+        assert loss == pytest.approx(base_loss, rel=1e-6, abs=1e-7)
+        plain, _, _ = ref_weighted_kl(data, OPTS, "none", mode)
+        lp, ref = np.asarray(data["logps"], np.float64), np.asarray(OPTS["ref_logps"], np.float64)
+        k3 = np.where(data["mask"] > 0, np.expm1(ref - lp) - (ref - lp), 0.0)
+        score = OPTS["kl_coef"] * agg_weights(data["mask"], mode) * k3
+        assert np.max(np.abs(score)) > 1e-4
+        np.testing.assert_allclose(grad - base_grad, score, rtol=1e-3, atol=1e-7, err_msg=mode)
+
+
+def test_importance_weighted_kl_bad_name_is_named():
+    lp, old, adv, mask = (jnp.asarray(DATA[k]) for k in DATA_KEYS)
+    with pytest.raises(ValueError, match="kl_importance_weight"):
+        ppo_policy_loss(lp, old, adv, mask, ref_logps=OPTS["ref_logps"], kl_coef=0.1, kl_importance_weight="token")

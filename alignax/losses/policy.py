@@ -26,7 +26,12 @@ Options shared by every loss (one private driver, :func:`_policy_loss`, applies 
 - ``entropy`` ``[B, T]`` with ``entropy_coef``: ``loss -= entropy_coef * agg(entropy)``.
 - ``ref_logps`` ``[B, T]`` with ``kl_coef`` and ``kl_kind``: ``loss += kl_coef *
   agg(KL_t)`` with ``KL_t = kl_estimate(logps, sg(ref_logps), kind=kl_kind)`` — the GRPO
-  placement of the KL term (Shao et al. 2024); ``k3`` by default.
+  placement of the KL term (Shao et al. 2024); ``k3`` by default. ``kl_importance_weight``
+  (``none`` by default) multiplies ``KL_t`` by the token's ``pi_theta / pi_old``, which
+  makes the estimate unbiased when the tokens came from an older policy (several epochs,
+  the sampler's log-probs as ``old_logps``): ``ratio`` differentiates the weight (TRL's
+  ``use_bias_correction_kl``, DeepSeek-V3.2), ``detached_ratio`` does not
+  (:func:`alignax.kl.importance_weighted_kl` says what each gradient estimates).
 
 So for every loss: ``loss = agg(w_t * l_t) - entropy_coef * agg(H_t) + kl_coef * agg(KL_t)``
 where ``l_t`` is the per-token policy loss of the variant.
@@ -51,7 +56,8 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
 - ``ratio_mean`` / ``ratio_min`` / ``ratio_max``: the importance ratio the loss uses
   (``pi_theta / pi_old`` per token; GSPO's sequence ratio ``s_i`` on each of its tokens).
 - ``entropy`` (only when ``entropy`` is given): masked mean entropy.
-- ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference.
+- ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference
+  (weighted by ``pi_theta / pi_old`` under ``kl_importance_weight``).
 - ``tis_weight_mean`` (only when ``sampler_logps`` is given): masked mean of ``w_t``.
 - ``dual_clipfrac`` (PPO only, only when ``dual_clip_c`` is set): fraction of tokens where
   the dual-clip bound is active, ``A < 0 and r > c``.
@@ -148,6 +154,7 @@ def _policy_loss(
     ref_logps: Array | None,
     kl_coef: Scalar,
     kl_kind: kl_lib.KLKind,
+    kl_importance_weight: kl_lib.KLWeight,
     sampler_logps: Array | None,
     tis_cap: Scalar,
 ) -> tuple[Array, dict[str, Array]]:
@@ -169,6 +176,7 @@ def _policy_loss(
             check_same_shape(logps=logps, **{name: value})
     check_choice("aggregation", aggregation, ops.AGGREGATION_MODES)
     check_choice("kl_kind", kl_kind, kl_lib.KL_KINDS)
+    check_choice("kl_importance_weight", kl_importance_weight, kl_lib.KL_WEIGHTS)
     if is_concrete_number(tis_cap) and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
 
@@ -206,7 +214,8 @@ def _policy_loss(
         loss = loss - entropy_coef * ops.aggregate(entropy, keep, **agg)
         metrics["entropy"] = ops.masked_mean(entropy, keep)
     if ref_logps is not None:
-        kl_tokens = kl_lib.kl_estimate(logps, sg(on_mask(ref_logps)), kind=kl_kind)
+        kl_tokens = kl_lib.importance_weighted_kl(logps, sg(on_mask(ref_logps)), old_logps, kind=kl_kind,
+                                                  weight=kl_importance_weight)
         loss = loss + kl_coef * ops.aggregate(kl_tokens, keep, **agg)
         metrics["kl"] = ops.masked_mean(kl_tokens, keep)
 
@@ -247,6 +256,7 @@ def ppo_policy_loss(
     ref_logps: Array | None = None,
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -295,7 +305,7 @@ def ppo_policy_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight, sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -316,6 +326,7 @@ def gspo_policy_loss(
     ref_logps: Array | None = None,
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -361,7 +372,7 @@ def gspo_policy_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight, sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -382,6 +393,7 @@ def cispo_policy_loss(
     ref_logps: Array | None = None,
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -419,7 +431,7 @@ def cispo_policy_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight, sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -438,6 +450,7 @@ def pg_loss(
     ref_logps: Array | None = None,
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -462,7 +475,7 @@ def pg_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight, sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 

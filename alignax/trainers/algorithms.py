@@ -164,7 +164,11 @@ def _kl_rules(section: str, *with_the_coef: str) -> tuple[Rule, ...]:
     """The rows of the KL keys a :class:`~alignax.trainers.config.PolicyUpdateSection` shares."""
     return (rule([f"{section}.kl_kind", *with_the_coef, f"{section}.adaptive_kl"], Above(f"{section}.kl_coef", 0),
                  "kl_coef 0 drops the reference and the KL with it"),
-            rule([f"{section}.kl_target", f"{section}.kl_horizon"], Is(f"{section}.adaptive_kl", True)))
+            rule([f"{section}.kl_target", f"{section}.kl_horizon"], Is(f"{section}.adaptive_kl", True)),
+            rule(f"{section}.kl_importance_weight",
+                 All(Above(f"{section}.kl_coef", 0), Is(f"{section}.kl_placement", "loss")),
+                 "it weights the KL term of the loss; a KL in the reward is data, from the sampling policy's "
+                 "own log-probs"))
 
 
 GRPO_RULES: tuple[Rule, ...] = (

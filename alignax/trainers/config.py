@@ -382,6 +382,15 @@ class PolicyUpdateSection:
     Fields:
       kl_coef / kl_kind / kl_placement: the KL to the reference (``alignax.kl``, per token),
         in the ``loss`` or subtracted from the ``reward``; ``kl_coef: 0`` drops the reference.
+      kl_importance_weight: with the KL in the loss, multiply each token's KL estimate by
+        ``pi_theta / pi_old`` (``alignax.kl.importance_weighted_kl``; DeepSeek-V3.2, TRL's
+        ``use_bias_correction_kl``), which keeps it unbiased when the tokens came from an
+        older policy (``epochs > 1``, ``rollout.old_logps: sampler``, asynchronous
+        rollouts). ``ratio``: the weight is differentiated (TRL's and the paper's form: the
+        gradient becomes that of KL(pi_theta || ref), on-policy too); ``detached_ratio``: it
+        is not (on-policy, value and gradient are exactly the unweighted ones). ``none``
+        (the default, as TRL's): unweighted, so existing runs and TRL ports keep their
+        update; docs/migrating-from-trl.md says when to switch.
       adaptive_kl / kl_target / kl_horizon: Ziegler et al. 2019's adaptive coefficient,
         steering the sequence KL towards ``kl_target``.
       entropy_coef: entropy bonus.
@@ -394,6 +403,7 @@ class PolicyUpdateSection:
     kl_coef: float = 0.0
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k1"
     kl_placement: Literal["loss", "reward"] = "loss"
+    kl_importance_weight: Literal["none", "ratio", "detached_ratio"] = "none"
     adaptive_kl: bool = False
     kl_target: float = 6.0
     kl_horizon: float = 10000.0

@@ -72,7 +72,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
         objective=PolicyObjective(POLICY_LOSSES[gc.policy_loss], clip_keywords(gc, gc.policy_loss), gc.aggregation,
                                   gc.entropy_coef),
         kl=KLSetup(gc.kl_coef, kl_controller(gc.kl_coef, gc.adaptive_kl, gc.kl_target, gc.kl_horizon), gc.kl_kind,
-                   "loss" if gc.kl_placement == "loss" else "sequence_reward"),
+                   "loss" if gc.kl_placement == "loss" else "sequence_reward", gc.kl_importance_weight),
         advantages=advantages,
         min_group_size=1 if method == "remax" else 2,
         greedy_baseline=method == "remax",

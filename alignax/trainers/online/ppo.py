@@ -53,7 +53,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
     """PPO of ``config.ppo``."""
     pc = config.ppo
     kl = KLSetup(pc.kl_coef, kl_controller(pc.kl_coef, pc.adaptive_kl, pc.kl_target, pc.kl_horizon), pc.kl_kind,
-                 "token_reward" if pc.kl_placement == "reward" else "loss")
+                 "token_reward" if pc.kl_placement == "reward" else "loss", pc.kl_importance_weight)
 
     def advantages(x: AdvantageInputs):
         token_rewards = adv_lib.token_rewards(x.rewards, x.loss_mask, kl_penalty=kl.token_penalty(x))
