@@ -139,6 +139,9 @@ GRPO_RUNS = {
     "epochs2": dict(grpo={"epochs": 2}),
     "epochs2_kl_detached": dict(grpo={"epochs": 2, "kl_importance_weight": "detached_ratio"}),
     "kl_ratio": dict(grpo={"kl_importance_weight": "ratio"}),
+    # off-policy sequence masking at threshold 0: the second epoch drops every negative-advantage
+    # token of a completion the policy has moved away from
+    "epochs2_opsm": dict(grpo={"epochs": 2, "off_policy_mask_threshold": 0.0}),
 }
 
 PPO_RUNS = {
@@ -605,6 +608,31 @@ def test_kl_importance_weight_changes_the_update_only_off_policy(runs):
     assert_same_rollout(ratio, base)
     assert ratio.updates[0]["metrics"]["loss"] == pytest.approx(base.updates[0]["metrics"]["loss"], rel=1e-6)
     assert not math.isclose(ratio.figures[0]["grad_norm"], base.figures[0]["grad_norm"], rel_tol=1e-4)
+
+
+def test_off_policy_sequence_mask_in_the_trainer(runs):
+    """``grpo.off_policy_mask_threshold: 0``: the on-policy first update is the default's (no
+    drift, nothing dropped); in the second epoch the PPO-clip term of each negative-advantage
+    token whose completion drifted (mean log pi_old - log pi_theta > 0) is dropped, as
+    DeepSeek-V3.2's eq. 9 says on the update's own log-probs."""
+    masked, plain = runs("epochs2_opsm"), runs("epochs2")
+    assert_same_rollout(masked, plain)
+    assert masked.updates[0]["metrics"]["off_policy_masked"] == 0.0
+    for key in ("loss", "grad_norm"):
+        assert masked.updates[0]["metrics"][key] == pytest.approx(plain.updates[0]["metrics"][key], rel=1e-6), key
+    u = masked.updates[1]
+    ro, mask = u["rollout"], u["rollout"].loss_mask > 0
+    lp, old, adv = u["logps"].astype(np.float64), ro.old_logps.astype(np.float64), ro.advantages
+    drift = np.where(mask, old - lp, 0.0).sum(1) / np.maximum(mask.sum(1), 1)
+    keep = np.where((adv < 0) & (drift[:, None] > 0), 0.0, 1.0)
+    dropped = np.mean(1 - keep, where=mask)
+    assert 0.05 < dropped < 0.95
+    assert u["metrics"]["off_policy_masked"] == pytest.approx(dropped, abs=1e-6)
+    ratio = np.exp(lp - old)
+    per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
+    np.testing.assert_allclose(u["metrics"]["pg_loss"], agg_np(per_token * keep, mask, "seq-mean-token-mean"),
+                               rtol=1e-4, atol=1e-6)
+    assert not math.isclose(u["metrics"]["grad_norm"], plain.updates[1]["metrics"]["grad_norm"], rel_tol=1e-4)
 
 
 def test_kl_importance_weight_needs_the_kl_in_the_loss():

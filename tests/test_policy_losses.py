@@ -770,3 +770,73 @@ def test_importance_weighted_kl_bad_name_is_named():
     lp, old, adv, mask = (jnp.asarray(DATA[k]) for k in DATA_KEYS)
     with pytest.raises(ValueError, match="kl_importance_weight"):
         ppo_policy_loss(lp, old, adv, mask, ref_logps=OPTS["ref_logps"], kl_coef=0.1, kl_importance_weight="token")
+
+
+# ---------------------------------------------------------------------------------------
+# Off-policy sequence masking (off_policy_mask_threshold)
+# ---------------------------------------------------------------------------------------
+
+
+def ref_off_policy_keep(lp, old, adv, mask, delta):
+    """DeepSeek-V3.2 eq. 9 by loops: M_it = 0 iff A_it < 0 and mean_t(log pi_old - log pi_theta) > delta."""
+    keep = np.ones(lp.shape)
+    for i in range(lp.shape[0]):
+        tokens = [t for t in range(lp.shape[1]) if mask[i][t]]
+        drift = sum(old[i][t] - lp[i][t] for t in tokens) / max(len(tokens), 1)
+        for t in tokens:
+            keep[i][t] = 0.0 if (adv[i][t] < 0 and drift > delta) else 1.0
+    return keep
+
+
+def test_off_policy_sequence_mask_matches_reference():
+    from alignax.losses import off_policy_sequence_mask
+
+    dropped = kept = 0.0
+    for seed, shape in ((0, (5, 6)), (1, (7, 3)), (2, (2, 9))):
+        rng = np.random.default_rng(seed)
+        lp = -rng.uniform(0.1, 3.0, shape)
+        old = lp + rng.normal(0.0, 0.6, shape)
+        adv = rng.normal(size=shape)
+        mask = (rng.uniform(size=shape) > 0.3).astype(np.float32)
+        mask[0] = 0  # a row with no response token
+        for delta in (0.0, 0.1, 0.3):
+            want = ref_off_policy_keep(lp, old, adv, mask, delta)
+            got = np.asarray(off_policy_sequence_mask(jnp.asarray(lp, jnp.float32), jnp.asarray(old, jnp.float32),
+                                                      jnp.asarray(adv, jnp.float32), mask, threshold=delta))
+            np.testing.assert_array_equal(got * mask, want * mask, err_msg=f"{shape} {delta}")
+            assert np.all(got[0] == 1)
+            dropped, kept = dropped + ((1 - want) * mask).sum(), kept + (want * mask).sum()
+    assert dropped > 0 and kept > 0
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_off_policy_mask_drops_the_policy_term_of_the_masked_tokens(kind):
+    """The loss with the mask is the reference's per-token loss times M (every mode), its
+    gradient the unmasked one times M on the policy term, and ``off_policy_masked`` the
+    dropped fraction; the KL term keeps every token."""
+    delta = 0.02  # drops the negative-advantage token of row 3 (drift 0.039 nats per token)
+    lp, old, adv, mask = (np.asarray(DATA[k], np.float64) for k in DATA_KEYS)
+    keep = ref_off_policy_keep(lp, old, adv, mask, delta)
+    assert 0 < (keep * mask).sum() < mask.sum()
+    args = [jnp.asarray(DATA[k]) for k in DATA_KEYS]
+    for mode in MODES:
+        def f(x, threshold, mode=mode):
+            extra = {} if threshold is None else {"off_policy_mask_threshold": threshold}
+            return POLICY_LOSSES[kind](x, *args[1:], aggregation=mode, **HPARAMS[kind], **extra)
+
+        (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(args[0], delta)
+        _, plain_grad = jax.value_and_grad(f, has_aux=True)(args[0], None)
+        per_token, _ = ref_token_losses(kind, lp, old, adv, mask, HPARAMS[kind])
+        np.testing.assert_allclose(float(loss), references.aggregate(per_token * keep, mask, mode),
+                                   rtol=1e-5, atol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(plain_grad) * keep, rtol=1e-5, atol=1e-7)
+        assert float(metrics["off_policy_masked"]) == pytest.approx(1 - (keep * mask).sum() / mask.sum(), rel=1e-6)
+    # the KL term is not masked: with A = 0 nothing is dropped whatever the drift
+    zero = jnp.zeros_like(args[2])
+    with_mask, _ = POLICY_LOSSES[kind](args[0], args[1], zero, args[3], ref_logps=OPTS["ref_logps"], kl_coef=0.2,
+                                       off_policy_mask_threshold=0.0, **HPARAMS[kind])
+    without, _ = POLICY_LOSSES[kind](args[0], args[1], zero, args[3], ref_logps=OPTS["ref_logps"], kl_coef=0.2,
+                                     **HPARAMS[kind])
+    assert float(with_mask) == pytest.approx(float(without), rel=1e-6)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+        POLICY_LOSSES[kind](*args, off_policy_mask_threshold=-0.1)

@@ -3,7 +3,8 @@
 - policy: ``ppo_policy_loss`` (clip-higher, dual clip), ``gspo_policy_loss``,
   ``cispo_policy_loss``, ``pg_loss`` — with entropy bonus, KL-in-loss and truncated
   importance weights as options of each; ``POLICY_LOSSES`` maps their config names to
-  them, ``policy_loss_clip_keywords`` lists the clip keywords each takes.
+  them, ``policy_loss_clip_keywords`` lists the clip keywords each takes;
+  ``off_policy_sequence_mask`` (DeepSeek-V3.2's off-policy sequence masking).
 - value: ``value_loss`` (clipped), ``explained_variance``.
 - preference: ``dpo_loss`` (variants in ``DPO_VARIANTS``), ``simpo_loss``, ``cpo_loss``,
   ``orpo_loss``, ``kto_loss`` (+ ``kto_reference_point``).
@@ -16,6 +17,7 @@ from alignax.losses.policy import (
     POLICY_LOSSES,
     cispo_policy_loss,
     gspo_policy_loss,
+    off_policy_sequence_mask,
     pg_loss,
     policy_loss_clip_keywords,
     ppo_policy_loss,
@@ -47,6 +49,7 @@ __all__ = [
     "gspo_policy_loss",
     "kto_loss",
     "kto_reference_point",
+    "off_policy_sequence_mask",
     "orpo_loss",
     "pg_loss",
     "prm_loss",

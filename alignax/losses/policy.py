@@ -24,6 +24,11 @@ Options shared by every loss (one private driver, :func:`_policy_loss`, applies 
   You Off-Policy RL Training"): each token's policy loss is multiplied by
   ``w_t = sg(min(exp(old_logps - sampler_logps), tis_cap))``.
 - ``entropy`` ``[B, T]`` with ``entropy_coef``: ``loss -= entropy_coef * agg(entropy)``.
+- ``off_policy_mask_threshold`` ``delta``: off-policy sequence masking (DeepSeek-AI 2025,
+  "DeepSeek-V3.2", eq. 9; TRL's ``off_policy_mask_threshold``): the policy term of a token
+  with a negative advantage is dropped when its sequence has drifted, on average per token,
+  more than ``delta`` nats from ``old_logps`` (:func:`off_policy_sequence_mask`). The
+  entropy and KL terms keep every token.
 - ``ref_logps`` ``[B, T]`` with ``kl_coef`` and ``kl_kind``: ``loss += kl_coef *
   agg(KL_t)`` with ``KL_t = kl_estimate(logps, sg(ref_logps), kind=kl_kind)`` — the GRPO
   placement of the KL term (Shao et al. 2024); ``k3`` by default. ``kl_importance_weight``
@@ -59,6 +64,8 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
 - ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference
   (weighted by ``pi_theta / pi_old`` under ``kl_importance_weight``).
 - ``tis_weight_mean`` (only when ``sampler_logps`` is given): masked mean of ``w_t``.
+- ``off_policy_masked`` (only with ``off_policy_mask_threshold``): the fraction of tokens
+  whose policy term the sequence mask dropped.
 - ``dual_clipfrac`` (PPO only, only when ``dual_clip_c`` is set): fraction of tokens where
   the dual-clip bound is active, ``A < 0 and r > c``.
 
@@ -138,6 +145,34 @@ def _ppo_clip(
     return per_token, clipped_low, clipped_high
 
 
+def off_policy_sequence_mask(logps: Array, old_logps: Array, advantages: Array, mask: Array, *,
+                             threshold: Scalar) -> Array:
+    """Off-policy sequence masking (DeepSeek-V3.2, eq. 9): which tokens keep their policy term.
+
+        D_i    = (1 / |y_i|) sum_{t in y_i} (old_logps_it - logps_it)   (k1 KL(pi_old || pi_theta) per token)
+        keep_it = 1 if A_it >= 0 or D_i <= threshold, else 0
+
+    A sequence that the current policy has moved away from (``D_i > threshold`` nats per token)
+    no longer pushes its negative-advantage tokens down: the paper finds those updates the
+    ones that destabilise training once samples are off-policy.
+
+    Args:
+      logps, old_logps: ``[B, T]`` log pi_theta (no gradient is taken through the mask) and
+        log pi_old of the sampled tokens.
+      advantages: ``[B, T]``; mask: ``[B, T]``, response tokens where ``> 0``.
+      threshold: ``delta`` >= 0 (TRL's example: 0.5).
+
+    Returns ``[B, T]`` float32, 1 to keep and 0 to drop; a row with no response token has
+    ``D_i = 0``, and positions off the mask are 1 (the caller's mask drops them anyway).
+    """
+    check_same_shape(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
+    keep = jnp.asarray(mask) > 0
+    drift = jnp.where(keep, _f32(old_logps) - jax.lax.stop_gradient(_f32(logps)), 0.0)
+    per_seq = jnp.sum(drift, axis=-1) / jnp.maximum(jnp.sum(keep, axis=-1), 1)  # [B]
+    kept = (jnp.asarray(advantages) >= 0) | (per_seq <= threshold)[:, None]
+    return jnp.where(keep, kept, True).astype(jnp.float32)
+
+
 def _policy_loss(
     surrogate: Callable[[_Tokens], _Surrogate],
     logps: Array,
@@ -155,6 +190,7 @@ def _policy_loss(
     kl_coef: Scalar,
     kl_kind: kl_lib.KLKind,
     kl_importance_weight: kl_lib.KLWeight,
+    off_policy_mask_threshold: Scalar | None,
     sampler_logps: Array | None,
     tis_cap: Scalar,
 ) -> tuple[Array, dict[str, Array]]:
@@ -179,6 +215,7 @@ def _policy_loss(
     check_choice("kl_importance_weight", kl_importance_weight, kl_lib.KL_WEIGHTS)
     if is_concrete_number(tis_cap) and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
+    _check_nonnegative(off_policy_mask_threshold=off_policy_mask_threshold)
 
     keep = jnp.asarray(mask).astype(bool)
 
@@ -206,6 +243,10 @@ def _policy_loss(
         tis_weight = sg(jnp.minimum(jnp.exp(sampler_log_ratio), tis_cap))
         per_token = per_token * tis_weight
         metrics["tis_weight_mean"] = ops.masked_mean(tis_weight, keep)
+    if off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_mask(logps, old_logps, tokens.advantages, keep, threshold=off_policy_mask_threshold)
+        per_token = per_token * kept
+        metrics["off_policy_masked"] = ops.masked_mean(1.0 - kept, keep)
     pg = ops.aggregate(per_token, keep, **agg)
     loss = pg
 
@@ -257,6 +298,7 @@ def ppo_policy_loss(
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
     kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -305,7 +347,8 @@ def ppo_policy_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -327,6 +370,7 @@ def gspo_policy_loss(
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
     kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -372,7 +416,8 @@ def gspo_policy_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -394,6 +439,7 @@ def cispo_policy_loss(
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
     kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -431,7 +477,8 @@ def cispo_policy_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -451,6 +498,7 @@ def pg_loss(
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
     kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -475,7 +523,8 @@ def pg_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 

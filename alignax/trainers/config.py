@@ -391,6 +391,11 @@ class PolicyUpdateSection:
         is not (on-policy, value and gradient are exactly the unweighted ones). ``none``
         (the default, as TRL's): unweighted, so existing runs and TRL ports keep their
         update; docs/migrating-from-trl.md says when to switch.
+      off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence masking (TRL's key of
+        that name): a negative-advantage token loses its policy term when its completion's
+        mean per-token ``log pi_old - log pi_theta`` exceeds this many nats
+        (``alignax.losses.off_policy_sequence_mask``); it acts only off-policy (``epochs >
+        1``, ``rollout.old_logps: sampler``). ``null`` (default): off.
       adaptive_kl / kl_target / kl_horizon: Ziegler et al. 2019's adaptive coefficient,
         steering the sequence KL towards ``kl_target``.
       entropy_coef: entropy bonus.
@@ -404,6 +409,7 @@ class PolicyUpdateSection:
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k1"
     kl_placement: Literal["loss", "reward"] = "loss"
     kl_importance_weight: Literal["none", "ratio", "detached_ratio"] = "none"
+    off_policy_mask_threshold: float | None = None
     adaptive_kl: bool = False
     kl_target: float = 6.0
     kl_horizon: float = 10000.0

@@ -71,7 +71,8 @@ class PolicyObjective:
 
     ``loss_fn(logps, old_logps, advantages, mask, **keywords, aggregation=..., ...)``;
     ``keywords`` hold only the clip settings the user set, so a key left out means the
-    loss's own default (GSPO's and CISPO's papers' ranges differ from PPO's).
+    loss's own default (GSPO's and CISPO's papers' ranges differ from PPO's), and the
+    off-policy sequence mask's threshold when set.
     """
 
     loss_fn: Callable

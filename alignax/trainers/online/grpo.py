@@ -37,6 +37,15 @@ def clip_keywords(section, loss_name: str) -> dict[str, float]:
     return {k: getattr(section, k) for k in policy_loss_clip_keywords(loss_name) if getattr(section, k) is not None}
 
 
+def objective_keywords(section, loss_name: str) -> dict[str, float]:
+    """The policy loss's keywords from ``section`` (a ``PolicyUpdateSection``): the clip
+    settings (:func:`clip_keywords`) and the off-policy sequence mask when set."""
+    keywords = clip_keywords(section, loss_name)
+    if section.off_policy_mask_threshold is not None:
+        keywords["off_policy_mask_threshold"] = section.off_policy_mask_threshold
+    return keywords
+
+
 def kl_controller(coef: float, adaptive: bool, target: float, horizon: float):
     if adaptive:
         return kl_lib.AdaptiveKLController(coef, target=target, horizon=horizon)
@@ -69,8 +78,8 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
         policy_kind="causal_lm",
         epochs=gc.epochs,
         minibatches=gc.minibatches,
-        objective=PolicyObjective(POLICY_LOSSES[gc.policy_loss], clip_keywords(gc, gc.policy_loss), gc.aggregation,
-                                  gc.entropy_coef),
+        objective=PolicyObjective(POLICY_LOSSES[gc.policy_loss], objective_keywords(gc, gc.policy_loss),
+                                  gc.aggregation, gc.entropy_coef),
         kl=KLSetup(gc.kl_coef, kl_controller(gc.kl_coef, gc.adaptive_kl, gc.kl_target, gc.kl_horizon), gc.kl_kind,
                    "loss" if gc.kl_placement == "loss" else "sequence_reward", gc.kl_importance_weight),
         advantages=advantages,

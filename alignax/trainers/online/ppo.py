@@ -65,6 +65,8 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
     clip = dict(clip_eps_low=pc.clip_eps, clip_eps_high=pc.clip_eps if pc.clip_eps_high is None else pc.clip_eps_high)
     if pc.dual_clip_c is not None:
         clip["dual_clip_c"] = pc.dual_clip_c
+    if pc.off_policy_mask_threshold is not None:
+        clip["off_policy_mask_threshold"] = pc.off_policy_mask_threshold
     critic_optim = None
     if pc.critic_learning_rate is not None:
         critic_optim = dataclasses.replace(config.optim, learning_rate=pc.critic_learning_rate)
