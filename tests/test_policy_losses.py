@@ -840,3 +840,31 @@ def test_off_policy_mask_drops_the_policy_term_of_the_masked_tokens(kind):
     assert float(with_mask) == pytest.approx(float(without), rel=1e-6)
     with pytest.raises(ValueError, match="off_policy_mask_threshold"):
         POLICY_LOSSES[kind](*args, off_policy_mask_threshold=-0.1)
+
+
+def test_two_sided_ratio_cap_delta_is_the_dual_clip():
+    """INTELLECT-2's two-sided clipping (TRL ``delta``): ``l = -min(min(r, delta) A,
+    clip(r, 1 - eps_low, 1 + eps_high) A)``. For ``delta > 1 + eps_high`` it equals PPO-clip
+    with ``dual_clip_c = delta`` in value and gradient, so the migration table maps
+    ``delta`` to ``dual_clip_c``; ratios on both sides of delta, both signs of A."""
+    ratios = np.array([0.5, 0.9, 1.1, 1.3, 2.0, 2.9, 3.5, 6.0])
+    adv = np.array([[1.0] * 8, [-1.0] * 8, [0.7, -0.4, 1.3, -2.0, 0.5, -0.6, 1.1, -0.9]])
+    lp = np.log(np.tile(ratios, (3, 1))) - 1.0
+    old = np.full(lp.shape, -1.0)
+    mask = np.ones(lp.shape)
+    for delta in (1.5, 3.0):
+        def trl(x):
+            r = jnp.exp(x - old)
+            per_token = -jnp.minimum(jnp.minimum(r, delta) * adv, jnp.clip(r, 0.8, 1.28) * adv)
+            return jnp.mean(per_token)
+
+        def ours(x):
+            return ppo_policy_loss(x, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), mask,
+                                   clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=delta)[0]
+
+        x = jnp.asarray(lp, jnp.float32)
+        np.testing.assert_allclose(float(ours(x)), float(trl(x)), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(jax.grad(ours)(x)), np.asarray(jax.grad(trl)(x)), rtol=1e-6, atol=1e-8)
+        plain = ppo_policy_loss(x, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), mask,
+                                clip_eps_low=0.2, clip_eps_high=0.28)[0]
+        assert float(plain) != pytest.approx(float(trl(x)))  # the cap acts on this data
