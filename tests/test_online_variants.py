@@ -142,6 +142,7 @@ GRPO_RUNS = {
     # off-policy sequence masking at threshold 0: the second epoch drops every negative-advantage
     # token of a completion the policy has moved away from
     "epochs2_opsm": dict(grpo={"epochs": 2, "off_policy_mask_threshold": 0.0}),
+    "scale_batch": dict(grpo={"scale_rewards": "batch"}),
 }
 
 PPO_RUNS = {
@@ -264,6 +265,18 @@ def test_default_grpo_advantages_are_group_normalised(runs):
 
 
 # ----------------------------------------------------------------------------- advantage variants
+
+
+def test_scale_rewards_batch_divides_by_the_rollouts_std(runs):
+    """``grpo.scale_rewards: batch`` (TRL's key): the group-centred rewards over the std of
+    every reward of the rollout, so the update differs from the default's."""
+    run, base = runs("scale_batch"), runs("base")
+    assert_same_rollout(run, base)
+    rewards = groups_of(run.inputs[0]["rewards"])
+    expected = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(groups_of(sequence_advantages(run)), expected, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(sequence_advantages(run), sequence_advantages(base), atol=1e-3)
+    assert_update_differs(run, base)
 
 
 def test_dr_grpo_drops_the_std_and_normalises_by_the_budget(runs):

@@ -175,6 +175,7 @@ GRPO_RULES: tuple[Rule, ...] = (
     *_kl_rules("grpo"),
     rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process"), "only these divide by a std"),
     rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
+    rule("grpo.scale_rewards", Is("grpo.advantage", "grpo"), "it picks grpo advantages' std"),
     rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
          "pg does not clip"),
     rule("grpo.dual_clip_c", Is("grpo.policy_loss", "ppo"), "the dual clip is PPO-clip's"),

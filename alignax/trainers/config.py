@@ -429,6 +429,9 @@ class GRPOSection(PolicyUpdateSection):
       advantage: ``grpo`` | ``dr_grpo`` | ``rloo`` | ``reinforce_pp`` | ``remax`` |
         ``process`` (step rewards at step boundaries, DeepSeekMath process supervision).
       unbiased_std / reinforce_baseline: ``group_advantages`` options.
+      scale_rewards: ``grpo`` advantages' divisor (TRL's key): ``group`` (each group's
+        std, the default), ``batch`` (the std of the rollout's rewards) or ``none``
+        (``dr_grpo``'s advantages).
       policy_loss: ``ppo`` (clipped; DAPO's clip-higher via ``clip_eps_high``) | ``gspo`` |
         ``cispo`` | ``pg``.
       clip_eps_low / clip_eps_high / dual_clip_c: the clip ranges; ``null`` (the default)
@@ -454,6 +457,7 @@ class GRPOSection(PolicyUpdateSection):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "process"] = "grpo"
     unbiased_std: bool = True
     reinforce_baseline: bool = False
+    scale_rewards: Literal["group", "batch", "none"] = "group"
     policy_loss: Literal["ppo", "gspo", "cispo", "pg"] = "ppo"
     clip_eps_low: float | None = None
     dynamic_sampling: bool = False

@@ -59,7 +59,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
     num_groups = config.data.batch_size
     options: dict = dict(method=method, num_groups=num_groups)
     if method == "grpo":
-        options["unbiased_std"] = gc.unbiased_std
+        options.update(unbiased_std=gc.unbiased_std, scale=gc.scale_rewards)
     if method == "reinforce_pp":
         options["subtract_group_mean"] = gc.reinforce_baseline
 
