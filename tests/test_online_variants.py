@@ -90,7 +90,7 @@ def run_steps(tmp_path, toy_model, algorithm: str, *, steps: int = 1, ref_noise:
     def record_update(minibatch, out):  # each step's minibatch and output, through the update's observer
         host_mb = jax.device_get(minibatch)
         updates.append({"rollout": host_mb.rollout, "ptx": host_mb.ptx, "metrics": jax.device_get(out.metrics),
-                        "logps": np.asarray(out.rows.logps)})
+                        "logps": np.asarray(out.rows.logps), "entropy": np.asarray(out.rows.entropy)})
 
     state, frozen = trainer.start()
     if ref_noise and "reference" in frozen:
@@ -143,6 +143,7 @@ GRPO_RUNS = {
     # token of a completion the policy has moved away from
     "epochs2_opsm": dict(grpo={"epochs": 2, "off_policy_mask_threshold": 0.0}),
     "scale_batch": dict(grpo={"scale_rewards": "batch"}),
+    "top_entropy": dict(grpo={"top_entropy_quantile": 0.2}),
 }
 
 PPO_RUNS = {
@@ -646,6 +647,23 @@ def test_off_policy_sequence_mask_in_the_trainer(runs):
     np.testing.assert_allclose(u["metrics"]["pg_loss"], agg_np(per_token * keep, mask, "seq-mean-token-mean"),
                                rtol=1e-4, atol=1e-6)
     assert not math.isclose(u["metrics"]["grad_norm"], plain.updates[1]["metrics"]["grad_norm"], rel_tol=1e-4)
+
+
+def test_top_entropy_quantile_trains_on_the_forking_tokens(runs):
+    """``grpo.top_entropy_quantile: 0.2``: the (on-policy) policy term is -A on the 20 % of
+    response tokens with the highest entropy under the update's own forward pass, 0 on the
+    others; so the update differs from the default's."""
+    run, base = runs("top_entropy"), runs("base")
+    assert_same_rollout(run, base)
+    u = run.updates[0]
+    mask = u["rollout"].loss_mask > 0
+    tau = np.quantile(u["entropy"][mask].astype(np.float64), 0.8)
+    keep = (u["entropy"] >= tau).astype(np.float64)
+    assert u["metrics"]["entropy_masked"] == pytest.approx(1 - np.mean(keep, where=mask), abs=1e-6)
+    assert 0.15 < np.mean(keep, where=mask) < 0.3
+    expected = agg_np(-u["rollout"].advantages * keep, mask, "seq-mean-token-mean")
+    np.testing.assert_allclose(u["metrics"]["pg_loss"], expected, rtol=1e-4, atol=1e-6)
+    assert_update_differs(run, base)
 
 
 def test_kl_importance_weight_needs_the_kl_in_the_loss():

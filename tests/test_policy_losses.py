@@ -868,3 +868,66 @@ def test_two_sided_ratio_cap_delta_is_the_dual_clip():
         plain = ppo_policy_loss(x, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), mask,
                                 clip_eps_low=0.2, clip_eps_high=0.28)[0]
         assert float(plain) != pytest.approx(float(trl(x)))  # the cap acts on this data
+
+
+# ---------------------------------------------------------------------------------------
+# High-entropy token selection (top_entropy_quantile)
+# ---------------------------------------------------------------------------------------
+
+
+def ref_high_entropy_keep(entropy, mask, rho):
+    """"Beyond the 80/20 Rule": keep H_it >= the (1 - rho) quantile of the response tokens' H."""
+    values = [entropy[i][t] for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i][t]]
+    if not values:
+        return np.ones(mask.shape)
+    tau = np.quantile(np.asarray(values, np.float64), 1.0 - rho)
+    return np.where(np.asarray(entropy, np.float64) >= tau, 1.0, 0.0)
+
+
+def test_high_entropy_mask_matches_reference():
+    from alignax.losses import high_entropy_mask
+
+    for seed, shape in ((0, (5, 6)), (1, (7, 3)), (2, (2, 9))):
+        rng = np.random.default_rng(seed)
+        entropy = rng.uniform(0.0, 3.0, shape).astype(np.float32)
+        mask = (rng.uniform(size=shape) > 0.3).astype(np.float32)
+        mask[0] = 0  # a row with no response token
+        entropy[mask == 0] = 1e6  # garbage off the mask must not move the quantile
+        for rho in (0.2, 0.5, 1.0):
+            want = ref_high_entropy_keep(entropy, mask, rho)
+            got = np.asarray(high_entropy_mask(jnp.asarray(entropy), mask, quantile=rho))
+            np.testing.assert_array_equal(got * mask, want * mask, err_msg=f"{shape} {rho}")
+            kept = (got * mask).sum() / mask.sum()
+            assert kept == 1.0 if rho == 1.0 else abs(kept - rho) <= 1.0 / mask.sum() + 1e-6
+    empty = np.zeros((2, 3), np.float32)
+    assert np.all(np.asarray(high_entropy_mask(jnp.ones((2, 3)), empty, quantile=0.2)) == 1)
+    with pytest.raises(ValueError, match="top_entropy_quantile must be in"):
+        high_entropy_mask(jnp.ones((2, 3)), empty, quantile=0.0)
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_top_entropy_quantile_keeps_the_policy_term_of_high_entropy_tokens(kind):
+    """The policy term is the reference's per-token loss times the entropy mask, in every
+    mode; the entropy bonus still sees every token; ``entropy_masked`` reports the share."""
+    rho = 0.4
+    lp, old, adv, mask = (np.asarray(DATA[k], np.float64) for k in DATA_KEYS)
+    entropy = np.asarray(OPTS["entropy"], np.float64)
+    keep = ref_high_entropy_keep(np.where(mask > 0, entropy, 0.0), mask, rho)
+    per_token, _ = ref_token_losses(kind, lp, old, adv, mask, HPARAMS[kind])
+    args = [jnp.asarray(DATA[k]) for k in DATA_KEYS]
+    for mode in MODES:
+        def f(x, mode=mode, **extra):
+            return POLICY_LOSSES[kind](x, *args[1:], aggregation=mode, **HPARAMS[kind], entropy=OPTS["entropy"],
+                                       entropy_coef=0.03, **extra)
+
+        (loss, metrics), grad = jax.value_and_grad(lambda x: f(x, top_entropy_quantile=rho), has_aux=True)(args[0])
+        (_, plain_metrics), plain_grad = jax.value_and_grad(f, has_aux=True)(args[0])
+        want = references.aggregate(per_token * keep, mask, mode) - 0.03 * references.aggregate(entropy, mask, mode)
+        np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(float(metrics["pg_loss"]), references.aggregate(per_token * keep, mask, mode),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(plain_grad) * keep, rtol=1e-5, atol=1e-7)
+        assert float(metrics["entropy_masked"]) == pytest.approx(1 - (keep * mask).sum() / mask.sum(), rel=1e-6)
+        assert float(metrics["entropy"]) == pytest.approx(plain_metrics["entropy"])
+    with pytest.raises(ValueError, match="top_entropy_quantile needs entropy="):
+        POLICY_LOSSES[kind](*args, top_entropy_quantile=0.2)

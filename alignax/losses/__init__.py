@@ -4,7 +4,8 @@
   ``cispo_policy_loss``, ``pg_loss`` — with entropy bonus, KL-in-loss and truncated
   importance weights as options of each; ``POLICY_LOSSES`` maps their config names to
   them, ``policy_loss_clip_keywords`` lists the clip keywords each takes;
-  ``off_policy_sequence_mask`` (DeepSeek-V3.2's off-policy sequence masking).
+  ``off_policy_sequence_mask`` (DeepSeek-V3.2's off-policy sequence masking),
+  ``high_entropy_mask`` (top-entropy token selection).
 - value: ``value_loss`` (clipped), ``explained_variance``.
 - preference: ``dpo_loss`` (variants in ``DPO_VARIANTS``), ``simpo_loss``, ``cpo_loss``,
   ``orpo_loss``, ``kto_loss`` (+ ``kto_reference_point``).
@@ -17,6 +18,7 @@ from alignax.losses.policy import (
     POLICY_LOSSES,
     cispo_policy_loss,
     gspo_policy_loss,
+    high_entropy_mask,
     off_policy_sequence_mask,
     pg_loss,
     policy_loss_clip_keywords,
@@ -47,6 +49,7 @@ __all__ = [
     "ensemble_rewards",
     "explained_variance",
     "gspo_policy_loss",
+    "high_entropy_mask",
     "kto_loss",
     "kto_reference_point",
     "off_policy_sequence_mask",

@@ -24,6 +24,10 @@ Options shared by every loss (one private driver, :func:`_policy_loss`, applies 
   You Off-Policy RL Training"): each token's policy loss is multiplied by
   ``w_t = sg(min(exp(old_logps - sampler_logps), tis_cap))``.
 - ``entropy`` ``[B, T]`` with ``entropy_coef``: ``loss -= entropy_coef * agg(entropy)``.
+- ``top_entropy_quantile`` ``rho`` (with ``entropy``): only the tokens whose entropy is in
+  the top ``rho`` fraction of the batch's response tokens keep their policy term (Wang et
+  al. 2025, "Beyond the 80/20 Rule"; TRL's ``top_entropy_quantile``;
+  :func:`high_entropy_mask`). ``1`` keeps every token.
 - ``off_policy_mask_threshold`` ``delta``: off-policy sequence masking (DeepSeek-AI 2025,
   "DeepSeek-V3.2", eq. 9; TRL's ``off_policy_mask_threshold``): the policy term of a token
   with a negative advantage is dropped when its sequence has drifted, on average per token,
@@ -64,6 +68,8 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
 - ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference
   (weighted by ``pi_theta / pi_old`` under ``kl_importance_weight``).
 - ``tis_weight_mean`` (only when ``sampler_logps`` is given): masked mean of ``w_t``.
+- ``entropy_masked`` (only with ``top_entropy_quantile``): the fraction of tokens whose
+  policy term the entropy mask dropped.
 - ``off_policy_masked`` (only with ``off_policy_mask_threshold``): the fraction of tokens
   whose policy term the sequence mask dropped.
 - ``dual_clipfrac`` (PPO only, only when ``dual_clip_c`` is set): fraction of tokens where
@@ -173,6 +179,31 @@ def off_policy_sequence_mask(logps: Array, old_logps: Array, advantages: Array, 
     return jnp.where(keep, kept, True).astype(jnp.float32)
 
 
+def high_entropy_mask(entropy: Array, mask: Array, *, quantile: Scalar) -> Array:
+    """Which tokens are among the ``quantile`` fraction of highest entropy ("Beyond the 80/20
+    Rule", Wang et al. 2025: the forking tokens carry the learning signal; the paper keeps 0.2).
+
+        tau    = Q_{1 - quantile}({H_it : mask_it > 0})     (linear interpolation, as np.quantile)
+        keep_it = 1 if H_it >= tau else 0
+
+    The quantile is over every response token of the arrays given (with micro-batches, of
+    each micro-batch, as in TRL). No gradient flows through the mask.
+
+    Args:
+      entropy: ``[B, T]`` per-token entropy (nats); mask: ``[B, T]``, counted where ``> 0``.
+      quantile: ``rho`` in ``(0, 1]``; 1 keeps every token.
+
+    Returns ``[B, T]`` float32, 1 to keep; all ones when the mask is empty.
+    """
+    check_same_shape(entropy=entropy, mask=mask)
+    if is_concrete_number(quantile) and not 0.0 < quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in (0, 1]; got {quantile}")
+    keep = jnp.asarray(mask) > 0
+    entropy = jax.lax.stop_gradient(_f32(entropy))
+    tau = jnp.nanquantile(jnp.where(keep, entropy, jnp.nan), 1.0 - quantile)
+    return jnp.where(jnp.any(keep), entropy >= tau, True).astype(jnp.float32)
+
+
 def _policy_loss(
     surrogate: Callable[[_Tokens], _Surrogate],
     logps: Array,
@@ -191,6 +222,7 @@ def _policy_loss(
     kl_kind: kl_lib.KLKind,
     kl_importance_weight: kl_lib.KLWeight,
     off_policy_mask_threshold: Scalar | None,
+    top_entropy_quantile: Scalar | None,
     sampler_logps: Array | None,
     tis_cap: Scalar,
 ) -> tuple[Array, dict[str, Array]]:
@@ -216,6 +248,8 @@ def _policy_loss(
     if is_concrete_number(tis_cap) and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
     _check_nonnegative(off_policy_mask_threshold=off_policy_mask_threshold)
+    if top_entropy_quantile is not None and entropy is None:
+        raise ValueError("top_entropy_quantile needs entropy= (the per-token entropy [B, T]) to rank the tokens by")
 
     keep = jnp.asarray(mask).astype(bool)
 
@@ -247,6 +281,10 @@ def _policy_loss(
         kept = off_policy_sequence_mask(logps, old_logps, tokens.advantages, keep, threshold=off_policy_mask_threshold)
         per_token = per_token * kept
         metrics["off_policy_masked"] = ops.masked_mean(1.0 - kept, keep)
+    if top_entropy_quantile is not None:
+        high = high_entropy_mask(entropy, keep, quantile=top_entropy_quantile)
+        per_token = per_token * high
+        metrics["entropy_masked"] = ops.masked_mean(1.0 - high, keep)
     pg = ops.aggregate(per_token, keep, **agg)
     loss = pg
 
@@ -299,6 +337,7 @@ def ppo_policy_loss(
     kl_kind: kl_lib.KLKind = "k3",
     kl_importance_weight: kl_lib.KLWeight = "none",
     off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -348,7 +387,8 @@ def ppo_policy_loss(
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
-        off_policy_mask_threshold=off_policy_mask_threshold, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -371,6 +411,7 @@ def gspo_policy_loss(
     kl_kind: kl_lib.KLKind = "k3",
     kl_importance_weight: kl_lib.KLWeight = "none",
     off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -417,7 +458,8 @@ def gspo_policy_loss(
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
-        off_policy_mask_threshold=off_policy_mask_threshold, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -440,6 +482,7 @@ def cispo_policy_loss(
     kl_kind: kl_lib.KLKind = "k3",
     kl_importance_weight: kl_lib.KLWeight = "none",
     off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -478,7 +521,8 @@ def cispo_policy_loss(
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
-        off_policy_mask_threshold=off_policy_mask_threshold, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -499,6 +543,7 @@ def pg_loss(
     kl_kind: kl_lib.KLKind = "k3",
     kl_importance_weight: kl_lib.KLWeight = "none",
     off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -524,7 +569,8 @@ def pg_loss(
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
-        off_policy_mask_threshold=off_policy_mask_threshold, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 

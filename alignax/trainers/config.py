@@ -396,6 +396,9 @@ class PolicyUpdateSection:
         mean per-token ``log pi_old - log pi_theta`` exceeds this many nats
         (``alignax.losses.off_policy_sequence_mask``); it acts only off-policy (``epochs >
         1``, ``rollout.old_logps: sampler``). ``null`` (default): off.
+      top_entropy_quantile: only the tokens in this top fraction of entropy keep their policy
+        term ("Beyond the 80/20 Rule" keeps 0.2; TRL's key; ``alignax.losses.high_entropy_mask``);
+        ``null`` (default): every token.
       adaptive_kl / kl_target / kl_horizon: Ziegler et al. 2019's adaptive coefficient,
         steering the sequence KL towards ``kl_target``.
       entropy_coef: entropy bonus.
@@ -410,6 +413,7 @@ class PolicyUpdateSection:
     kl_placement: Literal["loss", "reward"] = "loss"
     kl_importance_weight: Literal["none", "ratio", "detached_ratio"] = "none"
     off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float | None = None
     adaptive_kl: bool = False
     kl_target: float = 6.0
     kl_horizon: float = 10000.0

@@ -37,13 +37,11 @@ def clip_keywords(section, loss_name: str) -> dict[str, float]:
     return {k: getattr(section, k) for k in policy_loss_clip_keywords(loss_name) if getattr(section, k) is not None}
 
 
-def objective_keywords(section, loss_name: str) -> dict[str, float]:
-    """The policy loss's keywords from ``section`` (a ``PolicyUpdateSection``): the clip
-    settings (:func:`clip_keywords`) and the off-policy sequence mask when set."""
-    keywords = clip_keywords(section, loss_name)
-    if section.off_policy_mask_threshold is not None:
-        keywords["off_policy_mask_threshold"] = section.off_policy_mask_threshold
-    return keywords
+def mask_keywords(section) -> dict[str, float]:
+    """The token masks of a ``PolicyUpdateSection`` that are set (off-policy sequences, top
+    entropy), as policy-loss keywords."""
+    return {key: getattr(section, key) for key in ("off_policy_mask_threshold", "top_entropy_quantile")
+            if getattr(section, key) is not None}
 
 
 def kl_controller(coef: float, adaptive: bool, target: float, horizon: float):
@@ -78,7 +76,8 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
         policy_kind="causal_lm",
         epochs=gc.epochs,
         minibatches=gc.minibatches,
-        objective=PolicyObjective(POLICY_LOSSES[gc.policy_loss], objective_keywords(gc, gc.policy_loss),
+        objective=PolicyObjective(POLICY_LOSSES[gc.policy_loss],
+                                  {**clip_keywords(gc, gc.policy_loss), **mask_keywords(gc)},
                                   gc.aggregation, gc.entropy_coef),
         kl=KLSetup(gc.kl_coef, kl_controller(gc.kl_coef, gc.adaptive_kl, gc.kl_target, gc.kl_horizon), gc.kl_kind,
                    "loss" if gc.kl_placement == "loss" else "sequence_reward", gc.kl_importance_weight),

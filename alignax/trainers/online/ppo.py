@@ -36,7 +36,7 @@ from alignax.trainers.online.algorithm import (
     PolicyObjective,
     PtxSetup,
 )
-from alignax.trainers.online.grpo import kl_controller
+from alignax.trainers.online.grpo import kl_controller, mask_keywords
 
 
 def target_kl_rule(target: float):
@@ -65,8 +65,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
     clip = dict(clip_eps_low=pc.clip_eps, clip_eps_high=pc.clip_eps if pc.clip_eps_high is None else pc.clip_eps_high)
     if pc.dual_clip_c is not None:
         clip["dual_clip_c"] = pc.dual_clip_c
-    if pc.off_policy_mask_threshold is not None:
-        clip["off_policy_mask_threshold"] = pc.off_policy_mask_threshold
+    clip.update(mask_keywords(pc))
     critic_optim = None
     if pc.critic_learning_rate is not None:
         critic_optim = dataclasses.replace(config.optim, learning_rate=pc.critic_learning_rate)
