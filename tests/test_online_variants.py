@@ -144,6 +144,7 @@ GRPO_RUNS = {
     "epochs2_opsm": dict(grpo={"epochs": 2, "off_policy_mask_threshold": 0.0}),
     "scale_batch": dict(grpo={"scale_rewards": "batch"}),
     "top_entropy": dict(grpo={"top_entropy_quantile": 0.2}),
+    "sapo_2epochs": dict(grpo={"epochs": 2, "policy_loss": "sapo"}),
 }
 
 PPO_RUNS = {
@@ -664,6 +665,23 @@ def test_top_entropy_quantile_trains_on_the_forking_tokens(runs):
     expected = agg_np(-u["rollout"].advantages * keep, mask, "seq-mean-token-mean")
     np.testing.assert_allclose(u["metrics"]["pg_loss"], expected, rtol=1e-4, atol=1e-6)
     assert_update_differs(run, base)
+
+
+def test_sapo_soft_gate_in_the_trainer(runs):
+    """``grpo.policy_loss: sapo``: on-policy its gradient is PPO-clip's (the first update's
+    grad norm is the default's) and its value 2 / tau times PPO's; in the second epoch its
+    policy term is -(4 / tau) sigmoid(tau (r - 1)) A with TRL's temperatures 1.0 / 1.05."""
+    sapo, plain = runs("sapo_2epochs"), runs("epochs2")
+    assert_same_rollout(sapo, plain)
+    assert sapo.updates[0]["metrics"]["grad_norm"] == pytest.approx(plain.updates[0]["metrics"]["grad_norm"], rel=1e-5)
+    u = sapo.updates[1]
+    ro, mask = u["rollout"], u["rollout"].loss_mask > 0
+    ratio = np.exp(np.where(mask, u["logps"] - ro.old_logps, 0.0).astype(np.float64))
+    tau = np.where(ro.advantages > 0, 1.0, 1.05)
+    per_token = -(4 / tau) / (1 + np.exp(-tau * (ratio - 1))) * ro.advantages
+    np.testing.assert_allclose(u["metrics"]["pg_loss"], agg_np(per_token, mask, "seq-mean-token-mean"),
+                               rtol=1e-4, atol=1e-6)
+    assert not math.isclose(u["metrics"]["grad_norm"], plain.updates[1]["metrics"]["grad_norm"], rel_tol=1e-4)
 
 
 def test_kl_importance_weight_needs_the_kl_in_the_loss():

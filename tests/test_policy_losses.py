@@ -25,6 +25,7 @@ from alignax.losses.policy import (
     pg_loss,
     policy_loss_clip_keywords,
     ppo_policy_loss,
+    sapo_policy_loss,
 )
 from tests.support import references
 from tests.support.references import clip
@@ -59,6 +60,9 @@ def ref_token_losses(kind, lp, old, adv, mask, hp):
             elif kind == "gspo":
                 r = s_i
                 l_t = references.ppo_clip(r, a, hp["clip_eps_low"], hp["clip_eps_high"])
+            elif kind == "sapo":  # Gao et al. 2025: (4 / tau) sigmoid(tau (r - 1)), tau by the sign of A
+                tau = hp["sapo_temperature_pos"] if a > 0 else hp["sapo_temperature_neg"]
+                l_t = -(4.0 / tau) / (1.0 + math.exp(-tau * (r - 1.0))) * a
             elif kind == "cispo":  # MiniMax-M1 eq. (4)
                 lo = -math.inf if hp.get("clip_eps_low") is None else 1 - hp["clip_eps_low"]
                 w = clip(r, lo, 1 + hp["clip_eps_high"])
@@ -151,6 +155,7 @@ HPARAMS = {
     "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0),
     "gspo": dict(clip_eps_low=0.03, clip_eps_high=0.06),
     "cispo": dict(clip_eps_low=0.2, clip_eps_high=0.28),
+    "sapo": dict(sapo_temperature_pos=0.9, sapo_temperature_neg=1.4),
     "pg": dict(),
 }
 
@@ -257,6 +262,23 @@ def test_fixture_exercises_every_branch():
 KINDS = [(kind, kind) for kind in sorted(POLICY_LOSSES)]
 
 
+def test_sapo_on_policy_gradient_is_ppos_and_never_cut():
+    """SAPO's weight d l / d(-A logp) = 4 s (1 - s) r, s = sigmoid(tau (r - 1)): exactly 1 at
+    r = 1 (PPO's gradient), positive at every ratio (no hard cut where PPO-clip gives 0)."""
+    lp = jnp.log(jnp.asarray([[0.5, 0.8, 1.0, 1.25, 2.0, 4.0]], jnp.float32)) - 1.0
+    old, mask = jnp.full(lp.shape, -1.0), jnp.ones(lp.shape)
+    for a in (1.0, -1.0):
+        adv = jnp.full(lp.shape, a)
+        grad = jax.grad(lambda x: sapo_policy_loss(x, old, adv, mask, aggregation="seq-mean-token-sum-norm",
+                                                   norm_length=1.0)[0])(lp)
+        weight = np.asarray(grad)[0] / -a
+        r = np.exp(np.asarray(lp - old, np.float64))[0]
+        tau = 1.0 if a > 0 else 1.05
+        sig = 1 / (1 + np.exp(-tau * (r - 1)))
+        np.testing.assert_allclose(weight, 4 * sig * (1 - sig) * r, rtol=1e-5)
+        assert weight[2] == pytest.approx(1.0, rel=1e-6) and np.all(weight[[0, 1, 3, 4, 5]] > 0)
+
+
 class PolicyLossVariantsTest(chex.TestCase):
     """Parity with the references, jitted and not (chex variants)."""
 
@@ -282,6 +304,7 @@ class PolicyLossVariantsTest(chex.TestCase):
             "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.2),
             "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),
             "cispo": dict(clip_eps_low=None, clip_eps_high=0.28),
+            "sapo": dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
             "pg": dict(),
         }[kind]
         mode = "seq-mean-token-mean" if kind == "gspo" else "token-mean"
@@ -332,12 +355,14 @@ def analytic_grad(kind, data, opts, mode):
     return grad
 
 
-def test_ppo_gradient_matches_finite_differences():
-    assert_away_from_kinks("ppo", DATA, HPARAMS["ppo"])
-    out = all_modes("ppo", DATA, opts=OPTS)
+@pytest.mark.parametrize("kind", ["ppo", "sapo"])
+def test_gradient_matches_finite_differences(kind):
+    if kind == "ppo":
+        assert_away_from_kinks("ppo", DATA, HPARAMS["ppo"])
+    out = all_modes(kind, DATA, opts=OPTS)
     for mode in MODES:
         def ref(lp, mode=mode):
-            return ref_loss_and_metrics("ppo", dict(DATA, logps=lp), HPARAMS["ppo"], OPTS, mode)[0]
+            return ref_loss_and_metrics(kind, dict(DATA, logps=lp), HPARAMS[kind], OPTS, mode)[0]
 
         want = references.finite_difference(ref, DATA["logps"])
         np.testing.assert_allclose(out[mode][2], want, rtol=1e-5, atol=1e-6, err_msg=mode)
@@ -630,6 +655,7 @@ PAPER_CLIP_BANDS = {
     "ppo": (0.2, 0.2),  # Schulman et al. 2017: eps = 0.2
     "gspo": (3e-4, 4e-4),  # Zheng et al. 2025
     "cispo": (None, 0.28),  # MiniMax-M1: no lower bound; eps_high unpublished, 0.28 is DAPO's
+    "sapo": (None, None),  # a soft gate, no clip
     "pg": (None, None),  # REINFORCE: no ratio to clip
 }
 STEP = 1e-4  # how far inside / outside a band edge the probing ratios sit
@@ -648,7 +674,8 @@ def test_registry_is_exported_and_complete():
 
     assert alignax.losses.POLICY_LOSSES is POLICY_LOSSES
     assert dict(POLICY_LOSSES) == {
-        "ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss,
+        "ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "sapo": sapo_policy_loss,
+        "pg": pg_loss,
     }
     assert set(PAPER_CLIP_BANDS) == set(POLICY_LOSSES)
 
@@ -676,6 +703,7 @@ def test_clip_keywords_follow_the_signatures():
     assert policy_loss_clip_keywords("ppo") == ("clip_eps_low", "clip_eps_high", "dual_clip_c")
     assert policy_loss_clip_keywords("gspo") == ("clip_eps_low", "clip_eps_high")
     assert policy_loss_clip_keywords("cispo") == ("clip_eps_low", "clip_eps_high")
+    assert policy_loss_clip_keywords("sapo") == ("sapo_temperature_pos", "sapo_temperature_neg")
     assert policy_loss_clip_keywords("pg") == ()
     args = [jnp.asarray(DATA[k]) for k in DATA_KEYS]
     for name, loss_fn in POLICY_LOSSES.items():
@@ -687,7 +715,7 @@ def test_clip_keywords_follow_the_signatures():
         assert float(metrics.get("dual_clipfrac", 0.0)) == 0.0, name
     with pytest.raises(TypeError):
         pg_loss(*args, clip_eps_low=0.2)
-    with pytest.raises(ValueError, match="unknown policy loss 'dpo'; valid: ppo, gspo, cispo, pg"):
+    with pytest.raises(ValueError, match="unknown policy loss 'dpo'; valid: ppo, gspo, cispo, sapo, pg"):
         policy_loss_clip_keywords("dpo")
 
 

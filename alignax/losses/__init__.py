@@ -1,8 +1,8 @@
 """Pure loss functions, each returning ``(loss, metrics)``.
 
 - policy: ``ppo_policy_loss`` (clip-higher, dual clip), ``gspo_policy_loss``,
-  ``cispo_policy_loss``, ``pg_loss`` — with entropy bonus, KL-in-loss and truncated
-  importance weights as options of each; ``POLICY_LOSSES`` maps their config names to
+  ``cispo_policy_loss``, ``sapo_policy_loss``, ``pg_loss`` — with entropy bonus,
+  KL-in-loss and truncated importance weights as options of each; ``POLICY_LOSSES`` maps their config names to
   them, ``policy_loss_clip_keywords`` lists the clip keywords each takes;
   ``off_policy_sequence_mask`` (DeepSeek-V3.2's off-policy sequence masking),
   ``high_entropy_mask`` (top-entropy token selection).
@@ -23,6 +23,7 @@ from alignax.losses.policy import (
     pg_loss,
     policy_loss_clip_keywords,
     ppo_policy_loss,
+    sapo_policy_loss,
 )
 from alignax.losses.preference import (
     DPO_VARIANTS,
@@ -59,6 +60,7 @@ __all__ = [
     "prm_step_counts",
     "policy_loss_clip_keywords",
     "ppo_policy_loss",
+    "sapo_policy_loss",
     "sft_loss",
     "simpo_loss",
     "value_loss",

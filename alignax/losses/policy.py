@@ -1,4 +1,4 @@
-"""Policy-gradient losses for online RL: PPO-clip, GSPO, CISPO and plain REINFORCE.
+"""Policy-gradient losses for online RL: PPO-clip, GSPO, CISPO, SAPO and plain REINFORCE.
 
 Every loss takes per-token data positionally and hyper-parameters keyword-only:
 
@@ -78,7 +78,7 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
 The log-ratio ``log pi_theta - log pi_old`` is clipped to ``[-20, 20]`` before ``exp`` (as
 in verl), so one far-drifted token cannot overflow float32.
 
-:data:`POLICY_LOSSES` maps a config name (``ppo``, ``gspo``, ``cispo``, ``pg``) to its loss,
+:data:`POLICY_LOSSES` maps a config name (``ppo``, ``gspo``, ``cispo``, ``sapo``, ``pg``) to its loss,
 and :func:`policy_loss_clip_keywords` says which clip keywords each one takes.
 """
 
@@ -574,21 +574,82 @@ def pg_loss(
     )
 
 
+def sapo_policy_loss(
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    sapo_temperature_pos: Scalar = 1.0,
+    sapo_temperature_neg: Scalar = 1.05,
+    aggregation: ops.AggregationMode = "token-mean",
+    num_tokens: Scalar | None = None,
+    num_seqs: Scalar | None = None,
+    norm_length: Scalar | None = None,
+    entropy: Array | None = None,
+    entropy_coef: Scalar = 0.0,
+    ref_logps: Array | None = None,
+    kl_coef: Scalar = 0.0,
+    kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
+    sampler_logps: Array | None = None,
+    tis_cap: Scalar = 2.0,
+) -> tuple[Array, dict[str, Array]]:
+    """SAPO, a soft gate in place of the clip (Gao et al. 2025, "Soft Adaptive Policy
+    Optimization"; TRL's ``loss_type="sapo"``).
+
+    Per token, with ``r_t = exp(logps - old_logps)`` and ``tau = tau_pos`` if ``A_t > 0``
+    else ``tau_neg``:
+
+        l_t = -(4 / tau) sigmoid(tau (r_t - 1)) A_t
+
+    Its gradient ``-4 s (1 - s) r_t A_t grad logps`` (``s = sigmoid(tau (r_t - 1))``) equals
+    PPO's ``-A_t`` at ``r_t = 1`` and fades smoothly as the ratio moves far from 1 (faster for
+    larger ``tau``), where PPO-clip cuts it to 0 at the clip edge. The paper sets ``tau_neg > tau_pos``: negative
+    advantages, which spread probability over the vocabulary, are damped harder. Defaults are
+    TRL's, 1.0 and 1.05. The loss value is ``2 / tau`` times PPO's on-policy.
+
+    Args and returns as :func:`ppo_policy_loss` (no clip: ``clipfrac_*`` are 0).
+    """
+    _check_nonnegative(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+
+    def surrogate(tok: _Tokens) -> _Surrogate:
+        never = jnp.zeros(tok.mask.shape, bool)
+        ratio = jnp.exp(tok.log_ratio)
+        tau = jnp.where(tok.advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -(4.0 / tau) * jax.nn.sigmoid(tau * (ratio - 1.0)) * tok.advantages
+        return _Surrogate(per_token, ratio, never, never, {})
+
+    return _policy_loss(
+        surrogate, logps, old_logps, advantages, mask,
+        aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+        entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
+    )
+
+
 PolicyLoss = Callable[..., tuple[Array, dict[str, Array]]]
 
 # Read-only: a loss is added here, next to its definition, not registered from elsewhere.
 POLICY_LOSSES: Mapping[str, PolicyLoss] = types.MappingProxyType(
-    {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss}
+    {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "sapo": sapo_policy_loss,
+     "pg": pg_loss}
 )
 
-_CLIP_KEYWORDS = ("clip_eps_low", "clip_eps_high", "dual_clip_c")
+# SAPO's temperatures shape its soft gate the way the clip keywords shape the clip
+_CLIP_KEYWORDS = ("clip_eps_low", "clip_eps_high", "dual_clip_c", "sapo_temperature_pos", "sapo_temperature_neg")
 
 
 def policy_loss_clip_keywords(name: str) -> tuple[str, ...]:
     """The clip keywords the policy loss ``name`` accepts, read off its signature.
 
     ``ppo``: ``clip_eps_low, clip_eps_high, dual_clip_c``; ``gspo`` and ``cispo``:
-    ``clip_eps_low, clip_eps_high``; ``pg``: none. A trainer passes only these, so each
+    ``clip_eps_low, clip_eps_high``; ``sapo``: ``sapo_temperature_pos,
+    sapo_temperature_neg``; ``pg``: none. A trainer passes only these, so each
     loss keeps its own default for the others.
     """
     check_choice("policy loss", name, POLICY_LOSSES)

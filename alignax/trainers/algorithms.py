@@ -179,6 +179,8 @@ GRPO_RULES: tuple[Rule, ...] = (
     rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
          "pg does not clip"),
     rule("grpo.dual_clip_c", Is("grpo.policy_loss", "ppo"), "the dual clip is PPO-clip's"),
+    rule(["grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg"], Is("grpo.policy_loss", "sapo"),
+         "they shape SAPO's soft gate"),
     rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process")),
          "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
     rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),

@@ -437,7 +437,8 @@ class GRPOSection(PolicyUpdateSection):
         std, the default), ``batch`` (the std of the rollout's rewards) or ``none``
         (``dr_grpo``'s advantages).
       policy_loss: ``ppo`` (clipped; DAPO's clip-higher via ``clip_eps_high``) | ``gspo`` |
-        ``cispo`` | ``pg``.
+        ``cispo`` | ``sapo`` (a soft gate, ``sapo_temperature_pos`` / ``_neg``; ``null``:
+        TRL's 1.0 / 1.05) | ``pg``.
       clip_eps_low / clip_eps_high / dual_clip_c: the clip ranges; ``null`` (the default)
         means the chosen loss's own default, its paper's: PPO-clip 0.2 / = low, GSPO
         3e-4 / 4e-4, CISPO no lower clip / 0.28. ``dual_clip_c`` is PPO-clip's only.
@@ -462,7 +463,9 @@ class GRPOSection(PolicyUpdateSection):
     unbiased_std: bool = True
     reinforce_baseline: bool = False
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    policy_loss: Literal["ppo", "gspo", "cispo", "pg"] = "ppo"
+    policy_loss: Literal["ppo", "gspo", "cispo", "sapo", "pg"] = "ppo"
+    sapo_temperature_pos: float | None = None
+    sapo_temperature_neg: float | None = None
     clip_eps_low: float | None = None
     dynamic_sampling: bool = False
     max_refills: int = 4
