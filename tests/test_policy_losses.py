@@ -959,3 +959,34 @@ def test_top_entropy_quantile_keeps_the_policy_term_of_high_entropy_tokens(kind)
         assert float(metrics["entropy"]) == pytest.approx(plain_metrics["entropy"])
     with pytest.raises(ValueError, match="top_entropy_quantile needs entropy="):
         POLICY_LOSSES[kind](*args, top_entropy_quantile=0.2)
+
+
+def test_luspo_is_gspo_with_seq_mean_token_sum():
+    """LUSPO as TRL 1.16 defines it (Length-Unbiased Sequence Policy Optimization; TRL's
+    ``loss_type="luspo"`` with ``importance_sampling_level="sequence"``): the GSPO sequence
+    loss times the sequence's length, averaged over sequences,
+    ``mean_i |y_i| max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high))``. GSPO with
+    ``aggregation="seq-mean-token-sum"`` is that, value and gradient, when no row is empty
+    (TRL's mean also counts empty rows as 0; alignax's ``seq-mean`` skips them)."""
+    rng = np.random.default_rng(7)
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0], [1, 0, 0, 0, 0]], np.float32)
+    old = -rng.uniform(0.5, 2.0, mask.shape)
+    lp = old + np.array([[5e-4], [1e-4], [-5e-4], [-4e-4]]) + rng.normal(0.0, 1e-5, mask.shape)
+    adv = np.array([0.8, -1.1, 0.4, -0.3])  # row 0 clipped above, row 3 clipped below, rows 1-2 not
+    eps_low, eps_high = 3e-4, 4e-4
+
+    def trl(x):
+        n = mask.sum(1)
+        s = jnp.exp(jnp.sum((x - old) * mask, 1) / n)
+        per_seq = -jnp.minimum(s * adv, jnp.clip(s, 1 - eps_low, 1 + eps_high) * adv)
+        return jnp.mean(per_seq * n)
+
+    def ours(x):
+        return gspo_policy_loss(x, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), mask,
+                                aggregation="seq-mean-token-sum", clip_eps_low=eps_low, clip_eps_high=eps_high)[0]
+
+    x = jnp.asarray(lp, jnp.float32)
+    s = np.exp(((lp - old) * mask).sum(1) / mask.sum(1))
+    assert np.any(s > 1 + eps_high) and np.any((s < 1 + eps_high) & (s > 1 - eps_low))  # clipped and not
+    np.testing.assert_allclose(float(ours(x)), float(trl(x)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.grad(ours)(x)), np.asarray(jax.grad(trl)(x)), rtol=1e-5, atol=1e-7)
