@@ -390,7 +390,7 @@ class PolicyUpdateSection:
         gradient becomes that of KL(pi_theta || ref), on-policy too); ``detached_ratio``: it
         is not (on-policy, value and gradient are exactly the unweighted ones). ``none``
         (the default, as TRL's): unweighted, so existing runs and TRL ports keep their
-        update; docs/migrating-from-trl.md says when to switch.
+        update; docs/importance-weighted-kl.md says when to switch.
       off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence masking (TRL's key of
         that name): a negative-advantage token loses its policy term when its completion's
         mean per-token ``log pi_old - log pi_theta`` exceeds this many nats
