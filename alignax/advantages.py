@@ -29,6 +29,8 @@ from alignax._checks import check_choice, check_rank, check_same_shape
 Array = jax.Array
 
 GROUP_METHODS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "remax")
+REWARD_SCALES = ("group", "batch", "none")
+RewardScale = Literal["group", "batch", "none"]
 GroupMethod = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "remax"]
 
 
@@ -198,6 +200,7 @@ def group_advantages(
     eps: float = 1e-6,
     unbiased_std: bool = True,
     subtract_group_mean: bool = False,
+    scale: RewardScale = "group",
 ) -> Array:
     """Sequence-level advantages from a group of samples per prompt.
 
@@ -210,6 +213,10 @@ def group_advantages(
       ``sigma_g`` is the *unbiased* sample std (divide by ``n - 1``) by default, as in
       TRL and verl (``torch.std``), so a trainer ported from either sees the same
       numbers; ``unbiased_std=False`` divides by ``n``. The paper does not say which.
+      ``scale`` (TRL's ``scale_rewards``) picks the divisor: ``group`` (``sigma_g``, the
+      default), ``batch`` (the std of every reward of the batch, ``sigma_batch(r)``, as
+      TRL's ``scale_rewards="batch"``: a hard prompt's small spread is not blown up to the
+      size of an easy one's) or ``none`` (1, which is ``dr_grpo``).
     - ``dr_grpo``: ``r - mu_g``, no std division, which removes the question-difficulty
       bias (Liu et al. 2025, "Understanding R1-Zero-Like Training").
     - ``rloo``: ``r_i - (1/(n-1)) sum_{j != i} r_j = n/(n-1) (r_i - mu_g)``, the
@@ -241,6 +248,7 @@ def group_advantages(
       eps: added to the std in ``grpo`` and ``reinforce_pp``.
       unbiased_std: Bessel-corrected std (default, as TRL and verl) or population std.
       subtract_group_mean: ``reinforce_pp`` only: the REINFORCE++-baseline variant.
+      scale: ``grpo`` only: ``group`` | ``batch`` | ``none``, the std that divides.
 
     Returns float32 advantages, same shape as ``rewards``, without gradient.
     """
@@ -250,6 +258,9 @@ def group_advantages(
         raise ValueError(f"baseline is only used by method 'remax'; got method {method!r}")
     if subtract_group_mean and method != "reinforce_pp":
         raise ValueError(f"subtract_group_mean is only used by method 'reinforce_pp'; got method {method!r}")
+    check_choice("scale", scale, REWARD_SCALES)
+    if scale != "group" and method != "grpo":
+        raise ValueError(f"scale={scale!r} is only used by method 'grpo'; got method {method!r}")
     shape = tuple(np.shape(rewards))
     r = _f32(rewards).reshape(-1)
 
@@ -293,9 +304,12 @@ def group_advantages(
         return adv.reshape(shape)
 
     group = _GroupStats(r, valid, ids, n_groups)
-    if method == "grpo":
+    if method == "grpo" and scale == "batch":
+        batch = _GroupStats(r, valid, jnp.zeros_like(ids), 1)
+        adv = group.centred / (_std(batch.sq, batch.count, unbiased_std) + eps)
+    elif method == "grpo" and scale == "group":
         adv = group.centred / (_std(group.sq, group.count, unbiased_std) + eps)
-    elif method == "dr_grpo":
+    elif method in ("grpo", "dr_grpo"):  # grpo with scale "none" is dr_grpo
         adv = group.centred
     else:  # rloo
         adv = group.centred * group.count / jnp.maximum(group.count - 1.0, 1.0)

@@ -16,6 +16,13 @@ per-token reward (:func:`kl_penalty`); GRPO (Shao et al. 2024) adds ``beta * KL`
 loss (:func:`kl_loss`). :func:`sequence_kl` sums the estimate over each response, the
 per-sequence KL that controllers and monitors read. Coefficients come from :class:`FixedKLController` or
 :class:`AdaptiveKLController`, both pure state updates usable inside ``jax.jit``.
+
+Off-policy samples (:func:`importance_weighted_kl`): the estimators above are unbiased only
+for tokens sampled from ``pi`` itself. A loss that updates ``pi_theta`` on tokens sampled by
+an older ``pi_old`` (several epochs over a rollout, the sampler's log-probs as the old ones,
+asynchronous rollouts) estimates ``E_{pi_old}[k]`` instead. Multiplying each token's
+estimate by ``w = pi_theta / pi_old`` (DeepSeek-AI 2025, "DeepSeek-V3.2", the unbiased KL
+estimate; TRL's ``use_bias_correction_kl``) restores ``E_{pi_old}[w k] = E_{pi_theta}[k]``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ Array = jax.Array
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
 KLKind = Literal["k1", "k2", "k3", "abs"]
+KL_WEIGHTS = ("none", "ratio", "detached_ratio")
+KLWeight = Literal["none", "ratio", "detached_ratio"]
 
 
 def kl_estimate(logps: Array, ref_logps: Array, *, kind: KLKind = "k3", clamp: float | None = 20.0) -> Array:
@@ -59,6 +68,51 @@ def kl_estimate(logps: Array, ref_logps: Array, *, kind: KLKind = "k3", clamp: f
     if kind == "k3":
         return jnp.expm1(-log_ratio) + log_ratio
     return jnp.abs(log_ratio)
+
+
+def importance_weighted_kl(
+    logps: Array, ref_logps: Array, old_logps: Array, *, kind: KLKind = "k3", weight: KLWeight = "ratio",
+    clamp: float | None = 20.0,
+) -> Array:
+    """Per-token KL(pi_theta || ref) estimate from tokens sampled by ``pi_old``: ``w_t * k_t``.
+
+        k_t = kl_estimate(logps_t, ref_logps_t, kind)
+        w_t = exp(logps_t - sg(old_logps_t))            (pi_theta / pi_old of the token)
+
+    ``E_{a ~ pi_old}[w k] = E_{a ~ pi_theta}[k]``, so with ``k3`` the weighted estimate is
+    unbiased for KL(pi_theta || ref) whichever older policy sampled the tokens (DeepSeek-V3.2,
+    eq. 8). ``weight`` says what the gradient sees:
+
+    - ``ratio``: ``w`` is differentiated, as in DeepSeek-V3.2's formula and TRL's
+      ``use_bias_correction_kl``. Then ``E_{pi_old}[grad(w k3)]`` is the exact gradient of
+      KL(pi_theta || ref) (the score-function term ``k3 grad log pi_theta`` included), even
+      on-policy, where the value is unchanged (``w = 1``) but the gradient is not.
+    - ``detached_ratio``: ``w`` is a constant. ``E_{pi_old}[w grad k3] = E_{pi_theta}[grad k3]``,
+      the gradient the unweighted loss has on-policy (that of KL(ref || pi_theta)); so the
+      value and the gradient equal the on-policy loss's in expectation, and on-policy
+      (``logps == old_logps``) they are identical to the unweighted ones.
+    - ``none``: ``k_t`` unweighted (``old_logps`` unused).
+
+    Args:
+      logps: ``[...]`` log pi_theta of the sampled tokens (differentiable).
+      ref_logps: same shape, log pi_ref (gradient flows as in :func:`kl_estimate`).
+      old_logps: same shape, log pi_old, the policy that sampled the tokens (constant).
+      kind, clamp: as in :func:`kl_estimate`; ``clamp`` also bounds ``log w``.
+
+    Returns the per-token weighted estimate, float32, same shape.
+    """
+    check_same_shape(logps=logps, ref_logps=ref_logps, old_logps=old_logps)
+    check_choice("kl importance weight", weight, KL_WEIGHTS)
+    kl = kl_estimate(logps, ref_logps, kind=kind, clamp=clamp)
+    if weight == "none":
+        return kl
+    log_w = jnp.asarray(logps, jnp.float32) - jax.lax.stop_gradient(jnp.asarray(old_logps, jnp.float32))
+    if clamp is not None:
+        log_w = jnp.clip(log_w, -clamp, clamp)
+    w = jnp.exp(log_w)
+    if weight == "detached_ratio":
+        w = jax.lax.stop_gradient(w)
+    return w * kl
 
 
 def kl_penalty(

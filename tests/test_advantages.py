@@ -373,3 +373,51 @@ def test_wrong_rank_raises_naming_the_argument(call, message):
     rewards, values, mask = _ragged_batch()
     with pytest.raises(ValueError, match=message):
         call(rewards, values, mask)
+
+
+def ref_scaled_grpo(rewards, ids, scale, unbiased=True, eps=1e-6):
+    """TRL's scale_rewards by loops: (r - mean_group) / (std + eps), std of the group, of
+    the whole batch of raw rewards, or 1; a constant group (or a group of one) gives 0."""
+    rewards = np.asarray(rewards, np.float64)
+    ddof = 1 if unbiased else 0
+    batch_std = np.std(rewards, ddof=ddof)
+    out = np.zeros(len(rewards))
+    for g in set(ids):
+        members = [i for i in range(len(rewards)) if ids[i] == g]
+        values = rewards[members]
+        if len(values) < 2 or values.max() == values.min():
+            continue
+        std = {"group": np.std(values, ddof=ddof), "batch": batch_std, "none": 1.0}[scale]
+        for i in members:
+            out[i] = (rewards[i] - values.mean()) / (std + (0.0 if scale == "none" else eps))
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_grpo_reward_scale_matches_reference(scale, unbiased):
+    rng = np.random.default_rng(5)
+    ids = np.array([2, 0, 1, 0, 2, 1, 1, 3, 0, 2, 4])  # unordered, unequal groups, one of one
+    rewards = rng.normal(size=ids.shape) * np.array([1, 3, 0.1, 3, 1, 0.1, 0.1, 1, 3, 1, 1])
+    rewards[[7]] = 2.0
+    rewards[ids == 1] = 0.5  # a constant group
+    got = adv_lib.group_advantages(jnp.asarray(rewards, jnp.float32), method="grpo", group_ids=jnp.asarray(ids),
+                                   num_groups=5, scale=scale, unbiased_std=unbiased)
+    np.testing.assert_allclose(np.asarray(got), ref_scaled_grpo(rewards, ids, scale, unbiased), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got)[ids == 1] == 0)
+    if scale == "none":
+        dr = adv_lib.group_advantages(jnp.asarray(rewards, jnp.float32), method="dr_grpo",
+                                      group_ids=jnp.asarray(ids), num_groups=5)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(dr))
+    # [P, G] layout: batch is every reward of the array
+    pg = rng.normal(size=(3, 4)) * np.array([[0.1], [1.0], [5.0]])
+    got = adv_lib.group_advantages(jnp.asarray(pg, jnp.float32), method="grpo", scale=scale, unbiased_std=unbiased)
+    want = ref_scaled_grpo(pg.reshape(-1), np.repeat(np.arange(3), 4), scale, unbiased).reshape(3, 4)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_reward_scale_errors_name_the_argument():
+    with pytest.raises(ValueError, match="scale"):
+        adv_lib.group_advantages(jnp.ones((2, 2)), method="grpo", scale="prompt")
+    with pytest.raises(ValueError, match="scale='batch' is only used by method 'grpo'"):
+        adv_lib.group_advantages(jnp.ones((2, 2)), method="rloo", scale="batch")

@@ -192,3 +192,102 @@ def test_wrong_rank_raises_naming_the_argument(fn):
         jax.jit(fn)(logps[None], ref_logps[None], mask[None])
     with pytest.raises(ValueError, match=r"mask=\(3, 4\)"):
         fn(logps, ref_logps, mask[:, :4])
+
+
+# ---------------------------------------------------------------------------------------
+# Importance-weighted KL (DeepSeek-V3.2 eq. 8; TRL's use_bias_correction_kl)
+# ---------------------------------------------------------------------------------------
+
+
+def test_importance_weighted_kl_matches_formula_and_gradient():
+    """w k with w = pi_theta / pi_old; d/dlogps: w k + w dk ("ratio") or w dk ("detached_ratio")."""
+    logps, ref_logps, _ = _logps(seed=3)
+    old_logps = logps + np.random.default_rng(4).normal(scale=0.4, size=logps.shape).astype(np.float32)
+    x = logps.astype(np.float64) - ref_logps
+    w = np.exp(logps.astype(np.float64) - old_logps)
+    k3, dk3 = np.expm1(-x) + x, 1.0 - np.exp(-x)
+    for weight, value, grad in (("none", k3, dk3), ("detached_ratio", w * k3, w * dk3),
+                                ("ratio", w * k3, w * k3 + w * dk3)):
+        def total(lp, weight=weight):
+            return jnp.sum(kl.importance_weighted_kl(lp, ref_logps, old_logps, kind="k3", weight=weight))
+
+        out = kl.importance_weighted_kl(logps, ref_logps, old_logps, kind="k3", weight=weight)
+        np.testing.assert_allclose(np.asarray(out), value, rtol=1e-5, atol=1e-6, err_msg=weight)
+        np.testing.assert_allclose(np.asarray(jax.grad(total)(logps)), grad, rtol=1e-5, atol=1e-6, err_msg=weight)
+    with pytest.raises(ValueError, match="kl importance weight"):
+        kl.importance_weighted_kl(logps, ref_logps, old_logps, weight="sequence")
+
+
+def _categorical(seed=0, size=6):
+    """Logits of pi_theta, pi_old (a drifted older policy) and pi_ref over ``size`` tokens."""
+    rng = np.random.default_rng(seed)
+    theta = rng.normal(scale=1.0, size=size)
+    return (jnp.asarray(theta, jnp.float32), jnp.asarray(theta + rng.normal(scale=0.8, size=size), jnp.float32),
+            jnp.asarray(theta + rng.normal(scale=0.6, size=size), jnp.float32))
+
+
+def test_importance_weighted_k3_is_unbiased_under_an_older_policy():
+    """Monte Carlo (fixed seed) over tokens drawn from pi_old, the policy loss's KL term alone
+    (A = 0, kl_coef 1, token-mean): the unweighted k3 misses KL(pi_theta || pi_ref), the
+    weighted one matches the exact value by enumeration within 4 standard errors; so do the
+    gradients (w.r.t. pi_theta's logits) of the two weightings, each to what it estimates:
+    ``ratio`` the exact grad KL(pi_theta || ref), ``detached_ratio`` the expected on-policy
+    gradient of the unweighted k3 loss, E_{pi_theta}[grad k3] (= grad KL(ref || pi_theta))."""
+    from alignax.losses import ppo_policy_loss
+
+    theta, old_logits, ref_logits = _categorical()
+    n = 200_000
+    p_old = np.exp(np.asarray(old_logits, np.float64))
+    samples = np.random.default_rng(0).choice(theta.shape[0], size=n, p=p_old / p_old.sum())
+    samples = jnp.asarray(samples.reshape(200, n // 200))
+    old = jax.nn.log_softmax(old_logits)[samples]
+    ref = jax.nn.log_softmax(ref_logits)[samples]
+    zero, ones = jnp.zeros(samples.shape, jnp.float32), jnp.ones(samples.shape, jnp.float32)
+
+    def per_sample(logits, weight):  # the per-token terms whose mean is the loss
+        logps = jax.nn.log_softmax(logits)[samples]
+        return kl.importance_weighted_kl(logps, ref, old, kind="k3", weight=weight)
+
+    def loss(logits, weight):
+        logps = jax.nn.log_softmax(logits)[samples]
+        return ppo_policy_loss(logps, old, zero, ones, ref_logps=ref, kl_coef=1.0, kl_kind="k3",
+                               kl_importance_weight=weight, aggregation="token-mean")[0]
+
+    def exact_kl(logits):  # KL(pi_theta || pi_ref) by enumeration
+        p, ref_p = jax.nn.log_softmax(logits), jax.nn.log_softmax(ref_logits)
+        return jnp.sum(jnp.exp(p) * (p - ref_p))
+
+    def on_policy_k3_grad(logits):  # E_{a ~ pi_theta}[grad k3(a)], the sampling distribution held fixed
+        p = jax.nn.log_softmax(logits)
+        k3 = jnp.expm1(jax.nn.log_softmax(ref_logits) - p) - (jax.nn.log_softmax(ref_logits) - p)
+        return jnp.sum(jax.lax.stop_gradient(jnp.exp(p)) * k3)
+
+    exact = float(exact_kl(theta))
+    for weight in ("none", "ratio", "detached_ratio"):
+        terms = np.asarray(per_sample(theta, weight), np.float64)
+        assert float(loss(theta, weight)) == pytest.approx(terms.mean(), rel=1e-4)
+        stderr = terms.std() / np.sqrt(n)
+        if weight == "none":  # biased: many standard errors away
+            assert abs(terms.mean() - exact) > 20 * stderr, (terms.mean(), exact, stderr)
+        else:
+            assert abs(terms.mean() - exact) < 4 * stderr, (weight, terms.mean(), exact, stderr)
+
+    # per-sample gradients w.r.t. the logits: d term / d logps(a) times d logps(a) / d logits = onehot(a) - pi
+    logps = jax.nn.log_softmax(theta)[samples]
+    score = np.eye(theta.shape[0])[np.asarray(samples).reshape(-1)] - np.asarray(jax.nn.softmax(theta), np.float64)
+    jac = {}
+    for w in ("ratio", "detached_ratio"):
+        def total(lp, w=w):
+            return jnp.sum(kl.importance_weighted_kl(lp, ref, old, kind="k3", weight=w))
+
+        d_logps = jax.grad(total)(logps)
+        jac[w] = np.asarray(d_logps, np.float64).reshape(-1, 1) * score
+    targets = {"ratio": np.asarray(jax.grad(exact_kl)(theta)),
+               "detached_ratio": np.asarray(jax.grad(on_policy_k3_grad)(theta))}
+    for weight, other in (("ratio", "detached_ratio"), ("detached_ratio", "ratio")):
+        grad = np.asarray(jax.grad(loss)(theta, weight), np.float64)
+        np.testing.assert_allclose(grad, jac[weight].mean(0), rtol=1e-3, atol=1e-6)
+        stderr = jac[weight].std(0) / np.sqrt(n)
+        assert np.all(np.abs(grad - targets[weight]) < 4 * stderr + 1e-6), (weight, grad, targets[weight], stderr)
+        # and not the other weighting's target: the test tells the two apart
+        assert np.max(np.abs(grad - targets[other]) / (stderr + 1e-9)) > 10, (weight, grad, targets[other], stderr)

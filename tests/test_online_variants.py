@@ -90,7 +90,7 @@ def run_steps(tmp_path, toy_model, algorithm: str, *, steps: int = 1, ref_noise:
     def record_update(minibatch, out):  # each step's minibatch and output, through the update's observer
         host_mb = jax.device_get(minibatch)
         updates.append({"rollout": host_mb.rollout, "ptx": host_mb.ptx, "metrics": jax.device_get(out.metrics),
-                        "logps": np.asarray(out.rows.logps)})
+                        "logps": np.asarray(out.rows.logps), "entropy": np.asarray(out.rows.entropy)})
 
     state, frozen = trainer.start()
     if ref_noise and "reference" in frozen:
@@ -135,6 +135,16 @@ GRPO_RUNS = {
     # off-policy updates (a second epoch), where the clip ranges act; clip keys left out
     "gspo_2epochs": dict(grpo={"epochs": 2, "policy_loss": "gspo"}),
     "cispo_2epochs": dict(grpo={"epochs": 2, "policy_loss": "cispo"}),
+    # the KL's importance weight: off-policy in the second epoch, on-policy in one
+    "epochs2": dict(grpo={"epochs": 2}),
+    "epochs2_kl_detached": dict(grpo={"epochs": 2, "kl_importance_weight": "detached_ratio"}),
+    "kl_ratio": dict(grpo={"kl_importance_weight": "ratio"}),
+    # off-policy sequence masking at threshold 0: the second epoch drops every negative-advantage
+    # token of a completion the policy has moved away from
+    "epochs2_opsm": dict(grpo={"epochs": 2, "off_policy_mask_threshold": 0.0}),
+    "scale_batch": dict(grpo={"scale_rewards": "batch"}),
+    "top_entropy": dict(grpo={"top_entropy_quantile": 0.2}),
+    "sapo_2epochs": dict(grpo={"epochs": 2, "policy_loss": "sapo"}),
 }
 
 PPO_RUNS = {
@@ -257,6 +267,18 @@ def test_default_grpo_advantages_are_group_normalised(runs):
 
 
 # ----------------------------------------------------------------------------- advantage variants
+
+
+def test_scale_rewards_batch_divides_by_the_rollouts_std(runs):
+    """``grpo.scale_rewards: batch`` (TRL's key): the group-centred rewards over the std of
+    every reward of the rollout, so the update differs from the default's."""
+    run, base = runs("scale_batch"), runs("base")
+    assert_same_rollout(run, base)
+    rewards = groups_of(run.inputs[0]["rewards"])
+    expected = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(groups_of(sequence_advantages(run)), expected, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(sequence_advantages(run), sequence_advantages(base), atol=1e-3)
+    assert_update_differs(run, base)
 
 
 def test_dr_grpo_drops_the_std_and_normalises_by_the_budget(runs):
@@ -568,6 +590,110 @@ def test_kl_in_the_reward_vs_in_the_loss(runs):
     assert in_loss.figures[0]["reward/after_kl"] == in_loss.figures[0]["reward/total"]
     assert u["metrics"]["loss"] == pytest.approx(
         float(u["metrics"]["pg_loss"]) + 0.04 * agg_np(k3, mask, "seq-mean-token-mean"), rel=1e-4, abs=1e-6)
+
+
+def test_kl_importance_weight_changes_the_update_only_off_policy(runs):
+    """``grpo.kl_importance_weight``: with ``detached_ratio`` the first (on-policy) update is
+    the default's, loss and gradient; the second epoch's KL term is 0.04 x agg(w k3) with
+    w = pi_theta / pi_old from the update's own log-probs, so its loss and step differ.
+    With ``ratio`` the on-policy loss is the default's but the gradient is not (the
+    differentiated weight adds the score-function term)."""
+    plain, weighted = runs("epochs2"), runs("epochs2_kl_detached")
+    assert_same_rollout(weighted, plain)
+    assert len(weighted.updates) == len(plain.updates) == 2
+    first, first_plain = weighted.updates[0]["metrics"], plain.updates[0]["metrics"]
+    for key in ("loss", "kl", "grad_norm"):
+        assert first[key] == pytest.approx(first_plain[key], rel=1e-6, abs=1e-8), key
+    u, u_plain = weighted.updates[1], plain.updates[1]
+    np.testing.assert_allclose(u["logps"], u_plain["logps"], rtol=1e-6, atol=1e-6)  # the same policy after epoch 1
+    ro, mask = u["rollout"], u["rollout"].loss_mask > 0
+    lp = u["logps"].astype(np.float64)
+    log_ratio = lp - ro.ref_logps
+    k3 = np.expm1(-log_ratio) + log_ratio
+    w = np.exp(lp - ro.old_logps)
+    assert np.max(np.abs(w - 1), where=mask, initial=0.0) > 1e-2  # off-policy
+    assert u["metrics"]["kl"] == pytest.approx(float(np.mean(w * k3, where=mask)), rel=1e-4)
+    assert u["metrics"]["loss"] == pytest.approx(
+        float(u["metrics"]["pg_loss"]) + 0.04 * agg_np(w * k3, mask, "seq-mean-token-mean"), rel=1e-4, abs=1e-6)
+    assert not math.isclose(u["metrics"]["loss"], u_plain["metrics"]["loss"], rel_tol=1e-5)
+    assert not math.isclose(u["metrics"]["grad_norm"], u_plain["metrics"]["grad_norm"], rel_tol=1e-5)
+    assert max_abs_diff(weighted.params[0], plain.params[0]) > 0
+
+    ratio, base = runs("kl_ratio"), runs("base")
+    assert_same_rollout(ratio, base)
+    assert ratio.updates[0]["metrics"]["loss"] == pytest.approx(base.updates[0]["metrics"]["loss"], rel=1e-6)
+    assert not math.isclose(ratio.figures[0]["grad_norm"], base.figures[0]["grad_norm"], rel_tol=1e-4)
+
+
+def test_off_policy_sequence_mask_in_the_trainer(runs):
+    """``grpo.off_policy_mask_threshold: 0``: the on-policy first update is the default's (no
+    drift, nothing dropped); in the second epoch the PPO-clip term of each negative-advantage
+    token whose completion drifted (mean log pi_old - log pi_theta > 0) is dropped, as
+    DeepSeek-V3.2's eq. 9 says on the update's own log-probs."""
+    masked, plain = runs("epochs2_opsm"), runs("epochs2")
+    assert_same_rollout(masked, plain)
+    assert masked.updates[0]["metrics"]["off_policy_masked"] == 0.0
+    for key in ("loss", "grad_norm"):
+        assert masked.updates[0]["metrics"][key] == pytest.approx(plain.updates[0]["metrics"][key], rel=1e-6), key
+    u = masked.updates[1]
+    ro, mask = u["rollout"], u["rollout"].loss_mask > 0
+    lp, old, adv = u["logps"].astype(np.float64), ro.old_logps.astype(np.float64), ro.advantages
+    drift = np.where(mask, old - lp, 0.0).sum(1) / np.maximum(mask.sum(1), 1)
+    keep = np.where((adv < 0) & (drift[:, None] > 0), 0.0, 1.0)
+    dropped = np.mean(1 - keep, where=mask)
+    assert 0.05 < dropped < 0.95
+    assert u["metrics"]["off_policy_masked"] == pytest.approx(dropped, abs=1e-6)
+    ratio = np.exp(lp - old)
+    per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
+    np.testing.assert_allclose(u["metrics"]["pg_loss"], agg_np(per_token * keep, mask, "seq-mean-token-mean"),
+                               rtol=1e-4, atol=1e-6)
+    assert not math.isclose(u["metrics"]["grad_norm"], plain.updates[1]["metrics"]["grad_norm"], rel_tol=1e-4)
+
+
+def test_top_entropy_quantile_trains_on_the_forking_tokens(runs):
+    """``grpo.top_entropy_quantile: 0.2``: the (on-policy) policy term is -A on the 20 % of
+    response tokens with the highest entropy under the update's own forward pass, 0 on the
+    others; so the update differs from the default's."""
+    run, base = runs("top_entropy"), runs("base")
+    assert_same_rollout(run, base)
+    u = run.updates[0]
+    mask = u["rollout"].loss_mask > 0
+    tau = np.quantile(u["entropy"][mask].astype(np.float64), 0.8)
+    keep = (u["entropy"] >= tau).astype(np.float64)
+    assert u["metrics"]["entropy_masked"] == pytest.approx(1 - np.mean(keep, where=mask), abs=1e-6)
+    assert 0.15 < np.mean(keep, where=mask) < 0.3
+    expected = agg_np(-u["rollout"].advantages * keep, mask, "seq-mean-token-mean")
+    np.testing.assert_allclose(u["metrics"]["pg_loss"], expected, rtol=1e-4, atol=1e-6)
+    assert_update_differs(run, base)
+
+
+def test_sapo_soft_gate_in_the_trainer(runs):
+    """``grpo.policy_loss: sapo``: on-policy its gradient is PPO-clip's (the first update's
+    grad norm is the default's) and its value 2 / tau times PPO's; in the second epoch its
+    policy term is -(4 / tau) sigmoid(tau (r - 1)) A with TRL's temperatures 1.0 / 1.05."""
+    sapo, plain = runs("sapo_2epochs"), runs("epochs2")
+    assert_same_rollout(sapo, plain)
+    assert sapo.updates[0]["metrics"]["grad_norm"] == pytest.approx(plain.updates[0]["metrics"]["grad_norm"], rel=1e-5)
+    u = sapo.updates[1]
+    ro, mask = u["rollout"], u["rollout"].loss_mask > 0
+    ratio = np.exp(np.where(mask, u["logps"] - ro.old_logps, 0.0).astype(np.float64))
+    tau = np.where(ro.advantages > 0, 1.0, 1.05)
+    per_token = -(4 / tau) / (1 + np.exp(-tau * (ratio - 1))) * ro.advantages
+    np.testing.assert_allclose(u["metrics"]["pg_loss"], agg_np(per_token, mask, "seq-mean-token-mean"),
+                               rtol=1e-4, atol=1e-6)
+    assert not math.isclose(u["metrics"]["grad_norm"], plain.updates[1]["metrics"]["grad_norm"], rel_tol=1e-4)
+
+
+def test_kl_importance_weight_needs_the_kl_in_the_loss():
+    from alignax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="kl_importance_weight"):
+        load_config(data={"algorithm": "grpo", "data": {"format": "prompt"},
+                          "grpo": {"kl_placement": "reward", "kl_importance_weight": "ratio"}})
+    with pytest.raises(ConfigError, match="kl_importance_weight"):
+        load_config(data={"algorithm": "ppo", "data": {"format": "prompt"}, "ppo": {"kl_importance_weight": "ratio"}})
+    algo = grpo_algorithm(kl_importance_weight="detached_ratio")
+    assert algo.kl.loss_keywords(None, 0.04)["kl_importance_weight"] == "detached_ratio"
 
 
 def adaptive_coef(coef, kl, target, rows, horizon):

@@ -25,6 +25,7 @@ from alignax.losses.policy import (
     pg_loss,
     policy_loss_clip_keywords,
     ppo_policy_loss,
+    sapo_policy_loss,
 )
 from tests.support import references
 from tests.support.references import clip
@@ -59,6 +60,9 @@ def ref_token_losses(kind, lp, old, adv, mask, hp):
             elif kind == "gspo":
                 r = s_i
                 l_t = references.ppo_clip(r, a, hp["clip_eps_low"], hp["clip_eps_high"])
+            elif kind == "sapo":  # Gao et al. 2025: (4 / tau) sigmoid(tau (r - 1)), tau by the sign of A
+                tau = hp["sapo_temperature_pos"] if a > 0 else hp["sapo_temperature_neg"]
+                l_t = -(4.0 / tau) / (1.0 + math.exp(-tau * (r - 1.0))) * a
             elif kind == "cispo":  # MiniMax-M1 eq. (4)
                 lo = -math.inf if hp.get("clip_eps_low") is None else 1 - hp["clip_eps_low"]
                 w = clip(r, lo, 1 + hp["clip_eps_high"])
@@ -151,6 +155,7 @@ HPARAMS = {
     "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0),
     "gspo": dict(clip_eps_low=0.03, clip_eps_high=0.06),
     "cispo": dict(clip_eps_low=0.2, clip_eps_high=0.28),
+    "sapo": dict(sapo_temperature_pos=0.9, sapo_temperature_neg=1.4),
     "pg": dict(),
 }
 
@@ -257,6 +262,23 @@ def test_fixture_exercises_every_branch():
 KINDS = [(kind, kind) for kind in sorted(POLICY_LOSSES)]
 
 
+def test_sapo_on_policy_gradient_is_ppos_and_never_cut():
+    """SAPO's weight d l / d(-A logp) = 4 s (1 - s) r, s = sigmoid(tau (r - 1)): exactly 1 at
+    r = 1 (PPO's gradient), positive at every ratio (no hard cut where PPO-clip gives 0)."""
+    lp = jnp.log(jnp.asarray([[0.5, 0.8, 1.0, 1.25, 2.0, 4.0]], jnp.float32)) - 1.0
+    old, mask = jnp.full(lp.shape, -1.0), jnp.ones(lp.shape)
+    for a in (1.0, -1.0):
+        adv = jnp.full(lp.shape, a)
+        grad = jax.grad(lambda x: sapo_policy_loss(x, old, adv, mask, aggregation="seq-mean-token-sum-norm",
+                                                   norm_length=1.0)[0])(lp)
+        weight = np.asarray(grad)[0] / -a
+        r = np.exp(np.asarray(lp - old, np.float64))[0]
+        tau = 1.0 if a > 0 else 1.05
+        sig = 1 / (1 + np.exp(-tau * (r - 1)))
+        np.testing.assert_allclose(weight, 4 * sig * (1 - sig) * r, rtol=1e-5)
+        assert weight[2] == pytest.approx(1.0, rel=1e-6) and np.all(weight[[0, 1, 3, 4, 5]] > 0)
+
+
 class PolicyLossVariantsTest(chex.TestCase):
     """Parity with the references, jitted and not (chex variants)."""
 
@@ -282,6 +304,7 @@ class PolicyLossVariantsTest(chex.TestCase):
             "ppo": dict(clip_eps_low=0.2, clip_eps_high=0.2),
             "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),
             "cispo": dict(clip_eps_low=None, clip_eps_high=0.28),
+            "sapo": dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
             "pg": dict(),
         }[kind]
         mode = "seq-mean-token-mean" if kind == "gspo" else "token-mean"
@@ -332,12 +355,14 @@ def analytic_grad(kind, data, opts, mode):
     return grad
 
 
-def test_ppo_gradient_matches_finite_differences():
-    assert_away_from_kinks("ppo", DATA, HPARAMS["ppo"])
-    out = all_modes("ppo", DATA, opts=OPTS)
+@pytest.mark.parametrize("kind", ["ppo", "sapo"])
+def test_gradient_matches_finite_differences(kind):
+    if kind == "ppo":
+        assert_away_from_kinks("ppo", DATA, HPARAMS["ppo"])
+    out = all_modes(kind, DATA, opts=OPTS)
     for mode in MODES:
         def ref(lp, mode=mode):
-            return ref_loss_and_metrics("ppo", dict(DATA, logps=lp), HPARAMS["ppo"], OPTS, mode)[0]
+            return ref_loss_and_metrics(kind, dict(DATA, logps=lp), HPARAMS[kind], OPTS, mode)[0]
 
         want = references.finite_difference(ref, DATA["logps"])
         np.testing.assert_allclose(out[mode][2], want, rtol=1e-5, atol=1e-6, err_msg=mode)
@@ -630,6 +655,7 @@ PAPER_CLIP_BANDS = {
     "ppo": (0.2, 0.2),  # Schulman et al. 2017: eps = 0.2
     "gspo": (3e-4, 4e-4),  # Zheng et al. 2025
     "cispo": (None, 0.28),  # MiniMax-M1: no lower bound; eps_high unpublished, 0.28 is DAPO's
+    "sapo": (None, None),  # a soft gate, no clip
     "pg": (None, None),  # REINFORCE: no ratio to clip
 }
 STEP = 1e-4  # how far inside / outside a band edge the probing ratios sit
@@ -648,7 +674,8 @@ def test_registry_is_exported_and_complete():
 
     assert alignax.losses.POLICY_LOSSES is POLICY_LOSSES
     assert dict(POLICY_LOSSES) == {
-        "ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss,
+        "ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "sapo": sapo_policy_loss,
+        "pg": pg_loss,
     }
     assert set(PAPER_CLIP_BANDS) == set(POLICY_LOSSES)
 
@@ -676,6 +703,7 @@ def test_clip_keywords_follow_the_signatures():
     assert policy_loss_clip_keywords("ppo") == ("clip_eps_low", "clip_eps_high", "dual_clip_c")
     assert policy_loss_clip_keywords("gspo") == ("clip_eps_low", "clip_eps_high")
     assert policy_loss_clip_keywords("cispo") == ("clip_eps_low", "clip_eps_high")
+    assert policy_loss_clip_keywords("sapo") == ("sapo_temperature_pos", "sapo_temperature_neg")
     assert policy_loss_clip_keywords("pg") == ()
     args = [jnp.asarray(DATA[k]) for k in DATA_KEYS]
     for name, loss_fn in POLICY_LOSSES.items():
@@ -687,5 +715,278 @@ def test_clip_keywords_follow_the_signatures():
         assert float(metrics.get("dual_clipfrac", 0.0)) == 0.0, name
     with pytest.raises(TypeError):
         pg_loss(*args, clip_eps_low=0.2)
-    with pytest.raises(ValueError, match="unknown policy loss 'dpo'; valid: ppo, gspo, cispo, pg"):
+    with pytest.raises(ValueError, match="unknown policy loss 'dpo'; valid: ppo, gspo, cispo, sapo, pg"):
         policy_loss_clip_keywords("dpo")
+
+
+# ---------------------------------------------------------------------------------------
+# Importance-weighted KL term (kl_importance_weight)
+# ---------------------------------------------------------------------------------------
+
+
+def ref_weighted_kl(data, opts, weight, mode):
+    """``kl_coef * agg(w_t k3_t)`` and its d/d logps, by loops (DeepSeek-V3.2 eq. 8):
+    ``w = pi_theta / pi_old``; d(w k3) = w k3 + w (1 - pi_ref / pi_theta) when ``w`` is
+    differentiated (``ratio``), w (1 - pi_ref / pi_theta) when it is not."""
+    lp, old, mask = (np.asarray(data[k], np.float64) for k in ("logps", "old_logps", "mask"))
+    ref = np.asarray(opts["ref_logps"], np.float64)
+    value, d_value = np.zeros(lp.shape), np.zeros(lp.shape)
+    for i, t in zip(*np.nonzero(mask)):
+        x = lp[i, t] - ref[i, t]
+        k3 = math.exp(-x) - 1.0 + x
+        w = 1.0 if weight == "none" else math.exp(lp[i, t] - old[i, t])
+        value[i, t] = w * k3
+        d_value[i, t] = w * (1.0 - math.exp(-x)) + (w * k3 if weight == "ratio" else 0.0)
+    coef = opts["kl_coef"]
+    return (coef * references.aggregate(value, mask, mode), coef * agg_weights(mask, mode) * d_value,
+            value[mask > 0].mean() if mask.any() else 0.0)
+
+
+def _kl_terms(kind, data, weight, mode):
+    args = [jnp.asarray(data[k]) for k in DATA_KEYS]
+
+    def f(lp):
+        return POLICY_LOSSES[kind](lp, *args[1:], aggregation=mode, **HPARAMS[kind], ref_logps=OPTS["ref_logps"],
+                                   kl_coef=OPTS["kl_coef"], kl_importance_weight=weight)
+
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(args[0])
+    return float(loss), {k: float(v) for k, v in metrics.items()}, np.asarray(grad)
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("weight", ["ratio", "detached_ratio"])
+def test_importance_weighted_kl_off_policy_matches_reference(kind, weight):
+    """Off-policy (ratios != 1, a row with no response token): the loss and its gradient
+    move from the unweighted ones by exactly the reference's KL difference in every mode;
+    the ``kl`` metric is the weighted masked mean."""
+    for mode in MODES:
+        base_loss, _, base_grad = _kl_terms(kind, DATA, "none", mode)
+        loss, metrics, grad = _kl_terms(kind, DATA, weight, mode)
+        want, d_want, kl_metric = ref_weighted_kl(DATA, OPTS, weight, mode)
+        plain, d_plain, _ = ref_weighted_kl(DATA, OPTS, "none", mode)
+        assert abs(want - plain) > 1e-4  # the weighting matters on this data
+        np.testing.assert_allclose(loss - base_loss, want - plain, rtol=1e-4, atol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(grad - base_grad, d_want - d_plain, rtol=1e-4, atol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(metrics["kl"], kl_metric, rtol=1e-5, err_msg=mode)
+        assert np.all(grad[DATA["mask"] == 0] == 0)
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_importance_weighted_kl_on_policy(kind):
+    """On-policy (old_logps == logps, ratio 1): the loss is unchanged by either weighting;
+    ``detached_ratio`` leaves the gradient unchanged too, ``ratio`` adds the score-function
+    term ``kl_coef * agg-weight * k3_t`` (what makes its expected gradient that of
+    KL(pi_theta || ref))."""
+    data = {**DATA, "old_logps": DATA["logps"]}
+    for mode in MODES:
+        base_loss, base_metrics, base_grad = _kl_terms(kind, data, "none", mode)
+        loss, metrics, grad = _kl_terms(kind, data, "detached_ratio", mode)
+        assert loss == pytest.approx(base_loss, rel=1e-6, abs=1e-7)
+        assert metrics["kl"] == pytest.approx(base_metrics["kl"])
+        np.testing.assert_allclose(grad, base_grad, rtol=1e-6, atol=1e-7, err_msg=mode)
+        loss, _, grad = _kl_terms(kind, data, "ratio", mode)
+        assert loss == pytest.approx(base_loss, rel=1e-6, abs=1e-7)
+        plain, _, _ = ref_weighted_kl(data, OPTS, "none", mode)
+        lp, ref = np.asarray(data["logps"], np.float64), np.asarray(OPTS["ref_logps"], np.float64)
+        k3 = np.where(data["mask"] > 0, np.expm1(ref - lp) - (ref - lp), 0.0)
+        score = OPTS["kl_coef"] * agg_weights(data["mask"], mode) * k3
+        assert np.max(np.abs(score)) > 1e-4
+        np.testing.assert_allclose(grad - base_grad, score, rtol=1e-3, atol=1e-7, err_msg=mode)
+
+
+def test_importance_weighted_kl_bad_name_is_named():
+    lp, old, adv, mask = (jnp.asarray(DATA[k]) for k in DATA_KEYS)
+    with pytest.raises(ValueError, match="kl_importance_weight"):
+        ppo_policy_loss(lp, old, adv, mask, ref_logps=OPTS["ref_logps"], kl_coef=0.1, kl_importance_weight="token")
+
+
+# ---------------------------------------------------------------------------------------
+# Off-policy sequence masking (off_policy_mask_threshold)
+# ---------------------------------------------------------------------------------------
+
+
+def ref_off_policy_keep(lp, old, adv, mask, delta):
+    """DeepSeek-V3.2 eq. 9 by loops: M_it = 0 iff A_it < 0 and mean_t(log pi_old - log pi_theta) > delta."""
+    keep = np.ones(lp.shape)
+    for i in range(lp.shape[0]):
+        tokens = [t for t in range(lp.shape[1]) if mask[i][t]]
+        drift = sum(old[i][t] - lp[i][t] for t in tokens) / max(len(tokens), 1)
+        for t in tokens:
+            keep[i][t] = 0.0 if (adv[i][t] < 0 and drift > delta) else 1.0
+    return keep
+
+
+def test_off_policy_sequence_mask_matches_reference():
+    from alignax.losses import off_policy_sequence_mask
+
+    dropped = kept = 0.0
+    for seed, shape in ((0, (5, 6)), (1, (7, 3)), (2, (2, 9))):
+        rng = np.random.default_rng(seed)
+        lp = -rng.uniform(0.1, 3.0, shape)
+        old = lp + rng.normal(0.0, 0.6, shape)
+        adv = rng.normal(size=shape)
+        mask = (rng.uniform(size=shape) > 0.3).astype(np.float32)
+        mask[0] = 0  # a row with no response token
+        for delta in (0.0, 0.1, 0.3):
+            want = ref_off_policy_keep(lp, old, adv, mask, delta)
+            got = np.asarray(off_policy_sequence_mask(jnp.asarray(lp, jnp.float32), jnp.asarray(old, jnp.float32),
+                                                      jnp.asarray(adv, jnp.float32), mask, threshold=delta))
+            np.testing.assert_array_equal(got * mask, want * mask, err_msg=f"{shape} {delta}")
+            assert np.all(got[0] == 1)
+            dropped, kept = dropped + ((1 - want) * mask).sum(), kept + (want * mask).sum()
+    assert dropped > 0 and kept > 0
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_off_policy_mask_drops_the_policy_term_of_the_masked_tokens(kind):
+    """The loss with the mask is the reference's per-token loss times M (every mode), its
+    gradient the unmasked one times M on the policy term, and ``off_policy_masked`` the
+    dropped fraction; the KL term keeps every token."""
+    delta = 0.02  # drops the negative-advantage token of row 3 (drift 0.039 nats per token)
+    lp, old, adv, mask = (np.asarray(DATA[k], np.float64) for k in DATA_KEYS)
+    keep = ref_off_policy_keep(lp, old, adv, mask, delta)
+    assert 0 < (keep * mask).sum() < mask.sum()
+    args = [jnp.asarray(DATA[k]) for k in DATA_KEYS]
+    for mode in MODES:
+        def f(x, threshold, mode=mode):
+            extra = {} if threshold is None else {"off_policy_mask_threshold": threshold}
+            return POLICY_LOSSES[kind](x, *args[1:], aggregation=mode, **HPARAMS[kind], **extra)
+
+        (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(args[0], delta)
+        _, plain_grad = jax.value_and_grad(f, has_aux=True)(args[0], None)
+        per_token, _ = ref_token_losses(kind, lp, old, adv, mask, HPARAMS[kind])
+        np.testing.assert_allclose(float(loss), references.aggregate(per_token * keep, mask, mode),
+                                   rtol=1e-5, atol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(plain_grad) * keep, rtol=1e-5, atol=1e-7)
+        assert float(metrics["off_policy_masked"]) == pytest.approx(1 - (keep * mask).sum() / mask.sum(), rel=1e-6)
+    # the KL term is not masked: with A = 0 nothing is dropped whatever the drift
+    zero = jnp.zeros_like(args[2])
+    with_mask, _ = POLICY_LOSSES[kind](args[0], args[1], zero, args[3], ref_logps=OPTS["ref_logps"], kl_coef=0.2,
+                                       off_policy_mask_threshold=0.0, **HPARAMS[kind])
+    without, _ = POLICY_LOSSES[kind](args[0], args[1], zero, args[3], ref_logps=OPTS["ref_logps"], kl_coef=0.2,
+                                     **HPARAMS[kind])
+    assert float(with_mask) == pytest.approx(float(without), rel=1e-6)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+        POLICY_LOSSES[kind](*args, off_policy_mask_threshold=-0.1)
+
+
+def test_two_sided_ratio_cap_delta_is_the_dual_clip():
+    """INTELLECT-2's two-sided clipping (TRL ``delta``): ``l = -min(min(r, delta) A,
+    clip(r, 1 - eps_low, 1 + eps_high) A)``. For ``delta > 1 + eps_high`` it equals PPO-clip
+    with ``dual_clip_c = delta`` in value and gradient, so the migration table maps
+    ``delta`` to ``dual_clip_c``; ratios on both sides of delta, both signs of A."""
+    ratios = np.array([0.5, 0.9, 1.1, 1.3, 2.0, 2.9, 3.5, 6.0])
+    adv = np.array([[1.0] * 8, [-1.0] * 8, [0.7, -0.4, 1.3, -2.0, 0.5, -0.6, 1.1, -0.9]])
+    lp = np.log(np.tile(ratios, (3, 1))) - 1.0
+    old = np.full(lp.shape, -1.0)
+    mask = np.ones(lp.shape)
+    for delta in (1.5, 3.0):
+        def trl(x):
+            r = jnp.exp(x - old)
+            per_token = -jnp.minimum(jnp.minimum(r, delta) * adv, jnp.clip(r, 0.8, 1.28) * adv)
+            return jnp.mean(per_token)
+
+        def ours(x):
+            return ppo_policy_loss(x, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), mask,
+                                   clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=delta)[0]
+
+        x = jnp.asarray(lp, jnp.float32)
+        np.testing.assert_allclose(float(ours(x)), float(trl(x)), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(jax.grad(ours)(x)), np.asarray(jax.grad(trl)(x)), rtol=1e-6, atol=1e-8)
+        plain = ppo_policy_loss(x, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), mask,
+                                clip_eps_low=0.2, clip_eps_high=0.28)[0]
+        assert float(plain) != pytest.approx(float(trl(x)))  # the cap acts on this data
+
+
+# ---------------------------------------------------------------------------------------
+# High-entropy token selection (top_entropy_quantile)
+# ---------------------------------------------------------------------------------------
+
+
+def ref_high_entropy_keep(entropy, mask, rho):
+    """"Beyond the 80/20 Rule": keep H_it >= the (1 - rho) quantile of the response tokens' H."""
+    values = [entropy[i][t] for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i][t]]
+    if not values:
+        return np.ones(mask.shape)
+    tau = np.quantile(np.asarray(values, np.float64), 1.0 - rho)
+    return np.where(np.asarray(entropy, np.float64) >= tau, 1.0, 0.0)
+
+
+def test_high_entropy_mask_matches_reference():
+    from alignax.losses import high_entropy_mask
+
+    for seed, shape in ((0, (5, 6)), (1, (7, 3)), (2, (2, 9))):
+        rng = np.random.default_rng(seed)
+        entropy = rng.uniform(0.0, 3.0, shape).astype(np.float32)
+        mask = (rng.uniform(size=shape) > 0.3).astype(np.float32)
+        mask[0] = 0  # a row with no response token
+        entropy[mask == 0] = 1e6  # garbage off the mask must not move the quantile
+        for rho in (0.2, 0.5, 1.0):
+            want = ref_high_entropy_keep(entropy, mask, rho)
+            got = np.asarray(high_entropy_mask(jnp.asarray(entropy), mask, quantile=rho))
+            np.testing.assert_array_equal(got * mask, want * mask, err_msg=f"{shape} {rho}")
+            kept = (got * mask).sum() / mask.sum()
+            assert kept == 1.0 if rho == 1.0 else abs(kept - rho) <= 1.0 / mask.sum() + 1e-6
+    empty = np.zeros((2, 3), np.float32)
+    assert np.all(np.asarray(high_entropy_mask(jnp.ones((2, 3)), empty, quantile=0.2)) == 1)
+    with pytest.raises(ValueError, match="top_entropy_quantile must be in"):
+        high_entropy_mask(jnp.ones((2, 3)), empty, quantile=0.0)
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_top_entropy_quantile_keeps_the_policy_term_of_high_entropy_tokens(kind):
+    """The policy term is the reference's per-token loss times the entropy mask, in every
+    mode; the entropy bonus still sees every token; ``entropy_masked`` reports the share."""
+    rho = 0.4
+    lp, old, adv, mask = (np.asarray(DATA[k], np.float64) for k in DATA_KEYS)
+    entropy = np.asarray(OPTS["entropy"], np.float64)
+    keep = ref_high_entropy_keep(np.where(mask > 0, entropy, 0.0), mask, rho)
+    per_token, _ = ref_token_losses(kind, lp, old, adv, mask, HPARAMS[kind])
+    args = [jnp.asarray(DATA[k]) for k in DATA_KEYS]
+    for mode in MODES:
+        def f(x, mode=mode, **extra):
+            return POLICY_LOSSES[kind](x, *args[1:], aggregation=mode, **HPARAMS[kind], entropy=OPTS["entropy"],
+                                       entropy_coef=0.03, **extra)
+
+        (loss, metrics), grad = jax.value_and_grad(lambda x: f(x, top_entropy_quantile=rho), has_aux=True)(args[0])
+        (_, plain_metrics), plain_grad = jax.value_and_grad(f, has_aux=True)(args[0])
+        want = references.aggregate(per_token * keep, mask, mode) - 0.03 * references.aggregate(entropy, mask, mode)
+        np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(float(metrics["pg_loss"]), references.aggregate(per_token * keep, mask, mode),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(plain_grad) * keep, rtol=1e-5, atol=1e-7)
+        assert float(metrics["entropy_masked"]) == pytest.approx(1 - (keep * mask).sum() / mask.sum(), rel=1e-6)
+        assert float(metrics["entropy"]) == pytest.approx(plain_metrics["entropy"])
+    with pytest.raises(ValueError, match="top_entropy_quantile needs entropy="):
+        POLICY_LOSSES[kind](*args, top_entropy_quantile=0.2)
+
+
+def test_luspo_is_gspo_with_seq_mean_token_sum():
+    """LUSPO as TRL 1.16 defines it (Length-Unbiased Sequence Policy Optimization; TRL's
+    ``loss_type="luspo"`` with ``importance_sampling_level="sequence"``): the GSPO sequence
+    loss times the sequence's length, averaged over sequences,
+    ``mean_i |y_i| max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high))``. GSPO with
+    ``aggregation="seq-mean-token-sum"`` is that, value and gradient, when no row is empty
+    (TRL's mean also counts empty rows as 0; alignax's ``seq-mean`` skips them)."""
+    rng = np.random.default_rng(7)
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0], [1, 0, 0, 0, 0]], np.float32)
+    old = -rng.uniform(0.5, 2.0, mask.shape)
+    lp = old + np.array([[5e-4], [1e-4], [-5e-4], [-4e-4]]) + rng.normal(0.0, 1e-5, mask.shape)
+    adv = np.array([0.8, -1.1, 0.4, -0.3])  # row 0 clipped above, row 3 clipped below, rows 1-2 not
+    eps_low, eps_high = 3e-4, 4e-4
+
+    def trl(x):
+        n = mask.sum(1)
+        s = jnp.exp(jnp.sum((x - old) * mask, 1) / n)
+        per_seq = -jnp.minimum(s * adv, jnp.clip(s, 1 - eps_low, 1 + eps_high) * adv)
+        return jnp.mean(per_seq * n)
+
+    def ours(x):
+        return gspo_policy_loss(x, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), mask,
+                                aggregation="seq-mean-token-sum", clip_eps_low=eps_low, clip_eps_high=eps_high)[0]
+
+    x = jnp.asarray(lp, jnp.float32)
+    s = np.exp(((lp - old) * mask).sum(1) / mask.sum(1))
+    assert np.any(s > 1 + eps_high) and np.any((s < 1 + eps_high) & (s > 1 - eps_low))  # clipped and not
+    np.testing.assert_allclose(float(ours(x)), float(trl(x)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.grad(ours)(x)), np.asarray(jax.grad(trl)(x)), rtol=1e-5, atol=1e-7)

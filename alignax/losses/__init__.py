@@ -1,9 +1,11 @@
 """Pure loss functions, each returning ``(loss, metrics)``.
 
 - policy: ``ppo_policy_loss`` (clip-higher, dual clip), ``gspo_policy_loss``,
-  ``cispo_policy_loss``, ``pg_loss`` — with entropy bonus, KL-in-loss and truncated
-  importance weights as options of each; ``POLICY_LOSSES`` maps their config names to
-  them, ``policy_loss_clip_keywords`` lists the clip keywords each takes.
+  ``cispo_policy_loss``, ``sapo_policy_loss``, ``pg_loss`` — with entropy bonus,
+  KL-in-loss and truncated importance weights as options of each; ``POLICY_LOSSES`` maps their config names to
+  them, ``policy_loss_clip_keywords`` lists the clip keywords each takes;
+  ``off_policy_sequence_mask`` (DeepSeek-V3.2's off-policy sequence masking),
+  ``high_entropy_mask`` (top-entropy token selection).
 - value: ``value_loss`` (clipped), ``explained_variance``.
 - preference: ``dpo_loss`` (variants in ``DPO_VARIANTS``), ``simpo_loss``, ``cpo_loss``,
   ``orpo_loss``, ``kto_loss`` (+ ``kto_reference_point``).
@@ -19,9 +21,12 @@ from alignax.losses.policy import (
     POLICY_LOSSES,
     cispo_policy_loss,
     gspo_policy_loss,
+    high_entropy_mask,
+    off_policy_sequence_mask,
     pg_loss,
     policy_loss_clip_keywords,
     ppo_policy_loss,
+    sapo_policy_loss,
 )
 from alignax.losses.preference import (
     DPO_VARIANTS,
@@ -49,14 +54,17 @@ __all__ = [
     "ensemble_rewards",
     "explained_variance",
     "gspo_policy_loss",
+    "high_entropy_mask",
     "kto_loss",
     "kto_reference_point",
+    "off_policy_sequence_mask",
     "orpo_loss",
     "pg_loss",
     "prm_loss",
     "prm_step_counts",
     "policy_loss_clip_keywords",
     "ppo_policy_loss",
+    "sapo_policy_loss",
     "sft_loss",
     "simpo_loss",
     "sparse_distill_loss",

@@ -1,4 +1,4 @@
-"""Policy-gradient losses for online RL: PPO-clip, GSPO, CISPO and plain REINFORCE.
+"""Policy-gradient losses for online RL: PPO-clip, GSPO, CISPO, SAPO and plain REINFORCE.
 
 Every loss takes per-token data positionally and hyper-parameters keyword-only:
 
@@ -24,9 +24,23 @@ Options shared by every loss (one private driver, :func:`_policy_loss`, applies 
   You Off-Policy RL Training"): each token's policy loss is multiplied by
   ``w_t = sg(min(exp(old_logps - sampler_logps), tis_cap))``.
 - ``entropy`` ``[B, T]`` with ``entropy_coef``: ``loss -= entropy_coef * agg(entropy)``.
+- ``top_entropy_quantile`` ``rho`` (with ``entropy``): only the tokens whose entropy is in
+  the top ``rho`` fraction of the batch's response tokens keep their policy term (Wang et
+  al. 2025, "Beyond the 80/20 Rule"; TRL's ``top_entropy_quantile``;
+  :func:`high_entropy_mask`). ``1`` keeps every token.
+- ``off_policy_mask_threshold`` ``delta``: off-policy sequence masking (DeepSeek-AI 2025,
+  "DeepSeek-V3.2", eq. 9; TRL's ``off_policy_mask_threshold``): the policy term of a token
+  with a negative advantage is dropped when its sequence has drifted, on average per token,
+  more than ``delta`` nats from ``old_logps`` (:func:`off_policy_sequence_mask`). The
+  entropy and KL terms keep every token.
 - ``ref_logps`` ``[B, T]`` with ``kl_coef`` and ``kl_kind``: ``loss += kl_coef *
   agg(KL_t)`` with ``KL_t = kl_estimate(logps, sg(ref_logps), kind=kl_kind)`` — the GRPO
-  placement of the KL term (Shao et al. 2024); ``k3`` by default.
+  placement of the KL term (Shao et al. 2024); ``k3`` by default. ``kl_importance_weight``
+  (``none`` by default) multiplies ``KL_t`` by the token's ``pi_theta / pi_old``, which
+  makes the estimate unbiased when the tokens came from an older policy (several epochs,
+  the sampler's log-probs as ``old_logps``): ``ratio`` differentiates the weight (TRL's
+  ``use_bias_correction_kl``, DeepSeek-V3.2), ``detached_ratio`` does not
+  (:func:`alignax.kl.importance_weighted_kl` says what each gradient estimates).
 
 So for every loss: ``loss = agg(w_t * l_t) - entropy_coef * agg(H_t) + kl_coef * agg(KL_t)``
 where ``l_t`` is the per-token policy loss of the variant.
@@ -51,15 +65,20 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
 - ``ratio_mean`` / ``ratio_min`` / ``ratio_max``: the importance ratio the loss uses
   (``pi_theta / pi_old`` per token; GSPO's sequence ratio ``s_i`` on each of its tokens).
 - ``entropy`` (only when ``entropy`` is given): masked mean entropy.
-- ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference.
+- ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference
+  (weighted by ``pi_theta / pi_old`` under ``kl_importance_weight``).
 - ``tis_weight_mean`` (only when ``sampler_logps`` is given): masked mean of ``w_t``.
+- ``entropy_masked`` (only with ``top_entropy_quantile``): the fraction of tokens whose
+  policy term the entropy mask dropped.
+- ``off_policy_masked`` (only with ``off_policy_mask_threshold``): the fraction of tokens
+  whose policy term the sequence mask dropped.
 - ``dual_clipfrac`` (PPO only, only when ``dual_clip_c`` is set): fraction of tokens where
   the dual-clip bound is active, ``A < 0 and r > c``.
 
 The log-ratio ``log pi_theta - log pi_old`` is clipped to ``[-20, 20]`` before ``exp`` (as
 in verl), so one far-drifted token cannot overflow float32.
 
-:data:`POLICY_LOSSES` maps a config name (``ppo``, ``gspo``, ``cispo``, ``pg``) to its loss,
+:data:`POLICY_LOSSES` maps a config name (``ppo``, ``gspo``, ``cispo``, ``sapo``, ``pg``) to its loss,
 and :func:`policy_loss_clip_keywords` says which clip keywords each one takes.
 """
 
@@ -132,6 +151,59 @@ def _ppo_clip(
     return per_token, clipped_low, clipped_high
 
 
+def off_policy_sequence_mask(logps: Array, old_logps: Array, advantages: Array, mask: Array, *,
+                             threshold: Scalar) -> Array:
+    """Off-policy sequence masking (DeepSeek-V3.2, eq. 9): which tokens keep their policy term.
+
+        D_i    = (1 / |y_i|) sum_{t in y_i} (old_logps_it - logps_it)   (k1 KL(pi_old || pi_theta) per token)
+        keep_it = 1 if A_it >= 0 or D_i <= threshold, else 0
+
+    A sequence that the current policy has moved away from (``D_i > threshold`` nats per token)
+    no longer pushes its negative-advantage tokens down: the paper finds those updates the
+    ones that destabilise training once samples are off-policy.
+
+    Args:
+      logps, old_logps: ``[B, T]`` log pi_theta (no gradient is taken through the mask) and
+        log pi_old of the sampled tokens.
+      advantages: ``[B, T]``; mask: ``[B, T]``, response tokens where ``> 0``.
+      threshold: ``delta`` >= 0 (TRL's example: 0.5).
+
+    Returns ``[B, T]`` float32, 1 to keep and 0 to drop; a row with no response token has
+    ``D_i = 0``, and positions off the mask are 1 (the caller's mask drops them anyway).
+    """
+    check_same_shape(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
+    keep = jnp.asarray(mask) > 0
+    drift = jnp.where(keep, _f32(old_logps) - jax.lax.stop_gradient(_f32(logps)), 0.0)
+    per_seq = jnp.sum(drift, axis=-1) / jnp.maximum(jnp.sum(keep, axis=-1), 1)  # [B]
+    kept = (jnp.asarray(advantages) >= 0) | (per_seq <= threshold)[:, None]
+    return jnp.where(keep, kept, True).astype(jnp.float32)
+
+
+def high_entropy_mask(entropy: Array, mask: Array, *, quantile: Scalar) -> Array:
+    """Which tokens are among the ``quantile`` fraction of highest entropy ("Beyond the 80/20
+    Rule", Wang et al. 2025: the forking tokens carry the learning signal; the paper keeps 0.2).
+
+        tau    = Q_{1 - quantile}({H_it : mask_it > 0})     (linear interpolation, as np.quantile)
+        keep_it = 1 if H_it >= tau else 0
+
+    The quantile is over every response token of the arrays given (with micro-batches, of
+    each micro-batch, as in TRL). No gradient flows through the mask.
+
+    Args:
+      entropy: ``[B, T]`` per-token entropy (nats); mask: ``[B, T]``, counted where ``> 0``.
+      quantile: ``rho`` in ``(0, 1]``; 1 keeps every token.
+
+    Returns ``[B, T]`` float32, 1 to keep; all ones when the mask is empty.
+    """
+    check_same_shape(entropy=entropy, mask=mask)
+    if is_concrete_number(quantile) and not 0.0 < quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in (0, 1]; got {quantile}")
+    keep = jnp.asarray(mask) > 0
+    entropy = jax.lax.stop_gradient(_f32(entropy))
+    tau = jnp.nanquantile(jnp.where(keep, entropy, jnp.nan), 1.0 - quantile)
+    return jnp.where(jnp.any(keep), entropy >= tau, True).astype(jnp.float32)
+
+
 def _policy_loss(
     surrogate: Callable[[_Tokens], _Surrogate],
     logps: Array,
@@ -148,6 +220,9 @@ def _policy_loss(
     ref_logps: Array | None,
     kl_coef: Scalar,
     kl_kind: kl_lib.KLKind,
+    kl_importance_weight: kl_lib.KLWeight,
+    off_policy_mask_threshold: Scalar | None,
+    top_entropy_quantile: Scalar | None,
     sampler_logps: Array | None,
     tis_cap: Scalar,
 ) -> tuple[Array, dict[str, Array]]:
@@ -169,8 +244,12 @@ def _policy_loss(
             check_same_shape(logps=logps, **{name: value})
     check_choice("aggregation", aggregation, ops.AGGREGATION_MODES)
     check_choice("kl_kind", kl_kind, kl_lib.KL_KINDS)
+    check_choice("kl_importance_weight", kl_importance_weight, kl_lib.KL_WEIGHTS)
     if is_concrete_number(tis_cap) and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
+    _check_nonnegative(off_policy_mask_threshold=off_policy_mask_threshold)
+    if top_entropy_quantile is not None and entropy is None:
+        raise ValueError("top_entropy_quantile needs entropy= (the per-token entropy [B, T]) to rank the tokens by")
 
     keep = jnp.asarray(mask).astype(bool)
 
@@ -198,6 +277,14 @@ def _policy_loss(
         tis_weight = sg(jnp.minimum(jnp.exp(sampler_log_ratio), tis_cap))
         per_token = per_token * tis_weight
         metrics["tis_weight_mean"] = ops.masked_mean(tis_weight, keep)
+    if off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_mask(logps, old_logps, tokens.advantages, keep, threshold=off_policy_mask_threshold)
+        per_token = per_token * kept
+        metrics["off_policy_masked"] = ops.masked_mean(1.0 - kept, keep)
+    if top_entropy_quantile is not None:
+        high = high_entropy_mask(entropy, keep, quantile=top_entropy_quantile)
+        per_token = per_token * high
+        metrics["entropy_masked"] = ops.masked_mean(1.0 - high, keep)
     pg = ops.aggregate(per_token, keep, **agg)
     loss = pg
 
@@ -206,7 +293,8 @@ def _policy_loss(
         loss = loss - entropy_coef * ops.aggregate(entropy, keep, **agg)
         metrics["entropy"] = ops.masked_mean(entropy, keep)
     if ref_logps is not None:
-        kl_tokens = kl_lib.kl_estimate(logps, sg(on_mask(ref_logps)), kind=kl_kind)
+        kl_tokens = kl_lib.importance_weighted_kl(logps, sg(on_mask(ref_logps)), old_logps, kind=kl_kind,
+                                                  weight=kl_importance_weight)
         loss = loss + kl_coef * ops.aggregate(kl_tokens, keep, **agg)
         metrics["kl"] = ops.masked_mean(kl_tokens, keep)
 
@@ -247,6 +335,9 @@ def ppo_policy_loss(
     ref_logps: Array | None = None,
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -295,7 +386,9 @@ def ppo_policy_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -316,6 +409,9 @@ def gspo_policy_loss(
     ref_logps: Array | None = None,
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -361,7 +457,9 @@ def gspo_policy_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -382,6 +480,9 @@ def cispo_policy_loss(
     ref_logps: Array | None = None,
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -419,7 +520,9 @@ def cispo_policy_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -438,6 +541,9 @@ def pg_loss(
     ref_logps: Array | None = None,
     kl_coef: Scalar = 0.0,
     kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
     tis_cap: Scalar = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -462,7 +568,67 @@ def pg_loss(
         surrogate, logps, old_logps, advantages, mask,
         aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
-        kl_kind=kl_kind, sampler_logps=sampler_logps, tis_cap=tis_cap,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
+    )
+
+
+def sapo_policy_loss(
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    sapo_temperature_pos: Scalar = 1.0,
+    sapo_temperature_neg: Scalar = 1.05,
+    aggregation: ops.AggregationMode = "token-mean",
+    num_tokens: Scalar | None = None,
+    num_seqs: Scalar | None = None,
+    norm_length: Scalar | None = None,
+    entropy: Array | None = None,
+    entropy_coef: Scalar = 0.0,
+    ref_logps: Array | None = None,
+    kl_coef: Scalar = 0.0,
+    kl_kind: kl_lib.KLKind = "k3",
+    kl_importance_weight: kl_lib.KLWeight = "none",
+    off_policy_mask_threshold: Scalar | None = None,
+    top_entropy_quantile: Scalar | None = None,
+    sampler_logps: Array | None = None,
+    tis_cap: Scalar = 2.0,
+) -> tuple[Array, dict[str, Array]]:
+    """SAPO, a soft gate in place of the clip (Gao et al. 2025, "Soft Adaptive Policy
+    Optimization"; TRL's ``loss_type="sapo"``).
+
+    Per token, with ``r_t = exp(logps - old_logps)`` and ``tau = tau_pos`` if ``A_t > 0``
+    else ``tau_neg``:
+
+        l_t = -(4 / tau) sigmoid(tau (r_t - 1)) A_t
+
+    Its gradient ``-4 s (1 - s) r_t A_t grad logps`` (``s = sigmoid(tau (r_t - 1))``) equals
+    PPO's ``-A_t`` at ``r_t = 1`` and fades smoothly as the ratio moves far from 1 (faster for
+    larger ``tau``), where PPO-clip cuts it to 0 at the clip edge. The paper sets ``tau_neg > tau_pos``: negative
+    advantages, which spread probability over the vocabulary, are damped harder. Defaults are
+    TRL's, 1.0 and 1.05. The loss value is ``2 / tau`` times PPO's on-policy.
+
+    Args and returns as :func:`ppo_policy_loss` (no clip: ``clipfrac_*`` are 0).
+    """
+    _check_nonnegative(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+
+    def surrogate(tok: _Tokens) -> _Surrogate:
+        never = jnp.zeros(tok.mask.shape, bool)
+        ratio = jnp.exp(tok.log_ratio)
+        tau = jnp.where(tok.advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -(4.0 / tau) * jax.nn.sigmoid(tau * (ratio - 1.0)) * tok.advantages
+        return _Surrogate(per_token, ratio, never, never, {})
+
+    return _policy_loss(
+        surrogate, logps, old_logps, advantages, mask,
+        aggregation=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length,
+        entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
+        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
+        sampler_logps=sampler_logps, tis_cap=tis_cap,
     )
 
 
@@ -470,17 +636,20 @@ PolicyLoss = Callable[..., tuple[Array, dict[str, Array]]]
 
 # Read-only: a loss is added here, next to its definition, not registered from elsewhere.
 POLICY_LOSSES: Mapping[str, PolicyLoss] = types.MappingProxyType(
-    {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "pg": pg_loss}
+    {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss, "sapo": sapo_policy_loss,
+     "pg": pg_loss}
 )
 
-_CLIP_KEYWORDS = ("clip_eps_low", "clip_eps_high", "dual_clip_c")
+# SAPO's temperatures shape its soft gate the way the clip keywords shape the clip
+_CLIP_KEYWORDS = ("clip_eps_low", "clip_eps_high", "dual_clip_c", "sapo_temperature_pos", "sapo_temperature_neg")
 
 
 def policy_loss_clip_keywords(name: str) -> tuple[str, ...]:
     """The clip keywords the policy loss ``name`` accepts, read off its signature.
 
     ``ppo``: ``clip_eps_low, clip_eps_high, dual_clip_c``; ``gspo`` and ``cispo``:
-    ``clip_eps_low, clip_eps_high``; ``pg``: none. A trainer passes only these, so each
+    ``clip_eps_low, clip_eps_high``; ``sapo``: ``sapo_temperature_pos,
+    sapo_temperature_neg``; ``pg``: none. A trainer passes only these, so each
     loss keeps its own default for the others.
     """
     check_choice("policy loss", name, POLICY_LOSSES)

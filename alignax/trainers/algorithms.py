@@ -167,16 +167,23 @@ def _kl_rules(section: str, *with_the_coef: str) -> tuple[Rule, ...]:
     """The rows of the KL keys a :class:`~alignax.trainers.config.PolicyUpdateSection` shares."""
     return (rule([f"{section}.kl_kind", *with_the_coef, f"{section}.adaptive_kl"], Above(f"{section}.kl_coef", 0),
                  "kl_coef 0 drops the reference and the KL with it"),
-            rule([f"{section}.kl_target", f"{section}.kl_horizon"], Is(f"{section}.adaptive_kl", True)))
+            rule([f"{section}.kl_target", f"{section}.kl_horizon"], Is(f"{section}.adaptive_kl", True)),
+            rule(f"{section}.kl_importance_weight",
+                 All(Above(f"{section}.kl_coef", 0), Is(f"{section}.kl_placement", "loss")),
+                 "it weights the KL term of the loss; a KL in the reward is data, from the sampling policy's "
+                 "own log-probs"))
 
 
 GRPO_RULES: tuple[Rule, ...] = (
     *_kl_rules("grpo"),
     rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process"), "only these divide by a std"),
     rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
+    rule("grpo.scale_rewards", Is("grpo.advantage", "grpo"), "it picks grpo advantages' std"),
     rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
          "pg does not clip"),
     rule("grpo.dual_clip_c", Is("grpo.policy_loss", "ppo"), "the dual clip is PPO-clip's"),
+    rule(["grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg"], Is("grpo.policy_loss", "sapo"),
+         "they shape SAPO's soft gate"),
     rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process")),
          "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
     rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),

@@ -425,6 +425,23 @@ class PolicyUpdateSection:
     Fields:
       kl_coef / kl_kind / kl_placement: the KL to the reference (``alignax.kl``, per token),
         in the ``loss`` or subtracted from the ``reward``; ``kl_coef: 0`` drops the reference.
+      kl_importance_weight: with the KL in the loss, multiply each token's KL estimate by
+        ``pi_theta / pi_old`` (``alignax.kl.importance_weighted_kl``; DeepSeek-V3.2, TRL's
+        ``use_bias_correction_kl``), which keeps it unbiased when the tokens came from an
+        older policy (``epochs > 1``, ``rollout.old_logps: sampler``, asynchronous
+        rollouts). ``ratio``: the weight is differentiated (TRL's and the paper's form: the
+        gradient becomes that of KL(pi_theta || ref), on-policy too); ``detached_ratio``: it
+        is not (on-policy, value and gradient are exactly the unweighted ones). ``none``
+        (the default, as TRL's): unweighted, so existing runs and TRL ports keep their
+        update; docs/importance-weighted-kl.md says when to switch.
+      off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence masking (TRL's key of
+        that name): a negative-advantage token loses its policy term when its completion's
+        mean per-token ``log pi_old - log pi_theta`` exceeds this many nats
+        (``alignax.losses.off_policy_sequence_mask``); it acts only off-policy (``epochs >
+        1``, ``rollout.old_logps: sampler``). ``null`` (default): off.
+      top_entropy_quantile: only the tokens in this top fraction of entropy keep their policy
+        term ("Beyond the 80/20 Rule" keeps 0.2; TRL's key; ``alignax.losses.high_entropy_mask``);
+        ``null`` (default): every token.
       adaptive_kl / kl_target / kl_horizon: Ziegler et al. 2019's adaptive coefficient,
         steering the sequence KL towards ``kl_target``.
       entropy_coef: entropy bonus.
@@ -437,6 +454,9 @@ class PolicyUpdateSection:
     kl_coef: float = 0.0
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k1"
     kl_placement: Literal["loss", "reward"] = "loss"
+    kl_importance_weight: Literal["none", "ratio", "detached_ratio"] = "none"
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float | None = None
     adaptive_kl: bool = False
     kl_target: float = 6.0
     kl_horizon: float = 10000.0
@@ -456,8 +476,12 @@ class GRPOSection(PolicyUpdateSection):
       advantage: ``grpo`` | ``dr_grpo`` | ``rloo`` | ``reinforce_pp`` | ``remax`` |
         ``process`` (step rewards at step boundaries, DeepSeekMath process supervision).
       unbiased_std / reinforce_baseline: ``group_advantages`` options.
+      scale_rewards: ``grpo`` advantages' divisor (TRL's key): ``group`` (each group's
+        std, the default), ``batch`` (the std of the rollout's rewards) or ``none``
+        (``dr_grpo``'s advantages).
       policy_loss: ``ppo`` (clipped; DAPO's clip-higher via ``clip_eps_high``) | ``gspo`` |
-        ``cispo`` | ``pg``.
+        ``cispo`` | ``sapo`` (a soft gate, ``sapo_temperature_pos`` / ``_neg``; ``null``:
+        TRL's 1.0 / 1.05) | ``pg``.
       clip_eps_low / clip_eps_high / dual_clip_c: the clip ranges; ``null`` (the default)
         means the chosen loss's own default, its paper's: PPO-clip 0.2 / = low, GSPO
         3e-4 / 4e-4, CISPO no lower clip / 0.28. ``dual_clip_c`` is PPO-clip's only.
@@ -481,7 +505,10 @@ class GRPOSection(PolicyUpdateSection):
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "process"] = "grpo"
     unbiased_std: bool = True
     reinforce_baseline: bool = False
-    policy_loss: Literal["ppo", "gspo", "cispo", "pg"] = "ppo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    policy_loss: Literal["ppo", "gspo", "cispo", "sapo", "pg"] = "ppo"
+    sapo_temperature_pos: float | None = None
+    sapo_temperature_neg: float | None = None
     clip_eps_low: float | None = None
     dynamic_sampling: bool = False
     max_refills: int = 4

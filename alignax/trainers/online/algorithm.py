@@ -71,7 +71,8 @@ class PolicyObjective:
 
     ``loss_fn(logps, old_logps, advantages, mask, **keywords, aggregation=..., ...)``;
     ``keywords`` hold only the clip settings the user set, so a key left out means the
-    loss's own default (GSPO's and CISPO's papers' ranges differ from PPO's).
+    loss's own default (GSPO's and CISPO's papers' ranges differ from PPO's), and the
+    off-policy sequence mask's threshold when set.
     """
 
     loss_fn: Callable
@@ -82,13 +83,16 @@ class PolicyObjective:
 
 @dataclasses.dataclass(frozen=True)
 class KLSetup:
-    """KL to the reference: ``coef`` (initial), ``controller``, ``kind`` and ``placement``.
-    A zero fixed coefficient drops the reference model altogether."""
+    """KL to the reference: ``coef`` (initial), ``controller``, ``kind`` and ``placement``;
+    ``importance_weight``: ``pi_theta / pi_old`` on the KL in the loss
+    (:func:`alignax.kl.importance_weighted_kl`). A zero fixed coefficient drops the
+    reference model altogether."""
 
     coef: float
     controller: Any  # kl_lib.FixedKLController | kl_lib.AdaptiveKLController
     kind: str
     placement: KLPlacement
+    importance_weight: kl_lib.KLWeight = "none"
 
     @property
     def uses_reference(self) -> bool:
@@ -115,10 +119,10 @@ class KLSetup:
 
     def loss_keywords(self, ref_logps: Array | None, coef: Array) -> dict[str, Any]:
         """The policy loss's KL keywords under ``loss`` (``ref_logps [R, N]``, the
-        coefficient, the estimator); none otherwise."""
+        coefficient, the estimator, its importance weight); none otherwise."""
         if self.placement != "loss" or not self.uses_reference:
             return {}
-        return dict(ref_logps=ref_logps, kl_coef=coef, kl_kind=self.kind)
+        return dict(ref_logps=ref_logps, kl_coef=coef, kl_kind=self.kind, kl_importance_weight=self.importance_weight)
 
     def next_coef(self, coef, old_logps: Array, ref_logps: Array | None, mask: Array, *, mesh, rows: int):
         """``(sequence k1 KL [R] on the host or None, the controller's next state)`` after a

@@ -37,6 +37,13 @@ def clip_keywords(section, loss_name: str) -> dict[str, float]:
     return {k: getattr(section, k) for k in policy_loss_clip_keywords(loss_name) if getattr(section, k) is not None}
 
 
+def mask_keywords(section) -> dict[str, float]:
+    """The token masks of a ``PolicyUpdateSection`` that are set (off-policy sequences, top
+    entropy), as policy-loss keywords."""
+    return {key: getattr(section, key) for key in ("off_policy_mask_threshold", "top_entropy_quantile")
+            if getattr(section, key) is not None}
+
+
 def kl_controller(coef: float, adaptive: bool, target: float, horizon: float):
     if adaptive:
         return kl_lib.AdaptiveKLController(coef, target=target, horizon=horizon)
@@ -50,7 +57,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
     num_groups = config.data.batch_size
     options: dict = dict(method=method, num_groups=num_groups)
     if method == "grpo":
-        options["unbiased_std"] = gc.unbiased_std
+        options.update(unbiased_std=gc.unbiased_std, scale=gc.scale_rewards)
     if method == "reinforce_pp":
         options["subtract_group_mean"] = gc.reinforce_baseline
 
@@ -69,10 +76,11 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
         policy_kind="causal_lm",
         epochs=gc.epochs,
         minibatches=gc.minibatches,
-        objective=PolicyObjective(POLICY_LOSSES[gc.policy_loss], clip_keywords(gc, gc.policy_loss), gc.aggregation,
-                                  gc.entropy_coef),
+        objective=PolicyObjective(POLICY_LOSSES[gc.policy_loss],
+                                  {**clip_keywords(gc, gc.policy_loss), **mask_keywords(gc)},
+                                  gc.aggregation, gc.entropy_coef),
         kl=KLSetup(gc.kl_coef, kl_controller(gc.kl_coef, gc.adaptive_kl, gc.kl_target, gc.kl_horizon), gc.kl_kind,
-                   "loss" if gc.kl_placement == "loss" else "sequence_reward"),
+                   "loss" if gc.kl_placement == "loss" else "sequence_reward", gc.kl_importance_weight),
         advantages=advantages,
         min_group_size=1 if method == "remax" else 2,
         greedy_baseline=method == "remax",

@@ -36,7 +36,7 @@ from alignax.trainers.online.algorithm import (
     PolicyObjective,
     PtxSetup,
 )
-from alignax.trainers.online.grpo import kl_controller
+from alignax.trainers.online.grpo import kl_controller, mask_keywords
 
 
 def target_kl_rule(target: float):
@@ -53,7 +53,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
     """PPO of ``config.ppo``."""
     pc = config.ppo
     kl = KLSetup(pc.kl_coef, kl_controller(pc.kl_coef, pc.adaptive_kl, pc.kl_target, pc.kl_horizon), pc.kl_kind,
-                 "token_reward" if pc.kl_placement == "reward" else "loss")
+                 "token_reward" if pc.kl_placement == "reward" else "loss", pc.kl_importance_weight)
 
     def advantages(x: AdvantageInputs):
         token_rewards = adv_lib.token_rewards(x.rewards, x.loss_mask, kl_penalty=kl.token_penalty(x))
@@ -65,6 +65,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
     clip = dict(clip_eps_low=pc.clip_eps, clip_eps_high=pc.clip_eps if pc.clip_eps_high is None else pc.clip_eps_high)
     if pc.dual_clip_c is not None:
         clip["dual_clip_c"] = pc.dual_clip_c
+    clip.update(mask_keywords(pc))
     critic_optim = None
     if pc.critic_learning_rate is not None:
         critic_optim = dataclasses.replace(config.optim, learning_rate=pc.critic_learning_rate)
