@@ -482,7 +482,7 @@ def test_ppo_ptx_needs_both_its_weight_and_its_data():
 
 
 def test_eval_batches_are_offline_only():
-    assert "train.eval_batches applies to algorithm=sft|reward|prm|dpo only; got algorithm=grpo" in refused(
+    assert "train.eval_batches applies to algorithm=sft|reward|prm|dpo|distill|gkd only; got algorithm=grpo" in refused(
         {**GRPO, "data": {"format": "prompt", "eval_fraction": 0.1}}, ["train.eval_batches=2"])
     load_config(data={**DPO, "data": {"eval_fraction": 0.1}, "train": {"eval_batches": 2}})
     # switching a shared feature off leaves its keys valid (one override turns it off)
@@ -598,7 +598,7 @@ def test_shared_sections_with_conditions():
         DPO, ["optim.name=adam", "optim.weight_decay=0.1"])
     assert "optim.min_lr_ratio applies to optim.schedule=cosine|linear only; got optim.schedule=constant" in \
         refused(DPO, ["optim.schedule=constant", "optim.min_lr_ratio=0.1"])
-    assert "model.logprob_chunk_size applies to algorithm other than reward/prm only" in refused(
+    assert "model.logprob_chunk_size applies to algorithm other than reward/prm/distill/gkd only" in refused(
         REWARD, ["model.logprob_chunk_size=32"])
     assert "model.seed applies to model.random_init set or algorithm=reward|prm only" in refused(DPO, ["model.seed=1"])
     assert "data.max_length applies to data.format other than prompt only; got data.format=prompt" in refused(
