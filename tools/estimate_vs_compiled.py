@@ -68,7 +68,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
-from bench_common import finish  # noqa: E402
+from bench_common import finish, run_on_fake_devices  # noqa: E402
 
 ALGORITHMS = ("dpo", "grpo", "ppo")
 SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -287,11 +287,10 @@ def llama7b_config(program: str, devices: int):
 def llama7b(devices: int, program: str) -> dict:
     """tests/fsdp_compile_check.py's ``program`` compiled on ``devices`` fake devices (never
     run) against the estimate of :func:`llama7b_config`."""
-    from tests.fake_devices import run_check
-
     # the online trainer's update takes the reference's log-probs (the rollout scored them)
     flags = ["--ref-logps"] if program == "grpo" else []
-    compiled = run_check("fsdp_compile_check.py", "--program", program, *flags, devices=devices, timeout=3600)
+    compiled = run_on_fake_devices(ROOT / "tests" / "fsdp_compile_check.py", "--program", program, *flags,
+                                   devices=devices, timeout=3600)
     memory = compiled["memory"]
     from alignax.estimate import installed_jaxlib
 
