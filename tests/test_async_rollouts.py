@@ -69,6 +69,7 @@ def test_staleness_one_trains_on_the_recorded_behaviour_log_probs(tmp_path, toy_
         batches = trainer.data.iterator("train")
         first = schedule.collect(state, frozen, next(batches), batches)
         state, _ = trainer.learn(state, frozen, first)
+        schedule.finish()
         behind: Sampled = schedule.in_flight[0].result()  # rollout 1, sampled with version 0's weights
         assert (behind.rollout_index, behind.version) == (1, 0)
 
@@ -105,6 +106,7 @@ def test_a_sample_past_the_bound_is_refused_before_it_is_used(tmp_path, toy_mode
         batches = trainer.data.iterator("train")
         first = schedule.collect(state, frozen, next(batches), batches)
         state, _ = trainer.learn(state, frozen, first)  # version 1: rollout 1's samples are 2 versions old
+        schedule.finish()
         stale = sampled_to_json(dataclasses.replace(schedule.in_flight[0].result(), version=-1))
         schedule.set_in_flight([stale])
         with pytest.raises(StaleSampleError, match=r"policy version -1 \(staleness 2\); rollout.async.max_staleness is 1"):
@@ -153,3 +155,23 @@ def test_async_combinations_that_cannot_work_are_refused_naming_the_keys(tmp_pat
 def test_recompute_with_a_tis_cap_is_accepted(tmp_path, toy_model):
     config = async_config(tmp_path, toy_model, staleness=1, steps=1, rollout={"old_logps": "recompute", "tis_cap": 2.0})
     assert config.rollout.async_.max_staleness == 1
+
+
+def test_a_step_that_fails_before_its_update_is_saved_as_not_begun(tmp_path, toy_model):
+    """The loop saves a failed step's checkpoint with the data position before its prompts:
+    the rollouts that step queued are not carried, the one it took is."""
+    config = async_config(tmp_path, toy_model, staleness=1, steps=2, checkpoint={"enabled": False})
+    trainer = make_trainer(config, records=toy_prompts(32))
+    schedule = AsyncSchedule(trainer.collector, 1)
+    try:
+        state, frozen = trainer.start()
+        batches = trainer.data.iterator("train")
+        first = schedule.collect(state, frozen, next(batches), batches)
+        assert schedule.in_flight_state() == []  # the first step read rollouts 0 and 1's prompts
+        state, _ = trainer.learn(state, frozen, first)
+        schedule.finish()
+        assert [item["rollout_index"] for item in schedule.in_flight_state()] == [1]
+        schedule.collect(state, frozen, next(batches), batches)  # queues rollout 2, takes rollout 1
+        assert [item["rollout_index"] for item in schedule.in_flight_state()] == [1]
+    finally:
+        schedule.close()

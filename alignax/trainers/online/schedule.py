@@ -57,6 +57,7 @@ class AsyncSchedule:
         self._lock = threading.Lock()
         self._sampler_idle_s = 0.0  # since the last rollout: the sampler thread waiting for weights
         self._sampler_free_since: float | None = None
+        self._opened = 0  # rollouts queued by a step whose update has not finished (see finish)
 
     # ------------------------------------------------------------------ the two threads
     def _sample(self, weights, prompt_batch, rollout_index: int, version: int) -> Sampled:
@@ -81,14 +82,16 @@ class AsyncSchedule:
         is rollout ``t + k``'s prompts; on the first call (or a resume without rollouts in
         flight) it is rollout ``t``'s and ``batches`` gives rollouts ``t + 1 .. t + k``'s."""
         version, _ = self.collector.rollout_key(state)
+        queued = len(self.in_flight)
         if not self.in_flight:
             self._launch(state, prompt_batch, version, version)
             for ahead in range(1, self.max_staleness + 1):
                 self._launch(state, next(batches), version + ahead, version)
         else:
             self._launch(state, prompt_batch, version + self.max_staleness, version)
+        self._opened = len(self.in_flight) - queued
         t_wait = time.perf_counter()
-        sampled = self.in_flight.popleft().result()
+        sampled = self.in_flight[0].result()  # taken off the queue by finish, once the update is done
         learner_wait_s = time.perf_counter() - t_wait
         staleness = version - sampled.version
         if sampled.rollout_index != version or not 0 <= staleness <= self.max_staleness:
@@ -103,11 +106,26 @@ class AsyncSchedule:
                               "async/sampler_wait_s": sampler_idle_s})
         return batch
 
+    def finish(self) -> None:
+        """The update of the rollout :meth:`collect` gave is done: off the queue."""
+        self.in_flight.popleft()
+        self._opened = 0
+
     # ------------------------------------------------------------------ resume
     def in_flight_state(self) -> list[dict[str, Any]]:
         """The rollouts in flight, JSON-able (waits for them): what a checkpoint carries so
-        that the resumed run trains on the same samples."""
-        return [sampled_to_json(f.result()) for f in self.in_flight]
+        that the resumed run trains on the same samples. A step that failed before its
+        update is saved as not begun (the loop saves the data position before its prompts):
+        the rollouts it queued are left out, the one it took stays. A rollout whose sampling
+        raised, and those after it, are left out (the resumed run samples again from the
+        next prompts: not the uninterrupted run)."""
+        kept = list(self.in_flight)[: len(self.in_flight) - self._opened]
+        saved = []
+        for future in kept:
+            if future.exception() is not None:
+                break
+            saved.append(sampled_to_json(future.result()))
+        return saved
 
     def set_in_flight(self, saved: list[dict[str, Any]]) -> None:
         """Rollouts in flight from :meth:`in_flight_state`, as finished work."""

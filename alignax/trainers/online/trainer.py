@@ -136,6 +136,8 @@ class OnlineTrainer:
         collect = self.collect if self.schedule is None else self.schedule.collect
         batch = collect(state, frozen, prompt_batch, batches)
         state, result = self.learn(state, frozen, batch, observe=observe)
+        if self.schedule is not None:
+            self.schedule.finish()
         figures = self.figures(batch, result)
         figures["perf/step_time_s"] = time.perf_counter() - t_start
         return state, StepOutput(metrics=figures)
