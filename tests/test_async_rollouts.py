@@ -4,6 +4,7 @@ tests/support/rl_toy.py."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -28,6 +29,21 @@ def async_config(tmp_path, toy_model, *, staleness: int, steps: int, **sections)
 def copied(state):
     """A copy of ``state`` with buffers of its own (the update donates the one it is given)."""
     return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
+
+
+@contextlib.contextmanager
+def first_step(tmp_path, toy_model, staleness: int):
+    """``(trainer, schedule, state, frozen, batches, first batch)``: a fresh run's first
+    rollout collected by its :class:`AsyncSchedule` (not yet learned from); closed after."""
+    config = async_config(tmp_path, toy_model, staleness=staleness, steps=2, checkpoint={"enabled": False})
+    trainer = make_trainer(config, records=toy_prompts(32))
+    schedule = AsyncSchedule(trainer.collector, staleness)
+    try:
+        state, frozen = trainer.start()
+        batches = trainer.data.iterator("train")
+        yield trainer, schedule, state, frozen, batches, schedule.collect(state, frozen, next(batches), batches)
+    finally:
+        schedule.close()
 
 
 def run_steps(trainer, steps: int, schedule: AsyncSchedule | None):
@@ -61,13 +77,7 @@ def test_staleness_zero_through_the_schedule_equals_the_synchronous_loop_bit_for
 
 
 def test_staleness_one_trains_on_the_recorded_behaviour_log_probs(tmp_path, toy_model):
-    config = async_config(tmp_path, toy_model, staleness=1, steps=2, checkpoint={"enabled": False})
-    trainer = make_trainer(config, records=toy_prompts(32))
-    schedule = trainer.schedule = AsyncSchedule(trainer.collector, 1)
-    try:
-        state, frozen = trainer.start()
-        batches = trainer.data.iterator("train")
-        first = schedule.collect(state, frozen, next(batches), batches)
+    with first_step(tmp_path, toy_model, 1) as (trainer, schedule, state, frozen, batches, first):
         state, _ = trainer.learn(state, frozen, first)
         schedule.finish()
         behind: Sampled = schedule.in_flight[0].result()  # rollout 1, sampled with version 0's weights
@@ -84,11 +94,8 @@ def test_staleness_one_trains_on_the_recorded_behaviour_log_probs(tmp_path, toy_
         shifted = dataclasses.replace(behind, groups=dataclasses.replace(
             behind.groups, sampler_logps=(behind.groups.sampler_logps - 0.3 * behind.groups.response_mask).astype(
                 behind.groups.sampler_logps.dtype)))
-        recorded, changed = loss_of(behind), loss_of(shifted)
         # lower behaviour log-probs raise every ratio pi_theta / pi_behaviour: the loss moves
-        assert recorded != changed
-    finally:
-        schedule.close()
+        assert loss_of(behind) != loss_of(shifted)
 
 
 def test_no_sample_is_older_than_the_bound(tmp_path, toy_model):
@@ -98,21 +105,14 @@ def test_no_sample_is_older_than_the_bound(tmp_path, toy_model):
 
 
 def test_a_sample_past_the_bound_is_refused_before_it_is_used(tmp_path, toy_model):
-    config = async_config(tmp_path, toy_model, staleness=1, steps=2, checkpoint={"enabled": False})
-    trainer = make_trainer(config, records=toy_prompts(32))
-    schedule = AsyncSchedule(trainer.collector, 1)
-    try:
-        state, frozen = trainer.start()
-        batches = trainer.data.iterator("train")
-        first = schedule.collect(state, frozen, next(batches), batches)
-        state, _ = trainer.learn(state, frozen, first)  # version 1: rollout 1's samples are 2 versions old
+    with first_step(tmp_path, toy_model, 1) as (trainer, schedule, state, frozen, batches, first):
+        state, _ = trainer.learn(state, frozen, first)
         schedule.finish()
+        # version 1 now; rollout 1's samples claimed to come from version -1: 2 versions old
         stale = sampled_to_json(dataclasses.replace(schedule.in_flight[0].result(), version=-1))
         schedule.set_in_flight([stale])
         with pytest.raises(StaleSampleError, match=r"policy version -1 \(staleness 2\); rollout.async.max_staleness is 1"):
             schedule.collect(state, frozen, next(batches), batches)
-    finally:
-        schedule.close()
 
 
 def test_in_flight_samples_round_trip_through_json_exactly(tmp_path, toy_model):
@@ -160,18 +160,10 @@ def test_recompute_with_a_tis_cap_is_accepted(tmp_path, toy_model):
 def test_a_step_that_fails_before_its_update_is_saved_as_not_begun(tmp_path, toy_model):
     """The loop saves a failed step's checkpoint with the data position before its prompts:
     the rollouts that step queued are not carried, the one it took is."""
-    config = async_config(tmp_path, toy_model, staleness=1, steps=2, checkpoint={"enabled": False})
-    trainer = make_trainer(config, records=toy_prompts(32))
-    schedule = AsyncSchedule(trainer.collector, 1)
-    try:
-        state, frozen = trainer.start()
-        batches = trainer.data.iterator("train")
-        first = schedule.collect(state, frozen, next(batches), batches)
+    with first_step(tmp_path, toy_model, 1) as (trainer, schedule, state, frozen, batches, first):
         assert schedule.in_flight_state() == []  # the first step read rollouts 0 and 1's prompts
         state, _ = trainer.learn(state, frozen, first)
         schedule.finish()
         assert [item["rollout_index"] for item in schedule.in_flight_state()] == [1]
         schedule.collect(state, frozen, next(batches), batches)  # queues rollout 2, takes rollout 1
         assert [item["rollout_index"] for item in schedule.in_flight_state()] == [1]
-    finally:
-        schedule.close()
