@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def config_for(staleness: int, steps: int, devices: int, slow: bool, out: str):
 def one_run(staleness: int, args, slow: bool) -> dict:
     from alignax.trainers.api import train
 
-    config = config_for(staleness, args.steps, args.devices, slow, f"/tmp/async-overlap-{os.getpid()}")
+    config = config_for(staleness, args.steps, args.devices, slow, tempfile.mkdtemp(prefix="async-overlap-"))
     history = train(config).history[1:]  # the first rollout compiles
     wall = sum(h["perf/step_time_s"] for h in history)
     waits = {side: sum(h.get(f"async/{side}_wait_s", 0.0) for h in history) / wall for side in ("learner", "sampler")}
