@@ -88,7 +88,8 @@ def test_staleness_one_trains_on_the_recorded_behaviour_log_probs(tmp_path, toy_
             recorded = sampled.groups.sampler_logps
             np.testing.assert_array_equal(np.asarray(batch.rollout.old_logps), recorded.astype(np.float32))
             losses = []
-            trainer.learn(copied(state), frozen, batch, observe=lambda mb, out: losses.append(float(out.metrics["loss"])))
+            trainer.learn(copied(state), frozen, batch,
+                          observe=lambda mb, out: losses.append(float(out.metrics["loss"])))
             return losses[0]
 
         shifted = dataclasses.replace(behind, groups=dataclasses.replace(
@@ -111,7 +112,8 @@ def test_a_sample_past_the_bound_is_refused_before_it_is_used(tmp_path, toy_mode
         # version 1 now; rollout 1's samples claimed to come from version -1: 2 versions old
         stale = sampled_to_json(dataclasses.replace(schedule.in_flight[0].result(), version=-1))
         schedule.set_in_flight([stale])
-        with pytest.raises(StaleSampleError, match=r"policy version -1 \(staleness 2\); rollout.async.max_staleness is 1"):
+        refused = r"policy version -1 \(staleness 2\); rollout.async.max_staleness is 1"
+        with pytest.raises(StaleSampleError, match=refused):
             schedule.collect(state, frozen, next(batches), batches)
 
 

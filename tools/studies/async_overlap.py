@@ -21,7 +21,8 @@ The schedule is time-sliced: sampler and learner dispatch to the same fake CPU d
 (``--devices``, one mesh); ``rollout.async`` has no device group of its own yet. Prints one
 JSON object and writes it to ``--out``.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/studies/async_overlap.py --steps 8 --rounds 1 --out docs/results/async_overlap.json
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/studies/async_overlap.py --steps 8 --rounds 1 \
+        --out docs/results/async_overlap.json
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def config_for(staleness: int, steps: int, devices: int, slow: bool, out: str):
 
     overrides = [f"output_dir={out}", f"train.total_steps={steps}", "train.log_every=1", "checkpoint.enabled=false",
                  "data.eval_fraction=0.0", f"mesh.shape=[{devices},1,1]", "data.batch_size=8",
-                 "data.paths=['reasoning_gym:chain_sum?size=400&seed=0']", "logging.console=false", "logging.tensorboard=false",
+                 "data.paths=['reasoning_gym:chain_sum?size=400&seed=0']", "logging.console=false",
+                 "logging.tensorboard=false",
                  f"rollout.async.max_staleness={staleness}", "rollout.old_logps=sampler",
                  "rewards.verifier_weight=0.0", "rewards.format_weight=0.0"]
     functions = {"bench_common:even_char_share": 1.0, **({"async_overlap:slow_zero_reward": 1.0} if slow else {})}
