@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from alignax import evaluation
+from alignax.config import ConfigError
 from alignax.data import prepare_dataset
 from alignax.parallel.placement import place_optimizer_state
 from alignax.trainers.config import TrainConfig
@@ -179,7 +180,7 @@ class OnlineTrainer:
         if staleness == 0:
             return None
         if jax.process_count() > 1:
-            raise ValueError(f"rollout.async.max_staleness={staleness} runs in one process; this run has "
+            raise ConfigError(f"rollout.async.max_staleness={staleness} runs in one process; this run has "
                              f"{jax.process_count()} (use max_staleness 0)")
         return AsyncSchedule(self.collector, staleness)
 
