@@ -47,6 +47,7 @@ import decimal
 import difflib
 import functools
 import importlib
+import keyword
 import math
 import re
 import types
@@ -85,6 +86,18 @@ def cut(text: str) -> str:
 def shown(value: Any) -> str:
     """``repr(value)`` for an error message, :func:`cut` when long."""
     return cut(repr(value))
+
+
+def key_name(field_name: str) -> str:
+    """The config key of a dataclass field: a key that is a Python keyword (``rollout.async``)
+    is the field of that name with a trailing underscore (``async_``)."""
+    base = field_name[:-1]
+    return base if field_name.endswith("_") and keyword.iskeyword(base) else field_name
+
+
+def field_name(key: str) -> str:
+    """The dataclass field that holds config ``key`` (the inverse of :func:`key_name`)."""
+    return f"{key}_" if keyword.iskeyword(key) else key
 
 
 # --- YAML with YAML 1.2 floats -----------------------------------------------------------
@@ -269,7 +282,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     if data is None:
         data = {}
     hints = type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {key_name(f.name): f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     if unknown:
         key = unknown[0]
@@ -280,10 +293,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     kwargs = {}
     for name, value in data.items():
         where = f"{path}.{name}" if path else name
-        kwargs[name] = _convert(hints[name], value, where)
+        kwargs[field_name(name)] = _convert(hints[field_name(name)], value, where)
     missing = [
         n for n, f in fields.items()
-        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if field_name(n) not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         where = ", ".join(f"{path}.{m}" if path else m for m in missing)
@@ -300,7 +313,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
 def to_dict(config: Any) -> Any:
     """Plain, YAML/JSON-able form of a config dataclass (tuples become lists)."""
     if dataclasses.is_dataclass(config):
-        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+        return {key_name(f.name): to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
     if isinstance(config, (list, tuple)):
         return [to_dict(v) for v in config]
     if isinstance(config, Mapping):
@@ -461,7 +474,7 @@ def get(config: Any, path: str) -> Any:
     for part in path.split("."):
         if value is None:
             return MISSING
-        value = getattr(value, part)
+        value = getattr(value, field_name(part))
     return value
 
 
@@ -641,7 +654,7 @@ def rule(keys: str | Sequence[str], when: Cond, why: str = "") -> Rule:
 
 def keys_of(cls: type, prefix: str, *, but: Sequence[str] = ()) -> list[str]:
     """The keys of section ``cls`` at ``prefix`` except ``but``."""
-    return [f"{prefix}.{f.name}" for f in dataclasses.fields(cls) if f.name not in but]
+    return [f"{prefix}.{key_name(f.name)}" for f in dataclasses.fields(cls) if key_name(f.name) not in but]
 
 
 # --- the schema walk
@@ -650,7 +663,7 @@ def schema_keys(cls: type, prefix: str = "") -> Iterator[str]:
     with their leaves after them."""
     hints = type_hints(cls)
     for field in dataclasses.fields(cls):
-        tp, key = hints[field.name], prefix + field.name
+        tp, key = hints[field.name], prefix + key_name(field.name)
         inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         if dataclasses.is_dataclass(tp):
             yield from schema_keys(tp, key + ".")
@@ -673,7 +686,7 @@ def set_keys(config: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
     """``(key, value, default)`` of every key whose value differs from its dataclass default;
     a set optional section (``ppo.ptx_data``) comes before its own set keys."""
     for field in dataclasses.fields(config):
-        value, key = getattr(config, field.name), prefix + field.name
+        value, key = getattr(config, field.name), prefix + key_name(field.name)
         if dataclasses.is_dataclass(value):
             default = field_default(type(config), field)
             if default is None:  # an optional section, set

@@ -121,7 +121,7 @@ class ReadRecorder:
         for field in dataclasses.fields(obj):
             value = object.__getattribute__(obj, field.name)
             if dataclasses.is_dataclass(value):
-                self._register(value, f"{prefix}{field.name}.")
+                self._register(value, f"{prefix}{config_io.key_name(field.name)}.")
 
     def _record(self, obj, name: str) -> None:
         entry = self.paths.get(id(obj))
@@ -134,7 +134,7 @@ class ReadRecorder:
         if code.co_name in _NOT_USES or code.co_filename in ("<string>", dataclasses.__file__, validation.__file__, config_io.__file__,
                                                                       algorithms.__file__):
             return
-        self.reads.add(entry[1] + name)
+        self.reads.add(entry[1] + config_io.key_name(name))
 
     @contextlib.contextmanager
     def active(self):
@@ -198,11 +198,12 @@ def reads(tmp_path_factory):
 def _field(key: str) -> tuple[type, dataclasses.Field]:
     cls, parts = TrainConfig, key.split(".")
     for part in parts[:-1]:
-        tp = config_io.type_hints(cls)[part]
+        tp = config_io.type_hints(cls)[config_io.field_name(part)]
         cls = tp if dataclasses.is_dataclass(tp) else next(
             a for a in typing.get_args(tp) if dataclasses.is_dataclass(a))
-    field = next(f for f in dataclasses.fields(cls) if f.name == parts[-1])
-    return config_io.type_hints(cls)[parts[-1]], field
+    name = config_io.field_name(parts[-1])
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return config_io.type_hints(cls)[name], field
 
 
 SWEEP_VALUES = {

@@ -369,6 +369,30 @@ class DistillSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class AsyncSection:
+    """Asynchronous, bounded-staleness rollouts (``rollout.async``;
+    ``alignax.trainers.online.schedule``).
+
+    Fields:
+      max_staleness: ``k``, how many updates the sampler's weights may lag the learner's.
+        ``0``: today's synchronous loop (sample with the current weights, then update).
+        ``k >= 1``: while the learner updates on batch ``t`` a background thread samples
+        batch ``t + k`` with the weights of version ``t`` (time-sliced on the sampler's
+        devices: ``rollout.mesh``, else the training mesh); every batch records the version
+        it was sampled with, and none is used more than ``k`` versions old. The loss reads
+        the sampler's (behaviour) log-probs: as the old ones under
+        ``rollout.old_logps: sampler``, or through the ``rollout.tis_cap`` weight under
+        ``recompute``.
+    """
+
+    max_staleness: int = 0
+
+    def __post_init__(self):
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.async.max_staleness must be >= 0 (0: synchronous); got {self.max_staleness}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSection:
     """Generation for online RL (the on-device sampler).
 
@@ -402,6 +426,7 @@ class RolloutSection:
         ``null``: the training mesh (and, when ``precision.compute_dtype`` differs from
         ``precision.param_dtype``, that compute-dtype copy on it; else the training
         weights themselves, no copy).
+      async: asynchronous rollouts (:class:`AsyncSection`).
     """
 
     max_new_tokens: int = 128
@@ -414,6 +439,7 @@ class RolloutSection:
     tis_cap: float | None = None
     pack_groups: Literal["auto", "on", "off"] = "auto"
     mesh: tuple[int, int, int] | None = None
+    async_: AsyncSection = dataclasses.field(default_factory=AsyncSection)  # the key ``rollout.async``
 
 
 @dataclasses.dataclass(frozen=True)

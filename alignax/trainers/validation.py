@@ -261,6 +261,22 @@ def _packed_groups(config):
     return None
 
 
+def _async_rollouts(config):
+    """Bounded staleness (``rollout.async.max_staleness > 0``) needs the behaviour log-probs in
+    the loss and prompts the sampler can take ahead of the learner."""
+    rc, k = config.rollout, config.rollout.async_.max_staleness
+    if not ONLINE(config) or k == 0:
+        return None
+    section = _online_section(config)
+    if getattr(getattr(config, section), "dynamic_sampling", False):
+        return (f"rollout.async.max_staleness={k} with {section}.dynamic_sampling=true: the "
+                "refills read prompt batches in step with the learner; use max_staleness 0 or turn it off")
+    if rc.old_logps == "recompute" and rc.tis_cap is None:
+        return (f"rollout.async.max_staleness={k} with rollout.old_logps=recompute and no rollout.tis_cap would "
+                "ignore the behaviour policy's log-probs; set rollout.old_logps=sampler or a rollout.tis_cap")
+    return None
+
+
 def _reward_source(config):
     r = config.rewards
     no_verifier = r.verifier_weight == 0 and r.format_weight == 0
@@ -378,6 +394,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _minibatches,
     _offline_micro_batches,
     _packed_groups,
+    _async_rollouts,
     _reward_source,
     _overlong_buffer,
     _env_settings,

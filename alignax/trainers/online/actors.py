@@ -70,7 +70,9 @@ class Actors:
         # The sampler decodes on its own mesh from a compute-dtype copy of the policy (made
         # by sampling_state); rewards from reward models are computed on the training mesh
         # (on the sub-mesh under placement.reward_models: submesh).
-        self.sampler_copies = rc.mesh is not None or config.precision.compute_dtype != config.precision.param_dtype
+        # An asynchronous schedule samples while the update donates the state: always a copy.
+        self.sampler_copies = (rc.mesh is not None or config.precision.compute_dtype != config.precision.param_dtype
+                               or rc.async_.max_staleness > 0)
         self._copy_program = None  # built on first use (it needs the state's structure)
         self.sampler = evaluation.build_sampler(self.sampling_graphdef, self.tokenizer, config,
                                                 mesh=self.sampler_mesh, vocab_size=self.model_config.vocab_size,

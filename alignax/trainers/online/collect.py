@@ -56,7 +56,8 @@ class RolloutBatch:
     ``[R, N]``: the policy's log-probs and entropy from the separate forward pass (``None``
     in single-update mode: the update supplies them); ``policy_version``: rollouts the
     sampling weights had been updated on; ``figures``: generation, refill and step-reward
-    figures, and ``perf/logprob_s``.
+    figures, and ``perf/logprob_s``; ``rollout_index``: the rollout it is (the learner's
+    version when it is used; ``rollout_index - policy_version`` is its staleness).
     """
 
     groups: Groups
@@ -67,7 +68,22 @@ class RolloutBatch:
     recomputed: Array | None
     entropy: Array | None
     policy_version: int
+    rollout_index: int
     figures: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """The sampler's half of a rollout (:meth:`Collector.sample`), on the host: ``groups``
+    (``R_local`` scored rows), ``baseline [R_local]`` float32 (ReMax's greedy reward, else
+    zeros), the generation ``figures``, the rollout it is for (``rollout_index``) and the
+    policy ``version`` whose weights sampled it (``rollout_index - version``: its staleness)."""
+
+    groups: Groups
+    baseline: np.ndarray
+    figures: dict[str, float]
+    rollout_index: int
+    version: int
 
 
 def single_update(config: TrainConfig, algorithm: OnlineAlgorithm) -> bool:
@@ -162,25 +178,43 @@ class Collector:
 
     def collect(self, state, frozen, prompt_batch: Mapping[str, Any], batches: Iterator) -> RolloutBatch:
         """Sample, score and price one rollout from the policy in ``state`` (see the module docstring)."""
-        algo, actors, layout = self.algorithm, self.actors, self.layout
-        version, key = self.rollout_key(state)
-        sampling_state = actors.sampling_state(state.params)  # merged once a rollout (lora.merge_for_sampling)
-        groups, figures = sample_groups(algo, actors.sampler, sampling_state, prompt_batch, batches, key, layout)
+        rollout_index, _ = self.rollout_key(state)
+        sampling_state = self.actors.sampling_state(state.params)  # merged once a rollout (lora.merge_for_sampling)
+        sampled = self.sample(sampling_state, prompt_batch, batches, rollout_index=rollout_index,
+                              version=rollout_index)
+        del sampling_state  # the merged weights (lora.merge_for_sampling) are not needed past sampling
+        return self.price(state, frozen, sampled)
+
+    def sample(self, sampling_state, prompt_batch: Mapping[str, Any], batches: Iterator, *, rollout_index: int,
+               version: int) -> Sampled:
+        """The sampler's half of a rollout: rollout ``rollout_index``'s groups generated and
+        scored from ``sampling_state`` (the weights of policy ``version``), and ReMax's greedy
+        baseline. Reads no train state: an asynchronous schedule runs it on another thread."""
+        key = jax.random.fold_in(jax.random.key(self.config.train.seed), rollout_index)
+        groups, figures = sample_groups(self.algorithm, self.actors.sampler, sampling_state, prompt_batch, batches,
+                                        key, self.layout)
+        baseline = greedy_baseline(self.algorithm, self.actors, sampling_state, groups, self.layout, figures)
+        return Sampled(groups=groups, baseline=baseline, figures=figures, rollout_index=rollout_index,
+                       version=version)
+
+    def price(self, state, frozen, sampled: Sampled) -> RolloutBatch:
+        """The learner's half: per-token quantities under the policy in ``state``, the
+        sequence rewards (less a reward-side KL), step rewards and advantages of ``sampled``."""
+        algo, actors, layout, groups = self.algorithm, self.actors, self.layout, sampled.groups
+        figures = dict(sampled.figures)
         t_fwd = time.perf_counter()
         tokens = self.token_quantities(state, frozen, groups)
         kl_coef = jnp.array(state.extra["kl_coef"].coef)  # a copy: the update donates the state
         rewards = algo.kl.sequence_rewards(groups.rewards.astype(np.float32), tokens["old_logps"],
                                            tokens["ref_logps"], tokens["response_mask"], kl_coef)
         steps, step_mask = step_rewards(algo, actors.tokenizer, groups, self.config.rewards.task, figures)
-        baseline = greedy_baseline(algo, actors, sampling_state, groups, layout, figures)
-        del sampling_state  # the merged weights (lora.merge_for_sampling) are not needed past sampling
         # In single-update mode nothing here reads the policy's log-probs (that is what the
         # mode requires), so the sampler's stand in for the inputs' old log-probs.
         old_logps = tokens["old_logps"]
         inputs = AdvantageInputs(
             rewards=actors.place(rewards), loss_mask=tokens["loss_mask"], group_ids=actors.place(layout.group_ids()),
             old_logps=tokens["sampler_logps"] if old_logps is None else old_logps, ref_logps=tokens["ref_logps"],
-            old_values=tokens["old_values"], kl_coef=kl_coef, baseline=actors.place(baseline),
+            old_values=tokens["old_values"], kl_coef=kl_coef, baseline=actors.place(sampled.baseline),
             step_rewards=actors.place(steps), step_mask=actors.place(step_mask),
         )
         advantages, returns = self.advantages(inputs)
@@ -192,7 +226,8 @@ class Collector:
         figures["perf/logprob_s"] = time.perf_counter() - t_fwd
         return RolloutBatch(groups=groups, rollout=rollout, inputs=inputs, rewards=rewards,
                             response_mask=tokens["response_mask"], recomputed=tokens["recomputed"],
-                            entropy=tokens["entropy"], policy_version=version, figures=figures)
+                            entropy=tokens["entropy"], policy_version=sampled.version,
+                            rollout_index=sampled.rollout_index, figures=figures)
 
     def token_quantities(self, state, frozen, groups: Groups) -> dict[str, Array | None]:
         """The rollout's sequences and per-token arrays on the training mesh: ``tokens``,

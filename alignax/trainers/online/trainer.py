@@ -14,8 +14,9 @@
 The host loop around a step (logging, eval, checkpoints at rollout boundaries, SIGTERM)
 is the engine's :class:`~alignax.trainers.engine.session.Session`; a resumed run repeats
 the same rollouts because each one's randomness comes from the seed and the rollout index.
-An asynchronous schedule would run the same ``collect`` and ``learn`` on other threads or
-devices; every batch records the policy version it was sampled with.
+Under ``rollout.async.max_staleness > 0`` the collect half of a step is
+:class:`~alignax.trainers.online.schedule.AsyncSchedule`'s (the same ``collect`` split over
+a sampler thread and the learner); every batch records the policy version it was sampled with.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from alignax import evaluation
+from alignax.config import ConfigError
 from alignax.data import prepare_dataset
 from alignax.parallel.placement import place_optimizer_state
 from alignax.trainers.config import TrainConfig
@@ -39,6 +41,7 @@ from alignax.trainers.online.algorithm import OnlineAlgorithm
 from alignax.trainers.online.collect import Collector, RolloutBatch, single_update
 from alignax.trainers.online.monitoring import Alarms, step_figures
 from alignax.trainers.online.rollout import Minibatch, RowLayout
+from alignax.trainers.online.schedule import AsyncSchedule
 from alignax.trainers.online.update import Learner, Observer, UpdateResult
 
 CONSOLE_KEYS = ("reward/total", "reward/answer", "kl/ref_seq", "entropy", "response/length_mean")
@@ -83,6 +86,7 @@ class OnlineTrainer:
         self.learner = Learner(config, algorithm, self.actors, self.layout)
         self.alarms = Alarms(max_stalled_streak=config.train.max_stalled_streak)
         self.reference = None  # what a run saves once as its reference (set by start)
+        self.schedule: AsyncSchedule | None = None  # rollout.async.max_staleness > 0: set by train
 
     # ------------------------------------------------------------------ the program seam
     def init_state(self) -> tuple[TrainState, Any]:
@@ -130,8 +134,11 @@ class OnlineTrainer:
                      observe: Observer | None = None) -> tuple[TrainState, StepOutput]:
         """One rollout and its updates: the new state and the rollout's figures (host floats)."""
         t_start = time.perf_counter()
-        batch = self.collect(state, frozen, prompt_batch, batches)
+        collect = self.collect if self.schedule is None else self.schedule.collect
+        batch = collect(state, frozen, prompt_batch, batches)
         state, result = self.learn(state, frozen, batch, observe=observe)
+        if self.schedule is not None:
+            self.schedule.finish()
         figures = self.figures(batch, result)
         figures["perf/step_time_s"] = time.perf_counter() - t_start
         return state, StepOutput(metrics=figures)
@@ -140,7 +147,7 @@ class OnlineTrainer:
         """A rollout step's figures (:func:`~alignax.trainers.online.monitoring.step_figures`)
         and its alarms (which keep a history: once a step)."""
         figures = step_figures(batch, result, mesh=self.mesh, group_size=self.layout.group_size)
-        figures.update(self.alarms.update(batch.policy_version + 1, kl=figures.get("kl/ref_seq"),
+        figures.update(self.alarms.update(batch.rollout_index + 1, kl=figures.get("kl/ref_seq"),
                                           entropy=figures["entropy"], length=figures["response/length_mean"],
                                           reward=figures.get("reward/answer", figures["reward/total"]),
                                           grad_norm=figures["grad_norm_max"]))
@@ -167,8 +174,27 @@ class OnlineTrainer:
         return self.actors.export_models(params, critic=critic)
 
     # ------------------------------------------------------------------ the run
+    def start_schedule(self) -> AsyncSchedule | None:
+        """The asynchronous schedule of ``rollout.async.max_staleness > 0`` (one process only)."""
+        staleness = self.config.rollout.async_.max_staleness
+        if staleness == 0:
+            return None
+        if jax.process_count() > 1:
+            raise ConfigError(f"rollout.async.max_staleness={staleness} runs in one process; this run has "
+                             f"{jax.process_count()} (use max_staleness 0)")
+        return AsyncSchedule(self.collector, staleness)
+
     def train(self) -> TrainResult:
-        config, learner = self.config, self.learner
+        self.schedule = self.start_schedule()
+        try:
+            return self._train()
+        finally:
+            if self.schedule is not None:
+                self.schedule.close()
+            self.schedule = None
+
+    def _train(self) -> TrainResult:
+        config, learner, schedule = self.config, self.learner, self.schedule
         state, frozen = self.start()
         batches = self.data.iterator("train")
         with Session(config, console_keys=CONSOLE_KEYS) as session:
@@ -178,12 +204,16 @@ class OnlineTrainer:
                 self.alarms.set_state(session.meta.get("alarms", {}))
                 if learner.ptx is not None:
                     learner.ptx.set_state(session.meta["ptx_data"])
+                if schedule is not None:
+                    schedule.set_in_flight(session.meta.get("async_in_flight", []))
             self.reference = reference = None
 
             def meta():
                 out = {"alarms": self.alarms.state()}
                 if learner.ptx is not None:
                     out["ptx_data"] = learner.ptx.get_state()
+                if schedule is not None:  # the resumed run trains on the same samples
+                    out["async_in_flight"] = schedule.in_flight_state()
                 return out
 
             result = session.run(

@@ -216,7 +216,7 @@ class Learner:
                observe: Observer | None = None) -> tuple[TrainState, UpdateResult]:
         """``epochs`` passes of ``minibatches`` steps over ``batch``, then the KL controller
         and the rollout count; ``observe`` sees each step's minibatch and output."""
-        algo, version, kl_coef = self.algorithm, batch.policy_version, batch.inputs.kl_coef
+        algo, version, kl_coef = self.algorithm, batch.rollout_index, batch.inputs.kl_coef
         t_start = time.perf_counter()
         order_rng = np.random.default_rng([self.config.train.seed, version])
         metrics: list[dict[str, float]] = []

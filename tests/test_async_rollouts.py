@@ -1,0 +1,171 @@
+"""Asynchronous, bounded-staleness rollouts (``rollout.async.max_staleness``;
+alignax/trainers/online/schedule.py) on the toy word model and the "yes"-share task of
+tests/support/rl_toy.py."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from alignax.config import ConfigError
+from alignax.trainers.api import build_trainer as make_trainer
+from alignax.trainers.api import train
+from alignax.trainers.online.collect import Sampled
+from alignax.trainers.online.schedule import AsyncSchedule, StaleSampleError, sampled_from_json, sampled_to_json
+from tests.support.rl_toy import toy_config, toy_prompts
+
+FIGURES = ("reward/total", "loss", "grad_norm", "entropy", "response/length_mean")
+
+
+def async_config(tmp_path, toy_model, *, staleness: int, steps: int, **sections):
+    rollout = {"old_logps": "sampler", "async": {"max_staleness": staleness}, **sections.pop("rollout", {})}
+    return toy_config(tmp_path, toy_model, "grpo", steps=steps, rollout=rollout, **sections)
+
+
+def copied(state):
+    """A copy of ``state`` with buffers of its own (the update donates the one it is given)."""
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
+
+
+@contextlib.contextmanager
+def first_step(tmp_path, toy_model, staleness: int):
+    """``(trainer, schedule, state, frozen, batches, first batch)``: a fresh run's first
+    rollout collected by its :class:`AsyncSchedule` (not yet learned from); closed after."""
+    config = async_config(tmp_path, toy_model, staleness=staleness, steps=2, checkpoint={"enabled": False})
+    trainer = make_trainer(config, records=toy_prompts(32))
+    schedule = AsyncSchedule(trainer.collector, staleness)
+    try:
+        state, frozen = trainer.start()
+        batches = trainer.data.iterator("train")
+        yield trainer, schedule, state, frozen, batches, schedule.collect(state, frozen, next(batches), batches)
+    finally:
+        schedule.close()
+
+
+def run_steps(trainer, steps: int, schedule: AsyncSchedule | None):
+    """``(params, figures of each step)`` of ``steps`` rollout steps from a fresh state,
+    collected by ``schedule`` (``None``: the synchronous ``trainer.collect``)."""
+    trainer.schedule = schedule
+    state, frozen = trainer.start()
+    batches = trainer.data.iterator("train")
+    history = []
+    try:
+        for _ in range(steps):
+            state, out = trainer.rollout_step(state, frozen, next(batches), batches)
+            history.append(out.metrics)
+    finally:
+        if schedule is not None:
+            schedule.close()
+    return jax.device_get(state.params), history
+
+
+def test_staleness_zero_through_the_schedule_equals_the_synchronous_loop_bit_for_bit(tmp_path, toy_model):
+    config = async_config(tmp_path, toy_model, staleness=0, steps=3, checkpoint={"enabled": False})
+    sync = make_trainer(config, records=toy_prompts(32))
+    sync_params, sync_history = run_steps(sync, 3, None)
+    scheduled = make_trainer(config, records=toy_prompts(32))
+    params, history = run_steps(scheduled, 3, AsyncSchedule(scheduled.collector, 0))
+    for key in FIGURES:
+        assert [h[key] for h in history] == [h[key] for h in sync_history], key
+    assert [h["async/staleness"] for h in history] == [0.0, 0.0, 0.0]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sync_params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_staleness_one_trains_on_the_recorded_behaviour_log_probs(tmp_path, toy_model):
+    with first_step(tmp_path, toy_model, 1) as (trainer, schedule, state, frozen, batches, first):
+        state, _ = trainer.learn(state, frozen, first)
+        schedule.finish()
+        behind: Sampled = schedule.in_flight[0].result()  # rollout 1, sampled with version 0's weights
+        assert (behind.rollout_index, behind.version) == (1, 0)
+
+        def loss_of(sampled):
+            batch = trainer.collector.price(state, frozen, sampled)
+            recorded = sampled.groups.sampler_logps
+            np.testing.assert_array_equal(np.asarray(batch.rollout.old_logps), recorded.astype(np.float32))
+            losses = []
+            trainer.learn(copied(state), frozen, batch,
+                          observe=lambda mb, out: losses.append(float(out.metrics["loss"])))
+            return losses[0]
+
+        shifted = dataclasses.replace(behind, groups=dataclasses.replace(
+            behind.groups, sampler_logps=(behind.groups.sampler_logps - 0.3 * behind.groups.response_mask).astype(
+                behind.groups.sampler_logps.dtype)))
+        # lower behaviour log-probs raise every ratio pi_theta / pi_behaviour: the loss moves
+        assert loss_of(behind) != loss_of(shifted)
+
+
+def test_no_sample_is_older_than_the_bound(tmp_path, toy_model):
+    result = train(async_config(tmp_path, toy_model, staleness=2, steps=5, checkpoint={"enabled": False}),
+                   records=toy_prompts(32))
+    assert [h["async/staleness"] for h in result.history] == [0.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_a_sample_past_the_bound_is_refused_before_it_is_used(tmp_path, toy_model):
+    with first_step(tmp_path, toy_model, 1) as (trainer, schedule, state, frozen, batches, first):
+        state, _ = trainer.learn(state, frozen, first)
+        schedule.finish()
+        # version 1 now; rollout 1's samples claimed to come from version -1: 2 versions old
+        stale = sampled_to_json(dataclasses.replace(schedule.in_flight[0].result(), version=-1))
+        schedule.set_in_flight([stale])
+        refused = r"policy version -1 \(staleness 2\); rollout.async.max_staleness is 1"
+        with pytest.raises(StaleSampleError, match=refused):
+            schedule.collect(state, frozen, next(batches), batches)
+
+
+def test_in_flight_samples_round_trip_through_json_exactly(tmp_path, toy_model):
+    config = async_config(tmp_path, toy_model, staleness=1, steps=1, checkpoint={"enabled": False})
+    trainer = make_trainer(config, records=toy_prompts(32))
+    state, _ = trainer.start()
+    batch = next(trainer.data.iterator("train"))
+    sampled = trainer.collector.sample(trainer.actors.sampling_state(state.params), batch, iter(()),
+                                       rollout_index=3, version=2)
+    back = sampled_from_json(sampled_to_json(sampled))
+    for name in ("tokens", "sampler_logps", "rewards", "stopped", "response_mask", "prompt_tokens"):
+        got, want = getattr(back.groups, name), getattr(sampled.groups, name)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    assert back.groups.completions == sampled.groups.completions and (back.rollout_index, back.version) == (3, 2)
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_resume_with_samples_in_flight_repeats_the_uninterrupted_run(tmp_path, toy_model, staleness):
+    records = toy_prompts(32)
+    full = train(async_config(tmp_path / "full", toy_model, staleness=staleness, steps=4,
+                              checkpoint={"enabled": False}), records=records)
+    first = train(async_config(tmp_path / "split", toy_model, staleness=staleness, steps=2), records=records)
+    resumed = train(async_config(tmp_path / "split", toy_model, staleness=staleness, steps=4), records=records)
+    assert first.loop.last_step == 2 and [h["step"] for h in resumed.history] == [3, 4]
+    for key in (*FIGURES, "async/staleness"):
+        assert [h[key] for h in full.history[2:]] == [h[key] for h in resumed.history], key
+
+
+@pytest.mark.parametrize("sections, message", [
+    (dict(rollout={"old_logps": "recompute"}),
+     "rollout.async.max_staleness=1 with rollout.old_logps=recompute and no rollout.tis_cap"),
+    (dict(grpo={"dynamic_sampling": True}), "rollout.async.max_staleness=1 with grpo.dynamic_sampling=true"),
+])
+def test_async_combinations_that_cannot_work_are_refused_naming_the_keys(tmp_path, toy_model, sections, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        async_config(tmp_path, toy_model, staleness=1, steps=1, **sections)
+
+
+def test_recompute_with_a_tis_cap_is_accepted(tmp_path, toy_model):
+    config = async_config(tmp_path, toy_model, staleness=1, steps=1, rollout={"old_logps": "recompute", "tis_cap": 2.0})
+    assert config.rollout.async_.max_staleness == 1
+
+
+def test_a_step_that_fails_before_its_update_is_saved_as_not_begun(tmp_path, toy_model):
+    """The loop saves a failed step's checkpoint with the data position before its prompts:
+    the rollouts that step queued are not carried, the one it took is."""
+    with first_step(tmp_path, toy_model, 1) as (trainer, schedule, state, frozen, batches, first):
+        assert schedule.in_flight_state() == []  # the first step read rollouts 0 and 1's prompts
+        state, _ = trainer.learn(state, frozen, first)
+        schedule.finish()
+        assert [item["rollout_index"] for item in schedule.in_flight_state()] == [1]
+        schedule.collect(state, frozen, next(batches), batches)  # queues rollout 2, takes rollout 1
+        assert [item["rollout_index"] for item in schedule.in_flight_state()] == [1]

@@ -1,0 +1,134 @@
+"""Wall time and learning curve of asynchronous rollouts (``rollout.async.max_staleness``
+0, 1, 2) on the tiny GRPO recipe (configs/tiny-grpo.yaml: a random 1-layer model,
+reasoning-gym chain_sum prompts) with the benchmarks' cheap rule reward
+(``bench_common:even_char_share``, which the random model can learn; it never writes a
+right chain_sum answer), with and without an injected host latency
+(a reward function that sleeps ``--latency`` seconds per scored batch, standing in for a
+slow verifier, judge or tool).
+
+Every setting runs ``--steps`` timed rollouts after ``--warmup`` untimed ones (the first
+compiles; the schedule reaches its steady staleness after ``k``), in
+``--rounds`` alternating rounds (0, 1, 2, 0, 1, 2, ... so that a slow spell of the shared
+machine falls on every setting). ``wall_s`` is the sum of the timed steps'
+``perf/step_time_s``: the learner's thread is the critical path of either schedule (the
+synchronous one does everything there; the asynchronous one waits there for samples), so
+it is the run's wall time less start-up. ``learner_wait_share`` / ``sampler_wait_share``:
+``async/learner_wait_s`` and ``async/sampler_wait_s`` over the same wall time (``null`` for
+the synchronous loop, which has no second thread). The reward curve is ``reward/total``
+per step, every step from the first.
+
+The schedule is time-sliced: sampler and learner dispatch to the same fake CPU devices
+(``--devices``, one mesh); ``rollout.async`` has no device group of its own yet. Prints one
+JSON object and writes it to ``--out``.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python tools/studies/async_overlap.py --steps 8 --rounds 1 \
+        --out docs/results/async_overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+STALENESS = (0, 1, 2)
+
+
+def no_reward_after(seconds: float):
+    """A reward function worth 0 that takes ``seconds`` of host time per scored batch."""
+    def reward(completions, references):
+        del references
+        time.sleep(seconds)
+        return [0.0] * len(completions)
+    return reward
+
+
+LATENCY_S = float(os.environ.get("ASYNC_OVERLAP_LATENCY_S", "0"))
+slow_zero_reward = no_reward_after(LATENCY_S)  # named by the recipe: async_overlap:slow_zero_reward
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16, help="timed rollouts per setting and round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rollouts first (>= 1 + the largest k)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (one data-parallel mesh)")
+    parser.add_argument("--latency", type=float, default=0.2, help="seconds of injected host latency per batch")
+    parser.add_argument("--out", default=None)
+    return parser.parse_args(argv)
+
+
+def config_for(staleness: int, steps: int, devices: int, slow: bool, out: str):
+    sys.path.insert(0, str(ROOT / "tools"))  # the reward's module: bench_common
+    from alignax.trainers.api import load_config
+
+    overrides = [f"output_dir={out}", f"train.total_steps={steps}", "train.log_every=1", "checkpoint.enabled=false",
+                 "data.eval_fraction=0.0", f"mesh.shape=[{devices},1,1]", "data.batch_size=8",
+                 "data.paths=['reasoning_gym:chain_sum?size=400&seed=0']", "logging.console=false",
+                 "logging.tensorboard=false",
+                 f"rollout.async.max_staleness={staleness}", "rollout.old_logps=sampler",
+                 "rewards.verifier_weight=0.0", "rewards.format_weight=0.0"]
+    functions = {"bench_common:even_char_share": 1.0, **({"async_overlap:slow_zero_reward": 1.0} if slow else {})}
+    overrides.append("rewards.functions=" + json.dumps(functions))
+    return load_config(str(ROOT / "configs" / "tiny-grpo.yaml"), overrides)
+
+
+def one_run(staleness: int, args, slow: bool) -> dict:
+    from alignax.trainers.api import train
+
+    config = config_for(staleness, args.warmup + args.steps, args.devices, slow,
+                        tempfile.mkdtemp(prefix="async-overlap-"))
+    every = train(config).history
+    history = every[args.warmup:]
+    wall = sum(h["perf/step_time_s"] for h in history)
+    waits = {side: sum(h[f"async/{side}_wait_s"] for h in history) / wall if staleness else None
+             for side in ("learner", "sampler")}
+    return {"wall_s": wall, "learner_wait_share": waits["learner"], "sampler_wait_share": waits["sampler"],
+            "staleness": [h.get("async/staleness", 0.0) for h in history],
+            "reward_total": [h["reward/total"] for h in every]}
+
+
+def _median(values):
+    return None if None in values else statistics.median(values)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the slow reward's module: async_overlap
+    runs: dict[str, list[dict]] = {}
+    for slow in (False, True):
+        for _ in range(args.rounds):
+            for staleness in STALENESS:
+                runs.setdefault(f"{'latency' if slow else 'no_latency'}/staleness_{staleness}", []).append(
+                    one_run(staleness, args, slow))
+    summary = {}
+    for name, rounds in runs.items():
+        base = statistics.median(r["wall_s"] for r in runs[name.rsplit("/", 1)[0] + "/staleness_0"])
+        wall = statistics.median(r["wall_s"] for r in rounds)
+        summary[name] = {"wall_s_median": wall, "speedup_vs_staleness_0": base / wall,
+                         "learner_wait_share": _median([r["learner_wait_share"] for r in rounds]),
+                         "sampler_wait_share": _median([r["sampler_wait_share"] for r in rounds]),
+                         "reward_total_mean": statistics.mean(x for r in rounds for x in r["reward_total"])}
+    result = {"settings": {**vars(args), "timed_rollouts": args.steps, "cpu_count": os.cpu_count(),
+                           "load_average": os.getloadavg()},
+              "summary": summary, "runs": runs}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    _args = parse_args()
+    os.environ["ASYNC_OVERLAP_LATENCY_S"] = str(_args.latency)  # read again when the reward's module is imported
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_args.devices}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
