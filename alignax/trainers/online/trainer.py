@@ -48,9 +48,8 @@ CONSOLE_KEYS = ("reward/total", "reward/answer", "kl/ref_seq", "entropy", "respo
 
 
 def check_layout(config: TrainConfig, algorithm: OnlineAlgorithm, layout: RowLayout) -> None:
-    """The run's prompts, groups and minibatches fit together, else a ``ValueError`` naming the keys."""
-    if config.data.format != "prompt":
-        raise ValueError(f"algorithm {config.algorithm} needs data.format=prompt; got {config.data.format!r}")
+    """The run's groups and minibatches fit together, else a ``ValueError`` naming the keys
+    (that its data are prompts is the algorithm map's fact, checked when the config loads)."""
     if layout.group_size < algorithm.min_group_size:
         raise ValueError(f"{config.algorithm} compares samples of a prompt: rollout.num_samples must be >= "
                          f"{algorithm.min_group_size}; got {layout.group_size}")
