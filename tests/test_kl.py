@@ -192,3 +192,53 @@ def test_wrong_rank_raises_naming_the_argument(fn):
         jax.jit(fn)(logps[None], ref_logps[None], mask[None])
     with pytest.raises(ValueError, match=r"mask=\(3, 4\)"):
         fn(logps, ref_logps, mask[:, :4])
+
+
+# Found by mutation testing (docs/mutation-testing.md): defaults, the clamp on every path,
+# the global normalisers of kl_loss, and the controller's argument bounds.
+
+
+def test_defaults_are_k1_for_penalty_and_sequence_k3_for_loss_and_clamp_20():
+    """A log-ratio of 20.5 sits between a clamp of 20 and one of 21: every path clamps at 20."""
+    logps = jnp.asarray([[-0.5, -1.0, -0.2]])
+    ref = jnp.asarray([[-21.0, -0.7, -0.2]])
+    mask = jnp.asarray([[1.0, 1.0, 0.0]])
+    explicit = functools.partial(kl.kl_estimate, clamp=20.0)
+    np.testing.assert_array_equal(kl.kl_estimate(logps, ref), explicit(logps, ref, kind="k3"))
+    np.testing.assert_array_equal(
+        kl.kl_penalty(logps, ref, mask, beta=0.5), 0.5 * mask * explicit(logps, ref, kind="k1")
+    )
+    np.testing.assert_allclose(
+        kl.sequence_kl(logps, ref, mask), [20.0 + (-1.0 + 0.7)], rtol=1e-6
+    )
+    k3 = references.kl_estimate(np.asarray(logps), np.asarray(ref), "k3", clamp=20.0)
+    np.testing.assert_allclose(kl.kl_loss(logps, ref, mask), references.aggregate(k3, mask, "token-mean"), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", references.AGGREGATION_MODES)
+def test_kl_loss_passes_mode_and_global_normalisers_to_the_aggregation(mode):
+    logps, ref_logps, mask = _logps(4)
+    counts = dict(num_tokens=23.0, num_seqs=7.0, norm_length=11.0)
+    got = kl.kl_loss(logps, ref_logps, mask, kind="k2", aggregation=mode, **counts)
+    per_token = references.kl_estimate(logps, ref_logps, "k2", clamp=20.0)
+    np.testing.assert_allclose(got, references.aggregate(per_token, mask, mode, **counts), rtol=1e-5)
+
+
+def test_controller_state_is_float32_whatever_the_input_dtype():
+    """bfloat16 KL and sample counts are computed with in float32: bf16 arithmetic on
+    ``KL / target - 1`` (KL = 6.59375, bf16's 6.6) would round it to 8 bits."""
+    controller = kl.AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10_000)
+    kl_bf16, n_bf16 = jnp.bfloat16(6.6), jnp.bfloat16(256)
+    state = controller.update(controller.init(), kl_bf16, n_bf16)
+    expected = 0.1 * (1 + (float(kl_bf16) / 6.0 - 1.0) * float(n_bf16) / 10_000)
+    assert state.coef.dtype == jnp.float32
+    np.testing.assert_allclose(state.coef, expected, rtol=1e-7)
+
+
+@pytest.mark.parametrize(("target", "horizon", "ok"), [(0.5, 0.5, True), (0.0, 1.0, False), (1.0, 0.0, False)])
+def test_adaptive_controller_needs_positive_target_and_horizon(target, horizon, ok):
+    if ok:
+        kl.AdaptiveKLController(init_coef=0.1, target=target, horizon=horizon)
+    else:
+        with pytest.raises(ValueError, match="target > 0 and horizon > 0"):
+            kl.AdaptiveKLController(init_coef=0.1, target=target, horizon=horizon)
