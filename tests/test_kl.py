@@ -242,3 +242,28 @@ def test_adaptive_controller_needs_positive_target_and_horizon(target, horizon, 
     else:
         with pytest.raises(ValueError, match="target > 0 and horizon > 0"):
             kl.AdaptiveKLController(init_coef=0.1, target=target, horizon=horizon)
+
+
+def test_estimates_and_coefficients_are_float32_even_with_x64_on():
+    """float64 inputs under ``jax.enable_x64`` still give the documented float32."""
+    logps, ref_logps, mask = (np.asarray(a, np.float64) for a in _logps(5))
+    with jax.enable_x64(True):
+        assert kl.kl_estimate(logps, ref_logps).dtype == jnp.float32
+        assert kl.kl_estimate(logps.astype(np.float32), ref_logps).dtype == jnp.float32
+        assert kl.sequence_kl(logps, ref_logps, mask).dtype == jnp.float32
+        assert kl.sequence_kl(logps.astype(np.float32), ref_logps, mask).dtype == jnp.float32
+        assert kl.FixedKLController(0.1).init().coef.dtype == jnp.float32
+        adaptive = kl.AdaptiveKLController(0.1, target=6.0, horizon=10.0)
+        assert adaptive.init().coef.dtype == jnp.float32
+        assert adaptive.update(adaptive.init(), np.float64(6.6), np.float64(2.0)).coef.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("clamp", [None, 5.0])
+def test_a_given_clamp_reaches_the_estimator_on_every_path(clamp):
+    """Log-ratio 30 (k1): the penalty, the loss and the sequence sum read 30 unclamped, 5 at 5."""
+    logps, ref = jnp.asarray([[-0.5, -1.0]]), jnp.asarray([[-30.5, -1.0]])
+    mask = jnp.asarray([[1.0, 1.0]])
+    expected = 30.0 if clamp is None else clamp
+    np.testing.assert_allclose(kl.kl_penalty(logps, ref, mask, beta=1.0, clamp=clamp), [[expected, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(kl.kl_loss(logps, ref, mask, kind="k1", clamp=clamp), expected / 2, rtol=1e-6)
+    np.testing.assert_allclose(kl.sequence_kl(logps, ref, mask, clamp=clamp), [expected], rtol=1e-6)
