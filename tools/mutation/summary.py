@@ -8,7 +8,10 @@ the suite did not pass). Listed equivalents are left out of ``N``; every other s
 printed by name, for ``mutmut show NAME``. Exits 1 under ``--threshold`` percent, or when
 EQUIVALENT.md lists a mutant that no longer exists or is now killed (a stale entry).
 
-    python tools/mutation/summary.py [--mutmut .venv/bin/mutmut] [--threshold 95]
+    python tools/mutation/summary.py [--mutmut .venv/bin/mutmut] [--threshold 95] [--module alignax.kl]
+
+``--module`` scores only the mutants whose name starts with it (after ``mutmut run
+"alignax.kl*"``); a mutant not run yet counts as not killed.
 """
 
 from __future__ import annotations
@@ -49,12 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mutmut", default="mutmut", help="the mutmut executable")
     parser.add_argument("--threshold", type=float, default=95.0, help="lowest passing score, percent")
+    parser.add_argument("--module", default="", help="score only mutants whose name starts with this")
     args = parser.parse_args(argv)
-    results = mutmut_results(args.mutmut)
+    results = {n: s for n, s in mutmut_results(args.mutmut).items() if n.startswith(args.module)}
     if not results:
         print("mutation: no results under mutants/; run `mutmut run` first", file=sys.stderr)
         return 1
-    equivalents = listed_equivalents()
+    equivalents = [n for n in listed_equivalents() if n.startswith(args.module)]
     killed, counted, survivors, stale = score(results, equivalents)
     for line in survivors:
         print(f"survived  {line}")
