@@ -271,3 +271,53 @@ def test_every_public_loss_is_listed():
     listed = {name.split("[")[0] for name in CONSTANT_ARGUMENTS}
     assert public <= listed, f"add {sorted(public - listed)} to CONSTANT_ARGUMENTS"
     assert {f"dpo_loss[{v}]" for v in DPO_VARIANTS} <= set(CONSTANT_ARGUMENTS)
+
+
+# ---------------------------------------------------------------------------------------
+# Found by mutation testing of _pairwise, sft and value (docs/mutation-testing.md)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sft_loss", "value_loss"])
+def test_per_token_losses_pass_every_global_normaliser_on(name):
+    a = _arrays(4)
+    counts = dict(num_tokens=23.0, num_seqs=7.0, norm_length=11.0)
+    mode = "seq-mean-token-sum-norm"
+    if name == "sft_loss":
+        got = sft_loss(a["logps"], a["mask"], aggregation=mode, **counts)[0]
+        per_token = -np.asarray(a["logps"], np.float64)
+    else:
+        got = value_loss(a["values"], a["old_values"], a["returns"], a["mask"], aggregation=mode, **counts)[0]
+        per_token = 0.5 * (np.asarray(a["values"], np.float64) - np.asarray(a["returns"], np.float64)) ** 2
+    expected = references.aggregate(per_token, np.asarray(a["mask"]), mode, **counts)
+    np.testing.assert_allclose(float(got), expected, rtol=1e-6)
+
+
+def test_sft_counts_tokens_in_float32_from_a_boolean_mask():
+    a = _arrays(5)
+    _, metrics = sft_loss(a["logps"], np.asarray(a["mask"]) > 0)
+    assert metrics["num_tokens"].dtype == jnp.float32 and float(metrics["num_tokens"]) == float(np.sum(a["mask"]))
+
+
+def test_pairwise_mean_with_weights_summing_to_zero_or_below_one():
+    """Zero total weight gives 0 (not 0/0); a total of 0.5 is divided by, not floored at 1."""
+    chosen, rejected = jnp.asarray([1.0, -2.0]), jnp.asarray([0.0, 1.0])
+    zero, _ = bradley_terry_loss(chosen, rejected, weights=jnp.zeros(2))
+    assert float(zero) == 0.0
+    half, _ = bradley_terry_loss(chosen, rejected, weights=jnp.asarray([0.5, 0.0]))
+    np.testing.assert_allclose(float(half), -references.log_sigmoid(1.0), rtol=1e-6)
+
+
+def test_losses_and_metrics_stay_float32_with_x64_on():
+    a = {k: np.asarray(v, np.float64) for k, v in _arrays(6).items()}
+    with jax.enable_x64(True):
+        loss, metrics = bradley_terry_loss(a["chosen"], a["rejected"], weights=a["weights"])
+        assert loss.dtype == jnp.float32 and all(v.dtype == jnp.float32 for v in metrics.values())
+        loss, metrics = value_loss(a["values"], a["old_values"], a["returns"], a["mask"], clip_eps=0.2)
+        assert loss.dtype == jnp.float32 and all(v.dtype == jnp.float32 for v in metrics.values())
+
+
+def test_explained_variance_has_a_finite_gradient_when_the_returns_are_constant():
+    a = _arrays(7)
+    grad = jax.grad(lambda v: losses.explained_variance(jnp.ones((B, T)), v, a["mask"]))(a["values"])
+    np.testing.assert_array_equal(np.asarray(grad), np.zeros((B, T)))
