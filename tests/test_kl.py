@@ -291,3 +291,78 @@ def test_importance_weighted_k3_is_unbiased_under_an_older_policy():
         assert np.all(np.abs(grad - targets[weight]) < 4 * stderr + 1e-6), (weight, grad, targets[weight], stderr)
         # and not the other weighting's target: the test tells the two apart
         assert np.max(np.abs(grad - targets[other]) / (stderr + 1e-9)) > 10, (weight, grad, targets[other], stderr)
+
+
+# Found by mutation testing (docs/mutation-testing.md): defaults, the clamp on every path,
+# the global normalisers of kl_loss, and the controller's argument bounds.
+
+
+def test_defaults_are_k1_for_penalty_and_sequence_k3_for_loss_and_clamp_20():
+    """A log-ratio of 20.5 sits between a clamp of 20 and one of 21: every path clamps at 20."""
+    logps = jnp.asarray([[-0.5, -1.0, -0.2]])
+    ref = jnp.asarray([[-21.0, -0.7, -0.2]])
+    mask = jnp.asarray([[1.0, 1.0, 0.0]])
+    explicit = functools.partial(kl.kl_estimate, clamp=20.0)
+    np.testing.assert_array_equal(kl.kl_estimate(logps, ref), explicit(logps, ref, kind="k3"))
+    np.testing.assert_array_equal(
+        kl.kl_penalty(logps, ref, mask, beta=0.5), 0.5 * mask * explicit(logps, ref, kind="k1")
+    )
+    np.testing.assert_allclose(
+        kl.sequence_kl(logps, ref, mask), [20.0 + (-1.0 + 0.7)], rtol=1e-6
+    )
+    k3 = references.kl_estimate(np.asarray(logps), np.asarray(ref), "k3", clamp=20.0)
+    np.testing.assert_allclose(kl.kl_loss(logps, ref, mask), references.aggregate(k3, mask, "token-mean"), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", references.AGGREGATION_MODES)
+def test_kl_loss_passes_mode_and_global_normalisers_to_the_aggregation(mode):
+    logps, ref_logps, mask = _logps(4)
+    counts = dict(num_tokens=23.0, num_seqs=7.0, norm_length=11.0)
+    got = kl.kl_loss(logps, ref_logps, mask, kind="k2", aggregation=mode, **counts)
+    per_token = references.kl_estimate(logps, ref_logps, "k2", clamp=20.0)
+    np.testing.assert_allclose(got, references.aggregate(per_token, mask, mode, **counts), rtol=1e-5)
+
+
+def test_controller_state_is_float32_whatever_the_input_dtype():
+    """bfloat16 KL and sample counts are computed with in float32: bf16 arithmetic on
+    ``KL / target - 1`` (KL = 6.59375, bf16's 6.6) would round it to 8 bits."""
+    controller = kl.AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10_000)
+    kl_bf16, n_bf16 = jnp.bfloat16(6.6), jnp.bfloat16(256)
+    state = controller.update(controller.init(), kl_bf16, n_bf16)
+    expected = 0.1 * (1 + (float(kl_bf16) / 6.0 - 1.0) * float(n_bf16) / 10_000)
+    assert state.coef.dtype == jnp.float32
+    np.testing.assert_allclose(state.coef, expected, rtol=1e-7)
+
+
+@pytest.mark.parametrize(("target", "horizon", "ok"), [(0.5, 0.5, True), (0.0, 1.0, False), (1.0, 0.0, False)])
+def test_adaptive_controller_needs_positive_target_and_horizon(target, horizon, ok):
+    if ok:
+        kl.AdaptiveKLController(init_coef=0.1, target=target, horizon=horizon)
+    else:
+        with pytest.raises(ValueError, match="target > 0 and horizon > 0"):
+            kl.AdaptiveKLController(init_coef=0.1, target=target, horizon=horizon)
+
+
+def test_estimates_and_coefficients_are_float32_even_with_x64_on():
+    """float64 inputs under ``jax.enable_x64`` still give the documented float32."""
+    logps, ref_logps, mask = (np.asarray(a, np.float64) for a in _logps(5))
+    with jax.enable_x64(True):
+        assert kl.kl_estimate(logps, ref_logps).dtype == jnp.float32
+        assert kl.kl_estimate(logps.astype(np.float32), ref_logps).dtype == jnp.float32
+        assert kl.sequence_kl(logps, ref_logps, mask).dtype == jnp.float32
+        assert kl.sequence_kl(logps.astype(np.float32), ref_logps, mask).dtype == jnp.float32
+        assert kl.FixedKLController(0.1).init().coef.dtype == jnp.float32
+        adaptive = kl.AdaptiveKLController(0.1, target=6.0, horizon=10.0)
+        assert adaptive.init().coef.dtype == jnp.float32
+        assert adaptive.update(adaptive.init(), np.float64(6.6), np.float64(2.0)).coef.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("clamp", [None, 5.0])
+def test_a_given_clamp_reaches_the_estimator_on_every_path(clamp):
+    """Log-ratio 30 (k1): the penalty, the loss and the sequence sum read 30 unclamped, 5 at 5."""
+    logps, ref = jnp.asarray([[-0.5, -1.0]]), jnp.asarray([[-30.5, -1.0]])
+    mask = jnp.asarray([[1.0, 1.0]])
+    expected = 30.0 if clamp is None else clamp
+    np.testing.assert_allclose(kl.kl_penalty(logps, ref, mask, beta=1.0, clamp=clamp), [[expected, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(kl.kl_loss(logps, ref, mask, kind="k1", clamp=clamp), expected / 2, rtol=1e-6)
+    np.testing.assert_allclose(kl.sequence_kl(logps, ref, mask, clamp=clamp), [expected], rtol=1e-6)

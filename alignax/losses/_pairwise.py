@@ -32,9 +32,10 @@ def batch_mean(values: Array, weights: Array | None = None, normaliser: Array | 
 
     Entries with ``w_i = 0`` are selected out (``ops.masked_sum``), so a non-finite
     value on a dropped pair reaches neither the result nor the other pairs' gradients.
+    The weights are data (which pairs count, and how much): no gradient reaches them.
     """
     values = f32(values)
-    w = jnp.ones_like(values) if weights is None else f32(weights)
+    w = jnp.ones_like(values) if weights is None else jax.lax.stop_gradient(f32(weights))
     total = ops.masked_sum(w * values, w)
     denom = jnp.sum(w) if normaliser is None else f32(normaliser)
     return total / jnp.where(denom > 0, denom, 1.0)

@@ -10,8 +10,9 @@ stop-gradiented float32 scalars (TRL's metric names), so
 ``jax.value_and_grad(fn, has_aux=True)`` works directly.
 
 Batch reduction and global normalisers. A loss is ``sum_i w_i l_i / N``: ``w_i`` the
-optional per-pair ``weights`` (default 1; 0 drops a pair, e.g. padding) and ``N`` the
-optional global ``num_pairs`` (default ``sum_i w_i`` of this batch). When a batch is
+optional per-pair ``weights`` (default 1; 0 drops a pair, e.g. padding; data, so no
+gradient reaches them) and ``N`` the optional global ``num_pairs`` (default
+``sum_i w_i`` of this batch). When a batch is
 split over data-parallel shards or gradient-accumulation micro-batches, pass the
 full batch's ``num_pairs`` to every piece: the pieces' losses then *sum* to the
 full-batch loss (and so do their gradients). NLL terms (CPO, ORPO) take the matching
@@ -329,7 +330,7 @@ def simpo_loss(
 
 def _chosen_nll(policy_chosen_logps, chosen_lengths, weights, num_chosen_tokens) -> Array:
     """Token-mean NLL of the chosen responses: ``-sum_i w_i log pi(y_c,i) / sum_i w_i |y_c,i|``."""
-    w = jnp.ones_like(f32(policy_chosen_logps)) if weights is None else f32(weights)
+    w = jnp.ones_like(f32(policy_chosen_logps)) if weights is None else jax.lax.stop_gradient(f32(weights))
     tokens = jnp.sum(w * f32(chosen_lengths)) if num_chosen_tokens is None else f32(num_chosen_tokens)
     total = ops.masked_sum(-w * f32(policy_chosen_logps), w)
     return total / jnp.where(tokens > 0, tokens, 1.0)
