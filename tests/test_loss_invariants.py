@@ -37,7 +37,7 @@ from alignax.losses import (
     simpo_loss,
     value_loss,
 )
-from tests import references
+from tests.support import references
 
 B, T = 3, 6
 
@@ -204,6 +204,19 @@ def _dpo_entry(variant):
     return lambda **kw: dpo_loss(**kw), args, ("ref_chosen_logps", "ref_rejected_logps", "weights")
 
 
+VOCAB = 5
+
+
+def _logits(a, which: int) -> jax.Array:
+    """``[B, T, V]`` logits made from the ``[B, T]`` inputs (``which`` picks a student or a teacher)."""
+    base = a["logps"] if which == 0 else a["ref_logps"]
+    return base[..., None] * jnp.arange(1.0, VOCAB + 1.0) + 0.3 * which * jnp.cos(jnp.arange(VOCAB * 1.0))
+
+
+def _teacher_topk(a):
+    return losses.distill.teacher_topk(_logits(a, 1), 3)
+
+
 def _pairs(a, *keys):
     names = dict(chosen="policy_chosen_logps", rejected="policy_rejected_logps",
                  chosen_lengths="chosen_lengths", rejected_lengths="rejected_lengths", weights="weights")
@@ -239,6 +252,14 @@ CONSTANT_ARGUMENTS = {
     ), ("old_values", "returns")),
     "kl_loss": (kl_lib.kl_loss, lambda a: dict(logps=a["logps"], ref_logps=a["ref_logps"], mask=a["mask"]),
                 ("ref_logps",)),
+    "sapo_policy_loss": _policy_entry(losses.sapo_policy_loss),
+    "distill_loss": (losses.distill_loss, lambda a: dict(
+        student_logits=_logits(a, 0), teacher_logits=_logits(a, 1), mask=a["mask"], divergence="jsd",
+    ), ("teacher_logits",)),
+    "sparse_distill_loss": (losses.sparse_distill_loss, lambda a: dict(
+        student_logits=_logits(a, 0), teacher_topk_logps=_teacher_topk(a)[0], teacher_topk_ids=_teacher_topk(a)[1],
+        mask=a["mask"],
+    ), ("teacher_topk_logps",)),
     # Every argument of these is trained or is a mask: nothing constant to check.
     "sft_loss": (sft_loss, None, ()),
     "prm_loss": (prm_loss, None, ()),
