@@ -2,6 +2,7 @@
 the teacher's logits alone, and the teacher is refused when its tokenizer is not the student's."""
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -155,3 +156,26 @@ def test_a_teacher_on_a_submesh_steps_as_a_device_teacher():
     assert runs["device"]["loss"][0] > 0.1  # a random teacher, its own weights: far from the student
     assert runs["submesh"]["teacher_devices"] == [4, 5, 6, 7] and runs["device"]["teacher_devices"] == [0, 1, 2, 3]
     assert runs["submesh"]["frozen_keys"] == [] and runs["submesh"]["teacher_in_batch"] == ["topk_ids", "topk_logps"]
+
+
+@pytest.mark.parametrize("recipe", ["distill", "gkd"])
+def test_train_evaluate_export_through_the_api(tmp_path, teacher, recipe):
+    """The map's rule (tests/test_api.py): every algorithm is trained, evaluated from its
+    checkpoint and exported by a test. Two steps with checkpoints on and an eval split; the
+    evaluation reads the saved step (its figures finite, the divergence among them) and the
+    export is the student (safetensors with the student's one layer, not the teacher's two)."""
+    from alignax.trainers.api import evaluate, export
+
+    teacher_dir, _ = teacher
+    student = make_toy_model(tmp_path / "student", seed=5, layers=1)
+    config = tiny_config(tmp_path / "run", recipe, steps=2, model_dir=student, data={"eval_fraction": 0.25},
+                         distill={"teacher": {"name": teacher_dir, **NOT_RANDOM}, "lmbda": 0.5})
+    records = conversations(WORDS * 2, ANSWER.get)
+    train(config, records=records)
+    figures = evaluate(config, records=records)
+    assert figures and all(np.isfinite(v) for v in figures.values()), figures
+    assert any("divergence" in k for k in figures), figures
+    out = export(config, str(tmp_path / "export"))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == 1  # the student, not the teacher
