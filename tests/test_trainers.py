@@ -211,6 +211,23 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, toy_model
     ckpt.close()
 
 
+def test_a_resumed_precomputed_run_makes_its_table_once_from_the_saved_reference(tmp_path, toy_model, monkeypatch):
+    """A precomputed reference is one pass over the data: a resumed run makes it once, from
+    the reference its checkpoint holds (not once from the fresh params, then again)."""
+    from alignax.trainers.offline.trainer import OfflineTrainer
+
+    records = separable_pairs(32)
+    config = lambda steps: tiny_config(tmp_path / "run", "dpo", steps=steps, model_dir=toy_model,  # noqa: E731
+                                       preference={"reference": "precomputed"})
+    train(config(2), records=records)
+    passes = []
+    make_table = OfflineTrainer.precompute_reference
+    monkeypatch.setattr(OfflineTrainer, "precompute_reference",
+                        lambda self, *a, **k: passes.append(1) or make_table(self, *a, **k))
+    resumed = train(config(4), records=records)
+    assert [h["step"] for h in resumed.history] == [3, 4] and len(passes) == 1
+
+
 def test_eval_and_export_from_a_checkpoint(tmp_path, toy_model):
     config = tiny_config(tmp_path, "dpo", steps=2, model_dir=toy_model)
     records = separable_pairs(32)

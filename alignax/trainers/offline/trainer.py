@@ -241,6 +241,15 @@ class OfflineTrainer:
         what the run saves once: the initial params themselves (in ``precision.frozen_dtype``);
         the trainer lets go of them (:attr:`params` is None from here on): the state holds
         buffers of its own."""
+        state = self._compile_step()
+        if self.task.precompute is not None and self.data is None:
+            # with_data=False: no records to precompute over; the caller's batches
+            # (precompute_reference) make the table from the reference handed here
+            return state, adapters.frozen_base(self.base, self.reference) or {"reference": self.reference}
+        return state, self.frozen_inputs(self.reference)
+
+    def _compile_step(self) -> TrainState:
+        """The fresh state; compiles :attr:`step` for it and sets :attr:`reference`."""
         state, shardings = self.init_state()
         task = self.task
         self.step = jax.jit(
@@ -250,22 +259,17 @@ class OfflineTrainer:
         )
         self.reference = self.initial_reference()
         self.params = None
-        if self.task.precompute is not None and self.data is None:
-            # with_data=False: no records to precompute over; the caller's batches
-            # (precompute_reference) make the table from the reference handed here
-            return state, adapters.frozen_base(self.base, self.reference) or {"reference": self.reference}
-        return state, self.frozen_inputs(self.reference)
+        return state
 
     # ---- the run ---------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Run to ``train.total_steps`` (resuming from the run's checkpoints when allowed)."""
         config, task = self.config, self.task
-        state, frozen = self.start()
+        state = self._compile_step()  # not start(): a resumed run's frozen inputs come from the saved reference
         batches = self.data.iterator("train")
         with Session(config, console_keys=task.console_keys) as session:
             state, reference = session.resume(state, batches, self.reference)
-            if session.resumed and reference is not None:  # the saved reference, as the checkpoint holds it
-                frozen = self.frozen_inputs(reference)
+            frozen = self.frozen_inputs(reference)  # once: a precomputed table is one pass over the data
             self.reference = reference = None  # precomputed: no reference in memory during training
             result = session.run(
                 state=state, frozen=frozen, step_fn=self.step, batches=batches, data_stats=self.data.stats,
