@@ -405,10 +405,10 @@ def test_a_step_holds_only_the_weight_copies_it_needs(tmp_path, toy_model, polic
 
     from alignax.trainers.offline.trainer import OfflineTrainer
 
-    start = OfflineTrainer.start
+    compile_step = OfflineTrainer._compile_step  # what train() starts with (start() less the frozen inputs)
 
     def counting_start(self):
-        state, frozen = start(self)
+        state = compile_step(self)
         reference = self.reference
         assert self.params is None
         step = self.step
@@ -420,9 +420,9 @@ def test_a_step_holds_only_the_weight_copies_it_needs(tmp_path, toy_model, polic
         self.step = counting_step
         assert reference["model"]["embed"][...].unsafe_buffer_pointer() == initial  # not a copy
         count("after start")
-        return state, frozen
+        return state
 
-    monkeypatch.setattr(OfflineTrainer, "start", counting_start)
+    monkeypatch.setattr(OfflineTrainer, "_compile_step", counting_start)
     trainer.train()  # with its checkpoints (the reference is saved before the first step)
     assert seen == [("after start", expected), ("step 1", expected), ("step 2", expected)]
 
