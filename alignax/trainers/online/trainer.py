@@ -101,11 +101,16 @@ class OnlineTrainer:
         initial policy params themselves, in ``precision.frozen_dtype``) when the KL is on;
         compiles :attr:`step` for them. :attr:`reference` is what the run saves once;
         ``actors.initial_params`` is None from here on: the state holds buffers of its own."""
+        state = self._compile_step()
+        return state, self.actors.frozen_inputs(self.reference)
+
+    def _compile_step(self) -> TrainState:
+        """The fresh state; compiles :attr:`step` for it and sets :attr:`reference`."""
         state, shardings = self.init_state()
         self.learner.compile(shardings)
         self.reference = self.actors.initial_reference(self.actors.initial_params)
         self.actors.initial_params = None
-        return state, self.actors.frozen_inputs(self.reference)
+        return state
 
     @property
     def step(self):
@@ -194,12 +199,12 @@ class OnlineTrainer:
 
     def _train(self) -> TrainResult:
         config, learner, schedule = self.config, self.learner, self.schedule
-        state, frozen = self.start()
+        state = self._compile_step()  # not start(): a resumed run's frozen inputs come from the saved reference
         batches = self.data.iterator("train")
         with Session(config, console_keys=CONSOLE_KEYS) as session:
             state, reference = session.resume(state, batches, self.reference)
+            frozen = self.actors.frozen_inputs(reference)  # placed once
             if session.resumed:
-                frozen = self.actors.frozen_inputs(reference)
                 self.alarms.set_state(session.meta.get("alarms", {}))
                 if learner.ptx is not None:
                     learner.ptx.set_state(session.meta["ptx_data"])
