@@ -155,6 +155,8 @@ class DistillLossTest(chex.TestCase):
             distill.distill_loss(student, teacher, mask, beta=1.5)
         with pytest.raises(ValueError, match="temperature"):
             distill.distill_loss(student, teacher, mask, temperature=0.0)
+        with pytest.raises(ValueError, match=r"student_logits has shape .*leading dims must be mask's shape"):
+            distill.distill_loss(student, teacher, mask[:, 1:])
 
 
 class SparseDistillLossTest(chex.TestCase):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from alignax import ops
-from alignax._checks import check_choice, check_interval, check_rank, check_same_shape
+from alignax._checks import check_choice, check_interval, check_leading_shape, check_rank, check_same_shape
 
 Array = jax.Array
 
@@ -177,8 +177,7 @@ def distill_loss(
     check_rank(student_logits=(student_logits, 3), mask=(mask, 2))
     check_choice("divergence", divergence, DIVERGENCES)
     check_choice("aggregation", aggregation, ops.AGGREGATION_MODES)
-    if mask.shape != student_logits.shape[:2]:
-        raise ValueError(f"mask {mask.shape} and student_logits {student_logits.shape} disagree on [B, T]")
+    check_leading_shape("mask", mask, student_logits=student_logits)
     student = _masked_logits(student_logits, mask)
     teacher = jax.lax.stop_gradient(_masked_logits(teacher_logits, mask))
     if divergence == "forward_kl":
@@ -215,8 +214,7 @@ def sparse_distill_loss(
     """
     check_rank(student_logits=(student_logits, 3), mask=(mask, 2))
     check_choice("aggregation", aggregation, ops.AGGREGATION_MODES)
-    if mask.shape != student_logits.shape[:2]:
-        raise ValueError(f"mask {mask.shape} and student_logits {student_logits.shape} disagree on [B, T]")
+    check_leading_shape("mask", mask, student_logits=student_logits)
     student = _masked_logits(student_logits, mask)
     teacher_logps = jax.lax.stop_gradient(_masked_logits(teacher_topk_logps, mask))
     ids = jnp.where(mask.astype(bool)[..., None], teacher_topk_ids, 0)
