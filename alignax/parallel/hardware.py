@@ -9,8 +9,9 @@ any model is read, warns when the config asks for what only an accelerator does
 ``distributed.require_accelerator: true`` refuses a CPU run in one line (a ``ConfigError``:
 the CLI prints it and exits 2) — seconds after launch instead of hours into a slow run.
 
-Also here: the chip's name for the peak tables (:data:`alignax.estimate.PEAK_FLOPS`,
-:data:`HBM_BANDWIDTH`) from jax's ``device_kind``.
+Also here: the chip's name from jax's ``device_kind`` (:func:`chip`) and its memory
+bandwidth (:data:`HBM_BANDWIDTH`), for tools/accelerator_check.py's MFU and decode ceilings
+beside :data:`alignax.estimate.PEAK_FLOPS`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import jax
 
 from alignax.config import ConfigError
+from alignax.parallel.sharding import MESH_AXES, _complete_shape
 
 log = logging.getLogger("alignax")
 
@@ -83,10 +85,10 @@ def cpu_warnings(hardware: Hardware, *, attention: str, mesh_shape, dcn_shape) -
     if attention in ("cudnn", "splash"):
         needs = "a GPU (cuDNN)" if attention == "cudnn" else "a TPU (Pallas splash kernel)"
         found.append(f"model.attention={attention} needs {needs}; this run is on CPU")
-    shape = list(mesh_shape)
-    if -1 in shape:  # the remaining devices, as alignax.parallel.sharding.make_mesh reads it
-        known = math.prod(size for size in shape if size != -1)
-        shape[shape.index(-1)] = max(hardware.devices // max(known, 1), 1)
+    try:  # the -1 axis as make_mesh reads it; a shape that does not fit is make_mesh's to refuse
+        shape = _complete_shape(mesh_shape, MESH_AXES, hardware.devices)
+    except ConfigError:
+        shape = [max(size, 1) for size in mesh_shape]
     if shape[1] * shape[2] > 1:
         found.append(f"mesh.shape={list(mesh_shape)} splits the model over {shape[1] * shape[2]} CPU devices "
                      "(fsdp x tensor); on CPU that tests a layout and saves no memory or time")
