@@ -154,9 +154,12 @@ def test_a_stopped_process_whose_peer_is_gone_exits_143_within_the_shutdown_time
         procs[1].communicate(timeout=60)
     assert code == 143, err[-3000:]
     assert seconds < 5 + 10, f"{seconds:.0f} s"  # the timeout, and the moments of a process's exit
-    why = ("the run failed before it could save with the other processes" if peer == "killed"
-           else "the save and shutdown did not end within 5 s (distributed.shutdown_timeout_s)")
-    assert f"process 0 of 2: SIGTERM, and {why}" in err, err[-3000:]
+    # a killed peer is noticed by whichever collective process 0 is in: the step's (the run
+    # failed) or the stop-flag agreement's (could not be reached): the same exit either way
+    whys = (("the run failed before it could save with the other processes",
+             "the other processes could not be reached to save together") if peer == "killed"
+            else ("the save and shutdown did not end within 5 s (distributed.shutdown_timeout_s)",))
+    assert any(f"process 0 of 2: SIGTERM, and {why}" in err for why in whys), err[-3000:]
     assert "nothing after the last complete checkpoint is saved" in err
     assert "Check failure" not in err  # ended before jax's heartbeat check aborts the process
     if peer == "frozen":
