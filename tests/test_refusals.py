@@ -30,13 +30,9 @@ def files(tmp_path_factory, toy_model):
     write_jsonl(separable_pairs(40), base / "pairs.jsonl")
     (base / "bad.parquet").write_bytes(b"PAR1" + bytes(range(200)))  # Parquet's magic, then no footer
     (base / "empty-model").mkdir()
-    broken = base / "broken-model"
-    broken.mkdir()
-    for name in os.listdir(toy_model):
-        (broken / name).write_bytes((open(os.path.join(toy_model, name), "rb")).read())
-    (broken / "config.json").write_text('{"model_type": "llama", "vocab')  # cut mid-string
     damaged = {}  # one file of the toy model folder damaged each
-    for name, file, damage in (("bad-tokenizer", "tokenizer.json", lambda b: b[:13]),
+    for name, file, damage in (("broken-model", "config.json", lambda b: b'{"model_type": "llama", "vocab'),  # cut mid-string
+                               ("bad-tokenizer", "tokenizer.json", lambda b: b[:13]),
                                ("bad-weights", "model.safetensors", lambda b: b[:100]),
                                ("bad-architecture", "config.json",
                                 lambda b: b.replace(b'"model_type": "llama"', b'"model_type": "mamba"'))):
@@ -60,7 +56,7 @@ def files(tmp_path_factory, toy_model):
     (base / "grpo.yaml").write_text(yaml.safe_dump(grpo))
     (base / "syntax.yaml").write_text("algorithm: dpo\nmodel: {name: x\n  bad: [\n")
     return {**{name: str(base / name) for name in ("dpo.yaml", "grpo.yaml", "syntax.yaml", "bad.parquet",
-                                                   "empty-model", "broken-model")}, **damaged}
+                                                   "empty-model")}, **damaged}
 
 
 # name: (arguments with {file} placeholders, what the one line must say)
