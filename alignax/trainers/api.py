@@ -26,6 +26,7 @@ from alignax._checks import check_choice
 from alignax.checkpoint import Checkpointer
 from alignax.config import ConfigError
 from alignax.models import save_pretrained
+from alignax.models import registry
 from alignax.models.lora import save_peft_adapter
 from alignax.parallel import hardware, multihost
 from alignax.trainers.algorithms import ALGORITHMS, Algorithm, algorithm
@@ -156,5 +157,6 @@ def export(config: TrainConfig, destination: str | None = None, *, step: int | N
                 save_pretrained(model, target)
                 trainer.tokenizer.save_pretrained(target)
                 if model.config.lora is not None and model.config.model_type != "gpt2":
-                    save_peft_adapter(model, os.path.join(target, "adapter"), base_model_name=config.model.name)
+                    save_peft_adapter(model, os.path.join(target, "adapter"), base_model_name=registry.hub_id(config.model.name),
+                                      base_model_revision=registry.hub_revision(config.model.name))
     return destination
