@@ -5,6 +5,8 @@
     alignax export CONFIG.yaml [--out DIR] [--step N] [--critic] [--dtype D] [dotted.key=value ...]
     alignax estimate CONFIG.yaml [--devices N] [--device h100|v5e|...] [--device-memory GB]
                      [--mesh d,f,t] [--model PRESET] [--assumptions standard|seed] [--json]
+    alignax generate MODEL_OR_RECIPE PROMPTS [--out FILE] [--step N] [--num-samples G] [--greedy]
+                     [--temperature T] [--top-k K] [--top-p P] [--max-new-tokens N] [...]
 
 Every algorithm of ``alignax.trainers.api.ALGORITHMS`` supports all three.
 
@@ -76,7 +78,49 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--assumptions", default="standard", choices=("standard", "seed"))
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    _generate_parser(sub)
     return parser
+
+
+def _generate_parser(sub) -> None:
+    from alignax.generate import GenerateOptions
+
+    d = GenerateOptions()
+    p = sub.add_parser("generate", help="sample completions of a model or a run for a prompt file (JSONL out)",
+                       description="Sample completions for every prompt of a file; one JSON line per sample "
+                                   "(alignax.generate).")
+    p.add_argument("source", metavar="MODEL_OR_RECIPE",
+                   help="a model (registry name, Hugging Face folder such as a run's export/, or hub id) or a "
+                        "recipe YAML (its run's checkpoint)")
+    p.add_argument("prompts", metavar="PROMPTS", help="a prompt set as data.paths reads it (JSONL, Parquet, a "
+                   "folder, or a generator spec such as reasoning_gym:chain_sum?size=8)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the recipe")
+    p.add_argument("--out", default=None, help="output JSONL (default: <prompts>.completions.jsonl)")
+    p.add_argument("--step", type=int, default=None, help="a recipe's checkpoint step (default: latest)")
+    p.add_argument("--num-samples", type=int, default=d.num_samples, help="samples per prompt")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (one sample is enough)")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-k", type=int, default=d.top_k, help="0 keeps every token")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="1 keeps every token")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts per compiled call")
+    p.add_argument("--max-prompt-length", type=int, default=d.max_prompt_length,
+                   help="prompt tokens (longer prompts keep their end; default: the model's context less "
+                        "--max-new-tokens, at most 512)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--debug", action="store_true", help="show the traceback of any error")
+
+
+def _generate(args) -> int:
+    from alignax import generate
+
+    options = generate.GenerateOptions(
+        num_samples=args.num_samples, greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        max_prompt_length=args.max_prompt_length, seed=args.seed)
+    generate.check_options(options)
+    print(generate.run(args.source, args.prompts, args.out, options, step=args.step, overrides=args.overrides))
+    return 0
 
 
 def _flag_overrides(args) -> list[str]:
@@ -108,6 +152,8 @@ def _stopped_errors() -> tuple[type[BaseException], ...]:
 
 
 def _run(args) -> int:
+    if args.command == "generate":
+        return _generate(args)
     from alignax.trainers import api
 
     config = api.load_config(args.config, [*args.overrides, *_flag_overrides(args)])
