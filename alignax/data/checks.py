@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from alignax.config import ALWAYS, Above, Check, Is, IsNot, Rule, get, rule, show
+from alignax.config import ALWAYS, NEVER, Above, Check, Is, IsNot, Rule, get, rule, show
 from alignax.data.builders import is_generator_spec
 from alignax.data.formats import DEFAULT_FIELDS, FORMATS, OPTIONAL_FIELDS
 from alignax.data.pipeline import DataConfig
@@ -42,6 +42,8 @@ def key_rules(prefix: str) -> list[Rule]:
              "sft messages always go through the chat template; text never does"),
         rule(f"{prefix}.system_prompt", IsNot(fmt, "text"), "plain text has no conversation to put it in"),
         rule(f"{prefix}.split", _paths_read_from_disk(prefix), "a generator spec has no splits"),
+        rule(f"{prefix}.packing", Is(fmt, "sft", "text") if prefix == "data" else NEVER,
+             "whole sft or text examples pack into the rows of a training stream (alignax.data.example_packing)"),
         rule(f"{prefix}.prefetch_batches", Above(f"{prefix}.read_threads", 0),
              "batches are prefetched by the reading threads"),
     ]

@@ -35,7 +35,10 @@ Batch keys (``B`` = batch_size / process_count rows, ``T`` = max_length,
   record alone, not on the batch it lands in, so reference log-probs precomputed per
   record match the rows the policy sees in any shuffled batch.
 - ``sft``, ``text``: ``tokens, positions, attention_mask, response_mask`` ``[B, T]``
-  (``text``: ``response_mask`` 1 on every real token but the first).
+  (``text``: ``response_mask`` 1 on every real token but the first). With
+  ``data.packing`` a training row holds several examples: ``segment_ids`` ``[B, T]`` (1, 2,
+  ... per example, 0 on padding), positions restarting per example, ``examples`` ``[B]``
+  (how many), ``record_index`` the row's first record.
 - ``steps``: ``tokens, positions, attention_mask`` ``[B, T]`` right-padded, ``step_mask``
   ``[B, T]`` 1 on each step's end token (its delimiter; the end-of-turn token for the
   last step) and ``step_labels`` ``[B, T]`` float32, the step's label there, 0 elsewhere.
@@ -61,6 +64,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -70,11 +74,13 @@ import numpy as np
 
 from alignax import paths
 from alignax.config import ConfigError
+from alignax.data.example_packing import RowPlan, pack_row
 from alignax.data.formats import FORMATS, TRUNCATIONS, Encoder
 from alignax.data.sources import BadRecordError, ConcatSource, ListSource, open_source
 
 BAD_RECORD_POLICIES = ("error", "skip")
 DUPLICATE_POLICIES = ("keep", "skip", "error")
+PACKED_FORMATS = ("sft", "text")  # one sequence per example: whole examples pack into a row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +127,11 @@ class DataConfig:
         up to a group's size less one. With ``eval_fraction > 0`` the data needs two
         distinct prompts at least.
       num_epochs: passes over the training set; ``None`` repeats forever.
+      packing: formats ``sft`` and ``text``: a training row holds several whole examples
+        (``segment_ids`` keep them apart, positions restart;
+        :mod:`alignax.data.example_packing`), so ``batch_size`` counts rows, each holding as
+        many shuffled examples as fit in ``max_length`` tokens. Eval batches stay one example
+        per row.
       read_threads: threads tokenising ahead of the consumer (0: in the caller's thread).
       prefetch_batches: batches buffered ahead when ``read_threads > 0``.
     """
@@ -143,6 +154,7 @@ class DataConfig:
     batch_size: int = 8
     eval_fraction: float = 0.0
     num_epochs: int | None = None
+    packing: bool = False
     read_threads: int = 1
     prefetch_batches: int = 2
 
@@ -242,6 +254,12 @@ class PreparedData:
         prompt_keys: dict[int, bytes] = {}  # unpaired: record -> its prompt's digest (KL partners)
         first_of: dict[bytes, int] = {}  # content digest -> the first kept record with it
         groups = _PromptGroups()
+        # (a config's data.packing is checked with its format when the config loads: the key table)
+        if config.packing and config.format not in PACKED_FORMATS:
+            raise ValueError(f"data.packing packs whole examples of format {' or '.join(PACKED_FORMATS)} into rows; "
+                             f"data.format is {config.format}")
+        # tokens of each kept record (data.packing plans its rows from them); -1: not kept
+        self.lengths = np.full(len(self.source) if config.packing else 0, -1, np.int64)
         if config.format == "preference":
             stats["margin/present"] = 0
         for i in range(len(self.source)):
@@ -271,6 +289,8 @@ class PreparedData:
                     stats["skipped/duplicate"] += 1
                     continue
             valid.append(i)
+            if config.packing:
+                self.lengths[i] = len(encoded.prompt) + len(encoded.responses["response"][0])
             prompt = _digest(encoded.prompt if config.format != "text" else
                              encoded.prompt + encoded.responses["response"][0])
             groups.add(i, prompt, None if encoded.full_prompt is None else _digest(encoded.full_prompt))
@@ -532,7 +552,27 @@ class DataIterator:
 
         _ProcessBlocks = _process_blocks()
         batch_fn = _batch_fn
-        if not ordered:
+        self._plan = None
+        if not ordered and config.packing:
+            self._plan = RowPlan(indices, prepared.lengths[indices], config.max_length, seed=config.seed,
+                                 shuffle=config.shuffle, num_epochs=config.num_epochs)
+            rows = self._plan.rows_in(0)
+            if rows < config.batch_size:
+                raise ValueError(f"the training split packs into {rows} rows of data.max_length={config.max_length} "
+                                 f"tokens ({n} examples, data.packing); data.batch_size is {config.batch_size} rows")
+            self.steps_per_epoch = rows // config.batch_size
+            stream = self._plan.total_rows() if config.num_epochs is not None else sys.maxsize
+
+            def load_row(position: int) -> dict[str, Any]:
+                records = self._plan.row(position)
+                row = pack_row([prepared.example(r) for r in records], config.max_length, prepared.encoder.pad_id)
+                row.update(example_mask=1, record_index=np.int32(records[0]), examples=np.int32(len(records)))
+                return row
+
+            ds = _ProcessBlocks(grain.MapDataset.range(stream), config.batch_size, process_index, process_count)
+            ds = ds.map(lambda pos: load_row(int(pos)))
+            ds = ds.batch(self.local_batch_size, drop_remainder=True, batch_fn=batch_fn)
+        elif not ordered:
             ds = grain.MapDataset.range(n)
             if config.shuffle:
                 ds = ds.shuffle(seed=config.seed)
@@ -564,7 +604,9 @@ class DataIterator:
 
     @property
     def epoch(self) -> int:
-        """Epoch of the first example of the next batch (0-based)."""
+        """Epoch of the first example (packed: row) of the next batch (0-based)."""
+        if self._plan is not None:
+            return self._plan.epoch_of(self.step * self.global_batch_size)
         return self.step * self.global_batch_size // max(self.num_examples, 1)
 
     def __iter__(self) -> DataIterator:
@@ -587,6 +629,7 @@ class DataIterator:
             "seed": config.seed,
             "shuffle": config.shuffle,
             "batch_size": self.global_batch_size,
+            **({"packing": True} if self._plan is not None else {}),  # absent unpacked: older states still match
         }
 
     def get_state(self) -> dict[str, Any]:

@@ -58,6 +58,8 @@ class Algorithm:
         that reference is a table of log-probs computed before training (no model held).
       scorers: when it holds frozen scoring models of its own (beyond ``rewards:``'s).
       lora: whether a ``lora:`` section trains it.
+      packs_examples: whether its loss reads packed rows (``data.packing``: several examples
+        per row kept apart by segment ids; :mod:`alignax.data.example_packing`).
       rules: its rows of the key table (``alignax.config.Rule``: keys of its sections read
         under a condition).
       constraints: its cross-field checks, ``config -> problem in words | None``.
@@ -80,6 +82,7 @@ class Algorithm:
     precomputed_reference: Cond = NEVER
     scorers: Cond = NEVER
     lora: bool = True
+    packs_examples: bool = False
     rules: tuple[Rule, ...] = ()
     constraints: tuple[Constraint, ...] = ()
     rows_per_record: Callable[[TrainConfig], int] = _one
@@ -250,6 +253,25 @@ def _critic(config):
     return None
 
 
+# ---------------------------------------------------------------------------- SFT
+_PACKED_AGGREGATIONS = ("token-mean", "token-sum")
+
+
+def _sft_packing(config):
+    """Packed rows: a token-level loss (a row is not a sequence) and an attention kernel that
+    takes segment ids."""
+    if not config.data.packing:
+        return None
+    if config.sft.aggregation not in _PACKED_AGGREGATIONS:
+        return (f"sft.aggregation={config.sft.aggregation} with data.packing: a packed row holds several sequences, "
+                f"so only a token-level aggregation ({' or '.join(_PACKED_AGGREGATIONS)}) is the unpacked loss; "
+                "set data.packing: false for a per-sequence mean")
+    if config.model.attention != "xla":  # auto is a fused kernel on a GPU or TPU
+        return (f"model.attention={config.model.attention} with data.packing: the packed rows need the segment-id "
+                "mask of model.attention=xla (the fused kernels see causal + real keys only)")
+    return None
+
+
 # ---------------------------------------------------------------------------- distillation
 DISTILL_RULES: tuple[Rule, ...] = (
     rule("distill.beta", All(Is("distill.divergence", "jsd"), Is("distill.top_k", None)),
@@ -297,7 +319,8 @@ DISTILL_PRECOMPUTED = Is("distill.teacher_logits", "precomputed")
 
 # ---------------------------------------------------------------------------- the map
 ENTRIES: tuple[Algorithm, ...] = (
-    Algorithm("sft", "offline", ("causal_lm",), sft.make_task, ("sft",), _formats("sft", "text")),
+    Algorithm("sft", "offline", ("causal_lm",), sft.make_task, ("sft",), _formats("sft", "text"),
+              packs_examples=True, constraints=(_sft_packing,)),
     Algorithm("reward", "offline", ("reward",), reward.make_task, ("reward_model",), _formats("preference"),
               rows_per_record=_two_rows),
     Algorithm("prm", "offline", ("reward",), prm.make_task, ("prm",), _formats("steps"), lora=False),

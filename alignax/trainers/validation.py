@@ -127,6 +127,9 @@ KEY_RULES: tuple[Rule, ...] = (
          "it is the shape of the devices set apart for the models placed on submesh (placement.reference or "
          "placement.reward_models: submesh)"),
     rule("lora", where(lambda a: a.lora), f"adapters train {_names(lambda a: a.lora)} runs"),
+    rule("data.packing", where(lambda a: a.packs_examples),
+         f"packed rows (several examples each, kept apart by segment ids) are read by "
+         f"{_names(lambda a: a.packs_examples)}"),
     rule("lora.merge_for_sampling", ONLINE,
          "it merges the adapters for the rollouts' sampler; an offline run's evaluation samples unmerged"),
     rule("lora.quant_block_size", IsNot("lora.quantize", "none"),

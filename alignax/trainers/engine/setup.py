@@ -154,12 +154,15 @@ class BatchPlacer:
 
 
 def response_hidden(model: nnx.Module, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                    response_mask: jax.Array, *, window: int | None = None):
+                    response_mask: jax.Array, *, window: int | None = None, segment_ids: jax.Array | None = None):
     """The final hidden states that score the response tokens: ``(hidden [B, W, D],
     targets [B, W], mask [B, W] float32)``, position ``t`` predicting ``targets[:, t]``;
     ``W = T - 1`` without ``window``, else the ``window`` positions from each row's first
-    response token on (:func:`response_logps`)."""
-    hidden = model(tokens, positions, attention_mask, return_logits=False).hidden[:, :-1]
+    response token on (:func:`response_logps`). ``segment_ids [B, T]``: rows of several
+    examples (``data.packing``; :mod:`alignax.data.example_packing`), scored whole."""
+    if segment_ids is not None and window is not None:
+        raise ValueError("a packed row holds several responses: it is scored whole (window None)")
+    hidden = model(tokens, positions, attention_mask, segment_ids=segment_ids, return_logits=False).hidden[:, :-1]
     targets = tokens[:, 1:]
     mask = response_mask[:, 1:].astype(jnp.float32)
     if window is not None and window < targets.shape[1]:
@@ -182,6 +185,7 @@ def response_logps(
     chunk_size: int | None = None,
     window: int | None = None,
     with_entropy: bool = False,
+    segment_ids: jax.Array | None = None,
 ):
     """Per-token log-probs of the response tokens given their prefixes, and their mask.
 
@@ -195,9 +199,10 @@ def response_logps(
     enforces on every example.
 
     ``with_entropy`` adds the entropy of each scored position's distribution. Float32
-    whatever the compute dtype.
+    whatever the compute dtype. ``segment_ids``: packed rows (:func:`response_hidden`).
     """
-    hidden, targets, mask = response_hidden(model, tokens, positions, attention_mask, response_mask, window=window)
+    hidden, targets, mask = response_hidden(model, tokens, positions, attention_mask, response_mask, window=window,
+                                            segment_ids=segment_ids)
     result = models.token_logprobs_from_hidden(hidden, model, targets, chunk_size=chunk_size, with_entropy=with_entropy)
     if with_entropy:
         logps, entropy = result

@@ -1,7 +1,9 @@
 """Supervised fine-tuning: prompt-masked negative log-likelihood of the response tokens.
 
 ``data.format: sft`` trains on assistant turns; ``data.format: text`` on every token of
-raw text but the first (continued pre-training).
+raw text but the first (continued pre-training). With ``data.packing`` a training row holds
+several examples (:mod:`alignax.data.example_packing`); the token-level aggregations
+(``token-mean``, ``token-sum``) are then the unpacked loss of the same examples.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State) -> T
 
     def token_logps(params, batch):
         model = nnx.merge(graphdef, params, rest)
+        # a packed training row (data.packing) holds several responses: scored whole
+        segments = batch.get("segment_ids")
         logps, mask = response_logps(model, batch["tokens"], batch["positions"], batch["attention_mask"],
-                                     batch["response_mask"], chunk_size=chunk, window=window)
+                                     batch["response_mask"], chunk_size=chunk,
+                                     window=window if segments is None else None, segment_ids=segments)
         if "example_mask" in batch:
             mask = mask * batch["example_mask"][:, None].astype(mask.dtype)
         return logps, mask
