@@ -68,6 +68,9 @@ READ_ELSEWHERE = {
     "distributed.require_accelerator": "read at alignax train's start-up (tests/test_hardware.py)",
     "checkpoint.allow_changes": "read when a run resumes with a changed config (tests/test_run_directory.py)",
     "checkpoint.resume_step": "read when a run resumes (tests/test_run_directory.py, tests/test_cli.py)",
+    **{f"logging.{tracker}{key}": "read when the run's writers start (tests/test_trackers.py)"
+       for tracker, keys in (("wandb", ("", ".project", ".entity", ".name", ".mode", ".tags")),
+                             ("mlflow", ("", ".tracking_uri", ".experiment", ".run_name"))) for key in keys},
 }
 
 
@@ -251,6 +254,15 @@ SWEEP_VALUES = {
     "lora.targets": [["q", "v"]],
     "env.name": ["calculator"],
     "env.kwargs": [{"max_digits": 50}],
+    "logging.wandb": [{"mode": "offline"}],
+    "logging.wandb.project": ["elsewhere"],
+    "logging.wandb.entity": ["a-team"],
+    "logging.wandb.name": ["a-run"],
+    "logging.wandb.tags": [["a", "b"]],
+    "logging.mlflow": [{"experiment": "elsewhere"}],
+    "logging.mlflow.tracking_uri": ["file:///tmp/mlruns"],
+    "logging.mlflow.experiment": ["elsewhere"],
+    "logging.mlflow.run_name": ["a-run"],
 }
 DATA_VALUES = {
     "paths": [["tests/data/some.jsonl"]],

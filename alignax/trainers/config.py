@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 from alignax.config import ConfigError
 from alignax.data import DataConfig
+from alignax.trackers import MlflowSection, WandbSection
 from alignax.envs.config import EnvConfig
 from alignax.evaluation import EvaluationConfig
 from alignax.models.lora import LoraConfig
@@ -231,12 +232,15 @@ class CheckpointSection:
 class LoggingSection:
     """Fields: ``console`` (progress bar / lines), ``jsonl`` (``metrics.jsonl``),
     ``tensorboard`` (event files under ``tensorboard/``), ``console_keys`` (the figures on
-    the progress line; ``null``: the algorithm's own choice)."""
+    the progress line; ``null``: the algorithm's own choice), ``wandb`` / ``mlflow`` (an
+    experiment tracker's settings; null: off; :mod:`alignax.trackers`)."""
 
     console: bool = True
     jsonl: bool = True
     tensorboard: bool = True
     console_keys: tuple[str, ...] | None = None
+    wandb: WandbSection | None = None
+    mlflow: MlflowSection | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,7 @@ from jax.experimental import multihost_utils
 
 from alignax import config as config_io
 from alignax import paths
+from alignax.trackers import TRACKER_IDS
 from alignax.config import ConfigError
 from alignax.trainers.config import TrainConfig, rename_sections
 
@@ -65,7 +66,8 @@ STALE_AFTER_S = 600.0
 
 # Files and folders a run writes into output_dir (see alignax.trainers.engine.session);
 # --overwrite removes these and nothing else.
-RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "evaluation", "export")
+RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "evaluation", "export", "wandb", "mlruns",
+                 TRACKER_IDS)
 
 # Keys that change how a run is watched or saved, never what it computes: a resumed run
 # may change them freely.

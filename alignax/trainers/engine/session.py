@@ -37,6 +37,7 @@ from alignax import config as config_io
 from alignax.checkpoint import Checkpointer
 from alignax.evaluation import report_path, write_report
 from alignax.metrics import ConsoleWriter, JsonlWriter, MultiWriter, TensorBoardWriter
+from alignax.trackers import tracker_writers
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import rundir
 from alignax.trainers.engine.loop import BatchIterator, LoopConfig, LoopResult, count_tokens, run_loop
@@ -71,8 +72,9 @@ def checkpoint_dir(config: TrainConfig) -> str:
 
 
 def make_writers(config: TrainConfig, keys: Sequence[str]) -> MultiWriter:
-    """Console (with ``keys`` on the progress line), JSONL and TensorBoard, as configured;
-    none on processes other than 0 (every process sees the same figures)."""
+    """Console (with ``keys`` on the progress line), JSONL, TensorBoard and the experiment
+    trackers (:mod:`alignax.trackers`), as configured; none on processes other than 0
+    (every process sees the same figures)."""
     writers = []
     if not is_writer():
         return MultiWriter(writers)
@@ -83,6 +85,7 @@ def make_writers(config: TrainConfig, keys: Sequence[str]) -> MultiWriter:
         writers.append(JsonlWriter(os.path.join(config.output_dir, "metrics.jsonl")))
     if config.logging.tensorboard:
         writers.append(TensorBoardWriter(os.path.join(config.output_dir, "tensorboard")))
+    writers += tracker_writers(config.logging, config.output_dir, config_io.to_dict(config))
     return MultiWriter(writers)
 
 

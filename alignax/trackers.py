@@ -1,0 +1,180 @@
+"""Experiment trackers: Weights & Biases and MLflow beside ``metrics.jsonl`` and TensorBoard.
+
+``logging.wandb`` and ``logging.mlflow`` (null: off) each add a :class:`~alignax.metrics.MetricWriter`
+that receives every figure the run writes (training, eval, data counts, and the monitor's
+alarm events, which are metrics too), and the run's whole config once, flattened to dotted
+keys (wandb's run config; MLflow's params). Neither package is a dependency of alignax:
+``pip install 'alignax[trackers]'`` (``make install`` includes it). Each works offline:
+
+- wandb ``mode: offline`` (the default) writes its run folder under ``<output_dir>/wandb``
+  for a later ``wandb sync``; ``online`` needs ``WANDB_API_KEY`` and the network.
+- MLflow's ``tracking_uri`` defaults to a file store under ``<output_dir>/mlruns``
+  (``mlflow ui --backend-store-uri <output_dir>/mlruns``); any URI MLflow takes works.
+
+A resumed run continues the same tracker run: its id is kept in
+``<output_dir>/trackers.json``, written when the run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from alignax import paths
+from alignax.config import ConfigError
+
+TRACKER_IDS = "trackers.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbSection:
+    """``logging.wandb``: ``project``, ``entity`` (null: the account's default), ``name`` (null:
+    the output_dir's base name), ``mode`` (``offline``: a run folder to sync later;
+    ``online``: stream to the server), ``tags``."""
+
+    project: str = "alignax"
+    entity: str | None = None
+    name: str | None = None
+    mode: Literal["offline", "online"] = "offline"
+    tags: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class MlflowSection:
+    """``logging.mlflow``: ``tracking_uri`` (null: a file store under ``<output_dir>/mlruns``),
+    ``experiment``, ``run_name`` (null: the output_dir's base name)."""
+
+    tracking_uri: str | None = None
+    experiment: str = "alignax"
+    run_name: str | None = None
+
+
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as ``{dotted.key: scalar}`` (lists as their JSON text)."""
+    out: dict[str, Any] = {}
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}."))
+        return out
+    key = prefix[:-1]
+    out[key] = json.dumps(tree) if isinstance(tree, (list, tuple)) else tree
+    return out
+
+
+def _import(package: str, key: str):
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(f"{key} needs the {package} package, which is not installed: "
+                          "pip install 'alignax[trackers]' (make install includes it)") from None
+
+
+class TrackerIds:
+    """The tracker run ids of an output directory (``trackers.json``), so a resumed run logs
+    into the run it started."""
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, TRACKER_IDS)
+        target = paths.as_path(self.path)
+        self.ids: dict[str, str] = json.loads(target.read_text()) if target.exists() else {}
+
+    def remember(self, tracker: str, run_id: str) -> None:
+        self.ids[tracker] = run_id
+        paths.write_text(self.path, json.dumps(self.ids, indent=1))
+
+
+class WandbWriter:
+    """Figures into a wandb run (``wandb.log`` at the run's step)."""
+
+    def __init__(self, section: WandbSection, output_dir: str, config: Mapping[str, Any], ids: TrackerIds):
+        wandb = _import("wandb", "logging.wandb")
+        directory = os.path.join(output_dir, "wandb")
+        os.makedirs(directory, exist_ok=True)
+        run_id = ids.ids.get("wandb") or uuid.uuid4().hex[:8]  # wandb ids: lowercase letters and digits
+        self._run = wandb.init(project=section.project, entity=section.entity, mode=section.mode, id=run_id,
+                               resume="allow", name=section.name or os.path.basename(os.path.normpath(output_dir)),
+                               tags=list(section.tags), dir=output_dir, config=flat(config),
+                               settings=wandb.Settings(silent=True, console="off"))
+        ids.remember("wandb", run_id)
+        self.run_dir = self._run.dir  # <output_dir>/wandb/<offline-run-...>/files
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._run.log({k: float(v) for k, v in metrics.items()}, step=int(step))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowWriter:
+    """Figures into an MLflow run (``log_metrics`` at the run's step)."""
+
+    def __init__(self, section: MlflowSection, output_dir: str, config: Mapping[str, Any], ids: TrackerIds):
+        _import("mlflow", "logging.mlflow")
+        from mlflow.tracking import MlflowClient
+
+        uri = section.tracking_uri
+        if uri is None:
+            # MLflow 3 keeps its file store in maintenance mode behind this switch; it is the
+            # one store that needs no server or database, which a default must not
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = "file://" + os.path.abspath(os.path.join(output_dir, "mlruns"))
+        self._client = MlflowClient(tracking_uri=uri)
+        self.tracking_uri = uri
+        run_id = ids.ids.get("mlflow")
+        if run_id is None:
+            experiment = self._client.get_experiment_by_name(section.experiment)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else self._client.create_experiment(section.experiment))
+            run = self._client.create_run(experiment_id, run_name=section.run_name or os.path.basename(
+                os.path.normpath(output_dir)))
+            run_id = run.info.run_id
+            params = flat(config)
+            for start in range(0, len(params), 100):  # MLflow takes at most 100 params a call
+                from mlflow.entities import Param
+
+                chunk = list(params.items())[start:start + 100]
+                self._client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in chunk])
+            ids.remember("mlflow", run_id)
+        self.run_id = run_id
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(_mlflow_key(k), float(v), now, int(step)) for k, v in metrics.items()]
+        for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics a call
+            self._client.log_batch(self.run_id, metrics=batch[start:start + 1000])
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
+def _mlflow_key(key: str) -> str:
+    """MLflow allows letters, digits, ``_ - . / space`` and ``:`` in a metric name; alignax's
+    figures use those but for ``@`` (``pass@k``) and ``%``: spelt out."""
+    return key.replace("@", "_at_").replace("%", "pct")
+
+
+def tracker_writers(logging_section, output_dir: str, config: Mapping[str, Any]) -> list[Any]:
+    """The writers of the trackers ``logging_section`` turns on (none when both are null)."""
+    writers: list[Any] = []
+    if logging_section.wandb is None and logging_section.mlflow is None:
+        return writers
+    ids = TrackerIds(output_dir)
+    if logging_section.wandb is not None:
+        writers.append(WandbWriter(logging_section.wandb, output_dir, config, ids))
+    if logging_section.mlflow is not None:
+        writers.append(MlflowWriter(logging_section.mlflow, output_dir, config, ids))
+    return writers
+
+
+__all__ = ["MlflowSection", "MlflowWriter", "TRACKER_IDS", "TrackerIds", "WandbSection", "WandbWriter", "flat",
+           "tracker_writers"]
