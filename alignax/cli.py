@@ -7,6 +7,8 @@
                      [--mesh d,f,t] [--model PRESET] [--assumptions standard|seed] [--json]
     alignax generate MODEL_OR_RECIPE PROMPTS [--out FILE] [--step N] [--num-samples G] [--greedy]
                      [--temperature T] [--top-k K] [--top-p P] [--max-new-tokens N] [...]
+    alignax judge JUDGE_MODEL FILE.jsonl [--mode pointwise|pairwise] [--out FILE] [--rubric TEXT]
+                  [--verdicts yes,no] [--answers a,b]
 
 Every algorithm of ``alignax.trainers.api.ALGORITHMS`` supports all three.
 
@@ -79,7 +81,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     _generate_parser(sub)
+    _judge_parser(sub)
     return parser
+
+
+def _judge_parser(sub) -> None:
+    p = sub.add_parser("judge", help="score a JSONL file with an LLM judge, pointwise or pairwise",
+                       description="Score each record of a JSONL file with a judge model (alignax.judging): "
+                                   "pointwise adds judge_logp/judge_p; pairwise writes preference records.")
+    p.add_argument("model", metavar="JUDGE_MODEL", help="the judge: a registry name, Hugging Face folder or hub id")
+    p.add_argument("file", metavar="FILE", help="JSONL: prompt + completion (pointwise), prompt + two answers or "
+                   "alignax generate --num-samples 2 output (pairwise)")
+    p.add_argument("--mode", choices=("pointwise", "pairwise"), default="pointwise")
+    p.add_argument("--out", default=None, help="output JSONL (default: <file>.judged.jsonl)")
+    p.add_argument("--rubric", default=None, help="the judge's instruction: {prompt} and {completion} (pointwise) "
+                   "or {prompt}, {first}, {second} (pairwise)")
+    p.add_argument("--verdicts", default=None, help="positive,negative verdict texts (default yes,no; pairwise A,B)")
+    p.add_argument("--answers", default="a,b", help="pairwise: the two fields holding the answers")
+    p.add_argument("--debug", action="store_true", help="show the traceback of any error")
+
+
+def _judge(args) -> int:
+    from alignax import judging
+
+    verdicts = tuple(args.verdicts.split(",")) if args.verdicts else None
+    answers = tuple(args.answers.split(","))
+    if len(answers) != 2 or not all(answers):
+        raise ConfigError(f"--answers {args.answers!r}: expected two field names, e.g. a,b")
+    print(judging.run(args.model, args.file, args.out, mode=args.mode, rubric=args.rubric, verdicts=verdicts,
+                      answers=answers))
+    return 0
 
 
 def _generate_parser(sub) -> None:
@@ -154,6 +185,8 @@ def _stopped_errors() -> tuple[type[BaseException], ...]:
 def _run(args) -> int:
     if args.command == "generate":
         return _generate(args)
+    if args.command == "judge":
+        return _judge(args)
     from alignax.trainers import api
 
     config = api.load_config(args.config, [*args.overrides, *_flag_overrides(args)])
@@ -234,10 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may follow the flags too (`train cfg.yaml --step 3 optim.learning_rate=1e-5`)
-    unknown = [item for item in extra if item.startswith("-") or "=" not in item]
+    takes_overrides = hasattr(args, "overrides")  # the recipe commands (judge reads no recipe)
+    unknown = [item for item in extra if item.startswith("-") or "=" not in item or not takes_overrides]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = [*args.overrides, *extra]
+    args.overrides = [*getattr(args, "overrides", []), *extra]
     args.debug = args.debug or os.environ.get("ALIGNAX_DEBUG", "") not in ("", "0")
     if not args.debug:
         logging.getLogger("absl").addFilter(_without_traceback)

@@ -79,7 +79,11 @@ class Judge:
     def judge_prompt_ids(self, prompt: str, completion: str) -> list[int]:
         """The judge's input before the verdict: the filled rubric as a user turn (chat
         template with the generation prompt when the tokenizer has one)."""
-        text = self.rubric.format(prompt=prompt, completion=completion)
+        return self.turn_ids(self.rubric.format(prompt=prompt, completion=completion))
+
+    def turn_ids(self, text: str) -> list[int]:
+        """``text`` as the judge's user turn, ready for a verdict: through the chat template
+        with the generation prompt when the tokenizer has one, else as it is."""
         if getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                       add_generation_prompt=True)
@@ -88,9 +92,13 @@ class Judge:
 
     def verdict_logps(self, prompts: Sequence[str], completions: Sequence[str]) -> np.ndarray:
         """``[R, 2]``: ``log p(verdict | judge prompt)`` of the positive and negative verdict."""
+        return self.verdict_logps_of([self.judge_prompt_ids(p, c) for p, c in zip(prompts, completions)])
+
+    def verdict_logps_of(self, heads: Sequence[Sequence[int]]) -> np.ndarray:
+        """``[R, 2]``: the two verdicts' log-probs after each judge input ``heads[r]`` (token ids)."""
         rows, targets = [], []
-        for prompt, completion in zip(prompts, completions):
-            head = self.judge_prompt_ids(prompt, completion)
+        for head in heads:
+            head = list(head)
             for ids in self.verdict_ids:
                 rows.append(head + ids)
                 targets.append(len(ids))

@@ -37,7 +37,7 @@ def parse_args(argv=None):
     parser.add_argument("--model", choices=("smollm2-135m", "tiny"), default="smollm2-135m",
                         help="SmolLM2-135M-Instruct's weights, or a tiny random model with its tokenizer")
     parser.add_argument("--batch", type=int, default=4, help="rows a step")
-    parser.add_argument("--seq", type=int, default=512, help="tokens a row")
+    parser.add_argument("--seq", type=int, default=256, help="tokens a row")
     parser.add_argument("--steps", type=int, default=4, help="timed steps a round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each side, alternating")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation)")
@@ -49,7 +49,9 @@ def parse_args(argv=None):
 def _config(args, packed: bool, out: str):
     from alignax.trainers.api import load_config
 
-    model = {"name": "smollm2-135m-instruct", **({"random_init": TINY} if args.model == "tiny" else {})}
+    # log-probs in chunks of 128 positions: a [rows, seq, 49152] float32 logits array is not held
+    model = {"name": "smollm2-135m-instruct", "logprob_chunk_size": 128,
+             **({"random_init": TINY} if args.model == "tiny" else {})}
     return load_config(data={
         "algorithm": "sft", "output_dir": out, "model": model,
         "data": {"paths": [f"reasoning_gym:chain_sum?size={args.records}&seed=0"], "format": "sft",
