@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from alignax import paths
-from alignax.config import ALWAYS, NEVER, Above, All, AnyOf, Cond, Given, Is, IsNot, Rule, rule
+from alignax.config import ALWAYS, NEVER, ConfigError, Above, All, AnyOf, Cond, Given, Is, IsNot, Rule, rule
 from alignax.data import checks as data_checks
 from alignax.data.formats import FORMATS
 from alignax.losses.preference import DPO_VARIANT_TABLE, SMOOTHED_VARIANTS
@@ -348,6 +348,39 @@ ENTRIES: tuple[Algorithm, ...] = (
 )
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}
+
+
+# Names a TRL user reaches for (TRL has a trainer per loss): ``algorithm: kto`` is the dpo
+# entry with ``preference.loss: kto``. Expanded when the config loads
+# (:func:`expand_alias`), so the run, its config.yaml and its checkpoints are the dpo
+# entry's and a recipe may use either spelling.
+ALIASES: dict[str, tuple[str, dict[str, str]]] = {
+    "kto": ("dpo", {"preference.loss": "kto"}),
+    "simpo": ("dpo", {"preference.loss": "simpo"}),
+    "cpo": ("dpo", {"preference.loss": "cpo"}),
+    "orpo": ("dpo", {"preference.loss": "orpo"}),
+    "ipo": ("dpo", {"preference.loss": "dpo", "preference.variant": "ipo"}),
+}
+
+
+def expand_alias(raw: dict[str, Any]) -> dict[str, Any]:
+    """A raw config whose ``algorithm`` is an alias (:data:`ALIASES`), as the entry and keys it
+    stands for; a key the recipe sets to another value is an error naming both."""
+    name = raw.get("algorithm")
+    if not isinstance(name, str) or name not in ALIASES:
+        return raw
+    target, keys = ALIASES[name]
+    out = {**raw, "algorithm": target}
+    for dotted, value in keys.items():
+        section, key = dotted.split(".")
+        current = out.get(section) or {}
+        if not isinstance(current, dict):
+            return out  # a section that is not a mapping: the schema names it
+        if current.get(key, value) != value:
+            raise ConfigError(f"algorithm: {name} is algorithm: {target} with {dotted}: {value}; the recipe sets "
+                              f"{dotted}: {current[key]} (drop it, or write algorithm: {target})")
+        out[section] = {**current, key: value}
+    return out
 
 
 def algorithm(name: str) -> Algorithm:

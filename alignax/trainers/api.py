@@ -29,7 +29,7 @@ from alignax.models import save_pretrained
 from alignax.models import registry
 from alignax.models.lora import save_peft_adapter
 from alignax.parallel import hardware, multihost
-from alignax.trainers.algorithms import ALGORITHMS, Algorithm, algorithm
+from alignax.trainers.algorithms import ALGORITHMS, ALIASES, Algorithm, algorithm, expand_alias
 from alignax.trainers.config import TrainConfig, rename_sections
 from alignax.trainers.engine import rundir
 from alignax.trainers.engine.precision import cast_floating, master_params
@@ -63,15 +63,16 @@ def load_config(path: str | None = None, overrides: Sequence[str] = (), *, data:
     checked before any model or data is read: every key and type
     (:func:`alignax.config.from_dict`; a section under its old name,
     :data:`~alignax.trainers.config.RENAMED_SECTIONS`, is read as the new one with a
-    ``DeprecationWarning``), the algorithm's name, and the keys across sections
+    ``DeprecationWarning``), the algorithm's name (an alias such as ``kto`` is the entry
+    and keys it stands for, :data:`~alignax.trainers.algorithms.ALIASES`), and the keys across sections
     (:func:`alignax.trainers.validation.validate`: a key the algorithm cannot use, or values
     that disagree, is a ``ConfigError`` naming them)."""
     raw = config_io.load_yaml(path) if path is not None else dict(data or {})
-    raw = rename_sections(config_io.apply_overrides(raw, overrides))
+    raw = expand_alias(rename_sections(config_io.apply_overrides(raw, overrides)))
     config = config_io.from_dict(TrainConfig, raw)
     if config.algorithm not in ALGORITHMS:
         raise ConfigError(f"algorithm: {config.algorithm!r} is not a valid choice; valid: "
-                          f"{', '.join(map(repr, ALGORITHMS))}")
+                          f"{', '.join(map(repr, [*ALGORITHMS, *ALIASES]))}")
     validate(config)
     return config
 
