@@ -9,6 +9,7 @@
                      [--temperature T] [--top-k K] [--top-p P] [--max-new-tokens N] [...]
     alignax judge JUDGE_MODEL FILE.jsonl [--mode pointwise|pairwise] [--out FILE] [--rubric TEXT]
                   [--verdicts yes,no] [--answers a,b]
+    alignax label CONFIG.yaml SOLUTIONS --out FILE [--num-samples K] [--estimator hard|soft] [...]
 
 Every algorithm of ``alignax.trainers.api.ALGORITHMS`` supports all three.
 
@@ -82,7 +83,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     _generate_parser(sub)
     _judge_parser(sub)
+    _label_parser(sub)
     return parser
+
+
+def _label_parser(sub) -> None:
+    p = sub.add_parser("label", help="Math-Shepherd step labels for step-by-step solutions (PRM data)",
+                       description="Label each step of each solution with the share of a recipe's policy's "
+                                   "completions from it that its verifier accepts (alignax.math_shepherd).")
+    p.add_argument("config", help="a recipe: the policy (model), rollout settings and rewards (the verifier)")
+    p.add_argument("solutions", help="format-steps JSONL, or a generator spec (reasoning_gym:chain_sum?size=16)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the recipe")
+    p.add_argument("--out", required=True, help="the labelled JSONL (format steps, for algorithm: prm)")
+    p.add_argument("--num-samples", type=int, default=8, help="completions per step prefix (K)")
+    p.add_argument("--estimator", default="soft", help="hard (any completion correct) or soft (c/K)")
+    p.add_argument("--batch-prefixes", type=int, default=8, help="step prefixes sampled together")
+    p.add_argument("--limit", type=int, default=None, help="label only the first N solutions")
+    p.add_argument("--delimiter", default="\n", help="the text between two steps of a completion")
+    p.add_argument("--debug", action="store_true", help="show the traceback of any error")
+
+
+def _label(args) -> int:
+    from alignax import math_shepherd
+
+    print(json.dumps(math_shepherd.label_file(
+        args.config, args.solutions, args.out, overrides=args.overrides, num_samples=args.num_samples,
+        estimator=args.estimator, batch_prefixes=args.batch_prefixes, limit=args.limit, delimiter=args.delimiter)))
+    return 0
 
 
 def _judge_parser(sub) -> None:
@@ -187,6 +214,8 @@ def _run(args) -> int:
         return _generate(args)
     if args.command == "judge":
         return _judge(args)
+    if args.command == "label":
+        return _label(args)
     from alignax.trainers import api
 
     config = api.load_config(args.config, [*args.overrides, *_flag_overrides(args)])

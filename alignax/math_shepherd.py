@@ -128,3 +128,51 @@ def label_solutions(sampler: ScoredSampler, state, solutions: Sequence[Mapping[s
         labels = labels_from_counts(correct, num_samples, estimator) + [float(final)]
         out.append({**record, "labels": labels, "shepherd_correct": correct, "shepherd_samples": num_samples})
     return out
+
+
+def label_file(recipe: str, solutions: str, out: str, *, overrides: Sequence[str] = (), num_samples: int = 8,
+               estimator: str = "soft", batch_prefixes: int = 8, limit: int | None = None,
+               delimiter: str = "\n") -> dict[str, Any]:
+    """``alignax label``: label the solutions ``solutions`` (format-``steps`` records in a file,
+    or a generator spec such as ``reasoning_gym:chain_sum?size=16``, whose labels are
+    replaced) with the policy, sampler settings (``rollout.max_new_tokens`` /
+    ``temperature``) and verifier (``rewards``) of ``recipe``, and write them to ``out`` as
+    format ``steps`` JSONL for ``algorithm: prm``. Returns the run's figures (solutions,
+    prefixes labelled, mean label, seconds)."""
+    import time
+
+    from flax import nnx
+
+    from alignax.config import ConfigError
+    from alignax.data import builders, open_source, write_jsonl
+    from alignax.evaluation import build_sampler
+    from alignax.parallel.sharding import mesh_for_shape
+    from alignax.trainers.api import load_config
+    from alignax.trainers.program import load_model, load_tokenizer
+
+    if estimator not in ESTIMATORS:
+        raise ConfigError(f"--estimator {estimator!r}: valid: {', '.join(ESTIMATORS)}")
+    for flag, value in (("--num-samples", num_samples), ("--batch-prefixes", batch_prefixes)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: expected a positive integer")
+    config = load_config(recipe, overrides)
+    if builders.is_generator_spec(solutions):
+        records = builders.generate(solutions, "steps")
+    else:
+        source = open_source(solutions)
+        records = [source[i] for i in range(len(source))]
+    records = records[:limit]
+    start = time.perf_counter()
+    model = load_model(config)
+    graphdef, state = nnx.split(model)
+    sampler = build_sampler(graphdef, load_tokenizer(config), config,
+                            mesh=mesh_for_shape(config.mesh.shape, config.mesh.dcn_shape),
+                            vocab_size=model.config.vocab_size)
+    labelled = label_solutions(sampler, state, records, num_samples=num_samples, estimator=estimator,
+                               delimiter=delimiter, temperature=config.rollout.temperature,
+                               batch_prefixes=batch_prefixes, seed=config.train.seed)
+    write_jsonl(labelled, out)
+    labels = [y for r in labelled for y in r["labels"]]
+    return {"solutions": len(labelled), "prefixes": sum(len(r["steps"]) - 1 for r in labelled),
+            "samples_per_prefix": num_samples, "estimator": estimator,
+            "mean_label": sum(labels) / max(len(labels), 1), "seconds": time.perf_counter() - start, "out": out}

@@ -8,7 +8,9 @@ Bound: with K = 512 completions per prefix, Hoeffding gives P(|c_i / K - p_i| >=
 prefix with p_i >= 1/32 is wrong with probability (31/32)^512 < 1e-7, and exact at p_i = 0.
 """
 
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +59,30 @@ def test_soft_and_hard_labels_match_the_known_success_probabilities(tmp_path, to
     assert record["labels"][2] == 0.0  # p = 0: no completion can succeed
     assert labels_from_counts(record["shepherd_correct"], K, "hard") == [1.0, 1.0, 0.0]
     assert record["labels"][3] == 1.0  # the last step: the verdict on the whole solution ("yes" ends it)
+
+
+def test_alignax_label_writes_prm_data_from_a_recipe(tmp_path, capsys):
+    """``alignax label``: a recipe's policy, sampler settings and verifier label the steps of
+    generated chain_sum solutions; the output is format-steps data a PRM run reads."""
+    from alignax import cli
+    from alignax.data import DataConfig, prepare_dataset
+    from alignax.trainers.api import load_config
+
+    out = tmp_path / "labels.jsonl"
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny-grpo.yaml")
+    assert cli.main(["label", recipe, "reasoning_gym:chain_sum?size=2&seed=3", "--out", str(out),
+                     "--num-samples", "2", "--estimator", "hard", "rollout.max_new_tokens=4"]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    with open(out, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert figures["solutions"] == len(records) and figures["samples_per_prefix"] == 2
+    assert figures["prefixes"] == sum(len(r["steps"]) - 1 for r in records) > 0
+    for r in records:
+        assert len(r["labels"]) == len(r["steps"]) and set(r["labels"]) <= {0.0, 1.0}  # hard labels
+        assert r["shepherd_samples"] == 2 and len(r["shepherd_correct"]) == len(r["steps"]) - 1
+    config = load_config(recipe)
+    data = prepare_dataset(DataConfig(paths=(str(out),), format="steps", max_length=256, max_prompt_length=128,
+                                      batch_size=1), load_tokenizer(config.model))
+    assert data.stats["kept"] == len(records)
+    assert cli.main(["label", recipe, "x.jsonl", "--out", str(out), "--estimator", "medium"]) == 2
+    assert "--estimator 'medium': valid: hard, soft" in capsys.readouterr().err
