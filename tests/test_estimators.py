@@ -33,8 +33,12 @@ def both(fn, *args, **kwargs):
     return eager
 
 
-def members(g):
-    return np.flatnonzero(GROUP_IDS == g)
+def members(g, group_ids=GROUP_IDS):
+    return np.flatnonzero(np.asarray(group_ids) == g)
+
+
+def num_groups_of(group_ids):
+    return int(np.max(group_ids)) + 1
 
 
 def std(x, unbiased=True):
@@ -43,10 +47,10 @@ def std(x, unbiased=True):
 
 
 # ----------------------------------------------------------------------------- grpo_passk
-def passk_np(rewards, eps=1e-6, unbiased=True):
+def passk_np(rewards, eps=1e-6, unbiased=True, group_ids=GROUP_IDS):
     out = np.zeros(len(rewards))
-    for g in range(NUM_GROUPS):
-        idx = members(g)
+    for g in range(num_groups_of(group_ids)):
+        idx = members(g, group_ids)
         if len(idx) < 2:
             continue
         order = sorted(idx, key=lambda i: (-rewards[i], i))  # best first, first index on ties
@@ -73,10 +77,10 @@ def test_passk_numbers_by_hand():
 
 
 # ----------------------------------------------------------------------------- REINFORCE++-baseline
-def rpp_baseline_np(rewards, mask):
+def rpp_baseline_np(rewards, mask, group_ids=GROUP_IDS):
     centred = np.zeros(len(rewards))
-    for g in range(NUM_GROUPS):
-        idx = members(g)
+    for g in range(num_groups_of(group_ids)):
+        idx = members(g, group_ids)
         baseline = rewards[idx].mean() if len(idx) > 1 else 0.0  # verl: a group of one keeps its reward
         centred[idx] = rewards[idx] - baseline
     tokens = np.repeat(centred[:, None], mask.shape[1], 1)
@@ -98,11 +102,11 @@ def test_reinforce_plus_plus_baseline_whitens_over_tokens():
 
 
 # ----------------------------------------------------------------------------- OPO
-def opo_np(rewards, mask):
+def opo_np(rewards, mask, group_ids=GROUP_IDS):
     lengths = mask.sum(1)
     out = np.zeros_like(mask)
-    for g in range(NUM_GROUPS):
-        idx = members(g)
+    for g in range(num_groups_of(group_ids)):
+        idx = members(g, group_ids)
         total = lengths[idx].sum()
         baseline = (lengths[idx] * rewards[idx]).sum() / total if len(idx) > 1 and total > 0 else 0.0
         for i in idx:
@@ -122,11 +126,11 @@ def test_opo_length_weighted_baseline():
 
 
 # ----------------------------------------------------------------------------- GPG
-def gpg_np(rewards):
+def gpg_np(rewards, group_ids=GROUP_IDS):
     alpha = len(rewards) / max(1, np.count_nonzero(rewards))
     out = np.zeros(len(rewards))
-    for g in range(NUM_GROUPS):
-        idx = members(g)
+    for g in range(num_groups_of(group_ids)):
+        idx = members(g, group_ids)
         baseline = rewards[idx].mean() if len(idx) > 1 else 0.0
         out[idx] = alpha * (rewards[idx] - baseline)
     return out
@@ -145,15 +149,15 @@ def test_gpg_numbers_by_hand():
 
 
 # ----------------------------------------------------------------------------- OTB
-def otb_np(rewards, mask, old_logps, spsq, skip_observations=False, eps=1e-8):
+def otb_np(rewards, mask, old_logps, spsq, skip_observations=False, eps=1e-8, group_ids=GROUP_IDS):
     rows, width = mask.shape
     w = (1 - 2 * np.exp(old_logps) + spsq) * mask
     cum = np.cumsum(w, axis=1)
     pos = (np.cumsum(mask, 1) - 1).astype(int) if skip_observations else np.tile(np.arange(width), (rows, 1))
     returns = rewards[:, None] * mask
     adv = np.zeros_like(mask)
-    for g in range(NUM_GROUPS):
-        idx = [i for i in members(g) if mask[i].sum() > 0]
+    for g in range(num_groups_of(group_ids)):
+        idx = [i for i in members(g, group_ids) if mask[i].sum() > 0]
         lengths = {i: mask[i].sum() for i in idx}
         for i in idx:
             for t in range(width):
@@ -222,11 +226,11 @@ COMPONENTS = np.stack([np.array([1.0, 0, 1, 1, 0, 0, 1, 1]),  # an answer score
 WEIGHTS = np.array([1.0, 0.5])
 
 
-def gdpo_np(components, weights, unbiased=True, eps=1e-6):
+def gdpo_np(components, weights, unbiased=True, eps=1e-6, group_ids=GROUP_IDS):
     summed = np.zeros(len(components))
     for k in range(components.shape[1]):
-        for g in range(NUM_GROUPS):
-            idx = members(g)
+        for g in range(num_groups_of(group_ids)):
+            idx = members(g, group_ids)
             x = components[idx, k]
             if len(idx) < 2 or np.all(x == x[0]):
                 continue  # GRPO's convention: a constant group (or one sample) is exactly 0

@@ -56,4 +56,13 @@ def estimator(name: str) -> Estimator:
     return ESTIMATORS[name]
 
 
-__all__ = ["ENTRIES", "ESTIMATORS", "Estimator", "estimator"]
+def effective_name(section) -> str:
+    """The estimator a ``grpo:`` section runs: ``grpo.advantage``, or GDPO's under
+    ``grpo.reward_aggregation: normalize_then_sum`` (TRL's spelling of the same estimator;
+    the map accepts it with ``advantage: grpo`` only)."""
+    if section.reward_aggregation == "normalize_then_sum":
+        return gdpo.ESTIMATOR.name
+    return section.advantage
+
+
+__all__ = ["ENTRIES", "ESTIMATORS", "Estimator", "effective_name", "estimator"]

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
-from alignax import paths
+from alignax import estimators, paths
 from alignax.config import ALWAYS, NEVER, Above, All, AnyOf, Cond, Given, Is, IsNot, Rule, rule
 from alignax.data import checks as data_checks
 from alignax.data.formats import FORMATS
@@ -176,16 +176,22 @@ def _kl_rules(section: str, *with_the_coef: str) -> tuple[Rule, ...]:
 
 GRPO_RULES: tuple[Rule, ...] = (
     *_kl_rules("grpo"),
-    rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process"), "only these divide by a std"),
+    rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process", "grpo_passk", "gdpo"),
+         "only these divide by a std"),
     rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
-    rule("grpo.scale_rewards", Is("grpo.advantage", "grpo"), "it picks grpo advantages' std"),
+    rule("grpo.scale_rewards", All(Is("grpo.advantage", "grpo"), Is("grpo.reward_aggregation", "sum_then_normalize")),
+         "it picks grpo advantages' std; normalize_then_sum normalises each component by its own"),
+    rule("grpo.reward_aggregation", Is("grpo.advantage", "grpo"),
+         "normalize_then_sum is GDPO's estimator: TRL's spelling of grpo.advantage=gdpo"),
     rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
          "pg does not clip"),
     rule("grpo.dual_clip_c", Is("grpo.policy_loss", "ppo"), "the dual clip is PPO-clip's"),
     rule(["grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg"], Is("grpo.policy_loss", "sapo"),
          "they shape SAPO's soft gate"),
-    rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process")),
-         "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
+    rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process", "gdpo"),
+                                  Is("grpo.reward_aggregation", "sum_then_normalize")),
+         "process and gdpo advantages read the step rewards or the reward components, never the sequence reward a "
+         "KL is subtracted from"),
     rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),
     rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
     rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
@@ -193,10 +199,28 @@ GRPO_RULES: tuple[Rule, ...] = (
 )
 
 
+def _estimator(config):
+    """``grpo.advantage`` names a registered estimator; one that reads the reward components
+    cannot honour ``rewards.clip`` (it clips the total)."""
+    if config.grpo.advantage not in estimators.ESTIMATORS:
+        return (f"grpo.advantage={config.grpo.advantage} is not an advantage estimator; valid: "
+                f"{', '.join(estimators.ESTIMATORS)}")
+    if estimators.estimator(estimators.effective_name(config.grpo)).reward_components and config.rewards.clip:
+        return (f"rewards.clip={list(config.rewards.clip)} clips the total reward, which grpo.advantage="
+                f"{estimators.effective_name(config.grpo)} never reads (it normalises each reward component); "
+                "set rewards.clip: null")
+    return None
+
+
 def _group_size(config):
-    if config.grpo.advantage != "remax" and config.rollout.num_samples < 2:
+    if config.grpo.advantage not in estimators.ESTIMATORS:
+        return None  # _estimator says so
+    needs = estimators.estimator(estimators.effective_name(config.grpo)).min_group_size
+    if config.rollout.num_samples < needs:
+        single = [e.name for e in estimators.ENTRIES if e.min_group_size == 1]
         return (f"rollout.num_samples={config.rollout.num_samples}: grpo.advantage={config.grpo.advantage} compares "
-                "the samples of a prompt; set rollout.num_samples >= 2 (or grpo.advantage=remax)")
+                f"the samples of a prompt; set rollout.num_samples >= {needs} (or grpo.advantage="
+                f"{' or '.join(single)})")
     return None
 
 
@@ -310,7 +334,7 @@ ENTRIES: tuple[Algorithm, ...] = (
               estimate_as=_first_round),
     Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm, ("grpo",), _formats("prompt"),
               reference=Above("grpo.kl_coef", 0), scorers=Given("grpo.process_reward_model"), rules=GRPO_RULES,
-              constraints=(_group_size, _process_without_env)),
+              constraints=(_estimator, _group_size, _process_without_env)),
     Algorithm("ppo", "online", ("causal_lm", "policy_value", "value"), ppo.build_algorithm, ("ppo",),
               _formats("prompt"), reference=Above("ppo.kl_coef", 0), rules=PPO_RULES,
               constraints=(_ptx_data, _critic), critic=Is("ppo.critic", "separate", "adapter"),
