@@ -544,9 +544,8 @@ def test_grpo_loss_and_advantage_keys():
 
 def test_process_supervision_has_no_sequence_reward_for_a_kl():
     process = ["grpo.advantage=process"]
-    assert "grpo.kl_placement applies to grpo.kl_coef > 0 and grpo.advantage other than process/gdpo and " \
-           "grpo.reward_aggregation=sum_then_normalize only; got grpo.advantage=process" in refused(
-               GRPO, [*process, "grpo.kl_placement=reward"])
+    assert "grpo.kl_placement applies to grpo.kl_coef > 0 and grpo.advantage other than process only; " \
+           "got grpo.advantage=process" in refused(GRPO, [*process, "grpo.kl_placement=reward"])
     # the rollouts are still scored (logged rewards, dynamic sampling, evaluation): rewards.* are read
     load_config(data=GRPO, overrides=[*process, "grpo.step_delimiter=;", "rewards.mask_truncated=true",
                                       "rewards.answer_extraction=tag_or_last_number"])

@@ -168,9 +168,11 @@ def test_the_map_checks_the_estimators_needs():
     with pytest.raises(ConfigError, match="grpo.reward_aggregation applies to grpo.advantage=grpo only; got "
                                           "grpo.advantage=rloo"):
         load_config(data={**base, "grpo": {"advantage": "rloo", "reward_aggregation": "normalize_then_sum"}})
-    with pytest.raises(ConfigError, match="grpo.scale_rewards applies to"):
+    with pytest.raises(ConfigError, match="grpo.scale_rewards=batch picks grpo advantages' std; "
+                                          "grpo.reward_aggregation=normalize_then_sum normalises each component"):
         load_config(data={**base, "grpo": {"reward_aggregation": "normalize_then_sum", "scale_rewards": "batch"}})
-    with pytest.raises(ConfigError, match="grpo.kl_placement applies to"):
+    with pytest.raises(ConfigError, match="grpo.kl_placement=reward subtracts the KL from the total reward, which "
+                                          "grpo.advantage=gdpo never reads"):
         load_config(data={**base, "grpo": {"advantage": "gdpo", "kl_placement": "reward"}})
     load_config(data={**base, "grpo": {"advantage": "gdpo", "unbiased_std": False}})
     load_config(data={**base, "grpo": {"advantage": "grpo_passk", "unbiased_std": False}})

@@ -179,43 +179,49 @@ GRPO_RULES: tuple[Rule, ...] = (
     rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process", "grpo_passk", "gdpo"),
          "only these divide by a std"),
     rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
-    rule("grpo.scale_rewards", All(Is("grpo.advantage", "grpo"), Is("grpo.reward_aggregation", "sum_then_normalize")),
-         "it picks grpo advantages' std; normalize_then_sum normalises each component by its own"),
-    rule("grpo.reward_aggregation", Is("grpo.advantage", "grpo"),
-         "normalize_then_sum is GDPO's estimator: TRL's spelling of grpo.advantage=gdpo"),
+    rule("grpo.scale_rewards", Is("grpo.advantage", "grpo"), "it picks grpo advantages' std"),
     rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
          "pg does not clip"),
     rule("grpo.dual_clip_c", Is("grpo.policy_loss", "ppo"), "the dual clip is PPO-clip's"),
     rule(["grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg"], Is("grpo.policy_loss", "sapo"),
          "they shape SAPO's soft gate"),
-    rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process", "gdpo"),
-                                  Is("grpo.reward_aggregation", "sum_then_normalize")),
-         "process and gdpo advantages read the step rewards or the reward components, never the sequence reward a "
-         "KL is subtracted from"),
+    rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process")),
+         "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
     rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),
     rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
     rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
     rule("grpo.process_reward_aggregation", Given("grpo.process_reward_model"), "it reduces the PRM's step scores"),
+    rule("grpo.reward_aggregation", Is("grpo.advantage", "grpo"),
+         "normalize_then_sum is GDPO's estimator: TRL's spelling of grpo.advantage=gdpo"),
 )
 
 
-def _estimator(config):
-    """``grpo.advantage`` names a registered estimator; one that reads the reward components
-    cannot honour ``rewards.clip`` (it clips the total)."""
-    if config.grpo.advantage not in estimators.ESTIMATORS:
-        return (f"grpo.advantage={config.grpo.advantage} is not an advantage estimator; valid: "
-                f"{', '.join(estimators.ESTIMATORS)}")
-    if estimators.estimator(estimators.effective_name(config.grpo)).reward_components and config.rewards.clip:
-        return (f"rewards.clip={list(config.rewards.clip)} clips the total reward, which grpo.advantage="
-                f"{estimators.effective_name(config.grpo)} never reads (it normalises each reward component); "
-                "set rewards.clip: null")
+def _component_estimator(config):
+    """An estimator that reads the reward components apart (GDPO) never reads the total
+    reward: nothing that acts on the total may be set."""
+    gc, name = config.grpo, estimators.effective_name(config.grpo)
+    if config.rewards.clip:
+        return (f"rewards.clip={list(config.rewards.clip)} clips the total reward, which grpo.advantage={name} never "
+                "reads (it normalises each reward component); set rewards.clip: null")
+    if gc.kl_placement == "reward" and gc.kl_coef > 0:
+        return (f"grpo.kl_placement=reward subtracts the KL from the total reward, which grpo.advantage={name} never "
+                "reads (it normalises each reward component); set grpo.kl_placement: loss")
+    if gc.scale_rewards != "group":
+        return (f"grpo.scale_rewards={gc.scale_rewards} picks grpo advantages' std; grpo.reward_aggregation="
+                "normalize_then_sum normalises each component by its group's own; remove grpo.scale_rewards")
     return None
 
 
 def _group_size(config):
+    """``grpo.advantage`` names a registered estimator, and the rollout has what it needs
+    (samples per prompt; the reward components of GDPO)."""
     if config.grpo.advantage not in estimators.ESTIMATORS:
-        return None  # _estimator says so
-    needs = estimators.estimator(estimators.effective_name(config.grpo)).min_group_size
+        return (f"grpo.advantage={config.grpo.advantage} is not an advantage estimator; valid: "
+                f"{', '.join(estimators.ESTIMATORS)}")
+    entry = estimators.estimator(estimators.effective_name(config.grpo))
+    if entry.reward_components and _component_estimator(config):
+        return _component_estimator(config)
+    needs = entry.min_group_size
     if config.rollout.num_samples < needs:
         single = [e.name for e in estimators.ENTRIES if e.min_group_size == 1]
         return (f"rollout.num_samples={config.rollout.num_samples}: grpo.advantage={config.grpo.advantage} compares "
@@ -334,7 +340,7 @@ ENTRIES: tuple[Algorithm, ...] = (
               estimate_as=_first_round),
     Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm, ("grpo",), _formats("prompt"),
               reference=Above("grpo.kl_coef", 0), scorers=Given("grpo.process_reward_model"), rules=GRPO_RULES,
-              constraints=(_estimator, _group_size, _process_without_env)),
+              constraints=(_group_size, _process_without_env)),
     Algorithm("ppo", "online", ("causal_lm", "policy_value", "value"), ppo.build_algorithm, ("ppo",),
               _formats("prompt"), reference=Above("ppo.kl_coef", 0), rules=PPO_RULES,
               constraints=(_ptx_data, _critic), critic=Is("ppo.critic", "separate", "adapter"),

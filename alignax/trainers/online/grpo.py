@@ -1,11 +1,15 @@
 """The GRPO family as an :class:`~alignax.trainers.online.algorithm.OnlineAlgorithm`.
 
-- Advantages (``grpo.advantage``): an estimator of :data:`alignax.estimators.ESTIMATORS`,
-  each in its own module: ``grpo`` (Shao et al. 2024, group-normalised), ``dr_grpo``,
-  ``rloo``, ``reinforce_pp``, ``remax`` (from an extra greedy rollout), ``process`` (step
-  rewards, DeepSeekMath process supervision), and verl's ``grpo_passk``,
-  ``reinforce_plus_plus_baseline``, ``opo``, ``gpg``, ``optimal_token_baseline``,
-  ``tir_optimal_token_baseline``, ``gdpo`` (also ``grpo.reward_aggregation: normalize_then_sum``).
+- The estimator registry (:data:`alignax.estimators.ESTIMATORS`, one module each) gives the
+  advantages; besides those below it has verl's ``grpo_passk``, ``reinforce_plus_plus_baseline``,
+  ``opo``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline`` and ``gdpo``
+  (also ``grpo.reward_aggregation: normalize_then_sum``).
+- Advantages (``grpo.advantage``): ``grpo`` (Shao et al. 2024, group-normalised),
+  ``dr_grpo`` (Liu et al. 2025, no std division), ``rloo`` (Ahmadian et al. 2024,
+  leave-one-out baseline), ``reinforce_pp`` (Hu 2025), ``remax`` (Li et al. 2023, the
+  greedy completion's reward as baseline, from an extra greedy rollout), ``process``
+  (step rewards at step boundaries turned into dense per-token advantages, DeepSeekMath
+  process supervision).
 - Policy loss (``grpo.policy_loss``): PPO-clip with DAPO's clip-higher and an optional
   dual clip, GSPO's sequence-level ratio, CISPO's clipped importance weight, or plain PG;
   clip keys left out (``null``) take the chosen loss's own defaults (its paper's).
