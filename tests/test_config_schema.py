@@ -220,10 +220,10 @@ SWEEP_VALUES = {
     "logging.console_keys": [["loss"]],
     "preference.variant": list(DPO_VARIANTS),
     "grpo.step_delimiter": ["\n\n"],
-    "grpo.advantage": [name for name in ESTIMATORS if name != "grpo"],  # a name of the estimator registry
     "grpo.process_reward": ["alignax.rewards.process:well_formed_steps"],
     "ppo.critic_path": ["runs/reward-model"],
     "rollout.stop_token_ids": [[2]],
+    "grpo.advantage": [name for name in ESTIMATORS if name != "grpo"],  # a name of the estimator registry
     "rewards.answer_tag": ["final"],
     "rewards.task": ["chain_sum"],
     "distributed.coordinator": ["10.0.0.1:1234"],

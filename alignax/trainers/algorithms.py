@@ -196,6 +196,25 @@ GRPO_RULES: tuple[Rule, ...] = (
 )
 
 
+def _group_size(config):
+    """``grpo.advantage`` names a registered estimator, and the rollout has what it needs
+    (samples per prompt; the reward components of GDPO)."""
+    if config.grpo.advantage not in estimators.ESTIMATORS:
+        return (f"grpo.advantage={config.grpo.advantage} is not an advantage estimator; valid: "
+                f"{', '.join(estimators.ESTIMATORS)}")
+    entry = estimators.estimator(estimators.effective_name(config.grpo))
+    problem = _component_estimator(config) if entry.reward_components else None
+    if problem:
+        return problem
+    needs = entry.min_group_size
+    if config.rollout.num_samples < needs:
+        single = [e.name for e in estimators.ENTRIES if e.min_group_size == 1]
+        return (f"rollout.num_samples={config.rollout.num_samples}: grpo.advantage={config.grpo.advantage} compares "
+                f"the samples of a prompt; set rollout.num_samples >= {needs} (or grpo.advantage="
+                f"{' or '.join(single)})")
+    return None
+
+
 def _component_estimator(config):
     """An estimator that reads the reward components apart (GDPO) never reads the total
     reward: nothing that acts on the total may be set."""
@@ -209,24 +228,6 @@ def _component_estimator(config):
     if gc.scale_rewards != "group":
         return (f"grpo.scale_rewards={gc.scale_rewards} picks grpo advantages' std; grpo.reward_aggregation="
                 "normalize_then_sum normalises each component by its group's own; remove grpo.scale_rewards")
-    return None
-
-
-def _group_size(config):
-    """``grpo.advantage`` names a registered estimator, and the rollout has what it needs
-    (samples per prompt; the reward components of GDPO)."""
-    if config.grpo.advantage not in estimators.ESTIMATORS:
-        return (f"grpo.advantage={config.grpo.advantage} is not an advantage estimator; valid: "
-                f"{', '.join(estimators.ESTIMATORS)}")
-    entry = estimators.estimator(estimators.effective_name(config.grpo))
-    if entry.reward_components and _component_estimator(config):
-        return _component_estimator(config)
-    needs = entry.min_group_size
-    if config.rollout.num_samples < needs:
-        single = [e.name for e in estimators.ENTRIES if e.min_group_size == 1]
-        return (f"rollout.num_samples={config.rollout.num_samples}: grpo.advantage={config.grpo.advantage} compares "
-                f"the samples of a prompt; set rollout.num_samples >= {needs} (or grpo.advantage="
-                f"{' or '.join(single)})")
     return None
 
 
