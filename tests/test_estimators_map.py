@@ -203,3 +203,21 @@ def test_the_rendering_lists_every_registry():
         "- **advantage estimators** (`grpo.advantage:`): " + ", ".join(f"`{n}`" for n in ESTIMATORS),
         "- **policy objectives** (`grpo.policy_loss:`): `toy_clip`, `toy_pg`",
         readme_algorithms.END]
+
+
+# ----------------------------------------------------------------------------- docs/migrating-from-verl.md
+def test_the_verl_table_names_every_verl_estimator_and_its_keys_load():
+    import re
+
+    from alignax.trainers.api import load_config
+
+    page = (ROOT / "docs" / "migrating-from-verl.md").read_text(encoding="utf-8")
+    section = page.split("## Advantage estimators", 1)[1].split("\n## ", 1)[0]
+    for entry in ESTIMATORS.values():
+        if entry.verl_name and re.fullmatch(r"\w+", entry.verl_name):
+            assert f"`{entry.verl_name}`" in section, f"verl's {entry.verl_name} has no row"
+    named = re.findall(r"`grpo\.advantage: (\w+)`", section)
+    assert set(named) == set(ESTIMATORS) - {"process"}, set(ESTIMATORS) ^ set(named)  # verl has no process supervision
+    for name in named:
+        assert load_config(data={"algorithm": "grpo", "data": {"format": "prompt"},
+                                 "grpo": {"advantage": name}}).grpo.advantage == name
