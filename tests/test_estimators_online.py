@@ -26,6 +26,7 @@ RUNS = {
     "gpg": {"grpo": {"advantage": "gpg", "policy_loss": "pg"}},
     "optimal_token_baseline": {"grpo": {"advantage": "optimal_token_baseline"}},
     "tir_optimal_token_baseline": {"grpo": {"advantage": "tir_optimal_token_baseline"}},
+    "otb_chunked": {"grpo": {"advantage": "optimal_token_baseline"}, "model": {"logprob_chunk_size": 3}},
     "base_two_rewards": {"rewards": TWO_REWARDS},
     "gdpo": {"grpo": {"advantage": "gdpo"}, "rewards": TWO_REWARDS},
     "normalize_then_sum": {"grpo": {"reward_aggregation": "normalize_then_sum"}, "rewards": TWO_REWARDS},
@@ -94,6 +95,14 @@ def test_optimal_token_baseline_in_the_trainer(runs, name):
     assert np.std(run.advantages[0][on]) > 0
     assert not np.allclose(run.advantages[0], (run.advantages[0].sum(1) / np.maximum(mask.sum(1), 1))[:, None] * mask,
                            atol=1e-4)  # a baseline per token: advantages vary along a row
+
+
+def test_sum_pi_squared_in_chunks_of_positions_is_the_same(runs):
+    """``model.logprob_chunk_size`` computes the statistic a few positions at a time (never the
+    rollout's whole ``[R, N, V]`` logits): the same numbers."""
+    whole, chunked = runs("optimal_token_baseline").inputs[0], runs("otb_chunked").inputs[0]
+    np.testing.assert_array_equal(whole["loss_mask"], chunked["loss_mask"])
+    np.testing.assert_allclose(chunked["sum_pi_squared"], whole["sum_pi_squared"], rtol=1e-5, atol=1e-7)
 
 
 def test_gdpo_in_the_trainer_and_normalize_then_sum_is_the_same(runs):

@@ -24,6 +24,7 @@ from alignax import evaluation, models
 from alignax.config import ConfigError
 from alignax.estimators.optimal_token_baseline import sum_pi_squared
 from alignax.models import lora as lora_lib
+from alignax.models import modeling
 from alignax.parallel.multihost import place_rows
 from alignax.parallel.placement import place, rows_to, split_devices, to_device
 from alignax.parallel.sharding import make_mesh, tree_shardings
@@ -232,12 +233,17 @@ class Actors:
         position, the optimal token baseline's per-token statistic
         (:mod:`alignax.estimators.optimal_token_baseline`)."""
         temperature, prompt_len = self.config.rollout.temperature, self.prompt_len
+        chunk = self.config.model.logprob_chunk_size
 
         def per_token(policy_params, tokens, positions, attention):
             model = nnx.merge(self.graphdef, to_device(policy_params), self.rest)
             hidden = model(tokens, positions, attention, return_logits=False).hidden[:, prompt_len - 1 : -1]
-            # a row at a time: one [N, V] slab of logits, never the rollout's [R, N, V]
-            return jax.lax.map(lambda h: sum_pi_squared(model.logits(h[None]), temperature=temperature)[0], hidden)
+            stat = lambda h: sum_pi_squared(model.logits(h), temperature=temperature)  # noqa: E731
+            width = hidden.shape[1]
+            if chunk is None or chunk >= width:
+                return stat(hidden)
+            # model.logprob_chunk_size positions at a time, as the log-probs: never the whole [R, N, V]
+            return modeling._unchunk_time(jax.lax.map(stat, modeling._chunk_time(hidden, chunk)), width)
 
         return jax.jit(per_token)
 
