@@ -1,5 +1,5 @@
-"""``gdpo``: Group reward-Decoupled normalisation Policy Optimization (Liu et al. 2026, "GDPO",
-arXiv:2601.05242, §3; verl's ``gdpo``, TRL's ``multi_objective_aggregation="normalize_then_sum"``).
+"""``gdpo``: Group reward-Decoupled normalisation Policy Optimization (GDPO, arXiv:2601.05242;
+verl's ``gdpo``, TRL's ``multi_objective_aggregation="normalize_then_sum"``).
 
 With several rewards, GRPO sums them and then normalises the sum within each group, so the
 component with the largest spread decides the sign of most advantages. GDPO normalises each
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from alignax._checks import check_rank
 from alignax.advantages import _GroupStats, _std, group_advantages
-from alignax.estimators.base import Estimator, flat_groups, per_token
+from alignax.estimators.base import Estimator, per_token
 
 Array = jax.Array
 
@@ -61,7 +61,6 @@ def gdpo_advantages(components: Array, weights: Array, *, group_ids: Array, num_
     (all-equal sums give exactly 0)."""
     summed = normalize_then_sum(components, weights, group_ids=group_ids, num_groups=num_groups,
                                 unbiased_std=unbiased_std, eps=eps)
-    flat_groups(group_ids, num_groups, summed.shape[0], "reward components")
     batch = _GroupStats(summed, jnp.ones_like(summed, bool), jnp.zeros(summed.shape, jnp.int32), 1)
     return jnp.where(batch.constant, 0.0, batch.centred / (_std(batch.sq, batch.count, unbiased_std) + eps))
 

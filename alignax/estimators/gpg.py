@@ -1,5 +1,5 @@
 """``gpg``: Group Policy Gradient's advantage (Chu et al. 2025, "GPG: A Simple and Strong
-Reinforcement Learning Baseline for Model Reasoning", arXiv:2504.02546, eq. 6-7).
+Reinforcement Learning Baseline for Model Reasoning", arXiv:2504.02546; verl's ``gpg``).
 
 The group mean is the baseline, without the std, and the batch is rescaled by how many of
 its samples carry a reward, so that batches with few rewarded samples are not drowned::

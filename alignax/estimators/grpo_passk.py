@@ -1,5 +1,4 @@
-"""``grpo_passk``: the Pass@k advantage (Chen et al. 2025, "Pass@k Training for Adaptively
-Balancing Exploration and Exploitation", arXiv:2503.19595; verl's ``grpo_passk``).
+"""``grpo_passk``: the Pass@k advantage of arXiv:2503.19595, as verl's ``grpo_passk`` implements it.
 
 Only the best completion of a group is credited, with its margin over the runner-up::
 

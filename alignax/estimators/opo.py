@@ -1,4 +1,5 @@
-"""``opo``: On-Policy RL with the Optimal reward baseline (Hao et al. 2025, arXiv:2505.23585, eq. 5).
+"""``opo``: On-Policy RL with the Optimal reward baseline (Hao et al. 2025, arXiv:2505.23585;
+verl's ``opo``).
 
 Under exactly on-policy training the variance-minimising baseline of a sequence-level reward
 weights each sample by its squared gradient norm, which the paper approximates by the response

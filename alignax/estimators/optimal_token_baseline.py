@@ -1,5 +1,5 @@
-"""``optimal_token_baseline``: the Optimal Token Baseline (Li et al. 2026, "Optimal Token Baseline",
-arXiv:2602.07078; verl's ``optimal_token_baseline``).
+"""``optimal_token_baseline``: the Optimal Token Baseline (OTB, arXiv:2602.07078; verl's
+``optimal_token_baseline``, docs/algo/otb.md there).
 
 A baseline per token position instead of per sequence. The squared norm of the log-prob
 gradient of token ``j`` with respect to its logits is ``||e_{y_j} - pi_j||^2 = 1 - 2 pi(y_j) +

@@ -1,5 +1,5 @@
 """``reinforce_plus_plus_baseline``: REINFORCE++-baseline as verl computes it (Hu 2025,
-arXiv:2501.03262, §3 "REINFORCE++-baseline"): the group mean is the baseline, then the
+arXiv:2501.03262, its REINFORCE++-baseline variant): the group mean is the baseline, then the
 advantages are whitened over every *token* of the batch::
 
     c_i   = r_i - mean_g(r)                       (a group of one sample: c_i = r_i, verl's baseline 0)

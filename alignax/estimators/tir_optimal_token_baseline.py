@@ -1,5 +1,5 @@
 """``tir_optimal_token_baseline``: the Optimal Token Baseline of tool-integrated (multi-turn)
-trajectories (verl's ``tir_optimal_token_baseline``; Li et al. 2026, arXiv:2602.07078).
+trajectories (verl's ``tir_optimal_token_baseline``; OTB, arXiv:2602.07078).
 
 The same baseline as :mod:`alignax.estimators.optimal_token_baseline`, with positions counted
 over the policy's own tokens only: the observation tokens an environment or tool inserted are
