@@ -116,3 +116,29 @@ def test_gdpo_in_the_trainer_and_normalize_then_sum_is_the_same(runs):
     trl = runs("normalize_then_sum")
     assert_same_rollout(trl, run)
     np.testing.assert_array_equal(trl.advantages[0], run.advantages[0])
+
+
+def test_tool_integrated_otb_on_trajectories_skips_the_observations(tmp_path):
+    """A multi-turn run (the toy agent with ChattyEnv's observation turns): the trainer's
+    ``tir_optimal_token_baseline`` advantages are the reference's with positions counted over
+    the policy's own tokens, and differ from counting columns (observations shift them)."""
+    import jax
+
+    from alignax.trainers.api import build_trainer
+    from tests.support.toy_agent import agent_config, lookup_records, make_agent_model
+
+    config = agent_config(tmp_path / "run", make_agent_model(tmp_path / "model"), steps=1,
+                          env={"name": "tests.support.toy_agent:ChattyEnv"},
+                          grpo={"advantage": "tir_optimal_token_baseline", "kl_coef": 0.0})
+    trainer = build_trainer(config, records=lookup_records(16))
+    state, frozen = trainer.start()
+    batches = trainer.data.iterator("train")
+    batch = trainer.collect(state, frozen, next(batches), batches)
+    x = {k: None if v is None else np.asarray(v, np.float64)
+         for k, v in vars(jax.device_get(batch.inputs)).items()}
+    mask, ids = x["loss_mask"], x["group_ids"].astype(int)
+    observations = (batch.groups.response_mask > 0) & (batch.groups.actions() == 0)
+    assert observations.any() and len(np.unique(x["rewards"])) > 1
+    args = (x["rewards"], mask, x["old_logps"], x["sum_pi_squared"])
+    np.testing.assert_allclose(batch.rollout.advantages, otb_np(*args, True, group_ids=ids), rtol=1e-4, atol=1e-5)
+    assert np.max(np.abs(otb_np(*args, True, group_ids=ids) - otb_np(*args, False, group_ids=ids))) > 1e-3
