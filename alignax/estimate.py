@@ -56,6 +56,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from alignax import estimators
 from alignax.models.config import ModelConfig
 from alignax.models.lora import adapter_parameter_count, projection_sizes
 from alignax.models.quant import quantized_bytes
@@ -593,6 +594,8 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                  "generation": 2 * non_embedding * rows * length,
                  "policy forward": 2 * non_embedding * rows * length,
                  "reference forward": 2 * non_embedding * rows * length if uses_reference else 0.0}
+        if hasattr(section, "advantage") and estimators.estimator(estimators.effective_name(section)).token_stats:
+            flops["sum pi^2 forward"] = 2 * non_embedding * rows * length  # the estimator's per-token statistic
         if critic:
             critic_update = 6 * non_embedding if not critic_on_base or adapters is None else (
                 4 * non_embedding + 6 * critic_trained)

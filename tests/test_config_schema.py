@@ -26,6 +26,7 @@ import yaml
 
 from alignax import config as config_io
 from alignax.config import ConfigError
+from alignax.estimators import ESTIMATORS
 from alignax.data.formats import FORMATS
 from alignax.losses.preference import DPO_VARIANTS
 from alignax.trainers import algorithms, validation
@@ -225,6 +226,7 @@ SWEEP_VALUES = {
     "grpo.process_reward": ["alignax.rewards.process:well_formed_steps"],
     "ppo.critic_path": ["runs/reward-model"],
     "rollout.stop_token_ids": [[2]],
+    "grpo.advantage": [name for name in ESTIMATORS if name != "grpo"],  # a name of the estimator registry
     "rewards.answer_tag": ["final"],
     "rewards.task": ["chain_sum"],
     "distributed.coordinator": ["10.0.0.1:1234"],
@@ -541,7 +543,7 @@ def test_grpo_loss_and_advantage_keys():
         GRPO, ["grpo.policy_loss=gspo", "grpo.dual_clip_c=3.0"])
     assert "grpo.clip_eps_high applies to grpo.policy_loss=ppo|gspo|cispo only; got grpo.policy_loss=pg" in refused(
         GRPO, ["grpo.policy_loss=pg", "grpo.clip_eps_high=0.28"])
-    assert "grpo.unbiased_std applies to grpo.advantage=grpo|process only; got grpo.advantage=reinforce_pp" in \
+    assert "grpo.unbiased_std applies to grpo.advantage=grpo|process|grpo_passk|gdpo only; got grpo.advantage=reinforce_pp" in \
         refused(GRPO, ["grpo.advantage=reinforce_pp", "grpo.unbiased_std=false"])
     assert "grpo.reinforce_baseline applies to grpo.advantage=reinforce_pp only; got grpo.advantage=rloo" in \
         refused(GRPO, ["grpo.advantage=rloo", "grpo.reinforce_baseline=true"])
@@ -691,7 +693,8 @@ def builder_reads(config: TrainConfig) -> set[str]:
             rewards=jnp.arange(rows, dtype=jnp.float32), loss_mask=jnp.ones((rows, n)),
             group_ids=jnp.repeat(jnp.arange(config.data.batch_size), config.rollout.num_samples),
             old_logps=zeros, ref_logps=zeros, old_values=zeros, kl_coef=jnp.asarray(0.1),
-            baseline=jnp.zeros(rows), step_rewards=zeros, step_mask=zeros))
+            baseline=jnp.zeros(rows), step_rewards=zeros, step_mask=zeros,
+            reward_components=jnp.zeros((rows, 2)), reward_weights=jnp.ones(2), sum_pi_squared=zeros))
     return recorder.reads
 
 

@@ -94,6 +94,17 @@ class RewardConfig:
     clip: tuple[float, float] | None = None
     mask_truncated: bool = False
 
+    def component_weights(self) -> dict[str, float]:
+        """The weight of each component :meth:`RewardScorer.score` sums, by its name there
+        (``answer``, ``format``, ``fn/<spec>``, ``reward_model``, ``judge``; the shaping terms
+        carry their coefficients inside and weigh 1). A component's value before its weight is
+        its score divided by this (GDPO normalises the unweighted components,
+        :mod:`alignax.estimators.gdpo`)."""
+        return {"answer": self.verifier_weight, "format": self.format_weight,
+                **{f"fn/{spec}": weight for spec, weight in self.functions.items()},
+                "reward_model": self.reward_model_weight, "judge": self.judge_weight,
+                "length": 1.0, "missing_eos": 1.0, "overlong": 1.0}
+
 
 class NonFiniteRewardError(ValueError):
     """A reward component came out NaN or infinite."""

@@ -20,8 +20,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
-from alignax import paths
-from alignax.config import ALWAYS, NEVER, ConfigError, Above, All, AnyOf, Cond, Given, Is, IsNot, Rule, rule
+from alignax import estimators, paths
+from alignax.config import ALWAYS, NEVER, Above, All, AnyOf, Cond, ConfigError, Given, Is, IsNot, Rule, rule
 from alignax.data import checks as data_checks
 from alignax.data.formats import FORMATS
 from alignax.losses.preference import DPO_VARIANT_TABLE, SMOOTHED_VARIANTS
@@ -179,7 +179,8 @@ def _kl_rules(section: str, *with_the_coef: str) -> tuple[Rule, ...]:
 
 GRPO_RULES: tuple[Rule, ...] = (
     *_kl_rules("grpo"),
-    rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process"), "only these divide by a std"),
+    rule("grpo.unbiased_std", Is("grpo.advantage", "grpo", "process", "grpo_passk", "gdpo"),
+         "only these divide by a std"),
     rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
     rule("grpo.scale_rewards", Is("grpo.advantage", "grpo"), "it picks grpo advantages' std"),
     rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
@@ -193,13 +194,43 @@ GRPO_RULES: tuple[Rule, ...] = (
     rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
     rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
     rule("grpo.process_reward_aggregation", Given("grpo.process_reward_model"), "it reduces the PRM's step scores"),
+    rule("grpo.reward_aggregation", Is("grpo.advantage", "grpo"),
+         "normalize_then_sum is GDPO's estimator: TRL's spelling of grpo.advantage=gdpo"),
 )
 
 
 def _group_size(config):
-    if config.grpo.advantage != "remax" and config.rollout.num_samples < 2:
+    """``grpo.advantage`` names a registered estimator, and the rollout has what it needs
+    (samples per prompt; the reward components of GDPO)."""
+    if config.grpo.advantage not in estimators.ESTIMATORS:
+        return (f"grpo.advantage={config.grpo.advantage} is not an advantage estimator; valid: "
+                f"{', '.join(estimators.ESTIMATORS)}")
+    entry = estimators.estimator(estimators.effective_name(config.grpo))
+    problem = _component_estimator(config) if entry.reward_components else None
+    if problem:
+        return problem
+    needs = entry.min_group_size
+    if config.rollout.num_samples < needs:
+        single = [e.name for e in estimators.ENTRIES if e.min_group_size == 1]
         return (f"rollout.num_samples={config.rollout.num_samples}: grpo.advantage={config.grpo.advantage} compares "
-                "the samples of a prompt; set rollout.num_samples >= 2 (or grpo.advantage=remax)")
+                f"the samples of a prompt; set rollout.num_samples >= {needs} (or grpo.advantage="
+                f"{' or '.join(single)})")
+    return None
+
+
+def _component_estimator(config):
+    """An estimator that reads the reward components apart (GDPO) never reads the total
+    reward: nothing that acts on the total may be set."""
+    gc, name = config.grpo, estimators.effective_name(config.grpo)
+    if config.rewards.clip:
+        return (f"rewards.clip={list(config.rewards.clip)} clips the total reward, which grpo.advantage={name} never "
+                "reads (it normalises each reward component); set rewards.clip: null")
+    if gc.kl_placement == "reward" and gc.kl_coef > 0:
+        return (f"grpo.kl_placement=reward subtracts the KL from the total reward, which grpo.advantage={name} never "
+                "reads (it normalises each reward component); set grpo.kl_placement: loss")
+    if gc.scale_rewards != "group":
+        return (f"grpo.scale_rewards={gc.scale_rewards} picks grpo advantages' std; grpo.reward_aggregation="
+                "normalize_then_sum normalises each component by its group's own; remove grpo.scale_rewards")
     return None
 
 

@@ -503,8 +503,15 @@ class GRPOSection(PolicyUpdateSection):
     """The GRPO family from one config (with :class:`PolicyUpdateSection`'s fields).
 
     Fields:
-      advantage: ``grpo`` | ``dr_grpo`` | ``rloo`` | ``reinforce_pp`` | ``remax`` |
-        ``process`` (step rewards at step boundaries, DeepSeekMath process supervision).
+      advantage: an advantage estimator of :data:`alignax.estimators.ESTIMATORS`: ``grpo`` |
+        ``dr_grpo`` | ``rloo`` | ``reinforce_pp`` | ``remax`` | ``process`` (step rewards at step
+        boundaries, DeepSeekMath process supervision) | ``grpo_passk`` |
+        ``reinforce_plus_plus_baseline`` | ``opo`` | ``gpg`` | ``optimal_token_baseline`` |
+        ``tir_optimal_token_baseline`` | ``gdpo`` (verl's names; docs/migrating-from-verl.md).
+      reward_aggregation: with several ``rewards:`` components, ``sum_then_normalize`` (the
+        default: GRPO normalises the weighted total) or ``normalize_then_sum`` (GDPO, TRL's
+        ``multi_objective_aggregation``: each component normalised in its group, then the
+        weighted sum whitened over the batch; the same as ``advantage: gdpo``).
       unbiased_std / reinforce_baseline: ``group_advantages`` options.
       scale_rewards: ``grpo`` advantages' divisor (TRL's key): ``group`` (each group's
         std, the default), ``batch`` (the std of the rollout's rewards) or ``none``
@@ -532,7 +539,8 @@ class GRPOSection(PolicyUpdateSection):
     kl_coef: float = 0.04
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
     aggregation: AggregationMode = "seq-mean-token-mean"
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "process"] = "grpo"
+    advantage: str = "grpo"  # a name of alignax.estimators.ESTIMATORS (checked by the map's grpo entry)
+    reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     unbiased_std: bool = True
     reinforce_baseline: bool = False
     scale_rewards: Literal["group", "batch", "none"] = "group"

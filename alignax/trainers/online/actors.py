@@ -13,6 +13,7 @@ give the per-token quantities of a rollout; nothing here updates a parameter.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -21,7 +22,9 @@ from flax import nnx
 
 from alignax import evaluation, models
 from alignax.config import ConfigError
+from alignax.estimators.optimal_token_baseline import sum_pi_squared
 from alignax.models import lora as lora_lib
+from alignax.models import modeling
 from alignax.parallel.multihost import place_rows
 from alignax.parallel.placement import place, rows_to, split_devices, to_device
 from alignax.parallel.sharding import make_mesh, tree_shardings
@@ -222,6 +225,27 @@ class Actors:
         return response_forward(model, tokens, positions, attention, prompt_len=self.prompt_len,
                                 temperature=self.config.rollout.temperature,
                                 chunk_size=self.config.model.logprob_chunk_size, group=self.pack_group)
+
+    @functools.cached_property
+    def sum_pi_squared(self):
+        """A jitted ``(policy params, tokens, positions, attention) -> [R, N]``: ``sum_v pi(v)^2``
+        of the policy's next-token distribution (at the sampling temperature) at each response
+        position, the optimal token baseline's per-token statistic
+        (:mod:`alignax.estimators.optimal_token_baseline`)."""
+        temperature, prompt_len = self.config.rollout.temperature, self.prompt_len
+        chunk = self.config.model.logprob_chunk_size
+
+        def per_token(policy_params, tokens, positions, attention):
+            model = nnx.merge(self.graphdef, to_device(policy_params), self.rest)
+            hidden = model(tokens, positions, attention, return_logits=False).hidden[:, prompt_len - 1 : -1]
+            stat = lambda h: sum_pi_squared(model.logits(h), temperature=temperature)  # noqa: E731
+            width = hidden.shape[1]
+            if chunk is None or chunk >= width:
+                return stat(hidden)
+            # model.logprob_chunk_size positions at a time, as the log-probs: never the whole [R, N, V]
+            return modeling._unchunk_time(jax.lax.map(stat, modeling._chunk_time(hidden, chunk)), width)
+
+        return jax.jit(per_token)
 
     def critic_values(self, critic_params, tokens, positions, attention):
         """A separate critic's values at the positions that predict each response token, ``[R, N]``."""

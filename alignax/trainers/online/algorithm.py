@@ -47,7 +47,11 @@ class AdvantageInputs:
     tokens that get loss; ``group_ids [R]``; ``kl_coef``: the controller's current value;
     ``baseline [R]``: ReMax's greedy reward (zeros otherwise); ``step_rewards``/``step_mask``:
     process rewards on step-end tokens (zeros otherwise); ``ref_logps``: ``None`` without a
-    reference model (:attr:`KLSetup.uses_reference`).
+    reference model (:attr:`KLSetup.uses_reference`). For the estimators that read them
+    (:class:`alignax.estimators.Estimator`'s flags), ``None`` otherwise:
+    ``reward_components [R, K]`` each ``rewards:`` component before its weight and
+    ``reward_weights [K]`` the weights; ``sum_pi_squared [R, N]``: ``sum_v pi(v)^2`` of the
+    sampling policy at each token.
     """
 
     rewards: Array
@@ -60,6 +64,9 @@ class AdvantageInputs:
     baseline: Array
     step_rewards: Array
     step_mask: Array
+    reward_components: Array | None = None
+    reward_weights: Array | None = None
+    sum_pi_squared: Array | None = None
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[Array, Array]]
@@ -179,3 +186,6 @@ class OnlineAlgorithm:
     process_reward: Callable | ProcessRewardModel | None = None
     step_delimiter: str = "\n"
     dynamic_sampling_refills: int | None = None  # DAPO: None = off
+    # what the estimator reads beyond the total reward (alignax.estimators.Estimator's flags)
+    reward_components: bool = False  # each rewards: component and its weight (GDPO)
+    token_stats: bool = False  # sum_v pi(v)^2 of the sampling policy per token (optimal token baseline)

@@ -161,6 +161,17 @@ def step_rewards(algorithm: OnlineAlgorithm, tokenizer, groups: Groups, task: st
     return rewards, step_mask.astype(np.float32)
 
 
+def reward_components(groups: Groups, weights: Mapping[str, float]) -> tuple[np.ndarray, np.ndarray]:
+    """``(components [R_local, K], weights [K])`` float32: each weighted component of
+    ``groups`` that has a weight in ``weights``, divided by it (a zero weight's column is 0),
+    in ``weights``' order."""
+    names = [name for name in weights if name in groups.components]
+    w = np.array([weights[name] for name in names], np.float32)
+    scored = np.stack([groups.components[name] for name in names], axis=1).astype(np.float32)
+    unweighted = np.divide(scored, w, out=np.zeros_like(scored), where=w != 0)
+    return unweighted, w
+
+
 class Collector:
     """Prompts -> :class:`RolloutBatch` for one algorithm on one set of actors."""
 
@@ -216,6 +227,7 @@ class Collector:
             old_logps=tokens["sampler_logps"] if old_logps is None else old_logps, ref_logps=tokens["ref_logps"],
             old_values=tokens["old_values"], kl_coef=kl_coef, baseline=actors.place(sampled.baseline),
             step_rewards=actors.place(steps), step_mask=actors.place(step_mask),
+            **self.estimator_extras(state, groups, tokens),
         )
         advantages, returns = self.advantages(inputs)
         rollout = Rollout(tokens=tokens["tokens"], positions=tokens["positions"], attention_mask=tokens["attention"],
@@ -228,6 +240,20 @@ class Collector:
                             response_mask=tokens["response_mask"], recomputed=tokens["recomputed"],
                             entropy=tokens["entropy"], policy_version=sampled.version,
                             rollout_index=sampled.rollout_index, figures=figures)
+
+    def estimator_extras(self, state, groups: Groups, tokens: Mapping[str, Any]) -> dict[str, Array]:
+        """What the algorithm's estimator reads beyond the total reward (its flags): each
+        ``rewards:`` component before its weight ``[R, K]`` and the weights ``[K]``
+        (GDPO), and ``sum_v pi(v)^2`` of the policy that sampled the rollout ``[R, N]``
+        (the optimal token baseline; one more forward pass)."""
+        extras: dict[str, Array] = {}
+        if self.algorithm.reward_components:
+            components, weights = reward_components(groups, self.config.rewards.component_weights())
+            extras.update(reward_components=self.actors.place(components), reward_weights=jnp.asarray(weights))
+        if self.algorithm.token_stats:
+            placed = (tokens["tokens"], tokens["positions"], tokens["attention"])
+            extras["sum_pi_squared"] = self.actors.sum_pi_squared(self.actors.whole_policy(state.params), *placed)
+        return extras
 
     def token_quantities(self, state, frozen, groups: Groups) -> dict[str, Array | None]:
         """The rollout's sequences and per-token arrays on the training mesh: ``tokens``,

@@ -1,5 +1,9 @@
 """The GRPO family as an :class:`~alignax.trainers.online.algorithm.OnlineAlgorithm`.
 
+- The estimator registry (:data:`alignax.estimators.ESTIMATORS`, one module each) gives the
+  advantages; besides those below it has verl's ``grpo_passk``, ``reinforce_plus_plus_baseline``,
+  ``opo``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline`` and ``gdpo``
+  (also ``grpo.reward_aggregation: normalize_then_sum``).
 - Advantages (``grpo.advantage``): ``grpo`` (Shao et al. 2024, group-normalised),
   ``dr_grpo`` (Liu et al. 2025, no std division), ``rloo`` (Ahmadian et al. 2024,
   leave-one-out baseline), ``reinforce_pp`` (Hu 2025), ``remax`` (Li et al. 2023, the
@@ -22,7 +26,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from alignax import advantages as adv_lib
+from alignax import estimators
 from alignax import kl as kl_lib
 from alignax.config import load_callable
 from alignax.losses import POLICY_LOSSES, policy_loss_clip_keywords
@@ -51,24 +55,15 @@ def kl_controller(coef: float, adaptive: bool, target: float, horizon: float):
 
 
 def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
-    """The GRPO-family algorithm of ``config.grpo``."""
+    """The GRPO-family algorithm of ``config.grpo``; its advantages are the estimator
+    ``grpo.advantage`` names (:data:`alignax.estimators.ESTIMATORS`), GDPO's under
+    ``grpo.reward_aggregation: normalize_then_sum``."""
     gc = config.grpo
-    method = gc.advantage
     num_groups = config.data.batch_size
-    options: dict = dict(method=method, num_groups=num_groups)
-    if method == "grpo":
-        options.update(unbiased_std=gc.unbiased_std, scale=gc.scale_rewards)
-    if method == "reinforce_pp":
-        options["subtract_group_mean"] = gc.reinforce_baseline
+    est = estimators.estimator(estimators.effective_name(gc))
 
     def advantages(x: AdvantageInputs):
-        if method == "process":
-            adv = adv_lib.process_advantages(x.step_rewards, x.step_mask, x.loss_mask, group_ids=x.group_ids,
-                                             num_groups=num_groups, unbiased_std=gc.unbiased_std)
-        elif method == "remax":
-            adv = adv_lib.group_advantages(x.rewards, method="remax", baseline=x.baseline)[:, None] * x.loss_mask
-        else:
-            adv = adv_lib.group_advantages(x.rewards, group_ids=x.group_ids, **options)[:, None] * x.loss_mask
+        adv = est.advantages(x, gc, num_groups)
         return adv, jax.numpy.zeros_like(adv)
 
     return OnlineAlgorithm(
@@ -82,14 +77,16 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
         kl=KLSetup(gc.kl_coef, kl_controller(gc.kl_coef, gc.adaptive_kl, gc.kl_target, gc.kl_horizon), gc.kl_kind,
                    "loss" if gc.kl_placement == "loss" else "sequence_reward", gc.kl_importance_weight),
         advantages=advantages,
-        min_group_size=1 if method == "remax" else 2,
-        greedy_baseline=method == "remax",
-        process_reward=(None if method != "process" else
+        min_group_size=est.min_group_size,
+        greedy_baseline=est.greedy_baseline,
+        process_reward=(None if not est.step_rewards else
                         ProcessRewardModel(gc.process_reward_model, aggregation=gc.process_reward_aggregation,
                                            param_dtype=config.precision.frozen)
                         if gc.process_reward_model else load_callable(gc.process_reward)),
         step_delimiter=gc.step_delimiter,
         dynamic_sampling_refills=gc.max_refills if gc.dynamic_sampling else None,
+        reward_components=est.reward_components,
+        token_stats=est.token_stats,
     )
 
 

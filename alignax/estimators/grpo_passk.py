@@ -1,0 +1,52 @@
+"""``grpo_passk``: the Pass@k advantage of arXiv:2503.19595, as verl's ``grpo_passk`` implements it.
+
+Only the best completion of a group is credited, with its margin over the runner-up::
+
+    A_i = (r_max - r_second) / (std_g + eps)   if i is the group's best (the first on ties)
+    A_i = 0                                    otherwise
+
+``std_g`` the group's std (Bessel-corrected unless ``grpo.unbiased_std: false``), as verl's
+default ``norm_adv_by_std_in_grpo``. A tie for the best gives 0 (no margin); a group of one
+sample has no runner-up and gets 0 (verl refuses it; the trainer needs two samples anyway).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from alignax.advantages import _f32
+from alignax.estimators.base import Estimator, flat_groups, per_token, segment
+
+Array = jax.Array
+
+
+def passk_advantages(rewards: Array, *, group_ids: Array, num_groups: int, normalize_by_std: bool = True,
+                     unbiased_std: bool = True, eps: float = 1e-6) -> Array:
+    """``[R]`` Pass@k sequence advantages of ``rewards [R]`` in groups ``group_ids [R]``
+    (``[0, num_groups)``, any order and sizes). No gradient flows (they are targets)."""
+    r = _f32(rewards).reshape(-1)
+    ids = flat_groups(group_ids, num_groups, r.shape[0])
+    rows = jnp.arange(r.shape[0])
+    count = segment(jnp.ones_like(r), ids, num_groups)
+    best_value = jax.ops.segment_max(r, ids, num_segments=num_groups)[ids]
+    first_best = jax.ops.segment_min(jnp.where(r == best_value, rows, r.shape[0]), ids, num_segments=num_groups)[ids]
+    is_best = rows == first_best
+    runner_up = jax.ops.segment_max(jnp.where(is_best, -jnp.inf, r), ids, num_segments=num_groups)[ids]
+    margin = jnp.where(count > 1, best_value - runner_up, 0.0)
+    if normalize_by_std:
+        mean = segment(r, ids, num_groups) / count
+        sq = segment(jnp.square(r - mean), ids, num_groups)
+        std = jnp.sqrt(sq / jnp.maximum(count - 1.0 if unbiased_std else count, 1.0))
+        margin = margin / (std + eps)
+    return jnp.where(is_best & (count > 1), margin, 0.0)
+
+
+def advantages(x, section, num_groups: int):
+    """``[R, N]``: the Pass@k advantage of each row on its loss tokens."""
+    return per_token(passk_advantages(x.rewards, group_ids=x.group_ids, num_groups=num_groups,
+                                      unbiased_std=section.unbiased_std), x.loss_mask)
+
+
+ESTIMATOR = Estimator("grpo_passk", advantages, "only a group's best completion is credited, by its margin over the "
+                      "runner-up (Pass@k training, arXiv:2503.19595)", verl_name="grpo_passk")

@@ -1,0 +1,46 @@
+"""``opo``: On-Policy RL with the Optimal reward baseline (Hao et al. 2025, arXiv:2505.23585;
+verl's ``opo``).
+
+Under exactly on-policy training the variance-minimising baseline of a sequence-level reward
+weights each sample by its squared gradient norm, which the paper approximates by the response
+length ``l_i``::
+
+    b_g = sum_{i in g} l_i r_i / sum_{i in g} l_i,      A_i = r_i - b_g
+
+on every loss token of row ``i``. ``l_i`` counts row ``i``'s loss tokens. A group of one
+sample gets ``b = 0`` (``A = r``), as verl's; a group whose rows have no loss token gets
+``b = 0`` too (its advantages are masked away anyway).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from alignax.advantages import _f32
+from alignax.estimators.base import Estimator, flat_groups, per_token, segment
+
+Array = jax.Array
+
+
+def opo_advantages(rewards: Array, loss_mask: Array, *, group_ids: Array, num_groups: int) -> Array:
+    """``[R, N]`` OPO advantages of ``rewards [R]`` with lengths from ``loss_mask [R, N]``."""
+    r = _f32(rewards).reshape(-1)
+    ids = flat_groups(group_ids, num_groups, r.shape[0])
+    mask = jnp.asarray(loss_mask, jnp.float32)
+    lengths = mask.sum(axis=1)
+    count = segment(jnp.ones_like(r), ids, num_groups)
+    total_length = segment(lengths, ids, num_groups)
+    baseline = segment(lengths * r, ids, num_groups) / jnp.maximum(total_length, 1.0)
+    baseline = jnp.where((count > 1) & (total_length > 0), baseline, 0.0)
+    return per_token(r - baseline, mask)
+
+
+def advantages(x, section, num_groups: int):
+    """``[R, N]`` OPO advantages of the rollout."""
+    del section  # no options
+    return opo_advantages(x.rewards, x.loss_mask, group_ids=x.group_ids, num_groups=num_groups)
+
+
+ESTIMATOR = Estimator("opo", advantages, "length-weighted optimal reward baseline (OPO, arXiv:2505.23585)",
+                      verl_name="opo")

@@ -1,0 +1,99 @@
+"""``optimal_token_baseline``: the Optimal Token Baseline (OTB, arXiv:2602.07078; verl's
+``optimal_token_baseline``, docs/algo/otb.md there).
+
+A baseline per token position instead of per sequence. The squared norm of the log-prob
+gradient of token ``j`` with respect to its logits is ``||e_{y_j} - pi_j||^2 = 1 - 2 pi(y_j) +
+sum_v pi(v)^2`` (the logit-gradient proxy); its running sum along the completion,
+``W_t = sum_{j <= t} (1 - 2 pi(y_j) + sum_v pi_j(v)^2)``, measures how much variance the path has
+accumulated by token ``t``. The variance-minimising baseline of the return-to-go ``G_t`` weights
+each completion of a group by it::
+
+    B_t = sum_{i in g} G_t^i W_t^i / (sum_{i in g} W_t^i + eps),     A_t^i = G_t^i - B_t
+
+The sum runs over the completions of the group that have a token at position ``t``. With an
+outcome reward ``G_t^i = r_i`` on every loss token. Where only one completion of the group
+reaches ``t`` (the tail of a group's unique longest completion, past the second longest), or
+the group has one non-empty completion, ``B_t = 0`` and ``A_t = G_t``: a completion used as its
+own baseline would cancel its signal (verl's ``handle_zero_tail``, on by default).
+
+Positions: ``optimal_token_baseline`` counts ``t`` in columns of the response window;
+``tir_optimal_token_baseline`` (:mod:`alignax.estimators.tir_optimal_token_baseline`) counts only
+loss tokens, so the observation tokens of a multi-turn trajectory (tool outputs, which the
+policy did not choose) neither take a position nor add to ``W``. On a single-turn rollout the
+two agree.
+
+``pi(y_j)`` is ``exp(old_logps)`` and ``sum_v pi_j(v)^2`` is :func:`sum_pi_squared` of the
+logits of the policy that sampled the rollout, at the sampling temperature.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from alignax._checks import check_rank, check_same_shape
+from alignax.advantages import _f32
+from alignax.estimators.base import Estimator, flat_groups
+
+Array = jax.Array
+
+
+def sum_pi_squared(logits: Array, *, temperature: float = 1.0) -> Array:
+    """``sum_v softmax(z)_v^2 = exp(logsumexp(2 z) - 2 logsumexp(z))``, ``z = logits / temperature``.
+
+    ``logits [..., V]`` in any float dtype; returns float32 ``[...]`` in ``[1/V, 1]``.
+    """
+    z = jnp.asarray(logits, jnp.float32) / temperature
+    return jnp.exp(jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * jax.nn.logsumexp(z, axis=-1))
+
+
+def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq: Array, *, group_ids: Array,
+                   num_groups: int, skip_observations: bool = False, eps: float = 1e-8) -> Array:
+    """``[R, N]`` Optimal Token Baseline advantages (module docstring).
+
+    Args:
+      rewards: ``[R]`` sequence rewards (the return-to-go of every loss token).
+      loss_mask: ``[R, N]`` 1 on the tokens the policy chose and that get loss.
+      old_logps: ``[R, N]`` log-probs of the sampled tokens under the sampling policy.
+      sum_pi_sq: ``[R, N]`` ``sum_v pi(v)^2`` of the same distributions.
+      group_ids / num_groups: the prompt of each row, in ``[0, num_groups)``.
+      skip_observations: count positions over loss tokens only (the tool-integrated variant).
+    """
+    check_rank(loss_mask=(loss_mask, 2))
+    check_same_shape(loss_mask=loss_mask, old_logps=old_logps, sum_pi_sq=sum_pi_sq)
+    rows, width = loss_mask.shape
+    mask = jnp.asarray(loss_mask, jnp.float32)
+    ids = flat_groups(group_ids, num_groups, rows)
+    returns = _f32(rewards).reshape(-1)[:, None] * mask
+    energy = (1.0 - 2.0 * jnp.exp(_f32(old_logps)) + _f32(sum_pi_sq)) * mask
+    cumulative = jnp.cumsum(energy, axis=1)
+    position = (jnp.cumsum(mask, axis=1) - 1.0).astype(jnp.int32) if skip_observations else \
+        jnp.broadcast_to(jnp.arange(width), (rows, width))
+    position = jnp.clip(position, 0, width - 1)
+    cells = (ids[:, None] * width + position).reshape(-1)  # one cell per (group, position)
+
+    def by_cell(values):
+        return jax.ops.segment_sum(values.reshape(-1), cells, num_segments=num_groups * width)[cells].reshape(rows, width)
+
+    baseline = by_cell(returns * cumulative * mask) / (by_cell(cumulative * mask) + eps)
+    lengths = mask.sum(axis=1)
+    nonempty = jax.ops.segment_sum((lengths > 0).astype(jnp.float32), ids, num_segments=num_groups)[ids]
+    longest = jax.ops.segment_max(lengths, ids, num_segments=num_groups)[ids]
+    n_longest = jax.ops.segment_sum((lengths == longest).astype(jnp.float32), ids, num_segments=num_groups)[ids]
+    second = jax.ops.segment_max(jnp.where(lengths == longest, -1.0, lengths), ids, num_segments=num_groups)[ids]
+    # the tail of a group's unique longest completion past the second longest has no other completion
+    tail = ((n_longest == 1) & (lengths == longest))[:, None] & (position >= second[:, None])
+    baseline = jnp.where(tail | (nonempty < 2)[:, None], 0.0, baseline)
+    return (returns - baseline) * mask
+
+
+def advantages(x, section, num_groups: int):
+    """``[R, N]`` OTB advantages, positions counted in columns of the response."""
+    del section  # no options
+    return otb_advantages(x.rewards, x.loss_mask, x.old_logps, x.sum_pi_squared, group_ids=x.group_ids,
+                          num_groups=num_groups)
+
+
+ESTIMATOR = Estimator("optimal_token_baseline", advantages, "per-token baseline weighted by the path's accumulated "
+                      "logit-gradient energy (OTB, arXiv:2602.07078)", verl_name="optimal_token_baseline",
+                      token_stats=True)

@@ -1,0 +1,25 @@
+"""``tir_optimal_token_baseline``: the Optimal Token Baseline of tool-integrated (multi-turn)
+trajectories (verl's ``tir_optimal_token_baseline``; OTB, arXiv:2602.07078).
+
+The same baseline as :mod:`alignax.estimators.optimal_token_baseline`, with positions counted
+over the policy's own tokens only: the observation tokens an environment or tool inserted are
+skipped, so the ``k``-th token the policy chose in each trajectory shares a baseline with the
+``k``-th of the others, wherever the tool outputs fell.
+"""
+
+from __future__ import annotations
+
+from alignax.estimators.base import Estimator
+from alignax.estimators.optimal_token_baseline import otb_advantages
+
+
+def advantages(x, section, num_groups: int):
+    """``[R, N]`` OTB advantages, positions counted over loss tokens only."""
+    del section  # no options
+    return otb_advantages(x.rewards, x.loss_mask, x.old_logps, x.sum_pi_squared, group_ids=x.group_ids,
+                          num_groups=num_groups, skip_observations=True)
+
+
+ESTIMATOR = Estimator("tir_optimal_token_baseline", advantages, "the optimal token baseline over the policy's own "
+                      "tokens of multi-turn trajectories, observations skipped (OTB, arXiv:2602.07078)",
+                      verl_name="tir_optimal_token_baseline", token_stats=True)
