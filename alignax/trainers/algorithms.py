@@ -29,7 +29,8 @@ from alignax.trainers import iterative
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.iterative import IterativeTrainer
 from alignax.trainers.offline import distill, preference, prm, reward, sft
-from alignax.trainers.online import grpo, onpolicy_distill, ppo
+from alignax.trainers.online import grpo, ppo
+from alignax.trainers.online import onpolicy_distill
 
 Constraint = Callable[[TrainConfig], "str | None"]
 
