@@ -225,6 +225,9 @@ def test_refusals_name_the_keys():
     submesh = {"placement": {"reference": "submesh", "submesh": [1, 1, 1]}}
     assert "onpolicy_distill.estimator=exact" in _problems(**submesh)
     assert _problems(**submesh, onpolicy_distill={"estimator": "sampled"}) is None
+    # truncated importance sampling weights a policy ratio, which only the sampled estimator's loss has
+    assert "rollout.tis_cap=2.0 with onpolicy_distill.estimator=exact" in _problems(rollout={"tis_cap": 2.0})
+    assert _problems(rollout={"tis_cap": 2.0}, onpolicy_distill={"estimator": "sampled"}) is None
     # the offline distillation keys are not read: the loss is the reverse KL at rollout.temperature
     for key, value in (("temperature", 2.0), ("divergence", "jsd"), ("top_k", 4), ("lmbda", 1.0)):
         problem = _problems(distill={key: value})
@@ -238,3 +241,14 @@ def test_the_teachers_tokenizer_must_be_the_students(tmp_path, toy_model):
                                           "have different tokenizers"):
         train(config, records=prompts(WORDS))
 
+
+
+def test_the_student_samples_ahead_under_the_asynchronous_schedule(tmp_path, toy_model, random_teacher):
+    """The family goes through the online collector, so rollout.async applies as it stands: at
+    max_staleness 1 the second and later rollouts were sampled by the policy one update older
+    (the sampler's log-probs the behaviour policy's: rollout.old_logps sampler)."""
+    config = onpolicy_config(tmp_path, toy_model, random_teacher, steps=3,
+                             rollout={"old_logps": "sampler", "async": {"max_staleness": 1}})
+    history = train(config, records=prompts(WORDS)).history
+    assert [h["async/staleness"] for h in history] == [0.0, 1.0, 1.0]
+    assert all(np.isfinite(h["loss"]) and h["divergence"] > 0 for h in history)

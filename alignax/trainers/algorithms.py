@@ -308,6 +308,15 @@ def _exact_teacher_beside_the_student(config):
     return None
 
 
+def _exact_has_no_ratio(config):
+    """The exact reverse KL has no policy ratio for rollout.tis_cap to truncate."""
+    if config.onpolicy_distill.estimator == "exact" and config.rollout.tis_cap is not None:
+        return (f"rollout.tis_cap={config.rollout.tis_cap} with onpolicy_distill.estimator=exact: the exact reverse "
+                "KL is no importance-weighted policy loss, so there is no ratio to truncate; remove rollout.tis_cap "
+                "or set onpolicy_distill.estimator=sampled (PPO-clip on the sampled-token estimate)")
+    return None
+
+
 def _teacher_spec(config):
     return config.distill.teacher
 
@@ -344,7 +353,7 @@ ENTRIES: tuple[Algorithm, ...] = (
               constraints=(_teacher, _on_policy_teacher), teacher=_teacher_spec),
     Algorithm("onpolicy_distill", "online", ("causal_lm",), onpolicy_distill.build_algorithm,
               ("onpolicy_distill", "distill"), _formats("prompt"), reference=ALWAYS, lora=False,
-              rules=DISTILL_RULES, constraints=(_teacher_named, _exact_teacher_beside_the_student),
+              rules=DISTILL_RULES, constraints=(_teacher_named, _exact_teacher_beside_the_student, _exact_has_no_ratio),
               teacher=_teacher_spec),
 )
 
