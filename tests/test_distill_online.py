@@ -252,3 +252,16 @@ def test_the_student_samples_ahead_under_the_asynchronous_schedule(tmp_path, toy
     history = train(config, records=prompts(WORDS)).history
     assert [h["async/staleness"] for h in history] == [0.0, 1.0, 1.0]
     assert all(np.isfinite(h["loss"]) and h["divergence"] > 0 for h in history)
+
+
+def test_the_sampled_estimators_teacher_on_a_submesh_steps_as_a_device_teacher():
+    """The teacher on devices of its own (4 fake devices: 2 train, the teacher on the other 2)
+    hands back its log-probs of the sampled tokens: the same losses and KL figures as on the
+    training devices."""
+    from tests.fake_devices import run_check
+
+    runs = run_check("distill_online_submesh_check.py", devices=4)
+    np.testing.assert_allclose(runs["submesh"]["loss"], runs["device"]["loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(runs["submesh"]["kl"], runs["device"]["kl"], rtol=1e-5, atol=1e-6)
+    assert runs["submesh"]["teacher_devices"] == [2, 3] and runs["device"]["teacher_devices"] == [0, 1]
+    assert runs["submesh"]["frozen_keys"] == [] and runs["device"]["frozen_keys"] == ["reference"]
