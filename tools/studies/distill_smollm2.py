@@ -137,9 +137,9 @@ def main(argv=None) -> int:
         "accuracy": {m: {s: {"correct": round(f[s]["accuracy"] * f[s]["prompts"]), "prompts": int(f[s]["prompts"]),
                              "accuracy": f[s]["accuracy"]} for s in sets} for m, f in figures.items()},
         "recovered_share_of_teacher_gain": {s: recovered(figures, s) for s in sets},
-        "student_run": {"divergence_first": history[0]["divergence"], "divergence_last": history[-1]["divergence"],
-                        "teacher_agreement_first": history[0]["teacher_agreement"],
-                        "teacher_agreement_last": history[-1]["teacher_agreement"]},
+        # the sampled KL to the teacher (both estimators); the exact one's full-vocabulary figures
+        "student_run": {f"{key}_{end}": row.get(key) for key in ("kl/ref_k1", "divergence", "teacher_agreement")
+                        for end, row in (("first", history[0]), ("last", history[-1]))},
         "seconds": {**seconds, "teacher": teacher_run.get("seconds"), "total": round(time.time() - started, 1)},
         "load_average": {"start": load_start[0], "end": os.getloadavg()[0]},
     }
