@@ -260,7 +260,7 @@ def test_the_sampled_estimators_teacher_on_a_submesh_steps_as_a_device_teacher()
     training devices."""
     from tests.fake_devices import run_check
 
-    runs = run_check("distill_online_submesh_check.py", devices=4)
+    runs = run_check("distill_submesh_check.py", "--online", devices=4)
     np.testing.assert_allclose(runs["submesh"]["loss"], runs["device"]["loss"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(runs["submesh"]["kl"], runs["device"]["kl"], rtol=1e-5, atol=1e-6)
     assert runs["submesh"]["teacher_devices"] == [2, 3] and runs["device"]["teacher_devices"] == [0, 1]
