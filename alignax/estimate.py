@@ -588,12 +588,15 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     attention = 12 * L * D * length  # per token: scores and values, forward + backward
     # per trained token: forward 2N, activation gradients 2N, weight gradients 2N (adapters only under LoRA)
     update = 6 * non_embedding if adapters is None else 4 * non_embedding + 6 * adapters
+    # the frozen model's forward at its own size (distillation's teacher, in the reference's place)
+    frozen_non_embedding = (non_embedding if teacher is None
+                            else parameter_count(teacher) - teacher.vocab_size * teacher.hidden_size)
     if online:
         trained_tokens = rows * length * section.epochs
         flops = {"policy update": trained_tokens * (update + attention),
                  "generation": 2 * non_embedding * rows * length,
                  "policy forward": 2 * non_embedding * rows * length,
-                 "reference forward": 2 * non_embedding * rows * length if uses_reference else 0.0}
+                 "reference forward": 2 * frozen_non_embedding * rows * length if uses_reference else 0.0}
         if hasattr(section, "advantage") and estimators.estimator(estimators.effective_name(section)).token_stats:
             flops["sum pi^2 forward"] = 2 * non_embedding * rows * length  # the estimator's per-token statistic
         if critic:
@@ -605,8 +608,6 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
             flops["reward models"] = n_reward_models * 2 * non_embedding * rows * length
     else:
         trained_tokens = rows * length
-        frozen_non_embedding = (non_embedding if teacher is None
-                                else parameter_count(teacher) - teacher.vocab_size * teacher.hidden_size)
         flops = {"policy update": trained_tokens * (update + attention),
                  "reference forward": 2 * frozen_non_embedding * trained_tokens if uses_reference else 0.0}
 

@@ -36,7 +36,8 @@ def _run(name, tmp_path, toy_model):
 
 # The algorithms run through train/evaluate/export below, and those run in a file of their own.
 RUN_HERE = ("sft", "reward", "prm", "dpo", "kto", "grpo", "ppo")
-RUN_ELSEWHERE = {"iterative_dpo": "test_iterative.py", "distill": "test_distill.py", "gkd": "test_distill.py"}
+RUN_ELSEWHERE = {"iterative_dpo": "test_iterative.py", "distill": "test_distill.py", "gkd": "test_distill.py",
+                 "onpolicy_distill": "test_distill_online.py"}
 
 
 def test_every_algorithm_of_the_map_is_trained_evaluated_and_exported_by_a_test():

@@ -55,6 +55,7 @@ BASES = {
     "ppo": ("ppo", {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}, "evaluation": {"max_prompts": 4}}),
     "distill": ("distill", {}),
     "gkd": ("gkd", {}),
+    "onpolicy-distill": ("onpolicy-distill", {}),
 }
 # A section the sweep sets from nothing (its keys under a base without it) starts valid.
 SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "distill.teacher": {"name": "smollm2-135m-instruct"}, "evaluation.prompts": EVAL_PROMPTS, "lora": {"rank": 2}}

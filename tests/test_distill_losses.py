@@ -147,6 +147,18 @@ class DistillLossTest(chex.TestCase):
                          for s in (slice(0, 2), slice(2, 4)))
             np.testing.assert_allclose(halves, full, rtol=1e-5)
 
+    def test_the_default_divergence_is_the_configs_forward_kl(self):
+        """One default: a call without ``divergence`` is the forward KL, as ``distill.divergence``
+        is by default (the function said jsd while the config said forward_kl)."""
+        from alignax.trainers.config import DistillSection
+
+        student, teacher, mask = logits_batch(seed=5)
+        loss, _ = distill.distill_loss(student, teacher, mask)
+        want, _ = np_loss(lambda i, j: np_divergence(student[i, j], teacher[i, j], "forward_kl"), student, mask,
+                          "token-mean")
+        np.testing.assert_allclose(loss, want, **TOL)
+        assert DistillSection().divergence == "forward_kl"
+
     def test_refusals_name_the_argument(self):
         student, teacher, mask = logits_batch()
         with pytest.raises(ValueError, match="divergence"):

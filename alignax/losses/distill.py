@@ -149,7 +149,7 @@ def distill_loss(
     teacher_logits: Array,
     mask: Array,
     *,
-    divergence: Divergence = "jsd",
+    divergence: Divergence = "forward_kl",
     beta: float = 0.5,
     temperature: float = 1.0,
     aggregation: ops.AggregationMode = "token-mean",
@@ -165,8 +165,10 @@ def distill_loss(
         (``stop_gradient``).
       mask: ``[B, T]``, 1 on the tokens that count. Masked positions get exactly zero
         gradient whatever their logits hold.
-      divergence: ``forward_kl``, ``reverse_kl`` or ``jsd`` (:func:`generalized_jsd` at
-        ``beta``).
+      divergence: ``forward_kl`` (the default, as ``distill.divergence``'s: Hinton et al.'s
+        objective, and the one divergence the top-``k`` path computes, so a dense and a
+        sparse run of one config minimise the same quantity), ``reverse_kl`` or ``jsd``
+        (:func:`generalized_jsd` at ``beta``).
       temperature: divides both models' logits.
       aggregation, num_tokens, num_seqs, norm_length: as :func:`alignax.ops.aggregate`.
 
@@ -176,6 +178,7 @@ def distill_loss(
     """
     check_rank(student_logits=(student_logits, 3), mask=(mask, 2))
     check_choice("divergence", divergence, DIVERGENCES)
+    check_interval("beta", beta, 0.0, 1.0)  # refused whatever the divergence: a typo never passes silently
     check_choice("aggregation", aggregation, ops.AGGREGATION_MODES)
     check_leading_shape("mask", mask, student_logits=student_logits)
     student = _masked_logits(student_logits, mask)

@@ -30,6 +30,7 @@ from alignax.trainers.config import TrainConfig
 from alignax.trainers.iterative import IterativeTrainer
 from alignax.trainers.offline import distill, preference, prm, reward, sft
 from alignax.trainers.online import grpo, ppo
+from alignax.trainers.online import onpolicy_distill
 
 Constraint = Callable[[TrainConfig], "str | None"]
 
@@ -315,15 +316,25 @@ DISTILL_RULES: tuple[Rule, ...] = (
     rule("distill.teacher.seed", Given("distill.teacher.random_init"), "only a random teacher is seeded"),
     rule("distill.lmbda", Is("algorithm", "gkd"), "only GKD trains on the student's own samples"),
     rule("distill.teacher_logits", Is("algorithm", "distill"), "GKD's teacher scores the student's samples live"),
+    rule(["distill.divergence", "distill.beta", "distill.temperature", "distill.top_k", "distill.aggregation"],
+         Is("algorithm", "distill", "gkd"),
+         "onpolicy_distill's loss is the reverse KL at rollout.temperature (onpolicy_distill.estimator, "
+         "onpolicy_distill.aggregation)"),
 )
+
+
+def _teacher_named(config):
+    if config.distill.teacher is None:
+        return (f"algorithm {config.algorithm} needs distill.teacher (the frozen teacher model: distill.teacher.name, "
+                "a folder or registry name)")
+    return None
 
 
 def _teacher(config):
     """The teacher is named, and a precomputed or sub-mesh teacher hands over its top-k."""
     section = config.distill
     if section.teacher is None:
-        return (f"algorithm {config.algorithm} needs distill.teacher (the frozen teacher model: distill.teacher.name, "
-                "a folder or registry name)")
+        return _teacher_named(config)
     if section.top_k is None and section.teacher_logits == "precomputed":
         return ("distill.teacher_logits=precomputed stores the teacher's top-k log-probs of every record; set "
                 "distill.top_k (e.g. 32)")
@@ -338,6 +349,24 @@ def _on_policy_teacher(config):
     if config.placement.on_submesh("reference"):
         return ("placement.reference=submesh with algorithm gkd: the teacher scores the student's samples inside the "
                 "step; place it on device or host")
+    return None
+
+
+def _exact_teacher_beside_the_student(config):
+    """The exact reverse KL reads the teacher's whole logits inside the update step."""
+    if config.onpolicy_distill.estimator == "exact" and config.placement.on_submesh("reference"):
+        return ("placement.reference=submesh with onpolicy_distill.estimator=exact: the exact reverse KL reads the "
+                "teacher's whole logits inside the update step; place the teacher on device or host, or set "
+                "onpolicy_distill.estimator=sampled (one teacher log-prob a token, which the sub-mesh sends back)")
+    return None
+
+
+def _exact_has_no_ratio(config):
+    """The exact reverse KL has no policy ratio for rollout.tis_cap to truncate."""
+    if config.onpolicy_distill.estimator == "exact" and config.rollout.tis_cap is not None:
+        return (f"rollout.tis_cap={config.rollout.tis_cap} with onpolicy_distill.estimator=exact: the exact reverse "
+                "KL is no importance-weighted policy loss, so there is no ratio to truncate; remove rollout.tis_cap "
+                "or set onpolicy_distill.estimator=sampled (PPO-clip on the sampled-token estimate)")
     return None
 
 
@@ -376,6 +405,10 @@ ENTRIES: tuple[Algorithm, ...] = (
     Algorithm("gkd", "offline", ("causal_lm",), distill.make_gkd_task, ("distill",), _formats("sft"),
               reference=ALWAYS, lora=False, rules=DISTILL_RULES,
               constraints=(_teacher, _on_policy_teacher), teacher=_teacher_spec),
+    Algorithm("onpolicy_distill", "online", ("causal_lm",), onpolicy_distill.build_algorithm,
+              ("onpolicy_distill", "distill"), _formats("prompt"), reference=ALWAYS, lora=False,
+              rules=DISTILL_RULES, constraints=(_teacher_named, _exact_teacher_beside_the_student, _exact_has_no_ratio),
+              teacher=_teacher_spec),
 )
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}

@@ -373,6 +373,32 @@ class DistillSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class OnPolicyDistillSection:
+    """On-policy distillation on the online trainer (``algorithm: onpolicy_distill``,
+    :mod:`alignax.trainers.online.distill`): the student samples ``rollout.num_samples``
+    completions of each prompt (the rollout section: budget, temperature, async), the frozen
+    teacher (``distill.teacher``, held like the reference) scores every sampled position, and
+    the loss is the per-token reverse KL ``KL(p_student || p_teacher)`` at
+    ``rollout.temperature``.
+
+    Fields:
+      estimator: ``exact`` (default): the reverse KL over the whole vocabulary from both
+        models' logits at each sampled position (no sampling noise beyond the positions
+        themselves); ``sampled``: its one-sample estimate ``log p_s(y_t) - log p_t(y_t)`` of
+        the sampled token as the token's negative advantage under PPO-clip (as verl, slime
+        and Tinker run it: the teacher hands back one log-prob a token, so it may sit on
+        ``placement.reference: submesh``).
+      aggregation: how per-token losses reduce (``alignax.ops.aggregate``).
+      epochs / minibatches: passes over each rollout, and minibatches per pass.
+    """
+
+    estimator: Literal["exact", "sampled"] = "exact"
+    aggregation: AggregationMode = "token-mean"
+    epochs: int = 1
+    minibatches: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class AsyncSection:
     """Asynchronous, bounded-staleness rollouts (``rollout.async``;
     ``alignax.trainers.online.schedule``).
@@ -621,6 +647,7 @@ class TrainConfig:
     preference: PreferenceSection = dataclasses.field(default_factory=PreferenceSection)
     iterative: IterativeSection = dataclasses.field(default_factory=IterativeSection)
     distill: DistillSection = dataclasses.field(default_factory=DistillSection)
+    onpolicy_distill: OnPolicyDistillSection = dataclasses.field(default_factory=OnPolicyDistillSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)

@@ -83,6 +83,8 @@ class Actors:
                                                 reward_mesh=self.frozen_mesh("reward_models"))
         self.greedy = evaluation.greedy_sampling(config, self.tokenizer)  # ReMax's baseline
         self.forward = jax.jit(self.policy_forward)  # the policy's and the reference's
+        # on-policy distillation: the teacher in the reference's place runs its own graph
+        self.reference_forward = self.forward if algorithm.teacher is None else jax.jit(self.teacher_forward)
         self.values = jax.jit(self.critic_values)
 
     # ------------------------------------------------------------------ meshes and placement
@@ -183,6 +185,8 @@ class Actors:
         """The reference a run starts from and saves once (``None`` without a KL): with LoRA
         the adapters switched off; under ``placement.reference: submesh`` the same weights
         built on the sub-mesh; else the initial policy params in ``precision.frozen_dtype``."""
+        if self.algorithm.teacher is not None:  # on-policy distillation: the teacher, where the reference would be
+            return self.algorithm.teacher.build(self.frozen_mesh("reference"))
         if not self.algorithm.kl.uses_reference:
             return None
         initial = self.policy_params(initial_params)
@@ -210,10 +214,10 @@ class Actors:
         training mesh: from ``frozen["reference"]`` on the full sequences ``placed`` on the
         training mesh, or on the sub-mesh (the host ``sequences`` placed there) and brought back."""
         if self.submesh_reference is None:
-            return self.forward(frozen["reference"], *placed)[0]
+            return self.reference_forward(frozen["reference"], *placed)[0]
         submesh = self.frozen_mesh("reference")
         on_submesh = [place_rows(a, submesh) for a in sequences]
-        return rows_to(self.mesh, self.forward(self.submesh_reference, *on_submesh)[0])
+        return rows_to(self.mesh, self.reference_forward(self.submesh_reference, *on_submesh)[0])
 
     # ------------------------------------------------------------------ forward passes
     def policy_forward(self, policy_params, tokens, positions, attention):
@@ -246,6 +250,14 @@ class Actors:
             return modeling._unchunk_time(jax.lax.map(stat, modeling._chunk_time(hidden, chunk)), width)
 
         return jax.jit(per_token)
+
+    def teacher_forward(self, teacher_params, tokens, positions, attention):
+        """:meth:`policy_forward` of on-policy distillation's teacher (``algorithm.teacher``:
+        its own graph and size), from device or host memory like the reference's."""
+        model = self.algorithm.teacher.model(to_device(teacher_params))
+        return response_forward(model, tokens, positions, attention, prompt_len=self.prompt_len,
+                                temperature=self.config.rollout.temperature,
+                                chunk_size=self.config.model.logprob_chunk_size, group=self.pack_group)
 
     def critic_values(self, critic_params, tokens, positions, attention):
         """A separate critic's values at the positions that predict each response token, ``[R, N]``."""

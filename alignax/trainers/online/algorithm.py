@@ -36,7 +36,7 @@ from alignax.rewards.process import ProcessRewardModel
 from alignax.trainers.engine.optim import OptimConfig
 
 Array = jax.Array
-KLPlacement = Literal["loss", "sequence_reward", "token_reward"]
+KLPlacement = Literal["loss", "sequence_reward", "token_reward", "teacher"]
 
 
 @struct.dataclass
@@ -93,7 +93,10 @@ class KLSetup:
     """KL to the reference: ``coef`` (initial), ``controller``, ``kind`` and ``placement``;
     ``importance_weight``: ``pi_theta / pi_old`` on the KL in the loss
     (:func:`alignax.kl.importance_weighted_kl`). A zero fixed coefficient drops the
-    reference model altogether."""
+    reference model altogether, save under ``teacher``: the frozen model is on-policy
+    distillation's teacher (:attr:`OnlineAlgorithm.teacher`), its log-probs gathered (the
+    advantages' ``ref_logps``, the ``kl/ref_*`` figures: the student's KL to the teacher)
+    and no KL penalty placed anywhere."""
 
     coef: float
     controller: Any  # kl_lib.FixedKLController | kl_lib.AdaptiveKLController
@@ -103,7 +106,8 @@ class KLSetup:
 
     @property
     def uses_reference(self) -> bool:
-        return self.coef > 0 or isinstance(self.controller, kl_lib.AdaptiveKLController)
+        return (self.placement == "teacher" or self.coef > 0
+                or isinstance(self.controller, kl_lib.AdaptiveKLController))
 
     # The KL to the reference is applied here and nowhere else: to the sequence rewards,
     # to the per-token rewards GAE sees, or in the loss, as ``placement`` says.
@@ -189,3 +193,10 @@ class OnlineAlgorithm:
     # what the estimator reads beyond the total reward (alignax.estimators.Estimator's flags)
     reward_components: bool = False  # each rewards: component and its weight (GDPO)
     token_stats: bool = False  # sum_v pi(v)^2 of the sampling policy per token (optimal token baseline)
+    # On-policy distillation (trainers/online/distill.py): the frozen teacher held in the
+    # reference's place, with a graph and size of its own (``build(mesh) -> params``,
+    # ``model(params) -> nnx.Module``); and the update's loss from the policy's whole next-token
+    # distributions, ``(actors, params, frozen, minibatch, normalisers) -> (loss, LossAux)``,
+    # in place of ``objective`` (None: ``objective``).
+    teacher: Any = None
+    logits_loss: Callable | None = None

@@ -94,7 +94,8 @@ def single_update(config: TrainConfig, algorithm: OnlineAlgorithm) -> bool:
     (ratio exactly 1, as TRL and Tunix do)."""
     kl = algorithm.kl
     reads_policy = algorithm.critic is not None or (
-        kl.placement != "loss" and kl.uses_reference and config.rollout.old_logps == "recompute")
+        kl.placement in ("sequence_reward", "token_reward") and kl.uses_reference
+        and config.rollout.old_logps == "recompute")
     return algorithm.epochs * algorithm.minibatches == 1 and not reads_policy
 
 

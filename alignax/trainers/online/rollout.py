@@ -33,6 +33,18 @@ def response_forward(model, tokens, positions, attention_mask, *, prompt_len: in
     ``group > 1`` the ``group`` rows that share a prompt run as one packed row (the prompt
     once; :func:`alignax.trainers.engine.packing.pack_groups`): same outputs, fewer tokens.
     """
+    hidden, values = response_states(model, tokens, positions, attention_mask, prompt_len=prompt_len, group=group)
+    logps, entropy = token_logprobs_from_hidden(
+        hidden, model, tokens[:, prompt_len:], chunk_size=chunk_size, temperature=temperature, with_entropy=True,
+    )
+    return logps, entropy, values
+
+
+def response_states(model, tokens, positions, attention_mask, *, prompt_len: int, group: int = 1):
+    """``(hidden [R, N, D], values [R, N] or None)``: the final hidden states (and a value
+    head's outputs) at the ``N`` positions that predict the response tokens, from one forward
+    over prompt + response (``group > 1``: packed as :func:`response_forward` says). What a
+    loss of the whole next-token distributions reads (``model.logits(hidden)``)."""
     if group > 1:
         packed_tokens, packed_positions, packed_mask, segments = packing.pack_groups(
             tokens, positions, attention_mask, prompt_len=prompt_len, group=group)
@@ -41,12 +53,7 @@ def response_forward(model, tokens, positions, attention_mask, *, prompt_len: in
     else:
         out = model(tokens, positions, attention_mask, return_logits=False)
         states = lambda x: x[:, prompt_len - 1 : -1]  # noqa: E731
-    logps, entropy = token_logprobs_from_hidden(
-        states(out.hidden), model, tokens[:, prompt_len:], chunk_size=chunk_size, temperature=temperature,
-        with_entropy=True,
-    )
-    values = None if out.values is None else states(out.values)
-    return logps, entropy, values
+    return states(out.hidden), None if out.values is None else states(out.values)
 
 
 @struct.dataclass

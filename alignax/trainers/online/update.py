@@ -127,9 +127,11 @@ class Learner:
 
     def loss_fn(self, params, frozen, mb: Minibatch, normalisers, rng):
         """The update's loss on one micro-batch: :meth:`policy_loss`, plus the critic's value
-        loss and PPO-ptx."""
-        del frozen, rng
+        loss and PPO-ptx (or the algorithm's ``logits_loss``: on-policy distillation)."""
+        del rng
         algo, actors, ro = self.algorithm, self.actors, mb.rollout
+        if algo.logits_loss is not None:  # the policy's whole next-token distributions against the teacher's
+            return algo.logits_loss(actors, params, frozen, mb, normalisers)
         logps, entropy, values = actors.policy_forward(actors.policy_params(params), ro.tokens, ro.positions,
                                                        ro.attention_mask)
         loss, metrics = self.policy_loss(logps, entropy, mb, normalisers)
