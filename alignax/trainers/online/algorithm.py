@@ -193,7 +193,7 @@ class OnlineAlgorithm:
     # what the estimator reads beyond the total reward (alignax.estimators.Estimator's flags)
     reward_components: bool = False  # each rewards: component and its weight (GDPO)
     token_stats: bool = False  # sum_v pi(v)^2 of the sampling policy per token (optimal token baseline)
-    # On-policy distillation (trainers/online/distill.py): the frozen teacher held in the
+    # On-policy distillation (trainers/online/onpolicy_distill.py): the frozen teacher held in the
     # reference's place, with a graph and size of its own (``build(mesh) -> params``,
     # ``model(params) -> nnx.Module``); and the update's loss from the policy's whole next-token
     # distributions, ``(actors, params, frozen, minibatch, normalisers) -> (loss, LossAux)``,
