@@ -48,6 +48,7 @@ from alignax.parallel.placement import SUBMESH_ROLES
 from alignax.parallel.sharding import MESH_AXES
 from alignax.rewards.composite import RewardConfig
 from alignax.rewards.verifiers import check_task
+from alignax.trainers import monitor_settings
 from alignax.trainers.algorithms import ENTRIES, algorithm, except_where, named, where
 from alignax.trainers.config import RolloutSection, TrainConfig
 
@@ -189,6 +190,14 @@ KEY_RULES: tuple[Rule, ...] = (
     *data_checks.key_rules("evaluation.prompts"),
     rule(["evaluation.prompts.eval_fraction", "evaluation.prompts.shuffle", "evaluation.prompts.seed",
           "evaluation.prompts.num_epochs"], NEVER, "an evaluation reads its prompt set once, whole, in file order"),
+    # --- alarms, their actions, the KL budget and the gold signal (alignax.trainers.online.guard)
+    rule("monitor", ONLINE, "the alarms watch online rollouts"),
+    rule(["monitor.gold.every", "monitor.gold.max_prompts", "monitor.gold.rewards", "monitor.gold_divergence"],
+         Given("monitor.gold.prompts"), "the gold signal is the held-out monitor.gold.prompts, scored"),
+    rule("monitor.kl_budget", LIVE_REFERENCE, "it bounds the KL to the reference policy"),
+    *data_checks.key_rules("monitor.gold.prompts"),
+    rule(["monitor.gold.prompts.eval_fraction", "monitor.gold.prompts.shuffle", "monitor.gold.prompts.seed",
+          "monitor.gold.prompts.num_epochs"], NEVER, "the gold set is read once, whole, in file order"),
 )
 
 """Every key of the schema -> when the run reads it (all matching rows must hold)."""
@@ -377,6 +386,12 @@ def _model_folder(config):
     return registry.model_folder_problem(config.model.name, random_init=config.model.random_init is not None)
 
 
+def _monitor(config):
+    """The monitor's values: in range, a rollback with a gold set to pick its checkpoint by, a
+    gold scorer that is not the training reward, a KL coefficient for the factors to move."""
+    return monitor_settings.problem(config, _online_section(config)) if ONLINE(config) else None
+
+
 def _data_files(config):
     formats, by = algorithm(config.algorithm).data_formats(config)
     return data_checks.data_file_problem(config.data, "data", by, formats)
@@ -406,6 +421,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _model_folder,
     _data_files,
     _eval_prompts_files,
+    _monitor,
 )
 """Each returns the problem in words (naming its keys), or None."""
 
