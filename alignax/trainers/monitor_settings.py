@@ -61,6 +61,12 @@ def problem(config: TrainConfig, section: str) -> str | None:
         return ("monitor.gold.rewards is the training reward (rewards): a gold signal must be scored by something "
                 "the policy is not trained on; set monitor.gold.rewards to another verifier, judge, reward model "
                 "or function")
+    if m.gold.prompts is not None and config.env.name is not None:
+        return (f"monitor.gold.prompts with env.name={config.env.name}: the gold signal scores single-turn "
+                "completions; remove monitor.gold or the environment")
+    for name in ("clip_fraction", "nonfinite_rate"):
+        if getattr(m, name).max is not None and getattr(m, name).max < 0:
+            return f"monitor.{name}.max must be >= 0 (a rate; null: off); got {getattr(m, name).max}"
     if m.gold.prompts is not None and m.gold.prompts.format != "prompt":
         return f"monitor.gold.prompts.format={m.gold.prompts.format}: the gold set is a prompt set (format prompt)"
     moves_beta = m.kl_budget.action == "raise_beta" and m.kl_budget.max is not None

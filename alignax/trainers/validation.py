@@ -110,6 +110,24 @@ def _entry_rules() -> list[Rule]:
     return out
 
 
+def _gold_reward_rules() -> list[Rule]:
+    """The rows of ``rewards.*`` that hold for any reward config, at ``monitor.gold.rewards``
+    (the gold scorer is one more :class:`RewardConfig`)."""
+    g = "monitor.gold.rewards."
+    return [
+        rule(f"{g}mask_truncated", NEVER, "gold completions are scored, never trained on"),
+        rule(f"{g}strict_format", NonZero(f"{g}format_weight")),
+        rule([f"{g}answer_tag", f"{g}answer_extraction", f"{g}task"],
+             AnyOf(NonZero(f"{g}verifier_weight"), NonZero(f"{g}format_weight")), "the verifiers read them"),
+        rule([f"{g}reward_model_weight", f"{g}ensemble"], Given(f"{g}reward_models")),
+        rule(f"{g}ensemble_k", All(Given(f"{g}reward_models"), Is(f"{g}ensemble", "mean_minus_std", "mean_minus_var"))),
+        rule([f"{g}judge_weight", f"{g}judge_rubric", f"{g}judge_verdicts", f"{g}judge_score"],
+             Given(f"{g}judge_model"), "they configure the LLM judge"),
+        rule(f"{g}length_target", NonZero(f"{g}length_penalty_coef")),
+        rule(f"{g}overlong_scale", Given(f"{g}overlong_buffer")),
+    ]
+
+
 KEY_RULES: tuple[Rule, ...] = (
     # --- shared by every algorithm
     rule(["algorithm", "output_dir", "model", "precision", "placement", "optim", "train", "checkpoint", "logging",
@@ -192,9 +210,16 @@ KEY_RULES: tuple[Rule, ...] = (
           "evaluation.prompts.num_epochs"], NEVER, "an evaluation reads its prompt set once, whole, in file order"),
     # --- alarms, their actions, the KL budget and the gold signal (alignax.trainers.online.guard)
     rule("monitor", ONLINE, "the alarms watch online rollouts"),
-    rule(["monitor.gold.every", "monitor.gold.max_prompts", "monitor.gold.rewards", "monitor.gold_divergence"],
-         Given("monitor.gold.prompts"), "the gold signal is the held-out monitor.gold.prompts, scored"),
+    rule(["monitor.gold.every", "monitor.gold.max_prompts", "monitor.gold.rewards", "monitor.gold_divergence",
+          "monitor.plot"], Given("monitor.gold.prompts"), "the gold signal is the held-out monitor.gold.prompts, scored"),
+    rule("monitor.rollback", Named("an alarm whose action is rollback (monitor.<alarm>.action=rollback)",
+                                   AnyOf(*(Is(f"monitor.{a}.action", "rollback") for a in monitor_settings.ALARMS))),
+         "it says what a rollback does"),
     rule("monitor.kl_budget", LIVE_REFERENCE, "it bounds the KL to the reference policy"),
+    rule(["monitor.kl_budget.action", "monitor.kl_budget.beta_factor"], Given("monitor.kl_budget.max"),
+         "they say what happens over the budget"),
+    rule("monitor.kl_budget.beta_factor", Is("monitor.kl_budget.action", "raise_beta")),
+    *_gold_reward_rules(),
     *data_checks.key_rules("monitor.gold.prompts"),
     rule(["monitor.gold.prompts.eval_fraction", "monitor.gold.prompts.shuffle", "monitor.gold.prompts.seed",
           "monitor.gold.prompts.num_epochs"], NEVER, "the gold set is read once, whole, in file order"),
