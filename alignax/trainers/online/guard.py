@@ -86,6 +86,7 @@ class EventLog:
         self.lines += json.dumps({"step": int(step), "alarm": alarm, "action": action, "reason": reason,
                                   **figures}) + "\n"
         if is_writer():
+            paths.as_path(self.path).parent.mkdir(parents=True, exist_ok=True)
             paths.write_text(self.path, self.lines)
 
 
@@ -175,6 +176,7 @@ class Guard:
         self.proxy_since.append(float(metrics["reward/total"]))
         if self.gold is not None and step % self.monitor.gold.every == 0:
             metrics.update(self._gold_point(step, state, kl=metrics.get("kl/ref_seq")))
+            metrics["alarm/gold_divergence"] = 0.0
             raised.update(self._gold_divergence(step))
         for name in raised:
             metrics[f"alarm/{name}"] = 1.0
@@ -227,7 +229,7 @@ class Guard:
         return restored
 
     # ------------------------------------------------------------------ the alarms of this module
-    def _rate_alarms(self, step: int, metrics: Mapping[str, float]) -> dict[str, str]:
+    def _rate_alarms(self, step: int, metrics: dict[str, float]) -> dict[str, str]:
         """``clip_fraction`` and ``nonfinite_rate``: their mean over the last ``window``
         rollouts above ``max``."""
         rates = {"clip_fraction": metrics.get("clipfrac_low", 0.0) + metrics.get("clipfrac_high", 0.0),
@@ -238,7 +240,10 @@ class Guard:
             alarm = getattr(self.monitor, name)
             history = self.rates[name] = (self.rates[name] + [float(value)])[-alarm.window:]
             mean = sum(history) / len(history)
-            if alarm.max is not None and len(history) == alarm.window and mean > alarm.max:
+            if alarm.max is None:
+                continue
+            metrics[f"alarm/{name}"] = 0.0  # armed: logged every rollout, 1.0 when raised (by __call__)
+            if len(history) == alarm.window and mean > alarm.max:
                 raised[name] = (f"step {step}: {name.replace('_', ' ')} {mean:.4g} over the last {alarm.window} "
                                 f"rollouts is above monitor.{name}.max={alarm.max:g}")
                 log.warning("%s", raised[name])
