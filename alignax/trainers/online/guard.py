@@ -184,6 +184,8 @@ class Guard:
         return self._act(step, state, raised, metrics)
 
     def _act(self, step: int, state: TrainState, raised: dict[str, str], metrics: dict[str, float]) -> TrainState:
+        if "rollback" in self.actions.values():
+            metrics["guard/rollbacks"] = float(self.rollbacks)
         for name, reason in raised.items():
             self.events.write(step, name, self.actions[name], reason)
         stops = [name for name in raised if self.actions[name] == "stop"]
