@@ -132,3 +132,34 @@ def test_monitor_config_checks():
                                            monitor={"no_signal": {"action": "stop"}})
     config = load_config(data={**GRPO, "monitor": {"gold": GOLD, "entropy_collapse": {"action": "rollback"}}})
     assert config.monitor.entropy_collapse.action == "rollback"
+
+
+GUARDED_TOOL = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "studies", "guarded_overoptimisation.py")
+
+
+@pytest.mark.slow  # the tool's two arms; the rollback in a run is covered fast above
+def test_the_guarded_study_runs_both_arms_on_the_toy_model(tmp_path, toy_model):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("guarded_overoptimisation_tool", GUARDED_TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    write_jsonl(toy_prompts(24) + gold_prompts(8), str(tmp_path / "prompts.jsonl"))
+    args = tool.parse_args([
+        "--out", str(tmp_path / "out"), "--model", toy_model, "--prompts", str(tmp_path / "prompts.jsonl"),
+        "--gold-function", "tests.support.rl_toy:yes_share", "--max-prompt-length", "24", "--max-new-tokens", "6",
+        "--batch-size", "4", "--pair-prompts", "16", "--gold-prompts", "4", "--rm-steps", "4", "--rm-lr", "1e-2",
+        "--rl-steps", "4", "--rl-lr", "2e-2", "--gold-every", "1", "--kl-coef", "0.01"])
+    report = tool.run(args)
+    assert set(report["arms"]) == {"warn", "rollback"}
+    for arm in report["arms"].values():
+        assert [p["step"] for p in arm["points"]][0] == 0 and os.path.exists(arm["png"])
+    assert report["arms"]["warn"]["rollbacks"] == 0
+    assert all(e["action"] == "warn" for e in report["arms"]["warn"]["events"])
+    rollback = report["arms"]["rollback"]
+    assert all(e["action"] in ("rollback", "stop") for e in rollback["events"])
+    assert rollback["rollbacks"] == sum("restored_step" in e for e in rollback["events"])
+    # the held-out gold set shares no prompt with the training prompts
+    gold = {json.loads(line)["prompt"] for line in open(os.path.join(args.out, "gold.jsonl"))}
+    train = {json.loads(line)["prompt"] for line in open(os.path.join(args.out, "train.jsonl"))}
+    assert len(gold) == 4 and not gold & train

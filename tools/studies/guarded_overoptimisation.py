@@ -74,7 +74,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-rollbacks", type=int, default=2)
     p.add_argument("--lr-factor", type=float, default=0.5)
     p.add_argument("--kl-factor", type=float, default=4.0)
+    p.add_argument("--min-gold-drop", type=float, default=0.0,
+                   help="the alarm: gold fell by more than this between two consecutive gold points ...")
+    p.add_argument("--min-proxy-rise", type=float, default=0.0,
+                   help="... while the proxy rose by more than this (-inf: whatever the proxy did)")
     p.add_argument("--arms", default="warn,rollback", help="which runs, comma-separated")
+    p.add_argument("--reuse", action="store_true",
+                   help="read <out>/proxy and the arms whose <out>/<arm>/gold.json exist instead of running them "
+                        "again (an interrupted study; the report says which were read)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scan-layers", action="store_true")
     return p.parse_args(argv)
@@ -131,7 +138,8 @@ def monitor_section(args, gold_path: str, action: str) -> dict:
                              "batch_size": args.batch_size},
                  "every": args.gold_every, "max_prompts": args.gold_prompts, "rewards": gold_rewards(args)},
         # gold fell (at all) while the proxy rose, between two consecutive gold points
-        "gold_divergence": {"action": action, "window": 1},
+        "gold_divergence": {"action": action, "window": 1, "min_gold_drop": args.min_gold_drop,
+                            "min_proxy_rise": args.min_proxy_rise},
     }
 
 
@@ -161,12 +169,16 @@ def make_proxy(args, train_path: str) -> tuple[str, dict]:
 def run_arm(args, action: str, train_path: str, gold_path: str, proxy_dir: str) -> dict:
     """One GRPO run against the proxy with the monitor's gold-divergence alarm set to ``action``."""
     out = os.path.join(args.out, action)
-    config = run_config(args, out, proxy_rewards(proxy_dir), train_path, monitor_section(args, gold_path, action))
     status = "finished"
-    try:
-        train(config)
-    except RuntimeError as err:  # a stop past max_rollbacks: the run's own answer, recorded
-        status = f"stopped: {err}"
+    if args.reuse and os.path.exists(os.path.join(out, "gold.json")):
+        status = "read from an earlier invocation (--reuse)"
+    else:
+        config = run_config(args, out, proxy_rewards(proxy_dir), train_path,
+                            monitor_section(args, gold_path, action))
+        try:
+            train(config)
+        except RuntimeError as err:  # a stop past max_rollbacks: the run's own answer, recorded
+            status = f"stopped: {err}"
     with open(os.path.join(out, "gold.json"), encoding="utf-8") as f:
         gold = json.load(f)
     events = [json.loads(line) for line in open(os.path.join(out, "alarms.jsonl"), encoding="utf-8")] \
@@ -186,7 +198,10 @@ def run(args) -> dict:
 
     os.makedirs(args.out, exist_ok=True)
     train_path, gold_path = split_prompts(args)
-    proxy_dir, proxy_figures = make_proxy(args, train_path)
+    if args.reuse and os.path.isdir(os.path.join(args.out, "proxy")):
+        proxy_dir, proxy_figures = os.path.join(args.out, "proxy"), {"reused": True}
+    else:
+        proxy_dir, proxy_figures = make_proxy(args, train_path)
     lap("pairs_and_proxy")
     arms = {}
     for action in args.arms.split(","):
