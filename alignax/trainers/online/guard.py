@@ -262,7 +262,8 @@ class Guard:
         if then_proxy is None or now.proxy is None:
             return {}
         if then.gold - now.gold > alarm.min_gold_drop and now.proxy - then_proxy > alarm.min_proxy_rise:
-            reason = (f"step {step}: the proxy reward rose {then_proxy:.4g} -> {now.proxy:.4g} while the gold score "
+            moved = "rose" if now.proxy > then_proxy else "went"  # min_proxy_rise < 0 lets a falling proxy in
+            reason = (f"step {step}: the proxy reward {moved} {then_proxy:.4g} -> {now.proxy:.4g} while the gold score "
                       f"fell {then.gold:.4g} -> {now.gold:.4g} (steps {then.step} -> {now.step})")
             log.warning("%s", reason)
             return {"gold_divergence": reason}
@@ -325,26 +326,30 @@ def build_guard(config, trainer) -> Guard:
 
 
 def plot_gold(points: list[GoldPoint], path: str, *, title: str = "gold vs proxy vs sqrt KL") -> str:
-    """Gold and proxy reward against the step (left axis), sqrt KL to the reference (right
-    axis), as a PNG at ``path`` (matplotlib, Agg backend); returns ``path``."""
+    """The gold score (top; its own scale: gold and proxy rewards need not share units), and
+    the proxy reward with sqrt KL to the reference on a second axis (bottom), against the
+    rollout step, as a PNG at ``path`` (matplotlib, Agg backend); returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    ax.plot([p.step for p in points], [p.gold for p in points], "o-", label="gold")
+    fig, (gold_axis, proxy_axis) = plt.subplots(2, 1, sharex=True, figsize=(6, 5), dpi=110)
+    gold_axis.plot([p.step for p in points], [p.gold for p in points], "o-", label="gold")
+    gold_axis.set_ylabel("gold reward")
+    gold_axis.set_title(title)
     with_proxy = [p for p in points if p.proxy is not None]
-    ax.plot([p.step for p in with_proxy], [p.proxy for p in with_proxy], "s--", label="proxy")
-    ax.set_xlabel("rollout step")
-    ax.set_ylabel("reward")
+    proxy_axis.plot([p.step for p in with_proxy], [p.proxy for p in with_proxy], "s--", color="tab:orange",
+                    label="proxy")
+    proxy_axis.set_ylabel("proxy reward")
+    proxy_axis.set_xlabel("rollout step")
     with_kl = [p for p in points if p.sqrt_kl is not None]
     if with_kl:
-        kl_axis = ax.twinx()
+        kl_axis = proxy_axis.twinx()
         kl_axis.plot([p.step for p in with_kl], [p.sqrt_kl for p in with_kl], "^:", color="grey", label="sqrt KL")
         kl_axis.set_ylabel("sqrt KL (nats^0.5)")
-    ax.legend(loc="best")
-    ax.set_title(title)
+        kl_axis.legend(loc="lower right")
+    proxy_axis.legend(loc="upper left")
     fig.tight_layout()
     with paths.as_path(path).open("wb") as f:
         fig.savefig(f, format="png")
