@@ -17,7 +17,7 @@ from alignax import config as config_io
 from alignax.config import ConfigError
 from alignax.data import DataConfig, prepare_dataset, write_jsonl
 from alignax.metrics import read_jsonl
-from alignax.trainers.api import load_config
+from alignax.trainers.api import load_config, train
 from alignax.trainers.online.gold import GoldOverlapError, check_held_out
 from tests.data.tiny_tokenizer import word_tokenizer
 from tests.support.rl_toy import toy_config, toy_prompts, yes_share
@@ -83,6 +83,38 @@ def test_rollback_then_stop_through_the_cli(tmp_path, toy_model, capsys):
     # the gold scorer saw the gold prompts, each time all of them, and never a training prompt
     assert GOLD_SEEN and set(GOLD_SEEN) == {r["prompt"] for r in gold_records}
     assert not set(GOLD_SEEN) & {r["prompt"] for r in train_records}
+
+
+@pytest.mark.slow  # two toy runs; the monitor state's round trip is fast in test_monitor_guard.py
+def test_a_resumed_run_keeps_its_rollbacks_and_learning_rate(tmp_path, toy_model):
+    """Two steps (a rollback at step 1), then the same run resumed to three steps: the
+    learning-rate factor of the first rollback is in force after the resume, and the second
+    rollback counts on from the first (the monitor's state rides in the checkpoint's meta)."""
+    write_jsonl(toy_prompts(16), str(tmp_path / "train.jsonl"))
+    write_jsonl(gold_prompts(4), str(tmp_path / "gold.jsonl"))
+    monitor = {
+        "gold": {"prompts": {"paths": [str(tmp_path / "gold.jsonl")], "format": "prompt", "max_prompt_length": 24,
+                             "batch_size": 4}, "every": 1, "max_prompts": 4,
+                 "rewards": {"verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}},
+        "gold_divergence": {"action": "rollback", "window": 1, "min_gold_drop": float("-inf"),
+                            "min_proxy_rise": float("-inf")},
+        "rollback": {"max_rollbacks": 3, "lr_factor": 0.5},
+    }
+
+    def run(steps):
+        config = toy_config(tmp_path / "run", toy_model, "grpo", steps=steps, monitor=monitor,
+                            data={"paths": [str(tmp_path / "train.jsonl")], "format": "prompt"},
+                            checkpoint={"allow_changes": True})
+        return train(config)
+
+    run(2)
+    result = run(3)
+    rows = {row["step"]: row for row in result.history}
+    first = {row["step"]: row for row in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if "learning_rate" in row}
+    assert rows[3]["learning_rate"] == pytest.approx(0.5 * first[1]["learning_rate"])  # the factor survived
+    assert rows[3]["guard/rollbacks"] == 2.0
+    events = [json.loads(line) for line in open(tmp_path / "run" / "alarms.jsonl")]
+    assert [e["step"] for e in events if "restored_step" in e] == [1, 3]
 
 
 def test_a_gold_set_sharing_a_training_prompt_is_refused(tmp_path):
