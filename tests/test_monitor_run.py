@@ -85,7 +85,6 @@ def test_rollback_then_stop_through_the_cli(tmp_path, toy_model, capsys):
     assert not set(GOLD_SEEN) & {r["prompt"] for r in train_records}
 
 
-@pytest.mark.slow  # two toy runs; the monitor state's round trip is fast in test_monitor_guard.py
 def test_a_resumed_run_keeps_its_rollbacks_and_learning_rate(tmp_path, toy_model):
     """Two steps (a rollback at step 1), then the same run resumed to three steps: the
     learning-rate factor of the first rollback is in force after the resume, and the second
