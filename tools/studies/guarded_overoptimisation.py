@@ -209,15 +209,12 @@ def run(args) -> dict:
         lap(f"rl_{action}")
     report = {"settings": vars(args), "gold": gold_rewards(args), "proxy": proxy_figures, "arms": arms,
               "seconds": seconds, "load_average": os.getloadavg()}
-    with open(os.path.join(args.out, "guarded_overoptimisation.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    Path(args.out, "guarded_overoptimisation.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     return report
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    report = run(parse_args(argv))
-    json.dump(report, sys.stdout, indent=1)
-    print()
+    print(json.dumps(run(parse_args(argv)), indent=1))
 
 
 if __name__ == "__main__":
