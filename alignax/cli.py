@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except _stopped_errors() as err:
         _report(args, "run stopped", err)
-        return 1
+        return getattr(err, "exit_code", 1)  # a monitor alarm's stop: 3 (alignax.trainers.online.guard)
 
 
 def _without_traceback(record: logging.LogRecord) -> bool:

@@ -41,6 +41,9 @@ SCHEMA = list(validation.schema_keys())
 # A base: configs/tiny-<recipe>.yaml with these sections merged over it.
 GENERATOR = "reasoning_gym:chain_sum?size=16&seed=3"
 EVAL_PROMPTS = {"paths": [GENERATOR], "format": "prompt", "max_prompt_length": 96, "batch_size": 4}
+# held out: reasoning-gym's record i of seed s is record 0 of seed s + i, so a seed past the recipes' sizes
+GOLD_PROMPTS = {"paths": ["reasoning_gym:chain_sum?size=8&seed=1000"], "format": "prompt", "max_prompt_length": 96,
+                "batch_size": 4}
 PTX_DATA = {"paths": [GENERATOR], "format": "sft", "max_length": 128, "max_prompt_length": 96, "batch_size": 4}
 BASES = {
     # an offline policy evaluated by generation on a prompt set: rewards and rollout's budget are read
@@ -51,6 +54,9 @@ BASES = {
     "dpo-lora": ("dpo-lora", {}),
     "kto": ("kto", {}),
     "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
+    # the monitor's gold signal (alignax.trainers.online.guard), scored by the verifier alone
+    "grpo-gold": ("grpo", {"evaluation": {"max_prompts": 4}, "monitor": {"gold": {
+        "prompts": GOLD_PROMPTS, "every": 1, "max_prompts": 4, "rewards": {"format_weight": 0.0}}}}),
     "grpo-calculator": ("grpo-calculator", {"evaluation": {"max_prompts": 4}}),
     "ppo": ("ppo", {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}, "evaluation": {"max_prompts": 4}}),
     "distill": ("distill", {}),
@@ -58,7 +64,8 @@ BASES = {
     "onpolicy-distill": ("onpolicy-distill", {}),
 }
 # A section the sweep sets from nothing (its keys under a base without it) starts valid.
-SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "distill.teacher": {"name": "smollm2-135m-instruct"}, "evaluation.prompts": EVAL_PROMPTS, "lora": {"rank": 2}}
+SECTION_SEEDS = {"ppo.ptx_data": PTX_DATA, "distill.teacher": {"name": "smollm2-135m-instruct"}, "evaluation.prompts": EVAL_PROMPTS, "lora": {"rank": 2},
+                 "monitor.gold.prompts": GOLD_PROMPTS}
 # Keys read on a path one tiny step cannot reach, and where that path is tested.
 READ_ELSEWHERE = {
     "data.on_bad_record": "read when a record is bad (tests/test_data.py)",
@@ -73,6 +80,9 @@ READ_ELSEWHERE = {
     **{f"logging.{tracker}{key}": "read when the run's writers start (tests/test_trackers.py)"
        for tracker, keys in (("wandb", ("", ".project", ".entity", ".name", ".mode", ".tags")),
                              ("mlflow", ("", ".tracking_uri", ".experiment", ".run_name"))) for key in keys},
+    "monitor.gold.prompts.on_bad_record": "read when a record is bad (tests/test_data.py)",
+    **{f"monitor.gold_divergence.{key}": "read from the second gold point on (tests/test_monitor_guard.py)"
+       for key in ("window", "min_gold_drop", "min_proxy_rise")},
 }
 
 
@@ -244,6 +254,8 @@ SWEEP_VALUES = {
     "distill.teacher.random_init": [{"num_hidden_layers": 1}],
     "evaluation.prompts": [EVAL_PROMPTS],
     "evaluation.prompts.format": ["prompt"],  # the only format of a prompt set
+    "monitor.gold.prompts": [GOLD_PROMPTS],
+    "monitor.gold.prompts.format": ["prompt"],
     "precision.master_dtype": [None],  # its one other value: no master copy
     "evaluation.best_of_n.reward_models": [["runs/reward-model"]],
     "evaluation.best_of_n.prm": ["runs/prm"],
@@ -287,8 +299,11 @@ def sweep_values(key: str, current):
     """Valid values for ``key`` other than its default (its current value when already set)."""
     if key in SWEEP_VALUES:
         return SWEEP_VALUES[key]
+    if key.startswith("monitor.gold.rewards.") and key.removeprefix("monitor.gold.") in SWEEP_VALUES:
+        return SWEEP_VALUES[key.removeprefix("monitor.gold.")]  # the gold scorer is a reward config
     leaf = key.rpartition(".")[2]
-    if key.rpartition(".")[0] in ("data", "ppo.ptx_data", "evaluation.prompts") and leaf in DATA_VALUES:
+    if key.rpartition(".")[0] in ("data", "ppo.ptx_data", "evaluation.prompts", "monitor.gold.prompts") \
+            and leaf in DATA_VALUES:
         return DATA_VALUES[leaf]
     tp, field = _field(key)
     default = config_io.field_default(None, field)

@@ -333,6 +333,14 @@ class PreparedData:
                              "kept record)")
         return partner
 
+    def prompt_digests(self, split: str = "train") -> dict[bytes, int]:
+        """Digest of each prompt's ids -> the first record of ``split`` (``train`` or
+        ``eval``) with that prompt: what a held-out set is checked against for overlap."""
+        out: dict[bytes, int] = {}
+        for i in self.train_indices if split == "train" else self.eval_indices:
+            out.setdefault(_digest(self.encoder.encode(self.source[int(i)]).prompt), int(i))
+        return out
+
     def example(self, record_index: int) -> dict[str, Any]:
         """The padded arrays of one record (by its index in the source)."""
         encoded = self.encoder.encode(self.source[int(record_index)])

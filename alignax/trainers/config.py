@@ -18,6 +18,7 @@ A recipe YAML has these sections (every key optional unless noted)::
     rollout / rewards: {...}  # online RL (ppo, grpo): generation and the reward function
     evaluation: {...}         # alignax.evaluation.EvaluationConfig: greedy accuracy, pass@k
     env: {...}                # alignax.envs.EnvConfig: multi-turn rollouts with an environment and tools
+    monitor: {...}            # MonitorSection: online alarms and their actions, KL budget, gold signal
 
 ``alignax.trainers.api.load_config(path, overrides)`` reads it; an unknown or ill-typed
 key is an error naming its dotted path and the valid choices, and so is a key the
@@ -624,6 +625,127 @@ class PPOSection(PolicyUpdateSection):
     ptx_data: DataConfig | None = None
 
 
+AlarmAction = Literal["warn", "stop", "rollback"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KLAccelerationAlarm:
+    """KL to the reference growing faster and faster: over the last ``window`` rollouts every
+    increment exceeded the one before, and KL (nats per sequence) is above ``kl_floor``."""
+
+    action: AlarmAction = "warn"
+    window: int = 5
+    kl_floor: float = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class EntropyCollapseAlarm:
+    """Policy entropy (nats per token) below ``fraction`` of its first rollout's value."""
+
+    action: AlarmAction = "warn"
+    fraction: float = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDriftAlarm:
+    """Mean response length moved by more than ``change`` (relative) over ``window``
+    rollouts while the task reward did not rise (a response-length blow-up)."""
+
+    action: AlarmAction = "warn"
+    window: int = 5
+    change: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSignalAlarm:
+    """Stalled updates: ``streak`` rollouts in a row whose every update had a zero gradient
+    (``train.max_stalled_streak`` still ends such a run with its own error)."""
+
+    action: AlarmAction = "warn"
+    streak: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldDivergenceAlarm:
+    """The proxy (training) reward rising while the gold signal falls, over the last
+    ``window`` gold evaluations: gold fell by more than ``min_gold_drop`` and the mean proxy
+    reward since the evaluation ``window`` back rose by more than ``min_proxy_rise``."""
+
+    action: AlarmAction = "warn"
+    window: int = 2
+    min_gold_drop: float = 0.0
+    min_proxy_rise: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdAlarm:
+    """A rate above ``max`` (``null``: the alarm is off), averaged over ``window`` rollouts:
+    the PPO clip fraction (``clipfrac_low + clipfrac_high``) or the share of updates
+    skipped as non-finite."""
+
+    action: AlarmAction = "warn"
+    max: float | None = None
+    window: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KLBudget:
+    """A hard budget on the sequence KL to the reference (``kl/ref_seq``, nats): above
+    ``max`` (``null``: no budget) the run ``stop``s, or ``raise_beta`` multiplies the KL
+    coefficient by ``beta_factor`` at every rollout it stays above."""
+
+    max: float | None = None
+    action: Literal["stop", "raise_beta"] = "stop"
+    beta_factor: float = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RollbackPolicy:
+    """What an alarm's ``rollback`` does: restore the checkpoint whose gold score was best,
+    multiply the learning rate by ``lr_factor`` and the KL coefficient by ``kl_factor``,
+    and continue; past ``max_rollbacks`` an alarm that asks for one stops the run."""
+
+    max_rollbacks: int = 2
+    lr_factor: float = 0.5
+    kl_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldSection:
+    """A held-out gold signal (``alignax.trainers.online.gold``): ``prompts`` (a prompt set
+    that shares no prompt with the training data) decoded greedily every ``every`` rollouts
+    (and before the first), at most ``max_prompts`` of them, scored by ``rewards`` — a
+    verifier, a judge model, reward models or ``functions`` (dotted paths), never the
+    training reward (``rewards``)."""
+
+    prompts: DataConfig | None = None
+    every: int = 10
+    max_prompts: int = 64
+    rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorSection:
+    """Online RL's alarms, what each does, the KL budget and the gold signal
+    (``alignax.trainers.online.guard``; docs/guardrails.md). Each alarm's ``action``:
+    ``warn`` (log it), ``stop`` (save, exit with status 3 and a one-line reason), or
+    ``rollback`` (:class:`RollbackPolicy`; needs ``gold.prompts``). Every event goes to the
+    metrics (``alarm/<name>``, ``guard/*``) and to ``<output_dir>/alarms.jsonl``; ``plot``
+    draws gold vs proxy vs sqrt(KL) to ``<output_dir>/gold.png`` at the end of a run."""
+
+    kl_acceleration: KLAccelerationAlarm = dataclasses.field(default_factory=KLAccelerationAlarm)
+    entropy_collapse: EntropyCollapseAlarm = dataclasses.field(default_factory=EntropyCollapseAlarm)
+    length_drift: LengthDriftAlarm = dataclasses.field(default_factory=LengthDriftAlarm)
+    no_signal: NoSignalAlarm = dataclasses.field(default_factory=NoSignalAlarm)
+    gold_divergence: GoldDivergenceAlarm = dataclasses.field(default_factory=GoldDivergenceAlarm)
+    clip_fraction: ThresholdAlarm = dataclasses.field(default_factory=ThresholdAlarm)
+    nonfinite_rate: ThresholdAlarm = dataclasses.field(default_factory=ThresholdAlarm)
+    kl_budget: KLBudget = dataclasses.field(default_factory=KLBudget)
+    rollback: RollbackPolicy = dataclasses.field(default_factory=RollbackPolicy)
+    gold: GoldSection = dataclasses.field(default_factory=GoldSection)
+    plot: bool = True
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run; see the module docstring for the YAML layout."""
@@ -654,6 +776,7 @@ class TrainConfig:
     ppo: PPOSection = dataclasses.field(default_factory=PPOSection)
     evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    monitor: MonitorSection = dataclasses.field(default_factory=MonitorSection)
 
     @property
     def dpo(self) -> PreferenceSection:

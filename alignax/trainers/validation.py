@@ -48,6 +48,7 @@ from alignax.parallel.placement import SUBMESH_ROLES
 from alignax.parallel.sharding import MESH_AXES
 from alignax.rewards.composite import RewardConfig
 from alignax.rewards.verifiers import check_task
+from alignax.trainers import monitor_settings
 from alignax.trainers.algorithms import ENTRIES, algorithm, except_where, named, where
 from alignax.trainers.config import RolloutSection, TrainConfig
 
@@ -107,6 +108,24 @@ def _entry_rules() -> list[Rule]:
     for a in ENTRIES:
         out += [r for r in a.rules if r not in out]
     return out
+
+
+def _gold_reward_rules() -> list[Rule]:
+    """The rows of ``rewards.*`` that hold for any reward config, at ``monitor.gold.rewards``
+    (the gold scorer is one more :class:`RewardConfig`)."""
+    g = "monitor.gold.rewards."
+    return [
+        rule(f"{g}mask_truncated", NEVER, "gold completions are scored, never trained on"),
+        rule(f"{g}strict_format", NonZero(f"{g}format_weight")),
+        rule([f"{g}answer_tag", f"{g}answer_extraction", f"{g}task"],
+             AnyOf(NonZero(f"{g}verifier_weight"), NonZero(f"{g}format_weight")), "the verifiers read them"),
+        rule([f"{g}reward_model_weight", f"{g}ensemble"], Given(f"{g}reward_models")),
+        rule(f"{g}ensemble_k", All(Given(f"{g}reward_models"), Is(f"{g}ensemble", "mean_minus_std", "mean_minus_var"))),
+        rule([f"{g}judge_weight", f"{g}judge_rubric", f"{g}judge_verdicts", f"{g}judge_score"],
+             Given(f"{g}judge_model"), "they configure the LLM judge"),
+        rule(f"{g}length_target", NonZero(f"{g}length_penalty_coef")),
+        rule(f"{g}overlong_scale", Given(f"{g}overlong_buffer")),
+    ]
 
 
 KEY_RULES: tuple[Rule, ...] = (
@@ -192,6 +211,21 @@ KEY_RULES: tuple[Rule, ...] = (
     *data_checks.key_rules("evaluation.prompts"),
     rule(["evaluation.prompts.eval_fraction", "evaluation.prompts.shuffle", "evaluation.prompts.seed",
           "evaluation.prompts.num_epochs"], NEVER, "an evaluation reads its prompt set once, whole, in file order"),
+    # --- alarms, their actions, the KL budget and the gold signal (alignax.trainers.online.guard)
+    rule("monitor", ONLINE, "the alarms watch online rollouts"),
+    rule(["monitor.gold.every", "monitor.gold.max_prompts", "monitor.gold.rewards", "monitor.gold_divergence",
+          "monitor.plot"], Given("monitor.gold.prompts"), "the gold signal is the held-out monitor.gold.prompts, scored"),
+    rule("monitor.rollback", Named("an alarm whose action is rollback (monitor.<alarm>.action=rollback)",
+                                   AnyOf(*(Is(f"monitor.{a}.action", "rollback") for a in monitor_settings.ALARMS))),
+         "it says what a rollback does"),
+    rule("monitor.kl_budget", LIVE_REFERENCE, "it bounds the KL to the reference policy"),
+    rule(["monitor.kl_budget.action", "monitor.kl_budget.beta_factor"], Given("monitor.kl_budget.max"),
+         "they say what happens over the budget"),
+    rule("monitor.kl_budget.beta_factor", Is("monitor.kl_budget.action", "raise_beta")),
+    *_gold_reward_rules(),
+    *data_checks.key_rules("monitor.gold.prompts"),
+    rule(["monitor.gold.prompts.eval_fraction", "monitor.gold.prompts.shuffle", "monitor.gold.prompts.seed",
+          "monitor.gold.prompts.num_epochs"], NEVER, "the gold set is read once, whole, in file order"),
 )
 
 """Every key of the schema -> when the run reads it (all matching rows must hold)."""
@@ -380,6 +414,12 @@ def _model_folder(config):
     return registry.model_folder_problem(config.model.name, random_init=config.model.random_init is not None)
 
 
+def _monitor(config):
+    """The monitor's values: in range, a rollback with a gold set to pick its checkpoint by, a
+    gold scorer that is not the training reward, a KL coefficient for the factors to move."""
+    return monitor_settings.problem(config, _online_section(config)) if ONLINE(config) else None
+
+
 def _data_files(config):
     formats, by = algorithm(config.algorithm).data_formats(config)
     return data_checks.data_file_problem(config.data, "data", by, formats)
@@ -409,6 +449,7 @@ CONSTRAINTS: tuple[Callable[[TrainConfig], str | None], ...] = (
     _model_folder,
     _data_files,
     _eval_prompts_files,
+    _monitor,
 )
 """Each returns the problem in words (naming its keys), or None."""
 

@@ -272,6 +272,7 @@ def run_loop(
     eval_fn: Callable[[TrainState], dict[str, float]] | None = None,
     count_tokens: Callable[[Mapping[str, np.ndarray]], int] | None = count_tokens,
     progress: Callable[[TrainState], Any] = lambda state: state.step,
+    guard: Callable[[int, TrainState, dict[str, Any]], TrainState] | None = None,
 ) -> LoopResult:
     """Train from step ``progress(state)`` to ``config.total_steps``.
 
@@ -281,9 +282,14 @@ def run_loop(
     saved beside them under ``"data"``. ``count_tokens`` counts a host batch's tokens for
     ``perf/tokens_per_s`` (``None``: the step reports its own throughput).
     ``progress`` reads the loop's step count from the state (optimiser updates by default).
+    ``guard(step, state, metrics) -> state`` acts on each step's alarms before it is logged
+    (:class:`alignax.trainers.online.guard.Guard`): it may add figures to ``metrics``, return
+    another state to go on from (a rollback), or raise :class:`RunStoppedError`, which saves
+    the step's checkpoint first.
     """
     run = _Run(config, state, frozen, step_fn, batches, place_batch, writer, checkpointer, meta_fn, eval_fn,
                count_tokens, int(jax.device_get(progress(state))))
+    run.guard = guard
     with run.signals.installed():
         return run.train()
 
@@ -301,6 +307,7 @@ class _Run:
         self.eval_history: list[dict[str, float]] = []
         self.signals = _StopSignals(config.shutdown_timeout_s)
         self.stall = StallWatch()
+        self.guard = None  # set by run_loop
         self.tick, self.tokens_since_log, self.steps_since_log = time.perf_counter(), 0, 0
 
     def train(self) -> LoopResult:
@@ -324,6 +331,7 @@ class _Run:
         while self.step < config.total_steps and (stop := self.signals.agreed()) is None:
             output = self.advance()
             healthy = self.check_health(output)
+            self.apply_guard(output)
             self.log(output)
             if config.eval_every and self.step % config.eval_every == 0 and self.step < config.total_steps:
                 self.evaluate()
@@ -361,6 +369,19 @@ class _Run:
         self.steps_since_log += 1
         self.poll_saves()
         return output
+
+    def apply_guard(self, output: StepOutput) -> None:
+        """The guard's actions on this step (see :func:`run_loop`); a stop logs the step and
+        saves its checkpoint before it goes on."""
+        if self.guard is None:
+            return
+        try:
+            self.state = self.guard(self.step, self.state, output.metrics)
+        except RunStoppedError:
+            self.log(output)
+            self.save(force=True)
+            self.wait_for_saves()
+            raise
 
     def state_intact(self) -> bool:
         return not any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(self.state))

@@ -66,8 +66,9 @@ STALE_AFTER_S = 600.0
 
 # Files and folders a run writes into output_dir (see alignax.trainers.engine.session);
 # --overwrite removes these and nothing else.
-RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "evaluation", "export", "wandb", "mlruns",
-                 TRACKER_IDS)
+RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "evaluation", "export",
+                 "wandb", "mlruns", TRACKER_IDS,  # experiment trackers (alignax.trackers)
+                 "alarms.jsonl", "gold_best", "gold.json", "gold.png")  # the monitor (online.guard)
 
 # Keys that change how a run is watched or saved, never what it computes: a resumed run
 # may change them freely.

@@ -176,6 +176,7 @@ class Session:
         meta_fn: Callable[[], dict[str, Any]] = dict,
         progress: Callable[[TrainState], Any] = lambda state: state.step,
         count_batch_tokens: Callable | None = count_tokens,
+        guard: Callable | None = None,
     ) -> LoopResult:
         """Train to ``train.total_steps`` from wherever ``state`` is (see :func:`run_loop`)."""
         config = self.config
@@ -195,7 +196,7 @@ class Session:
             place_batch=place_batch, writer=self.writer, checkpointer=self.checkpointer,
             meta_fn=lambda: {"config": config_io.to_dict(config), "data_stats": dict(data_stats),
                              "layout": layout(config), **meta_fn()},
-            eval_fn=eval_fn, count_tokens=count_batch_tokens, progress=progress,
+            eval_fn=eval_fn, count_tokens=count_batch_tokens, progress=progress, guard=guard,
         )
 
 

@@ -34,6 +34,7 @@ from alignax import kl as kl_lib
 from alignax.envs.rollout import trajectory_figures
 from alignax.parallel.multihost import allgather_rows, host_global
 from alignax.sampling.scored import Groups
+from alignax.trainers.config import MonitorSection
 from alignax.trainers.engine.loop import StalledRunError
 from alignax.trainers.online.collect import RolloutBatch
 from alignax.trainers.online.grpo import group_reward_std
@@ -44,21 +45,36 @@ log = logging.getLogger("alignax")
 
 @dataclasses.dataclass
 class AlarmSettings:
+    """The thresholds (``monitor.*`` of the run config, :meth:`from_monitor`); ``window``:
+    KL acceleration's rollouts, ``length_window`` length drift's (``None``: ``window``);
+    ``no_signal_streak``: zero-gradient rollouts in a row that raise ``no_signal``."""
+
     window: int = 5
     kl_floor: float = 0.01
     entropy_fraction: float = 0.2
     length_change: float = 0.5
+    length_window: int | None = None
+    no_signal_streak: int = 1
+
+    @classmethod
+    def from_monitor(cls, monitor: MonitorSection) -> AlarmSettings:
+        return cls(window=monitor.kl_acceleration.window, kl_floor=monitor.kl_acceleration.kl_floor,
+                   entropy_fraction=monitor.entropy_collapse.fraction, length_change=monitor.length_drift.change,
+                   length_window=monitor.length_drift.window, no_signal_streak=monitor.no_signal.streak)
 
 
 class Alarms:
-    """Keeps a short history of figures; ``update`` returns the ``alarm/*`` metrics."""
+    """Keeps a short history of figures; ``update`` returns the ``alarm/*`` metrics, and
+    :attr:`reasons` says in one line why each alarm of the last update was raised."""
 
     def __init__(self, settings: AlarmSettings | None = None, *, max_stalled_streak: int = 0):
         self.settings = settings or AlarmSettings()
         n = self.settings.window + 1
+        n_length = (self.settings.length_window or self.settings.window) + 1
         self.kl = collections.deque(maxlen=n)
-        self.length = collections.deque(maxlen=n)
-        self.reward = collections.deque(maxlen=n)
+        self.length = collections.deque(maxlen=n_length)
+        self.reward = collections.deque(maxlen=n_length)
+        self.reasons: dict[str, str] = {}
         self.first_entropy: float | None = None
         self.max_stalled_streak = max_stalled_streak  # 0: never stop the run
         self.no_signal = 0  # rollouts in a row whose every update had a zero gradient
@@ -67,6 +83,13 @@ class Alarms:
         """JSON-able history, saved with checkpoints so a resumed run alarms the same."""
         return {"kl": list(self.kl), "length": list(self.length), "reward": list(self.reward),
                 "first_entropy": self.first_entropy, "no_signal": self.no_signal}
+
+    def clear(self) -> None:
+        """Forget the recent history (after a rollback the restored policy starts a new one);
+        the first entropy stays the run's baseline."""
+        for history in (self.kl, self.length, self.reward):
+            history.clear()
+        self.no_signal = 0
 
     def set_state(self, state: Mapping) -> None:
         self.kl.extend(state.get("kl", []))
@@ -81,6 +104,7 @@ class Alarms:
         history is then left as it is and ``kl_acceleration`` stays down); ``grad_norm``:
         the largest gradient norm of the rollout's updates (``None``: not watched)."""
         s = self.settings
+        self.reasons = {}
         self.length.append(length)
         self.reward.append(reward)
         raised = {"kl_acceleration": False, "entropy_collapse": False, "length_drift": False,
@@ -92,21 +116,21 @@ class Alarms:
                 accelerating = all(d2 > d1 > 0 for d1, d2 in zip(steps, steps[1:]))
                 if accelerating and kl > s.kl_floor:
                     raised["kl_acceleration"] = True
-                    log.warning("step %d: KL to the reference is accelerating: %s", step,
-                                ", ".join(f"{v:.4g}" for v in self.kl))
+                    self._say("kl_acceleration", "step %d: KL to the reference is accelerating: %s", step,
+                              ", ".join(f"{v:.4g}" for v in self.kl))
         if entropy is not None:
             if self.first_entropy is None:
                 self.first_entropy = entropy
             elif self.first_entropy > 0 and entropy < s.entropy_fraction * self.first_entropy:
                 raised["entropy_collapse"] = True
-                log.warning("step %d: entropy collapsed to %.4g (%.0f%% of its first value %.4g)", step, entropy,
+                self._say("entropy_collapse", "step %d: entropy collapsed to %.4g (%.0f%% of its first value %.4g)", step, entropy,
                             100 * entropy / self.first_entropy, self.first_entropy)
         if len(self.length) == self.length.maxlen:
             start_len, start_reward = self.length[0], self.reward[0]
             change = abs(length - start_len) / max(start_len, 1.0)
             if change > s.length_change and reward <= start_reward:
                 raised["length_drift"] = True
-                log.warning("step %d: mean response length moved %.4g -> %.4g while the task reward did not rise "
+                self._say("length_drift", "step %d: mean response length moved %.4g -> %.4g while the task reward did not rise "
                             "(%.4g -> %.4g)", step, start_len, length, start_reward, reward)
         return {f"alarm/{k}": float(v) for k, v in raised.items()}
 
@@ -118,15 +142,20 @@ class Alarms:
         self.no_signal = self.no_signal + 1 if grad_norm == 0.0 else 0
         if not self.no_signal:
             return False
-        log.warning("step %d: no learning signal: every update had a zero gradient (%d rollouts in a row)", step,
-                    self.no_signal)
+        self._say("no_signal", "step %d: no learning signal: every update had a zero gradient (%d rollouts in a "
+                  "row)", step, self.no_signal)
         if self.max_stalled_streak and self.no_signal >= self.max_stalled_streak:
             raise StalledRunError(
                 f"{self.no_signal} rollouts in a row had an exactly zero gradient (step {step}, mean reward "
                 f"{reward:.6g}): the rewards give no learning signal (every sample's reward the same, e.g. all 0), "
                 f"so the run never trains; stopping (train.max_stalled_streak={self.max_stalled_streak}). Give "
                 "the rewards (rewards.*) a component that varies between samples.")
-        return True
+        return self.no_signal >= self.settings.no_signal_streak
+
+    def _say(self, alarm: str, message: str, *args) -> None:
+        """Log ``alarm``'s warning and keep its line as the reason."""
+        self.reasons[alarm] = message % args
+        log.warning("%s", self.reasons[alarm])
 
 
 def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recomputed, sampler_logps, response_mask,

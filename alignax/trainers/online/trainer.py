@@ -39,7 +39,8 @@ from alignax.trainers.engine.step import StepOutput, TrainState
 from alignax.trainers.online.actors import Actors
 from alignax.trainers.online.algorithm import OnlineAlgorithm
 from alignax.trainers.online.collect import Collector, RolloutBatch, single_update
-from alignax.trainers.online.monitoring import Alarms, step_figures
+from alignax.trainers.online.guard import build_guard
+from alignax.trainers.online.monitoring import AlarmSettings, Alarms, step_figures
 from alignax.trainers.online.rollout import Minibatch, RowLayout
 from alignax.trainers.online.schedule import AsyncSchedule
 from alignax.trainers.online.update import Learner, Observer, UpdateResult
@@ -83,7 +84,8 @@ class OnlineTrainer:
         self.data = prepare_dataset(config.data, self.tokenizer, records=records)
         self.collector = Collector(config, algorithm, self.actors, self.layout, single_pass=self.single_pass)
         self.learner = Learner(config, algorithm, self.actors, self.layout)
-        self.alarms = Alarms(max_stalled_streak=config.train.max_stalled_streak)
+        self.alarms = Alarms(AlarmSettings.from_monitor(config.monitor),
+                             max_stalled_streak=config.train.max_stalled_streak)
         self.reference = None  # what a run saves once as its reference (set by start)
         self.schedule: AsyncSchedule | None = None  # rollout.async.max_staleness > 0: set by train
 
@@ -204,30 +206,37 @@ class OnlineTrainer:
         with Session(config, console_keys=CONSOLE_KEYS) as session:
             state, reference = session.resume(state, batches, self.reference)
             frozen = self.actors.frozen_inputs(reference)  # placed once
+            guard = build_guard(config, self)  # monitor: the alarms' actions and the gold signal
             if session.resumed:
+                guard.set_state(session.meta.get("guard", {}))
                 self.alarms.set_state(session.meta.get("alarms", {}))
                 if learner.ptx is not None:
                     learner.ptx.set_state(session.meta["ptx_data"])
                 if schedule is not None:
                     schedule.set_in_flight(session.meta.get("async_in_flight", []))
+            elif start := guard.begin(state):
+                session.writer.write(0, start)
             self.reference = reference = None
 
             def meta():
-                out = {"alarms": self.alarms.state()}
+                out = {"alarms": self.alarms.state(), "guard": guard.state()}
                 if learner.ptx is not None:
                     out["ptx_data"] = learner.ptx.get_state()
                 if schedule is not None:  # the resumed run trains on the same samples
                     out["async_in_flight"] = schedule.in_flight_state()
                 return out
 
-            result = session.run(
-                state=state, frozen=frozen, batches=batches, data_stats=self.data.stats,
-                step_fn=lambda st, fr, batch: self.rollout_step(st, fr, batch, batches),
-                eval_fn=session.reporting_eval(lambda st: self.evaluate(st.params),
-                                               step_of=lambda st: st.extra["rollouts"])
-                if self.has_evaluation() else None,
-                meta_fn=meta, progress=lambda st: st.extra["rollouts"], count_batch_tokens=None,
-            )
+            try:
+                result = session.run(
+                    state=state, frozen=frozen, batches=batches, data_stats=self.data.stats,
+                    step_fn=lambda st, fr, batch: self.rollout_step(st, fr, batch, batches),
+                    eval_fn=session.reporting_eval(lambda st: self.evaluate(st.params),
+                                                   step_of=lambda st: st.extra["rollouts"])
+                    if self.has_evaluation() else None,
+                    meta_fn=meta, progress=lambda st: st.extra["rollouts"], count_batch_tokens=None, guard=guard,
+                )
+            finally:
+                guard.finish()
         policy = nnx.merge(self.actors.graphdef, self.actors.whole_policy(result.state.params), self.actors.rest)
         return TrainResult(config=config, model=policy, tokenizer=self.tokenizer, loop=result,
                            data_stats=dict(self.data.stats))

@@ -108,7 +108,19 @@ class Learner:
                                schedule_position=lambda state, mb: mb.schedule_position,
                                row_block=self.actors.pack_group)
         self.step = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
+        self._shardings = shardings
         return self.step
+
+    def scale_learning_rate(self, factor: float) -> None:
+        """Multiply the learning rate (``optim.learning_rate``, so the whole schedule) by
+        ``factor`` from the next update on: the optimiser is rebuilt (its state keeps its
+        structure) and :attr:`step` recompiled (a monitor rollback, ``monitor.rollback.lr_factor``)."""
+        optim = self.config.optim
+        self.config = dataclasses.replace(self.config, optim=dataclasses.replace(
+            optim, learning_rate=optim.learning_rate * factor))
+        total_updates = self.config.train.total_steps * self.algorithm.epochs * self.algorithm.minibatches
+        self.optimizer, self.schedule = self._build_optimizer(total_updates)
+        self.compile(self._shardings)
 
     # ------------------------------------------------------------------ the loss
     def policy_loss(self, logps, entropy, mb: Minibatch, normalisers) -> tuple[jax.Array, dict[str, jax.Array]]:

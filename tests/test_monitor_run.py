@@ -1,0 +1,196 @@
+"""The monitor in a run (alignax/trainers/online/guard.py, gold.py) on the toy model: through
+``alignax train`` a gold-divergence alarm rolls back (learning rate and KL coefficient
+changed from the next update), then stops with exit status 3 and one line, its checkpoint
+saved; the gold scorer only ever sees the held-out prompts; a gold set sharing a prompt
+with the training data is refused naming both records; the config checks of ``monitor:``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from alignax import cli
+from alignax import config as config_io
+from alignax.config import ConfigError
+from alignax.data import DataConfig, prepare_dataset, write_jsonl
+from alignax.metrics import read_jsonl
+from alignax.trainers.api import load_config, train
+from alignax.trainers.online.gold import GoldOverlapError, check_held_out
+from tests.data.tiny_tokenizer import word_tokenizer
+from tests.support.rl_toy import toy_config, toy_prompts, yes_share
+from tests.support.toy_model import TOY_WORDS
+
+pytestmark = pytest.mark.xdist_group("monitor_run")
+
+GOLD_SEEN: list[str] = []
+
+
+def gold_yes_share(completions, references):
+    """The gold scorer of the run below: records every prompt it is shown."""
+    GOLD_SEEN.extend(r["prompt"] for r in references)
+    return yes_share(completions, references)
+
+
+def gold_prompts(n: int) -> list[dict]:
+    """Four-word prompts: never one of the toy's three-word training prompts."""
+    return [{"prompt": " ".join(TOY_WORDS[(i + j) % len(TOY_WORDS)] for j in range(4)), "answer": "yes",
+             "task": "toy"} for i in range(n)]
+
+
+def test_rollback_then_stop_through_the_cli(tmp_path, toy_model, capsys):
+    train_records, gold_records = toy_prompts(16), gold_prompts(4)
+    write_jsonl(train_records, str(tmp_path / "train.jsonl"))
+    write_jsonl(gold_records, str(tmp_path / "gold.jsonl"))
+    monitor = {
+        "gold": {"prompts": {"paths": [str(tmp_path / "gold.jsonl")], "format": "prompt", "max_prompt_length": 24,
+                             "batch_size": 4},
+                 "every": 1, "max_prompts": 4,
+                 "rewards": {"verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}},
+        # built to trip at every second gold point after a rollback: any drop, any rise
+        "gold_divergence": {"action": "rollback", "window": 1, "min_gold_drop": float("-inf"),
+                            "min_proxy_rise": float("-inf")},
+        "rollback": {"max_rollbacks": 1, "lr_factor": 0.5, "kl_factor": 2.0},
+    }
+    config = toy_config(tmp_path / "run", toy_model, "grpo", steps=4, monitor=monitor,
+                        data={"paths": [str(tmp_path / "train.jsonl")], "format": "prompt"})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config_io.to_dict(config)))
+    GOLD_SEEN.clear()
+
+    status = cli.main(["train", str(path)])
+
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 3, err
+    assert err.startswith("alignax: run stopped: monitor.gold_divergence.action=stop: step 3: the proxy reward rose")
+    assert "max_rollbacks=1" in err
+    run = tmp_path / "run"
+    events = [json.loads(line) for line in open(run / "alarms.jsonl")]
+    assert [(e["step"], e["action"]) for e in events] == [(1, "rollback"), (1, "rollback"), (3, "rollback"),
+                                                          (3, "stop")]
+    points = json.load(open(run / "gold.json"))["points"]
+    assert [p["step"] for p in points] == [0, 1, 2, 3]
+    best = max(points[:2], key=lambda p: p["gold"])  # the gold-best of the steps before the rollback (first on ties)
+    assert events[1]["restored_step"] == best["step"]
+    rows = {row["step"]: row for row in read_jsonl(str(run / "metrics.jsonl")) if "learning_rate" in row}
+    assert rows[2]["learning_rate"] == pytest.approx(0.5 * rows[1]["learning_rate"])  # lr_factor from step 2 on
+    assert rows[2]["kl_coef"] == pytest.approx(2.0 * rows[1]["kl_coef"])  # kl_factor (a fixed controller)
+    assert rows[3]["guard/rollbacks"] == 1.0
+    assert "3" in os.listdir(run / "checkpoints")  # the stop saved its step
+    assert open(run / "gold.png", "rb").read(4) == b"\x89PNG"
+    # the gold scorer saw the gold prompts, each time all of them, and never a training prompt
+    assert GOLD_SEEN and set(GOLD_SEEN) == {r["prompt"] for r in gold_records}
+    assert not set(GOLD_SEEN) & {r["prompt"] for r in train_records}
+
+
+def test_a_resumed_run_keeps_its_rollbacks_and_learning_rate(tmp_path, toy_model):
+    """Two steps (a rollback at step 1), then the same run resumed to three steps: the
+    learning-rate factor of the first rollback is in force after the resume, and the second
+    rollback counts on from the first (the monitor's state rides in the checkpoint's meta)."""
+    write_jsonl(toy_prompts(16), str(tmp_path / "train.jsonl"))
+    write_jsonl(gold_prompts(4), str(tmp_path / "gold.jsonl"))
+    monitor = {
+        "gold": {"prompts": {"paths": [str(tmp_path / "gold.jsonl")], "format": "prompt", "max_prompt_length": 24,
+                             "batch_size": 4}, "every": 1, "max_prompts": 4,
+                 "rewards": {"verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}},
+        "gold_divergence": {"action": "rollback", "window": 1, "min_gold_drop": float("-inf"),
+                            "min_proxy_rise": float("-inf")},
+        "rollback": {"max_rollbacks": 3, "lr_factor": 0.5},
+    }
+
+    def run(steps):
+        config = toy_config(tmp_path / "run", toy_model, "grpo", steps=steps, monitor=monitor,
+                            data={"paths": [str(tmp_path / "train.jsonl")], "format": "prompt"},
+                            checkpoint={"allow_changes": True})
+        return train(config)
+
+    run(2)
+    result = run(3)
+    rows = {row["step"]: row for row in result.history}
+    first = {row["step"]: row for row in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if "learning_rate" in row}
+    assert rows[3]["learning_rate"] == pytest.approx(0.5 * first[1]["learning_rate"])  # the factor survived
+    assert rows[3]["guard/rollbacks"] == 2.0
+    events = [json.loads(line) for line in open(tmp_path / "run" / "alarms.jsonl")]
+    assert [e["step"] for e in events if "restored_step" in e] == [1, 3]
+
+
+def test_a_gold_set_sharing_a_training_prompt_is_refused(tmp_path):
+    tokenizer = word_tokenizer()
+    train_records = toy_prompts(8)
+    write_jsonl(train_records, str(tmp_path / "train.jsonl"))
+    write_jsonl(gold_prompts(3) + [train_records[5]], str(tmp_path / "gold.jsonl"))
+    write_jsonl(gold_prompts(3), str(tmp_path / "held_out.jsonl"))
+
+    def prepared(name):
+        return prepare_dataset(DataConfig(paths=(str(tmp_path / name),), format="prompt", max_prompt_length=24,
+                                          eval_fraction=0.0, shuffle=False), tokenizer)
+
+    train = prepared("train.jsonl")
+    check_held_out(prepared("held_out.jsonl"), train)  # disjoint: accepted
+    with pytest.raises(GoldOverlapError) as info:
+        check_held_out(prepared("gold.jsonl"), train)
+    message = str(info.value)
+    assert "gold.jsonl, line 4 has the same prompt as the training record" in message
+    assert "train.jsonl, line 6" in message and "1 of the 4 gold prompts" in message
+
+
+GRPO = {"algorithm": "grpo", "data": {"format": "prompt"}, "output_dir": "runs/unused"}
+GOLD = {"prompts": {"paths": ["reasoning_gym:chain_sum?size=8&seed=1000"], "format": "prompt"},
+        "rewards": {"verifier_weight": 1.0, "format_weight": 0.5}}
+
+
+def refused(**sections) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(data={**GRPO, **sections})
+    return str(info.value)
+
+
+def test_monitor_config_checks():
+    assert "monitor.entropy_collapse.action=rollback restores the checkpoint whose gold score was best; set " \
+           "monitor.gold.prompts" in refused(monitor={"entropy_collapse": {"action": "rollback"}})
+    assert "monitor.gold.rewards is the training reward (rewards)" in refused(
+        monitor={"gold": {"prompts": GOLD["prompts"]}})  # both the default reward config
+    assert "monitor.rollback.lr_factor applies to an alarm whose action is rollback" in refused(
+        monitor={"rollback": {"lr_factor": 0.1}})
+    assert "monitor.gold.every applies to monitor.gold.prompts" in refused(monitor={"gold": {"every": 3}})
+    assert "grpo.kl_coef is 0: a factor times 0 stays 0" in refused(
+        grpo={"kl_coef": 0.0}, monitor={"kl_budget": {"max": 1.0, "action": "raise_beta"}})
+    assert "monitor.kl_acceleration.window must be >= 1" in refused(monitor={"kl_acceleration": {"window": 0}})
+    assert "monitor.clip_fraction.max must be >= 0" in refused(monitor={"clip_fraction": {"max": -0.1}})
+    assert "monitor.no_signal.action applies to algorithm=" in refused(algorithm="dpo", data={"format": "preference"},
+                                           monitor={"no_signal": {"action": "stop"}})
+    config = load_config(data={**GRPO, "monitor": {"gold": GOLD, "entropy_collapse": {"action": "rollback"}}})
+    assert config.monitor.entropy_collapse.action == "rollback"
+
+
+GUARDED_TOOL = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "studies", "guarded_overoptimisation.py")
+
+
+@pytest.mark.slow  # the tool's two arms; the rollback in a run is covered fast above
+def test_the_guarded_study_runs_both_arms_on_the_toy_model(tmp_path, toy_model):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("guarded_overoptimisation_tool", GUARDED_TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    write_jsonl(toy_prompts(24) + gold_prompts(8), str(tmp_path / "prompts.jsonl"))
+    args = tool.parse_args([
+        "--out", str(tmp_path / "out"), "--model", toy_model, "--prompts", str(tmp_path / "prompts.jsonl"),
+        "--gold-function", "tests.support.rl_toy:yes_share", "--max-prompt-length", "24", "--max-new-tokens", "6",
+        "--batch-size", "4", "--pair-prompts", "16", "--gold-prompts", "4", "--rm-steps", "4", "--rm-lr", "1e-2",
+        "--rl-steps", "4", "--rl-lr", "2e-2", "--gold-every", "1", "--kl-coef", "0.01"])
+    report = tool.run(args)
+    assert set(report["arms"]) == {"warn", "rollback"}
+    for arm in report["arms"].values():
+        assert [p["step"] for p in arm["points"]][0] == 0 and os.path.exists(arm["png"])
+    assert report["arms"]["warn"]["rollbacks"] == 0
+    assert all(e["action"] == "warn" for e in report["arms"]["warn"]["events"])
+    rollback = report["arms"]["rollback"]
+    assert all(e["action"] in ("rollback", "stop") for e in rollback["events"])
+    assert rollback["rollbacks"] == sum("restored_step" in e for e in rollback["events"])
+    # the held-out gold set shares no prompt with the training prompts
+    gold = {json.loads(line)["prompt"] for line in open(os.path.join(args.out, "gold.jsonl"))}
+    train = {json.loads(line)["prompt"] for line in open(os.path.join(args.out, "train.jsonl"))}
+    assert len(gold) == 4 and not gold & train
