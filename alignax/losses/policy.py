@@ -120,6 +120,7 @@ class _Tokens(NamedTuple):
     # [B] log of the sampler correction each row carries (0 without sampler_logps): the sum of
     # the token weights' logs, or the sequence weight's log; VESPO folds it into its ratio
     seq_correction: Array | None = None
+    old_logps: Array | None = None  # [B, T] constant, 0 off-mask (unclipped, for variants that read pi_old itself)
 
 
 class _Surrogate(NamedTuple):
@@ -353,7 +354,7 @@ def _policy_loss(
     tokens = _Tokens(
         logps=logps, log_ratio=log_ratio,
         advantages=jax.lax.stop_gradient(on_mask(advantages)), mask=keep,
-        seq_correction=None if correction is None else correction.seq_log_weight,
+        seq_correction=None if correction is None else correction.seq_log_weight, old_logps=old_logps,
     )
     sur = surrogate(tokens)
 

@@ -111,28 +111,41 @@ class Learner:
         return self.step
 
     # ------------------------------------------------------------------ the loss
-    def policy_loss(self, logps, entropy, mb: Minibatch, normalisers) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def policy_loss(self, logps, entropy, mb: Minibatch, normalisers, rng=None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The policy objective of the minibatch rows from their log-probs and entropy
         ``[M, N]`` under the current params (with the KL to the reference where the
-        algorithm puts it in the loss): ``(loss, metrics)``."""
+        algorithm puts it in the loss): ``(loss, metrics)``. ``rng``: the micro-batch's key,
+        for an objective that draws (Clip-Cov)."""
         objective, ro = self.algorithm.objective, mb.rollout
         options = dict(aggregation=objective.aggregation, num_tokens=normalisers["num_tokens"],
                        num_seqs=normalisers["num_seqs"], norm_length=self.actors.max_new, entropy=entropy,
                        entropy_coef=objective.entropy_coef, **self.algorithm.kl.loss_keywords(ro.ref_logps, mb.kl_coef))
-        if self.config.rollout.tis_cap is not None:
-            options.update(sampler_logps=ro.sampler_logps, tis_cap=self.config.rollout.tis_cap)
+        options.update(self.sampler_correction_keywords(ro))
+        if objective.rng:
+            options["key"] = jax.random.key(0) if rng is None else rng
         # Single-update mode: this forward pass is the rollout's policy.
         old_logps = jax.lax.stop_gradient(logps) if ro.old_logps is None else ro.old_logps
         return objective.loss_fn(logps, old_logps, ro.advantages, ro.loss_mask, **objective.keywords, **options)
 
+    def sampler_correction_keywords(self, ro: Rollout) -> dict:
+        """The rollout-correction keywords of the policy loss (``rollout.tis_cap``,
+        ``tis_level``, ``rejection``): none unless one is set. With ``rollout.old_logps:
+        sampler`` (verl's bypass mode) the ratio to the sampler is the current policy's."""
+        rc = self.config.rollout
+        if rc.tis_cap is None and rc.rejection is None:
+            return {}
+        return dict(sampler_logps=ro.sampler_logps, tis_cap=rc.tis_cap, tis_level=rc.tis_level,
+                    tis_ratio="current" if rc.old_logps == "sampler" else "old", rejection=rc.rejection,
+                    rejection_bounds=tuple(rc.rejection_bounds))
+
     def loss_fn(self, params, frozen, mb: Minibatch, normalisers, rng):
         """The update's loss on one micro-batch: :meth:`policy_loss`, plus the critic's value
         loss and PPO-ptx."""
-        del frozen, rng
+        del frozen
         algo, actors, ro = self.algorithm, self.actors, mb.rollout
         logps, entropy, values = actors.policy_forward(actors.policy_params(params), ro.tokens, ro.positions,
                                                        ro.attention_mask)
-        loss, metrics = self.policy_loss(logps, entropy, mb, normalisers)
+        loss, metrics = self.policy_loss(logps, entropy, mb, normalisers, rng)
         metrics = dict(metrics)
         # Loss parts computed with the minibatch's normalisers add up over micro-batches.
         sums = {"pg_loss": metrics.pop("pg_loss"), "policy_loss": loss}
