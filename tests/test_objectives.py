@@ -559,3 +559,23 @@ def test_alignax_estimate_takes_every_objective(name):
 
     result = run_estimate({"policy_loss": name, **({"dro_beta": 0.1} if name == "dro" else {})})
     assert result.online and result.items == run_estimate({}).items
+
+
+def test_adaptive_entropy_keys_need_the_target():
+    from alignax.config import ConfigError
+    from alignax.trainers.api import load_config
+
+    base = {"algorithm": "grpo", "data": {"format": "prompt"}}
+    with pytest.raises(ConfigError, match="grpo.entropy_coef_delta applies to grpo.target_entropy"):
+        load_config(data={**base, "grpo": {"entropy_coef_delta": 0.01}})
+    config = load_config(data={**base, "grpo": {"target_entropy": 0.3, "entropy_coef_max": 0.5}})
+    from alignax.trainers.online import grpo
+
+    control = grpo.build_algorithm(config).objective.entropy_control
+    assert (control.target, control.max_coef, control.delta) == (0.3, 0.5, 0.005)
+    state = control.init()
+    assert float(control.applied(state)) == 0.0  # grpo.entropy_coef's default 0
+    state = control.update(state, 0.1)  # below the target: up by delta
+    assert float(state.coef) == pytest.approx(0.005) and float(control.applied(state)) == pytest.approx(0.005)
+    state = control.update(state, 0.4)  # above: down, and off
+    assert float(state.coef) == 0.0 and float(control.applied(state)) == 0.0

@@ -110,3 +110,63 @@ def test_bypass_reinforce_weighs_by_the_current_policy_over_the_sampler(runs):
     np.testing.assert_allclose(second["metrics"]["pg_loss"], want, rtol=2e-4, atol=1e-6)
     assert 0 < second["metrics"]["rejected"] < 1
     assert abs(second["metrics"]["pg_loss"] - plain.updates[1]["metrics"]["pg_loss"]) > 1e-4
+
+
+# ---------------------------------------------------------------------------------------
+# The adaptive entropy coefficient (Skywork-OR1)
+# ---------------------------------------------------------------------------------------
+
+C0, DELTA = 0.01, 0.005
+
+
+def entropy_run(tmp_path, toy_model, target, steps=3, **sections):
+    grpo = {"entropy_coef": C0, "entropy_coef_delta": DELTA} if target is not None else {"entropy_coef": C0}
+    if target is not None:
+        grpo["target_entropy"] = target
+    return run_steps(tmp_path, toy_model, "grpo", steps=steps, **{**sections, "grpo": {**grpo,
+                                                                                    **sections.get("grpo", {})}})
+
+
+def applied(run):
+    return [float(u["metrics"]["entropy_coef"]) for u in run.updates]
+
+
+def test_adaptive_entropy_coef_moves_toward_the_target(tmp_path, toy_model):
+    """Target far above the toy policy's entropy: c steps up by delta every rollout and is
+    applied (0.01, 0.015, 0.02). Target 0 (below any entropy): c steps down and is applied only
+    on the first rollout, whose previous entropy counts as the target (0.01, 0, 0)."""
+    up = entropy_run(tmp_path / "up", toy_model, 100.0)
+    np.testing.assert_allclose(applied(up), [C0, C0 + DELTA, C0 + 2 * DELTA], rtol=1e-6)
+    state = up.trainer.algorithm.objective.entropy_control
+    assert state is not None and state.target == 100.0
+    down = entropy_run(tmp_path / "down", toy_model, 0.0)
+    np.testing.assert_allclose(applied(down), [C0, 0.0, 0.0], atol=1e-9)
+    # the coefficient reaches the loss: the same first update as a fixed 0.01 (same rollout), a
+    # different second one (0.015 against 0.01)
+    fixed = entropy_run(tmp_path / "fixed", toy_model, None, steps=2)
+    assert "entropy_coef" not in fixed.updates[0]["metrics"]
+    assert up.updates[0]["metrics"]["grad_norm"] == pytest.approx(fixed.updates[0]["metrics"]["grad_norm"], rel=1e-6)
+    assert up.updates[1]["metrics"]["grad_norm"] != pytest.approx(fixed.updates[1]["metrics"]["grad_norm"], rel=1e-6)
+
+
+def test_adaptive_entropy_coef_resumes_exactly(tmp_path, toy_model):
+    """Its state is in the checkpoint: 2 rollouts, stop, resume for a third = 3 in one go."""
+    from alignax.trainers.api import train
+    from tests.support.rl_toy import toy_config
+    from tests.test_online_variants import HASHED, RECORDS, SGD
+
+    sections = dict(rewards=HASHED, optim=SGD, data={"eval_fraction": 0.0}, train={"save_every": 1},
+                    grpo={"entropy_coef": C0, "target_entropy": 100.0, "entropy_coef_delta": DELTA})
+    full = train(toy_config(tmp_path / "full", toy_model, "grpo", steps=3, checkpoint={"enabled": False}, **sections),
+                 records=RECORDS)
+    train(toy_config(tmp_path / "split", toy_model, "grpo", steps=2, **sections), records=RECORDS)
+    resumed = train(toy_config(tmp_path / "split", toy_model, "grpo", steps=3, **sections), records=RECORDS)
+    assert [h["step"] for h in resumed.history] == [3]
+    assert resumed.history[0]["entropy_coef"] == pytest.approx(C0 + 2 * DELTA, rel=1e-6)
+    assert full.history[2]["entropy_coef"] == resumed.history[0]["entropy_coef"]
+    for a, b in zip(jax.tree.leaves(jax.device_get(full.loop.state.extra)),
+                    jax.tree.leaves(jax.device_get(resumed.loop.state.extra))):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(jax.device_get(full.loop.state.params)),
+                    jax.tree.leaves(jax.device_get(resumed.loop.state.params))):
+        np.testing.assert_array_equal(a, b)

@@ -186,6 +186,8 @@ GRPO_RULES: tuple[Rule, ...] = (
     rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process")),
          "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
     rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),
+    rule(["grpo.entropy_coef_delta", "grpo.entropy_coef_max"], Given("grpo.target_entropy"),
+         "they step and bound the adaptive entropy coefficient"),
     rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
     rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
     rule("grpo.process_reward_aggregation", Given("grpo.process_reward_model"), "it reduces the PRM's step scores"),

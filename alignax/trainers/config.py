@@ -533,6 +533,13 @@ class GRPOSection(PolicyUpdateSection):
       aggregation: ``token-mean`` for DAPO, ``seq-mean-token-sum-norm`` for Dr. GRPO,
         ``seq-mean-token-mean`` (the default) for GRPO.
       kl_coef / kl_kind / kl_placement: GRPO's defaults: 0.04, k3, in the loss.
+      target_entropy: adapt ``entropy_coef`` towards this mean per-token entropy (nats),
+        Skywork-OR1's adaptive entropy control (``alignax.trainers.online.entropy``): after
+        each rollout the coefficient steps up by ``entropy_coef_delta`` (TRL's 0.005) while
+        the rollout's entropy is below the target and down otherwise, within ``[0,
+        entropy_coef_max]`` (1.0), and the bonus applies only while the last rollout's
+        entropy is at or below the target. Checkpointed with the run. ``null``: a fixed
+        ``entropy_coef``.
       dynamic_sampling: DAPO: keep sampling prompt batches until the rollout holds
         ``num_prompts`` groups with non-zero reward variance (at most ``max_refills`` more).
       step_delimiter / process_reward: ``process`` advantages: steps end at this string;
@@ -563,6 +570,9 @@ class GRPOSection(PolicyUpdateSection):
     kl_cov_ratio: float | None = None
     kl_cov_coef: float | None = None
     dro_beta: float | None = None
+    target_entropy: float | None = None
+    entropy_coef_delta: float = 0.005
+    entropy_coef_max: float = 1.0
     vespo_k_pos: float | None = None
     vespo_lambda_pos: float | None = None
     vespo_k_neg: float | None = None

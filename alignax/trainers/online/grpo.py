@@ -30,6 +30,7 @@ from alignax.losses import objectives
 from alignax.rewards.process import ProcessRewardModel
 from alignax.sampling.scored import Groups
 from alignax.trainers.config import TrainConfig
+from alignax.trainers.online.entropy import AdaptiveEntropyController
 from alignax.trainers.online.algorithm import AdvantageInputs, KLSetup, OnlineAlgorithm, PolicyObjective
 
 def objective_keywords(section, loss_name: str) -> dict[str, float]:
@@ -42,8 +43,10 @@ def objective_keywords(section, loss_name: str) -> dict[str, float]:
 def policy_objective(gc) -> PolicyObjective:
     """The policy loss of a GRPO section: its registry entry with the keys set."""
     entry = objectives.objective(gc.policy_loss)
+    control = None if gc.target_entropy is None else AdaptiveEntropyController(
+        gc.entropy_coef, gc.target_entropy, delta=gc.entropy_coef_delta, max_coef=gc.entropy_coef_max)
     return PolicyObjective(entry.loss, {**objective_keywords(gc, gc.policy_loss), **mask_keywords(gc)},
-                           gc.aggregation, gc.entropy_coef, ratio=entry.ratio, rng=entry.rng)
+                           gc.aggregation, gc.entropy_coef, ratio=entry.ratio, rng=entry.rng, entropy_control=control)
 
 
 def mask_keywords(section) -> dict[str, float]:
