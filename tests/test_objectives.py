@@ -579,3 +579,57 @@ def test_adaptive_entropy_keys_need_the_target():
     assert float(state.coef) == pytest.approx(0.005) and float(control.applied(state)) == pytest.approx(0.005)
     state = control.update(state, 0.4)  # above: down, and off
     assert float(state.coef) == 0.0 and float(control.applied(state)) == 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# docs/migrating-from-verl.md, the policy-loss and rollout-correction tables
+# ---------------------------------------------------------------------------------------
+
+
+def _verl_rows():
+    import os
+
+    page = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "migrating-from-verl.md")
+    text = open(page, encoding="utf-8").read()
+    mine = text.split("## Policy losses", 1)[1].split("\n## ", 2)
+    section = mine[0] + mine[1]  # the policy-loss and the rollout-correction sections
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 2 and cells[0] not in ("verl", "---"):
+            rows.append((cells[0], cells[1]))
+    return rows
+
+
+def test_the_verl_tables_cover_every_objective_and_their_keys_load():
+    import re
+
+    from alignax.trainers.api import load_config
+    from alignax.trainers.validation import schema_keys
+
+    rows = _verl_rows()
+    key = re.compile(r"`((grpo|rollout)\.[a-z_]+)(?::\s*([a-z_0-9.]+))?`")
+    named = {(m.group(1), m.group(3)) for _, alignax in rows for m in key.finditer(alignax)}
+    valid = set(schema_keys())
+    # what a value needs beside it to load (the keys it depends on)
+    companions = {("grpo.policy_loss", "dro"): {"grpo": {"dro_beta": 0.1}}}
+    for k, value in named:
+        assert k in valid, f"docs/migrating-from-verl.md names {k}, which the run config lacks"
+        if value is None:
+            continue
+        section, field = k.split(".")
+        raw = {"algorithm": "grpo", "data": {"format": "prompt"}, "grpo": {}, "rollout": {}}
+        for sec, extra in companions.get((k, value), {}).items():
+            raw[sec].update(extra)
+        if field == "tis_level":
+            raw["rollout"]["tis_cap"] = 2.0
+        raw[section][field] = value
+        config = load_config(data=raw)
+        assert str(getattr(getattr(config, section), field)) == value, (k, value)
+    listed = {v for k, v in named if k == "grpo.policy_loss"}
+    assert set(OBJECTIVES) - {"pg"} <= listed | {"pg"} and "pg" in listed
+    verl_modes = {m for verl, _ in rows for m in re.findall(r"loss_mode: ([a-z_]+)", verl)}
+    assert verl_modes >= {"vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
+                          "dro", "cispo", "bypass_mode"}
+    for _, alignax in rows:
+        assert key.search(alignax) or alignax.startswith(("not yet", "not supported")), alignax

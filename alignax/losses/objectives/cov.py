@@ -17,8 +17,9 @@ response tokens of the arrays given (stop-gradient):
   ``Cov_t`` get a KL penalty, ``l_t = -A_t r_t + kl_cov_coef * |logps_t - old_logps_t|``;
   every other token ``l_t = -A_t r_t`` (no clip). Ties at the k-th value are all penalised.
 
-Defaults are the paper's and verl's: ratio 2e-4, bounds (1, 5), coefficient 1 (verl's
-``ppo_kl_coef``), the clip band 0.2. Clip-Cov's draw needs ``key=`` (a ``jax.random`` key;
+Defaults are verl's: ratio 2e-4, bounds (1, 5), the clip band 0.2, and the KL-Cov
+coefficient 1 (the fallback in verl's code, ``ppo_kl_coef``; verl's generated YAML sets 0.1,
+so ``grpo.kl_cov_coef: 0.1`` matches a default verl run). Clip-Cov's draw needs ``key=`` (a ``jax.random`` key;
 the trainer passes the step's); without it the draw uses ``jax.random.key(0)``.
 Metrics: ``cov_selected``: the fraction of tokens chosen (Clip-Cov: detached; KL-Cov:
 penalised); Clip-Cov's ``clipfrac_*`` are PPO-clip's.

@@ -21,8 +21,9 @@ large cap instead)
     l_t = -A_t * sg(min(r_t, c)) * m_t * logps_t,    r_t = exp(logps_t - old_logps_t)
 
 ``clip_eps_low`` / ``clip_eps_high`` are the divergence thresholds (verl reuses its
-``clip_ratio`` keys for them; 0.2 by default, verl's), ``dppo_ratio_cap`` is ``c`` (20, the
-value verl's code falls back to). Metrics: ``clipfrac_high`` / ``clipfrac_low``: tokens
+``clip_ratio`` keys for them; 0.2 by default, verl's), ``dppo_ratio_cap`` is ``c`` (20: the
+fallback in verl's code and a "large threshold" as Section 5.4 asks; verl's actor config
+carries ``clip_ratio_c: 3.0``, which its DPPO then reads, so a verl run caps at 3 unless set). Metrics: ``clipfrac_high`` / ``clipfrac_low``: tokens
 masked with ``A > 0`` / ``A <= 0``; ``ratio_capped``: tokens whose weight was truncated.
 """
 
