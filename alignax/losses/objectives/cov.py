@@ -50,9 +50,17 @@ def _count(ratio, mask: Array) -> Array:
     return jnp.maximum(jnp.floor(ratio * jnp.sum(mask)), 1.0).astype(jnp.int32)
 
 
-def _top(score: Array, eligible: Array, k: Array) -> Array:
-    """The (at most) ``k`` eligible entries of largest ``score`` (all eligible ones when fewer)."""
-    ranked = jnp.sort(jnp.where(eligible, score, -jnp.inf).ravel())[::-1]
+def _top(score: Array, eligible: Array, k: Array, ratio) -> Array:
+    """The (at most) ``k`` eligible entries of largest ``score`` (all eligible ones when fewer).
+
+    ``k = max(floor(ratio N), 1)`` is at most ``max(floor(ratio * size), 1)``: with a concrete
+    ``ratio`` only that many largest entries are found (``lax.top_k``), not a sort of all of them."""
+    flat = jnp.where(eligible, score, -jnp.inf).ravel()
+    if is_concrete_number(ratio):
+        bound = max(min(int(ratio * flat.shape[0]), flat.shape[0]), 1)
+        ranked = jax.lax.top_k(flat, bound)[0]
+    else:
+        ranked = jnp.sort(flat)[::-1]
     kth = ranked[jnp.clip(k - 1, 0, ranked.shape[0] - 1)]
     return eligible & (score >= kth)
 
@@ -81,7 +89,7 @@ def clip_cov_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask
         clipped_by_ppo = -tok.advantages * jnp.clip(ratio, 1 - clip_eps_low, 1 + eps_high) > -tok.advantages * ratio
         cov = token_covariance(tok.logps, tok.advantages, tok.mask)
         eligible = tok.mask & ~clipped_by_ppo & (cov > clip_cov_lb) & (cov < clip_cov_ub)
-        chosen = _top(jax.random.uniform(key, cov.shape), eligible, _count(clip_cov_ratio, tok.mask))
+        chosen = _top(jax.random.uniform(key, cov.shape), eligible, _count(clip_cov_ratio, tok.mask), clip_cov_ratio)
         per_token = jnp.where(chosen, 0.0, per_token)
         return Surrogate(per_token, ratio, low, high, {"cov_selected": chosen})
 
@@ -99,7 +107,7 @@ def kl_cov_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask: 
     def surrogate(tok: Tokens) -> Surrogate:
         ratio = jnp.exp(tok.log_ratio)
         cov = token_covariance(tok.logps, tok.advantages, tok.mask)
-        chosen = _top(cov, tok.mask, _count(kl_cov_ratio, tok.mask))
+        chosen = _top(cov, tok.mask, _count(kl_cov_ratio, tok.mask), kl_cov_ratio)
         penalty = jnp.where(chosen, kl_cov_coef * jnp.abs(tok.log_ratio), 0.0)
         never = jnp.zeros(tok.mask.shape, bool)
         return Surrogate(-tok.advantages * ratio + penalty, ratio, never, never, {"cov_selected": chosen})
