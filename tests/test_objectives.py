@@ -196,6 +196,14 @@ def assert_matches(fn, data, ref_loss, ref_grad, modes=MODES, **kw):
     return metrics
 
 
+def assert_true_gradient(name, ref_loss_of, data, mode, **kw):
+    """The loss value is a function of logps (no surrogate gradient): the gradient equals central
+    differences of the reference loss ``ref_loss_of(data) -> l [B, T]``, aggregated by ``mode``."""
+    f = lambda lp: references.aggregate(ref_loss_of({**data, "logps": lp}), data["mask"], mode)  # noqa: E731
+    _, _, got = run_loss(OBJECTIVES[name].loss, data, mode, **kw)
+    np.testing.assert_allclose(got, references.finite_difference(f, data["logps"]), rtol=1e-4, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------
 # Each objective against its reference
 # ---------------------------------------------------------------------------------------
@@ -229,10 +237,7 @@ def test_clip_cov_drops_the_outlying_covariance_tokens():
     metrics = assert_matches(OBJECTIVES["clip_cov"].loss, data, loss, grad, **kw)
     assert metrics["cov_selected"] == pytest.approx(chosen.sum() / data["mask"].sum(), abs=1e-6)
     # the loss value is a function of logps away from the clip edges and selection: differences agree
-    f = lambda lp: references.aggregate(ref_clip_cov({**data, "logps": lp}, 0.2, 0.9, 0.0, 5.0)[0],  # noqa: E731
-                                        data["mask"], "token-mean")
-    _, _, got = run_loss(OBJECTIVES["clip_cov"].loss, data, "token-mean", **kw)
-    np.testing.assert_allclose(got, references.finite_difference(f, data["logps"]), rtol=1e-4, atol=1e-6)
+    assert_true_gradient("clip_cov", lambda d: ref_clip_cov(d, 0.2, 0.9, 0.0, 5.0)[0], data, "token-mean", **kw)
 
 
 def test_clip_cov_draws_exactly_k_candidates_with_the_key():
@@ -263,10 +268,8 @@ def test_kl_cov_penalises_the_top_covariance_tokens():
     loss, grad, top = ref_kl_cov(data, 0.2, 1.5)
     metrics = assert_matches(OBJECTIVES["kl_cov"].loss, data, loss, grad, kl_cov_ratio=0.2, kl_cov_coef=1.5)
     assert metrics["cov_selected"] == pytest.approx(len(top) / data["mask"].sum(), abs=1e-6) and len(top) >= 3
-    f = lambda lp: references.aggregate(ref_kl_cov({**data, "logps": lp}, 0.2, 1.5)[0], data["mask"],  # noqa: E731
-                                        "seq-mean-token-mean")
-    _, _, got = run_loss(OBJECTIVES["kl_cov"].loss, data, "seq-mean-token-mean", kl_cov_ratio=0.2, kl_cov_coef=1.5)
-    np.testing.assert_allclose(got, references.finite_difference(f, data["logps"]), rtol=1e-4, atol=1e-6)
+    assert_true_gradient("kl_cov", lambda d: ref_kl_cov(d, 0.2, 1.5)[0], data, "seq-mean-token-mean",
+                         kl_cov_ratio=0.2, kl_cov_coef=1.5)
 
 
 def test_geo_mean_is_the_clipped_geometric_mean_ratio():
@@ -279,10 +282,8 @@ def test_geo_mean_is_the_clipped_geometric_mean_ratio():
     seq = make_data(5, per_sequence=True)
     loss, grad = ref_geo_mean(seq, 0.2, 0.3)
     assert_matches(OBJECTIVES["geo_mean"].loss, seq, loss, grad, clip_eps_low=0.2, clip_eps_high=0.3)
-    f = lambda lp: references.aggregate(ref_geo_mean({**seq, "logps": lp}, 0.2, 0.3)[0], seq["mask"],  # noqa: E731
-                                        "seq-mean-token-mean")
-    _, _, got = run_loss(OBJECTIVES["geo_mean"].loss, seq, "seq-mean-token-mean", clip_eps_low=0.2, clip_eps_high=0.3)
-    np.testing.assert_allclose(got, references.finite_difference(f, seq["logps"]), rtol=1e-4, atol=1e-6)
+    assert_true_gradient("geo_mean", lambda d: ref_geo_mean(d, 0.2, 0.3)[0], seq, "seq-mean-token-mean",
+                         clip_eps_low=0.2, clip_eps_high=0.3)
 
 
 def test_geo_mean_default_band_is_the_papers_e_to_the_0_4():
@@ -295,9 +296,7 @@ def test_dro_is_reinforce_with_a_squared_log_ratio():
     data = make_data(7)
     loss, grad = ref_dro(data, 0.3)
     assert_matches(OBJECTIVES["dro"].loss, data, loss, grad, dro_beta=0.3)
-    f = lambda lp: references.aggregate(ref_dro({**data, "logps": lp}, 0.3)[0], data["mask"], "token-mean")  # noqa: E731
-    _, _, got = run_loss(OBJECTIVES["dro"].loss, data, "token-mean", dro_beta=0.3)
-    np.testing.assert_allclose(got, references.finite_difference(f, data["logps"]), rtol=1e-4, atol=1e-6)
+    assert_true_gradient("dro", lambda d: ref_dro(d, 0.3)[0], data, "token-mean", dro_beta=0.3)
     with pytest.raises(ValueError, match="dro_beta must be > 0"):
         run_loss(OBJECTIVES["dro"].loss, data, "token-mean", dro_beta=0.0)
 
