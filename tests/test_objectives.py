@@ -464,6 +464,10 @@ def test_every_entry_reads_keys_its_loss_takes_and_the_config_has():
         assert set(entry.keys) <= fields, (name, set(entry.keys) - fields)
         assert ("key" in params) == entry.rng, name
     assert set(NEW) | {"gpg"} <= set(OBJECTIVES)
+    from alignax.losses import POLICY_LOSSES
+
+    # policy.py's five losses are the registry's entries of the same names, not copies
+    assert all(OBJECTIVES[name].loss is fn for name, fn in POLICY_LOSSES.items())
     assert objectives.readers("dro_beta") == ("dro",)
     with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
         objectives.objective("nope")

@@ -87,7 +87,10 @@ The log-ratio ``log pi_theta - log pi_old`` is clipped to ``[-20, 20]`` before `
 in verl), so one far-drifted token cannot overflow float32.
 
 :data:`POLICY_LOSSES` maps a config name (``ppo``, ``gspo``, ``cispo``, ``sapo``, ``pg``) to its loss,
-and :func:`policy_loss_clip_keywords` says which clip keywords each one takes.
+and :func:`policy_loss_clip_keywords` says which clip keywords each one takes. These are the
+losses defined in this module; the trainer reads the registry of every objective,
+:data:`alignax.losses.objectives.OBJECTIVES`, which holds these five under the same names and
+the objectives of its own modules (whose surrogates run through :func:`_policy_loss` too).
 """
 
 from __future__ import annotations
