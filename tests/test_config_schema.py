@@ -28,6 +28,7 @@ from alignax import config as config_io
 from alignax.config import ConfigError
 from alignax.estimators import ESTIMATORS
 from alignax.data.formats import FORMATS
+from alignax.losses.objectives import OBJECTIVES
 from alignax.losses.preference import DPO_VARIANTS
 from alignax.trainers import algorithms, validation
 from alignax.trainers.config import TrainConfig
@@ -234,6 +235,8 @@ SWEEP_VALUES = {
     "logging.console_keys": [["loss"]],
     "preference.variant": list(DPO_VARIANTS),
     "grpo.step_delimiter": ["\n\n"],
+    "grpo.policy_loss": [name for name in OBJECTIVES if name != "ppo"],
+    "rollout.rejection_bounds": [[0.8, 1.25]],
     "grpo.process_reward": ["alignax.rewards.process:well_formed_steps"],
     "ppo.critic_path": ["runs/reward-model"],
     "rollout.stop_token_ids": [[2]],
@@ -557,7 +560,8 @@ def test_kl_keys_need_the_kl_and_the_adaptive_controller():
 def test_grpo_loss_and_advantage_keys():
     assert "grpo.dual_clip_c applies to grpo.policy_loss=ppo only; got grpo.policy_loss=gspo" in refused(
         GRPO, ["grpo.policy_loss=gspo", "grpo.dual_clip_c=3.0"])
-    assert "grpo.clip_eps_high applies to grpo.policy_loss=ppo|gspo|cispo only; got grpo.policy_loss=pg" in refused(
+    assert "grpo.clip_eps_high applies to grpo.policy_loss=ppo|gspo|cispo|dppo_tv|dppo_kl|clip_cov|geo_mean only; " \
+        "got grpo.policy_loss=pg" in refused(
         GRPO, ["grpo.policy_loss=pg", "grpo.clip_eps_high=0.28"])
     assert "grpo.unbiased_std applies to grpo.advantage=grpo|process|grpo_passk|gdpo only; got grpo.advantage=reinforce_pp" in \
         refused(GRPO, ["grpo.advantage=reinforce_pp", "grpo.unbiased_std=false"])
@@ -594,10 +598,16 @@ def test_group_sizes_and_minibatches():
     assert "rollout.pack_groups applies to rollout.num_samples > 1 only" in refused(PPO, ["rollout.pack_groups=on"])
 
 
-def test_tis_cap_needs_recomputed_old_logps():
-    assert "rollout.tis_cap applies to rollout.old_logps=recompute only; got rollout.old_logps=sampler" in refused(
-        GRPO, ["rollout.old_logps=sampler", "rollout.tis_cap=2.0"])
+def test_tis_cap_needs_recomputed_old_logps_or_an_objective_without_a_ratio():
+    """verl's bypass mode: with the sampler's log-probs as the old ones a ratio objective's
+    ratio is the IS correction (a weight would count it twice); REINFORCE takes it explicitly."""
+    assert ("rollout.tis_cap applies to rollout.old_logps=recompute or grpo.policy_loss=pg|gpg|dro only; got "
+            "rollout.old_logps=sampler") in refused(GRPO, ["rollout.old_logps=sampler", "rollout.tis_cap=2.0"])
     load_config(data=GRPO, overrides=["rollout.tis_cap=2.0"])
+    load_config(data=GRPO, overrides=["rollout.old_logps=sampler", "rollout.tis_cap=2.0", "grpo.policy_loss=pg",
+                                      "rollout.tis_level=sequence", "rollout.rejection=geometric"])
+    assert "rollout.tis_level applies to rollout.tis_cap" in refused(GRPO, ["rollout.tis_level=sequence"])
+    assert "rollout.rejection_bounds applies to rollout.rejection" in refused(GRPO, ["rollout.rejection_bounds=[0.8,1.2]"])
 
 
 def test_dpo_family_keys():
@@ -685,6 +695,8 @@ def test_several_problems_are_reported_together():
 ONLINE_VARIANTS = {
     "grpo": [{}, *({"grpo": {"advantage": a}} for a in ("dr_grpo", "rloo", "reinforce_pp", "remax", "process")),
              *({"grpo": {"policy_loss": p}} for p in ("gspo", "cispo", "pg")),
+             *({"grpo": {"policy_loss": p, **({"dro_beta": 0.1} if p == "dro" else {})}}
+               for p in OBJECTIVES if p not in ("ppo", "gspo", "cispo", "pg")),
              {"grpo": {"dynamic_sampling": True}}, {"grpo": {"adaptive_kl": True}}, {"grpo": {"kl_coef": 0.0}}],
     "ppo": [{}, {"ppo": {"critic": "shared"}}, {"ppo": {"critic_init": "reward_model", "critic_path": "runs/rm"}},
             {"ppo": {"adaptive_kl": True}}, {"ppo": {"kl_placement": "loss"}}, {"ppo": {"kl_coef": 0.0}},

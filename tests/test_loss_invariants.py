@@ -253,6 +253,15 @@ CONSTANT_ARGUMENTS = {
     "kl_loss": (kl_lib.kl_loss, lambda a: dict(logps=a["logps"], ref_logps=a["ref_logps"], mask=a["mask"]),
                 ("ref_logps",)),
     "sapo_policy_loss": _policy_entry(losses.sapo_policy_loss),
+    # the objectives registry's own modules (alignax.losses.objectives); a rejection mask and a
+    # sequence-level weight on some, so the rollout-correction path is covered too
+    "dppo_tv_policy_loss": _policy_entry(losses.dppo_tv_policy_loss, clip_eps_low=0.05, clip_eps_high=0.05),
+    "dppo_kl_policy_loss": _policy_entry(losses.dppo_kl_policy_loss, rejection="token"),
+    "clip_cov_policy_loss": _policy_entry(losses.clip_cov_policy_loss, clip_cov_lb=0.0, clip_cov_ratio=0.5),
+    "kl_cov_policy_loss": _policy_entry(losses.kl_cov_policy_loss, kl_cov_ratio=0.3),
+    "geo_mean_policy_loss": _policy_entry(losses.geo_mean_policy_loss, clip_eps_low=0.1),
+    "dro_policy_loss": _policy_entry(losses.dro_policy_loss, dro_beta=0.5, tis_level="sequence"),
+    "vespo_policy_loss": _policy_entry(losses.vespo_policy_loss, rejection="geometric", rejection_bounds=(0.8, 1.25)),
     "distill_loss": (losses.distill_loss, lambda a: dict(
         student_logits=_logits(a, 0), teacher_logits=_logits(a, 1), mask=a["mask"], divergence="jsd",
     ), ("teacher_logits",)),

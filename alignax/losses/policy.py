@@ -23,6 +23,13 @@ Options shared by every loss (one private driver, :func:`_policy_loss`, applies 
   computed ``old_logps`` (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
   You Off-Policy RL Training"): each token's policy loss is multiplied by
   ``w_t = sg(min(exp(old_logps - sampler_logps), tis_cap))``.
+- ``tis_level`` (``token`` | ``sequence``), ``tis_ratio`` and ``rejection`` /
+  ``rejection_bounds`` (with ``sampler_logps``): verl's rollout correction
+  (:func:`sampler_correction`). ``tis_ratio="old"`` weighs by ``pi_old / pi_sampler`` (the
+  decoupled mode above); ``"current"`` by ``sg(pi_theta) / pi_sampler``, verl's bypass mode
+  for objectives without a ratio of their own (``old_logps`` are then the sampler's:
+  REINFORCE with explicit IS weights). ``tis_cap=None`` applies no weight (rejection alone).
+  A rejected token loses its policy term; entropy and KL keep every token.
 - ``entropy`` ``[B, T]`` with ``entropy_coef``: ``loss -= entropy_coef * agg(entropy)``.
 - ``top_entropy_quantile`` ``rho`` (with ``entropy``): only the tokens whose entropy is in
   the top ``rho`` fraction of the batch's response tokens keep their policy term (Wang et
@@ -67,7 +74,8 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
 - ``entropy`` (only when ``entropy`` is given): masked mean entropy.
 - ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference
   (weighted by ``pi_theta / pi_old`` under ``kl_importance_weight``).
-- ``tis_weight_mean`` (only when ``sampler_logps`` is given): masked mean of ``w_t``.
+- ``tis_weight_mean`` (only when ``sampler_logps`` is given with a ``tis_cap``): masked mean of ``w_t``.
+- ``rejected`` (only with ``rejection``): the fraction of tokens the rejection mask dropped.
 - ``entropy_masked`` (only with ``top_entropy_quantile``): the fraction of tokens whose
   policy term the entropy mask dropped.
 - ``off_policy_masked`` (only with ``off_policy_mask_threshold``): the fraction of tokens
@@ -79,7 +87,10 @@ The log-ratio ``log pi_theta - log pi_old`` is clipped to ``[-20, 20]`` before `
 in verl), so one far-drifted token cannot overflow float32.
 
 :data:`POLICY_LOSSES` maps a config name (``ppo``, ``gspo``, ``cispo``, ``sapo``, ``pg``) to its loss,
-and :func:`policy_loss_clip_keywords` says which clip keywords each one takes.
+and :func:`policy_loss_clip_keywords` says which clip keywords each one takes. These are the
+losses defined in this module; the trainer reads the registry of every objective,
+:data:`alignax.losses.objectives.OBJECTIVES`, which holds these five under the same names and
+the objectives of its own modules (whose surrogates run through :func:`_policy_loss` too).
 """
 
 from __future__ import annotations
@@ -109,6 +120,10 @@ class _Tokens(NamedTuple):
     log_ratio: Array  # [B, T], logps - old_logps clipped to +-LOG_RATIO_CLAMP, 0 off-mask
     advantages: Array  # [B, T], 0 off-mask
     mask: Array  # [B, T] bool
+    # [B] log of the sampler correction each row carries (0 without sampler_logps): the sum of
+    # the token weights' logs, or the sequence weight's log; VESPO folds it into its ratio
+    seq_correction: Array | None = None
+    old_logps: Array | None = None  # [B, T] constant, 0 off-mask (unclipped, for variants that read pi_old itself)
 
 
 class _Surrogate(NamedTuple):
@@ -119,6 +134,9 @@ class _Surrogate(NamedTuple):
     clipped_low: Array  # [B, T] bool
     clipped_high: Array  # [B, T] bool
     indicators: dict[str, Array]  # extra bool [B, T] whose masked means become metrics
+    # the variant folds the sampler correction into its own weight (VESPO): the driver does not
+    # multiply the per-token loss by it again
+    absorbs_correction: bool = False
 
 
 def _f32(x) -> Array:
@@ -204,6 +222,64 @@ def high_entropy_mask(entropy: Array, mask: Array, *, quantile: Scalar) -> Array
     return jnp.where(jnp.any(keep), entropy >= tau, True).astype(jnp.float32)
 
 
+TIS_LEVELS = ("token", "sequence")
+TIS_RATIOS = ("old", "current")
+REJECTIONS = ("token", "sequence", "geometric")
+
+
+class SamplerCorrection(NamedTuple):
+    """What :func:`sampler_correction` returns (all stop-gradiented float32)."""
+
+    weight: Array  # [B, T] the truncated IS weight on each token's policy term (1 without a cap)
+    keep: Array  # [B, T] 1 where the rejection mask keeps the token, else 0
+    seq_log_weight: Array  # [B] log of the weight each row carries (token level: the sum of the logs)
+
+
+def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 2.0, tis_level: str = "token",
+                       rejection: str | None = None, rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0)
+                       ) -> SamplerCorrection:
+    """Importance weights and rejection masks for the sampler/trainer mismatch (verl's rollout
+    correction, ``verl/trainer/ppo/rollout_corr_helper.py``; Yao et al. 2025 for TIS).
+
+    With ``log_rho [B, T]`` the per-token ``log(pi_target / pi_sampler)`` (clipped to +-20):
+
+    - ``tis_level="token"``: ``w_t = min(rho_t, tis_cap)`` (truncated IS, biased, low variance);
+      ``"sequence"``: ``w_t = min(prod_t rho_t, tis_cap)`` on every token of the row (unbiased,
+      high variance). ``tis_cap=None``: ``w_t = 1`` (rejection alone).
+    - ``rejection`` with ``rejection_bounds = (lo, hi)`` on the ratio (verl's ``rollout_rs`` k1
+      options ``token_k1``, ``seq_sum_k1``, ``seq_mean_k1``): ``token`` keeps a token when
+      ``lo <= rho_t <= hi``; ``sequence`` keeps a row when ``lo <= prod_t rho_t <= hi``;
+      ``geometric`` when ``lo <= exp(mean_t log rho_t) <= hi`` (the per-token geometric mean,
+      which does not grow with length). ``None``: keep everything.
+
+    Off the mask ``log_rho`` counts as 0; a row with no response token has ratio 1.
+    """
+    check_same_shape(log_rho=log_rho, mask=mask)
+    check_choice("tis_level", tis_level, TIS_LEVELS)
+    if rejection is not None:
+        check_choice("rejection", rejection, REJECTIONS)
+    lo, hi = rejection_bounds
+    if is_concrete_number(lo) and is_concrete_number(hi) and not 0 < lo <= hi:
+        raise ValueError(f"rejection_bounds must be 0 < lo <= hi on the ratio pi / pi_sampler; got {rejection_bounds}")
+    keep_in = jnp.asarray(mask) > 0
+    log_rho = jax.lax.stop_gradient(jnp.where(keep_in, jnp.clip(_f32(log_rho), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0))
+    seq_sum = jnp.sum(log_rho, axis=-1)  # [B] log prod_t rho_t
+    level_log = log_rho if tis_level == "token" else jnp.broadcast_to(
+        jnp.clip(seq_sum, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[:, None], log_rho.shape)
+    weight = jnp.ones_like(log_rho) if tis_cap is None else jnp.minimum(jnp.exp(level_log), tis_cap)
+    weight = jnp.where(keep_in, weight, 1.0)
+    if tis_level == "token" or tis_cap is None:
+        seq_log_weight = jnp.sum(jnp.log(weight), axis=-1)  # 0 where the weight is 1 (off the mask)
+    else:
+        seq_log_weight = jnp.minimum(jnp.clip(seq_sum, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), jnp.log(tis_cap))
+    stat = {"token": log_rho, "sequence": seq_sum[:, None],
+            "geometric": (seq_sum / jnp.maximum(jnp.sum(keep_in, axis=-1), 1))[:, None]}.get(rejection)
+    keep = jnp.ones_like(log_rho) if stat is None else jnp.broadcast_to(
+        (stat >= jnp.log(lo)) & (stat <= jnp.log(hi)), log_rho.shape).astype(jnp.float32)
+    keep = jnp.where(keep_in, keep, 1.0)
+    return SamplerCorrection(weight, keep, seq_log_weight)
+
+
 def _policy_loss(
     surrogate: Callable[[_Tokens], _Surrogate],
     logps: Array,
@@ -224,7 +300,11 @@ def _policy_loss(
     off_policy_mask_threshold: Scalar | None,
     top_entropy_quantile: Scalar | None,
     sampler_logps: Array | None,
-    tis_cap: Scalar,
+    tis_cap: Scalar | None,
+    tis_level: str = "token",
+    tis_ratio: str = "old",
+    rejection: str | None = None,
+    rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
 ) -> tuple[Array, dict[str, Array]]:
     """The part every policy loss shares: checks, masking, TIS, aggregation, entropy, KL, metrics."""
     check_rank(logps=(logps, 2), mask=(mask, 2), advantages=(advantages, (1, 2)))
@@ -245,7 +325,11 @@ def _policy_loss(
     check_choice("aggregation", aggregation, ops.AGGREGATION_MODES)
     check_choice("kl_kind", kl_kind, kl_lib.KL_KINDS)
     check_choice("kl_importance_weight", kl_importance_weight, kl_lib.KL_WEIGHTS)
-    if is_concrete_number(tis_cap) and tis_cap <= 0:
+    check_choice("tis_ratio", tis_ratio, TIS_RATIOS)
+    if rejection is not None and sampler_logps is None:
+        raise ValueError(f"rejection={rejection!r} needs sampler_logps= (the sampler's log-probs [B, T]) to measure "
+                         "the ratio it bounds")
+    if tis_cap is not None and is_concrete_number(tis_cap) and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
     _check_nonnegative(off_policy_mask_threshold=off_policy_mask_threshold)
     if top_entropy_quantile is not None and entropy is None:
@@ -261,22 +345,33 @@ def _policy_loss(
     logps = on_mask(logps)
     old_logps = jax.lax.stop_gradient(on_mask(old_logps))
     log_ratio = jnp.clip(logps - old_logps, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    sg = jax.lax.stop_gradient
+    metrics: dict[str, Array] = {}
+    correction = None
+    if sampler_logps is not None:
+        # pi_target / pi_sampler: the old policy's (decoupled: old_logps recomputed by the
+        # trainer), or the current one's in bypass mode (old_logps are the sampler's own)
+        target = old_logps if tis_ratio == "old" else sg(logps)
+        correction = sampler_correction(target - sg(on_mask(sampler_logps)), keep, tis_cap=tis_cap,
+                                        tis_level=tis_level, rejection=rejection, rejection_bounds=rejection_bounds)
     tokens = _Tokens(
         logps=logps, log_ratio=log_ratio,
         advantages=jax.lax.stop_gradient(on_mask(advantages)), mask=keep,
+        seq_correction=None if correction is None else correction.seq_log_weight, old_logps=old_logps,
     )
     sur = surrogate(tokens)
 
     agg = dict(mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
-    sg = jax.lax.stop_gradient
-    metrics: dict[str, Array] = {}
 
     per_token = sur.per_token
-    if sampler_logps is not None:
-        sampler_log_ratio = old_logps - sg(on_mask(sampler_logps))
-        tis_weight = sg(jnp.minimum(jnp.exp(sampler_log_ratio), tis_cap))
-        per_token = per_token * tis_weight
-        metrics["tis_weight_mean"] = ops.masked_mean(tis_weight, keep)
+    if correction is not None:
+        if not sur.absorbs_correction:
+            per_token = per_token * correction.weight
+        if tis_cap is not None:
+            metrics["tis_weight_mean"] = ops.masked_mean(correction.weight, keep)
+        if rejection is not None:
+            per_token = per_token * correction.keep
+            metrics["rejected"] = ops.masked_mean(1.0 - correction.keep, keep)
     if off_policy_mask_threshold is not None:
         kept = off_policy_sequence_mask(logps, old_logps, tokens.advantages, keep, threshold=off_policy_mask_threshold)
         per_token = per_token * kept
@@ -339,7 +434,11 @@ def ppo_policy_loss(
     off_policy_mask_threshold: Scalar | None = None,
     top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
-    tis_cap: Scalar = 2.0,
+    tis_cap: Scalar | None = 2.0,
+    tis_level: str = "token",
+    tis_ratio: str = "old",
+    rejection: str | None = None,
+    rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
 ) -> tuple[Array, dict[str, Array]]:
     """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms").
 
@@ -388,7 +487,8 @@ def ppo_policy_loss(
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
-        sampler_logps=sampler_logps, tis_cap=tis_cap,
+        sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
+        rejection=rejection, rejection_bounds=rejection_bounds,
     )
 
 
@@ -413,7 +513,11 @@ def gspo_policy_loss(
     off_policy_mask_threshold: Scalar | None = None,
     top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
-    tis_cap: Scalar = 2.0,
+    tis_cap: Scalar | None = 2.0,
+    tis_level: str = "token",
+    tis_ratio: str = "old",
+    rejection: str | None = None,
+    rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
 ) -> tuple[Array, dict[str, Array]]:
     """GSPO, sequence-level clipped ratio (Zheng et al. 2025, "Group Sequence Policy Optimization").
 
@@ -459,7 +563,8 @@ def gspo_policy_loss(
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
-        sampler_logps=sampler_logps, tis_cap=tis_cap,
+        sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
+        rejection=rejection, rejection_bounds=rejection_bounds,
     )
 
 
@@ -484,7 +589,11 @@ def cispo_policy_loss(
     off_policy_mask_threshold: Scalar | None = None,
     top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
-    tis_cap: Scalar = 2.0,
+    tis_cap: Scalar | None = 2.0,
+    tis_level: str = "token",
+    tis_ratio: str = "old",
+    rejection: str | None = None,
+    rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
 ) -> tuple[Array, dict[str, Array]]:
     """CISPO: clipped, stop-gradient IS weight times log-prob (MiniMax 2025, "MiniMax-M1", eq. 4).
 
@@ -522,7 +631,8 @@ def cispo_policy_loss(
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
-        sampler_logps=sampler_logps, tis_cap=tis_cap,
+        sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
+        rejection=rejection, rejection_bounds=rejection_bounds,
     )
 
 
@@ -545,7 +655,11 @@ def pg_loss(
     off_policy_mask_threshold: Scalar | None = None,
     top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
-    tis_cap: Scalar = 2.0,
+    tis_cap: Scalar | None = 2.0,
+    tis_level: str = "token",
+    tis_ratio: str = "old",
+    rejection: str | None = None,
+    rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
 ) -> tuple[Array, dict[str, Array]]:
     """Plain policy gradient ``l_t = -A_t * logps_t`` (Williams 1992, REINFORCE).
 
@@ -570,7 +684,8 @@ def pg_loss(
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
-        sampler_logps=sampler_logps, tis_cap=tis_cap,
+        sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
+        rejection=rejection, rejection_bounds=rejection_bounds,
     )
 
 
@@ -595,7 +710,11 @@ def sapo_policy_loss(
     off_policy_mask_threshold: Scalar | None = None,
     top_entropy_quantile: Scalar | None = None,
     sampler_logps: Array | None = None,
-    tis_cap: Scalar = 2.0,
+    tis_cap: Scalar | None = 2.0,
+    tis_level: str = "token",
+    tis_ratio: str = "old",
+    rejection: str | None = None,
+    rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
 ) -> tuple[Array, dict[str, Array]]:
     """SAPO, a soft gate in place of the clip (Gao et al. 2025, "Soft Adaptive Policy
     Optimization"; TRL's ``loss_type="sapo"``).
@@ -628,7 +747,8 @@ def sapo_policy_loss(
         entropy=entropy, entropy_coef=entropy_coef, ref_logps=ref_logps, kl_coef=kl_coef,
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
-        sampler_logps=sampler_logps, tis_cap=tis_cap,
+        sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
+        rejection=rejection, rejection_bounds=rejection_bounds,
     )
 
 

@@ -24,6 +24,7 @@ from alignax import estimators, paths
 from alignax.config import ALWAYS, NEVER, Above, All, AnyOf, Cond, ConfigError, Given, Is, IsNot, Rule, rule
 from alignax.data import checks as data_checks
 from alignax.data.formats import FORMATS
+from alignax.losses import objectives
 from alignax.losses.preference import DPO_VARIANT_TABLE, SMOOTHED_VARIANTS
 from alignax.trainers import iterative
 from alignax.trainers.config import TrainConfig
@@ -184,20 +185,32 @@ GRPO_RULES: tuple[Rule, ...] = (
          "only these divide by a std"),
     rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
     rule("grpo.scale_rewards", Is("grpo.advantage", "grpo"), "it picks grpo advantages' std"),
-    rule(["grpo.clip_eps_low", "grpo.clip_eps_high"], Is("grpo.policy_loss", "ppo", "gspo", "cispo"),
-         "pg does not clip"),
-    rule("grpo.dual_clip_c", Is("grpo.policy_loss", "ppo"), "the dual clip is PPO-clip's"),
-    rule(["grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg"], Is("grpo.policy_loss", "sapo"),
-         "they shape SAPO's soft gate"),
+    # each objective's own keys, from its registry entry (alignax.losses.objectives)
+    *(rule(f"grpo.{key}", Is("grpo.policy_loss", *objectives.readers(key)), "only these objectives read it")
+      for key in objectives.keys()),
     rule("grpo.kl_placement", All(Above("grpo.kl_coef", 0), IsNot("grpo.advantage", "process")),
          "process advantages read the step rewards only, never the sequence reward a KL is subtracted from"),
     rule("grpo.max_refills", Is("grpo.dynamic_sampling", True)),
+    rule(["grpo.entropy_coef_delta", "grpo.entropy_coef_max"], Given("grpo.target_entropy"),
+         "they step and bound the adaptive entropy coefficient"),
     rule(["grpo.step_delimiter", "grpo.process_reward", "grpo.process_reward_model"], Is("grpo.advantage", "process")),
     rule("grpo.process_reward", Is("grpo.process_reward_model", None), "a trained PRM gives the step rewards"),
     rule("grpo.process_reward_aggregation", Given("grpo.process_reward_model"), "it reduces the PRM's step scores"),
     rule("grpo.reward_aggregation", Is("grpo.advantage", "grpo"),
          "normalize_then_sum is GDPO's estimator: TRL's spelling of grpo.advantage=gdpo"),
 )
+
+
+def _policy_objective(config):
+    """``grpo.policy_loss`` names a registered objective, and the keys it cannot do without are set."""
+    name = config.grpo.policy_loss
+    if name not in objectives.OBJECTIVES:
+        return f"grpo.policy_loss={name} is not a policy objective; valid: {', '.join(objectives.OBJECTIVES)}"
+    missing = [k for k in objectives.OBJECTIVES[name].required if getattr(config.grpo, k) is None]
+    if missing:
+        return (f"grpo.policy_loss={name} needs {', '.join(f'grpo.{k}' for k in missing)} (no paper default "
+                f"carries over; e.g. grpo.{missing[0]}: 0.1)")
+    return None
 
 
 def _group_size(config):
@@ -393,7 +406,7 @@ ENTRIES: tuple[Algorithm, ...] = (
               estimate_as=_first_round),
     Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm, ("grpo",), _formats("prompt"),
               reference=Above("grpo.kl_coef", 0), scorers=Given("grpo.process_reward_model"), rules=GRPO_RULES,
-              constraints=(_group_size, _process_without_env)),
+              constraints=(_policy_objective, _group_size, _process_without_env)),
     Algorithm("ppo", "online", ("causal_lm", "policy_value", "value"), ppo.build_algorithm, ("ppo",),
               _formats("prompt"), reference=Above("ppo.kl_coef", 0), rules=PPO_RULES,
               constraints=(_ptx_data, _critic), critic=Is("ppo.critic", "separate", "adapter"),

@@ -440,7 +440,17 @@ class RolloutSection:
         with the KL in the loss), ``recompute`` costs no extra pass: the update's own
         forward pass is that policy, so its log-probs, gradient stopped, are the old ones.
       tis_cap: truncated importance weight ``min(pi_old / pi_sampler, cap)`` on the loss,
-        correcting sampler/trainer mismatch (``null``: off).
+        correcting sampler/trainer mismatch (``null``: off). With ``old_logps: sampler``
+        (verl's bypass mode) only an objective without a ratio of its own (``pg``, ``gpg``,
+        ``dro``) takes it, as ``min(sg(pi_theta) / pi_sampler, cap)``: REINFORCE with explicit
+        IS weights; a ratio objective's ratio is already ``pi_theta / pi_sampler``.
+      tis_level: ``token`` (each token's ratio) or ``sequence`` (the product over the
+        completion, on each of its tokens), verl's ``rollout_is``.
+      rejection / rejection_bounds: verl's rejection masks (``rollout_rs`` ``token_k1``,
+        ``seq_sum_k1``, ``seq_mean_k1``): drop the policy term of a token whose ratio
+        (``token``), whose completion's ratio product (``sequence``) or per-token geometric
+        mean (``geometric``) to the sampler falls outside ``[lo, hi]`` (``(0.5, 2.0)``, ours).
+        The ratio is the one ``tis_cap`` weighs by. ``null``: no rejection.
       pack_groups: run the ``G`` completions of a prompt as one row holding the prompt
         once (``alignax.trainers.engine.packing``) in the trainer's forward passes (policy,
         reference, update); the outputs are the unpacked ones, the trunk sees
@@ -468,6 +478,9 @@ class RolloutSection:
     stop_token_ids: tuple[int, ...] | None = None
     old_logps: Literal["recompute", "sampler"] = "recompute"
     tis_cap: float | None = None
+    tis_level: Literal["token", "sequence"] = "token"
+    rejection: Literal["token", "sequence", "geometric"] | None = None
+    rejection_bounds: tuple[float, float] = (0.5, 2.0)
     pack_groups: Literal["auto", "on", "off"] = "auto"
     mesh: tuple[int, int, int] | None = None
     async_: AsyncSection = dataclasses.field(default_factory=AsyncSection)  # the key ``rollout.async``
@@ -545,13 +558,26 @@ class GRPOSection(PolicyUpdateSection):
         (``dr_grpo``'s advantages).
       policy_loss: ``ppo`` (clipped; DAPO's clip-higher via ``clip_eps_high``) | ``gspo`` |
         ``cispo`` | ``sapo`` (a soft gate, ``sapo_temperature_pos`` / ``_neg``; ``null``:
-        TRL's 1.0 / 1.05) | ``pg``.
+        TRL's 1.0 / 1.05) | ``pg`` | ``gpg`` | ``dppo_tv`` / ``dppo_kl`` (``clip_eps_*`` are
+        then divergence thresholds, ``dppo_ratio_cap``) | ``clip_cov`` (``clip_cov_ratio``,
+        ``clip_cov_lb``, ``clip_cov_ub``) | ``kl_cov`` (``kl_cov_ratio``, ``kl_cov_coef``) |
+        ``geo_mean`` | ``dro`` (``dro_beta``, required) | ``vespo`` (``vespo_k_pos``,
+        ``vespo_lambda_pos``, ``vespo_k_neg``, ``vespo_lambda_neg``): the registry
+        ``alignax.losses.objectives.OBJECTIVES``; each key left ``null`` takes the loss's own
+        default (its paper's), docs/migrating-from-verl.md maps verl's names.
       clip_eps_low / clip_eps_high / dual_clip_c: the clip ranges; ``null`` (the default)
         means the chosen loss's own default, its paper's: PPO-clip 0.2 / = low, GSPO
         3e-4 / 4e-4, CISPO no lower clip / 0.28. ``dual_clip_c`` is PPO-clip's only.
       aggregation: ``token-mean`` for DAPO, ``seq-mean-token-sum-norm`` for Dr. GRPO,
         ``seq-mean-token-mean`` (the default) for GRPO.
       kl_coef / kl_kind / kl_placement: GRPO's defaults: 0.04, k3, in the loss.
+      target_entropy: adapt ``entropy_coef`` towards this mean per-token entropy (nats),
+        Skywork-OR1's adaptive entropy control (``alignax.trainers.online.entropy``): after
+        each rollout the coefficient steps up by ``entropy_coef_delta`` (TRL's 0.005) while
+        the rollout's entropy is below the target and down otherwise, within ``[0,
+        entropy_coef_max]`` (1.0), and the bonus applies only while the last rollout's
+        entropy is at or below the target. Checkpointed with the run. ``null``: a fixed
+        ``entropy_coef``.
       dynamic_sampling: DAPO: keep sampling prompt batches until the rollout holds
         ``num_prompts`` groups with non-zero reward variance (at most ``max_refills`` more).
       step_delimiter / process_reward: ``process`` advantages: steps end at this string;
@@ -571,10 +597,25 @@ class GRPOSection(PolicyUpdateSection):
     unbiased_std: bool = True
     reinforce_baseline: bool = False
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    policy_loss: Literal["ppo", "gspo", "cispo", "sapo", "pg"] = "ppo"
+    # a name of alignax.losses.objectives.OBJECTIVES (validated through the algorithm map)
+    policy_loss: str = "ppo"
     sapo_temperature_pos: float | None = None
     sapo_temperature_neg: float | None = None
     clip_eps_low: float | None = None
+    dppo_ratio_cap: float | None = None
+    clip_cov_ratio: float | None = None
+    clip_cov_lb: float | None = None
+    clip_cov_ub: float | None = None
+    kl_cov_ratio: float | None = None
+    kl_cov_coef: float | None = None
+    dro_beta: float | None = None
+    target_entropy: float | None = None
+    entropy_coef_delta: float = 0.005
+    entropy_coef_max: float = 1.0
+    vespo_k_pos: float | None = None
+    vespo_lambda_pos: float | None = None
+    vespo_k_neg: float | None = None
+    vespo_lambda_neg: float | None = None
     dynamic_sampling: bool = False
     max_refills: int = 4
     step_delimiter: str = "\n"

@@ -43,6 +43,7 @@ from alignax.config import (ALWAYS, NEVER, Above, All, AnyOf, Check, Cond, Confi
 from alignax.config import schema_keys as config_schema_keys
 from alignax.config import unusable_keys as _unusable_keys
 from alignax.data import checks as data_checks
+from alignax.losses.objectives import OBJECTIVES
 from alignax.models import registry
 from alignax.parallel.placement import SUBMESH_ROLES
 from alignax.parallel.sharding import MESH_AXES
@@ -62,6 +63,8 @@ def _names(test) -> str:
 ONLINE = where(lambda a: a.family == "online")
 OFFLINE = where(lambda a: a.family == "offline")
 EVAL_PROMPTS = Given("evaluation.prompts")
+# the policy objectives without a ratio of their own (REINFORCE-style): bypass mode weighs them explicitly
+_RATIO_FREE = tuple(name for name, entry in OBJECTIVES.items() if not entry.ratio)
 NO_ENV = Named("no environment (env.name null)", Is("env.name", None))
 # alignax.evaluation: a run that samples in training evaluates by generation (on its eval
 # split, or on evaluation.prompts); an offline policy only on evaluation.prompts (its data
@@ -174,8 +177,11 @@ KEY_RULES: tuple[Rule, ...] = (
          "they are the sampling distribution of rollouts (an iterative run: of each round's pairs)"),
     rule(["rollout.max_new_tokens", "rollout.stop_token_ids"], GENERATION),
     rule("rollout.pack_groups", Above("rollout.num_samples", 1), "one sample per prompt has no group to pack"),
-    rule("rollout.tis_cap", Is("rollout.old_logps", "recompute"),
-         "with the sampler's log-probs as the old ones the importance weight pi_old / pi_sampler is 1"),
+    rule("rollout.tis_cap", AnyOf(Is("rollout.old_logps", "recompute"), Is("grpo.policy_loss", *_RATIO_FREE)),
+         "with the sampler's log-probs as the old ones (verl's bypass mode) an objective's own ratio pi_theta / "
+         "pi_sampler is the importance correction; only an objective without one takes the explicit weight"),
+    rule("rollout.tis_level", Given("rollout.tis_cap"), "it is the truncated weight's level"),
+    rule("rollout.rejection_bounds", Given("rollout.rejection"), "they bound the rejection mask's ratio"),
     # --- rewards (alignax.rewards.composite): every rollout and every generation-based
     # evaluation is scored (under grpo.advantage=process too: the logged rewards, dynamic
     # sampling's group variance and the evaluation read them; the advantages do not)

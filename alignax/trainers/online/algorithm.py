@@ -86,6 +86,11 @@ class PolicyObjective:
     keywords: Mapping[str, Any]
     aggregation: str
     entropy_coef: float = 0.0
+    # the objective's own ratio carries the importance correction (alignax.losses.objectives.Objective.ratio)
+    ratio: bool = True
+    rng: bool = False  # its loss draws random numbers: the step's key is passed as key=
+    # alignax.trainers.online.entropy.AdaptiveEntropyController: entropy_coef adapted to a target
+    entropy_control: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

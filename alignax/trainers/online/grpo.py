@@ -10,9 +10,10 @@
   greedy completion's reward as baseline, from an extra greedy rollout), ``process``
   (step rewards at step boundaries turned into dense per-token advantages, DeepSeekMath
   process supervision).
-- Policy loss (``grpo.policy_loss``): PPO-clip with DAPO's clip-higher and an optional
-  dual clip, GSPO's sequence-level ratio, CISPO's clipped importance weight, or plain PG;
-  clip keys left out (``null``) take the chosen loss's own defaults (its paper's).
+- Policy loss (``grpo.policy_loss``): an objective of the registry
+  (:data:`alignax.losses.objectives.OBJECTIVES`: PPO-clip with DAPO's clip-higher and an
+  optional dual clip, GSPO, CISPO, SAPO, plain PG, GPG, DPPO, Clip-Cov, KL-Cov, GMPO, DRO,
+  VESPO); the keys its entry names, left out (``null``), take the loss's own defaults (its paper's).
 - KL to the reference in the loss (k3, GRPO) or subtracted from the sequence reward,
   with a fixed or adaptive coefficient (``grpo.adaptive_kl``).
 - DAPO's dynamic sampling: keep sampling prompt batches until the rollout holds
@@ -29,16 +30,27 @@ import numpy as np
 from alignax import estimators
 from alignax import kl as kl_lib
 from alignax.config import load_callable
-from alignax.losses import POLICY_LOSSES, policy_loss_clip_keywords
+from alignax.losses import objectives
 from alignax.rewards.process import ProcessRewardModel
 from alignax.sampling.scored import Groups
 from alignax.trainers.config import TrainConfig
+from alignax.trainers.online.entropy import AdaptiveEntropyController
 from alignax.trainers.online.algorithm import AdvantageInputs, KLSetup, OnlineAlgorithm, PolicyObjective
 
-def clip_keywords(section, loss_name: str) -> dict[str, float]:
-    """The clip settings of ``section`` that the user set (not ``null``) and that the loss
-    takes; the loss's own defaults stand for the others."""
-    return {k: getattr(section, k) for k in policy_loss_clip_keywords(loss_name) if getattr(section, k) is not None}
+def objective_keywords(section, loss_name: str) -> dict[str, float]:
+    """The keys of the objective ``loss_name`` (its registry entry's) that the user set (not
+    ``null``); the loss's own defaults stand for the others."""
+    entry = objectives.objective(loss_name)
+    return {k: getattr(section, k) for k in entry.keys if getattr(section, k) is not None}
+
+
+def policy_objective(gc) -> PolicyObjective:
+    """The policy loss of a GRPO section: its registry entry with the keys set."""
+    entry = objectives.objective(gc.policy_loss)
+    control = None if gc.target_entropy is None else AdaptiveEntropyController(
+        gc.entropy_coef, gc.target_entropy, delta=gc.entropy_coef_delta, max_coef=gc.entropy_coef_max)
+    return PolicyObjective(entry.loss, {**objective_keywords(gc, gc.policy_loss), **mask_keywords(gc)},
+                           gc.aggregation, gc.entropy_coef, ratio=entry.ratio, rng=entry.rng, entropy_control=control)
 
 
 def mask_keywords(section) -> dict[str, float]:
@@ -71,9 +83,7 @@ def build_algorithm(config: TrainConfig) -> OnlineAlgorithm:
         policy_kind="causal_lm",
         epochs=gc.epochs,
         minibatches=gc.minibatches,
-        objective=PolicyObjective(POLICY_LOSSES[gc.policy_loss],
-                                  {**clip_keywords(gc, gc.policy_loss), **mask_keywords(gc)},
-                                  gc.aggregation, gc.entropy_coef),
+        objective=policy_objective(gc),
         kl=KLSetup(gc.kl_coef, kl_controller(gc.kl_coef, gc.adaptive_kl, gc.kl_target, gc.kl_horizon), gc.kl_kind,
                    "loss" if gc.kl_placement == "loss" else "sequence_reward", gc.kl_importance_weight),
         advantages=advantages,

@@ -94,6 +94,7 @@ class Minibatch:
     kl_coef: Array
     schedule_position: Array
     ptx: Any = None
+    entropy_coef: Array | None = None  # the adaptive entropy coefficient this rollout applies (None: fixed)
 
 
 @struct.dataclass

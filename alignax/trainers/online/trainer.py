@@ -94,6 +94,8 @@ class OnlineTrainer:
         """The fresh train state on the mesh (carrying the KL controller and the rollout
         count), and its shardings."""
         extra = {"kl_coef": self.algorithm.kl.controller.init(), "rollouts": jnp.zeros((), jnp.int32)}
+        if self.algorithm.objective.entropy_control is not None:  # grpo.target_entropy
+            extra["entropy_coef"] = self.algorithm.objective.entropy_control.init()
         state, shardings = init_state_on_mesh(self.actors.initial_params, self.learner.optimizer,
                                               seed=self.config.train.seed, mesh=self.mesh, extra=extra)
         return place_optimizer_state(state, shardings, self.config.placement.optimizer_state)

@@ -123,30 +123,47 @@ class Learner:
         self.compile(self._shardings)
 
     # ------------------------------------------------------------------ the loss
-    def policy_loss(self, logps, entropy, mb: Minibatch, normalisers) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def policy_loss(self, logps, entropy, mb: Minibatch, normalisers, rng=None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The policy objective of the minibatch rows from their log-probs and entropy
         ``[M, N]`` under the current params (with the KL to the reference where the
-        algorithm puts it in the loss): ``(loss, metrics)``."""
+        algorithm puts it in the loss): ``(loss, metrics)``. ``rng``: the micro-batch's key,
+        for an objective that draws (Clip-Cov)."""
         objective, ro = self.algorithm.objective, mb.rollout
+        entropy_coef = objective.entropy_coef if mb.entropy_coef is None else mb.entropy_coef
         options = dict(aggregation=objective.aggregation, num_tokens=normalisers["num_tokens"],
                        num_seqs=normalisers["num_seqs"], norm_length=self.actors.max_new, entropy=entropy,
-                       entropy_coef=objective.entropy_coef, **self.algorithm.kl.loss_keywords(ro.ref_logps, mb.kl_coef))
-        if self.config.rollout.tis_cap is not None:
-            options.update(sampler_logps=ro.sampler_logps, tis_cap=self.config.rollout.tis_cap)
+                       entropy_coef=entropy_coef, **self.algorithm.kl.loss_keywords(ro.ref_logps, mb.kl_coef))
+        options.update(self.sampler_correction_keywords(ro))
+        if objective.rng:
+            options["key"] = jax.random.key(0) if rng is None else rng
         # Single-update mode: this forward pass is the rollout's policy.
         old_logps = jax.lax.stop_gradient(logps) if ro.old_logps is None else ro.old_logps
-        return objective.loss_fn(logps, old_logps, ro.advantages, ro.loss_mask, **objective.keywords, **options)
+        loss, metrics = objective.loss_fn(logps, old_logps, ro.advantages, ro.loss_mask, **objective.keywords,
+                                          **options)
+        if mb.entropy_coef is not None:
+            metrics = {**metrics, "entropy_coef": mb.entropy_coef}
+        return loss, metrics
+
+    def sampler_correction_keywords(self, ro: Rollout) -> dict:
+        """The rollout-correction keywords of the policy loss (``rollout.tis_cap``,
+        ``tis_level``, ``rejection``): none unless one is set. With ``rollout.old_logps:
+        sampler`` (verl's bypass mode) the ratio to the sampler is the current policy's."""
+        rc = self.config.rollout
+        if rc.tis_cap is None and rc.rejection is None:
+            return {}
+        return dict(sampler_logps=ro.sampler_logps, tis_cap=rc.tis_cap, tis_level=rc.tis_level,
+                    tis_ratio="current" if rc.old_logps == "sampler" else "old", rejection=rc.rejection,
+                    rejection_bounds=tuple(rc.rejection_bounds))
 
     def loss_fn(self, params, frozen, mb: Minibatch, normalisers, rng):
         """The update's loss on one micro-batch: :meth:`policy_loss`, plus the critic's value
         loss and PPO-ptx (or the algorithm's ``logits_loss``: on-policy distillation)."""
-        del rng
         algo, actors, ro = self.algorithm, self.actors, mb.rollout
         if algo.logits_loss is not None:  # the policy's whole next-token distributions against the teacher's
             return algo.logits_loss(actors, params, frozen, mb, normalisers)
         logps, entropy, values = actors.policy_forward(actors.policy_params(params), ro.tokens, ro.positions,
                                                        ro.attention_mask)
-        loss, metrics = self.policy_loss(logps, entropy, mb, normalisers)
+        loss, metrics = self.policy_loss(logps, entropy, mb, normalisers, rng)
         metrics = dict(metrics)
         # Loss parts computed with the minibatch's normalisers add up over micro-batches.
         sums = {"pg_loss": metrics.pop("pg_loss"), "policy_loss": loss}
@@ -222,8 +239,10 @@ class Learner:
         ptx = None
         if self.ptx is not None:
             ptx = {k: array(v.shape, v.dtype) for k, v in self.next_ptx_batch().items()}
+        adaptive = self.algorithm.objective.entropy_control is not None
         return Minibatch(rollout=rollout, kl_coef=array((), jnp.float32),
-                         schedule_position=array((), jnp.int32), ptx=ptx)
+                         schedule_position=array((), jnp.int32), ptx=ptx,
+                         entropy_coef=array((), jnp.float32) if adaptive else None)
 
     # ------------------------------------------------------------------ one rollout's updates
     def update(self, state: TrainState, frozen, batch: RolloutBatch, *,
@@ -231,6 +250,8 @@ class Learner:
         """``epochs`` passes of ``minibatches`` steps over ``batch``, then the KL controller
         and the rollout count; ``observe`` sees each step's minibatch and output."""
         algo, version, kl_coef = self.algorithm, batch.rollout_index, batch.inputs.kl_coef
+        control = algo.objective.entropy_control
+        entropy_coef = None if control is None else control.applied(state.extra["entropy_coef"])
         t_start = time.perf_counter()
         order_rng = np.random.default_rng([self.config.train.seed, version])
         metrics: list[dict[str, float]] = []
@@ -242,7 +263,7 @@ class Learner:
                 position = version * per_rollout + epoch * algo.minibatches + index
                 minibatch = Minibatch(rollout=batch.rollout.take(self.actors.place(np.sort(rows).astype(np.int32))),
                                       kl_coef=kl_coef, schedule_position=jnp.asarray(position, jnp.int32),
-                                      ptx=self.next_ptx_batch())
+                                      ptx=self.next_ptx_batch(), entropy_coef=entropy_coef)
                 state, out = self.step(state, frozen, minibatch)
                 if observe is not None:
                     observe(minibatch, out)
@@ -260,7 +281,11 @@ class Learner:
             old_logps = recomputed if old_logps is None else old_logps
         seq_kl, new_coef = algo.kl.next_coef(state.extra["kl_coef"], old_logps, batch.rollout.ref_logps,
                                              batch.response_mask, mesh=self.actors.mesh, rows=self.layout.rows)
-        state = state._replace(extra={"kl_coef": new_coef, "rollouts": state.extra["rollouts"] + 1})
+        extra = {**state.extra, "kl_coef": new_coef, "rollouts": state.extra["rollouts"] + 1}
+        if control is not None:  # the adaptive entropy coefficient steps on this rollout's entropy
+            extra["entropy_coef"] = control.update(state.extra["entropy_coef"],
+                                                   ops.masked_mean(entropy, batch.rollout.loss_mask))
+        state = state._replace(extra=extra)
         return state, UpdateResult(metrics=tuple(metrics), epochs_run=epochs_run, old_logps=old_logps,
                                    recomputed=recomputed, entropy=entropy, seq_kl=seq_kl, kl_coef=new_coef,
                                    seconds=seconds)

@@ -1,0 +1,638 @@
+"""The policy objectives of alignax.losses.objectives against NumPy loops written from each
+paper's formula (float64, no alignax code), and verl's rollout correction.
+
+Each reference gives the per-token loss ``l_t`` and the per-token gradient coefficient
+``g_t = d l_t / d logps_t`` (the paper's gradient; for the surrogate-gradient objectives,
+DPPO and VESPO, the stop-gradient weight times ``-A_t``). Every aggregation mode is linear in
+the per-token values, so the reference loss is ``agg(l)`` and the reference gradient at
+``t`` is ``g_t * agg(e_t)``. Where the loss value is a true objective of ``logps`` (DRO,
+KL-Cov, Clip-Cov, GMPO with sequence advantages) central differences of the reference check
+``g`` too. The fixture has a prompt, padding, a row with no response token and garbage
+(huge log-probs) under the mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alignax.losses import objectives
+from alignax.losses.objectives import OBJECTIVES
+from alignax.losses.policy import pg_loss, sampler_correction
+from tests.support import references
+
+MODES = references.AGGREGATION_MODES
+TOL = dict(rtol=2e-5, atol=2e-6)
+B, T = 5, 6
+
+
+def make_data(seed=0, per_sequence=False):
+    rng = np.random.default_rng(seed)
+    mask = np.ones((B, T))
+    mask[0, :2] = 0  # a prompt
+    mask[2] = 0  # no response token at all
+    mask[3, 4:] = 0  # padding
+    logps = -rng.uniform(0.1, 2.0, (B, T))
+    old = np.minimum(logps + rng.uniform(-0.45, 0.45, (B, T)), -0.05)  # probabilities below 1
+    sampler = np.minimum(old + rng.uniform(-0.4, 0.4, (B, T)), -0.05)
+    adv = rng.normal(size=B) if per_sequence else rng.normal(size=(B, T)) * 1.5
+    off = mask == 0
+    logps[off], old[off], sampler[off] = 50.0, -60.0, 40.0  # garbage under the mask
+    if not per_sequence:
+        adv[off] = 1e4
+    return dict(logps=logps, old_logps=old, advantages=adv, mask=mask, sampler_logps=sampler)
+
+
+def _per_token_adv(data):
+    adv = np.asarray(data["advantages"], np.float64)
+    return np.broadcast_to(adv[:, None], (B, T)) if adv.ndim == 1 else adv
+
+
+# ---------------------------------------------------------------------------------------
+# References: (l [B, T], g [B, T]) from the papers' formulas
+# ---------------------------------------------------------------------------------------
+
+
+def ref_dppo(data, divergence, eps_low, eps_high, cap):
+    lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
+    loss, grad = np.zeros((B, T)), np.zeros((B, T))
+    for i in range(B):
+        for t in range(T):
+            if not mask[i, t]:
+                continue
+            p, q, a = math.exp(lp[i, t]), math.exp(old[i, t]), adv[i, t]
+            if divergence == "tv":
+                valid = (p - q <= eps_high) if a > 0 else (p - q >= -eps_low)
+            else:  # binary KL(pi_old || pi_theta) of "this token / any other"
+                d = q * math.log(q / p) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                valid = (d <= eps_high or p <= q) if a > 0 else (d <= eps_low or p >= q)
+            w = min(math.exp(lp[i, t] - old[i, t]), cap)
+            loss[i, t] = -a * w * valid * lp[i, t]
+            grad[i, t] = -a * w * valid
+    return loss, grad
+
+
+def _cov(data):
+    """(A_t - mean A)(logp_t - mean logp) over the response tokens."""
+    lp, adv, mask = data["logps"], _per_token_adv(data), data["mask"] > 0
+    mean_a, mean_lp = adv[mask].mean(), lp[mask].mean()
+    return np.where(mask, (adv - mean_a) * (lp - mean_lp), 0.0)
+
+
+def ref_clip_cov(data, eps, ratio, lb, ub):
+    """With ``ratio * N`` at least the number of candidates every candidate is dropped."""
+    lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
+    cov = _cov(data)
+    loss, grad, chosen = np.zeros((B, T)), np.zeros((B, T)), np.zeros((B, T), bool)
+    for i in range(B):
+        for t in range(T):
+            if not mask[i, t]:
+                continue
+            a, r = adv[i, t], math.exp(lp[i, t] - old[i, t])
+            clipped = -a * min(max(r, 1 - eps), 1 + eps) > -a * r
+            if not clipped and lb < cov[i, t] < ub:
+                chosen[i, t] = True
+                continue  # l_t = 0, no gradient
+            loss[i, t] = max(-a * r, -a * min(max(r, 1 - eps), 1 + eps))
+            grad[i, t] = 0.0 if clipped else -a * r
+    assert math.floor(ratio * mask.sum()) >= chosen.sum() > 0  # the fixture selects, deterministically
+    return loss, grad, chosen
+
+
+def ref_kl_cov(data, ratio, coef):
+    lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
+    cov = _cov(data)
+    k = max(math.floor(ratio * mask.sum()), 1)
+    order = sorted(((cov[i, t], i, t) for i in range(B) for t in range(T) if mask[i, t]), reverse=True)
+    top = {(i, t) for _, i, t in order[:k]}
+    loss, grad = np.zeros((B, T)), np.zeros((B, T))
+    for i in range(B):
+        for t in range(T):
+            if mask[i, t]:
+                lr = lp[i, t] - old[i, t]
+                loss[i, t] = -adv[i, t] * math.exp(lr) + (coef * abs(lr) if (i, t) in top else 0.0)
+                grad[i, t] = -adv[i, t] * math.exp(lr) + (coef * math.copysign(1, lr) if (i, t) in top else 0.0)
+    return loss, grad, top
+
+
+def ref_geo_mean(data, eps_low, eps_high):
+    """GMPO eq. 4: s_i = exp(mean_t c_t), c_t the sign-pessimistic clipped log-ratio; every
+    token carries -A_t s_i, and d/dlogp_t = -A_t s_i [c_t unclipped]."""
+    lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
+    loss, grad = np.zeros((B, T)), np.zeros((B, T))
+    for i in range(B):
+        cs, free = [], []
+        for t in range(T):
+            if mask[i, t]:
+                lr, sgn = lp[i, t] - old[i, t], np.sign(adv[i, t])
+                clamped = min(max(lr, -eps_low), eps_high)
+                c = sgn * min(sgn * lr, sgn * clamped)
+                cs.append(c)
+                free.append(sgn * lr <= sgn * clamped)
+        s = math.exp(sum(cs) / len(cs)) if cs else 1.0
+        j = 0
+        for t in range(T):
+            if mask[i, t]:
+                loss[i, t] = -adv[i, t] * s
+                grad[i, t] = -adv[i, t] * s * free[j]
+                j += 1
+    return loss, grad
+
+
+def ref_dro(data, beta):
+    lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
+    loss = np.where(mask > 0, -(lp * adv - 0.5 * beta * (lp - old) ** 2), 0.0)
+    grad = np.where(mask > 0, -adv + beta * (lp - old), 0.0)
+    return loss, grad
+
+
+def ref_vespo(data, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0, seq_extra=None):
+    """phi(W) = W^k exp(lambda (1 - W)), W the sequence ratio (TRL 1.16's get_gamma_weights)."""
+    lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
+    loss, grad = np.zeros((B, T)), np.zeros((B, T))
+    for i in range(B):
+        log_w = sum(lp[i, t] - old[i, t] for t in range(T) if mask[i, t])
+        log_w += 0.0 if seq_extra is None else seq_extra[i]
+        log_w = min(max(log_w, math.log(1e-8)), 20.0)
+        w = math.exp(log_w)
+        for t in range(T):
+            if mask[i, t]:
+                k, lam = (k_pos, lam_pos) if adv[i, t] >= 0 else (k_neg, lam_neg)
+                phi = w ** k * math.exp(lam * (1 - w))
+                loss[i, t] = -phi * adv[i, t] * lp[i, t]
+                grad[i, t] = -phi * adv[i, t]
+    return loss, grad
+
+
+def agg_weights(mask, mode):
+    """``agg(e_t)`` for every token: the aggregation is linear in the per-token values."""
+    out = np.zeros((B, T))
+    for i in range(B):
+        for t in range(T):
+            if mask[i, t]:
+                e = np.zeros((B, T))
+                e[i, t] = 1.0
+                out[i, t] = references.aggregate(e, mask, mode)
+    return out
+
+
+def run_loss(fn, data, mode, **kw):
+    args = [jnp.asarray(data[k], jnp.float32) for k in ("logps", "old_logps", "advantages", "mask")]
+    f = jax.jit(lambda lp: fn(lp, *args[1:], aggregation=mode, **kw))
+    (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(args[0])
+    return float(loss), {k: float(v) for k, v in metrics.items()}, np.asarray(grad, np.float64)
+
+
+def assert_matches(fn, data, ref_loss, ref_grad, modes=MODES, **kw):
+    for mode in modes:
+        loss, metrics, grad = run_loss(fn, data, mode, **kw)
+        np.testing.assert_allclose(loss, references.aggregate(ref_loss, data["mask"], mode), err_msg=mode, **TOL)
+        np.testing.assert_allclose(grad, ref_grad * agg_weights(data["mask"], mode), err_msg=mode, **TOL)
+        assert np.all(grad[2] == 0) and np.all(grad[data["mask"] == 0] == 0), mode  # empty row, garbage
+    return metrics
+
+
+def assert_true_gradient(name, ref_loss_of, data, mode, **kw):
+    """The loss value is a function of logps (no surrogate gradient): the gradient equals central
+    differences of the reference loss ``ref_loss_of(data) -> l [B, T]``, aggregated by ``mode``."""
+    f = lambda lp: references.aggregate(ref_loss_of({**data, "logps": lp}), data["mask"], mode)  # noqa: E731
+    _, _, got = run_loss(OBJECTIVES[name].loss, data, mode, **kw)
+    np.testing.assert_allclose(got, references.finite_difference(f, data["logps"]), rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# Each objective against its reference
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("divergence", ["tv", "kl"])
+def test_dppo_matches_the_binary_trust_region(divergence):
+    data = make_data(1)
+    eps_low, eps_high, cap = (0.08, 0.05, 1.2) if divergence == "tv" else (0.02, 0.015, 1.2)
+    loss, grad = ref_dppo(data, divergence, eps_low, eps_high, cap)
+    fn = OBJECTIVES[f"dppo_{divergence}"].loss
+    metrics = assert_matches(fn, data, loss, grad, clip_eps_low=eps_low, clip_eps_high=eps_high, dppo_ratio_cap=cap)
+    # not vacuous: some tokens are masked on each side and some weights are capped
+    assert metrics["clipfrac_high"] > 0 and metrics["clipfrac_low"] > 0 and metrics["ratio_capped"] > 0
+    assert metrics["clipfrac_high"] + metrics["clipfrac_low"] < 0.8
+
+
+def test_dppo_defaults_are_verls():
+    """Thresholds 0.2 each side and the truncation cap 20: with ratios near 1 nothing is masked
+    and the loss is -A r logp."""
+    data = make_data(2)
+    for name in ("dppo_tv", "dppo_kl"):
+        loss, grad = ref_dppo(data, name[-2:], 0.2, 0.2, 20.0)
+        assert_matches(OBJECTIVES[name].loss, data, loss, grad, modes=("token-mean",))
+
+
+def test_clip_cov_drops_the_outlying_covariance_tokens():
+    data = make_data(3)
+    loss, grad, chosen = ref_clip_cov(data, 0.2, 0.9, 0.0, 5.0)
+    kw = dict(clip_eps_low=0.2, clip_cov_ratio=0.9, clip_cov_lb=0.0, clip_cov_ub=5.0)
+    metrics = assert_matches(OBJECTIVES["clip_cov"].loss, data, loss, grad, **kw)
+    assert metrics["cov_selected"] == pytest.approx(chosen.sum() / data["mask"].sum(), abs=1e-6)
+    # the loss value is a function of logps away from the clip edges and selection: differences agree
+    assert_true_gradient("clip_cov", lambda d: ref_clip_cov(d, 0.2, 0.9, 0.0, 5.0)[0], data, "token-mean", **kw)
+
+
+def test_clip_cov_draws_exactly_k_candidates_with_the_key():
+    """With fewer slots than candidates, k = max(floor(ratio N), 1) of them are drawn; which
+    ones depends on the key, and all are candidates."""
+    data = make_data(3)
+    _, _, candidates = ref_clip_cov(data, 0.2, 0.9, 0.0, 5.0)
+    n = data["mask"].sum()
+    ratio = 2.0 / n  # k = 2
+    fn = OBJECTIVES["clip_cov"].loss
+    drawn = []
+    for seed in range(4):
+        kw = dict(clip_eps_low=0.2, clip_cov_ratio=ratio, clip_cov_lb=0.0, clip_cov_ub=5.0,
+                  key=jax.random.key(seed))
+        _, metrics, grad = run_loss(fn, data, "token-sum", **kw)
+        assert metrics["cov_selected"] == pytest.approx(2 / n, abs=1e-6)
+        dropped = (grad == 0) & (data["mask"] > 0) & candidates
+        assert dropped.sum() == 2
+        drawn.append(tuple(np.flatnonzero(dropped)))
+    assert len(set(drawn)) > 1
+    # the paper's default 2e-4 of ~20 tokens still drops one (k >= 1)
+    _, metrics, _ = run_loss(fn, data, "token-sum", clip_cov_lb=0.0)
+    assert metrics["cov_selected"] == pytest.approx(1 / n, abs=1e-6)
+
+
+def test_kl_cov_penalises_the_top_covariance_tokens():
+    data = make_data(4)
+    loss, grad, top = ref_kl_cov(data, 0.2, 1.5)
+    metrics = assert_matches(OBJECTIVES["kl_cov"].loss, data, loss, grad, kl_cov_ratio=0.2, kl_cov_coef=1.5)
+    assert metrics["cov_selected"] == pytest.approx(len(top) / data["mask"].sum(), abs=1e-6) and len(top) >= 3
+    assert_true_gradient("kl_cov", lambda d: ref_kl_cov(d, 0.2, 1.5)[0], data, "seq-mean-token-mean",
+                         kl_cov_ratio=0.2, kl_cov_coef=1.5)
+
+
+def test_geo_mean_is_the_clipped_geometric_mean_ratio():
+    data = make_data(5)
+    loss, grad = ref_geo_mean(data, 0.2, 0.3)
+    metrics = assert_matches(OBJECTIVES["geo_mean"].loss, data, loss, grad, clip_eps_low=0.2, clip_eps_high=0.3)
+    assert metrics["clipfrac_high"] > 0 and metrics["clipfrac_low"] > 0
+    # sequence advantages, GRPO's mean over sequences: the value is the paper's mean_i -A_i s_i and
+    # the gradient is its derivative (central differences of the reference)
+    seq = make_data(5, per_sequence=True)
+    loss, grad = ref_geo_mean(seq, 0.2, 0.3)
+    assert_matches(OBJECTIVES["geo_mean"].loss, seq, loss, grad, clip_eps_low=0.2, clip_eps_high=0.3)
+    assert_true_gradient("geo_mean", lambda d: ref_geo_mean(d, 0.2, 0.3)[0], seq, "seq-mean-token-mean",
+                         clip_eps_low=0.2, clip_eps_high=0.3)
+
+
+def test_geo_mean_default_band_is_the_papers_e_to_the_0_4():
+    data = make_data(6)
+    loss, grad = ref_geo_mean(data, 0.4, 0.4)
+    assert_matches(OBJECTIVES["geo_mean"].loss, data, loss, grad, modes=("seq-mean-token-mean",))
+
+
+def test_dro_is_reinforce_with_a_squared_log_ratio():
+    data = make_data(7)
+    loss, grad = ref_dro(data, 0.3)
+    assert_matches(OBJECTIVES["dro"].loss, data, loss, grad, dro_beta=0.3)
+    assert_true_gradient("dro", lambda d: ref_dro(d, 0.3)[0], data, "token-mean", dro_beta=0.3)
+    with pytest.raises(ValueError, match="dro_beta must be > 0"):
+        run_loss(OBJECTIVES["dro"].loss, data, "token-mean", dro_beta=0.0)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_vespo_is_the_gamma_weighted_policy_gradient(per_sequence):
+    data = make_data(8, per_sequence=per_sequence)
+    loss, grad = ref_vespo(data)
+    metrics = assert_matches(OBJECTIVES["vespo"].loss, data, loss, grad)
+    assert 0 < metrics["vespo_phi_mean"] and metrics["clipfrac_high"] == 0
+    loss, grad = ref_vespo(data, 1.0, 0.5, 4.0, 1.5)
+    assert_matches(OBJECTIVES["vespo"].loss, data, loss, grad, modes=("token-mean",), vespo_k_pos=1.0,
+                   vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5)
+
+
+def test_vespo_phi_is_one_on_policy_and_fades_far_off_it():
+    """phi(1) = 1: on-policy VESPO is REINFORCE; a sequence ratio of e^3 gets almost nothing."""
+    data = make_data(9)
+    on = {**data, "old_logps": np.where(data["mask"] > 0, data["logps"], data["old_logps"])}
+    a, b, c, _ = (jnp.asarray(on[k], jnp.float32) for k in ("logps", "old_logps", "advantages", "mask"))
+    mask = jnp.asarray(on["mask"], jnp.float32)
+    got = OBJECTIVES["vespo"].loss(a, b, c, mask)[0]
+    np.testing.assert_allclose(float(got), float(pg_loss(a, b, c, mask)[0]), rtol=1e-6)
+    far = OBJECTIVES["vespo"].loss(a, b - 3.0 / 6, c, mask)[1]["vespo_phi_mean"]
+    assert float(far) < 0.05
+
+
+def test_vespo_folds_the_sampler_correction_into_its_ratio():
+    """TRL: log W = sum lr + sum log(min(pi_old / pi_sampler, cap)); the loss is not multiplied again."""
+    data = make_data(10)
+    mask = data["mask"] > 0
+    log_w = np.where(mask, np.minimum(data["old_logps"] - data["sampler_logps"], math.log(1.3)), 0.0).sum(1)
+    loss, grad = ref_vespo(data, seq_extra=log_w)
+    assert_matches(OBJECTIVES["vespo"].loss, data, loss, grad, sampler_logps=jnp.asarray(data["sampler_logps"],
+                                                                                          jnp.float32), tis_cap=1.3)
+
+
+def test_gpg_is_the_plain_policy_gradient():
+    """GPG's objective is -A logp (Chu et al. 2025, eq. 4: no ratio, no clip); its own part
+    is its advantage, an estimator."""
+    assert OBJECTIVES["gpg"].loss is pg_loss and OBJECTIVES["gpg"].ratio is False
+    data = make_data(11)
+    adv = _per_token_adv(data)
+    ref = np.where(data["mask"] > 0, -adv * data["logps"], 0.0)
+    assert_matches(OBJECTIVES["gpg"].loss, data, ref, np.where(data["mask"] > 0, -adv, 0.0))
+
+
+# ---------------------------------------------------------------------------------------
+# The shared options reach every new objective
+# ---------------------------------------------------------------------------------------
+
+NEW = ("dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "dro", "vespo")
+HP = {"dro": dict(dro_beta=0.2), "clip_cov": dict(clip_cov_lb=0.0, clip_cov_ratio=0.9)}
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_kl_entropy_and_tis_options_apply(name):
+    """loss(KL, entropy, TIS) = agg(w l) - c_H agg(H) + c_KL agg(k3), w = min(pi_old / pi_s, cap)
+    (VESPO folds w into its ratio instead: its policy term is not multiplied)."""
+    data = make_data(12)
+    f = lambda k: jnp.asarray(data[k], jnp.float32)  # noqa: E731
+    args = [f(k) for k in ("logps", "old_logps", "advantages", "mask")]
+    rng = np.random.default_rng(0)
+    ref = data["logps"] + rng.uniform(-0.3, 0.3, (B, T))
+    entropy = rng.uniform(0.0, 2.0, (B, T))
+    fn, hp = OBJECTIVES[name].loss, HP.get(name, {})
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        base, bm = fn(*args, aggregation=mode, **hp)
+        full, fm = fn(*args, aggregation=mode, ref_logps=jnp.asarray(ref, jnp.float32), kl_coef=0.3,
+                      entropy=jnp.asarray(entropy, jnp.float32), entropy_coef=0.05, **hp)
+        k3 = np.exp(ref - data["logps"]) - (ref - data["logps"]) - 1
+        want = float(base) + 0.3 * references.aggregate(k3, data["mask"], mode) - 0.05 * references.aggregate(
+            entropy, data["mask"], mode)
+        np.testing.assert_allclose(float(full), want, rtol=1e-5, err_msg=mode)
+        assert fm["pg_loss"] == bm["pg_loss"] and "kl" in fm and "entropy" in fm
+    _, tm = fn(*args, sampler_logps=f("sampler_logps"), tis_cap=1.1, **hp)
+    _, bm = fn(*args, **hp)
+    assert 0 < float(tm["tis_weight_mean"]) < 1.1 and float(tm["pg_loss"]) != float(bm["pg_loss"])
+
+
+# ---------------------------------------------------------------------------------------
+# verl's rollout correction (sampler_correction) and bypass mode
+# ---------------------------------------------------------------------------------------
+
+
+def ref_correction(log_rho, mask, cap, level, rejection, lo, hi):
+    weight, keep = np.ones((B, T)), np.ones((B, T))
+    for i in range(B):
+        toks = [t for t in range(T) if mask[i, t]]
+        seq = sum(log_rho[i, t] for t in toks)
+        geo = seq / len(toks) if toks else 0.0
+        for t in toks:
+            rho = math.exp(log_rho[i, t]) if level == "token" else math.exp(seq)
+            weight[i, t] = 1.0 if cap is None else min(rho, cap)
+            stat = {"token": math.exp(log_rho[i, t]), "sequence": math.exp(seq), "geometric": math.exp(geo),
+                    None: 1.0}[rejection]
+            keep[i, t] = float(lo <= stat <= hi)
+    return weight, keep
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("rejection", [None, "token", "sequence", "geometric"])
+def test_sampler_correction_matches_verls_definitions(level, rejection):
+    data = make_data(13)
+    mask = data["mask"]
+    log_rho = np.where(mask > 0, data["old_logps"] - data["sampler_logps"], 123.0)
+    lo, hi = (0.95, 1.05) if rejection == "geometric" else (0.7, 1.3)
+    for cap in (None, 1.2):
+        got = sampler_correction(jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask), tis_cap=cap, tis_level=level,
+                                 rejection=rejection, rejection_bounds=(lo, hi))
+        weight, keep = ref_correction(log_rho, mask, cap, level, rejection, lo, hi)
+        np.testing.assert_allclose(np.asarray(got.weight)[mask > 0], weight[mask > 0], rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got.keep)[mask > 0], keep[mask > 0])
+        if rejection is not None:
+            assert 0 < keep[mask > 0].mean() < 1  # the bounds cut somewhere, not everywhere
+
+
+def test_bypass_reinforce_takes_the_current_policys_weight():
+    """Bypass mode, REINFORCE: old_logps are the sampler's; l_t = -min(sg(pi_theta)/pi_s, cap) A_t logp_t,
+    and a rejected sequence (geometric mean outside the bounds) loses its policy term."""
+    data = make_data(14)
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    lp, s, adv, mask = (f(data[k]) for k in ("logps", "sampler_logps", "advantages", "mask"))
+    kw = dict(sampler_logps=s, tis_cap=1.5, tis_ratio="current", rejection="geometric", rejection_bounds=(0.8, 1.25),
+              aggregation="token-sum")
+    (loss, metrics), grad = jax.value_and_grad(lambda x: pg_loss(x, s, adv, mask, **kw), has_aux=True)(lp)
+    m = data["mask"]
+    log_rho = np.where(m > 0, data["logps"] - data["sampler_logps"], 0.0)
+    weight, keep = ref_correction(log_rho, m, 1.5, "token", "geometric", 0.8, 1.25)
+    a = _per_token_adv(data)
+    want = -(weight * keep * a * np.where(m > 0, data["logps"], 0.0))[m > 0].sum()
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad)[m > 0], (-(weight * keep * a))[m > 0], rtol=1e-5)
+    assert 0 < metrics["rejected"] < 1
+    # tis_ratio="old" would weigh by pi_old / pi_sampler = 1 here: the option is what makes it REINFORCE with IS
+    plain = pg_loss(lp, s, adv, mask, **{**kw, "tis_ratio": "old", "rejection": None})[0]
+    np.testing.assert_allclose(float(plain), -(a * np.where(m > 0, data["logps"], 0.0))[m > 0].sum(), rtol=1e-5)
+
+
+def test_rejection_without_the_samplers_logps_is_refused():
+    data = make_data(15)
+    args = [jnp.asarray(data[k], jnp.float32) for k in ("logps", "old_logps", "advantages", "mask")]
+    with pytest.raises(ValueError, match="rejection='token' needs sampler_logps="):
+        pg_loss(*args, rejection="token")
+    with pytest.raises(ValueError, match="unknown rejection 'seq'"):
+        sampler_correction(args[0], args[3], rejection="seq")
+    with pytest.raises(ValueError, match="rejection_bounds must be 0 < lo <= hi"):
+        sampler_correction(args[0], args[3], rejection="token", rejection_bounds=(2.0, 0.5))
+
+
+# ---------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------
+
+
+def test_every_entry_reads_keys_its_loss_takes_and_the_config_has():
+    import inspect
+
+    from alignax.trainers.config import GRPOSection
+
+    fields = set(GRPOSection.__dataclass_fields__)
+    for name, entry in OBJECTIVES.items():
+        params = inspect.signature(entry.loss).parameters
+        assert set(entry.keys) <= set(params), (name, entry.keys)
+        assert set(entry.keys) <= fields, (name, set(entry.keys) - fields)
+        assert ("key" in params) == entry.rng, name
+    assert set(NEW) | {"gpg"} <= set(OBJECTIVES)
+    from alignax.losses import POLICY_LOSSES
+
+    # policy.py's five losses are the registry's entries of the same names, not copies
+    assert all(OBJECTIVES[name].loss is fn for name, fn in POLICY_LOSSES.items())
+    assert objectives.readers("dro_beta") == ("dro",)
+    with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
+        objectives.objective("nope")
+
+
+# ---------------------------------------------------------------------------------------
+# Adding an objective: its module and one entry
+# ---------------------------------------------------------------------------------------
+
+TOY_MODULE = '''\
+"""A toy objective: the log-ratio itself, l_t = -A_t * clip(logps_t - old_logps_t, -eps, eps)."""
+
+import jax.numpy as jnp
+
+from alignax.losses.objectives._base import Objective, Surrogate, run
+
+
+def toy_policy_loss(logps, old_logps, advantages, mask, *, clip_eps_low=0.5, aggregation="token-mean", **shared):
+    def surrogate(tok):
+        never = jnp.zeros(tok.mask.shape, bool)
+        per_token = -tok.advantages * jnp.clip(tok.log_ratio, -clip_eps_low, clip_eps_low)
+        return Surrogate(per_token, jnp.exp(tok.log_ratio), never, never, {})
+
+    return run(surrogate, logps, old_logps, advantages, mask, aggregation=aggregation, **shared)
+
+
+TOY = Objective(toy_policy_loss, ("clip_eps_low",))
+'''
+
+TOY_CHECK = '''\
+import jax.numpy as jnp
+import pytest
+from alignax.config import ConfigError
+from alignax.estimate import estimate, model_config_for
+from alignax.trainers.api import load_config
+from alignax.trainers.online import grpo
+
+data = {"algorithm": "grpo", "data": {"format": "prompt"}, "grpo": {"policy_loss": "toy", "clip_eps_low": 0.1}}
+config = load_config(data=data)
+objective = grpo.build_algorithm(config).objective
+assert objective.loss_fn.__name__ == "toy_policy_loss" and dict(objective.keywords) == {"clip_eps_low": 0.1}
+lp = jnp.asarray([[-1.0, -0.5]])
+loss, _ = objective.loss_fn(lp, lp - jnp.asarray([[0.05, 0.3]]), jnp.asarray([2.0]), jnp.ones((1, 2)),
+                            **objective.keywords, aggregation="token-sum")
+assert abs(float(loss) - (-2.0 * (0.05 + 0.1))) < 1e-6, float(loss)
+with pytest.raises(ConfigError, match="grpo.dual_clip_c applies to grpo.policy_loss=ppo only; got grpo.policy_loss=toy"):
+    load_config(data={**data, "grpo": {"policy_loss": "toy", "dual_clip_c": 3.0}})
+result = estimate(config, model=model_config_for(config, "llama-2-7b"), devices=1, mesh=(1, 1, 1))
+assert result.online
+print("toy objective ok")
+'''
+
+
+def test_a_new_objective_is_one_module_and_one_entry(tmp_path):
+    """A toy objective copied into a scratch copy of the package touches its module and the
+    registry's file only (an import and one entry), and is then selectable from YAML,
+    validated through the map (its keys, others refused), built by the trainer and estimated."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_algorithm_map import _changed_files
+
+    root = Path(__file__).resolve().parent.parent
+    copy = tmp_path / "alignax"
+    shutil.copytree(root / "alignax", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "losses" / "objectives" / "toy.py").write_text(TOY_MODULE)
+    registry = copy / "losses" / "objectives" / "__init__.py"
+    text = registry.read_text()
+    text = text.replace("import cov, dppo, dro, geo_mean, vespo", "import cov, dppo, dro, geo_mean, toy, vespo")
+    text = text.replace('    "vespo": vespo.VESPO,\n', '    "vespo": vespo.VESPO,\n    "toy": toy.TOY,\n')
+    registry.write_text(text)
+    assert _changed_files(root / "alignax", copy) == ["losses/objectives/__init__.py", "losses/objectives/toy.py"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", TOY_CHECK], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "toy objective ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_alignax_estimate_takes_every_objective(name):
+    """``alignax estimate`` validates and estimates a run of each objective (the policy loss adds
+    no model or activation of its own: the estimate equals the default's)."""
+    from alignax.estimate import estimate, model_config_for
+    from alignax.trainers.api import load_config
+
+    def run_estimate(grpo):
+        config = load_config(data={"algorithm": "grpo", "data": {"format": "prompt"}, "grpo": grpo})
+        return estimate(config, model=model_config_for(config, "llama-2-7b"), devices=1, mesh=(1, 1, 1))
+
+    result = run_estimate({"policy_loss": name, **({"dro_beta": 0.1} if name == "dro" else {})})
+    assert result.online and result.items == run_estimate({}).items
+
+
+def test_adaptive_entropy_keys_need_the_target():
+    from alignax.config import ConfigError
+    from alignax.trainers.api import load_config
+
+    base = {"algorithm": "grpo", "data": {"format": "prompt"}}
+    with pytest.raises(ConfigError, match="grpo.entropy_coef_delta applies to grpo.target_entropy"):
+        load_config(data={**base, "grpo": {"entropy_coef_delta": 0.01}})
+    config = load_config(data={**base, "grpo": {"target_entropy": 0.3, "entropy_coef_max": 0.5}})
+    from alignax.trainers.online import grpo
+
+    control = grpo.build_algorithm(config).objective.entropy_control
+    assert (control.target, control.max_coef, control.delta) == (0.3, 0.5, 0.005)
+    state = control.init()
+    assert float(control.applied(state)) == 0.0  # grpo.entropy_coef's default 0
+    state = control.update(state, 0.1)  # below the target: up by delta
+    assert float(state.coef) == pytest.approx(0.005) and float(control.applied(state)) == pytest.approx(0.005)
+    state = control.update(state, 0.4)  # above: down, and off
+    assert float(state.coef) == 0.0 and float(control.applied(state)) == 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# docs/migrating-from-verl.md, the policy-loss and rollout-correction tables
+# ---------------------------------------------------------------------------------------
+
+
+def _verl_rows():
+    import os
+
+    page = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "migrating-from-verl.md")
+    text = open(page, encoding="utf-8").read()
+    mine = text.split("## Policy losses", 1)[1].split("\n## ", 2)
+    section = mine[0] + mine[1]  # the policy-loss and the rollout-correction sections
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 2 and cells[0] not in ("verl", "---"):
+            rows.append((cells[0], cells[1]))
+    return rows
+
+
+def test_the_verl_tables_cover_every_objective_and_their_keys_load():
+    import re
+
+    from alignax.trainers.api import load_config
+    from alignax.trainers.validation import schema_keys
+
+    rows = _verl_rows()
+    key = re.compile(r"`((grpo|rollout)\.[a-z_]+)(?::\s*([a-z_0-9.]+))?`")
+    named = {(m.group(1), m.group(3)) for _, alignax in rows for m in key.finditer(alignax)}
+    valid = set(schema_keys())
+    # what a value needs beside it to load (the keys it depends on)
+    companions = {("grpo.policy_loss", "dro"): {"grpo": {"dro_beta": 0.1}}}
+    for k, value in named:
+        assert k in valid, f"docs/migrating-from-verl.md names {k}, which the run config lacks"
+        if value is None:
+            continue
+        section, field = k.split(".")
+        raw = {"algorithm": "grpo", "data": {"format": "prompt"}, "grpo": {}, "rollout": {}}
+        for sec, extra in companions.get((k, value), {}).items():
+            raw[sec].update(extra)
+        if field == "tis_level":
+            raw["rollout"]["tis_cap"] = 2.0
+        raw[section][field] = value
+        config = load_config(data=raw)
+        assert str(getattr(getattr(config, section), field)) == value, (k, value)
+    listed = {v for k, v in named if k == "grpo.policy_loss"}
+    assert set(OBJECTIVES) - {"pg"} <= listed | {"pg"} and "pg" in listed
+    verl_modes = {m for verl, _ in rows for m in re.findall(r"loss_mode: ([a-z_]+)", verl)}
+    assert verl_modes >= {"vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
+                          "dro", "cispo", "bypass_mode"}
+    for _, alignax in rows:
+        assert key.search(alignax) or alignax.startswith(("not yet", "not supported")), alignax

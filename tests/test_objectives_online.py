@@ -1,0 +1,172 @@
+"""Each registered policy objective, and verl's bypass mode, on the real online trainer.
+
+One rollout step of two epochs on the toy model (tests/support/toy_model.py): the first
+update is on-policy, the second off it, where the objectives differ. Every run sees the
+same rollout as the default PPO-clip run (the rollout depends only on the policy and the
+seed), and each test checks that
+
+(a) the trainer built the registry's loss with the keys set in YAML (``grpo.<key>``);
+(b) the second update's policy term is that loss, with those keys, on the update's own
+    recorded log-probs, old log-probs, advantages and mask (the formulas themselves are
+    checked against NumPy in tests/test_objectives.py); and
+(c) that term differs from the default's on the same tokens, so an ignored option fails.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from alignax.losses.objectives import OBJECTIVES
+from tests.test_online_variants import assert_same_rollout, run_steps
+
+pytestmark = pytest.mark.xdist_group("objectives_online")
+
+OPTIONS = {
+    "gpg": {},
+    "dppo_tv": {"clip_eps_low": 0.01, "clip_eps_high": 0.01},
+    "dppo_kl": {"clip_eps_low": 1e-4, "clip_eps_high": 1e-4},
+    "clip_cov": {"clip_cov_ratio": 0.5, "clip_cov_lb": 0.0},
+    "kl_cov": {"kl_cov_ratio": 0.5, "kl_cov_coef": 3.0},
+    "geo_mean": {"clip_eps_low": 0.05},
+    "dro": {"dro_beta": 0.5},
+    "vespo": {"vespo_k_pos": 4.0},
+}
+# bypass mode: the sampler's log-probs as the old ones; REINFORCE with an explicit, sequence-level
+# IS weight and a geometric-mean rejection mask
+BYPASS = {"rollout": {"old_logps": "sampler", "tis_cap": 1.5, "tis_level": "sequence", "rejection": "geometric",
+                      "rejection_bounds": [0.8, 1.25]}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, toy_model):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            if name == "default":
+                spec = dict(grpo={"epochs": 2})
+            elif name == "bypass_pg":
+                spec = dict(grpo={"epochs": 2, "policy_loss": "pg"}, **BYPASS)
+            elif name == "sampler_pg":
+                spec = dict(grpo={"epochs": 2, "policy_loss": "pg"}, rollout={"old_logps": "sampler"})
+            else:
+                spec = dict(grpo={"epochs": 2, "policy_loss": name, **OPTIONS[name]})
+            cache[name] = run_steps(tmp_path_factory.mktemp(name), toy_model, "grpo", **spec)
+        return cache[name]
+
+    return get
+
+
+def recompute(run, update, loss_fn, **keywords):
+    """The policy term ``loss_fn`` gives on what the update recorded."""
+    ro = update["rollout"]
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    aggregation = run.trainer.algorithm.objective.aggregation
+    _, metrics = loss_fn(f(update["logps"]), f(ro.old_logps), f(ro.advantages), f(ro.loss_mask),
+                         aggregation=aggregation, norm_length=ro.loss_mask.shape[1], **keywords)
+    return float(metrics["pg_loss"])
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_each_objective_reaches_the_update(runs, name):
+    run, default = runs(name), runs("default")
+    assert_same_rollout(run, default)
+    entry, objective = OBJECTIVES[name], run.trainer.algorithm.objective
+    assert objective.loss_fn is entry.loss and dict(objective.keywords) == OPTIONS[name]
+    second = run.updates[1]
+    keywords = dict(OPTIONS[name])
+    if entry.rng:
+        keywords["key"] = jax.random.key(0)  # the draw: checked below through the selection's size
+    got = float(second["metrics"]["pg_loss"])
+    if not entry.rng:
+        np.testing.assert_allclose(got, recompute(run, second, entry.loss, **keywords), rtol=2e-4, atol=1e-6)
+    else:
+        assert second["metrics"]["cov_selected"] > 0
+    # the default PPO-clip on the same recorded tokens gives another policy term
+    ppo = recompute(run, second, OBJECTIVES["ppo"].loss)
+    assert abs(got - ppo) > 1e-4, (name, got, ppo)
+
+
+def test_bypass_reinforce_weighs_by_the_current_policy_over_the_sampler(runs):
+    """rollout.old_logps: sampler with pg and rollout.tis_cap: the update's policy term is
+    -agg(keep * min(prod pi_theta / pi_sampler, 1.5) * A * logp), rows out of the geometric bounds
+    dropped; without the correction (sampler old log-probs alone) it is plain -agg(A logp)."""
+    run, plain = runs("bypass_pg"), runs("sampler_pg")
+    assert_same_rollout(run, plain)
+    second = run.updates[1]
+    ro, logps = second["rollout"], second["logps"].astype(np.float64)
+    mask = ro.loss_mask > 0
+    np.testing.assert_array_equal(ro.old_logps, ro.sampler_logps)  # bypass: old = the sampler's
+    log_rho = np.where(mask, logps - ro.sampler_logps, 0.0)
+    seq = log_rho.sum(1)
+    weight = np.minimum(np.exp(seq), 1.5)[:, None]
+    geo = seq / np.maximum(mask.sum(1), 1)
+    keep = ((np.exp(geo) >= 0.8) & (np.exp(geo) <= 1.25))[:, None]
+    per_row = (-(weight * keep) * ro.advantages * np.where(mask, logps, 0.0)).sum(1) / np.maximum(mask.sum(1), 1)
+    want = per_row[mask.any(1)].mean()  # seq-mean-token-mean, GRPO's default
+    np.testing.assert_allclose(second["metrics"]["pg_loss"], want, rtol=2e-4, atol=1e-6)
+    assert 0 < second["metrics"]["rejected"] < 1
+    assert abs(second["metrics"]["pg_loss"] - plain.updates[1]["metrics"]["pg_loss"]) > 1e-4
+
+
+# ---------------------------------------------------------------------------------------
+# The adaptive entropy coefficient (Skywork-OR1)
+# ---------------------------------------------------------------------------------------
+
+C0, DELTA = 0.01, 0.005
+
+
+def entropy_run(tmp_path, toy_model, target, steps=3, **sections):
+    grpo = {"entropy_coef": C0, "entropy_coef_delta": DELTA} if target is not None else {"entropy_coef": C0}
+    if target is not None:
+        grpo["target_entropy"] = target
+    return run_steps(tmp_path, toy_model, "grpo", steps=steps, **{**sections, "grpo": {**grpo,
+                                                                                    **sections.get("grpo", {})}})
+
+
+def applied(run):
+    return [float(u["metrics"]["entropy_coef"]) for u in run.updates]
+
+
+def test_adaptive_entropy_coef_moves_toward_the_target(tmp_path, toy_model):
+    """Target far above the toy policy's entropy: c steps up by delta every rollout and is
+    applied (0.01, 0.015, 0.02). Target 0 (below any entropy): c steps down and is applied only
+    on the first rollout, whose previous entropy counts as the target (0.01, 0, 0)."""
+    up = entropy_run(tmp_path / "up", toy_model, 100.0)
+    np.testing.assert_allclose(applied(up), [C0, C0 + DELTA, C0 + 2 * DELTA], rtol=1e-6)
+    state = up.trainer.algorithm.objective.entropy_control
+    assert state is not None and state.target == 100.0
+    down = entropy_run(tmp_path / "down", toy_model, 0.0)
+    np.testing.assert_allclose(applied(down), [C0, 0.0, 0.0], atol=1e-9)
+    # the coefficient reaches the loss: the same first update as a fixed 0.01 (same rollout), a
+    # different second one (0.015 against 0.01)
+    fixed = entropy_run(tmp_path / "fixed", toy_model, None, steps=2)
+    assert "entropy_coef" not in fixed.updates[0]["metrics"]
+    assert up.updates[0]["metrics"]["grad_norm"] == pytest.approx(fixed.updates[0]["metrics"]["grad_norm"], rel=1e-6)
+    assert up.updates[1]["metrics"]["grad_norm"] != pytest.approx(fixed.updates[1]["metrics"]["grad_norm"], rel=1e-6)
+
+
+def test_adaptive_entropy_coef_resumes_exactly(tmp_path, toy_model):
+    """Its state is in the checkpoint: 2 rollouts, stop, resume for a third = 3 in one go."""
+    from alignax.trainers.api import train
+    from tests.support.rl_toy import toy_config
+    from tests.test_online_variants import HASHED, RECORDS, SGD
+
+    sections = dict(rewards=HASHED, optim=SGD, data={"eval_fraction": 0.0}, train={"save_every": 1},
+                    grpo={"entropy_coef": C0, "target_entropy": 100.0, "entropy_coef_delta": DELTA})
+    full = train(toy_config(tmp_path / "full", toy_model, "grpo", steps=3, checkpoint={"enabled": False}, **sections),
+                 records=RECORDS)
+    train(toy_config(tmp_path / "split", toy_model, "grpo", steps=2, **sections), records=RECORDS)
+    resumed = train(toy_config(tmp_path / "split", toy_model, "grpo", steps=3, **sections), records=RECORDS)
+    assert [h["step"] for h in resumed.history] == [3]
+    assert resumed.history[0]["entropy_coef"] == pytest.approx(C0 + 2 * DELTA, rel=1e-6)
+    assert full.history[2]["entropy_coef"] == resumed.history[0]["entropy_coef"]
+    for a, b in zip(jax.tree.leaves(jax.device_get(full.loop.state.extra)),
+                    jax.tree.leaves(jax.device_get(resumed.loop.state.extra))):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(jax.device_get(full.loop.state.params)),
+                    jax.tree.leaves(jax.device_get(resumed.loop.state.params))):
+        np.testing.assert_array_equal(a, b)
