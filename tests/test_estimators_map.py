@@ -197,12 +197,18 @@ def test_the_readme_algorithm_list_is_the_registries_rendering():
 def test_the_rendering_lists_every_registry():
     """The rendering lists the map's algorithms and the estimators of this tree, and the
     objectives it is given (the registry's names at the merge; two toy names here)."""
+    from alignax.losses.preference import DPO_VARIANT_TABLE
+    from alignax.trainers.algorithms import ALIASES
     from alignax.trainers.api import ALGORITHMS
 
     text = readme_algorithms.render(objective_names=["toy_clip", "toy_pg"])
-    assert text.splitlines() == [
+    lines = text.splitlines()
+    assert lines[1].startswith("- **algorithms** (`algorithm:`): " + ", ".join(f"`{n}`" for n in ALGORITHMS) +
+                               "; and as aliases ")
+    assert all(f"`{alias}` (`{target}` with `" in lines[1] for alias, (target, _) in ALIASES.items())
+    assert lines[:1] + lines[2:] == [
         readme_algorithms.BEGIN,
-        "- **algorithms** (`algorithm:`): " + ", ".join(f"`{n}`" for n in ALGORITHMS),
+        "- **DPO variants** (`preference.variant:`): " + ", ".join(f"`{n}`" for n in DPO_VARIANT_TABLE),
         "- **advantage estimators** (`grpo.advantage:`): " + ", ".join(f"`{n}`" for n in ESTIMATORS),
         "- **policy objectives** (`grpo.policy_loss:`): `toy_clip`, `toy_pg`",
         readme_algorithms.END]

@@ -1,5 +1,6 @@
-"""The README's list of algorithms, advantage estimators and policy objectives, rendered from
-the registries (the algorithm map, :data:`alignax.estimators.ESTIMATORS` and
+"""The README's list of algorithms (and their aliases), DPO variants, advantage estimators and
+policy objectives, rendered from the registries (the algorithm map and its aliases,
+``DPO_VARIANT_TABLE``, :data:`alignax.estimators.ESTIMATORS` and
 :data:`alignax.losses.objectives.OBJECTIVES`), so the list cannot drift from what loads.
 
     HF_HUB_OFFLINE=1 .venv/bin/python tools/readme_algorithms.py            # print the block
@@ -37,13 +38,18 @@ def render(objective_names=None) -> str:
     """The Markdown block, markers included (one line per registry); ``objective_names``: the
     policy objectives to list (default: the registry's)."""
     from alignax.estimators import ESTIMATORS
+    from alignax.losses.preference import DPO_VARIANT_TABLE
+    from alignax.trainers.algorithms import ALIASES
     from alignax.trainers.api import ALGORITHMS
 
     def names(keys) -> str:
         return ", ".join(f"`{k}`" for k in keys)
 
+    aliases = ", ".join(f"`{name}` (`{target}` with " + ", ".join(f"`{k}: {v}`" for k, v in keys.items()) + ")"
+                        for name, (target, keys) in ALIASES.items())
     lines = [BEGIN,
-             f"- **algorithms** (`algorithm:`): {names(ALGORITHMS)}",
+             f"- **algorithms** (`algorithm:`): {names(ALGORITHMS)}; and as aliases {aliases}",
+             f"- **DPO variants** (`preference.variant:`): {names(DPO_VARIANT_TABLE)}",
              f"- **advantage estimators** (`grpo.advantage:`): {names(ESTIMATORS)}",
              f"- **policy objectives** (`grpo.policy_loss:`): {names(objective_names or objectives())}",
              END]
