@@ -161,3 +161,60 @@ def best_of_n_figures(selector_scores: dict[str, np.ndarray], correct: np.ndarra
     correct = np.asarray(correct).reshape(-1, n)
     return {f"best_of_n/{name}@{k}": best_of_k(np.asarray(scores).reshape(-1, n), correct, k)
             for name, scores in selector_scores.items() for k in sizes}
+
+
+def best_of_n_file(recipe: str, prompts: str, out: str, *, n: int, overrides: Sequence[str] = (),
+                   checkpoint: bool = False, step: int | None = None, seed: int = 0) -> dict:
+    """``alignax best-of-n``: ``n`` completions of every prompt of ``prompts`` from a recipe's
+    policy (its ``model``, or with ``checkpoint`` the run's trained policy at ``step``, default
+    the latest) at the rollout's sampling settings (``rollout.temperature`` / ``top_k`` /
+    ``top_p`` / ``max_new_tokens``), each scored by the recipe's ``rewards:`` (verifiers,
+    reward functions, reward models, a judge); one JSON line per prompt with the best
+    completion, its reward and components, and every sample's reward. Returns the figures
+    (prompts, mean best reward, mean reward of one sample)."""
+    import json
+
+    import jax
+    from flax import nnx
+
+    from alignax import paths
+    from alignax.config import ConfigError
+    from alignax.data import DataConfig
+    from alignax.evaluation import build_sampler, greedy_sampling, prompt_batches, rollout_sampling
+    from alignax.parallel.sharding import mesh_for_shape
+    from alignax.trainers.api import load_config
+    from alignax.trainers.program import load_model, load_tokenizer
+
+    if n < 1:
+        raise ConfigError(f"--n {n}: expected a positive number of samples per prompt")
+    config = load_config(recipe, overrides)
+    if checkpoint or step is not None:
+        from alignax.generate import load_policy
+
+        model, tokenizer = load_policy(recipe, step=step, overrides=overrides)
+    else:
+        model, tokenizer = load_model(config), load_tokenizer(config)
+    graphdef, state = nnx.split(model)
+    mesh = mesh_for_shape(config.mesh.shape, config.mesh.dcn_shape)
+    sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh, vocab_size=model.config.vocab_size)
+    sampling = dataclasses.replace(rollout_sampling(greedy_sampling(config, tokenizer), config.rollout), num_samples=n)
+    batches = prompt_batches(config, tokenizer, prompts=DataConfig(
+        paths=(prompts,), format="prompt", max_prompt_length=config.data.max_prompt_length,
+        batch_size=config.data.batch_size, read_threads=0))
+    lines, best, single = [], [], []
+    for index, batch in enumerate(batches):
+        groups, _, _ = sampler.sample(state, batch, jax.random.fold_in(jax.random.key(seed), index), sampling)
+        rewards = groups.rewards.reshape(-1, n)
+        for b, row in enumerate(rewards):
+            if not batch["example_mask"][b]:
+                continue  # the padding rows of the last batch
+            pick = b * n + int(np.argmax(row))  # the first of equal best rewards
+            best.append(float(row.max()))
+            single.append(float(row.mean()))
+            lines.append({"record": int(batch["record_index"][b]), "prompt": batch["references"][b].get("prompt"),
+                          "completion": groups.completions[pick], "reward": float(row.max()),
+                          "components": {k: float(v[pick]) for k, v in groups.components.items()},
+                          "rewards": [float(r) for r in row]})
+    paths.write_text(out, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+    return {"prompts": len(lines), "n": n, "mean_best_reward": float(np.mean(best)) if best else 0.0,
+            "mean_sample_reward": float(np.mean(single)) if single else 0.0, "out": out}

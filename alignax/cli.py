@@ -10,6 +10,7 @@
     alignax judge JUDGE_MODEL FILE.jsonl [--mode pointwise|pairwise] [--out FILE] [--rubric TEXT]
                   [--verdicts yes,no] [--answers a,b]
     alignax label CONFIG.yaml SOLUTIONS --out FILE [--num-samples K] [--estimator hard|soft] [...]
+    alignax best-of-n CONFIG.yaml PROMPTS --out FILE [--n N] [--checkpoint [--step S]] [--seed S]
 
 Every algorithm of ``alignax.trainers.api.ALGORITHMS`` supports all three.
 
@@ -84,7 +85,33 @@ def _parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _judge_parser(sub)
     _label_parser(sub)
+    _best_of_n_parser(sub)
     return parser
+
+
+def _best_of_n_parser(sub) -> None:
+    p = sub.add_parser("best-of-n", help="sample N completions a prompt and keep the one the recipe's rewards "
+                       "score highest (JSONL out)",
+                       description="Best-of-N with a recipe's policy and rewards (alignax.best_of_n).")
+    p.add_argument("config", help="a recipe: the policy (model), rollout sampling settings and rewards (the selector)")
+    p.add_argument("prompts", help="a prompt set as data.paths reads it (JSONL, Parquet, a generator spec, ...)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the recipe")
+    p.add_argument("--out", required=True, help="output JSONL: one line per prompt")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--checkpoint", action="store_true", help="the run's trained policy (latest checkpoint) instead "
+                   "of the recipe's model")
+    p.add_argument("--step", type=int, default=None, help="with --checkpoint: this checkpoint step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--debug", action="store_true", help="show the traceback of any error")
+
+
+def _best_of_n(args) -> int:
+    from alignax import best_of_n
+
+    print(json.dumps(best_of_n.best_of_n_file(args.config, args.prompts, args.out, n=args.n,
+                                              overrides=args.overrides, checkpoint=args.checkpoint,
+                                              step=args.step, seed=args.seed)))
+    return 0
 
 
 def _label_parser(sub) -> None:
@@ -216,6 +243,8 @@ def _run(args) -> int:
         return _judge(args)
     if args.command == "label":
         return _label(args)
+    if args.command == "best-of-n":
+        return _best_of_n(args)
     from alignax.trainers import api
 
     config = api.load_config(args.config, [*args.overrides, *_flag_overrides(args)])

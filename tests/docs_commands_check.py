@@ -9,7 +9,7 @@ the same order. What "checked" means per command, since most of them train for m
 - ``alignax SUBCOMMAND ...``: ``alignax.cli.main`` parses the command and loads the config
   with its overrides (every key, type and cross-field rule); ``train``, ``eval`` and
   ``export`` stop there, ``estimate`` runs (it is arithmetic, milliseconds); ``generate``
-  and ``judge`` parse their flags and stop before reading a model, ``label`` loads its recipe.
+  and ``judge`` parse their flags and stop before reading a model, ``label`` and ``best-of-n`` load their recipe.
 - ``python tools/....py ...``: the script runs up to its ``argparse`` call, which parses
   the command's options and stops it (an unknown or misspelt option fails).
 - a shell program (``{"kind": "script"}``: a loop, a quoted program over several lines):
@@ -61,7 +61,7 @@ def strip_wrappers(words: list[str]) -> list[str]:
 
 
 def check_cli(argv: list[str]) -> str | None:
-    from alignax import cli, generate, judging, math_shepherd
+    from alignax import best_of_n, cli, generate, judging, math_shepherd
     from alignax.trainers import api
 
     def stop(*args, **kwargs):
@@ -71,9 +71,10 @@ def check_cli(argv: list[str]) -> str | None:
         api.load_config(recipe, overrides)  # the recipe and its overrides load
         raise Checked
 
-    saved = api.train, api.evaluate, api.export, generate.run, judging.run, math_shepherd.label_file
+    saved = (api.train, api.evaluate, api.export, generate.run, judging.run, math_shepherd.label_file,
+             best_of_n.best_of_n_file)
     api.train = api.evaluate = api.export = generate.run = judging.run = stop
-    math_shepherd.label_file = label_after_config
+    math_shepherd.label_file = best_of_n.best_of_n_file = label_after_config
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
             code = cli.main(argv)
@@ -82,7 +83,8 @@ def check_cli(argv: list[str]) -> str | None:
     except SystemExit as exit_:  # argparse: a bad command line
         return f"exit {exit_.code}: {err.getvalue()[-1000:]}"
     finally:
-        api.train, api.evaluate, api.export, generate.run, judging.run, math_shepherd.label_file = saved
+        (api.train, api.evaluate, api.export, generate.run, judging.run, math_shepherd.label_file,
+         best_of_n.best_of_n_file) = saved
     return None if code == 0 else f"exit {code}: {err.getvalue()[-1000:]}"
 
 
