@@ -228,6 +228,8 @@ def test_refusals_name_the_keys():
     # truncated importance sampling weights a policy ratio, which only the sampled estimator's loss has
     assert "rollout.tis_cap=2.0 with onpolicy_distill.estimator=exact" in _problems(rollout={"tis_cap": 2.0})
     assert _problems(rollout={"tis_cap": 2.0}, onpolicy_distill={"estimator": "sampled"}) is None
+    # nor tokens for verl's rejection masks to drop from a policy loss
+    assert "rollout.rejection=token with onpolicy_distill.estimator=exact" in _problems(rollout={"rejection": "token"})
     # the offline distillation keys are not read: the loss is the reverse KL at rollout.temperature
     for key, value in (("temperature", 2.0), ("divergence", "jsd"), ("top_k", 4), ("lmbda", 1.0)):
         problem = _problems(distill={key: value})

@@ -375,11 +375,16 @@ def _exact_teacher_beside_the_student(config):
 
 
 def _exact_has_no_ratio(config):
-    """The exact reverse KL has no policy ratio for rollout.tis_cap to truncate."""
-    if config.onpolicy_distill.estimator == "exact" and config.rollout.tis_cap is not None:
-        return (f"rollout.tis_cap={config.rollout.tis_cap} with onpolicy_distill.estimator=exact: the exact reverse "
-                "KL is no importance-weighted policy loss, so there is no ratio to truncate; remove rollout.tis_cap "
-                "or set onpolicy_distill.estimator=sampled (PPO-clip on the sampled-token estimate)")
+    """The exact reverse KL has no policy ratio for rollout.tis_cap to truncate, nor tokens
+    for rollout.rejection to drop from a policy loss."""
+    if config.onpolicy_distill.estimator != "exact":
+        return None
+    for key in ("tis_cap", "rejection"):
+        value = getattr(config.rollout, key)
+        if value is not None:
+            return (f"rollout.{key}={value} with onpolicy_distill.estimator=exact: the exact reverse KL is no "
+                    "importance-weighted policy loss, so the sampler correction has nothing to act on; remove "
+                    f"rollout.{key} or set onpolicy_distill.estimator=sampled (PPO-clip on the sampled-token estimate)")
     return None
 
 
