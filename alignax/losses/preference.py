@@ -244,9 +244,9 @@ F_DIVERGENCES: dict[str, Callable[[Array, Array], Array] | None] = {
 def _terms(variant, loss_weights) -> tuple[tuple[str, ...], tuple[float, ...]]:
     names = (variant,) if isinstance(variant, str) else tuple(variant)
     if not names:
-        raise ValueError(f"variant is empty; name one or more of {', '.join(MIXTURE_TERMS)}")
-    for name in names:
-        check_choice("variant", name, MIXTURE_TERMS)
+        raise ValueError(f"variant is empty; name one or more of {', '.join((*DPO_VARIANT_TABLE, SFT_TERM))}")
+    for name in names:  # the table as it is now (a variant may be added after import)
+        check_choice("variant", name, (*DPO_VARIANT_TABLE, SFT_TERM))
     weights = (1.0,) * len(names) if loss_weights is None else tuple(loss_weights)
     if len(weights) != len(names):
         raise ValueError(f"loss_weights has {len(weights)} entries for {len(names)} variants {list(names)}; give "
