@@ -21,6 +21,7 @@ from alignax.losses.preference import (
 )
 from tests.support import preference_references as ref
 from tests.support.references import finite_difference
+from tests.test_preference_losses import PAIR_REFERENCE_VARIANTS, pairs
 
 NEW_VARIANTS = ("bco_pair", "aot", "aot_unpaired", "discopop", "sigmoid_norm")
 VALUE = dict(rtol=2e-5, atol=2e-6)
@@ -28,17 +29,11 @@ GRAD = dict(rtol=2e-3, atol=2e-5)
 
 
 def batch(b, seed=0, drop=()):
-    """Pairs of summed log-probs over 1..9 tokens, float32, and weights with ``drop`` zeroed."""
-    rng = np.random.default_rng(seed)
-    lc = rng.integers(1, 10, size=b).astype(np.float32)
-    lr = rng.integers(1, 10, size=b).astype(np.float32)
-    qc = (-rng.uniform(0.5, 2.0, size=b) * lc).astype(np.float32)
-    qr = (-rng.uniform(0.5, 2.0, size=b) * lr).astype(np.float32)
-    pc = (qc + rng.normal(scale=1.5, size=b)).astype(np.float32)
-    pr = (qr + rng.normal(scale=1.5, size=b)).astype(np.float32)
+    """test_preference_losses' pairs (sums over 3..9 tokens, float32) and weights with ``drop`` zeroed."""
+    pc, pr, qc, qr, lc, lr = pairs(seed=seed, b=b)
     w = np.ones(b, np.float32)
     w[list(drop)] = 0.0
-    return pc, pr, qc, qr, lc, lr, w
+    return pc, pr, qc, qr, lc.astype(np.float32), lr.astype(np.float32), w
 
 
 def check(names, b, seed, drop=(), ref_kw=None, **kw):
@@ -58,6 +53,9 @@ def check(names, b, seed, drop=(), ref_kw=None, **kw):
                              **ref_kw)
 
     np.testing.assert_allclose(float(jax.jit(lib)(pc, pr)), reference(pc, pr), **VALUE)
+    if "bco_pair" in names and "bco_delta" not in kw:  # the batch's shift is a constant to the gradient
+        ref_kw["bco_delta"] = ref.bco_batch_delta(pc, pr, qc, qr, w, beta=kw["beta"], f=kw.get("f", "reverse_kl"),
+                                                  f_alpha=kw.get("f_alpha", 0.5))
     gc, gr = jax.grad(lib, argnums=(0, 1))(pc, pr)
     np.testing.assert_allclose(np.asarray(gc), finite_difference(lambda c: reference(c, pr), pc), **GRAD)
     np.testing.assert_allclose(np.asarray(gr), finite_difference(lambda r: reference(pc, r), pr), **GRAD)
@@ -79,8 +77,6 @@ def test_new_variants_match_their_references(variant, b, seed, drop):
 def test_every_variant_has_a_reference_somewhere():
     """The ten older variants are checked pair by pair in test_preference_losses.py; every
     other name of the table must be checked here."""
-    from tests.test_preference_losses import PAIR_REFERENCE_VARIANTS
-
     assert set(DPO_VARIANTS) == set(PAIR_REFERENCE_VARIANTS) | set(NEW_VARIANTS)
 
 

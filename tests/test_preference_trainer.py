@@ -228,3 +228,21 @@ def test_tr_dpo_refuses_a_precomputed_reference_and_lora(tmp_path, toy_model):
         tiny_config(tmp_path, "dpo", preference={"sync_ref": SYNC}, lora={"rank": 4})
     with pytest.raises(ConfigError, match="preference.sync_ref.tau must be >= 1"):
         tiny_config(tmp_path, "dpo", preference={"sync_ref": {"tau": 0}})
+
+
+def test_estimate_sizes_the_new_options_as_the_dpo_run_they_are():
+    """``alignax estimate`` reads a config with every new option: the objective adds no array
+    the estimator counts, and TR-DPO's reference (in the train state) is the live reference's size."""
+    from alignax.estimate import estimate, model_config_for
+    from alignax.trainers.api import load_config
+
+    base = {"algorithm": "dpo", "model": {"name": "smollm2-135m-instruct"},
+            "data": {"format": "preference", "max_prompt_length": 64, "max_length": 128, "max_response_length": 64,
+                     "batch_size": 4}}
+    plain = load_config(data=base)
+    options = load_config(data={**base, "preference": {
+        "variant": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0], "rpo_alpha": 0.5,
+        "f_divergence": "js", "ld_alpha": 0.5, "sync_ref": {"alpha": 0.6, "tau": 64}}})
+    model = model_config_for(plain)
+    ours, theirs = (estimate(c, model=model, devices=1, mesh=(1, 1, 1)) for c in (options, plain))
+    assert ours.items == theirs.items and ours.items["reference"] > 0

@@ -54,10 +54,8 @@ def variant_term(name, pc, pr, qc, qr, lc, lr, w, *, beta, eps=0.0, tau=0.05, f=
             a = sorted(pc[i] - qc[i] for i in keep)
             b = sorted(pr[i] - qr[i] for i in keep)
         return sum(smoothed(beta * (x - y), eps) for x, y in zip(a, b)) / (denom if denom > 0 else 1.0)
-    if name == "bco_pair" and bco_delta is None:  # the mean reward of both responses of the kept pairs
-        total = sum(w)
-        bco_delta = 0.5 * (sum(w[i] * beta * chosen[i] for i in range(n)) / total
-                           + sum(w[i] * beta * rejected[i] for i in range(n)) / total)
+    if name == "bco_pair" and bco_delta is None:
+        bco_delta = bco_batch_delta(pc, pr, qc, qr, w, beta=beta, f=f, f_alpha=f_alpha)
     out = 0.0
     for i in keep:
         if name == "bco_pair":  # Jung et al. 2024 eq. 8: chosen a positive, rejected a negative example
@@ -89,6 +87,16 @@ def variant_term(name, pc, pr, qc, qr, lc, lr, w, *, beta, eps=0.0, tau=0.05, f=
             loss = dpo_pair_loss(name, pc[i], pr[i], qc[i], qr[i], beta=beta, eps=eps, lam=50.0)
         out += w[i] * scale[i] * loss
     return out / (denom if denom > 0 else 1.0)
+
+
+def bco_batch_delta(pc, pr, qc, qr, w, *, beta, f="reverse_kl", f_alpha=0.5) -> float:
+    """BCO's reward shift as a mean over this batch: the weighted mean reward of both responses
+    of the kept pairs, ``(mean_i b psi(r_c,i) + mean_i b psi(r_r,i)) / 2`` (a constant to the gradient)."""
+    pc, pr, qc, qr, w = ([float(v) for v in x] for x in (pc, pr, qc, qr, w))
+    total = sum(w)
+    chosen = sum(w[i] * beta * f_score(pc[i] - qc[i], f, f_alpha) for i in range(len(pc))) / total
+    rejected = sum(w[i] * beta * f_score(pr[i] - qr[i], f, f_alpha) for i in range(len(pc))) / total
+    return 0.5 * (chosen + rejected)
 
 
 def chosen_nll(pc, lc, w, num_tokens=None) -> float:
