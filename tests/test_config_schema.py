@@ -68,6 +68,8 @@ READ_ELSEWHERE = {
     "distributed.require_accelerator": "read at alignax train's start-up (tests/test_hardware.py)",
     "checkpoint.allow_changes": "read when a run resumes with a changed config (tests/test_run_directory.py)",
     "checkpoint.resume_step": "read when a run resumes (tests/test_run_directory.py, tests/test_cli.py)",
+    **{f"preference.sync_ref.{key}": "read when preference.sync_ref is set (tests/test_preference_trainer.py)"
+       for key in ("alpha", "tau")},
 }
 
 
@@ -218,6 +220,8 @@ SWEEP_VALUES = {
     "placement.submesh": [[1, 1, 1]],  # refused alone: no model is placed on it
     "logging.console_keys": [["loss"]],
     "preference.variant": list(DPO_VARIANTS),
+    "preference.loss_weights": [[1.0]],  # one weight: refused unless preference.variant is a list
+    "preference.sync_ref": [{"alpha": 0.5, "tau": 2}],
     "grpo.step_delimiter": ["\n\n"],
     "grpo.process_reward": ["alignax.rewards.process:well_formed_steps"],
     "ppo.critic_path": ["runs/reward-model"],
@@ -573,7 +577,8 @@ def test_tis_cap_needs_recomputed_old_logps():
 def test_dpo_family_keys():
     cases = [
         (["preference.loss=orpo", "preference.label_smoothing=0.1"], "preference.label_smoothing applies to (preference.loss=dpo and "
-         "preference.variant=sigmoid|robust|exo_pair) or preference.loss=simpo|cpo only; got preference.loss=orpo"),
+         "preference.variant=sigmoid|robust|exo_pair|aot|aot_unpaired) or preference.loss=simpo|cpo only; got "
+         "preference.loss=orpo"),
         (["preference.variant=ipo", "preference.label_smoothing=0.1"], "got preference.variant=ipo"),
         (["preference.simpo_gamma=1.0"], "preference.simpo_gamma applies to preference.loss=simpo only; got preference.loss=dpo"),
         (["preference.loss=simpo", "preference.cpo_alpha=0.5"], "preference.cpo_alpha applies to preference.loss=cpo only; got preference.loss=simpo"),

@@ -113,11 +113,11 @@ def _variants(config) -> tuple[str, ...]:
     return (variant,) if isinstance(variant, str) else tuple(variant)
 
 
-def _names_variant(*names: str) -> Check:
+def _names_variant(*names: str) -> All:
     """``preference.loss=dpo`` and ``preference.variant`` (a name or a mixture's list) names one of ``names``."""
-    return Check(f"preference.loss=dpo with preference.variant naming {'|'.join(names)}",
-                 lambda c: c.preference.loss == "dpo" and bool(set(_variants(c)) & set(names)),
-                 lambda c: f"preference.loss={c.preference.loss}, preference.variant={show(c.preference.variant)}")
+    return All(Is("preference.loss", "dpo"),
+               Check(f"preference.variant={'|'.join(names)}", lambda c: bool(set(_variants(c)) & set(names)),
+                     lambda c: f"preference.variant={show(c.preference.variant)}"))
 
 
 DPO = Is("preference.loss", "dpo")
