@@ -1,5 +1,10 @@
 """Offline preference losses: the DPO family, SimPO, CPO, ORPO and KTO.
 
+The DPO family (:func:`dpo_loss`): the variants of ``DPO_VARIANT_TABLE``, weighted
+mixtures of them and an SFT term (MPO, RPO), f-divergence scores (f-DPO) and per-pair
+factors (WPO's :func:`wpo_weights`); LD-DPO's sequence log-probs come from
+:func:`ld_sequence_logps`.
+
 Inputs are sequence log-probs: for each response, the sum over its response tokens of
 ``log pi(y_t | x, y_<t)``, shape ``[B]`` (one entry per pair, or per example for KTO).
 Losses that normalise by length also take ``chosen_lengths`` / ``rejected_lengths``
