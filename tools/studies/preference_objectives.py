@@ -65,7 +65,7 @@ def run_option(name: str, section: dict, steps: int, out: str) -> dict:
     return {
         "preference": section,
         "train_loss_last": result.history[-1]["loss"],
-        "eval": {k: evals[k] for k in ("loss", "rewards/accuracies", "rewards/margins") if k in evals},
+        "eval": {k: evals[f"eval/{k}"] for k in ("loss", "rewards/accuracies", "rewards/margins")},
         "step_time_s_median": statistics.median(times) if times else None,
         "wall_s": wall,
     }
