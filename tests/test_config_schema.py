@@ -84,6 +84,8 @@ READ_ELSEWHERE = {
     "monitor.gold.prompts.on_bad_record": "read when a record is bad (tests/test_data.py)",
     **{f"monitor.gold_divergence.{key}": "read from the second gold point on (tests/test_monitor_guard.py)"
        for key in ("window", "min_gold_drop", "min_proxy_rise")},
+    **{f"preference.sync_ref.{key}": "read when preference.sync_ref is set (tests/test_preference_trainer.py)"
+       for key in ("alpha", "tau")},
 }
 
 
@@ -234,6 +236,8 @@ SWEEP_VALUES = {
     "placement.submesh": [[1, 1, 1]],  # refused alone: no model is placed on it
     "logging.console_keys": [["loss"]],
     "preference.variant": list(DPO_VARIANTS),
+    "preference.loss_weights": [[1.0]],  # one weight: refused unless preference.variant is a list
+    "preference.sync_ref": [{"alpha": 0.5, "tau": 2}],
     "grpo.step_delimiter": ["\n\n"],
     "grpo.policy_loss": [name for name in OBJECTIVES if name != "ppo"],
     "rollout.rejection_bounds": [[0.8, 1.25]],
@@ -613,7 +617,8 @@ def test_tis_cap_needs_recomputed_old_logps_or_an_objective_without_a_ratio():
 def test_dpo_family_keys():
     cases = [
         (["preference.loss=orpo", "preference.label_smoothing=0.1"], "preference.label_smoothing applies to (preference.loss=dpo and "
-         "preference.variant=sigmoid|robust|exo_pair) or preference.loss=simpo|cpo only; got preference.loss=orpo"),
+         "preference.variant=sigmoid|robust|exo_pair|aot|aot_unpaired) or preference.loss=simpo|cpo only; got "
+         "preference.loss=orpo"),
         (["preference.variant=ipo", "preference.label_smoothing=0.1"], "got preference.variant=ipo"),
         (["preference.simpo_gamma=1.0"], "preference.simpo_gamma applies to preference.loss=simpo only; got preference.loss=dpo"),
         (["preference.loss=simpo", "preference.cpo_alpha=0.5"], "preference.cpo_alpha applies to preference.loss=cpo only; got preference.loss=simpo"),

@@ -37,6 +37,7 @@ from alignax.losses import (
     simpo_loss,
     value_loss,
 )
+from alignax.losses.preference import DPO_VARIANT_TABLE
 from tests.support import references
 
 B, T = 3, 6
@@ -201,7 +202,9 @@ def _dpo_entry(variant):
         chosen_lengths=a["chosen_lengths"], rejected_lengths=a["rejected_lengths"],
         variant=variant, weights=a["weights"],
     )
-    return lambda **kw: dpo_loss(**kw), args, ("ref_chosen_logps", "ref_rejected_logps", "weights")
+    # AOT's sorted positions are no one pair's: its weights only keep or drop pairs (all > 0 here)
+    weights = () if DPO_VARIANT_TABLE[variant].sorts else ("weights",)
+    return lambda **kw: dpo_loss(**kw), args, ("ref_chosen_logps", "ref_rejected_logps", *weights)
 
 
 VOCAB = 5
@@ -232,6 +235,13 @@ CONSTANT_ARGUMENTS = {
     "cispo_policy_loss": _policy_entry(cispo_policy_loss),
     "pg_loss": _policy_entry(pg_loss),
     **{f"dpo_loss[{v}]": _dpo_entry(v) for v in DPO_VARIANTS},
+    "dpo_loss[mpo+wpo]": (lambda **kw: dpo_loss(**kw), lambda a: dict(
+        _dpo_entry("sigmoid")[1](a), variant=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0],
+        rpo_alpha=0.5, pair_scale=a["weights"] + 0.5, bco_delta=jnp.float32(0.3),
+    ), ("ref_chosen_logps", "ref_rejected_logps", "weights", "pair_scale", "bco_delta")),
+    "dpo_loss[f_divergence]": (lambda **kw: dpo_loss(**kw), lambda a: dict(
+        _dpo_entry("discopop")[1](a), f_divergence="alpha", f_alpha=0.3,
+    ), ("ref_chosen_logps", "ref_rejected_logps", "weights")),
     "simpo_loss": (simpo_loss, lambda a: _pairs(a, "chosen", "rejected", "chosen_lengths", "rejected_lengths",
                                                  "weights"), ("weights",)),
     "cpo_loss": (cpo_loss, lambda a: _pairs(a, "chosen", "rejected", "chosen_lengths", "weights"), ("weights",)),

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from alignax import estimators, paths
-from alignax.config import ALWAYS, NEVER, Above, All, AnyOf, Cond, ConfigError, Given, Is, IsNot, Rule, rule
+from alignax.config import ALWAYS, NEVER, Above, All, AnyOf, Check, Cond, ConfigError, Given, Is, IsNot, Rule, rule, show
 from alignax.data import checks as data_checks
 from alignax.data.formats import FORMATS
 from alignax.losses import objectives
-from alignax.losses.preference import DPO_VARIANT_TABLE, SMOOTHED_VARIANTS
+from alignax.losses.preference import DPO_VARIANT_TABLE, F_DIVERGENCE_VARIANTS, SFT_TERM, SMOOTHED_VARIANTS
 from alignax.trainers import iterative
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.iterative import IterativeTrainer
@@ -112,12 +112,36 @@ def _formats(*formats: str) -> Callable[[TrainConfig], tuple[tuple[str, ...], st
 
 # ---------------------------------------------------------------------------- the preference family
 
+def _variants(config) -> tuple[str, ...]:
+    """The names ``preference.variant`` holds: one, or a mixture's list."""
+    variant = config.preference.variant
+    return (variant,) if isinstance(variant, str) else tuple(variant)
+
+
+def _names_variant(*names: str) -> All:
+    """``preference.loss=dpo`` and ``preference.variant`` (a name or a mixture's list) names one of ``names``."""
+    return All(Is("preference.loss", "dpo"),
+               Check(f"preference.variant={'|'.join(names)}", lambda c: bool(set(_variants(c)) & set(names)),
+                     lambda c: f"preference.variant={show(c.preference.variant)}"))
+
+
+DPO = Is("preference.loss", "dpo")
+MIXTURE = Check("preference.loss=dpo with a list in preference.variant",
+                lambda c: c.preference.loss == "dpo" and not isinstance(c.preference.variant, str),
+                lambda c: f"preference.loss={c.preference.loss}, preference.variant={show(c.preference.variant)}")
+
 PREFERENCE_RULES: tuple[Rule, ...] = (
-    rule("preference.variant", Is("preference.loss", "dpo")),
+    rule("preference.variant", DPO),
     rule("preference.label_smoothing",
-         AnyOf(All(Is("preference.loss", "dpo"), Is("preference.variant", *SMOOTHED_VARIANTS)),
-               Is("preference.loss", "simpo", "cpo"))),
-    rule("preference.dpop_lambda", All(Is("preference.loss", "dpo"), Is("preference.variant", "dpop"))),
+         AnyOf(_names_variant(*SMOOTHED_VARIANTS), Is("preference.loss", "simpo", "cpo"))),
+    rule("preference.dpop_lambda", _names_variant("dpop")),
+    rule("preference.discopop_tau", _names_variant("discopop")),
+    rule("preference.loss_weights", MIXTURE, "one weight per entry of a list of variants"),
+    rule(["preference.rpo_alpha", "preference.f_divergence", "preference.use_weighting", "preference.ld_alpha",
+          "preference.sync_ref"], DPO),
+    rule("preference.f_alpha", All(DPO, Is("preference.f_divergence", "alpha"))),
+    rule("preference.sync_ref", IsNot("preference.reference", "precomputed"),
+         "TR-DPO moves the reference model; a precomputed reference is a table of log-probs of the initial one"),
     rule("preference.simpo_gamma", Is("preference.loss", "simpo")),
     rule("preference.cpo_alpha", Is("preference.loss", "cpo")),
     rule(["preference.kto_desirable_weight", "preference.kto_undesirable_weight"], Is("preference.loss", "kto")),
@@ -131,10 +155,50 @@ def _preference_formats(config):
 
 
 def _dpo_variant(config):
+    """Every name of ``preference.variant`` is a variant (or a mixture's ``sft``), with one
+    weight each, and the options it is combined with read it."""
     section = config.preference
-    if section.loss == "dpo" and section.variant not in DPO_VARIANT_TABLE:
-        return (f"preference.variant={section.variant} is not a DPO variant; valid: "
-                f"{', '.join(DPO_VARIANT_TABLE)}")
+    if section.loss != "dpo":
+        return None
+    names = _variants(config)
+    valid = (*DPO_VARIANT_TABLE, SFT_TERM) if len(names) > 1 else tuple(DPO_VARIANT_TABLE)
+    for name in names:
+        if name not in valid:
+            return f"preference.variant={name} is not a DPO variant; valid: {', '.join(valid)}"
+    if not names:
+        return f"preference.variant=[]: name a variant (one of {', '.join(DPO_VARIANT_TABLE)})"
+    if section.loss_weights is not None and len(section.loss_weights) != len(names):
+        return (f"preference.loss_weights={list(section.loss_weights)} has {len(section.loss_weights)} weights for "
+                f"the {len(names)} entries of preference.variant={list(names)}; give one each")
+    return _dpo_options(section, names)
+
+
+def _dpo_options(section, names):
+    others = [n for n in names if n != SFT_TERM and n not in F_DIVERGENCE_VARIANTS]
+    if section.f_divergence != "reverse_kl" and others:
+        return (f"preference.f_divergence={section.f_divergence} with preference.variant={', '.join(others)}: the "
+                f"f-divergence maps the log-ratios of {', '.join(F_DIVERGENCE_VARIANTS)} only; use reverse_kl")
+    if section.f_divergence == "alpha" and section.f_alpha == 1:
+        return "preference.f_alpha=1 is the reverse KL's limit; set preference.f_divergence=reverse_kl"
+    sorting = [n for n in names if n != SFT_TERM and DPO_VARIANT_TABLE[n].sorts]
+    if section.use_weighting and sorting:
+        return (f"preference.use_weighting with preference.variant={', '.join(sorting)}: aot sorts the pairs, so a "
+                "per-pair WPO weight has no position to go to; set use_weighting: false")
+    if section.ld_alpha is not None and not 0.0 <= section.ld_alpha <= 1.0:
+        return f"preference.ld_alpha={section.ld_alpha} must be in [0, 1] (1: plain DPO, 0: the tail dropped)"
+    return None
+
+
+def _sync_ref(config):
+    """TR-DPO's reference is a whole model in the train state, updated in the step."""
+    if config.preference.sync_ref is None:
+        return None
+    if config.lora is not None:
+        return ("preference.sync_ref with a lora section: the reference is the base with the adapters off, which "
+                "TR-DPO cannot move; drop preference.sync_ref or train every parameter (lora: null)")
+    if config.placement.reference != "device":
+        return (f"preference.sync_ref with placement.reference={config.placement.reference}: TR-DPO's reference is "
+                "part of the train state on the training devices; set placement.reference: device")
     return None
 
 
@@ -404,10 +468,12 @@ ENTRIES: tuple[Algorithm, ...] = (
     Algorithm("prm", "offline", ("reward",), prm.make_task, ("prm",), _formats("steps"), lora=False),
     Algorithm("dpo", "offline", ("causal_lm",), preference.make_task, ("preference",), _preference_formats,
               reference=preference.USES_REFERENCE, precomputed_reference=PRECOMPUTED, rules=PREFERENCE_RULES,
-              constraints=(_dpo_variant,), rows_per_record=_two_rows, packs_pairs=IsNot("preference.loss", "kto")),
+              constraints=(_dpo_variant, _sync_ref), rows_per_record=_two_rows,
+              packs_pairs=IsNot("preference.loss", "kto")),
     Algorithm("iterative_dpo", "iterative", ("causal_lm",), IterativeTrainer, ("iterative", "preference"),
               _formats("prompt"), reference=preference.USES_REFERENCE, precomputed_reference=PRECOMPUTED,
-              lora=False, rules=PREFERENCE_RULES, constraints=(_dpo_variant, _iterative_pairs, _local_output_dir),
+              lora=False, rules=PREFERENCE_RULES,
+              constraints=(_dpo_variant, _sync_ref, _iterative_pairs, _local_output_dir),
               estimate_as=_first_round),
     Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm, ("grpo",), _formats("prompt"),
               reference=Above("grpo.kl_coef", 0), scorers=Given("grpo.process_reward_model"), rules=GRPO_RULES,

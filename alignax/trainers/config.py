@@ -302,14 +302,43 @@ class IterativeSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class SyncRefSection:
+    """TR-DPO's reference updates (Gorbatovski et al. 2024, "Learn Your Reference Model for Real
+    Good Alignment", the soft update): after every ``tau``-th step the reference becomes
+    ``alpha * policy + (1 - alpha) * reference``; between updates it is a frozen input. It is
+    part of the train state, so checkpoints carry it. TRL: ``ref_model_mixup_alpha`` (0.6),
+    ``ref_model_sync_steps`` (512)."""
+
+    alpha: float = 0.6
+    tau: int = 512
+
+    def __post_init__(self):
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"preference.sync_ref.alpha must be in [0, 1]; got {self.alpha}")
+        if self.tau < 1:
+            raise ValueError(f"preference.sync_ref.tau must be >= 1 (steps); got {self.tau}")
+
+
+@dataclasses.dataclass(frozen=True)
 class PreferenceSection:
     """Offline preference optimisation (the ``preference:`` section; ``dpo:`` before).
 
     Fields:
       loss: ``dpo`` | ``simpo`` | ``cpo`` | ``orpo`` | ``kto``.
       variant: the DPO variant (``sigmoid``, ``hinge``, ``ipo``, ``robust``, ``dpop``,
-        ``exo_pair``, ``nca_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down``).
-      beta, label_smoothing, dpop_lambda: DPO family hyper-parameters.
+        ``exo_pair``, ``nca_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down``, ``bco_pair``,
+        ``aot``, ``aot_unpaired``, ``discopop``, ``sigmoid_norm``), or a list of them and
+        ``sft`` (the chosen responses' NLL): a weighted mixture (MPO: ``[sigmoid, bco_pair,
+        sft]``), ``loss_weights`` one weight each (default 1).
+      beta, label_smoothing, dpop_lambda: DPO family hyper-parameters; discopop_tau:
+        DiscoPOP's temperature.
+      rpo_alpha: RPO's NLL term on the chosen responses at this weight (``null``: none).
+      f_divergence / f_alpha: f-DPO's divergence (``reverse_kl`` is DPO; ``forward_kl``,
+        ``js``, ``alpha`` with ``f_alpha``, TRL's ``f_alpha_divergence_coef``).
+      use_weighting: WPO's per-pair weights from the policy's own probabilities.
+      ld_alpha: LD-DPO: tokens past the pair's shared length count ``ld_alpha`` (``null``: off).
+      sync_ref: TR-DPO (:class:`SyncRefSection`): the reference moves towards the policy
+        every ``tau`` steps (``null``: a fixed reference).
       simpo_gamma: SimPO's target margin; cpo_alpha: CPO's NLL weight.
       kto_desirable_weight / kto_undesirable_weight: KTO class weights.
       reference: ``live`` (the frozen reference runs beside the policy each step) or
@@ -319,10 +348,18 @@ class PreferenceSection:
     """
 
     loss: Literal["dpo", "simpo", "cpo", "orpo", "kto"] = "dpo"
-    variant: str = "sigmoid"
+    variant: str | tuple[str, ...] = "sigmoid"
+    loss_weights: tuple[float, ...] | None = None
     beta: float = 0.1
     label_smoothing: float = 0.0
     dpop_lambda: float = 50.0
+    discopop_tau: float = 0.05
+    rpo_alpha: float | None = None
+    f_divergence: Literal["reverse_kl", "forward_kl", "js", "alpha"] = "reverse_kl"
+    f_alpha: float = 0.5
+    use_weighting: bool = False
+    ld_alpha: float | None = None
+    sync_ref: SyncRefSection | None = None
     simpo_gamma: float = 0.5
     cpo_alpha: float = 1.0
     kto_desirable_weight: float = 1.0

@@ -38,6 +38,11 @@ class Task:
       reference_params: optional ``mesh -> params``: the frozen model the task holds is a
         model of its own rather than a copy of the initial params (distillation's teacher),
         built on the mesh it is placed on; held, placed and saved as a reference is.
+      sync_reference: optional ``(params, reference, step) -> reference``: the reference moves
+        during training (TR-DPO). The train state then carries it (``state.extra["reference"]``,
+        saved with every checkpoint) instead of the frozen inputs; each step reads it as
+        ``frozen["reference"]`` and, after the update, replaces it by this function's value
+        at the new step count.
       console_keys: metrics worth a place on the progress line.
       required_fields: optional fields of the data format that every record must carry
         for this task (``alignax.data.prepare_dataset(required_fields=...)``), e.g.
@@ -51,5 +56,6 @@ class Task:
     reference_logps: Callable | None = None
     precompute: Callable | None = None
     reference_params: Callable | None = None
+    sync_reference: Callable | None = None
     console_keys: tuple[str, ...] = ("loss",)
     required_fields: tuple[str, ...] = ()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -51,6 +52,24 @@ def _reference_on_device(fn):
         return fn(params, frozen, *args)
 
     return wrapped
+
+
+def _with_carried(frozen: dict[str, Any], state: TrainState) -> dict[str, Any]:
+    """``frozen`` with the reference the state carries (``Task.sync_reference``), if any."""
+    if isinstance(state.extra, dict) and "reference" in state.extra:
+        return {**frozen, "reference": state.extra["reference"]}
+    return frozen
+
+
+def _carrying_reference(step, sync_reference: Callable):
+    """``step`` reading the reference from ``state.extra`` and moving it after the update
+    (``Task.sync_reference``); the update itself sees it as a frozen input."""
+    def carried_step(state: TrainState, frozen, batch):
+        new_state, out = step(state, _with_carried(frozen, state), batch)
+        reference = sync_reference(new_state.params, state.extra["reference"], new_state.step)
+        return new_state._replace(extra={"reference": reference}), out
+
+    return carried_step
 
 
 class SubmeshReference:
@@ -100,8 +119,13 @@ class OfflineTrainer:
     # ---- what api.py reads -----------------------------------------------------------
     def init_state(self) -> tuple[TrainState, Any]:
         """The fresh train state on the mesh, and its shardings (the optimiser state's in host
-        memory with ``placement.optimizer_state: host``)."""
+        memory with ``placement.optimizer_state: host``); a task whose reference moves
+        (``Task.sync_reference``) carries it in ``extra``."""
         state, shardings = init_state_on_mesh(self.params, self.optimizer, seed=self.config.train.seed, mesh=self.mesh)
+        if self.task.sync_reference is not None:  # buffers of its own: the state is donated to the step
+            reference = jax.tree.map(jnp.copy, self.initial_reference())
+            state = state._replace(extra={"reference": reference})
+            shardings = shardings._replace(extra={"reference": jax.tree.map(lambda x: x.sharding, reference)})
         return place_optimizer_state(state, shardings, self.config.placement.optimizer_state)
 
     def export_models(self, params, *, critic: bool = False) -> dict[str, nnx.Module]:
@@ -252,12 +276,12 @@ class OfflineTrainer:
         """The fresh state; compiles :attr:`step` for it and sets :attr:`reference`."""
         state, shardings = self.init_state()
         task = self.task
-        self.step = jax.jit(
-            make_train_step(task.loss_fn, self.optimizer, normalisers_fn=task.normalisers_fn,
-                            grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule),
-            donate_argnums=(0,), out_shardings=(shardings, None),
-        )
-        self.reference = self.initial_reference()
+        step = make_train_step(task.loss_fn, self.optimizer, normalisers_fn=task.normalisers_fn,
+                               grad_accum_steps=self.config.train.grad_accum_steps, schedule=self.schedule)
+        if task.sync_reference is not None:  # the state carries the reference: nothing to save once
+            step = _carrying_reference(step, task.sync_reference)
+        self.step = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, None))
+        self.reference = self.initial_reference() if task.sync_reference is None else None
         self.params = None
         return state
 
@@ -274,7 +298,7 @@ class OfflineTrainer:
             result = session.run(
                 state=state, frozen=frozen, step_fn=self.step, batches=batches, data_stats=self.data.stats,
                 place_batch=self.place_batch,
-                eval_fn=session.reporting_eval(lambda st: self.evaluate(st.params, frozen))
+                eval_fn=session.reporting_eval(lambda st: self.evaluate(st.params, _with_carried(frozen, st)))
                 if self.has_evaluation() else None,
             )
         return TrainResult(config=config, model=self.model_from(result.state.params), tokenizer=self.tokenizer,
