@@ -121,7 +121,7 @@ def _label_parser(sub) -> None:
     p.add_argument("config", help="a recipe: the policy (model), rollout settings and rewards (the verifier)")
     p.add_argument("solutions", help="format-steps JSONL, or a generator spec (reasoning_gym:chain_sum?size=16)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the recipe")
-    p.add_argument("--out", required=True, help="the labelled JSONL (format steps, for algorithm: prm)")
+    p.add_argument("--out", required=True, help="the labelled JSONL (format steps: process reward model data)")
     p.add_argument("--num-samples", type=int, default=8, help="completions per step prefix (K)")
     p.add_argument("--estimator", default="soft", help="hard (any completion correct) or soft (c/K)")
     p.add_argument("--batch-prefixes", type=int, default=8, help="step prefixes sampled together")
