@@ -154,6 +154,10 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("rollout.pack_groups", Above("rollout.num_samples", 1), "one sample per prompt has no group to pack"),
     rule("rollout.tis_cap", Is("rollout.old_logps", "recompute"),
          "with the sampler's log-probs as the old ones the importance weight pi_old / pi_sampler is 1"),
+    rule("rollout.max_logprob_gap",
+         All(Is("rollout.top_k", 0), Is("rollout.top_p", 1.0), Is("rollout.async.max_staleness", 0)),
+         "it bounds how far the learner's log-probs are from the sampler's on the same weights; under top-k/top-p "
+         "the sampler's are of the truncated distribution, and an asynchronous batch's of older weights"),
     # --- rewards (alignax.rewards.composite): every rollout and every generation-based
     # evaluation is scored (under grpo.advantage=process too: the logged rewards, dynamic
     # sampling's group variance and the evaluation read them; the advantages do not)
