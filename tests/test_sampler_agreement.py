@@ -161,6 +161,7 @@ def on_eight_devices():
     return run_check("sampler_agreement_check.py")
 
 
+@pytest.mark.xdist_group("sampler-agreement-mesh")  # one worker runs the subprocess once
 @pytest.mark.parametrize("setting", ["mesh/float32", "mesh/bfloat16", "own_mesh/float32", "own_mesh/bfloat16"])
 def test_mesh_and_the_sampler_on_its_own_mesh(on_eight_devices, setting):
     out = on_eight_devices[setting]
