@@ -39,6 +39,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=1, help="fake CPU devices to ask XLA for (8 for the mesh settings)")
     p.add_argument("--out", default=None, help="write the JSON here as well")
     p.add_argument("--append", action="store_true", help="add these rows to --out's rows instead of replacing them")
+    p.add_argument("--self-consistency", action="store_true",
+                   help="also the learner against itself: its pass over the first P + k tokens against its pass "
+                        "over the whole sequence, k = 1, 5, 15, 25 (what no sampler can beat)")
     return p.parse_args(argv)
 
 
@@ -65,6 +68,40 @@ def recipe(args, setting: str, dtype: str, output_dir: str) -> dict:
         raw["mesh"] = {"shape": [1, 8, 1]}
         raw["rollout"]["mesh"] = [2, 1, 4]
     return raw
+
+
+def self_consistency(trainer, state, batch, ks=(1, 5, 15, 25)) -> dict:
+    """Largest |log-prob difference| of response token ``k``: the learner's pass over the
+    first ``P + k`` tokens (the sequence cut after the token's context) against its pass
+    over the whole sequence, and the sampler's against the whole-sequence pass. Same
+    code, same weights: only the sequence length differs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    actors, ro = trainer.actors, batch.rollout
+    model = nnx.merge(actors.graphdef, actors.whole_policy(state.params), actors.rest)
+    temperature, P = trainer.config.rollout.temperature, actors.prompt_len
+
+    @jax.jit
+    def logps(tokens, positions, attention):  # [R, T - 1]: the log-prob of each next token
+        logits = model.logits(model(tokens, positions, attention, return_logits=False).hidden[:, :-1]) / temperature
+        return jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
+
+    mask, sampler = np.asarray(batch.response_mask) > 0, np.asarray(ro.sampler_logps)
+    whole = np.asarray(logps(ro.tokens, ro.positions, ro.attention_mask))
+    out = {"k": [], "learner_prefix_vs_whole": [], "sampler_vs_whole": []}
+    for k in ks:
+        if k >= mask.shape[1] or not mask[:, k].any():
+            continue
+        cut = P + k + 1  # the prompt, response tokens 0..k
+        prefix = np.asarray(logps(ro.tokens[:, :cut], ro.positions[:, :cut], ro.attention_mask[:, :cut]))[:, -1]
+        full = whole[:, P + k - 1]
+        out["k"].append(k)
+        out["learner_prefix_vs_whole"].append(float(np.max(np.abs(prefix - full)[mask[:, k]])))
+        out["sampler_vs_whole"].append(float(np.max(np.abs(sampler[:, k] - full)[mask[:, k]])))
+    return out
 
 
 def measure(args, setting: str, dtype: str) -> dict:
@@ -99,9 +136,11 @@ def measure(args, setting: str, dtype: str) -> dict:
             figures = gap.measure(sampler_logps, recomputed, mask, rollout_index=batch.rollout_index,
                                   policy_version=batch.policy_version)
             measure_s = time.perf_counter() - t0
+        extra = {"self_consistency": self_consistency(trainer, state, batch)} if args.self_consistency else {}
     keys = gap.keys()
-    return {"setting": setting, "dtype": dtype, "gap_mean": figures[keys["mean"]], "gap_max": figures[keys["max"]],
-            "share_above_1e-3": figures[keys["share"]], "tokens": int(figures[keys["tokens"]]),
+    return {**extra, "setting": setting, "dtype": dtype, "gap_mean": figures[keys["mean"]],
+            "gap_max": figures[keys["max"]], "share_above_1e-3": figures[keys["share"]],
+            "tokens": int(figures[keys["tokens"]]),
             "measure_s": measure_s, "logprob_s": batch.figures["perf/logprob_s"], "collect_s": collect_s,
             "devices": jax.device_count()}
 
