@@ -505,6 +505,12 @@ class RolloutSection:
         ``precision.param_dtype``, that compute-dtype copy on it; else the training
         weights themselves, no copy).
       async: asynchronous rollouts (:class:`AsyncSection`).
+      max_logprob_gap: stop the run (``LogprobGapError``) before training on a rollout
+        whose largest per-token gap between the sampler's log-probs and the learner's
+        recomputation of them exceeds this many nats
+        (:mod:`alignax.trainers.online.agreement`; measured either way, as
+        ``agreement/<compute dtype>/gap_*``). ``null`` (default): measured, not enforced.
+        Measured bounds per dtype: docs/sampler-agreement.md.
     """
 
     max_new_tokens: int = 128
@@ -521,6 +527,12 @@ class RolloutSection:
     pack_groups: Literal["auto", "on", "off"] = "auto"
     mesh: tuple[int, int, int] | None = None
     async_: AsyncSection = dataclasses.field(default_factory=AsyncSection)  # the key ``rollout.async``
+    max_logprob_gap: float | None = None
+
+    def __post_init__(self):
+        if self.max_logprob_gap is not None and not self.max_logprob_gap > 0:
+            raise ValueError(f"rollout.max_logprob_gap must be > 0 nats (null: not enforced); "
+                             f"got {self.max_logprob_gap}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,6 +182,10 @@ KEY_RULES: tuple[Rule, ...] = (
          "pi_sampler is the importance correction; only an objective without one takes the explicit weight"),
     rule("rollout.tis_level", Given("rollout.tis_cap"), "it is the truncated weight's level"),
     rule("rollout.rejection_bounds", Given("rollout.rejection"), "they bound the rejection mask's ratio"),
+    rule("rollout.max_logprob_gap",
+         All(Is("rollout.top_k", 0), Is("rollout.top_p", 1.0), Is("rollout.async.max_staleness", 0)),
+         "it bounds how far the learner's log-probs are from the sampler's on the same weights; under top-k/top-p "
+         "the sampler's are of the truncated distribution, and an asynchronous batch's of older weights"),
     # --- rewards (alignax.rewards.composite): every rollout and every generation-based
     # evaluation is scored (under grpo.advantage=process too: the logged rewards, dynamic
     # sampling's group variance and the evaluation read them; the advantages do not)

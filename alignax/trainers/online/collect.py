@@ -18,6 +18,11 @@ reference log-probs, rewards, advantages, the policy version that sampled them).
 What an algorithm gathers is read from its bundle by those functions; the collector
 itself has no branch over an algorithm's flags. The policy version of a batch is the
 number of rollouts whose updates the sampling weights had seen (``state.extra["rollouts"]``).
+
+Pricing also measures how far the learner's recomputed log-probs are from the sampler's
+(:mod:`alignax.trainers.online.agreement`; in single-update mode after the update, from
+its forward pass: :meth:`Collector.agreement_after_update`) and stops the run past
+``rollout.max_logprob_gap``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from alignax.rewards.verifiers import with_task
 from alignax.sampling.scored import Groups
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.online.actors import Actors
+from alignax.trainers.online.agreement import Agreement
 from alignax.trainers.online.algorithm import AdvantageInputs, OnlineAlgorithm
 from alignax.trainers.online.grpo import group_reward_std, select_informative_groups
 from alignax.trainers.online.rollout import Rollout, RowLayout
@@ -181,6 +187,7 @@ class Collector:
         self.config, self.algorithm, self.actors, self.layout = config, algorithm, actors, layout
         self.single_pass = single_pass  # see single_update
         self.advantages = jax.jit(algorithm.advantages)
+        self.agreement = Agreement(config)  # sampler/learner log-prob gap, rollout.max_logprob_gap
 
     def rollout_key(self, state) -> tuple[int, Array]:
         """``(rollout index, its key)``: a rollout's randomness comes from the seed and its
@@ -237,6 +244,10 @@ class Collector:
                           returns=returns)
         jax.block_until_ready(rollout)  # so perf/logprob_s times the forward passes, not their dispatch
         figures["perf/logprob_s"] = time.perf_counter() - t_fwd
+        if tokens["recomputed"] is not None:  # else the update's pass recomputes them: agreement_after_update
+            figures.update(self.agreement.measure(tokens["sampler_logps"], tokens["recomputed"],
+                                                  tokens["response_mask"], rollout_index=sampled.rollout_index,
+                                                  policy_version=sampled.version))
         return RolloutBatch(groups=groups, rollout=rollout, inputs=inputs, rewards=rewards,
                             response_mask=tokens["response_mask"], recomputed=tokens["recomputed"],
                             entropy=tokens["entropy"], policy_version=sampled.version,
@@ -255,6 +266,15 @@ class Collector:
             placed = (tokens["tokens"], tokens["positions"], tokens["attention"])
             extras["sum_pi_squared"] = self.actors.sum_pi_squared(self.actors.whole_policy(state.params), *placed)
         return extras
+
+    def agreement_after_update(self, batch: RolloutBatch, recomputed: Array) -> dict[str, float]:
+        """Single-update mode's agreement figures: the update's own forward pass (``recomputed``
+        ``[R, N]``, the pre-update weights) was the learner's recomputation. A gap past the
+        bound raises here, after that one update; the loop saves no state it made."""
+        if batch.recomputed is not None:  # measured in price, before the update
+            return {}
+        return self.agreement.measure(batch.rollout.sampler_logps, recomputed, batch.response_mask,
+                                      rollout_index=batch.rollout_index, policy_version=batch.policy_version)
 
     def token_quantities(self, state, frozen, groups: Groups) -> dict[str, Array | None]:
         """The rollout's sequences and per-token arrays on the training mesh: ``tokens``,

@@ -145,9 +145,10 @@ class OnlineTrainer:
         collect = self.collect if self.schedule is None else self.schedule.collect
         batch = collect(state, frozen, prompt_batch, batches)
         state, result = self.learn(state, frozen, batch, observe=observe)
+        agreement = self.collector.agreement_after_update(batch, result.recomputed)
         if self.schedule is not None:
             self.schedule.finish()
-        figures = self.figures(batch, result)
+        figures = {**self.figures(batch, result), **agreement}
         figures["perf/step_time_s"] = time.perf_counter() - t_start
         return state, StepOutput(metrics=figures)
 
