@@ -193,8 +193,8 @@ def test_only_adapters_are_trained_and_the_base_is_unchanged(lora_dpo, toy_model
 
 @pytest.mark.xdist_group("lora-dpo")  # shares the module fixture: one worker builds it
 def test_reference_is_the_base_with_adapters_off_and_no_second_copy(lora_dpo, toy_model):
-    _, trainer, _ = lora_dpo
-    frozen = trainer.eval_frozen()
+    _, trainer, result = lora_dpo
+    frozen = trainer.eval_frozen(result.loop.state)
     base_leaves = {id(x) for x in jax.tree.leaves(frozen["base"])}
     ref = frozen["reference"]
     ref_base, ref_adapters = nnx.split_state(ref, nnx.Not(LoRAParam), ...)

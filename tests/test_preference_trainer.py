@@ -218,6 +218,15 @@ def test_tr_dpo_changes_the_run_and_resumes_bit_for_bit(tmp_path, toy_model):
     for a, b in zip(jax.tree.leaves((full.loop.state.params, full.loop.state.extra)),
                     jax.tree.leaves((resumed.loop.state.params, resumed.loop.state.extra))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # alignax eval of the finished run scores against the reference its checkpoint carries, as
+    # the run's own last evaluation did (not the initial reference)
+    from alignax.trainers.api import evaluate
+
+    figures = evaluate(tr_config(tmp_path / "full", toy_model, steps=5), records=records)
+    last = full.eval_history[-1]
+    assert last["step"] == 5
+    assert {f"eval/{k}": v for k, v in figures.items()} == pytest.approx(
+        {k: v for k, v in last.items() if k != "step"}, rel=1e-5)
 
 
 def test_tr_dpo_refuses_a_precomputed_reference_and_lora(tmp_path, toy_model):

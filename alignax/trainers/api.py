@@ -93,7 +93,14 @@ def train(config: TrainConfig, *, records: Sequence[Mapping] | None = None) -> T
 def restore_params(trainer, config: TrainConfig, step: int | None = None, *, master: bool = False):
     """The trained params of a run's checkpoint (the latest when ``step`` is None); with
     ``master``, at the precision the optimiser keeps them (the float32 master copy of
-    bfloat16 params, :func:`~alignax.trainers.engine.precision.master_params`).
+    bfloat16 params, :func:`~alignax.trainers.engine.precision.master_params`)."""
+    state = restore_state(trainer, config, step)
+    return master_params(state.params, state.opt_state) if master else state.params
+
+
+def restore_state(trainer, config: TrainConfig, step: int | None = None):
+    """The train state of a run's checkpoint (the latest when ``step`` is None): its params,
+    and what the state carries besides (a reference that moves during training, TR-DPO).
 
     A run with no checkpoint is an error naming the directory: evaluating or exporting the
     untrained starting weights by mistake would look like a result."""
@@ -106,7 +113,7 @@ def restore_params(trainer, config: TrainConfig, step: int | None = None, *, mas
                 template, _ = trainer.init_state()
                 # eval and export read a run; they never delete its corrupt steps
                 state, _ = checkpointer.restore(template, step, discard_corrupt=False)
-                return master_params(state.params, state.opt_state) if master else state.params
+                return state
     where = f"step {step}" if step is not None and steps else "checkpoint"
     found = f"; steps there: {', '.join(map(str, sorted(steps)))}" if steps else ""
     raise FileNotFoundError(f"no {where} under {directory} (train the run first, or check output_dir){found}")
@@ -121,8 +128,8 @@ def evaluate(config: TrainConfig, *, step: int | None = None,
     trainer = build_trainer(config, records=records)
     if algorithm(config.algorithm).family == "iterative":  # step: a round
         return trainer.evaluate(step)
-    params = restore_params(trainer, config, step)
-    return trainer.evaluate(params, trainer.eval_frozen())
+    state = restore_state(trainer, config, step)
+    return trainer.evaluate(state.params, trainer.eval_frozen(state))
 
 
 def export(config: TrainConfig, destination: str | None = None, *, step: int | None = None,

@@ -186,10 +186,12 @@ class OfflineTrainer:
             return self.reference_model_params(self.config)
         return frozen_params(self.params, self.config.precision)
 
-    def eval_frozen(self) -> dict[str, Any]:
-        """The frozen inputs of an evaluation outside training: the initial params are the
-        reference (the run saved exactly them, in ``precision.frozen_dtype``, as its reference)."""
-        return self.frozen_inputs(self.initial_reference())
+    def eval_frozen(self, state: TrainState) -> dict[str, Any]:
+        """The frozen inputs of an evaluation of the checkpoint ``state`` outside training: the
+        initial params are the reference (the run saved exactly them, in
+        ``precision.frozen_dtype``, as its reference), or the one the state carries where the
+        reference moved during training (TR-DPO, ``Task.sync_reference``)."""
+        return _with_carried(self.frozen_inputs(self.initial_reference()), state)
 
     def has_evaluation(self) -> bool:
         """Whether there is anything to evaluate: an eval split, or ``evaluation.prompts``."""

@@ -163,7 +163,9 @@ class OnlineTrainer:
         return figures
 
     # ------------------------------------------------------------------ evaluation and export
-    def eval_frozen(self) -> None:
+    def eval_frozen(self, state) -> None:
+        """An online evaluation samples with the policy alone: no frozen inputs."""
+        del state
         return None
 
     def has_evaluation(self) -> bool:
