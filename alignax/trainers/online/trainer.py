@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -186,7 +187,7 @@ class OnlineTrainer:
         if jax.process_count() > 1:
             raise ConfigError(f"rollout.async.max_staleness={staleness} runs in one process; this run has "
                              f"{jax.process_count()} (use max_staleness 0)")
-        return AsyncSchedule(self.collector, staleness)
+        return AsyncSchedule(self.collector, staleness, directory=Path(self.config.output_dir) / "async_in_flight")
 
     def train(self) -> TrainResult:
         self.schedule = self.start_schedule()
