@@ -238,7 +238,7 @@ def test_importance_weighted_kl_at_staleness_one_weighs_by_the_behaviour_policy(
             return seen[0], batch, result
 
         kl, batch, result = kl_term(behind)
-        learner = np.asarray(result.old_logps, np.float64)  # the update's forward pass: version 1's log-probs
+        learner = np.asarray(result.recomputed, np.float64)  # the update's forward pass: version 1's log-probs
         ref = np.asarray(batch.rollout.ref_logps, np.float64)
         behaviour = behind.groups.sampler_logps.astype(np.float64)
         mask = np.asarray(batch.rollout.loss_mask, np.float64)
