@@ -19,16 +19,18 @@ sample older than that raises :class:`StaleSampleError` before it is used), ``k 
 the synchronous loop, and a resumed run repeats an uninterrupted one when the checkpoint
 carries the rollouts in flight (:meth:`AsyncSchedule.in_flight_state`: host arrays, JSON).
 
-A sampling that raised (a reward function, a tool) stops the run at the learner's next
-rollout with :class:`SamplerFailedError` naming the rollout; the checkpoint saved on the
+A sampling that raised (a reward function, a tool) stops the run when the learner comes to
+that rollout (every process at the same one) with :class:`SamplerFailedError` naming it; the checkpoint saved on the
 way out carries, for each rollout in flight not yet sampled, its prompts and the sampler's
 weights it was queued with (a file beside the checkpoints, ``async_in_flight/``), so the
 resumed run samples it again from the same weights and repeats the uninterrupted run.
 
 Time-sliced: both threads dispatch to the devices they were given (the sampler's mesh is
 ``rollout.mesh`` or the training mesh); overlap comes from whatever one side leaves idle
-(host decoding, reward code, the other's dispatch). One process only: the sampler thread's
-collectives would have to be ordered against the learner's across processes.
+(host decoding, reward code, the other's dispatch). With ``rollout.async.devices`` the
+sampler has a device group of its own (``Actors.sampler_mesh``) and the weights move there
+device to device; only then may the run span several processes (each thread's collectives
+then run on device sets of their own, in the same order in every process).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from alignax.parallel.multihost import allgather_rows
 from alignax.sampling.scored import Groups
 from alignax.trainers.online.collect import Collector, RolloutBatch, Sampled
 
@@ -118,14 +121,15 @@ class AsyncSchedule:
         weights = self.collector.actors.sampling_state(state.params)  # dispatched before the update donates
         self._queue(weights, prompt_batch, rollout_index, version)
 
-    def _raise_failed(self) -> None:
-        """A rollout in flight whose sampling raised: :class:`SamplerFailedError` naming it."""
-        for job in self.in_flight:
-            if job.future.done() and not job.future.cancelled() and job.future.exception() is not None:
-                err = job.future.exception()
-                raise SamplerFailedError(
-                    f"rollout {job.rollout_index}: the sampler thread failed (sampling with policy version "
-                    f"{job.version}): {type(err).__name__}: {' '.join(str(err).split())[:300]}") from err
+    def _raise_if_failed(self, job: Job) -> None:
+        """:class:`SamplerFailedError` naming ``job``'s rollout when its sampling raised in this
+        process or in another (agreed at this rollout, the one every process waits for: the
+        processes stop at the same step)."""
+        err = job.future.exception()
+        if allgather_rows(np.array([err is not None])).any():
+            cause = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}" if err else "in another process"
+            raise SamplerFailedError(f"rollout {job.rollout_index}: the sampler thread failed (sampling with policy "
+                                     f"version {job.version}): {cause}") from err
 
     def collect(self, state, frozen, prompt_batch: Mapping[str, Any], batches: Iterator) -> RolloutBatch:
         """Rollout ``t``'s batch (``t``: the rollouts ``state`` has learned from), with the
@@ -143,11 +147,10 @@ class AsyncSchedule:
         else:
             self._launch(state, prompt_batch, version + self.max_staleness, version)
         self._opened = len(self.in_flight) - queued
-        self._raise_failed()
         t_wait = time.perf_counter()
         concurrent.futures.wait([self.in_flight[0].future])  # taken off the queue by finish, once the update is done
         learner_wait_s = time.perf_counter() - t_wait
-        self._raise_failed()
+        self._raise_if_failed(self.in_flight[0])
         sampled = self.in_flight[0].result()
         staleness = version - sampled.version
         if sampled.rollout_index != version or not 0 <= staleness <= self.max_staleness:
@@ -174,7 +177,7 @@ class AsyncSchedule:
         update is saved as not begun (the loop saves the data position before its prompts):
         the rollouts it queued are left out, the one it took stays. A rollout whose sampling
         raised is carried as its prompts and the weights it was queued with (written under
-        ``directory``), to be sampled again on resume."""
+        ``directory``, a file per process), to be sampled again on resume."""
         kept = list(self.in_flight)[: len(self.in_flight) - self._opened]
         saved = []
         for job in kept:
@@ -182,17 +185,23 @@ class AsyncSchedule:
                 saved.append(sampled_to_json(job.result()))
             else:
                 saved.append(self._unsampled_to_json(job))
-        return saved
+        if jax.process_count() == 1 or not saved:
+            return saved
+        # each process's rows are its own: a file per process, the checkpoint's meta names it
+        name = f"in_flight_{kept[0].rollout_index}"
+        self._directory(kept[0]).joinpath(f"{name}.process_{jax.process_index()}.json").write_text(json.dumps(saved))
+        return [{"per_process": name}]
+
+    def _directory(self, job: Job) -> Path:
+        if self.directory is None:
+            raise SamplerFailedError(f"rollout {job.rollout_index} is in flight and this schedule has no directory "
+                                     "for what a checkpoint carries beside its meta")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return self.directory
 
     def _unsampled_to_json(self, job: Job) -> dict[str, Any]:
-        if self.directory is None:
-            raise SamplerFailedError(f"rollout {job.rollout_index} is not sampled and this schedule has no directory "
-                                     "for its weights: a checkpoint cannot carry it")
-        if jax.process_count() > 1:
-            raise SamplerFailedError(f"rollout {job.rollout_index} is not sampled: a checkpoint of more than one "
-                                     "process carries its weights in no file yet")
-        name = f"version_{job.version}.npz"
-        write_weights(self.directory / name, job.weights)
+        name = f"version_{job.version}.process_{jax.process_index()}.npz"  # each process its own shards
+        write_weights(self._directory(job) / name, job.weights)
         return {"unsampled": True, "rollout_index": job.rollout_index, "version": job.version,
                 "prompts": {k: _value_json(v) for k, v in job.prompts.items()}, "weights": name}
 
@@ -201,6 +210,9 @@ class AsyncSchedule:
         unsampled ones are queued again, with their saved weights, by the next :meth:`collect`
         (the weights' layout is the sampler's, known from the state)."""
         self.in_flight.clear()
+        if saved and "per_process" in saved[0]:
+            saved = json.loads((self.directory / f"{saved[0]['per_process']}.process_{jax.process_index()}.json")
+                               .read_text())
         self._restored = list(saved)
 
     def _requeue(self, state) -> None:
@@ -214,10 +226,16 @@ class AsyncSchedule:
                 continue
             if template is None:
                 template = self.collector.actors.sampling_state(state.params)
-            weights = read_weights(self.directory / item["weights"], template)
+            weights = read_weights(self.directory / f"version_{item['version']}.process_{jax.process_index()}.npz",
+                                   template)
             prompts = {k: _json_value(v) for k, v in item["prompts"].items()}
             self._queue(weights, prompts, int(item["rollout_index"]), int(item["version"]))
         self._restored = []
+
+    def drain(self) -> None:
+        """Wait until the sampler thread has finished what is queued (a program of another
+        thread on the sampler's devices then runs in the same order in every process)."""
+        concurrent.futures.wait([job.future for job in self.in_flight])
 
     def close(self) -> None:
         """Stop the sampler thread (rollouts still queued past the run's end are dropped)."""
@@ -228,26 +246,45 @@ class AsyncSchedule:
 
 
 # ---------------------------------------------------------------------- the sampler's weights <-> a file
+def _slices(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+    return [[sl.start or 0, dim if sl.stop is None else sl.stop] for sl, dim in zip(index, shape)]
+
+
 def write_weights(path: Path, weights: Any) -> None:
-    """``weights``' arrays as raw bytes in one ``.npz`` (any dtype, bfloat16 included: each
-    leaf viewed as unsigned integers of its width, its dtype's name beside it)."""
-    leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(weights))]
+    """This process's shards of ``weights``' arrays as raw bytes in one ``.npz`` (any dtype,
+    bfloat16 included: each shard viewed as unsigned integers of its width), with each
+    shard's place in its array and its dtype's name: every process writes its own file."""
+    shards, index = {}, []
+    for i, x in enumerate(jax.tree.leaves(weights)):
+        placed = {}
+        for shard in x.addressable_shards:
+            key = json.dumps(_slices(shard.index, x.shape))
+            if key not in placed:  # a replicated shard once
+                data = np.asarray(shard.data)
+                placed[key] = f"leaf_{i}_{len(placed)}"
+                shards[placed[key]] = data.view(f"u{data.dtype.itemsize}")
+        index.append({"dtype": str(x.dtype), "shards": placed})
     path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"leaf_{i}": a.view(f"u{a.dtype.itemsize}") for i, a in enumerate(leaves)}
-    dtypes = np.frombuffer(json.dumps([str(a.dtype) for a in leaves]).encode(), np.uint8)
     with open(path, "wb") as f:
-        np.savez(f, dtypes=dtypes, **arrays)
+        np.savez(f, index=np.frombuffer(json.dumps(index).encode(), np.uint8), **shards)
 
 
 def read_weights(path: Path, template: Any) -> Any:
-    """:func:`write_weights`' arrays, bit for bit, as ``template``'s tree placed with its shardings."""
-    with np.load(path, allow_pickle=False) as saved:
-        dtypes = json.loads(saved["dtypes"].tobytes())
-        leaves = [saved[f"leaf_{i}"].view(jax.numpy.dtype(name)) for i, name in enumerate(dtypes)]
+    """:func:`write_weights`' arrays, bit for bit, placed as ``template``'s (same tree, shapes
+    and shardings: the sampler's weights of the resumed run)."""
     like, treedef = jax.tree.flatten(template)
-    if len(like) != len(leaves):
-        raise ValueError(f"{path} holds {len(leaves)} arrays; the sampler's weights have {len(like)}")
-    return jax.tree.unflatten(treedef, [jax.device_put(a, x.sharding) for a, x in zip(leaves, like)])
+    with np.load(path, allow_pickle=False) as saved:
+        index = json.loads(saved["index"].tobytes())
+        if len(index) != len(like):
+            raise ValueError(f"{path} holds {len(index)} arrays; the sampler's weights have {len(like)}")
+        leaves = []
+        for x, entry in zip(like, index):
+            dtype = jax.numpy.dtype(entry["dtype"])
+            where = x.sharding.addressable_devices_indices_map(x.shape)
+            parts = [jax.device_put(saved[entry["shards"][json.dumps(_slices(i, x.shape))]].view(dtype), d)
+                     for d, i in where.items()]
+            leaves.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, parts))
+    return jax.tree.unflatten(treedef, leaves)
 
 
 # ---------------------------------------------------------------------- host arrays <-> JSON
