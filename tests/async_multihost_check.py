@@ -11,6 +11,7 @@ across layouts).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 
@@ -21,6 +22,7 @@ FIGURES = ("reward/total", "response/length_mean", "loss", "grad_norm", "entropy
 
 
 def main() -> None:
+    faulthandler.dump_traceback_later(420, exit=True)  # a hang ends with every thread's stack, not a timeout
     process_id, processes, port, model_dir, output_dir = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                                           sys.argv[4], sys.argv[5])
     from alignax.trainers import api
