@@ -63,7 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed rollouts first (>= 1 + the largest k)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (split: half the sampler's)")
-    parser.add_argument("--latency", type=float, default=0.2, help="seconds of injected host latency per batch")
+    parser.add_argument("--latency", type=float, default=0.2, help="seconds of injected host latency per batch (0: no latency runs)")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the slow reward's module: async_overlap
     runs: dict[str, list[dict]] = {}
     load_before = os.getloadavg()
-    for slow in (False, True):
+    for slow in (False, True) if args.latency > 0 else (False,):  # --latency 0: without the latency runs
         for _ in range(args.rounds):
             for layout, staleness in SETTINGS:
                 runs.setdefault(f"{'latency' if slow else 'no_latency'}/{layout}/staleness_{staleness}", []).append(
