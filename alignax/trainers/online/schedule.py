@@ -29,8 +29,8 @@ Time-sliced: both threads dispatch to the devices they were given (the sampler's
 ``rollout.mesh`` or the training mesh); overlap comes from whatever one side leaves idle
 (host decoding, reward code, the other's dispatch). With ``rollout.async.devices`` the
 sampler has a device group of its own (``Actors.sampler_mesh``) and the weights move there
-device to device; only then may the run span several processes (each thread's collectives
-then run on device sets of their own, in the same order in every process).
+device to device. One process only (``OnlineTrainer.start_schedule``); the failure agreement
+and the per-process files below are written for several, which are not yet allowed.
 """
 
 from __future__ import annotations

@@ -62,22 +62,6 @@ def check_layout(config: TrainConfig, algorithm: OnlineAlgorithm, layout: RowLay
                          f"{algorithm.minibatches} minibatches")
 
 
-def multiprocess_async_problem(config: TrainConfig, algorithm: OnlineAlgorithm, actors: Actors) -> str | None:
-    """Why an asynchronous schedule cannot run over several processes, or ``None``. Each
-    process runs the same programs in the same order on each thread, so the collectives
-    of the two threads pair up across processes only when no device set is used by both
-    threads' collectives: the sampler on devices of its own, and nothing on the sampler's
-    thread that gathers over every device or runs on the learner's."""
-    if actors.sampler_counterpart is None:
-        return ("the sampler needs devices of its own (rollout.async.devices): time-sliced, the two threads' "
-                "collectives on the same devices could run in another order in each process")
-    if algorithm.greedy_baseline:
-        return f"{config.algorithm}'s greedy baseline gathers its figure over every process on the sampler's thread"
-    if config.rewards.reward_models:
-        return "rewards.reward_models run on the learner's devices from the sampler's thread"
-    return None
-
-
 class OnlineTrainer:
     """An online run: its actors, collector and learner, and the run over them.
 
@@ -198,16 +182,16 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ the run
     def start_schedule(self) -> AsyncSchedule | None:
-        """The asynchronous schedule of ``rollout.async.max_staleness > 0``; over several
-        processes only with the sampler on devices of its own (:func:`multiprocess_async_problem`)."""
+        """The asynchronous schedule of ``rollout.async.max_staleness > 0`` (one process only:
+        the learner thread's collectives over every device, such as the figures' gathers,
+        can deadlock against the sampler thread's on its devices; seen with two gloo
+        processes, docs/async-rollouts.md)."""
         staleness = self.config.rollout.async_.max_staleness
         if staleness == 0:
             return None
         if jax.process_count() > 1:
-            problem = multiprocess_async_problem(self.config, self.algorithm, self.actors)
-            if problem:
-                raise ConfigError(f"rollout.async.max_staleness={staleness} over {jax.process_count()} processes: "
-                                  f"{problem}")
+            raise ConfigError(f"rollout.async.max_staleness={staleness} runs in one process; this run has "
+                             f"{jax.process_count()} (use max_staleness 0)")
         return AsyncSchedule(self.collector, staleness, directory=Path(self.config.output_dir) / "async_in_flight")
 
     def train(self) -> TrainResult:
