@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -15,8 +16,9 @@ from alignax.config import ConfigError
 from alignax.trainers.api import build_trainer as make_trainer
 from alignax.trainers.api import train
 from alignax.trainers.online.collect import Sampled
-from alignax.trainers.online.schedule import AsyncSchedule, StaleSampleError, sampled_from_json, sampled_to_json
-from tests.support.rl_toy import toy_config, toy_prompts
+from alignax.trainers.online.schedule import (AsyncSchedule, SamplerFailedError, StaleSampleError, sampled_from_json,
+                                              sampled_to_json)
+from tests.support.rl_toy import SAMPLER_FAULT, toy_config, toy_prompts
 
 FIGURES = ("reward/total", "loss", "grad_norm", "entropy", "response/length_mean")
 
@@ -32,10 +34,11 @@ def copied(state):
 
 
 @contextlib.contextmanager
-def first_step(tmp_path, toy_model, staleness: int):
+def first_step(tmp_path, toy_model, staleness: int, **sections):
     """``(trainer, schedule, state, frozen, batches, first batch)``: a fresh run's first
     rollout collected by its :class:`AsyncSchedule` (not yet learned from); closed after."""
-    config = async_config(tmp_path, toy_model, staleness=staleness, steps=2, checkpoint={"enabled": False})
+    config = async_config(tmp_path, toy_model, staleness=staleness, steps=2, checkpoint={"enabled": False},
+                          **sections)
     trainer = make_trainer(config, records=toy_prompts(32))
     schedule = AsyncSchedule(trainer.collector, staleness)
     try:
@@ -169,3 +172,79 @@ def test_a_step_that_fails_before_its_update_is_saved_as_not_begun(tmp_path, toy
         assert [item["rollout_index"] for item in schedule.in_flight_state()] == [1]
         schedule.collect(state, frozen, next(batches), batches)  # queues rollout 2, takes rollout 1
         assert [item["rollout_index"] for item in schedule.in_flight_state()] == [1]
+
+
+def test_a_failed_sampler_stops_the_run_and_the_resumed_run_repeats_the_uninterrupted_one(tmp_path, toy_model):
+    """The reward function raises on the fourth scored batch (the first is the evaluation at the start) (rollout 2, sampled on the thread
+    with version 1's weights): the run stops with one line naming the rollout; the checkpoint
+    it saves on the way out carries rollout 2 unsampled (its prompts, and version 1's sampler
+    weights in a file), and the resumed run repeats the uninterrupted run bit for bit."""
+    records, steps = toy_prompts(32), 4
+    rewards = {"functions": {"tests.support.rl_toy:yes_share_with_a_fault": 1.0}}
+    SAMPLER_FAULT.update(fail_on_batch=None, batches=0)
+    full = train(async_config(tmp_path / "full", toy_model, staleness=1, steps=steps, rewards=rewards,
+                              checkpoint={"enabled": False}), records=records)
+    SAMPLER_FAULT.update(fail_on_batch=3, batches=0)  # batch 0: the evaluation at the start
+    try:
+        with pytest.raises(SamplerFailedError) as failed:
+            train(async_config(tmp_path / "split", toy_model, staleness=1, steps=steps, rewards=rewards),
+                  records=records)
+        assert re.fullmatch(r"rollout 2: the sampler thread failed \(sampling with policy version 1\): "
+                            r"RewardFunctionError: .*ConnectionError: the verifier dropped scored batch 3.*",
+                            str(failed.value)), str(failed.value)
+        assert "\n" not in str(failed.value)
+        assert (tmp_path / "split" / "async_in_flight" / "version_1.process_0.npz").exists()
+        resumed = train(async_config(tmp_path / "split", toy_model, staleness=1, steps=steps, rewards=rewards),
+                        records=records)
+    finally:
+        SAMPLER_FAULT.update(fail_on_batch=None, batches=0)
+    saved = 2  # the failed run stopped where the learner came to rollout 2, saving the state from before it
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    for key in (*FIGURES, "async/staleness"):
+        assert [h[key] for h in full.history[saved:]] == [h[key] for h in resumed.history], key
+    for a, b in zip(jax.tree.leaves(jax.device_get(full.loop.state.params)),
+                    jax.tree.leaves(jax.device_get(resumed.loop.state.params))):
+        np.testing.assert_array_equal(a, b)
+
+
+def _shifted(sampled: Sampled, nats: float) -> Sampled:
+    """``sampled`` with its recorded behaviour log-probs lowered by ``nats`` on response tokens."""
+    g = sampled.groups
+    lower = (g.sampler_logps - nats * g.response_mask).astype(g.sampler_logps.dtype)
+    return dataclasses.replace(sampled, groups=dataclasses.replace(g, sampler_logps=lower))
+
+
+@pytest.mark.parametrize("weight", ["ratio", "none"])
+def test_importance_weighted_kl_at_staleness_one_weighs_by_the_behaviour_policy(tmp_path, toy_model, weight):
+    """``grpo.kl_importance_weight: ratio`` with ``max_staleness: 1`` (validation accepts it):
+    on rollout 1, sampled with version 0's weights and learned by version 1, the KL term is
+    the mean over response tokens of ``w k3`` with ``w = pi_learner / pi_behaviour`` from the
+    recorded sampler log-probs (a NumPy reference from DeepSeek-V3.2 eq. 8 and Schulman's
+    k3), so lowering the recorded log-probs by 0.3 nats multiplies it by ``e^0.3``; unweighted
+    (``none``) it does not move."""
+    with first_step(tmp_path, toy_model, 1, grpo={"kl_importance_weight": weight, "kl_coef": 0.1}) as (
+            trainer, schedule, state, frozen, batches, first):
+        assert trainer.config.rollout.async_.max_staleness == 1
+        state, _ = trainer.learn(state, frozen, first)
+        schedule.finish()
+        behind: Sampled = schedule.in_flight[0].result()
+        assert (behind.rollout_index, behind.version) == (1, 0)
+
+        def kl_term(sampled):
+            batch = trainer.collector.price(state, frozen, sampled)
+            seen = []
+            result = trainer.learn(copied(state), frozen, batch,
+                                   observe=lambda mb, out: seen.append(float(out.metrics["kl"])))[1]
+            return seen[0], batch, result
+
+        kl, batch, result = kl_term(behind)
+        learner = np.asarray(result.recomputed, np.float64)  # the update's forward pass: version 1's log-probs
+        ref = np.asarray(batch.rollout.ref_logps, np.float64)
+        behaviour = behind.groups.sampler_logps.astype(np.float64)
+        mask = np.asarray(batch.rollout.loss_mask, np.float64)
+        k3 = np.exp(ref - learner) - (ref - learner) - 1.0
+        w = np.exp(learner - behaviour) if weight == "ratio" else np.ones_like(k3)
+        assert np.max(np.abs(learner - behaviour) * mask) > 1e-3  # off-policy: the weights are not all 1
+        np.testing.assert_allclose(kl, np.sum(w * k3 * mask) / np.sum(mask), rtol=1e-5)
+        shifted, _, _ = kl_term(_shifted(behind, 0.3))
+        np.testing.assert_allclose(shifted, kl * (np.exp(0.3) if weight == "ratio" else 1.0), rtol=1e-5)

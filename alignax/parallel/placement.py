@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from alignax.config import ConfigError
 from alignax.parallel.multihost import local_rows, place_rows
@@ -134,14 +134,29 @@ def split_devices(config: PlacementConfig, devices: Sequence[jax.Device] | None 
     size = config.devices_apart  # (a role on "submesh" without a shape: alignax.trainers.validation refuses)
     if not size:
         return devices, None
-    shape = tuple(config.submesh)
-    processes = sorted({d.process_index for d in devices})
-    local = [[d for d in devices if d.process_index == p] for p in processes]
-    if size % len(processes) or size // len(processes) >= min(len(ds) for ds in local):
-        raise ConfigError(f"placement.submesh={list(shape)} sets {size} devices apart, the same number from each of "
-                         f"the {len(processes)} processes, each keeping at least one for training; the processes "
-                         f"have {[len(ds) for ds in local]} devices")
-    per = size // len(processes)
+    split = last_of_each_process(devices, size)
+    if split is None:
+        raise ConfigError(f"placement.submesh={list(config.submesh)} sets {size} devices apart, the same number from "
+                         f"each of the {len(processes_of(devices))} processes, each keeping at least one for training; "
+                         f"the processes have {[len(ds) for ds in processes_of(devices)]} devices")
+    return split
+
+
+def processes_of(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
+    """``devices`` by process (in process order, each process's in the given order)."""
+    return [[d for d in devices if d.process_index == p] for p in sorted({d.process_index for d in devices})]
+
+
+def last_of_each_process(devices: Sequence[jax.Device], size: int
+                         ) -> tuple[list[jax.Device], list[jax.Device]] | None:
+    """``(the rest, the last size / P devices of each of the P processes)``, or ``None``
+    when ``size`` does not split evenly over the processes or leaves one of them none: a
+    group set apart so that every process holds one contiguous block of its rows (the
+    sub-mesh's, the asynchronous sampler's)."""
+    local = processes_of(devices)
+    if size % len(local) or size // len(local) >= min(len(ds) for ds in local):
+        return None
+    per = size // len(local)
     return [d for ds in local for d in ds[:-per]], [d for ds in local for d in ds[-per:]]
 
 
@@ -151,3 +166,31 @@ def rows_to(mesh: Mesh, tree: Any) -> Any:
     (``local_rows`` then ``place_rows``): multi-controller JAX cannot reshard between
     disjoint sets of devices, and what crosses (log-probs, scores) is small."""
     return jax.tree.map(lambda x: place_rows(local_rows(x), mesh), tree)
+
+
+def twin_mesh(mesh: Mesh, counterpart: dict[jax.Device, jax.Device]) -> Mesh:
+    """``mesh``'s shape, axes and axis types over the counterparts of its devices: where a
+    program lays arrays out exactly as they will lie on ``mesh``, so that moving them
+    there (:func:`move_shards`) is one copy per shard, device to device."""
+    devices = np.vectorize(counterpart.__getitem__, otypes=[object])(mesh.devices)
+    return Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def move_shards(tree: Any, mesh: Mesh, counterpart: dict[jax.Device, jax.Device]) -> Any:
+    """``tree``'s arrays, laid out on a :func:`twin_mesh` of ``mesh``, moved onto ``mesh``:
+    each addressable shard copied to its device's counterpart (``counterpart``: twin device
+    -> ``mesh``'s device, both of one process) and the global arrays put together there
+    with the same partition specs. Device to device, no host round trip, and each process
+    moves only its own shards (no collective: multi-controller JAX has no reshard between
+    disjoint sets of devices)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if _is_array(x)]
+    shards = [list(leaves[i].addressable_shards) for i in arrays]
+    copies = iter(jax.device_put([s.data for ss in shards for s in ss],
+                                 [counterpart[s.device] for ss in shards for s in ss]))
+    for i, ss in zip(arrays, shards):
+        x = leaves[i]
+        leaves[i] = jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(mesh, x.sharding.spec, memory_kind=x.sharding.memory_kind),
+            [next(copies) for _ in ss])
+    return jax.tree.unflatten(treedef, leaves)

@@ -451,13 +451,24 @@ class AsyncSection:
         the sampler's (behaviour) log-probs: as the old ones under
         ``rollout.old_logps: sampler``, or through the ``rollout.tis_cap`` weight under
         ``recompute``.
+      devices: how many devices the sampler gets for itself (``0``, the default: none,
+        time-sliced). The last ``devices / P`` devices of each of the ``P`` processes (after
+        a ``placement.submesh``'s) form the sampler's group, laid out as ``rollout.mesh``
+        (``null``: the training mesh's shape); the learner's mesh (``mesh:``) spans the rest,
+        which must be as many devices as the sampler's (the weights move one shard to one
+        device: ``alignax.trainers.online.actors.Actors.sampling_state``). On one device per
+        process there is one group: time-sliced, with a warning.
     """
 
     max_staleness: int = 0
+    devices: int = 0
 
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ValueError(f"rollout.async.max_staleness must be >= 0 (0: synchronous); got {self.max_staleness}")
+        if self.devices < 0:
+            raise ValueError(f"rollout.async.devices must be >= 0 (0: time-sliced on the training devices); "
+                             f"got {self.devices}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ algorithm, the setting that makes the key unusable, and what would be right.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator
 
 from alignax.best_of_n import BestOfNConfig
@@ -312,8 +313,14 @@ def _async_rollouts(config):
     """Bounded staleness (``rollout.async.max_staleness > 0``) needs the behaviour log-probs in
     the loss and prompts the sampler can take ahead of the learner."""
     rc, k = config.rollout, config.rollout.async_.max_staleness
+    if ONLINE(config) and k == 0 and rc.async_.devices:
+        return (f"rollout.async.devices={rc.async_.devices} gives the sampler devices of its own, which only an "
+                "asynchronous schedule keeps busy; set rollout.async.max_staleness >= 1 or devices 0")
     if not ONLINE(config) or k == 0:
         return None
+    if rc.async_.devices and rc.mesh is not None and -1 not in rc.mesh and math.prod(rc.mesh) != rc.async_.devices:
+        return (f"rollout.mesh={list(rc.mesh)} spans {math.prod(rc.mesh)} devices; the sampler's group "
+                f"(rollout.async.devices) has {rc.async_.devices}")
     section = _online_section(config)
     if getattr(getattr(config, section), "dynamic_sampling", False):
         return (f"rollout.async.max_staleness={k} with {section}.dynamic_sampling=true: the "

@@ -75,3 +75,21 @@ def toy_config(tmp_path, model_dir: str, algorithm: str, *, steps: int, override
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}
     return tiny_config(tmp_path, algorithm, steps=steps, model_dir=model_dir, overrides=tuple(overrides), **base)
+
+
+SAMPLER_FAULT = {"fail_on_batch": None, "batches": 0}
+
+
+def yes_share_with_a_fault(completions, references):
+    """:func:`yes_share`, raising on the scored batch numbered ``SAMPLER_FAULT["fail_on_batch"]``
+    (0-based, counted in ``SAMPLER_FAULT["batches"]``; calls on one completion, as the
+    reward room's search for the failing completion makes, are not batches): a reward
+    function that fails once, as a verifier whose server drops a request would
+    (tests/test_async_rollouts.py)."""
+    if len(completions) == 1:
+        return yes_share(completions, references)
+    batch = SAMPLER_FAULT["batches"]
+    SAMPLER_FAULT["batches"] += 1
+    if batch == SAMPLER_FAULT["fail_on_batch"]:
+        raise ConnectionError(f"the verifier dropped scored batch {batch}")
+    return yes_share(completions, references)

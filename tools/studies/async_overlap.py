@@ -17,11 +17,15 @@ it is the run's wall time less start-up. ``learner_wait_share`` / ``sampler_wait
 the synchronous loop, which has no second thread). The reward curve is ``reward/total``
 per step, every step from the first.
 
-The schedule is time-sliced: sampler and learner dispatch to the same fake CPU devices
-(``--devices``, one mesh); ``rollout.async`` has no device group of its own yet. Prints one
-JSON object and writes it to ``--out``.
+Two layouts on ``--devices`` fake CPU devices: ``sliced`` (one data-parallel mesh over every
+device; the sampler thread and the learner time-slice it; ``staleness_0`` is the synchronous
+loop there, the baseline of every speed-up) and ``split`` (``rollout.async.devices``: half the
+devices are the sampler's, the learner's mesh is the other half; ``max_staleness`` 1 and 2
+only, 0 would leave the sampler's devices idle). Each round runs every setting once, in the
+same order. ``load_average`` is read before and after the measurement (the machine is
+shared). Prints one JSON object and writes it to ``--out``.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python tools/studies/async_overlap.py --steps 8 --rounds 1 \
+    HF_HUB_OFFLINE=1 nice -n 10 .venv/bin/python tools/studies/async_overlap.py --steps 16 --rounds 2 \
         --out docs/results/async_overlap.json
 """
 
@@ -37,7 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-STALENESS = (0, 1, 2)
+SETTINGS = (("sliced", 0), ("sliced", 1), ("sliced", 2), ("split", 1), ("split", 2))  # (layout, max_staleness)
 
 
 def no_reward_after(seconds: float):
@@ -58,18 +62,20 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=16, help="timed rollouts per setting and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rollouts first (>= 1 + the largest k)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (one data-parallel mesh)")
-    parser.add_argument("--latency", type=float, default=0.2, help="seconds of injected host latency per batch")
+    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (split: half the sampler's)")
+    parser.add_argument("--latency", type=float, default=0.2, help="seconds of injected host latency per batch (0: no latency runs)")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
 
-def config_for(staleness: int, steps: int, devices: int, slow: bool, out: str):
+def config_for(staleness: int, steps: int, devices: int, slow: bool, out: str, layout: str = "sliced"):
     sys.path.insert(0, str(ROOT / "tools"))  # the reward's module: bench_common
     from alignax.trainers.api import load_config
 
     overrides = [f"output_dir={out}", f"train.total_steps={steps}", "train.log_every=1", "checkpoint.enabled=false",
-                 "data.eval_fraction=0.0", f"mesh.shape=[{devices},1,1]", "data.batch_size=8",
+                 "data.eval_fraction=0.0", "data.batch_size=8",
+                 f"mesh.shape=[{devices if layout == 'sliced' else devices // 2},1,1]",
+                 f"rollout.async.devices={0 if layout == 'sliced' else devices // 2}",
                  "data.paths=['reasoning_gym:chain_sum?size=400&seed=0']", "logging.console=false",
                  "logging.tensorboard=false",
                  f"rollout.async.max_staleness={staleness}", "rollout.old_logps=sampler",
@@ -79,11 +85,11 @@ def config_for(staleness: int, steps: int, devices: int, slow: bool, out: str):
     return load_config(str(ROOT / "configs" / "tiny-grpo.yaml"), overrides)
 
 
-def one_run(staleness: int, args, slow: bool) -> dict:
+def one_run(staleness: int, args, slow: bool, layout: str = "sliced") -> dict:
     from alignax.trainers.api import train
 
     config = config_for(staleness, args.warmup + args.steps, args.devices, slow,
-                        tempfile.mkdtemp(prefix="async-overlap-"))
+                        tempfile.mkdtemp(prefix="async-overlap-"), layout)
     every = train(config).history
     history = every[args.warmup:]
     wall = sum(h["perf/step_time_s"] for h in history)
@@ -102,21 +108,23 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the slow reward's module: async_overlap
     runs: dict[str, list[dict]] = {}
-    for slow in (False, True):
+    load_before = os.getloadavg()
+    for slow in (False, True) if args.latency > 0 else (False,):  # --latency 0: without the latency runs
         for _ in range(args.rounds):
-            for staleness in STALENESS:
-                runs.setdefault(f"{'latency' if slow else 'no_latency'}/staleness_{staleness}", []).append(
-                    one_run(staleness, args, slow))
+            for layout, staleness in SETTINGS:
+                runs.setdefault(f"{'latency' if slow else 'no_latency'}/{layout}/staleness_{staleness}", []).append(
+                    one_run(staleness, args, slow, layout))
     summary = {}
     for name, rounds in runs.items():
-        base = statistics.median(r["wall_s"] for r in runs[name.rsplit("/", 1)[0] + "/staleness_0"])
+        base = statistics.median(r["wall_s"] for r in runs[name.split("/", 1)[0] + "/sliced/staleness_0"])
         wall = statistics.median(r["wall_s"] for r in rounds)
         summary[name] = {"wall_s_median": wall, "speedup_vs_staleness_0": base / wall,
                          "learner_wait_share": _median([r["learner_wait_share"] for r in rounds]),
                          "sampler_wait_share": _median([r["sampler_wait_share"] for r in rounds]),
                          "reward_total_mean": statistics.mean(x for r in rounds for x in r["reward_total"])}
     result = {"settings": {**vars(args), "timed_rollouts": args.steps, "cpu_count": os.cpu_count(),
-                           "load_average": os.getloadavg()},
+                           "load_average_before": load_before, "load_average_after": os.getloadavg(),
+                           "order": [f"{layout}/staleness_{k}" for layout, k in SETTINGS]},
               "summary": summary, "runs": runs}
     text = json.dumps(result, indent=1)
     print(text)

@@ -22,7 +22,7 @@ from alignax.models.hf import read_config
 from alignax.models.lora import LoraConfig, with_adapters
 from alignax._checks import check_choice
 from alignax.parallel.multihost import place_rows
-from alignax.parallel.placement import split_devices
+from alignax.parallel.placement import last_of_each_process, processes_of, split_devices
 from alignax.parallel.sharding import make_mesh, mesh_for_shape
 from alignax.trainers.config import MeshSection, ModelSpec
 from alignax.trainers.engine.precision import PrecisionConfig, frozen_params
@@ -41,8 +41,33 @@ def build_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
     frozen models placed on ``submesh`` get devices of their own and ``mesh:`` spans the
     rest (:func:`alignax.parallel.placement.split_devices`)."""
     training, apart = split_devices(config.placement)
+    training, _ = split_sampler_devices(config, training)  # rollout.async.devices: the sampler's own
     return (build_mesh(config.mesh, training),
             None if apart is None else make_mesh(config.placement.submesh, devices=apart))
+
+
+def split_sampler_devices(config, devices: Sequence[jax.Device]) -> tuple[list[jax.Device], list[jax.Device] | None]:
+    """``(the learner's devices, the asynchronous sampler's own or None)`` of ``devices``
+    (the training devices, a sub-mesh's taken out): under ``rollout.async.devices: S`` with
+    ``max_staleness >= 1`` the last ``S / P`` of each of the ``P`` processes are the
+    sampler's, as many as the learner keeps (its weights move one shard to one device).
+    With one device per process there is one group: ``None``, time-sliced, and a warning."""
+    section = config.rollout.async_
+    count = section.devices if section.max_staleness else 0
+    if not count:
+        return list(devices), None
+    local = processes_of(devices)
+    if max(len(ds) for ds in local) == 1:
+        log.warning("rollout.async.devices=%d: one device per process is one group; the sampler is time-sliced "
+                    "with the learner", count)
+        return list(devices), None
+    split = last_of_each_process(devices, count)
+    if split is None or len(split[0]) != len(split[1]):
+        raise ConfigError(f"rollout.async.devices={count}: the sampler takes the same number of devices from each of "
+                          f"the {len(local)} processes and the learner keeps as many (the weights move one shard to "
+                          f"one device); the processes have {[len(ds) for ds in local]} training devices, so use "
+                          f"{len(devices) // 2}")
+    return split
 
 
 def model_directory(spec: ModelSpec) -> str:

@@ -26,12 +26,13 @@ from alignax.estimators.optimal_token_baseline import sum_pi_squared
 from alignax.models import lora as lora_lib
 from alignax.models import modeling
 from alignax.parallel.multihost import place_rows
-from alignax.parallel.placement import place, rows_to, split_devices, to_device
+from alignax.parallel.placement import move_shards, place, rows_to, split_devices, to_device, twin_mesh
 from alignax.parallel.sharding import make_mesh, tree_shardings
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import adapters, packing
 from alignax.trainers.engine.precision import compute_copy, frozen_params
-from alignax.trainers.engine.setup import build_frozen_params, build_meshes, build_model, load_tokenizer, split_params
+from alignax.trainers.engine.setup import (build_frozen_params, build_meshes, build_model, load_tokenizer,
+                                           split_params, split_sampler_devices)
 from alignax.trainers.online.algorithm import OnlineAlgorithm
 from alignax.trainers.online.rollout import response_forward
 
@@ -45,6 +46,8 @@ class Actors:
         self.prompt_len, self.max_new = config.data.max_prompt_length, rc.max_new_tokens
         self.mesh, self.submesh = build_meshes(config)  # submesh: placement.submesh, or None
         self.submesh_reference = None  # placement.reference: submesh: the reference's params there
+        # rollout.async.devices: the sampler's own devices, and the learner device paired with each
+        self.sampler_counterpart: dict[jax.Device, jax.Device] | None = None
         self.sampler_mesh = self._sampler_mesh(rc.mesh)
         self.tokenizer = load_tokenizer(config.model)
         policy = build_model(config.model, kind=algorithm.policy_kind, mesh=self.mesh, precision=config.precision,
@@ -74,7 +77,8 @@ class Actors:
         # by sampling_state); rewards from reward models are computed on the training mesh
         # (on the sub-mesh under placement.reward_models: submesh).
         # An asynchronous schedule samples while the update donates the state: always a copy.
-        self.sampler_copies = (rc.mesh is not None or config.precision.compute_dtype != config.precision.param_dtype
+        self.sampler_copies = (self.sampler_mesh is not self.mesh
+                               or config.precision.compute_dtype != config.precision.param_dtype
                                or rc.async_.max_staleness > 0)
         self._copy_program = None  # built on first use (it needs the state's structure)
         self.sampler = evaluation.build_sampler(self.sampling_graphdef, self.tokenizer, config,
@@ -89,16 +93,22 @@ class Actors:
 
     # ------------------------------------------------------------------ meshes and placement
     def _sampler_mesh(self, shape) -> jax.sharding.Mesh:
-        """``rollout.mesh`` over the training mesh's devices (every device, less a sub-mesh's),
-        or the training mesh itself when it is null."""
-        if shape is None:
+        """The sampler's mesh: ``rollout.mesh`` (``null``: the training mesh's shape) over the
+        sampler's own devices under ``rollout.async.devices``; else ``rollout.mesh`` over the
+        training mesh's devices (every device, less a sub-mesh's), or the training mesh
+        itself when it is null."""
+        learner, own = split_sampler_devices(self.config, split_devices(self.config.placement)[0])
+        if own is not None:
+            self.sampler_counterpart = dict(zip(own, learner))  # both by process: pairs of one process
+            shape, where = shape or tuple(self.mesh.devices.shape), f"its own {len(own)} devices (rollout.async.devices)"
+        elif shape is None:
             return self.mesh
-        devices, _ = split_devices(self.config.placement)
+        else:
+            where = f"the same {len(learner)} devices as training"
         try:
-            return make_mesh(shape, devices=devices)
+            return make_mesh(shape, devices=own or learner)
         except ValueError as err:
-            raise ConfigError(f"rollout.mesh={list(shape)}: the sampler's mesh spans the same {len(devices)} "
-                              f"devices as training: {err}") from None
+            raise ConfigError(f"rollout.mesh={list(shape)}: the sampler's mesh spans {where}: {err}") from None
 
     def place(self, value: np.ndarray) -> jax.Array:
         """This process's rows of a host array, global on the training mesh."""
@@ -169,16 +179,21 @@ class Actors:
         ``lora.merge_for_sampling`` the merged model's weights, computed here once a call);
         with its own mesh or a compute dtype other than the parameters', a copy with kernels
         in the compute dtype laid out on the sampler's mesh (:func:`compute_copy`), made from
-        ``params`` at each call (each rollout, after the previous rollout's updates)."""
+        ``params`` at each call (each rollout, after the previous rollout's updates). Under
+        ``rollout.async.devices`` the copy program lays it out as on the sampler's mesh but
+        on the learner's devices (:func:`twin_mesh`), and each shard is then copied to its
+        sampler device (:func:`move_shards`: device to device, no host round trip)."""
         state = nnx.merge_state(self.whole_policy(params), self.rest)
         if self.merge_sampling:
             state = lora_lib.merged_state(self.graphdef, state)
         if not self.sampler_copies:
             return state
+        paired = self.sampler_counterpart
         if self._copy_program is None:
-            self._copy_program = compute_copy(self.config.precision.compute_dtype,
-                                              tree_shardings(state, self.sampler_mesh))
-        return self._copy_program(state)
+            laid_out = self.sampler_mesh if paired is None else twin_mesh(self.sampler_mesh, paired)
+            self._copy_program = compute_copy(self.config.precision.compute_dtype, tree_shardings(state, laid_out))
+        copy = self._copy_program(state)
+        return copy if paired is None else move_shards(copy, self.sampler_mesh, {v: k for k, v in paired.items()})
 
     # ------------------------------------------------------------------ the frozen reference
     def initial_reference(self, initial_params) -> Any:

@@ -19,25 +19,39 @@ sample older than that raises :class:`StaleSampleError` before it is used), ``k 
 the synchronous loop, and a resumed run repeats an uninterrupted one when the checkpoint
 carries the rollouts in flight (:meth:`AsyncSchedule.in_flight_state`: host arrays, JSON).
 
+A sampling that raised (a reward function, a tool) stops the run when the learner comes to
+that rollout (every process at the same one) with :class:`SamplerFailedError` naming it; the checkpoint saved on the
+way out carries, for each rollout in flight not yet sampled, its prompts and the sampler's
+weights it was queued with (a file beside the checkpoints, ``async_in_flight/``), so the
+resumed run samples it again from the same weights and repeats the uninterrupted run.
+
 Time-sliced: both threads dispatch to the devices they were given (the sampler's mesh is
 ``rollout.mesh`` or the training mesh); overlap comes from whatever one side leaves idle
-(host decoding, reward code, the other's dispatch). One process only: the sampler thread's
-collectives would have to be ordered against the learner's across processes.
+(host decoding, reward code, the other's dispatch). With ``rollout.async.devices`` the
+sampler has a device group of its own (``Actors.sampler_mesh``) and the weights move there
+device to device. One process only (``OnlineTrainer.start_schedule``); the failure agreement
+and the per-process files below are written for several, which are not yet allowed.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import concurrent.futures
+import dataclasses
 import io
+import json
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
+from alignax.parallel.multihost import allgather_rows
 from alignax.sampling.scored import Groups
 from alignax.trainers.online.collect import Collector, RolloutBatch, Sampled
 
@@ -47,34 +61,75 @@ class StaleSampleError(RuntimeError):
     the rollout the learner is at (a schedule out of step: never trained on)."""
 
 
-class AsyncSchedule:
-    """The sampler thread and the rollouts in flight for one run (see the module docstring)."""
+class SamplerFailedError(RuntimeError):
+    """The sampler thread raised while sampling a rollout (its cause is ``__cause__``)."""
 
-    def __init__(self, collector: Collector, max_staleness: int):
+
+@dataclasses.dataclass
+class Job:
+    """A rollout queued on the sampler thread: its ``future`` (a :class:`Sampled`), the
+    rollout and policy version it is, its ``prompts`` and the sampler's ``weights`` it was
+    queued with (dropped once it is sampled; kept for a failure's checkpoint)."""
+
+    future: Future
+    rollout_index: int
+    version: int
+    prompts: Mapping[str, Any]
+    weights: Any
+
+    def result(self) -> Sampled:
+        return self.future.result()
+
+
+class AsyncSchedule:
+    """The sampler thread and the rollouts in flight for one run (see the module docstring).
+    ``directory``: where a checkpoint's unsampled rollouts keep their weights (``None``:
+    nowhere; a checkpoint then cannot carry them)."""
+
+    def __init__(self, collector: Collector, max_staleness: int, *, directory: str | Path | None = None):
         self.collector, self.max_staleness = collector, max_staleness
+        self.directory = None if directory is None else Path(directory)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignax-sampler")
-        self.in_flight: collections.deque[Future] = collections.deque()
+        self.in_flight: collections.deque[Job] = collections.deque()
+        self._restored: list[dict[str, Any]] = []  # a checkpoint's rollouts in flight, queued by the first collect
         self._lock = threading.Lock()
         self._sampler_idle_s = 0.0  # since the last rollout: the sampler thread waiting for weights
         self._sampler_free_since: float | None = None
         self._opened = 0  # rollouts queued by a step whose update has not finished (see finish)
 
     # ------------------------------------------------------------------ the two threads
-    def _sample(self, weights, prompt_batch, rollout_index: int, version: int) -> Sampled:
+    def _sample(self, job: Job) -> Sampled:
         with self._lock:
             if self._sampler_free_since is not None:
                 self._sampler_idle_s += time.perf_counter() - self._sampler_free_since
             self._sampler_free_since = None
         try:
-            return self.collector.sample(weights, prompt_batch, iter(()), rollout_index=rollout_index,
-                                         version=version)
+            sampled = self.collector.sample(job.weights, job.prompts, iter(()), rollout_index=job.rollout_index,
+                                            version=job.version)
+            job.weights = None  # sampled: a checkpoint carries the samples, not the weights
+            return sampled
         finally:
             with self._lock:
                 self._sampler_free_since = time.perf_counter()
 
+    def _queue(self, weights, prompt_batch: Mapping[str, Any], rollout_index: int, version: int) -> None:
+        job = Job(Future(), rollout_index, version, prompt_batch, weights)
+        job.future = self.pool.submit(self._sample, job)
+        self.in_flight.append(job)
+
     def _launch(self, state, prompt_batch: Mapping[str, Any], rollout_index: int, version: int) -> None:
         weights = self.collector.actors.sampling_state(state.params)  # dispatched before the update donates
-        self.in_flight.append(self.pool.submit(self._sample, weights, prompt_batch, rollout_index, version))
+        self._queue(weights, prompt_batch, rollout_index, version)
+
+    def _raise_if_failed(self, job: Job) -> None:
+        """:class:`SamplerFailedError` naming ``job``'s rollout when its sampling raised in this
+        process or in another (agreed at this rollout, the one every process waits for: the
+        processes stop at the same step)."""
+        err = job.future.exception()
+        if allgather_rows(np.array([err is not None])).any():
+            cause = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}" if err else "in another process"
+            raise SamplerFailedError(f"rollout {job.rollout_index}: the sampler thread failed (sampling with policy "
+                                     f"version {job.version}): {cause}") from err
 
     def collect(self, state, frozen, prompt_batch: Mapping[str, Any], batches: Iterator) -> RolloutBatch:
         """Rollout ``t``'s batch (``t``: the rollouts ``state`` has learned from), with the
@@ -82,6 +137,8 @@ class AsyncSchedule:
         is rollout ``t + k``'s prompts; on the first call (or a resume without rollouts in
         flight) it is rollout ``t``'s and ``batches`` gives rollouts ``t + 1 .. t + k``'s."""
         version, _ = self.collector.rollout_key(state)
+        if self._restored:
+            self._requeue(state)
         queued = len(self.in_flight)
         if not self.in_flight:
             self._launch(state, prompt_batch, version, version)
@@ -91,8 +148,10 @@ class AsyncSchedule:
             self._launch(state, prompt_batch, version + self.max_staleness, version)
         self._opened = len(self.in_flight) - queued
         t_wait = time.perf_counter()
-        sampled = self.in_flight[0].result()  # taken off the queue by finish, once the update is done
+        concurrent.futures.wait([self.in_flight[0].future])  # taken off the queue by finish, once the update is done
         learner_wait_s = time.perf_counter() - t_wait
+        self._raise_if_failed(self.in_flight[0])
+        sampled = self.in_flight[0].result()
         staleness = version - sampled.version
         if sampled.rollout_index != version or not 0 <= staleness <= self.max_staleness:
             raise StaleSampleError(
@@ -117,33 +176,132 @@ class AsyncSchedule:
         that the resumed run trains on the same samples. A step that failed before its
         update is saved as not begun (the loop saves the data position before its prompts):
         the rollouts it queued are left out, the one it took stays. A rollout whose sampling
-        raised, and those after it, are left out (the resumed run samples again from the
-        next prompts: not the uninterrupted run)."""
+        raised is carried as its prompts and the weights it was queued with (written under
+        ``directory``, a file per process), to be sampled again on resume."""
         kept = list(self.in_flight)[: len(self.in_flight) - self._opened]
         saved = []
-        for future in kept:
-            if future.exception() is not None:
-                break
-            saved.append(sampled_to_json(future.result()))
-        return saved
+        for job in kept:
+            if job.future.exception() is None:
+                saved.append(sampled_to_json(job.result()))
+            else:
+                saved.append(self._unsampled_to_json(job))
+        if jax.process_count() == 1 or not saved:
+            return saved
+        # each process's rows are its own: a file per process, the checkpoint's meta names it
+        name = f"in_flight_{kept[0].rollout_index}"
+        self._directory(kept[0]).joinpath(f"{name}.process_{jax.process_index()}.json").write_text(json.dumps(saved))
+        return [{"per_process": name}]
+
+    def _directory(self, job: Job) -> Path:
+        if self.directory is None:
+            raise SamplerFailedError(f"rollout {job.rollout_index} is in flight and this schedule has no directory "
+                                     "for what a checkpoint carries beside its meta")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return self.directory
+
+    def _unsampled_to_json(self, job: Job) -> dict[str, Any]:
+        name = f"version_{job.version}.process_{jax.process_index()}.npz"  # each process its own shards
+        write_weights(self._directory(job) / name, job.weights)
+        return {"unsampled": True, "rollout_index": job.rollout_index, "version": job.version,
+                "prompts": {k: _value_json(v) for k, v in job.prompts.items()}, "weights": name}
 
     def set_in_flight(self, saved: list[dict[str, Any]]) -> None:
-        """Rollouts in flight from :meth:`in_flight_state`, as finished work."""
+        """Rollouts in flight from :meth:`in_flight_state`: sampled ones as finished work;
+        unsampled ones are queued again, with their saved weights, by the next :meth:`collect`
+        (the weights' layout is the sampler's, known from the state)."""
         self.in_flight.clear()
-        for item in saved:
-            done: Future = Future()
-            done.set_result(sampled_from_json(item))
-            self.in_flight.append(done)
+        if saved and "per_process" in saved[0]:
+            saved = json.loads((self.directory / f"{saved[0]['per_process']}.process_{jax.process_index()}.json")
+                               .read_text())
+        self._restored = list(saved)
+
+    def _requeue(self, state) -> None:
+        """The restored rollouts in flight, in order: done, or queued with their saved weights."""
+        template = None
+        for item in self._restored:
+            if not item.get("unsampled"):
+                job = Job(Future(), int(item["rollout_index"]), int(item["version"]), {}, None)
+                job.future.set_result(sampled_from_json(item))
+                self.in_flight.append(job)
+                continue
+            if template is None:
+                template = self.collector.actors.sampling_state(state.params)
+            weights = read_weights(self.directory / f"version_{item['version']}.process_{jax.process_index()}.npz",
+                                   template)
+            prompts = {k: _json_value(v) for k, v in item["prompts"].items()}
+            self._queue(weights, prompts, int(item["rollout_index"]), int(item["version"]))
+        self._restored = []
+
+    def drain(self) -> None:
+        """Wait until the sampler thread has finished what is queued (a program of another
+        thread on the sampler's devices then runs in the same order in every process)."""
+        concurrent.futures.wait([job.future for job in self.in_flight])
 
     def close(self) -> None:
         """Stop the sampler thread (rollouts still queued past the run's end are dropped)."""
-        for future in self.in_flight:
-            future.cancel()
+        for job in self.in_flight:
+            job.future.cancel()
         self.pool.shutdown(wait=True)
         self.in_flight.clear()
 
 
+# ---------------------------------------------------------------------- the sampler's weights <-> a file
+def _slices(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+    return [[sl.start or 0, dim if sl.stop is None else sl.stop] for sl, dim in zip(index, shape)]
+
+
+def write_weights(path: Path, weights: Any) -> None:
+    """This process's shards of ``weights``' arrays as raw bytes in one ``.npz`` (any dtype,
+    bfloat16 included: each shard viewed as unsigned integers of its width), with each
+    shard's place in its array and its dtype's name: every process writes its own file."""
+    shards, index = {}, []
+    for i, x in enumerate(jax.tree.leaves(weights)):
+        placed = {}
+        for shard in x.addressable_shards:
+            key = json.dumps(_slices(shard.index, x.shape))
+            if key not in placed:  # a replicated shard once
+                data = np.asarray(shard.data)
+                placed[key] = f"leaf_{i}_{len(placed)}"
+                shards[placed[key]] = data.view(f"u{data.dtype.itemsize}")
+        index.append({"dtype": str(x.dtype), "shards": placed})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        np.savez(f, index=np.frombuffer(json.dumps(index).encode(), np.uint8), **shards)
+
+
+def read_weights(path: Path, template: Any) -> Any:
+    """:func:`write_weights`' arrays, bit for bit, placed as ``template``'s (same tree, shapes
+    and shardings: the sampler's weights of the resumed run)."""
+    like, treedef = jax.tree.flatten(template)
+    with np.load(path, allow_pickle=False) as saved:
+        index = json.loads(saved["index"].tobytes())
+        if len(index) != len(like):
+            raise ValueError(f"{path} holds {len(index)} arrays; the sampler's weights have {len(like)}")
+        leaves = []
+        for x, entry in zip(like, index):
+            dtype = jax.numpy.dtype(entry["dtype"])
+            where = x.sharding.addressable_devices_indices_map(x.shape)
+            parts = [jax.device_put(saved[entry["shards"][json.dumps(_slices(i, x.shape))]].view(dtype), d)
+                     for d, i in where.items()]
+            leaves.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, parts))
+    return jax.tree.unflatten(treedef, leaves)
+
+
 # ---------------------------------------------------------------------- host arrays <-> JSON
+def _value_json(value: Any) -> dict[str, Any]:
+    """A prompt batch's field as JSON: arrays exactly (:func:`_array_text`), tuples kept apart."""
+    if isinstance(value, np.ndarray):
+        return {"npy": _array_text(value)}
+    return {"tuple" if isinstance(value, tuple) else "json": list(value) if isinstance(value, tuple) else value}
+
+
+def _json_value(item: Mapping[str, Any]) -> Any:
+    """The inverse of :func:`_value_json`."""
+    if "npy" in item:
+        return _text_array(item["npy"])
+    return tuple(item["tuple"]) if "tuple" in item else item["json"]
+
+
 def _array_text(a: np.ndarray) -> str:
     buffer = io.BytesIO()
     np.save(buffer, np.asarray(a), allow_pickle=False)

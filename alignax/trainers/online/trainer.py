@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -176,6 +177,8 @@ class OnlineTrainer:
         """Generation-based figures (:mod:`alignax.evaluation`: greedy accuracy, pass@k,
         rewards, lengths) on ``evaluation.prompts`` or the eval split, scored like the rollouts."""
         del frozen
+        if self.schedule is not None:  # the sampler's devices are the sampler thread's until it is done
+            self.schedule.drain()
         batches = evaluation.prompt_batches(self.config, self.tokenizer, run_data=self.data)
         return evaluation.evaluate_policy(self.actors.sampler, self.actors.sampling_state(params), batches,
                                           self.config.evaluation, seed=self.config.train.seed)
@@ -186,14 +189,17 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ the run
     def start_schedule(self) -> AsyncSchedule | None:
-        """The asynchronous schedule of ``rollout.async.max_staleness > 0`` (one process only)."""
+        """The asynchronous schedule of ``rollout.async.max_staleness > 0`` (one process only:
+        the learner thread's collectives over every device, such as the figures' gathers,
+        can deadlock against the sampler thread's on its devices; seen with two gloo
+        processes, docs/async-rollouts.md)."""
         staleness = self.config.rollout.async_.max_staleness
         if staleness == 0:
             return None
         if jax.process_count() > 1:
             raise ConfigError(f"rollout.async.max_staleness={staleness} runs in one process; this run has "
                              f"{jax.process_count()} (use max_staleness 0)")
-        return AsyncSchedule(self.collector, staleness)
+        return AsyncSchedule(self.collector, staleness, directory=Path(self.config.output_dir) / "async_in_flight")
 
     def train(self) -> TrainResult:
         self.schedule = self.start_schedule()
