@@ -244,3 +244,27 @@ def test_guard_state_round_trips_through_a_checkpoint_meta(tmp_path):
     resumed, _, _ = make_guard(tmp_path, monitor, ScriptedGold([]))
     resumed.set_state(saved)
     assert resumed.state() == guard.state() and resumed.best_gold == 0.2
+
+
+def test_a_resumed_run_drops_a_gold_best_its_abandoned_run_saved_later(tmp_path):
+    """The run saved its meta at step 1 (best gold 0.2 there), went on to save a new gold-best
+    at step 2, and stopped before its step-2 checkpoint. Resumed from step 1, that step-2
+    state is not this run's: it is deleted, a rollback before the next gold point stops
+    instead of restoring it, and the next best saves (at a step the abandoned run used)."""
+    monitor = dataclasses.replace(MonitorSection(), gold=dataclasses.replace(MonitorSection().gold, every=1))
+    guard, alarms, _ = make_guard(tmp_path, monitor, ScriptedGold([0.1, 0.2, 0.9]))
+    guard.begin(make_state(0.0))
+    run_stream(guard, alarms, [{"reward/total": 0.3}], state=make_state(1.0, rollouts=1))
+    saved = json.loads(json.dumps(guard.state()))  # the meta of checkpoint step 1
+    run_stream(guard, alarms, [{"reward/total": 0.3}], state=make_state(2.0, rollouts=2), start=2)
+    assert guard.best.step() == 2  # the abandoned run's new best
+    guard.finish()
+    resumed, alarms2, _ = make_guard(tmp_path, armed("entropy_collapse", "rollback"), ScriptedGold([0.5]))
+    resumed.set_state(saved)
+    assert resumed.best.step() is None and resumed.best_gold is None
+    # the gold point of the replayed step 2 saves the best again (step 2 was the abandoned run's)
+    resumed.monitor = dataclasses.replace(resumed.monitor, gold=dataclasses.replace(resumed.monitor.gold, every=1))
+    run_stream(resumed, alarms2, [{"reward/total": 0.3}], state=make_state(5.0, rollouts=2), start=2)
+    assert resumed.best.step() == 2 and resumed.best_gold == 0.5
+    restored, _ = resumed.best.restore(make_state(0.0))
+    assert float(restored.params["w"][0, 0]) == 5.0

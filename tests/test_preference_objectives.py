@@ -266,3 +266,17 @@ def test_ld_alpha_outside_the_unit_interval_is_refused():
     x = np.zeros((1, 3), np.float32)
     with pytest.raises(ValueError, match=r"alpha must lie in \[0.0, 1.0\]"):
         ld_sequence_logps(x, x, x, x, alpha=1.5)
+
+
+def test_an_sft_term_with_a_global_token_count_and_no_lengths_reports_its_nll():
+    """``num_chosen_tokens`` given and no lengths: the SFT term's metric uses the same count
+    as the loss (it read the lengths, which were not there)."""
+    import jax.numpy as jnp
+
+    from alignax.losses.preference import dpo_loss
+
+    pc, pr, rc, rr = (jnp.asarray(v, jnp.float32) for v in ([-3.0, -4.0], [-5.0, -4.5], [-3.5, -4.2], [-4.0, -4.4]))
+    loss, metrics = dpo_loss(pc, pr, rc, rr, beta=0.1, variant=["sigmoid", "sft"], num_chosen_tokens=7.0)
+    plain, _ = dpo_loss(pc, pr, rc, rr, beta=0.1)
+    assert float(metrics["nll_loss"]) == pytest.approx(7.0 / 7.0 * (3.0 + 4.0) / 7.0)
+    assert float(loss) - float(plain) == pytest.approx(float(metrics["nll_loss"]), rel=1e-6)

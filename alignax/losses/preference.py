@@ -494,7 +494,9 @@ def dpo_loss(
     metrics = _pair_metrics(beta * shown_ratios.chosen, beta * shown_ratios.rejected, shown_ratios.policy_chosen,
                             shown_ratios.policy_rejected, weights)
     if SFT_TERM in names or rpo_alpha is not None:
-        metrics["nll_loss"] = jax.lax.stop_gradient(_chosen_nll(nll_logps, chosen_lengths, weights, None))
+        # this batch's own token count where the lengths are given; else the loss term's normaliser
+        metrics["nll_loss"] = jax.lax.stop_gradient(_chosen_nll(
+            nll_logps, chosen_lengths, weights, None if chosen_lengths is not None else num_chosen_tokens))
     return loss, metrics
 
 

@@ -71,10 +71,14 @@ def problem(config: TrainConfig, section: str) -> str | None:
         return f"monitor.gold.prompts.format={m.gold.prompts.format}: the gold set is a prompt set (format prompt)"
     moves_beta = m.kl_budget.action == "raise_beta" and m.kl_budget.max is not None
     moves_beta = moves_beta or (rollbacks and m.rollback.kl_factor != 1.0)
-    kl_coef = getattr(getattr(config, section, None), "kl_coef", None)
+    # a section without a KL coefficient (on-policy distillation's) trains with none: 0
+    kl_coef = getattr(getattr(config, section, None), "kl_coef", 0.0)
     if moves_beta and kl_coef == 0 and not getattr(getattr(config, section), "adaptive_kl", False):
+        where = f"{section}.kl_coef is 0" if hasattr(getattr(config, section, None), "kl_coef") else \
+            f"algorithm {config.algorithm} trains with no KL coefficient"
+        fix = f"set {section}.kl_coef > 0" if "kl_coef is 0" in where else "use the lr_factor alone"
         return (f"monitor raises the KL coefficient (kl_budget.action=raise_beta or rollback.kl_factor) but "
-                f"{section}.kl_coef is 0: a factor times 0 stays 0; set {section}.kl_coef > 0")
+                f"{where}: a factor times 0 stays 0; {fix}")
     return None
 
 

@@ -68,7 +68,8 @@ STALE_AFTER_S = 600.0
 # --overwrite removes these and nothing else.
 RUN_ARTEFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "evaluation", "export",
                  "wandb", "mlruns", TRACKER_IDS,  # experiment trackers (alignax.trackers)
-                 "alarms.jsonl", "gold_best", "gold.json", "gold.png")  # the monitor (online.guard)
+                 "alarms.jsonl", "gold_best", "gold.json", "gold.png",  # the monitor (online.guard)
+                 "async_in_flight")  # unsampled rollouts' weights (online.schedule)
 
 # Keys that change how a run is watched or saved, never what it computes: a resumed run
 # may change them freely.

@@ -105,8 +105,15 @@ class BestGoldCheckpoint:
         self.checkpointer = Checkpointer(directory, keep=1, async_save=False)
 
     def save(self, step: int, state: TrainState, gold: float) -> None:
+        # the one kept state is the last saved: a run resumed from an earlier step saves again
+        # at a step its abandoned run already saved, or below it (keep-1 would keep the other)
+        self.checkpointer.delete_after(-1)
         self.checkpointer.save(step, state, {"gold": gold, "step": step}, force=True)
         self.checkpointer.wait()
+
+    def step(self) -> int | None:
+        """The step of the kept state (None: none saved)."""
+        return self.checkpointer.latest_step()
 
     def restore(self, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
         """The kept state restored onto ``like``'s shardings, and its meta (``gold``, ``step``)."""
@@ -151,9 +158,24 @@ class Guard:
         self.divergence_from = int(saved.get("divergence_from", 0))
         self.proxy_since = list(saved.get("proxy_since", []))
         self.rates = {k: list(v) for k, v in saved.get("rates", self.rates).items()}
+        self._forget_an_abandoned_best()
         if saved.get("lr_scale", 1.0) != 1.0:  # the recompiled step of the saved run
             self.lr_scale = 1.0
             self.retune_learning_rate(float(saved["lr_scale"]))
+
+    def _forget_an_abandoned_best(self) -> None:
+        """A resumed run whose gold-best folder holds another step than the best of its points
+        (a run that saved a new best after the step it resumes from, then stopped): that state
+        is not this run's, so it goes, and the next gold point saves the best again."""
+        if self.best is None or self.best.step() is None:
+            return
+        best = [p.step for p in self.points if p.gold == self.best_gold]
+        if not best or self.best.step() != best[0]:
+            log.warning("the gold-best checkpoint of step %s is not the best gold point of the run resumed here "
+                        "(%s); it is deleted and the next gold point saves the best", self.best.step(),
+                        best[0] if best else "none")
+            self.best.checkpointer.delete_after(-1)
+            self.best_gold = None
 
     def retune_learning_rate(self, factor: float) -> None:
         self.lr_scale *= factor
@@ -180,8 +202,10 @@ class Guard:
             raised.update(self._gold_divergence(step))
         for name in raised:
             metrics[f"alarm/{name}"] = 1.0
-        state = self._kl_budget(step, state, metrics)
-        return self._act(step, state, raised, metrics)
+        # the alarms act first: a stop saves the state before any raise of beta (so the checkpoint
+        # and alarms.jsonl agree), and a rollback's restored state is the one the budget raises
+        state = self._act(step, state, raised, metrics)
+        return self._kl_budget(step, state, metrics)
 
     def _act(self, step: int, state: TrainState, raised: dict[str, str], metrics: dict[str, float]) -> TrainState:
         if "rollback" in self.actions.values():
@@ -210,9 +234,12 @@ class Guard:
         if self.rollbacks >= policy.max_rollbacks:
             self._stop(step, alarm, f"{reason} (monitor.rollback.max_rollbacks={policy.max_rollbacks} rollbacks "
                                     "already made)", metrics)
+        if self.best.step() is None:  # a resumed run whose best was not its own, before its next gold point
+            self._stop(step, alarm, f"{reason} (no gold-best checkpoint to roll back to since the resume)", metrics)
         restored, meta = self.best.restore(state)
         # the run's counters go on: the next rollout reads new prompts and the schedule moves forward
-        restored = restored._replace(step=state.step, extra={**restored.extra, "rollouts": state.extra["rollouts"]})
+        restored = restored._replace(step=state.step, extra={**restored.extra, "rollouts": state.extra["rollouts"]},
+                                     nonfinite_streak=state.nonfinite_streak, nonfinite_total=state.nonfinite_total)
         if policy.kl_factor != 1.0:
             restored = scaled_kl_coef(restored, policy.kl_factor)
         if policy.lr_factor != 1.0:
