@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 def _best_of_n_parser(sub) -> None:
     p = sub.add_parser("best-of-n", help="sample N completions a prompt and keep the one the recipe's rewards "
                        "score highest (JSONL out)",
-                       description="Best-of-N with a recipe's policy and rewards (alignax.best_of_n).")
+                       description="Best-of-N with a recipe's policy and rewards (alignax.generate.best_of_n_file).")
     p.add_argument("config", help="a recipe: the policy (model), rollout sampling settings and rewards (the selector)")
     p.add_argument("prompts", help="a prompt set as data.paths reads it (JSONL, Parquet, a generator spec, ...)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the recipe")
@@ -106,9 +106,9 @@ def _best_of_n_parser(sub) -> None:
 
 
 def _best_of_n(args) -> int:
-    from alignax import best_of_n
+    from alignax import generate
 
-    print(json.dumps(best_of_n.best_of_n_file(args.config, args.prompts, args.out, n=args.n,
+    print(json.dumps(generate.best_of_n_file(args.config, args.prompts, args.out, n=args.n,
                                               overrides=args.overrides, checkpoint=args.checkpoint,
                                               step=args.step, seed=args.seed)))
     return 0

@@ -310,6 +310,16 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
         raise ConfigError(said if path and said.startswith(f"{path}.") else f"{path or cls.__name__}: {said}") from err
 
 
+def dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{dotted.key: leaf}`` (an empty mapping is a leaf ``{}``)."""
+    if isinstance(tree, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(dotted(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
+
+
 def to_dict(config: Any) -> Any:
     """Plain, YAML/JSON-able form of a config dataclass (tuples become lists)."""
     if dataclasses.is_dataclass(config):

@@ -9,8 +9,10 @@ such as a run's ``export/``, or a hub id from the Hugging Face cache), or a reci
 the run's trained policy at its latest checkpoint (``--step``), LoRA adapters merged, as
 ``alignax export`` would write it. ``PROMPTS`` is a prompt set as ``data.paths`` reads it
 (JSONL, JSON, Parquet, a dataset folder, or a generator spec such as
-``reasoning_gym:chain_sum?size=8``), read whole in file order; prompts go through the
-tokenizer's chat template as in training.
+``reasoning_gym:chain_sum?size=8``), read whole in file order; a recipe's prompts are
+encoded as its training data are (``data.system_prompt``, ``field_map``, chat template), a
+model's through its tokenizer's chat template. ``alignax best-of-n`` (:func:`best_of_n_file`)
+samples N a prompt from a recipe and keeps the one its rewards score highest.
 
 Each output line is one sample: ``record`` (the prompt's index in the file), ``sample``
 (0..G-1), ``prompt`` (as the file gave it), ``completion`` (the decoded text, special
@@ -62,12 +64,15 @@ def is_recipe(source: str) -> bool:
 
 def load_policy(source: str, *, step: int | None = None, overrides: Sequence[str] = ()) -> tuple[nnx.Module, Any]:
     """``(policy, tokenizer)``: a model by name, or a recipe's trained policy (its checkpoint
-    at ``step``, default the latest; LoRA adapters merged) with the recipe's tokenizer."""
+    at ``step``, default the latest; LoRA adapters merged) with the recipe's tokenizer.
+    (A recipe's data settings: :func:`recipe_data`.)"""
     if not is_recipe(source):
         from alignax.models import registry
 
         if overrides:
             raise ConfigError(f"dotted overrides ({' '.join(overrides)}) configure a recipe; {source} names a model")
+        if step is not None:
+            raise ConfigError(f"--step {step} reads a recipe's checkpoint; {source} names a model")
         return registry.load(source, key="MODEL_OR_RECIPE")
     from alignax.trainers import api
 
@@ -80,6 +85,15 @@ def load_policy(source: str, *, step: int | None = None, overrides: Sequence[str
 # a batch's prompts are cut to its longest, rounded up to this many columns: fewer padded
 # prefill columns, and few distinct widths to compile for
 _WIDTH_STEP = 32
+
+
+def recipe_data(source: str, overrides: Sequence[str] = ()) -> DataConfig | None:
+    """A recipe's ``data`` section (how its prompts are encoded); None for a model."""
+    if not is_recipe(source):
+        return None
+    from alignax.trainers.api import load_config
+
+    return load_config(source, overrides).data
 
 
 def prompt_width(options: GenerateOptions, context: int) -> int:
@@ -97,12 +111,21 @@ def prompt_width(options: GenerateOptions, context: int) -> int:
     return options.max_prompt_length
 
 
-def prompt_rows(prompts: str, tokenizer, options: GenerateOptions, width: int) -> Iterator[Mapping[str, Any]]:
+def prompt_set(prompts: str, base: DataConfig | None = None, **fields: Any) -> DataConfig:
+    """``prompts`` read whole, in file order, as a prompt set: encoded as the recipe's data
+    ``base`` encodes its prompts (``system_prompt``, ``field_map``, ``apply_chat_template``)
+    when there is one; ``fields`` replace the rest (widths, batch size)."""
+    base = base if base is not None else DataConfig()
+    return dataclasses.replace(base, paths=(prompts,), format="prompt", shuffle=False, eval_fraction=0.0,
+                               num_epochs=None, packing=False, read_threads=0, **fields)
+
+
+def prompt_rows(prompts: str, tokenizer, options: GenerateOptions, width: int,
+                base: DataConfig | None = None) -> Iterator[Mapping[str, Any]]:
     """Left-padded prompt batches of ``prompts`` in file order (the last one padded, its
     padding rows marked ``example_mask == 0``), ``width`` tokens at most (a longer prompt
     keeps its end), each batch cut to its longest prompt (rounded up to 32 columns)."""
-    config = DataConfig(paths=(prompts,), format="prompt", max_prompt_length=width,
-                        batch_size=options.batch_size, shuffle=False, read_threads=0)
+    config = prompt_set(prompts, base, max_prompt_length=width, batch_size=options.batch_size)
     data = prepare_dataset(config, tokenizer)
     for batch in data.iterator("train", ordered=True, process_index=0, process_count=1):
         used = int(np.max(np.sum(batch["prompt_attention_mask"], axis=1)))
@@ -150,7 +173,8 @@ def run(source: str, prompts: str, out: str | None, options: GenerateOptions, *,
         local = not paths.is_remote(prompts) and os.path.isfile(prompts)
         out = f"{os.path.splitext(prompts)[0]}.completions.jsonl" if local else "completions.jsonl"
     width = prompt_width(options, model.config.max_position_embeddings)
-    rows = completions(model, tokenizer, prompt_rows(prompts, tokenizer, options, width), options)
+    rows = completions(model, tokenizer, prompt_rows(prompts, tokenizer, options, width, recipe_data(source, overrides)),
+                       options)
     paths.write_text(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     return out
 
@@ -169,4 +193,50 @@ def check_options(options: GenerateOptions) -> None:
         raise ConfigError(f"--top-k {options.top_k}: expected >= 0 (0 keeps every token)")
 
 
-__all__ = ["GenerateOptions", "check_options", "completions", "load_policy", "run", "sampling_config"]
+def best_of_n_file(recipe: str, prompts: str, out: str, *, n: int, overrides: Sequence[str] = (),
+                   checkpoint: bool = False, step: int | None = None, seed: int = 0) -> dict:
+    """``alignax best-of-n``: ``n`` completions of every prompt of ``prompts`` from a recipe's
+    policy (its ``model``, or with ``checkpoint`` the run's trained policy at ``step``, default
+    the latest) at the rollout's sampling settings (``rollout.temperature`` / ``top_k`` /
+    ``top_p`` / ``max_new_tokens``), each scored by the recipe's ``rewards:`` (verifiers,
+    reward functions, reward models, a judge); one JSON line per prompt with the best
+    completion, its reward and components, and every sample's reward. Returns the figures
+    (prompts, mean best reward, mean reward of one sample)."""
+    from alignax.evaluation import build_sampler, greedy_sampling, prompt_batches, rollout_sampling
+    from alignax.parallel.sharding import mesh_for_shape
+    from alignax.trainers.api import load_config
+    from alignax.trainers.program import load_model, load_tokenizer
+
+    if n < 1:
+        raise ConfigError(f"--n {n}: expected a positive number of samples per prompt")
+    config = load_config(recipe, overrides)
+    if checkpoint or step is not None:
+        model, tokenizer = load_policy(recipe, step=step, overrides=overrides)
+    else:
+        model, tokenizer = load_model(config), load_tokenizer(config)
+    graphdef, state = nnx.split(model)
+    mesh = mesh_for_shape(config.mesh.shape, config.mesh.dcn_shape)
+    sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh, vocab_size=model.config.vocab_size,
+                            model_config=model.config)
+    sampling = dataclasses.replace(rollout_sampling(greedy_sampling(config, tokenizer), config.rollout), num_samples=n)
+    batches = prompt_batches(config, tokenizer, prompts=prompt_set(prompts, config.data))
+    lines, best, single = [], [], []
+    for index, batch in enumerate(batches):
+        groups, _, _ = sampler.sample(state, batch, jax.random.fold_in(jax.random.key(seed), index), sampling)
+        rewards = groups.rewards.reshape(-1, n)
+        for b, row in enumerate(rewards):
+            if not batch["example_mask"][b]:
+                continue  # the padding rows of the last batch
+            pick = b * n + int(np.argmax(row))  # the first of equal best rewards
+            best.append(float(row.max()))
+            single.append(float(row.mean()))
+            lines.append({"record": int(batch["record_index"][b]), "prompt": batch["references"][b].get("prompt"),
+                          "completion": groups.completions[pick], "reward": float(row.max()),
+                          "components": {k: float(v[pick]) for k, v in groups.components.items()},
+                          "rewards": [float(r) for r in row]})
+    paths.write_text(out, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+    return {"prompts": len(lines), "n": n, "mean_best_reward": float(np.mean(best)) if best else 0.0,
+            "mean_sample_reward": float(np.mean(single)) if single else 0.0, "out": out}
+
+
+__all__ = ["GenerateOptions", "best_of_n_file", "check_options", "completions", "load_policy", "run", "sampling_config"]

@@ -3,8 +3,8 @@
     alignax judge JUDGE_MODEL FILE.jsonl --mode pointwise|pairwise [--out FILE] [--rubric TEXT]
                   [--verdicts yes,no] [--answers a,b]
 
-**Pointwise**: each record holds ``prompt`` and ``completion`` (``alignax generate``'s lines
-do); the output is the record with ``judge_logp`` (``log p(positive verdict | rubric)``) and
+**Pointwise**: each record holds ``prompt`` and ``completion`` as text (``alignax generate``'s
+lines do for text prompts; a prompt given as chat messages is refused, naming the line); the output is the record with ``judge_logp`` (``log p(positive verdict | rubric)``) and
 ``judge_p`` (that verdict's probability renormalised over the two verdicts), the two scores
 ``rewards.judge_score`` offers in training.
 
@@ -24,6 +24,7 @@ error naming the record (its line) and the field.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -87,6 +88,10 @@ def pairs(records: Sequence[Mapping[str, Any]], answers: tuple[str, str], path: 
                 for r in records]
     groups: dict[int, list[Mapping[str, Any]]] = {}
     for r in records:
+        if "record" not in r:
+            raise ConfigError(f"{path}, line {r['_line']}: field 'record' is missing (the first line is alignax "
+                              f"generate output, which pairs samples by record; or give every line {answers[0]!r} "
+                              f"and {answers[1]!r})")
         groups.setdefault(r["record"], []).append(r)
     out = []
     for key, group in groups.items():
@@ -140,7 +145,7 @@ def run(model: str, path: str, out: str | None, *, mode: str, rubric: str | None
         raise ConfigError(message.replace("rewards.judge_model", "JUDGE_MODEL")) from None
     results = (pairwise(judge, records, path, answers=answers, rubric=rubric or PAIRWISE_RUBRIC) if pair
                else pointwise(judge, records, path))
-    out = out or f"{path.rsplit('.', 1)[0]}.judged.jsonl"
+    out = out or f"{os.path.splitext(path)[0]}.judged.jsonl"
     paths.write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
     return out
 

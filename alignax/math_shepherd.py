@@ -167,7 +167,7 @@ def label_file(recipe: str, solutions: str, out: str, *, overrides: Sequence[str
     graphdef, state = nnx.split(model)
     sampler = build_sampler(graphdef, load_tokenizer(config), config,
                             mesh=mesh_for_shape(config.mesh.shape, config.mesh.dcn_shape),
-                            vocab_size=model.config.vocab_size)
+                            vocab_size=model.config.vocab_size, model_config=model.config)
     labelled = label_solutions(sampler, state, records, num_samples=num_samples, estimator=estimator,
                                delimiter=delimiter, temperature=config.rollout.temperature,
                                batch_prefixes=batch_prefixes, seed=config.train.seed)

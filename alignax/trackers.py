@@ -12,7 +12,12 @@ keys (wandb's run config; MLflow's params). Neither package is a dependency of a
   (``mlflow ui --backend-store-uri <output_dir>/mlruns``); any URI MLflow takes works.
 
 A resumed run continues the same tracker run: its id is kept in
-``<output_dir>/trackers.json``, written when the run starts.
+``<output_dir>/trackers.json``, written when the run starts. The steps between its last
+checkpoint and the stop are logged again (a resumed run repeats them exactly): MLflow keeps
+both (equal) values of such a step; an online wandb run ignores steps below its last one.
+A run is closed as finished whether it ended or stopped (the run's own exit status and
+``alarms.jsonl`` say which). An object-store ``output_dir`` is refused unless MLflow has a
+``tracking_uri`` of its own and wandb is off: both write local files.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from alignax import config as config_io
 from alignax import paths
 from alignax.config import ConfigError
 
@@ -53,16 +59,9 @@ class MlflowSection:
     run_name: str | None = None
 
 
-def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flat(tree: Any) -> dict[str, Any]:
     """A nested config dict as ``{dotted.key: scalar}`` (lists as their JSON text)."""
-    out: dict[str, Any] = {}
-    if isinstance(tree, Mapping):
-        for key, value in tree.items():
-            out.update(flat(value, f"{prefix}{key}."))
-        return out
-    key = prefix[:-1]
-    out[key] = json.dumps(tree) if isinstance(tree, (list, tuple)) else tree
-    return out
+    return {k: json.dumps(v) if isinstance(v, (list, tuple)) else v for k, v in config_io.dotted(tree).items()}
 
 
 def _import(package: str, key: str):
@@ -168,11 +167,22 @@ def tracker_writers(logging_section, output_dir: str, config: Mapping[str, Any])
     writers: list[Any] = []
     if logging_section.wandb is None and logging_section.mlflow is None:
         return writers
+    mlflow_local = logging_section.mlflow is not None and logging_section.mlflow.tracking_uri is None
+    if paths.is_remote(output_dir) and (logging_section.wandb is not None or mlflow_local):
+        which = "logging.wandb" if logging_section.wandb is not None else "logging.mlflow"
+        raise ConfigError(f"{which} with output_dir={output_dir}: the tracker writes local files (a wandb run folder, "
+                          "an MLflow file store), which would stay on this machine; set logging.mlflow.tracking_uri "
+                          "to a server or database, or use a local output_dir")
     ids = TrackerIds(output_dir)
-    if logging_section.wandb is not None:
-        writers.append(WandbWriter(logging_section.wandb, output_dir, config, ids))
-    if logging_section.mlflow is not None:
-        writers.append(MlflowWriter(logging_section.mlflow, output_dir, config, ids))
+    try:
+        if logging_section.wandb is not None:
+            writers.append(WandbWriter(logging_section.wandb, output_dir, config, ids))
+        if logging_section.mlflow is not None:
+            writers.append(MlflowWriter(logging_section.mlflow, output_dir, config, ids))
+    except BaseException:
+        for writer in writers:  # a tracker run already started is ended, not left open
+            writer.close()
+        raise
     return writers
 
 

@@ -61,7 +61,7 @@ def strip_wrappers(words: list[str]) -> list[str]:
 
 
 def check_cli(argv: list[str]) -> str | None:
-    from alignax import best_of_n, cli, generate, judging, math_shepherd
+    from alignax import cli, generate, judging, math_shepherd
     from alignax.trainers import api
 
     def stop(*args, **kwargs):
@@ -72,9 +72,9 @@ def check_cli(argv: list[str]) -> str | None:
         raise Checked
 
     saved = (api.train, api.evaluate, api.export, generate.run, judging.run, math_shepherd.label_file,
-             best_of_n.best_of_n_file)
+             generate.best_of_n_file)
     api.train = api.evaluate = api.export = generate.run = judging.run = stop
-    math_shepherd.label_file = best_of_n.best_of_n_file = label_after_config
+    math_shepherd.label_file = generate.best_of_n_file = label_after_config
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
             code = cli.main(argv)
@@ -84,7 +84,7 @@ def check_cli(argv: list[str]) -> str | None:
         return f"exit {exit_.code}: {err.getvalue()[-1000:]}"
     finally:
         (api.train, api.evaluate, api.export, generate.run, judging.run, math_shepherd.label_file,
-         best_of_n.best_of_n_file) = saved
+         generate.best_of_n_file) = saved
     return None if code == 0 else f"exit {code}: {err.getvalue()[-1000:]}"
 
 

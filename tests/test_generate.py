@@ -117,3 +117,18 @@ def test_help_lists_the_flags(capsys):
     text = capsys.readouterr().out
     for flag in ("--num-samples", "--greedy", "--temperature", "--top-p", "--max-new-tokens", "--step", "--out"):
         assert flag in text
+
+
+def test_a_recipes_prompts_are_encoded_as_its_training_data(toy_model, prompt_file):
+    """generate and best-of-n read a recipe's prompt file with its data settings: its system
+    prompt reaches the prompt tokens (a fresh prompt set would drop it)."""
+    from alignax.data import DataConfig
+    from alignax.generate import GenerateOptions, prompt_rows
+
+    tokenizer = load(toy_model)[1]
+    options = GenerateOptions(max_new_tokens=4, batch_size=4)
+    plain = next(prompt_rows(prompt_file, tokenizer, options, 64))
+    system = next(prompt_rows(prompt_file, tokenizer, options, 64, DataConfig(system_prompt="yes no yes",
+                                                                             packing=True, format="sft")))
+    lengths = lambda b: b["prompt_attention_mask"].sum(axis=1)  # noqa: E731
+    assert (lengths(system) > lengths(plain)).all()  # the system turn is there; packing off for a prompt set

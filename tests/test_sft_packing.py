@@ -105,6 +105,10 @@ def test_the_packed_stream_resumes_exactly_and_shards_over_processes(packed):
     assert it.steps_per_epoch < 9 and it.epoch >= 1
     resumed = prepared.iterator("train", process_index=0, process_count=1)
     resumed.set_state(state)
+    # rows of another width, or of other example lengths, are another stream: refused
+    for key, value in (("max_length", 32), ("lengths", "0" * 16)):
+        with pytest.raises(ConfigError, match=f"{key}: saved"):
+            resumed.set_state({**state, "fingerprint": {**state["fingerprint"], key: value}})
     halves = [prepared.iterator("train", process_index=p, process_count=2) for p in (0, 1)]
     for half in halves:
         half.set_state(state)

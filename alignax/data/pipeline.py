@@ -564,6 +564,7 @@ class DataIterator:
         if not ordered and config.packing:
             self._plan = RowPlan(indices, prepared.lengths[indices], config.max_length, seed=config.seed,
                                  shuffle=config.shuffle, num_epochs=config.num_epochs)
+            self._lengths_digest = hashlib.sha256(np.ascontiguousarray(prepared.lengths[indices]).tobytes()).hexdigest()[:16]
             rows = self._plan.rows_in(0)
             if rows < config.batch_size:
                 raise ValueError(f"the training split packs into {rows} rows of data.max_length={config.max_length} "
@@ -637,7 +638,10 @@ class DataIterator:
             "seed": config.seed,
             "shuffle": config.shuffle,
             "batch_size": self.global_batch_size,
-            **({"packing": True} if self._plan is not None else {}),  # absent unpacked: older states still match
+            # packed rows depend on the row width and each example's length: a resumed run reads
+            # the same rows only if both are the same (absent unpacked: older states still match)
+            **({"packing": True, "max_length": config.max_length, "lengths": self._lengths_digest}
+               if self._plan is not None else {}),
         }
 
     def get_state(self) -> dict[str, Any]:

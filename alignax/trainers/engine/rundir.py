@@ -197,18 +197,9 @@ def checkpoint_steps(output_dir: str) -> list[int]:
     return sorted(int(entry.name) for entry in directory.iterdir() if entry.name.isdigit() and entry.is_dir())
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out or {prefix[:-1]: {}}
-    return {prefix[:-1]: tree}
-
-
 def config_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, new value)`` for every dotted key that differs."""
-    a, b = _flatten(saved), _flatten(new)
+    a, b = config_io.dotted(saved), config_io.dotted(new)
     missing = object()
     changes = []
     for key in sorted(set(a) | set(b)):
