@@ -3,18 +3,28 @@ of the real trainer on a (2, 2, 2) mesh against the same steps on one device, sa
 and the sampler on its own mesh (``rollout.mesh``) from its compute-dtype copy of the
 policy against the sampler on the training mesh from the training parameters. Prints one
 JSON line of measured differences.
+
+The bound on the parameter differences is a third run: one device with Gaussian noise of
+float32's reduction-order size added to every gradient (``float32_noise_run``); the mesh
+may differ from one device by no more than that run does. ``--sgd`` runs all three with
+SGD (whose parameter difference is linear in the gradient noise, without Adam's
+amplification): it measures the mesh's gradient noise against the noise model directly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
+import alignax.trainers.online.update as online_update
 from alignax.parallel import batch_sharding, make_mesh
 from alignax.parallel.sharding import batch_shards
 from alignax.sampling.scored import ScoredSampler
@@ -25,19 +35,90 @@ from tests.support.rl_toy import toy_config, toy_prompts
 from tests.support.toy_model import make_toy_model
 
 
-def run(model_dir, shape):
+def grpo_config(tmp, model_dir, shape):
     """Two GRPO rollouts, 2 minibatches of 8 rows, each in 4 micro-batches of 2 rows (fewer
     rows than the (2, 2, 2) mesh has batch shards: split_micro_batches spreads each over
-    the data groups). What XLA printed while compiling is returned with the run. No eval
-    split: nothing here compares evaluations, and its greedy sampler would be one more
-    program to compile per mesh."""
+    the data groups). No eval split: nothing here compares evaluations, and its greedy
+    sampler would be one more program to compile per mesh. ``--sgd``: plain SGD at lr 1
+    instead of AdamW at 2e-2 (at 2e-2 the noise SGD passes on, lr * delta ~ 1e-9, would
+    sit under the float32 spacing of the parameters, ~4e-9 at |p| ~ 0.05)."""
+    optim = {"name": "sgd", "learning_rate": 1.0} if "--sgd" in sys.argv else {}
+    return toy_config(tmp, model_dir, "grpo", steps=2, checkpoint={"enabled": False}, mesh={"shape": list(shape)},
+                      grpo={"minibatches": 2}, train={"grad_accum_steps": 4}, data={"eval_fraction": 0.0}, optim=optim)
+
+
+def run(model_dir, shape):
+    """The run of :func:`grpo_config` on ``shape``; what XLA printed while compiling is
+    returned with it."""
     with tempfile.TemporaryDirectory() as tmp:
-        config = toy_config(tmp, model_dir, "grpo", steps=2, checkpoint={"enabled": False},
-                            mesh={"shape": list(shape)}, grpo={"minibatches": 2}, train={"grad_accum_steps": 4},
-                            data={"eval_fraction": 0.0})
         with captured_stderr() as log:
-            result = train(config, records=toy_prompts(24))
+            result = train(grpo_config(tmp, model_dir, shape), records=toy_prompts(24))
     return result, nnx.state(result.model, nnx.Param), log.text
+
+
+def reduction_length(config) -> int:
+    """K, the longest sum an update's gradient element is made of: a kernel's gradient sums
+    one term per token over the update's rows, ``rows * (prompt + response tokens)``, where
+    ``rows = batch_size * num_samples / minibatches`` (8 * 32 = 256 here); the mesh splits
+    exactly these sums (rows over the batch shards) and the model's own contractions (32 to
+    64 long) are shorter."""
+    rows = config.data.batch_size * config.rollout.num_samples // config.grpo.minibatches
+    return rows * (config.data.max_prompt_length + config.rollout.max_new_tokens)
+
+
+def relative_gradient_noise(relative: float, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+    """Adds to each gradient tensor ``g`` independent Gaussian noise of standard deviation
+    ``relative * rms(g)``, drawn anew at each update (key: ``seed`` folded with the count)."""
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, **extra_args):
+        del params, extra_args
+        leaves, tree = jax.tree.flatten(updates)
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), state.count), len(leaves))
+        noisy = [g + relative * jnp.sqrt(jnp.mean(jnp.square(g))) * jax.random.normal(k, g.shape, g.dtype)
+                 for g, k in zip(leaves, keys)]
+        return jax.tree.unflatten(tree, noisy), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+@contextlib.contextmanager
+def noisy_gradients(relative: float):
+    """Online trainers built inside add :func:`relative_gradient_noise` to the gradient
+    before their optimiser (and its clipping) sees it."""
+    build = online_update.build_optimizer
+
+    def build_noisy(*args, **kwargs):
+        optimizer, schedule = build(*args, **kwargs)
+        return optax.chain(relative_gradient_noise(relative), optimizer), schedule
+
+    online_update.build_optimizer = build_noisy
+    try:
+        yield
+    finally:
+        online_update.build_optimizer = build
+
+
+def float32_noise_run(model_dir) -> tuple[dict, object]:
+    """One device, every gradient perturbed by the error float32 makes summing K terms in
+    another order: a sum of K terms rounded at each partial sum carries a random-walk error
+    of about ``sqrt(K) * u`` times its size (u = 2**-24, float32's unit roundoff; the
+    typical error, not Higham's worst case ``K * u``), so each element gets noise of
+    standard deviation ``sqrt(K) * 2**-24 * rms(g)`` with K from :func:`reduction_length`.
+    Whatever Adam and the rollouts make of that noise (an element g with noise delta moves
+    by ~ lr * delta / |g|, and the moved parameters feed the next gradients) is what the
+    mesh's own reordering may make of its noise; the same run with ``--sgd``, where the
+    difference is linear in the noise, shows the mesh's noise inside the model."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = grpo_config(tmp, model_dir, (1, 1, 1))
+        length = reduction_length(config)
+        relative = float(np.sqrt(length) * 2.0**-24)
+        with noisy_gradients(relative):
+            result = train(config, records=toy_prompts(24))
+    return {"reduction_length": length, "noise_relative": relative}, result
 
 
 def sampler_copy(model_dir) -> dict:
@@ -105,6 +186,7 @@ def main() -> int:
         make_toy_model(model_dir)
         single, single_params, _ = run(model_dir, (1, 1, 1))
         sharded, sharded_params, sharded_log = run(model_dir, (2, 2, 2))
+        noise, noisy = float32_noise_run(model_dir)
         copy = sampler_copy(model_dir)
     keys = ("reward/total", "loss", "grad_norm", "kl/ref_seq", "response/length_mean", "entropy")
     out = {
@@ -112,6 +194,9 @@ def main() -> int:
         **{f"single/{k}": [h[k] for h in single.history] for k in keys},
         **{f"sharded/{k}": [h[k] for h in sharded.history] for k in keys},
         **param_diffs(single_params, sharded_params),
+        **{f"float32_noise/{k}": v for k, v in noise.items()},
+        **{f"float32_noise/{k}": v for k, v in param_diffs(single_params, nnx.state(noisy.model, nnx.Param)).items()},
+        "float32_noise/reward/total": [h["reward/total"] for h in noisy.history],
         "sharded_param_devices": max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded_params)),
         "sharded_involuntary_remat": sharded_log.count("Involuntary full rematerialization"),
         **micro_batch_split(),
