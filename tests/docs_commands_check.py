@@ -49,7 +49,7 @@ def makefile_targets() -> set[str]:
 def strip_wrappers(words: list[str]) -> list[str]:
     """The command without ``VAR=value`` prefixes, ``env``, ``nice -n N`` and ``/usr/bin/time -v``."""
     while words:
-        if re.fullmatch(r"[A-Za-z_]\w*=\S*", words[0]) or words[0] == "env":
+        if re.fullmatch(r"[A-Za-z_]\w*=.*", words[0], re.S) or words[0] == "env":  # a quoted value may hold spaces
             words = words[1:]
         elif words[0] == "nice":
             words = words[3:] if words[1:2] == ["-n"] else words[1:]

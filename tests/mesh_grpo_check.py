@@ -181,6 +181,11 @@ def param_diffs(a, b) -> dict[str, float]:
 
 
 def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="GRPO on a (2, 2, 2) mesh against one device and its noise bound")
+    parser.add_argument("--sgd", action="store_true", help="plain SGD at lr 1 (grpo_config reads it)")
+    parser.parse_args()
     assert jax.device_count() == 8, jax.devices()
     with tempfile.TemporaryDirectory() as model_dir:
         make_toy_model(model_dir)

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import filecmp
 import glob
 import os
 import re
-import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -30,6 +27,7 @@ from alignax.models import MODEL_KINDS
 from alignax.trainers import algorithms
 from alignax.trainers.algorithms import ALGORITHMS, ENTRIES
 from alignax.trainers.config import TrainConfig
+from tests.support.scratch_package import changed_files, run_against_copy, scratch_copy
 from tests.support.trainer_helpers import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,28 +153,16 @@ print("toy ok")
 
 
 def test_a_new_online_family_is_one_module_and_one_entry(tmp_path):
-    copy = tmp_path / "alignax"
-    shutil.copytree(ROOT / "alignax", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "trainers" / "online" / "toy.py").write_text(TOY_MODULE)
-    map_file = copy / "trainers" / "algorithms.py"
-    text = map_file.read_text().replace("from alignax.trainers.online import grpo, ppo",
-                                        "from alignax.trainers.online import grpo, ppo, toy")
-    map_file.write_text(text.replace("\nALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}\n",
-                                     "\nALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}\n" + TOY_ENTRY))
-    touched = _changed_files(ROOT / "alignax", copy)
+    scratch_copy(tmp_path, new_files={"trainers/online/toy.py": TOY_MODULE}, edits={
+        "trainers/algorithms.py": ("from alignax.trainers.online import grpo, ppo",
+                                   "from alignax.trainers.online import grpo, ppo, toy")})
+    map_file = tmp_path / "alignax" / "trainers" / "algorithms.py"
+    map_file.write_text(map_file.read_text().replace(
+        "\nALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}\n",
+        "\nALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}\n" + TOY_ENTRY))
+    touched = changed_files(ROOT / "alignax", tmp_path / "alignax")
     assert touched == ["trainers/algorithms.py", "trainers/online/toy.py"], touched
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", TOY_CHECK], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "toy ok" in proc.stdout, proc.stderr[-3000:]
-
-
-def _changed_files(left: Path, right: Path, prefix: str = "") -> list[str]:
-    cmp = filecmp.dircmp(left, right, ignore=["__pycache__"])
-    out = [prefix + n for n in cmp.diff_files + cmp.right_only + cmp.left_only]
-    for sub in cmp.common_dirs:
-        out += _changed_files(left / sub, right / sub, f"{prefix}{sub}/")
-    return sorted(out)
+    run_against_copy(tmp_path, TOY_CHECK, "toy ok")
 
 
 # ---------------------------------------------------------------------------- the entries' facts

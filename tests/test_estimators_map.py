@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import os
-import shutil
-import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -18,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from alignax.estimators import ESTIMATORS
-from tests.test_algorithm_map import _changed_files
+from tests.support.scratch_package import run_against_copy, scratch_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -119,19 +116,13 @@ print("toy ok")
 
 
 def test_a_new_estimator_is_one_module_and_one_entry(tmp_path):
-    copy = tmp_path / "alignax"
-    shutil.copytree(ROOT / "alignax", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "estimators" / "toy_best.py").write_text(TOY_MODULE)
-    registry = copy / "estimators" / "__init__.py"
-    text = registry.read_text()
-    text = text.replace("    gdpo,\n", "    gdpo,\n    toy_best,\n", 1)  # the import
-    text = text.replace("    gdpo.ESTIMATOR,\n)", "    gdpo.ESTIMATOR,\n    toy_best.ESTIMATOR,\n)", 1)  # the entry
-    registry.write_text(text)
-    assert _changed_files(ROOT / "alignax", copy) == ["estimators/__init__.py", "estimators/toy_best.py"]
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", TOY_CHECK], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "toy ok" in proc.stdout, proc.stderr[-3000:]
+    touched = scratch_copy(tmp_path, new_files={"estimators/toy_best.py": TOY_MODULE}, edits={
+        "estimators/__init__.py": ("    gdpo,\n", "    gdpo,\n    toy_best,\n")})  # the import
+    registry = tmp_path / "alignax" / "estimators" / "__init__.py"
+    registry.write_text(registry.read_text().replace(  # the entry
+        "    gdpo.ESTIMATOR,\n)", "    gdpo.ESTIMATOR,\n    toy_best.ESTIMATOR,\n)", 1))
+    assert touched == ["estimators/__init__.py", "estimators/toy_best.py"]
+    run_against_copy(tmp_path, TOY_CHECK, "toy ok")
 
 
 # ----------------------------------------------------------------------------- YAML, the map, estimate

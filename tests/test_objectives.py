@@ -525,28 +525,16 @@ def test_a_new_objective_is_one_module_and_one_entry(tmp_path):
     """A toy objective copied into a scratch copy of the package touches its module and the
     registry's file only (an import and one entry), and is then selectable from YAML,
     validated through the map (its keys, others refused), built by the trainer and estimated."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.support.scratch_package import run_against_copy, scratch_copy
 
-    from tests.test_algorithm_map import _changed_files
-
-    root = Path(__file__).resolve().parent.parent
-    copy = tmp_path / "alignax"
-    shutil.copytree(root / "alignax", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "losses" / "objectives" / "toy.py").write_text(TOY_MODULE)
-    registry = copy / "losses" / "objectives" / "__init__.py"
-    text = registry.read_text()
-    text = text.replace("import cov, dppo, dro, geo_mean, vespo", "import cov, dppo, dro, geo_mean, toy, vespo")
-    text = text.replace('    "vespo": vespo.VESPO,\n', '    "vespo": vespo.VESPO,\n    "toy": toy.TOY,\n')
-    registry.write_text(text)
-    assert _changed_files(root / "alignax", copy) == ["losses/objectives/__init__.py", "losses/objectives/toy.py"]
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", TOY_CHECK], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "toy objective ok" in proc.stdout, proc.stderr[-3000:]
+    touched = scratch_copy(tmp_path, new_files={"losses/objectives/toy.py": TOY_MODULE}, edits={
+        "losses/objectives/__init__.py": ("import cov, dppo, dro, geo_mean, vespo",
+                                          "import cov, dppo, dro, geo_mean, toy, vespo")})
+    registry = tmp_path / "alignax" / "losses" / "objectives" / "__init__.py"
+    registry.write_text(registry.read_text().replace('    "vespo": vespo.VESPO,\n',
+                                                     '    "vespo": vespo.VESPO,\n    "toy": toy.TOY,\n'))
+    assert touched == ["losses/objectives/__init__.py", "losses/objectives/toy.py"]
+    run_against_copy(tmp_path, TOY_CHECK, "toy objective ok")
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
