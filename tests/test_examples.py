@@ -1,21 +1,19 @@
 """tools/examples/own_loop.py, the README's loop of your own over the public seam, runs for
 an offline and an online recipe (test_readme only checks that its options parse)."""
 
-import importlib.util
 import math
 import os
 import re
 
 import pytest
 
+from tests.support.tools import load_tool
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def own_loop():
-    spec = importlib.util.spec_from_file_location("own_loop", os.path.join(ROOT, "tools", "examples", "own_loop.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("examples/own_loop.py")
 
 
 @pytest.mark.parametrize("recipe, figure", [("tiny-dpo", "loss"), ("tiny-grpo", "reward/total")])

@@ -165,16 +165,13 @@ def test_monitor_config_checks():
     assert config.monitor.entropy_collapse.action == "rollback"
 
 
-GUARDED_TOOL = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "studies", "guarded_overoptimisation.py")
 
 
 @pytest.mark.slow  # the tool's two arms; the rollback in a run is covered fast above
 def test_the_guarded_study_runs_both_arms_on_the_toy_model(tmp_path, toy_model):
-    import importlib.util
+    from tests.support.tools import load_tool
 
-    spec = importlib.util.spec_from_file_location("guarded_overoptimisation_tool", GUARDED_TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("studies/guarded_overoptimisation.py", "guarded_overoptimisation_tool")
     write_jsonl(toy_prompts(24) + gold_prompts(8), str(tmp_path / "prompts.jsonl"))
     args = tool.parse_args([
         "--out", str(tmp_path / "out"), "--model", toy_model, "--prompts", str(tmp_path / "prompts.jsonl"),

@@ -3,24 +3,15 @@ rule and its exit code are checked here on a stand-in `mutmut` that prints fixed
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import stat
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.tools import load_tool
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("mutation_summary", os.path.join(ROOT, "tools", "mutation", "summary.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-summary = _load()
+summary = load_tool("mutation/summary.py", "mutation_summary")
 
 
 def _fake_mutmut(tmp_path, lines: list[str]) -> str:

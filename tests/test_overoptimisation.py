@@ -6,7 +6,6 @@ best-of-N and GRPO against the proxy)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -17,15 +16,12 @@ import pytest
 from alignax.best_of_n import best_of_n_kl
 from alignax.data import write_jsonl
 from tests.support.rl_toy import toy_prompts
+from tests.support.tools import load_tool as load_tool_file
 
-TOOL = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "studies", "overoptimisation.py")
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("overoptimisation_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool_file("studies/overoptimisation.py", "overoptimisation_tool")
 
 
 def exact_best_of_n_kl(n: int, outcomes: int) -> float:
