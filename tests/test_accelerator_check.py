@@ -42,7 +42,12 @@ def test_the_device_check_runs_on_cpu_and_reports_every_field(tmp_path):
         assert entry["kernel"].startswith("stand-in")
         assert entry["dpo_grad_max_abs"] > 0
         assert 0 <= entry["logits_max_abs_diff"] < 0.05 and 0 <= entry["dpo_grad_rel_diff"] < 0.05, entry
-    assert result["attention"]["cudnn"]["logits_max_abs_diff"] < 1e-5
+    # the cuDNN route's gather/scatter around XLA's implementation computes XLA's logits at the
+    # real tokens: equal on jaxlib 0.10/0.11; jaxlib 0.12 fuses the bfloat16 sums of the two
+    # layouts differently, within one bfloat16 rounding (2^-8 relative) of the largest logit.
+    # A wrong gather or mask is off by the logits' own size.
+    cudnn = result["attention"]["cudnn"]
+    assert cudnn["logits_max_abs_diff"] <= 2.0 ** -8 * cudnn["logits_max_abs"], cudnn
 
     tiny = result["throughput"]["tiny"]
     assert set(tiny) == {"dpo", "grpo", "ppo"}

@@ -424,6 +424,7 @@ def attention_check(shape: str, sizes: dict, platform: str) -> dict:
             logits, grads = attention_outputs(shape, name, rows)
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(grads, want_grads))
         out[name] = {"kernel": kernel, "logits_max_abs_diff": float(np.max(np.abs(logits - want_logits)[real])),
+                     "logits_max_abs": float(np.max(np.abs(want_logits)[real])),
                      "dpo_grad_max_abs_diff": diff, "dpo_grad_max_abs": scale, "dpo_grad_rel_diff": diff / scale}
     return out
 
