@@ -62,10 +62,11 @@ def is_recipe(source: str) -> bool:
     return source.endswith((".yaml", ".yml")) and os.path.isfile(source)
 
 
-def load_policy(source: str, *, step: int | None = None, overrides: Sequence[str] = ()) -> tuple[nnx.Module, Any]:
+def load_policy(source: str, *, step: int | None = None, overrides: Sequence[str] = (),
+                config=None) -> tuple[nnx.Module, Any]:
     """``(policy, tokenizer)``: a model by name, or a recipe's trained policy (its checkpoint
     at ``step``, default the latest; LoRA adapters merged) with the recipe's tokenizer.
-    (A recipe's data settings: :func:`recipe_data`.)"""
+    ``config``: the recipe's loaded config (:func:`recipe_config`), when the caller has it."""
     if not is_recipe(source):
         from alignax.models import registry
 
@@ -76,7 +77,7 @@ def load_policy(source: str, *, step: int | None = None, overrides: Sequence[str
         return registry.load(source, key="MODEL_OR_RECIPE")
     from alignax.trainers import api
 
-    config = api.load_config(source, overrides)
+    config = config if config is not None else api.load_config(source, overrides)
     trainer = api.build_trainer(config, with_data=False)
     params = api.restore_params(trainer, config, step)
     return trainer.export_models(params)[""], trainer.tokenizer
@@ -87,13 +88,14 @@ def load_policy(source: str, *, step: int | None = None, overrides: Sequence[str
 _WIDTH_STEP = 32
 
 
-def recipe_data(source: str, overrides: Sequence[str] = ()) -> DataConfig | None:
-    """A recipe's ``data`` section (how its prompts are encoded); None for a model."""
+def recipe_config(source: str, overrides: Sequence[str] = ()):
+    """A recipe's loaded config (its model, and its ``data`` section: how its prompts are
+    encoded); None for a model."""
     if not is_recipe(source):
         return None
     from alignax.trainers.api import load_config
 
-    return load_config(source, overrides).data
+    return load_config(source, overrides)
 
 
 def prompt_width(options: GenerateOptions, context: int) -> int:
@@ -168,13 +170,14 @@ def run(source: str, prompts: str, out: str | None, options: GenerateOptions, *,
     """Write every sample of ``prompts`` to ``out`` (default: ``<prompts>.completions.jsonl``
     beside a local file, else ``completions.jsonl``); returns the path written. The file is
     written whole or not at all (:func:`alignax.paths.write_text`)."""
-    model, tokenizer = load_policy(source, step=step, overrides=overrides)
+    config = recipe_config(source, overrides)  # loaded once: the policy's and the prompts' settings
+    model, tokenizer = load_policy(source, step=step, overrides=overrides, config=config)
     if out is None:
         local = not paths.is_remote(prompts) and os.path.isfile(prompts)
         out = f"{os.path.splitext(prompts)[0]}.completions.jsonl" if local else "completions.jsonl"
     width = prompt_width(options, model.config.max_position_embeddings)
-    rows = completions(model, tokenizer, prompt_rows(prompts, tokenizer, options, width, recipe_data(source, overrides)),
-                       options)
+    rows = completions(model, tokenizer, prompt_rows(prompts, tokenizer, options, width,
+                                                      None if config is None else config.data), options)
     paths.write_text(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     return out
 
@@ -211,7 +214,7 @@ def best_of_n_file(recipe: str, prompts: str, out: str, *, n: int, overrides: Se
         raise ConfigError(f"--n {n}: expected a positive number of samples per prompt")
     config = load_config(recipe, overrides)
     if checkpoint or step is not None:
-        model, tokenizer = load_policy(recipe, step=step, overrides=overrides)
+        model, tokenizer = load_policy(recipe, step=step, overrides=overrides, config=config)
     else:
         model, tokenizer = load_model(config), load_tokenizer(config)
     graphdef, state = nnx.split(model)

@@ -162,11 +162,13 @@ def _mlflow_key(key: str) -> str:
     return key.replace("@", "_at_").replace("%", "pct")
 
 
-def tracker_writers(logging_section, output_dir: str, config: Mapping[str, Any]) -> list[Any]:
-    """The writers of the trackers ``logging_section`` turns on (none when both are null)."""
+def tracker_writers(logging_section, output_dir: str, run_config: Any) -> list[Any]:
+    """The writers of the trackers ``logging_section`` turns on (none when both are null);
+    ``run_config``: the run's config, logged once by each."""
     writers: list[Any] = []
     if logging_section.wandb is None and logging_section.mlflow is None:
         return writers
+    config = config_io.to_dict(run_config)  # only when a tracker logs it
     mlflow_local = logging_section.mlflow is not None and logging_section.mlflow.tracking_uri is None
     if paths.is_remote(output_dir) and (logging_section.wandb is not None or mlflow_local):
         which = "logging.wandb" if logging_section.wandb is not None else "logging.mlflow"

@@ -85,7 +85,7 @@ def make_writers(config: TrainConfig, keys: Sequence[str]) -> MultiWriter:
         writers.append(JsonlWriter(os.path.join(config.output_dir, "metrics.jsonl")))
     if config.logging.tensorboard:
         writers.append(TensorBoardWriter(os.path.join(config.output_dir, "tensorboard")))
-    writers += tracker_writers(config.logging, config.output_dir, config_io.to_dict(config))
+    writers += tracker_writers(config.logging, config.output_dir, config)
     return MultiWriter(writers)
 
 
