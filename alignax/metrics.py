@@ -178,6 +178,13 @@ class MultiWriter:
         for writer in self.writers:
             writer.write(step, metrics)
 
+    def record_outcome(self, outcome: str) -> None:
+        """How the run ended (``finished``, ``killed``, ``failed``), for the writers that keep
+        it (the experiment trackers' run status, :mod:`alignax.trackers`); before :meth:`close`."""
+        for writer in self.writers:
+            if hasattr(writer, "record_outcome"):
+                writer.record_outcome(outcome)
+
     def close(self) -> None:
         for writer in self.writers:
             writer.close()

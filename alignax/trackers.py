@@ -12,12 +12,17 @@ keys (wandb's run config; MLflow's params). Neither package is a dependency of a
   (``mlflow ui --backend-store-uri <output_dir>/mlruns``); any URI MLflow takes works.
 
 A resumed run continues the same tracker run: its id is kept in
-``<output_dir>/trackers.json``, written when the run starts. The steps between its last
-checkpoint and the stop are logged again (a resumed run repeats them exactly): MLflow keeps
-both (equal) values of such a step; an online wandb run ignores steps below its last one.
-A run is closed as finished whether it ended or stopped (the run's own exit status and
-``alarms.jsonl`` say which). An object-store ``output_dir`` is refused unless MLflow has a
-``tracking_uri`` of its own and wandb is off: both write local files.
+``<output_dir>/trackers.json``, written when the run starts, with the last step each tracker
+was sent and the figures of that step it holds. A run stopped between checkpoints repeats the
+steps since its last checkpoint exactly when resumed; those the tracker already holds are not
+sent again (MLflow would keep both equal values of a step, and an online wandb run refuses steps
+below its last), the rest of a step cut short are (:meth:`TrackerIds.unsent`). A tracker run ends as the run did
+(:meth:`MultiWriter.record_outcome <alignax.metrics.MultiWriter.record_outcome>`):
+``finished``, ``killed`` (stopped by SIGTERM or SIGINT after saving, to be resumed) or
+``failed`` (an error, an alarm's stop): MLflow's run status ``FINISHED`` / ``KILLED`` /
+``FAILED``; wandb's exit code 0 or 1 (its ``crashed``/``failed`` state). An object-store
+``output_dir`` is refused unless MLflow has a ``tracking_uri`` of its own and wandb is off:
+both write local files.
 """
 
 from __future__ import annotations
@@ -74,18 +79,56 @@ def _import(package: str, key: str):
                           "pip install 'alignax[trackers]' (make install includes it)") from None
 
 
+OUTCOMES = ("finished", "killed", "failed")
+
+
 class TrackerIds:
-    """The tracker run ids of an output directory (``trackers.json``), so a resumed run logs
-    into the run it started."""
+    """An output directory's ``trackers.json``: each tracker's run id, so that a resumed run
+    logs into the run it started, and (under ``"sent"``) the step each tracker was last sent
+    with the figures of that step, so that the steps a resumed run repeats are not sent twice."""
 
     def __init__(self, output_dir: str):
         self.path = os.path.join(output_dir, TRACKER_IDS)
         target = paths.as_path(self.path)
-        self.ids: dict[str, str] = json.loads(target.read_text()) if target.exists() else {}
+        stored = json.loads(target.read_text()) if target.exists() else {}
+        self.sent: dict[str, list] = stored.pop("sent", {})
+        self.ids: dict[str, str] = stored
+        self._resume_marks = dict(self.sent)  # what the run's earlier processes sent
 
     def remember(self, tracker: str, run_id: str) -> None:
         self.ids[tracker] = run_id
-        paths.write_text(self.path, json.dumps(self.ids, indent=1))
+        self._save()
+
+    def unsent(self, tracker: str, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The figures of ``metrics`` at ``step`` to send to ``tracker``, recorded as sent.
+
+        A resumed run repeats the steps from its checkpoint to where the previous process
+        stopped: until a step goes past the last one that process sent, the steps before it
+        are left out and, at it, the figures it sent. After that everything is sent (a
+        monitor's rollback sends its steps again, with their new figures, as a new stretch)."""
+        mark = self._resume_marks.get(tracker)
+        if mark is not None:
+            mark_step, mark_keys = mark
+            if step < mark_step:
+                return {}
+            if step == mark_step:
+                metrics = {k: v for k, v in metrics.items() if k not in set(mark_keys)}
+            else:
+                del self._resume_marks[tracker]
+        last_step, last_keys = self.sent.get(tracker, (None, []))
+        held = set(last_keys) if last_step == step else set()
+        self.sent[tracker] = [int(step), sorted(held | set(metrics))]
+        self._save()
+        return dict(metrics)
+
+    def _save(self) -> None:
+        paths.write_text(self.path, json.dumps({**self.ids, "sent": self.sent}, indent=1))
+
+
+def _checked_outcome(outcome: str) -> str:
+    if outcome not in OUTCOMES:
+        raise ValueError(f"a run's outcome is one of {', '.join(OUTCOMES)}; got {outcome!r}")
+    return outcome
 
 
 class WandbWriter:
@@ -101,13 +144,19 @@ class WandbWriter:
                                tags=list(section.tags), dir=output_dir, config=flat(config),
                                settings=wandb.Settings(silent=True, console="off"))
         ids.remember("wandb", run_id)
+        self._ids, self.outcome = ids, "finished"
         self.run_dir = self._run.dir  # <output_dir>/wandb/<offline-run-...>/files
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        self._run.log({k: float(v) for k, v in metrics.items()}, step=int(step))
+        fresh = self._ids.unsent("wandb", int(step), metrics)
+        if fresh:
+            self._run.log({k: float(v) for k, v in fresh.items()}, step=int(step))
+
+    def record_outcome(self, outcome: str) -> None:
+        self.outcome = _checked_outcome(outcome)
 
     def close(self) -> None:
-        self._run.finish()
+        self._run.finish(exit_code=0 if self.outcome == "finished" else 1)
 
 
 class MlflowWriter:
@@ -140,7 +189,9 @@ class MlflowWriter:
                 chunk = list(params.items())[start:start + 100]
                 self._client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in chunk])
             ids.remember("mlflow", run_id)
-        self.run_id = run_id
+        else:
+            self._client.update_run(run_id, status="RUNNING")  # a resumed run is running again
+        self.run_id, self._ids, self.outcome = run_id, ids, "finished"
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         import time
@@ -148,12 +199,16 @@ class MlflowWriter:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(_mlflow_key(k), float(v), now, int(step)) for k, v in metrics.items()]
+        fresh = self._ids.unsent("mlflow", int(step), metrics)
+        batch = [Metric(_mlflow_key(k), float(v), now, int(step)) for k, v in fresh.items()]
         for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics a call
             self._client.log_batch(self.run_id, metrics=batch[start:start + 1000])
 
+    def record_outcome(self, outcome: str) -> None:
+        self.outcome = _checked_outcome(outcome)
+
     def close(self) -> None:
-        self._client.set_terminated(self.run_id)
+        self._client.set_terminated(self.run_id, status=self.outcome.upper())
 
 
 def _mlflow_key(key: str) -> str:
@@ -188,5 +243,5 @@ def tracker_writers(logging_section, output_dir: str, run_config: Any) -> list[A
     return writers
 
 
-__all__ = ["MlflowSection", "MlflowWriter", "TRACKER_IDS", "TrackerIds", "WandbSection", "WandbWriter", "flat",
+__all__ = ["MlflowSection", "MlflowWriter", "OUTCOMES", "TRACKER_IDS", "TrackerIds", "WandbSection", "WandbWriter", "flat",
            "tracker_writers"]

@@ -4,16 +4,19 @@ tracker run."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import shutil
 
 import pytest
 
 from alignax.config import ConfigError
 from alignax.metrics import read_jsonl
-from alignax.trackers import TRACKER_IDS, _import, flat
+from alignax.trackers import TRACKER_IDS, TrackerIds, _import, flat
 from alignax.trainers.api import train
+from alignax.trainers.engine.session import Session
 from tests.support import wandb_log
 from tests.support.trainer_helpers import sft_conversations, tiny_config
 
@@ -77,7 +80,7 @@ def test_a_resumed_run_logs_into_the_same_tracker_runs(tmp_path, toy_model):
         ids = json.load(f)
     second = _run(out, toy_model, 4)  # the same command with more steps: resumes at step 2
     with open(os.path.join(second.output_dir, TRACKER_IDS)) as f:
-        assert json.load(f) == ids
+        assert {k: v for k, v in json.load(f).items() if k != "sent"} == {k: v for k, v in ids.items() if k != "sent"}
     client, _ = _mlflow(second.output_dir)
     assert sorted(m.step for m in client.get_metric_history(ids["mlflow"], "loss")) == [1, 2, 3, 4]
     assert len(client.search_runs([client.get_run(ids["mlflow"]).info.experiment_id])) == 1
@@ -92,3 +95,58 @@ def test_flat_dotted_keys_and_a_missing_package_named(monkeypatch):
     with pytest.raises(ConfigError, match=r"logging.wandb needs the no_such_tracker package, which is not installed: "
                                           r"pip install 'alignax\[trackers\]'"):
         _import("no_such_tracker", "logging.wandb")
+
+
+def _wandb_steps(output_dir, run_id, key):
+    """Every step at which ``key`` was logged to wandb run ``run_id``, over all its process starts."""
+    files = glob.glob(os.path.join(output_dir, "wandb", "*run-*", f"run-{run_id}.wandb"))
+    return sorted(int(h["_step"]) for f in files for h in wandb_log.history(f) if key in h)
+
+
+def test_steps_a_resumed_run_repeats_are_not_sent_to_the_trackers_twice(tmp_path, toy_model):
+    """A run that stopped after step 4's figures went out but before its checkpoint was written
+    resumes at step 2 and repeats steps 3 and 4 exactly: the trackers receive them once."""
+    out = tmp_path / "run"
+    first = _run(out, toy_model, 4)
+    with open(os.path.join(first.output_dir, TRACKER_IDS)) as f:
+        ids = json.load(f)
+    assert ids["sent"]["mlflow"][0] == 4 and "loss" in ids["sent"]["mlflow"][1]
+    shutil.rmtree(os.path.join(first.output_dir, "checkpoints", "4"))  # the stop came before step 4's save
+    second = _run(out, toy_model, 4)
+    jsonl = read_jsonl(os.path.join(second.output_dir, "metrics.jsonl"))
+    assert [int(r["step"]) for r in jsonl if "loss" in r].count(3) >= 1  # the resumed run did repeat step 3
+    client, _ = _mlflow(second.output_dir)
+    for key in ("loss", "eval/nll"):
+        steps = [m.step for m in client.get_metric_history(ids["mlflow"], key)]
+        assert sorted(steps) == sorted(set(steps)), (key, steps)  # each step once
+    assert sorted(m.step for m in client.get_metric_history(ids["mlflow"], "loss")) == [1, 2, 3, 4]
+    assert _wandb_steps(second.output_dir, ids["wandb"], "loss") == [1, 2, 3, 4]
+    assert client.get_run(ids["mlflow"]).info.status == "FINISHED"
+
+
+def test_a_step_cut_short_sends_only_the_figures_the_tracker_lacks(tmp_path):
+    ids = TrackerIds(str(tmp_path))
+    assert ids.unsent("mlflow", 3, {"loss": 1.0}) == {"loss": 1.0}
+    resumed = TrackerIds(str(tmp_path))  # the process stopped after step 3's loss, before its eval
+    assert resumed.unsent("mlflow", 2, {"loss": 0.5}) == {}
+    assert resumed.unsent("mlflow", 3, {"loss": 1.0}) == {}
+    assert resumed.unsent("mlflow", 3, {"eval/nll": 2.0}) == {"eval/nll": 2.0}
+    assert resumed.unsent("mlflow", 4, {"loss": 0.9}) == {"loss": 0.9}
+    # past the earlier process's last step, every step is sent again, as after a monitor's rollback
+    assert resumed.unsent("mlflow", 3, {"loss": 1.1}) == {"loss": 1.1}
+    assert TrackerIds(str(tmp_path)).sent["mlflow"] == [3, ["loss"]]
+
+
+@pytest.mark.parametrize("raised, status, exit_code", [(None, "FINISHED", 0), (RuntimeError, "FAILED", 1),
+                                                         (KeyboardInterrupt, "KILLED", 1)])
+def test_tracker_runs_end_as_the_run_did(tmp_path, toy_model, raised, status, exit_code):
+    config = tiny_config(tmp_path, "sft", model_dir=toy_model, steps=1,
+                         logging={"console": False, "tensorboard": False, **TRACKERS})
+    with contextlib.suppress(RuntimeError, KeyboardInterrupt):
+        with Session(config, console_keys=()) as session:
+            session.writer.write(1, {"loss": 1.0})
+            if raised is not None:
+                raise raised("stopped")
+    client, ids = _mlflow(config.output_dir)
+    assert client.get_run(ids["mlflow"]).info.status == status
+    assert wandb_log.exit_code(_wandb_file(config.output_dir)) == exit_code

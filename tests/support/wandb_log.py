@@ -63,3 +63,11 @@ def config(path: str) -> dict[str, object]:
         for item in items:
             out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return out
+
+
+def exit_code(path: str) -> int:
+    """The exit code the run was finished with (its ``exit`` record; 0: finished, else failed)."""
+    codes = [record.exit.exit_code for record in records(path) if record.WhichOneof("record_type") == "exit"]
+    if not codes:
+        raise ValueError(f"{path}: the run has no exit record (it was not finished)")
+    return codes[-1]

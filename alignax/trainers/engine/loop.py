@@ -342,6 +342,8 @@ class _Run:
         if stopped:
             log.warning("%s at step %d: saving a checkpoint before exit%s", stop, self.step,
                         "" if stop == self.signals.received else " (received by another process)")
+            if hasattr(self.writer, "record_outcome"):
+                self.writer.record_outcome("killed")
         elif self.step > self.start or self.eval_fn is not None:
             self.evaluate()
         self.save(force=True)

@@ -114,8 +114,10 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
         try:
+            if exc_type is not None:  # a stop by signal is recorded by the loop, which returns
+                self.writer.record_outcome("killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
             self.writer.close()
             if self.checkpointer is not None:
                 self.checkpointer.close()
