@@ -38,6 +38,7 @@ from alignax.losses import (
     value_loss,
 )
 from alignax.losses.preference import DPO_VARIANT_TABLE
+from alignax.losses._pairwise import batch_mean
 from tests.support import references
 
 B, T = 3, 6
@@ -143,6 +144,18 @@ def test_pairwise_losses_are_weighted_means_with_the_sum_of_weights_as_normalise
     logratio = chosen - np.asarray(a["ref_chosen"], np.float64)
     point = kto_reference_point(a["chosen"] + 30.0, a["ref_chosen"], weights=a["weights"])
     np.testing.assert_allclose(float(point), np.sum(w * (logratio + 30.0)) / np.sum(w), rtol=1e-6)
+
+
+def test_a_weighted_mean_over_a_normaliser_of_zero_is_zero():
+    """``batch_mean`` with an explicit normaliser of 0 (no pair counted anywhere) is 0, value and
+    gradient, even where this batch's weighted sum is not (mutant ``_pairwise.x_batch_mean__mutmut_31``
+    divided by 0 there)."""
+    values, weights = jnp.asarray([1.5, -2.0, 4.0]), jnp.asarray([1.0, 0.5, 0.0])
+    value, grad = jax.value_and_grad(lambda v: batch_mean(v, weights, normaliser=0.0))(values)
+    assert float(value) == 0.0
+    np.testing.assert_array_equal(np.asarray(grad), np.zeros(3))
+    np.testing.assert_allclose(float(batch_mean(values, weights, normaliser=2.0)), (1.5 - 1.0) / 2.0, rtol=1e-7)
+    assert float(batch_mean(values, jnp.zeros(3))) == 0.0  # the weights' own sum of 0 too
 
 
 @pytest.mark.parametrize("clip_eps", [None, 0.2])

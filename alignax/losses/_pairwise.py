@@ -38,7 +38,7 @@ def batch_mean(values: Array, weights: Array | None = None, normaliser: Array | 
     w = jnp.ones_like(values) if weights is None else jax.lax.stop_gradient(f32(weights))
     total = ops.masked_sum(w * values, w)
     denom = jnp.sum(w) if normaliser is None else f32(normaliser)
-    return total / jnp.where(denom > 0, denom, 1.0)
+    return jnp.where(denom > 0, total / jnp.where(denom > 0, denom, 1.0), 0.0)
 
 
 def weighted_means(values: dict[str, Array], weights: Array | None) -> dict[str, Array]:
