@@ -685,11 +685,13 @@ def _verl_rows():
 def test_the_verl_tables_cover_every_objective_and_their_keys_load():
     import re
 
+    import yaml
+
     from alignax.trainers.api import load_config
     from alignax.trainers.validation import schema_keys
 
     rows = _verl_rows()
-    key = re.compile(r"`((grpo|rollout)\.[a-z_]+)(?::\s*([a-z_0-9.]+))?`")
+    key = re.compile(r"`((grpo|rollout)\.[a-z_]+)(?::\s*([a-z_0-9.]+|\{[^}]*\}))?`")
     named = {(m.group(1), m.group(3)) for _, alignax in rows for m in key.finditer(alignax)}
     valid = set(schema_keys())
     # what a value needs beside it to load (the keys it depends on)
@@ -704,6 +706,11 @@ def test_the_verl_tables_cover_every_objective_and_their_keys_load():
             raw[sec].update(extra)
         if field == "tis_level":
             raw["rollout"]["tis_cap"] = 2.0
+        if value.startswith("{"):  # a mapping (rollout.rejection_divergences), as YAML reads it
+            mapping = yaml.safe_load(value)
+            raw[section][field] = mapping
+            assert getattr(getattr(load_config(data=raw), section), field) == mapping, (k, value)
+            continue
         raw[section][field] = value
         config = load_config(data=raw)
         assert str(getattr(getattr(config, section), field)) == value, (k, value)
