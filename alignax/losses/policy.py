@@ -258,7 +258,8 @@ def check_rejection_divergences(divergences: Mapping[str, Scalar] | None, *, key
     if unknown:
         raise ValueError(f"{key} has unknown criteria {unknown}; valid: {', '.join(REJECTION_DIVERGENCES)}")
     for name, bound in divergences.items():
-        if not (is_concrete_number(bound) or isinstance(bound, jax.Array)):  # an array may be traced: its value is not checked
+        # an array may be traced: its value is not checked
+        if not (is_concrete_number(bound) or isinstance(bound, jax.Array)):
             raise TypeError(f"{key}.{name} must be a number (an upper bound on the divergence); got {bound!r}")
         if is_concrete_number(bound) and not bound > 0:  # also refuses NaN
             raise ValueError(f"{key}.{name} must be > 0 (an upper bound on a divergence >= 0); got {bound}")
