@@ -487,6 +487,9 @@ def test_each_divergence_criterion_matches_verls_definition(criterion):
     assert np.all(np.asarray(got.keep)[mask == 0] == 1)  # the empty row (2) and the prompt / padding
     plain = sampler_correction(jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask), tis_cap=1.2)
     np.testing.assert_array_equal(np.asarray(got.weight), np.asarray(plain.weight))
+    jitted = jax.jit(lambda x, m: sampler_correction(x, m, tis_cap=1.2, rejection_divergences={criterion: bound}))(
+        jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask))
+    np.testing.assert_array_equal(np.asarray(jitted.kept_by[criterion]), np.asarray(got.kept_by[criterion]))
 
 
 def test_divergence_criteria_chain_with_each_other_and_the_ratio_bounds():

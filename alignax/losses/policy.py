@@ -238,8 +238,9 @@ class SamplerCorrection(NamedTuple):
     weight: Array  # [B, T] the truncated IS weight on each token's policy term (1 without a cap)
     keep: Array  # [B, T] 1 where every rejection criterion keeps the token, else 0
     seq_log_weight: Array  # [B] log of the weight each row carries (token level: the sum of the logs)
-    # [B, T] 1 where the divergence criterion of that name keeps the token (rejection_divergences)
-    kept_by: Mapping[str, Array] = types.MappingProxyType({})
+    # [B, T] 1 where the divergence criterion of that name keeps the token (rejection_divergences);
+    # a plain dict, so that the tuple stays a pytree (jit can return it)
+    kept_by: dict[str, Array]
 
 
 def check_rejection_divergences(divergences: Mapping[str, Scalar] | None, *, key: str = "rejection_divergences"
@@ -341,7 +342,7 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     for criterion in kept_by.values():
         keep = keep * criterion
     keep = jnp.where(keep_in, keep, 1.0)
-    return SamplerCorrection(weight, keep, seq_log_weight, types.MappingProxyType(kept_by))
+    return SamplerCorrection(weight, keep, seq_log_weight, kept_by)
 
 
 def _policy_loss(
