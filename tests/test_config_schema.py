@@ -241,6 +241,7 @@ SWEEP_VALUES = {
     "grpo.step_delimiter": ["\n\n"],
     "grpo.policy_loss": [name for name in OBJECTIVES if name != "ppo"],
     "rollout.rejection_bounds": [[0.8, 1.25]],
+    "rollout.rejection_divergences": [{"seq_max_k2": 2.5, "token_k3": 0.1}],
     "grpo.process_reward": ["alignax.rewards.process:well_formed_steps"],
     "ppo.critic_path": ["runs/reward-model"],
     "rollout.stop_token_ids": [[2]],
@@ -612,6 +613,19 @@ def test_tis_cap_needs_recomputed_old_logps_or_an_objective_without_a_ratio():
                                       "rollout.tis_level=sequence", "rollout.rejection=geometric"])
     assert "rollout.tis_level applies to rollout.tis_cap" in refused(GRPO, ["rollout.tis_level=sequence"])
     assert "rollout.rejection_bounds applies to rollout.rejection" in refused(GRPO, ["rollout.rejection_bounds=[0.8,1.2]"])
+
+
+def test_rejection_divergences_are_checked_by_name_and_bound():
+    """verl's k2 / k3 rejection criteria: a mapping of known names to positive upper bounds,
+    combinable with the k1 ratio bounds and with bypass mode."""
+    config = load_config(data=GRPO, overrides=["rollout.rejection_divergences={seq_max_k2: 2.5, token_k3: 0.1}",
+                                               "rollout.rejection=token", "rollout.old_logps=sampler"])
+    assert config.rollout.rejection_divergences == {"seq_max_k2": 2.5, "token_k3": 0.1}
+    assert ("rollout.rejection_divergences has unknown criteria ['seq_k3', 'token_k1']; valid: token_k2, token_k3, "
+            "seq_sum_k2, seq_sum_k3, seq_mean_k2, seq_mean_k3, seq_max_k2, seq_max_k3") in refused(
+        GRPO, ["rollout.rejection_divergences={seq_k3: 1.0, token_k1: 2.0}"])
+    assert "rollout.rejection_divergences.seq_mean_k2 must be > 0" in refused(
+        GRPO, ["rollout.rejection_divergences={seq_mean_k2: 0}"])
 
 
 def test_dpo_family_keys():

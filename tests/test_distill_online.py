@@ -230,6 +230,8 @@ def test_refusals_name_the_keys():
     assert _problems(rollout={"tis_cap": 2.0}, onpolicy_distill={"estimator": "sampled"}) is None
     # nor tokens for verl's rejection masks to drop from a policy loss
     assert "rollout.rejection=token with onpolicy_distill.estimator=exact" in _problems(rollout={"rejection": "token"})
+    assert "rollout.rejection_divergences={'token_k3': 0.1} with onpolicy_distill.estimator=exact" in _problems(
+        rollout={"rejection_divergences": {"token_k3": 0.1}})
     # the offline distillation keys are not read: the loss is the reverse KL at rollout.temperature
     for key, value in (("temperature", 2.0), ("divergence", "jsd"), ("top_k", 4), ("lmbda", 1.0)):
         problem = _problems(distill={key: value})

@@ -282,7 +282,8 @@ CONSTANT_ARGUMENTS = {
     "dppo_kl_policy_loss": _policy_entry(losses.dppo_kl_policy_loss, rejection="token"),
     "clip_cov_policy_loss": _policy_entry(losses.clip_cov_policy_loss, clip_cov_lb=0.0, clip_cov_ratio=0.5),
     "kl_cov_policy_loss": _policy_entry(losses.kl_cov_policy_loss, kl_cov_ratio=0.3),
-    "geo_mean_policy_loss": _policy_entry(losses.geo_mean_policy_loss, clip_eps_low=0.1),
+    "geo_mean_policy_loss": _policy_entry(losses.geo_mean_policy_loss, clip_eps_low=0.1,
+                                          rejection_divergences={"seq_max_k2": 2.0, "token_k3": 1.0}),
     "dro_policy_loss": _policy_entry(losses.dro_policy_loss, dro_beta=0.5, tis_level="sequence"),
     "vespo_policy_loss": _policy_entry(losses.vespo_policy_loss, rejection="geometric", rejection_bounds=(0.8, 1.25)),
     "distill_loss": (losses.distill_loss, lambda a: dict(

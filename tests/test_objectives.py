@@ -22,7 +22,7 @@ import pytest
 
 from alignax.losses import objectives
 from alignax.losses.objectives import OBJECTIVES
-from alignax.losses.policy import pg_loss, sampler_correction
+from alignax.losses.policy import REJECTION_DIVERGENCES, pg_loss, sampler_correction
 from tests.support import references
 
 MODES = references.AGGREGATION_MODES
@@ -447,6 +447,99 @@ def test_rejection_without_the_samplers_logps_is_refused():
         sampler_correction(args[0], args[3], rejection="token", rejection_bounds=(2.0, 0.5))
 
 
+def ref_divergence_stat(log_rho, mask, criterion):
+    """verl's rollout_rs statistic of ``criterion`` per token position (a row's on each of its
+    tokens), from the definitions: k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho; sum, mean or
+    max over the row's response tokens. ``None`` off the mask; an empty row has no position."""
+    level, k = criterion.rsplit("_", 1)
+    div = (lambda x: 0.5 * x * x) if k == "k2" else (lambda x: math.exp(x) - 1.0 - x)
+    stat = np.full((B, T), np.nan)
+    for i in range(B):
+        toks = [t for t in range(T) if mask[i, t]]
+        per = [div(float(log_rho[i, t])) for t in toks]
+        row = {"token": None, "seq_sum": sum(per), "seq_mean": sum(per) / len(per) if per else 0.0,
+               "seq_max": max(per, default=0.0)}[level]
+        for j, t in enumerate(toks):
+            stat[i, t] = per[j] if level == "token" else row
+    return stat
+
+
+def _log_rho(data):
+    return np.where(data["mask"] > 0, data["old_logps"] - data["sampler_logps"], 123.0)  # garbage off the mask
+
+
+@pytest.mark.parametrize("criterion", REJECTION_DIVERGENCES)
+def test_each_divergence_criterion_matches_verls_definition(criterion):
+    """Each criterion keeps a token (a row) where its divergence is <= the bound; the bound is
+    set between observed values so it cuts somewhere; the empty row and positions off the
+    mask are kept; the k1 mask and the weight are untouched."""
+    data = make_data(16)
+    mask, log_rho = data["mask"], _log_rho(data)
+    stat = ref_divergence_stat(log_rho, mask, criterion)
+    values = np.unique(stat[mask > 0])
+    bound = float(np.median(values))
+    got = sampler_correction(jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask), tis_cap=1.2,
+                             rejection_divergences={criterion: bound})
+    want = (stat <= bound).astype(float)
+    np.testing.assert_array_equal(np.asarray(got.keep)[mask > 0], want[mask > 0])
+    np.testing.assert_array_equal(np.asarray(got.kept_by[criterion]), np.asarray(got.keep))
+    assert 0 < want[mask > 0].mean() < 1
+    assert np.all(np.asarray(got.keep)[mask == 0] == 1)  # the empty row (2) and the prompt / padding
+    plain = sampler_correction(jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask), tis_cap=1.2)
+    np.testing.assert_array_equal(np.asarray(got.weight), np.asarray(plain.weight))
+    jitted = jax.jit(lambda x, m: sampler_correction(x, m, tis_cap=1.2, rejection_divergences={criterion: bound}))(
+        jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask))
+    np.testing.assert_array_equal(np.asarray(jitted.kept_by[criterion]), np.asarray(got.kept_by[criterion]))
+
+
+def test_divergence_criteria_chain_with_each_other_and_the_ratio_bounds():
+    """verl's comma-separated rollout_rs: a token is kept only where every criterion keeps it,
+    the k1 ratio bounds (rollout.rejection) included; the loss's ``rejected`` counts the union
+    and ``rejected_<criterion>`` each one."""
+    data = make_data(17)
+    mask, log_rho = data["mask"], _log_rho(data)
+    bounds = {"token_k3": 0.028, "seq_max_k2": 0.045}
+    got = sampler_correction(jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask), tis_cap=None,
+                             rejection="token", rejection_bounds=(0.8, 1.3), rejection_divergences=bounds)
+    keeps = {name: ref_divergence_stat(log_rho, mask, name) <= bound for name, bound in bounds.items()}
+    ratio_keep = (np.exp(log_rho) >= 0.8) & (np.exp(log_rho) <= 1.3)
+    want = ratio_keep & keeps["token_k3"] & keeps["seq_max_k2"]
+    on = mask > 0
+    np.testing.assert_array_equal(np.asarray(got.keep)[on], want[on])
+    # each part cuts something the others keep, so dropping any one of them would change the mask
+    for name in bounds:
+        others = ratio_keep & np.logical_and.reduce([keeps[n] for n in bounds if n != name])
+        assert np.any(others[on] & ~keeps[name][on]), name
+    assert np.any((keeps["token_k3"] & keeps["seq_max_k2"])[on] & ~ratio_keep[on])
+    # through a loss: the policy term of the dropped tokens is gone, the metrics say how many
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    args = [f(data[k]) for k in ("logps", "old_logps", "advantages", "mask")]
+    loss, metrics = pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=None, rejection="token",
+                            rejection_bounds=(0.8, 1.3), rejection_divergences=bounds, aggregation="token-sum")
+    a, lp = _per_token_adv(data), data["logps"]
+    np.testing.assert_allclose(float(loss), -(want * a * lp)[on].sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["rejected"]), 1 - want[on].mean(), rtol=1e-6)
+    for name in bounds:
+        np.testing.assert_allclose(float(metrics[f"rejected_{name}"]), 1 - keeps[name][on].mean(), rtol=1e-6)
+
+
+def test_divergence_criteria_are_checked():
+    data = make_data(18)
+    args = [jnp.asarray(data[k], jnp.float32) for k in ("logps", "old_logps", "advantages", "mask")]
+    with pytest.raises(ValueError, match=r"rejection_divergences has unknown criteria \['seq_k2', 'token_k1'\]; "
+                                         r"valid: token_k2, token_k3, seq_sum_k2"):
+        sampler_correction(args[0], args[3], rejection_divergences={"seq_k2": 1.0, "token_k1": 2.0})
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="rejection_divergences.seq_max_k3 must be > 0"):
+            sampler_correction(args[0], args[3], rejection_divergences={"seq_max_k3": bad})
+    with pytest.raises(TypeError, match="rejection_divergences.token_k2 must be a number"):
+        sampler_correction(args[0], args[3], rejection_divergences={"token_k2": "2.0"})
+    with pytest.raises(TypeError, match="rejection_divergences must map criterion names"):
+        sampler_correction(args[0], args[3], rejection_divergences=["token_k2"])
+    with pytest.raises(ValueError, match="needs sampler_logps="):
+        pg_loss(*args, rejection_divergences={"token_k2": 1.0})
+
+
 # ---------------------------------------------------------------------------------------
 # The registry
 # ---------------------------------------------------------------------------------------
@@ -595,11 +688,13 @@ def _verl_rows():
 def test_the_verl_tables_cover_every_objective_and_their_keys_load():
     import re
 
+    import yaml
+
     from alignax.trainers.api import load_config
     from alignax.trainers.validation import schema_keys
 
     rows = _verl_rows()
-    key = re.compile(r"`((grpo|rollout)\.[a-z_]+)(?::\s*([a-z_0-9.]+))?`")
+    key = re.compile(r"`((grpo|rollout)\.[a-z_]+)(?::\s*([a-z_0-9.]+|\{[^}]*\}))?`")
     named = {(m.group(1), m.group(3)) for _, alignax in rows for m in key.finditer(alignax)}
     valid = set(schema_keys())
     # what a value needs beside it to load (the keys it depends on)
@@ -614,6 +709,11 @@ def test_the_verl_tables_cover_every_objective_and_their_keys_load():
             raw[sec].update(extra)
         if field == "tis_level":
             raw["rollout"]["tis_cap"] = 2.0
+        if value.startswith("{"):  # a mapping (rollout.rejection_divergences), as YAML reads it
+            mapping = yaml.safe_load(value)
+            raw[section][field] = mapping
+            assert getattr(getattr(load_config(data=raw), section), field) == mapping, (k, value)
+            continue
         raw[section][field] = value
         config = load_config(data=raw)
         assert str(getattr(getattr(config, section), field)) == value, (k, value)

@@ -38,6 +38,8 @@ OPTIONS = {
 # IS weight and a geometric-mean rejection mask
 BYPASS = {"rollout": {"old_logps": "sampler", "tis_cap": 1.5, "tis_level": "sequence", "rejection": "geometric",
                       "rejection_bounds": [0.8, 1.25]}}
+# verl's k2 / k3 rejection criteria, chained, in bypass mode without an IS weight
+DIVERGENCES = {"seq_max_k2": 0.15, "token_k3": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,9 @@ def runs(tmp_path_factory, toy_model):
                 spec = dict(grpo={"epochs": 2})
             elif name == "bypass_pg":
                 spec = dict(grpo={"epochs": 2, "policy_loss": "pg"}, **BYPASS)
+            elif name == "divergences_pg":
+                spec = dict(grpo={"epochs": 2, "policy_loss": "pg"},
+                            rollout={"old_logps": "sampler", "rejection_divergences": DIVERGENCES})
             elif name == "sampler_pg":
                 spec = dict(grpo={"epochs": 2, "policy_loss": "pg"}, rollout={"old_logps": "sampler"})
             else:
@@ -110,6 +115,31 @@ def test_bypass_reinforce_weighs_by_the_current_policy_over_the_sampler(runs):
     np.testing.assert_allclose(second["metrics"]["pg_loss"], want, rtol=2e-4, atol=1e-6)
     assert 0 < second["metrics"]["rejected"] < 1
     assert abs(second["metrics"]["pg_loss"] - plain.updates[1]["metrics"]["pg_loss"]) > 1e-4
+
+
+def test_divergence_rejection_drops_the_tokens_it_bounds(runs):
+    """rollout.rejection_divergences {seq_max_k2, token_k3} in bypass mode: the second update's
+    policy term is -agg(keep * A * logp) with keep from k2 = (log rho)^2 / 2 (the row's max) and
+    k3 = rho - 1 - log rho (per token), rho = pi_theta / pi_sampler; without it, plain -agg(A logp)."""
+    run, plain = runs("divergences_pg"), runs("sampler_pg")
+    assert_same_rollout(run, plain)
+    second = run.updates[1]
+    ro, logps = second["rollout"], second["logps"].astype(np.float64)
+    mask = ro.loss_mask > 0
+    log_rho = np.where(mask, logps - ro.sampler_logps, 0.0)
+    k2_max = np.where(mask, 0.5 * log_rho ** 2, 0.0).max(1, keepdims=True)
+    k3 = np.expm1(log_rho) - log_rho
+    keep_k2, keep_k3 = k2_max <= DIVERGENCES["seq_max_k2"], k3 <= DIVERGENCES["token_k3"]
+    keep = keep_k2 & keep_k3
+    per_row = (-keep.astype(float) * ro.advantages * np.where(mask, logps, 0.0)).sum(1) / np.maximum(mask.sum(1), 1)
+    want = per_row[mask.any(1)].mean()  # seq-mean-token-mean, GRPO's default
+    metrics = second["metrics"]
+    np.testing.assert_allclose(metrics["pg_loss"], want, rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["rejected"], 1 - keep[mask].mean(), atol=1e-6)
+    for name, kept in (("seq_max_k2", np.broadcast_to(keep_k2, mask.shape)), ("token_k3", keep_k3)):
+        assert 0 < 1 - kept[mask].mean() < 1, name  # each bound cuts somewhere, not everywhere
+        np.testing.assert_allclose(metrics[f"rejected_{name}"], 1 - kept[mask].mean(), atol=1e-6)
+    assert abs(metrics["pg_loss"] - plain.updates[1]["metrics"]["pg_loss"]) > 1e-4
 
 
 # ---------------------------------------------------------------------------------------

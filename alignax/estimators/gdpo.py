@@ -19,6 +19,12 @@ a long completion weighs more in its statistics).
 
 ``grpo.reward_aggregation: normalize_then_sum`` (TRL's key) is this estimator; the default
 ``sum_then_normalize`` normalises the total reward, as GRPO always has.
+
+Sources. Equation number not checked: paper text unavailable (arXiv:2601.05242's text could
+not be read). The three steps are those of verl's ``compute_gdpo_outcome_advantage``
+docstring (``verl/trainer/ppo/core_algos.py``; per-dimension GRPO normalisation, weighted sum,
+``masked_whiten``). That the paper whitens over sequences rather than tokens is TRL's reading,
+not checked against the paper's text; alignax follows it and differs from verl there.
 """
 
 from __future__ import annotations

@@ -9,6 +9,14 @@ its samples carry a reward, so that batches with few rewarded samples are not dr
 with ``B`` the rollout's rows and ``F_norm = 1`` (verl's default, as the paper's). A group of
 one sample gets the baseline 0 (``A = alpha r``), as verl's. Pair it with
 ``grpo.policy_loss: pg`` for the paper's unclipped objective.
+
+Sources. Equation number not checked: paper text unavailable (only the abstract and
+introduction of arXiv:2504.02546 could be read). The authors' README (AMAP-ML/GPG) writes the
+correction ``alpha = B / (B - M)`` with ``M`` the invalid samples and ``F_norm`` 1 or the group
+std; verl's ``compute_gpg_outcome_advantage`` reads ``B - M`` as the number of samples with a
+non-zero reward, and alignax follows verl. If the paper's ``M`` counts the samples of groups
+whose rewards are all equal (no advantage), the two differ where a group is all-correct: verl
+and alignax count its samples as valid. Not checked against the paper's text.
 """
 
 from __future__ import annotations

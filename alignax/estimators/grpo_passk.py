@@ -8,6 +8,14 @@ Only the best completion of a group is credited, with its margin over the runner
 ``std_g`` the group's std (Bessel-corrected unless ``grpo.unbiased_std: false``), as verl's
 default ``norm_adv_by_std_in_grpo``. A tie for the best gives 0 (no margin); a group of one
 sample has no runner-up and gets 0 (verl refuses it; the trainer needs two samples anyway).
+
+Sources. Equation number not checked: paper text unavailable (only the abstract and
+introduction of arXiv:2503.19595, Tang et al. 2025, "Optimizing Language Models for Inference
+Time Objectives using Reinforcement Learning", could be read), so the formula above is verl's
+``compute_grpo_passk_outcome_advantage`` (``verl/trainer/ppo/core_algos.py``, which cites the
+paper), followed here line for line: ``r_max - r_second`` is the leave-one-out credit of the
+group's max, ``max_j r_j - max_{j != i} r_j``, which is 0 for every sample but the best. The
+division by the group std is verl's option; whether the paper divides is not checked.
 """
 
 from __future__ import annotations

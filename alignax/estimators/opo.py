@@ -10,6 +10,14 @@ length ``l_i``::
 on every loss token of row ``i``. ``l_i`` counts row ``i``'s loss tokens. A group of one
 sample gets ``b = 0`` (``A = r``), as verl's; a group whose rows have no loss token gets
 ``b = 0`` too (its advantages are masked away anyway).
+
+Sources. Equation number not checked: paper text unavailable (only the abstract and
+introduction of arXiv:2505.23585 could be read). The formula is verl's
+``compute_opo_outcome_advantage`` (``verl/trainer/ppo/core_algos.py``) and its
+``docs/algo/opo.md`` ("the length-weighted reward of the group", no std normalisation), which
+alignax follows; it differs from verl in two places only: ``l_i`` counts loss tokens (verl:
+response tokens, the same unless ``rewards.mask_truncated`` drops a row), and an all-empty
+group gets ``b = 0`` where verl divides by 0.
 """
 
 from __future__ import annotations

@@ -24,6 +24,14 @@ two agree.
 
 ``pi(y_j)`` is ``exp(old_logps)`` and ``sum_v pi_j(v)^2`` is :func:`sum_pi_squared` of the
 logits of the policy that sampled the rollout, at the sampling temperature.
+
+Sources. Equation number not checked: paper text unavailable (arXiv:2602.07078's text could
+not be read). The formulas are those of verl's ``compute_optimal_token_baseline_advantage``
+(``verl/trainer/ppo/core_algos.py``) and ``docs/algo/otb.md`` (``B*_t = sum G W / (sum W +
+eps)``, ``W_t = sum_{j<=t} (1 - 2 pi_j + sum pi_j^2)``, the zero-tail rule), which alignax
+follows. Where it differs from verl: ``G_t`` is the sequence reward on every loss token
+(verl's reward-to-go of token-level rewards is the same for an outcome reward); verl's
+rescaling of each ``w_j`` by ``rollout_is_weights^2`` under rollout IS is not done.
 """
 
 from __future__ import annotations

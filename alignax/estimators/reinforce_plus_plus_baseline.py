@@ -9,6 +9,12 @@ advantages are whitened over every *token* of the batch::
 completion weighs more than a short one in the statistics. This differs from
 ``grpo.advantage: reinforce_pp`` with ``grpo.reinforce_baseline: true``, which whitens per
 *sequence* and does not re-centre.
+
+Sources. Equation number not checked: paper text unavailable (arXiv:2501.03262's text could
+not be read). The formula is verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage``
+(``verl/trainer/ppo/core_algos.py``: group mean, baseline 0 for a group of one, then
+``masked_whiten`` over the response tokens), followed exactly; ``masked_whiten`` there and
+``alignax.ops.masked_whiten`` here both use the unbiased token variance.
 """
 
 from __future__ import annotations

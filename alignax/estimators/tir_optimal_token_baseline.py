@@ -5,6 +5,13 @@ The same baseline as :mod:`alignax.estimators.optimal_token_baseline`, with posi
 over the policy's own tokens only: the observation tokens an environment or tool inserted are
 skipped, so the ``k``-th token the policy chose in each trajectory shares a baseline with the
 ``k``-th of the others, wherever the tool outputs fell.
+
+Sources. Equation number not checked: paper text unavailable (arXiv:2602.07078). The variant
+is verl's ``compute_multi_turn_optimal_token_baseline_advantage``, which alignax follows: it
+packs each trajectory's loss tokens to the left and runs OTB on the packed rows, ``W``
+accumulating over loss tokens only and the zero-tail rule on loss-token counts (verl's
+docstring says ``handle_zero_tail`` defaults to False; its signature, which runs, defaults to
+True, as here).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ Options shared by every loss (one private driver, :func:`_policy_loss`, applies 
   computed ``old_logps`` (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
   You Off-Policy RL Training"): each token's policy loss is multiplied by
   ``w_t = sg(min(exp(old_logps - sampler_logps), tis_cap))``.
-- ``tis_level`` (``token`` | ``sequence``), ``tis_ratio`` and ``rejection`` /
-  ``rejection_bounds`` (with ``sampler_logps``): verl's rollout correction
+- ``tis_level`` (``token`` | ``sequence``), ``tis_ratio``, ``rejection`` /
+  ``rejection_bounds`` and ``rejection_divergences`` (with ``sampler_logps``): verl's rollout correction
   (:func:`sampler_correction`). ``tis_ratio="old"`` weighs by ``pi_old / pi_sampler`` (the
   decoupled mode above); ``"current"`` by ``sg(pi_theta) / pi_sampler``, verl's bypass mode
   for objectives without a ratio of their own (``old_logps`` are then the sampler's:
@@ -75,7 +75,9 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
 - ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference
   (weighted by ``pi_theta / pi_old`` under ``kl_importance_weight``).
 - ``tis_weight_mean`` (only when ``sampler_logps`` is given with a ``tis_cap``): masked mean of ``w_t``.
-- ``rejected`` (only with ``rejection``): the fraction of tokens the rejection mask dropped.
+- ``rejected`` (only with ``rejection`` or ``rejection_divergences``): the fraction of tokens
+  the rejection masks dropped, all criteria together; ``rejected_<criterion>`` (one per entry
+  of ``rejection_divergences``, e.g. ``rejected_seq_max_k2``): the fraction that criterion drops.
 - ``entropy_masked`` (only with ``top_entropy_quantile``): the fraction of tokens whose
   policy term the entropy mask dropped.
 - ``off_policy_masked`` (only with ``off_policy_mask_threshold``): the fraction of tokens
@@ -225,19 +227,68 @@ def high_entropy_mask(entropy: Array, mask: Array, *, quantile: Scalar) -> Array
 TIS_LEVELS = ("token", "sequence")
 TIS_RATIOS = ("old", "current")
 REJECTIONS = ("token", "sequence", "geometric")
+# verl's rollout_rs divergence criteria, ``<level>_<estimator>``: each bounds a divergence from above
+REJECTION_DIVERGENCES = tuple(f"{level}_{k}" for level in ("token", "seq_sum", "seq_mean", "seq_max")
+                              for k in ("k2", "k3"))
 
 
 class SamplerCorrection(NamedTuple):
     """What :func:`sampler_correction` returns (all stop-gradiented float32)."""
 
     weight: Array  # [B, T] the truncated IS weight on each token's policy term (1 without a cap)
-    keep: Array  # [B, T] 1 where the rejection mask keeps the token, else 0
+    keep: Array  # [B, T] 1 where every rejection criterion keeps the token, else 0
     seq_log_weight: Array  # [B] log of the weight each row carries (token level: the sum of the logs)
+    # [B, T] 1 where the divergence criterion of that name keeps the token (rejection_divergences);
+    # a plain dict, so that the tuple stays a pytree (jit can return it)
+    kept_by: dict[str, Array]
+
+
+def check_rejection_divergences(divergences: Mapping[str, Scalar] | None, *, key: str = "rejection_divergences"
+                                ) -> dict[str, Scalar]:
+    """The ``{criterion: upper bound}`` mapping as a dict, checked: every name one of
+    :data:`REJECTION_DIVERGENCES` (an unknown one is an error listing them) and every
+    concrete bound a number > 0 (a divergence is >= 0, so a bound of 0 rejects nearly
+    everything). ``key`` names the option in the errors (the trainer passes its config key).
+    ``None`` is no criterion."""
+    if divergences is None:
+        return {}
+    if not isinstance(divergences, Mapping):
+        raise TypeError(f"{key} must map criterion names to upper bounds, e.g. {{'seq_max_k2': 2.5}}; "
+                        f"got {divergences!r}")
+    unknown = sorted(set(divergences) - set(REJECTION_DIVERGENCES))
+    if unknown:
+        raise ValueError(f"{key} has unknown criteria {unknown}; valid: {', '.join(REJECTION_DIVERGENCES)}")
+    for name, bound in divergences.items():
+        # an array may be traced: its value is not checked
+        if not (is_concrete_number(bound) or isinstance(bound, jax.Array)):
+            raise TypeError(f"{key}.{name} must be a number (an upper bound on the divergence); got {bound!r}")
+        if is_concrete_number(bound) and not bound > 0:  # also refuses NaN
+            raise ValueError(f"{key}.{name} must be > 0 (an upper bound on a divergence >= 0); got {bound}")
+    return dict(divergences)
+
+
+def _divergence_keep(log_rho: Array, mask: Array, name: str, bound: Scalar) -> Array:
+    """``[B, T]`` bool: where the criterion ``name`` (``token|seq_sum|seq_mean|seq_max`` x
+    ``k2|k3``) keeps the token, its divergence ``<= bound``. ``log_rho`` is 0 off the mask."""
+    level, estimator = name.rsplit("_", 1)
+    if estimator == "k2":
+        per_token = 0.5 * jnp.square(log_rho)
+    else:  # k3 = rho - 1 - log rho; expm1 keeps its small values exact
+        per_token = jnp.expm1(log_rho) - log_rho
+    per_token = jnp.where(mask, per_token, 0.0)  # both are >= 0: a max over a row ignores the zeros off it
+    stat = {
+        "token": lambda: per_token,
+        "seq_sum": lambda: jnp.sum(per_token, axis=-1, keepdims=True),
+        "seq_mean": lambda: jnp.sum(per_token, axis=-1, keepdims=True)
+        / jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1),
+        "seq_max": lambda: jnp.max(per_token, axis=-1, keepdims=True),
+    }[level]()
+    return jnp.broadcast_to(stat <= bound, log_rho.shape)
 
 
 def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 2.0, tis_level: str = "token",
-                       rejection: str | None = None, rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0)
-                       ) -> SamplerCorrection:
+                       rejection: str | None = None, rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
+                       rejection_divergences: Mapping[str, Scalar] | None = None) -> SamplerCorrection:
     """Importance weights and rejection masks for the sampler/trainer mismatch (verl's rollout
     correction, ``verl/trainer/ppo/rollout_corr_helper.py``; Yao et al. 2025 for TIS).
 
@@ -251,13 +302,23 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
       ``lo <= rho_t <= hi``; ``sequence`` keeps a row when ``lo <= prod_t rho_t <= hi``;
       ``geometric`` when ``lo <= exp(mean_t log rho_t) <= hi`` (the per-token geometric mean,
       which does not grow with length). ``None``: keep everything.
+    - ``rejection_divergences``, ``{criterion: bound}``: verl's ``rollout_rs`` divergence
+      criteria, each an upper bound on a divergence of the sampler from the target, per token
+      ``k2_t = (log rho_t)^2 / 2`` or ``k3_t = rho_t - 1 - log rho_t`` (both >= 0 and 0 at
+      ``rho_t = 1``; ``E_sampler[k3] = KL(pi_sampler || pi_target)``, Schulman 2020): ``token_kN``
+      keeps a token when ``kN_t <= bound``; ``seq_sum_kN``, ``seq_mean_kN``, ``seq_max_kN`` keep
+      a row when the sum, the mean or the max of ``kN_t`` over its response tokens is ``<= bound``.
+      ``kept_by`` holds each criterion's mask.
 
-    Off the mask ``log_rho`` counts as 0; a row with no response token has ratio 1.
+    Criteria chain as verl's comma-separated ``rollout_rs``: ``keep`` is 1 only where every one
+    of them (and ``rejection``) keeps the token. Off the mask ``log_rho`` counts as 0; a row with
+    no response token has ratio 1 and divergences 0 (kept).
     """
     check_same_shape(log_rho=log_rho, mask=mask)
     check_choice("tis_level", tis_level, TIS_LEVELS)
     if rejection is not None:
         check_choice("rejection", rejection, REJECTIONS)
+    divergences = check_rejection_divergences(rejection_divergences)
     lo, hi = rejection_bounds
     if is_concrete_number(lo) and is_concrete_number(hi) and not 0 < lo <= hi:
         raise ValueError(f"rejection_bounds must be 0 < lo <= hi on the ratio pi / pi_sampler; got {rejection_bounds}")
@@ -276,8 +337,12 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
             "geometric": (seq_sum / jnp.maximum(jnp.sum(keep_in, axis=-1), 1))[:, None]}.get(rejection)
     keep = jnp.ones_like(log_rho) if stat is None else jnp.broadcast_to(
         (stat >= jnp.log(lo)) & (stat <= jnp.log(hi)), log_rho.shape).astype(jnp.float32)
+    kept_by = {name: jnp.where(keep_in, _divergence_keep(log_rho, keep_in, name, bound), True).astype(jnp.float32)
+               for name, bound in divergences.items()}
+    for criterion in kept_by.values():
+        keep = keep * criterion
     keep = jnp.where(keep_in, keep, 1.0)
-    return SamplerCorrection(weight, keep, seq_log_weight)
+    return SamplerCorrection(weight, keep, seq_log_weight, kept_by)
 
 
 def _policy_loss(
@@ -305,6 +370,7 @@ def _policy_loss(
     tis_ratio: str = "old",
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
+    rejection_divergences: Mapping[str, Scalar] | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """The part every policy loss shares: checks, masking, TIS, aggregation, entropy, KL, metrics."""
     check_rank(logps=(logps, 2), mask=(mask, 2), advantages=(advantages, (1, 2)))
@@ -329,6 +395,9 @@ def _policy_loss(
     if rejection is not None and sampler_logps is None:
         raise ValueError(f"rejection={rejection!r} needs sampler_logps= (the sampler's log-probs [B, T]) to measure "
                          "the ratio it bounds")
+    if rejection_divergences and sampler_logps is None:
+        raise ValueError(f"rejection_divergences={dict(rejection_divergences)!r} needs sampler_logps= (the sampler's "
+                         "log-probs [B, T]) to measure the divergences it bounds")
     if tis_cap is not None and is_concrete_number(tis_cap) and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
     _check_nonnegative(off_policy_mask_threshold=off_policy_mask_threshold)
@@ -353,7 +422,8 @@ def _policy_loss(
         # trainer), or the current one's in bypass mode (old_logps are the sampler's own)
         target = old_logps if tis_ratio == "old" else sg(logps)
         correction = sampler_correction(target - sg(on_mask(sampler_logps)), keep, tis_cap=tis_cap,
-                                        tis_level=tis_level, rejection=rejection, rejection_bounds=rejection_bounds)
+                                        tis_level=tis_level, rejection=rejection, rejection_bounds=rejection_bounds,
+                                        rejection_divergences=rejection_divergences)
     tokens = _Tokens(
         logps=logps, log_ratio=log_ratio,
         advantages=jax.lax.stop_gradient(on_mask(advantages)), mask=keep,
@@ -369,9 +439,11 @@ def _policy_loss(
             per_token = per_token * correction.weight
         if tis_cap is not None:
             metrics["tis_weight_mean"] = ops.masked_mean(correction.weight, keep)
-        if rejection is not None:
+        if rejection is not None or correction.kept_by:
             per_token = per_token * correction.keep
             metrics["rejected"] = ops.masked_mean(1.0 - correction.keep, keep)
+        for name, kept in correction.kept_by.items():
+            metrics[f"rejected_{name}"] = ops.masked_mean(1.0 - kept, keep)
     if off_policy_mask_threshold is not None:
         kept = off_policy_sequence_mask(logps, old_logps, tokens.advantages, keep, threshold=off_policy_mask_threshold)
         per_token = per_token * kept
@@ -439,6 +511,7 @@ def ppo_policy_loss(
     tis_ratio: str = "old",
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
+    rejection_divergences: Mapping[str, Scalar] | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms").
 
@@ -488,7 +561,7 @@ def ppo_policy_loss(
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
-        rejection=rejection, rejection_bounds=rejection_bounds,
+        rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
     )
 
 
@@ -518,6 +591,7 @@ def gspo_policy_loss(
     tis_ratio: str = "old",
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
+    rejection_divergences: Mapping[str, Scalar] | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """GSPO, sequence-level clipped ratio (Zheng et al. 2025, "Group Sequence Policy Optimization").
 
@@ -564,7 +638,7 @@ def gspo_policy_loss(
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
-        rejection=rejection, rejection_bounds=rejection_bounds,
+        rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
     )
 
 
@@ -594,6 +668,7 @@ def cispo_policy_loss(
     tis_ratio: str = "old",
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
+    rejection_divergences: Mapping[str, Scalar] | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """CISPO: clipped, stop-gradient IS weight times log-prob (MiniMax 2025, "MiniMax-M1", eq. 4).
 
@@ -632,7 +707,7 @@ def cispo_policy_loss(
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
-        rejection=rejection, rejection_bounds=rejection_bounds,
+        rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
     )
 
 
@@ -660,6 +735,7 @@ def pg_loss(
     tis_ratio: str = "old",
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
+    rejection_divergences: Mapping[str, Scalar] | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Plain policy gradient ``l_t = -A_t * logps_t`` (Williams 1992, REINFORCE).
 
@@ -685,7 +761,7 @@ def pg_loss(
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
-        rejection=rejection, rejection_bounds=rejection_bounds,
+        rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
     )
 
 
@@ -715,6 +791,7 @@ def sapo_policy_loss(
     tis_ratio: str = "old",
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
+    rejection_divergences: Mapping[str, Scalar] | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """SAPO, a soft gate in place of the clip (Gao et al. 2025, "Soft Adaptive Policy
     Optimization"; TRL's ``loss_type="sapo"``).
@@ -748,7 +825,7 @@ def sapo_policy_loss(
         kl_kind=kl_kind, kl_importance_weight=kl_importance_weight,
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
-        rejection=rejection, rejection_bounds=rejection_bounds,
+        rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
     )
 
 

@@ -440,12 +440,12 @@ def _exact_teacher_beside_the_student(config):
 
 def _exact_has_no_ratio(config):
     """The exact reverse KL has no policy ratio for rollout.tis_cap to truncate, nor tokens
-    for rollout.rejection to drop from a policy loss."""
+    for rollout.rejection (or rollout.rejection_divergences) to drop from a policy loss."""
     if config.onpolicy_distill.estimator != "exact":
         return None
-    for key in ("tis_cap", "rejection"):
+    for key in ("tis_cap", "rejection", "rejection_divergences"):
         value = getattr(config.rollout, key)
-        if value is not None:
+        if value is not None and value != {}:
             return (f"rollout.{key}={value} with onpolicy_distill.estimator=exact: the exact reverse KL is no "
                     "importance-weighted policy loss, so the sampler correction has nothing to act on; remove "
                     f"rollout.{key} or set onpolicy_distill.estimator=sampled (PPO-clip on the sampled-token estimate)")

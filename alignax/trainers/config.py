@@ -44,6 +44,7 @@ from alignax.trackers import MlflowSection, WandbSection
 from alignax.envs.config import EnvConfig
 from alignax.evaluation import EvaluationConfig
 from alignax.models.lora import LoraConfig
+from alignax.losses.policy import check_rejection_divergences
 from alignax.ops import AggregationMode
 from alignax.parallel.multihost import DistributedConfig
 from alignax.parallel.placement import PlacementConfig
@@ -499,6 +500,17 @@ class RolloutSection:
         (``token``), whose completion's ratio product (``sequence``) or per-token geometric
         mean (``geometric``) to the sampler falls outside ``[lo, hi]`` (``(0.5, 2.0)``, ours).
         The ratio is the one ``tis_cap`` weighs by. ``null``: no rejection.
+      rejection_divergences: verl's divergence criteria (``rollout_rs`` ``token_k2``,
+        ``token_k3``, ``seq_sum_k2`` ... ``seq_max_k3``) as ``{criterion: upper bound}``, e.g.
+        ``{seq_max_k2: 2.5, token_k3: 0.1}``: drop the policy term of a token whose
+        ``k2 = (log rho)^2 / 2`` or ``k3 = rho - 1 - log rho`` to the sampler (``rho`` the ratio
+        ``tis_cap`` weighs by), or its completion's sum / mean / max of them, exceeds the bound
+        (``alignax.losses.sampler_correction``). A token is kept only if every criterion, and
+        ``rejection``, keeps it (verl's comma-separated ``rollout_rs`` with one
+        ``rollout_rs_threshold`` each). A mapping rather than a list beside ``rejection_bounds``:
+        each bound sits by its criterion, a criterion cannot be given twice, and the k2 / k3
+        bounds (a divergence, >= 0) are one number where the k1 ones are a ratio interval.
+        ``null`` (default): none.
       pack_groups: run the ``G`` completions of a prompt as one row holding the prompt
         once (``alignax.trainers.engine.packing``) in the trainer's forward passes (policy,
         reference, update); the outputs are the unpacked ones, the trunk sees
@@ -535,12 +547,14 @@ class RolloutSection:
     tis_level: Literal["token", "sequence"] = "token"
     rejection: Literal["token", "sequence", "geometric"] | None = None
     rejection_bounds: tuple[float, float] = (0.5, 2.0)
+    rejection_divergences: dict[str, float] | None = None
     pack_groups: Literal["auto", "on", "off"] = "auto"
     mesh: tuple[int, int, int] | None = None
     async_: AsyncSection = dataclasses.field(default_factory=AsyncSection)  # the key ``rollout.async``
     max_logprob_gap: float | None = None
 
     def __post_init__(self):
+        check_rejection_divergences(self.rejection_divergences, key="rollout.rejection_divergences")
         if self.max_logprob_gap is not None and not self.max_logprob_gap > 0:
             raise ValueError(f"rollout.max_logprob_gap must be > 0 nats (null: not enforced); "
                              f"got {self.max_logprob_gap}")

@@ -45,8 +45,9 @@ OBJECTIVES: Mapping[str, Objective] = types.MappingProxyType({
     "cispo": Objective(policy.cispo_policy_loss, _CLIP),
     "sapo": Objective(policy.sapo_policy_loss, ("sapo_temperature_pos", "sapo_temperature_neg")),
     "pg": Objective(policy.pg_loss, ratio=False),
-    # GPG (Chu et al. 2025, arXiv 2504.02546, eq. 4): the plain policy gradient -A logp, no
-    # ratio and no clip; what differs from REINFORCE is its advantage (grpo.advantage)
+    # GPG (Chu et al. 2025, arXiv 2504.02546; equation number not checked: paper text
+    # unavailable): the plain policy gradient -A logp, no ratio and no clip, as verl's
+    # compute_policy_loss_gpg; what differs from REINFORCE is its advantage (grpo.advantage)
     "gpg": Objective(policy.pg_loss, ratio=False),
     "dppo_tv": dppo.DPPO_TV,
     "dppo_kl": dppo.DPPO_KL,

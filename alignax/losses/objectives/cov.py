@@ -23,6 +23,15 @@ so ``grpo.kl_cov_coef: 0.1`` matches a default verl run). Clip-Cov's draw needs 
 the trainer passes the step's); without it the draw uses ``jax.random.key(0)``.
 Metrics: ``cov_selected``: the fraction of tokens chosen (Clip-Cov: detached; KL-Cov:
 penalised); Clip-Cov's ``clipfrac_*`` are PPO-clip's.
+
+Sources. Equation numbers not checked: paper text unavailable (arXiv:2505.22617's text could
+not be read): "Section 4" and eqs. 11-13 above are unverified, not from the paper's text. The
+formulas are verl's ``compute_policy_loss_clip_cov`` / ``compute_policy_loss_kl_cov``
+(``verl/trainer/ppo/core_algos.py``, adapted from the authors' PRIME-RL/Entropy-Mechanism-of-RL
+code), which alignax follows: the same covariance, band, PPO-clip exclusion (verl: where the
+clipped branch is strictly larger), ``max(floor(ratio N), 1)`` and random draw for Clip-Cov,
+``-A r + coef |log r|`` on the top ``k`` for KL-Cov. One difference: verl's ``topk`` penalises
+exactly ``k`` tokens, alignax every token tied with the ``k``-th.
 """
 
 from __future__ import annotations

@@ -25,6 +25,13 @@ large cap instead)
 fallback in verl's code and a "large threshold" as Section 5.4 asks; verl's actor config
 carries ``clip_ratio_c: 3.0``, which its DPPO then reads, so a verl run caps at 3 unless set). Metrics: ``clipfrac_high`` / ``clipfrac_low``: tokens
 masked with ``A > 0`` / ``A <= 0``; ``ratio_capped``: tokens whose weight was truncated.
+
+Sources. Equation numbers not checked: paper text unavailable (only the abstract and
+introduction of arXiv:2602.04879 could be read); "Section 5.4" is the citation in verl's code
+comment, not checked against the paper. The masks, the binary KL (with its ``1e-8``) and the
+loss above are verl's ``compute_policy_loss_dppo_tv`` / ``compute_policy_loss_dppo_kl``
+(``verl/trainer/ppo/core_algos.py``), followed exactly; only the metrics are named differently
+(verl's ``pg_clipfrac`` is our ``clipfrac_low + clipfrac_high``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,14 @@ a REINFORCE term plus a quadratic pull back towards the policy that sampled (its
 paper default that carries over (the paper's is for its own reward scale); like verl, it must
 be set (> 0). The log-ratio is clipped to +-20 as everywhere in the policy losses.
 ``clipfrac_*`` are 0.
+
+Sources. Equation number not checked: paper text unavailable (the "eq. 8" above is
+unverified, not from the paper's text). The loss is verl's ``compute_policy_loss_dro``
+(``verl/trainer/ppo/core_algos.py``) and ``docs/algo/dro.md``, followed exactly except that
+verl does not clip the log-ratio. Worked by hand, not read in the paper: if DRO's objective is
+``(1/2) (r - V - tau log(pi / pi_ref))^2`` per sample, its gradient in ``theta`` is
+``-tau (A - tau lr) grad logps`` with ``A = r - V``, ``tau`` times the gradient of the loss
+above with ``beta = tau`` and ``pi_old`` for ``pi_ref``.
 """
 
 from __future__ import annotations

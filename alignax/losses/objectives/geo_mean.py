@@ -1,5 +1,5 @@
-"""GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673, eq. 4;
-verl's ``geo_mean``).
+"""GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv 2507.20673; verl's
+``geo_mean``).
 
 GRPO averages token ratios arithmetically, so one outlying token ratio moves the objective
 freely; GMPO maximises the geometric mean of the (clipped) token ratios instead, which an
@@ -18,6 +18,16 @@ the loss and its gradient are the paper's ``mean_i L_i`` over rows with a respon
 also averages in empty rows, which add 0), and the shared aggregation modes apply.
 ``clipfrac_high`` / ``clipfrac_low``: tokens whose clipped log-ratio was chosen with
 ``A > 0`` / ``A < 0``; ``ratio_*`` report ``s_i``.
+
+Sources. Equation number not checked: paper text unavailable (only the abstract and
+introduction of arXiv:2507.20673 could be read; the "eq. 4" this docstring used to cite was
+never checked). The formula is verl's ``compute_policy_loss_geo_mean``
+(``verl/trainer/ppo/core_algos.py``, adapted from the authors' ``train_zero_math_gmpo.py``),
+which alignax follows for the value and gradient. Where they differ: verl takes a row's
+advantage as its token mean and averages over every row, empty ones included; verl's clip
+metrics count tokens whose log-ratio is outside the band whatever side ``min`` took; and a
+rollout-correction weight multiplies each token here (so a row carries the arithmetic mean of
+its token weights) where verl multiplies the row by their geometric mean.
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ correction ``pi_old / pi_sampler`` is folded into ``W`` (in log space, as TRL fo
 ``importance_sampling_ratio``) instead of multiplying the loss. A non-finite ``phi`` counts
 as 0. Default aggregation ``token-mean`` (TRL normalises VESPO by the token count).
 Metrics: ``vespo_phi_mean``: the masked mean of ``phi``; ``clipfrac_*`` are 0.
+
+Sources. Equation number not checked: paper text unavailable (arXiv:2602.10693's text could
+not be read; "Section 3.4" above is unverified). verl has no VESPO; the formula is TRL's
+``GRPOTrainer.get_gamma_weights`` (``phi(W) = e^lambda W^k e^(-lambda W)``, the summed token
+log-ratios clipped to ``[log 1e-8, 20]``, by the sign of ``A``), which alignax follows.
 """
 
 from __future__ import annotations
