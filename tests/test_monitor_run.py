@@ -167,6 +167,23 @@ def test_monitor_config_checks():
 
 
 
+def test_the_clip_fraction_alarm_is_refused_for_a_loss_without_a_clip():
+    clip = {"clip_fraction": {"max": 0.2}}
+    for section in ({"policy_loss": "dro", "dro_beta": 0.1}, {"policy_loss": "vespo"}, {"policy_loss": "kl_cov"},
+                    {"policy_loss": "pg"}):
+        message = refused(grpo=section, monitor=clip)
+        assert message.startswith("monitor.clip_fraction.max applies to a policy loss that clips its ratio")
+        assert f"got grpo.policy_loss={section['policy_loss']}" in message and "\n" not in message
+    distill = {"algorithm": "onpolicy_distill", "distill": {"teacher": {"name": "smollm2-135m-instruct"}}}
+    assert "got algorithm=onpolicy_distill, onpolicy_distill.estimator=exact" in refused(**distill, monitor=clip)
+    # the clipping ones read it: PPO-clip and its kin in grpo, ppo, the sampled on-policy distillation
+    for name in ("ppo", "gspo", "cispo", "dppo_tv", "clip_cov", "geo_mean"):
+        assert load_config(data={**GRPO, "grpo": {"policy_loss": name}, "monitor": clip}).monitor.clip_fraction.max \
+            == 0.2
+    load_config(data={**GRPO, "algorithm": "ppo", "monitor": clip})
+    load_config(data={**GRPO, **distill, "onpolicy_distill": {"estimator": "sampled"}, "monitor": clip})
+
+
 @pytest.mark.slow  # the tool's two arms; the rollback in a run is covered fast above
 def test_the_guarded_study_runs_both_arms_on_the_toy_model(tmp_path, toy_model):
     from tests.support.tools import load_tool

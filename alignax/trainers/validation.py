@@ -102,6 +102,13 @@ LIVE_REFERENCE = Named(
     AnyOf(*(All(named(n), c) for n, c in _LIVE)))
 
 
+# A policy loss that holds its ratio to a bound (each entry's ``clips``; GRPO's from the
+# objective registry, alignax.losses.objectives): the clip fraction the alarm reads is its.
+CLIPS = Named(
+    "a policy loss that clips its ratio ("
+    + "; ".join(f"algorithm {n}" + ("" if c is ALWAYS else f" with {c.text}") for n, c in _per_entry("clips")) + ")",
+    AnyOf(*(All(named(n), c) for n, c in _per_entry("clips"))))
+
 def _entry_rules() -> list[Rule]:
     """Each section read by its algorithms alone, then each entry's own rows (once)."""
     sections: dict[str, list[str]] = {}
@@ -229,6 +236,7 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("monitor.rollback", Named("an alarm whose action is rollback (monitor.<alarm>.action=rollback)",
                                    AnyOf(*(Is(f"monitor.{a}.action", "rollback") for a in monitor_settings.ALARMS))),
          "it says what a rollback does"),
+    rule("monitor.clip_fraction", CLIPS, "the alarm reads the clip fraction, which a loss without a clip logs as 0"),
     rule("monitor.kl_budget", LIVE_REFERENCE, "it bounds the KL to the reference policy"),
     rule(["monitor.kl_budget.action", "monitor.kl_budget.beta_factor"], Given("monitor.kl_budget.max"),
          "they say what happens over the budget"),
