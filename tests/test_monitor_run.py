@@ -134,6 +134,33 @@ def test_a_gold_set_sharing_a_training_prompt_is_refused(tmp_path):
     message = str(info.value)
     assert "gold.jsonl, line 4 has the same prompt as the training record" in message
     assert "train.jsonl, line 6" in message and "1 of the 4 gold prompts" in message
+    assert message.startswith("monitor.gold.prompts: ")
+
+
+def test_a_gold_prompt_is_a_training_prompt_under_another_template_or_spacing(tmp_path):
+    """The same question is caught though its ids differ: the gold set adds a system prompt
+    and spaces its words apart (the ids of the two prompts share no digest), or is a
+    conversation whose user turn is the training prompt."""
+    tokenizer = word_tokenizer()
+    train_records = toy_prompts(8)
+    write_jsonl(train_records, str(tmp_path / "train.jsonl"))
+    twin = {**train_records[2], "prompt": "  " + train_records[2]["prompt"].replace(" ", "   ") + " "}
+    write_jsonl(gold_prompts(3) + [twin], str(tmp_path / "spaced.jsonl"))
+    chat = {"messages": [{"role": "system", "content": "Answer yes."},
+                         {"role": "user", "content": train_records[7]["prompt"]}], "answer": "yes", "task": "toy"}
+    others = [{"messages": [{"role": "user", "content": r["prompt"]}], "answer": "yes"} for r in gold_prompts(2)]
+    write_jsonl([chat] + others, str(tmp_path / "chat.jsonl"))
+    train = prepare_dataset(DataConfig(paths=(str(tmp_path / "train.jsonl"),), format="prompt", max_prompt_length=24,
+                                       eval_fraction=0.0, shuffle=False), tokenizer)
+    for name, line, train_line, field_map in (("spaced.jsonl", 4, 3, {}), ("chat.jsonl", 1, 8, {"prompt": "messages"})):
+        gold = prepare_dataset(DataConfig(paths=(str(tmp_path / name),), format="prompt", max_prompt_length=24,
+                                          eval_fraction=0.0, shuffle=False, system_prompt="Be brief.",
+                                          field_map=field_map), tokenizer)
+        twin_ids = gold.encoder.encode(gold.source[line - 1]).prompt
+        assert twin_ids != train.encoder.encode(train.source[train_line - 1]).prompt  # not caught by the ids
+        with pytest.raises(GoldOverlapError, match=rf"{name}, line {line} has the same prompt as the training record "
+                                                   rf".*train.jsonl, line {train_line}"):
+            check_held_out(gold, train)
 
 
 GRPO = {"algorithm": "grpo", "data": {"format": "prompt"}, "output_dir": "runs/unused"}
