@@ -165,7 +165,7 @@ def test_a_gold_prompt_is_a_training_prompt_under_another_template_or_spacing(tm
 
 GRPO = {"algorithm": "grpo", "data": {"format": "prompt"}, "output_dir": "runs/unused"}
 GOLD = {"prompts": {"paths": ["reasoning_gym:chain_sum?size=8&seed=1000"], "format": "prompt"},
-        "rewards": {"verifier_weight": 1.0, "format_weight": 0.5}}
+        "rewards": {"verifier_weight": 0.0, "functions": {"tests.support.rl_toy:yes_share": 1.0}}}
 
 
 def refused(**sections) -> str:
@@ -209,6 +209,36 @@ def test_the_clip_fraction_alarm_is_refused_for_a_loss_without_a_clip():
             == 0.2
     load_config(data={**GRPO, "algorithm": "ppo", "monitor": clip})
     load_config(data={**GRPO, **distill, "onpolicy_distill": {"estimator": "sampled"}, "monitor": clip})
+
+
+def test_a_gold_scorer_the_training_reward_weighs_is_refused_under_any_name(tmp_path, monkeypatch):
+    """Not only the same reward config: the same verifier beside other scorers, the same
+    function under an alias (tests.test_monitor_run imports rl_toy's yes_share), the same
+    judge or reward model under another spelling of its folder (a link, a relative path)."""
+    yes = {"tests.support.rl_toy:yes_share": 1.0}
+    message = refused(monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 1.0, "functions": yes}}})
+    assert message.startswith("monitor.gold.rewards.verifier_weight is the reasoning-gym answer verifier, which the "
+                              "training reward weighs too (rewards.verifier_weight)") and "\n" not in message
+    message = refused(rewards={"verifier_weight": 0.0, "functions": yes},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0,
+                                                            "functions": {"tests.test_monitor_run:yes_share": 2.0}}}})
+    assert ("monitor.gold.rewards.functions entry 'tests.test_monitor_run:yes_share' is the function "
+            "tests.support.rl_toy:yes_share, which the training reward weighs too (rewards.functions entry "
+            "'tests.support.rl_toy:yes_share')") in message
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    os.symlink(judge, tmp_path / "judge-link")
+    monkeypatch.chdir(tmp_path)
+    message = refused(rewards={"verifier_weight": 0.0, "judge_model": str(judge)},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0, "judge_model": "judge-link/"}}})
+    assert (f"monitor.gold.rewards.judge_model 'judge-link/' is the model {os.path.realpath(judge)}, which the "
+            f"training reward weighs too (rewards.judge_model '{judge}')") in message
+    message = refused(rewards={"verifier_weight": 0.0, "reward_models": ["./judge"]},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0, "judge_model": str(judge)}}})
+    assert "rewards.reward_models entry './judge'" in message
+    # scorers apart: accepted (a function of the gold's own, the training reward's verifier)
+    load_config(data={**GRPO, "monitor": {"gold": {**GOLD, "rewards": {
+        "verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}}}})
 
 
 @pytest.mark.slow  # the tool's two arms; the rollback in a run is covered fast above

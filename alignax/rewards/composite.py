@@ -106,6 +106,38 @@ class RewardConfig:
                 "length": 1.0, "missing_eos": 1.0, "overlong": 1.0}
 
 
+def _function_identity(spec: str) -> str:
+    """The function a ``functions`` entry names, however spelt (an alias, a re-export):
+    its defining module and qualified name, or the object itself; the spec when it does
+    not load (the scorer reports that when it is built)."""
+    try:
+        fn = load_callable(spec)
+    except ConfigError:
+        return f"the function {spec}"
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"the function {module}:{name}" if module and name else f"the object {spec} (id {id(fn):#x})"
+
+
+def scorers(section: RewardConfig) -> list[tuple[str, str]]:
+    """``(key, identity)`` of each scorer ``section`` weighs (a non-zero weight): the key
+    under ``rewards`` that names it, and what it is whatever its name — the task verifier,
+    the format check, a function by its definition, a reward model or judge by its folder
+    (:func:`alignax.models.registry.model_identity`). Two reward configs sharing an
+    identity share a scorer; the shaping terms (length, EOS, overlong) are no scorers."""
+    model_identity = models.registry.model_identity
+    out = []
+    if section.verifier_weight != 0:
+        out.append(("verifier_weight", "the reasoning-gym answer verifier"))
+    if section.format_weight != 0:
+        out.append(("format_weight", "the answer-tag format check"))
+    out += [(f"functions entry {spec!r}", _function_identity(spec)) for spec, w in section.functions.items() if w != 0]
+    if section.reward_model_weight != 0:
+        out += [(f"reward_models entry {path!r}", f"the model {model_identity(path)}") for path in section.reward_models]
+    if section.judge_model and section.judge_weight != 0:
+        out.append((f"judge_model {section.judge_model!r}", f"the model {model_identity(section.judge_model)}"))
+    return out
+
+
 class NonFiniteRewardError(ValueError):
     """A reward component came out NaN or infinite."""
 

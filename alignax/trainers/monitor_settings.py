@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from alignax.rewards.composite import RewardConfig, scorers
 from alignax.trainers.config import MonitorSection, TrainConfig
 
 ALARMS = ("kl_acceleration", "entropy_collapse", "length_drift", "no_signal", "gold_divergence", "clip_fraction",
@@ -37,6 +38,19 @@ def _ranges(m: MonitorSection) -> str | None:
     return None
 
 
+def _shared_scorer(gold: RewardConfig, train: RewardConfig) -> str | None:
+    """A scorer of the gold reward that the training reward weighs too, under whatever name
+    (:func:`alignax.rewards.composite.scorers`), in words naming both keys; or None."""
+    trained = {identity: key for key, identity in scorers(train)}
+    for key, identity in scorers(gold):
+        if identity in trained:
+            return (f"monitor.gold.rewards.{key} is {identity}, which the training reward weighs too "
+                    f"(rewards.{trained[identity]}): a gold signal must be scored by something the policy is not "
+                    "trained on; give monitor.gold.rewards another verifier, judge, reward model or function (a "
+                    "scorer's weight 0 leaves it out)")
+    return None
+
+
 def actions(m: MonitorSection) -> dict[str, str]:
     """Alarm name -> its action."""
     return {name: getattr(m, name).action for name in ALARMS}
@@ -61,6 +75,9 @@ def problem(config: TrainConfig, section: str) -> str | None:
         return ("monitor.gold.rewards is the training reward (rewards): a gold signal must be scored by something "
                 "the policy is not trained on; set monitor.gold.rewards to another verifier, judge, reward model "
                 "or function")
+    shared = _shared_scorer(m.gold.rewards, config.rewards) if m.gold.prompts is not None else None
+    if shared:
+        return shared
     if m.gold.prompts is not None and config.env.name is not None:
         return (f"monitor.gold.prompts with env.name={config.env.name}: the gold signal scores single-turn "
                 "completions; remove monitor.gold or the environment")
