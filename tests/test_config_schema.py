@@ -271,6 +271,8 @@ SWEEP_VALUES = {
     "evaluation.best_of_n.prm_aggregation": [["min"]],
     "evaluation.best_of_n.step_delimiter": [" ; "],
     "rewards.judge_model": ["runs/judge"],
+    "rewards.prm": ["runs/prm"],
+    "rewards.step_delimiter": [" ; "],
     "rewards.judge_rubric": ["{prompt} {completion} ok?"],
     "rewards.judge_verdicts": [["ok", "no"]],
     "grpo.process_reward_model": ["runs/prm"],

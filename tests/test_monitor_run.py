@@ -17,6 +17,8 @@ from alignax import config as config_io
 from alignax.config import ConfigError
 from alignax.data import DataConfig, prepare_dataset, write_jsonl
 from alignax.metrics import read_jsonl
+from alignax.models import save_pretrained
+from alignax.trainers.engine.setup import build_model
 from alignax.trainers.api import load_config, train
 from alignax.trainers.online.gold import GoldOverlapError, check_held_out
 from tests.data.tiny_tokenizer import word_tokenizer
@@ -88,13 +90,17 @@ def test_rollback_then_stop_through_the_cli(tmp_path, toy_model, capsys):
 def test_a_resumed_run_keeps_its_rollbacks_and_learning_rate(tmp_path, toy_model):
     """Two steps (a rollback at step 1), then the same run resumed to three steps: the
     learning-rate factor of the first rollback is in force after the resume, and the second
-    rollback counts on from the first (the monitor's state rides in the checkpoint's meta)."""
+    rollback counts on from the first (the monitor's state rides in the checkpoint's meta).
+    The gold scorer is a process reward model (the toy trunk with a fresh score head; its
+    numbers are checked in tests/test_best_of_n.py::test_a_prm_is_a_reward_component)."""
     write_jsonl(toy_prompts(16), str(tmp_path / "train.jsonl"))
     write_jsonl(gold_prompts(4), str(tmp_path / "gold.jsonl"))
+    prm = build_model(toy_config(tmp_path / "unused", toy_model, "grpo", steps=1).model, kind="reward")
+    save_pretrained(prm, str(tmp_path / "prm"))
     monitor = {
         "gold": {"prompts": {"paths": [str(tmp_path / "gold.jsonl")], "format": "prompt", "max_prompt_length": 24,
                              "batch_size": 4}, "every": 1, "max_prompts": 4,
-                 "rewards": {"verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}},
+                 "rewards": {"verifier_weight": 0.0, "prm": str(tmp_path / "prm"), "step_delimiter": "yes"}},
         "gold_divergence": {"action": "rollback", "window": 1, "min_gold_drop": float("-inf"),
                             "min_proxy_rise": float("-inf")},
         "rollback": {"max_rollbacks": 3, "lr_factor": 0.5},
@@ -114,6 +120,8 @@ def test_a_resumed_run_keeps_its_rollbacks_and_learning_rate(tmp_path, toy_model
     assert rows[3]["guard/rollbacks"] == 2.0
     events = [json.loads(line) for line in open(tmp_path / "run" / "alarms.jsonl")]
     assert [e["step"] for e in events if "restored_step" in e] == [1, 3]
+    gold = [row for row in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if "gold/score" in row]
+    assert len(gold) >= 4 and all(row["gold/score"] == row["gold/prm"] and 0 < row["gold/prm"] < 1 for row in gold)
 
 
 def test_a_gold_set_sharing_a_training_prompt_is_refused(tmp_path):

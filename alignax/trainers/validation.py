@@ -43,6 +43,7 @@ from alignax.config import (ALWAYS, NEVER, Above, All, AnyOf, Check, Cond, Confi
                             Named, NonZero, Rule, Unusable, keys_of, rule, set_keys, show)
 from alignax.config import schema_keys as config_schema_keys
 from alignax.config import unusable_keys as _unusable_keys
+from alignax.config import get as config_get
 from alignax.data import checks as data_checks
 from alignax.losses.objectives import OBJECTIVES
 from alignax.models import registry
@@ -88,10 +89,10 @@ def _per_entry(field: str) -> list[tuple[str, Cond]]:
 FROZEN_MODELS = Named(
     "a frozen model: a reference policy ("
     + "; ".join(f"algorithm {n} with {c.text}" for n, c in _per_entry("reference"))
-    + ") or a scoring model (rewards.reward_models or rewards.judge_model with online training; "
+    + ") or a scoring model (rewards.reward_models, rewards.judge_model or rewards.prm with online training; "
     + "; ".join(c.text for _, c in _per_entry("scorers")) + ")",
     AnyOf(*(All(named(n), c) for n, c in _per_entry("reference") + _per_entry("scorers")),
-          All(ONLINE, AnyOf(Given("rewards.reward_models"), Given("rewards.judge_model")))))
+          All(ONLINE, AnyOf(Given("rewards.reward_models"), Given("rewards.judge_model"), Given("rewards.prm")))))
 
 # A reference policy held as a model of its own during training (alignax.parallel.placement
 # places it): not a precomputed table of its log-probs.
@@ -134,6 +135,8 @@ def _gold_reward_rules() -> list[Rule]:
         rule(f"{g}ensemble_k", All(Given(f"{g}reward_models"), Is(f"{g}ensemble", "mean_minus_std", "mean_minus_var"))),
         rule([f"{g}judge_weight", f"{g}judge_rubric", f"{g}judge_verdicts", f"{g}judge_score"],
              Given(f"{g}judge_model"), "they configure the LLM judge"),
+        rule([f"{g}prm_weight", f"{g}prm_aggregation", f"{g}step_delimiter"], Given(f"{g}prm"),
+             "they configure the process reward model"),
         rule(f"{g}length_target", NonZero(f"{g}length_penalty_coef")),
         rule(f"{g}overlong_scale", Given(f"{g}overlong_buffer")),
     ]
@@ -209,6 +212,8 @@ KEY_RULES: tuple[Rule, ...] = (
                                    Is("rewards.ensemble", "mean_minus_std", "mean_minus_var"))),
     rule(["rewards.judge_weight", "rewards.judge_rubric", "rewards.judge_verdicts", "rewards.judge_score"],
          Given("rewards.judge_model"), "they configure the LLM judge"),
+    rule(["rewards.prm_weight", "rewards.prm_aggregation", "rewards.step_delimiter"], Given("rewards.prm"),
+         "they configure the process reward model"),
     rule("rewards.length_target", NonZero("rewards.length_penalty_coef")),
     rule("rewards.overlong_scale", Given("rewards.overlong_buffer")),
     # --- multi-turn rollouts with an environment (alignax.envs)
@@ -342,9 +347,10 @@ def _async_rollouts(config):
 def _reward_source(config):
     r = config.rewards
     no_verifier = r.verifier_weight == 0 and r.format_weight == 0
-    if GENERATION(config) and no_verifier and not r.functions and not r.reward_models and not r.judge_model:
+    if GENERATION(config) and no_verifier and not r.functions and not r.reward_models and not r.judge_model \
+            and not r.prm:
         return ("rewards: no reward source (rewards.verifier_weight and rewards.format_weight are 0, no "
-                "rewards.functions, no rewards.reward_models, no rewards.judge_model); set one of them")
+                "rewards.functions, no rewards.reward_models, no rewards.judge_model, no rewards.prm); set one of them")
     return None
 
 
