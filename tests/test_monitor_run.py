@@ -222,7 +222,8 @@ def test_the_clip_fraction_alarm_is_refused_for_a_loss_without_a_clip():
 def test_a_gold_scorer_the_training_reward_weighs_is_refused_under_any_name(tmp_path, monkeypatch):
     """Not only the same reward config: the same verifier beside other scorers, the same
     function under an alias (tests.test_monitor_run imports rl_toy's yes_share), the same
-    judge or reward model under another spelling of its folder (a link, a relative path)."""
+    judge, reward model or PRM under another spelling of its folder (a link, a relative
+    path), GRPO's own process reward model."""
     yes = {"tests.support.rl_toy:yes_share": 1.0}
     message = refused(monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 1.0, "functions": yes}}})
     assert message.startswith("monitor.gold.rewards.verifier_weight is the reasoning-gym answer verifier, which the "
@@ -244,6 +245,13 @@ def test_a_gold_scorer_the_training_reward_weighs_is_refused_under_any_name(tmp_
     message = refused(rewards={"verifier_weight": 0.0, "reward_models": ["./judge"]},
                       monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0, "judge_model": str(judge)}}})
     assert "rewards.reward_models entry './judge'" in message
+    # a PRM: the training reward's, or the algorithm's own (GRPO's process rewards)
+    message = refused(rewards={"verifier_weight": 0.0, "prm": "judge"},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0, "prm": "judge-link"}}})
+    assert "monitor.gold.rewards.prm 'judge-link' is the model" in message and "(rewards.prm 'judge')" in message
+    message = refused(grpo={"advantage": "process", "process_reward_model": "judge"},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0, "prm": str(judge)}}})
+    assert "which the training reward weighs too (grpo.process_reward_model)" in message
     # scorers apart: accepted (a function of the gold's own, the training reward's verifier)
     load_config(data={**GRPO, "monitor": {"gold": {**GOLD, "rewards": {
         "verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}}}})

@@ -445,10 +445,19 @@ def _model_folder(config):
     return registry.model_folder_problem(config.model.name, random_init=config.model.random_init is not None)
 
 
+def _own_scoring_models(config) -> list[tuple[str, str]]:
+    """``(key, folder)`` of the frozen scoring models the algorithm's entry holds beyond
+    ``rewards:`` (its ``scorers``: GRPO's process reward model), where they are set."""
+    cond = algorithm(config.algorithm).scorers
+    return [(cond.path, config_get(config, cond.path))] if isinstance(cond, Given) and cond(config) else []
+
+
 def _monitor(config):
     """The monitor's values: in range, a rollback with a gold set to pick its checkpoint by, a
     gold scorer that is not the training reward, a KL coefficient for the factors to move."""
-    return monitor_settings.problem(config, _online_section(config)) if ONLINE(config) else None
+    if not ONLINE(config):
+        return None
+    return monitor_settings.problem(config, _online_section(config), trained_models=_own_scoring_models(config))
 
 
 def _data_files(config):
