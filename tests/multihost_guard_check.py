@@ -1,35 +1,43 @@
 """One process of a two-process monitor check: the guard's decision is the job's, not a process's.
 
-    python tests/multihost_guard_check.py PROCESS_ID NUM_PROCESSES PORT OUTPUT_DIR ACTION
+    python tests/multihost_guard_check.py PROCESS_ID NUM_PROCESSES PORT OUTPUT_DIR
 
 Run by tests/test_multihost_guard.py with one CPU device a process (gloo collectives). Each
-process feeds a :class:`~alignax.trainers.online.guard.Guard` whose ``entropy_collapse``
-alarm has action ``ACTION`` (``stop`` or ``rollback``) the figures of two rollouts: process
-0's entropy collapses at step 2 (2.0 -> 0.3), process 1's does not (2.0 -> 1.9). The train
-states are global arrays replicated over both processes' devices, and the gold-best
-checkpoints live in ``OUTPUT_DIR/gold_best`` (Orbax, written by both processes together).
+process runs two guarded runs, ``rollback`` then ``stop`` (one job: one start-up), each a
+:class:`~alignax.trainers.online.guard.Guard` whose ``entropy_collapse`` alarm has that
+action, fed the figures of two rollouts: process 0's entropy collapses at step 2
+(2.0 -> 0.3), process 1's does not (2.0 -> 1.9). The train states are global arrays
+replicated over both processes' devices, and the gold-best checkpoints live in
+``OUTPUT_DIR/<action>/gold_best`` (Orbax, written by both processes together).
 
-Each process prints one JSON object: with ``stop``, the stop's one line and its exit status
-(then it exits with that status, as ``alignax train`` does); with ``rollback``, the step it
-restored, the restored parameters as this process holds them, and the rollbacks counted.
+Each process prints one JSON object a run: ``rollback``: the step it restored, the
+restored parameters as this process holds them, the rollbacks counted; ``stop``: the stop's
+one line and its exit status, with which the process then exits (as ``alignax train`` does).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import numpy as np
 
 
 def main() -> int:
-    process_id, num_processes, port, output_dir, action = sys.argv[1:6]
+    process_id, num_processes, port, output_dir = sys.argv[1:5]
     from alignax.parallel import multihost
     from alignax.parallel.multihost import DistributedConfig
 
     multihost.initialize(DistributedConfig(coordinator=f"127.0.0.1:{port}", num_processes=int(num_processes),
                                            process_id=int(process_id), initialization_timeout_s=120))
+    guarded_run(int(process_id), os.path.join(output_dir, "rollback"), "rollback")
+    return guarded_run(int(process_id), os.path.join(output_dir, "stop"), "stop")
+
+
+def guarded_run(process_id: int, output_dir: str, action: str) -> int:
+    """One run of the module docstring; its exit status."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -72,7 +80,7 @@ def main() -> int:
     guard = Guard(monitor, output_dir, alarms=alarms, gold=ScriptedGold([0.2, 0.5, 0.1]),
                   scale_learning_rate=factors.append)
     guard.begin(state(0.0, 0))
-    entropies = [2.0, 0.3] if int(process_id) == 0 else [2.0, 1.9]
+    entropies = [2.0, 0.3] if process_id == 0 else [2.0, 1.9]
     current = None
     try:
         for step, entropy in enumerate(entropies, start=1):
@@ -83,14 +91,15 @@ def main() -> int:
             metrics.update(alarms.update(step, kl=0.5, entropy=entropy, length=10.0, reward=0.0, grad_norm=1.0))
             current = guard(step, current, metrics)
     except AlarmStopError as err:
-        print(json.dumps({"process": int(process_id), "stopped": str(err), "exit": err.exit_code}), flush=True)
+        print(json.dumps({"process": process_id, "action": action, "stopped": str(err), "exit": err.exit_code}),
+              flush=True)
         return err.exit_code
     finally:
         guard.finish()
     restored = [json.loads(line)["restored_step"] for line in guard.events.lines.splitlines()
                 if "restored_step" in json.loads(line)]
     local = {k: np.asarray(v.addressable_data(0)).tolist() for k, v in current.params.items()}
-    print(json.dumps({"process": int(process_id), "restored_steps": restored, "params": local,
+    print(json.dumps({"process": process_id, "action": action, "restored_steps": restored, "params": local,
                       "rollbacks": guard.rollbacks, "lr_factors": factors}), flush=True)
     return 0
 
