@@ -56,9 +56,11 @@ def guarded_run(process_id: int, output_dir: str, action: str) -> int:
     def state(fill: float, rollouts: int) -> TrainState:
         """A train state whose parameters are ``fill`` (the same on every process)."""
         params = {"w": np.full((3, 4), fill, np.float32), "b": np.arange(4, dtype=np.float32) * fill}
-        host = TrainState(step=np.int32(rollouts), params=params, opt_state={"mu": {k: v * 0.5 for k, v in params.items()}},
+        moments = {k: v * 0.5 for k, v in params.items()}
+        extra = {"kl_coef": kl_lib.KLControllerState(coef=np.float32(0.1)), "rollouts": np.int32(rollouts)}
+        host = TrainState(step=np.int32(rollouts), params=params, opt_state={"mu": moments},
                           rng=np.zeros((2,), np.uint32), nonfinite_streak=np.int32(0), nonfinite_total=np.int32(0),
-                          extra={"kl_coef": kl_lib.KLControllerState(coef=np.float32(0.1)), "rollouts": np.int32(rollouts)})
+                          extra=extra)
         return jax.tree.map(global_array, host)
 
     class ScriptedGold:

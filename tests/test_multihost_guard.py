@@ -49,7 +49,8 @@ def test_a_stop_raised_on_one_process_stops_both_with_one_line(job):
     first, second = first["stop"], second["stop"]
     assert status0 == status1 == 3 and first["exit"] == second["exit"] == 3
     assert first["stopped"] == second["stopped"]  # the same reason: process 0's
-    assert first["stopped"].startswith("monitor.entropy_collapse.action=stop: step 2: ") and "\n" not in first["stopped"]
+    assert first["stopped"].startswith("monitor.entropy_collapse.action=stop: step 2: ")
+    assert "\n" not in first["stopped"]
     assert "the run stops at step 2" in first["stopped"]
 
 

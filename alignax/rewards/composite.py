@@ -144,7 +144,8 @@ def scorers(section: RewardConfig) -> list[tuple[str, str]]:
         out.append(("format_weight", "the answer-tag format check"))
     out += [(f"functions entry {spec!r}", _function_identity(spec)) for spec, w in section.functions.items() if w != 0]
     if section.reward_model_weight != 0:
-        out += [(f"reward_models entry {path!r}", f"the model {model_identity(path)}") for path in section.reward_models]
+        out += [(f"reward_models entry {path!r}", f"the model {model_identity(path)}")
+                for path in section.reward_models]
     if section.judge_model and section.judge_weight != 0:
         out.append((f"judge_model {section.judge_model!r}", f"the model {model_identity(section.judge_model)}"))
     if section.prm and section.prm_weight != 0:

@@ -311,8 +311,8 @@ class Guard:
         budget, kl = self.monitor.kl_budget, metrics.get("kl/ref_seq")
         if budget.max is None:
             return state
-        over = {} if kl is None or not kl > budget.max else {
-            "kl_budget": f"step {step}: KL to the reference {kl:.4g} nats is above monitor.kl_budget.max={budget.max:g}"}
+        over = {} if kl is None or not kl > budget.max else {"kl_budget": (
+            f"step {step}: KL to the reference {kl:.4g} nats is above monitor.kl_budget.max={budget.max:g}")}
         reason = agreed_reasons(over, ("kl_budget",)).get("kl_budget")  # every process acts, or none
         if reason is None:
             return state
