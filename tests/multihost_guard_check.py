@@ -10,9 +10,13 @@ action, fed the figures of two rollouts: process 0's entropy collapses at step 2
 replicated over both processes' devices, and the gold-best checkpoints live in
 ``OUTPUT_DIR/<action>/gold_best`` (Orbax, written by both processes together).
 
-Each process prints one JSON object a run: ``rollback``: the step it restored, the
-restored parameters as this process holds them, the rollbacks counted; ``stop``: the stop's
-one line and its exit status, with which the process then exits (as ``alignax train`` does).
+A third run, ``raise_beta``, arms the KL budget (``max`` 1 nat, ``raise_beta``) instead:
+process 0's KL to the reference goes over it at step 2 (0.5 -> 2.0), process 1's stays 0.5.
+
+Each process prints one JSON object a run: ``rollback`` / ``raise_beta``: the step it
+restored, the parameters and KL coefficient as this process holds them, the rollbacks
+counted; ``stop``: the stop's one line and its exit status, with which the process then
+exits (as ``alignax train`` does).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def main() -> int:
     multihost.initialize(DistributedConfig(coordinator=f"127.0.0.1:{port}", num_processes=int(num_processes),
                                            process_id=int(process_id), initialization_timeout_s=120))
     guarded_run(int(process_id), os.path.join(output_dir, "rollback"), "rollback")
+    guarded_run(int(process_id), os.path.join(output_dir, "raise_beta"), "raise_beta")
     return guarded_run(int(process_id), os.path.join(output_dir, "stop"), "stop")
 
 
@@ -72,25 +77,30 @@ def guarded_run(process_id: int, output_dir: str, action: str) -> int:
         def score(self, params):
             return {"gold/score": self.scores.pop(0)}
 
-    monitor = MonitorSection()
-    monitor = dataclasses.replace(
-        monitor, entropy_collapse=dataclasses.replace(monitor.entropy_collapse, action=action),
-        gold=dataclasses.replace(monitor.gold, every=1))
+    monitor = dataclasses.replace(MonitorSection(), gold=dataclasses.replace(MonitorSection().gold, every=1))
+    if action == "raise_beta":  # the KL budget's: process 0's KL goes over it at step 2
+        monitor = dataclasses.replace(monitor, kl_budget=dataclasses.replace(
+            monitor.kl_budget, max=1.0, action="raise_beta", beta_factor=2.0))
+    else:
+        monitor = dataclasses.replace(
+            monitor, entropy_collapse=dataclasses.replace(monitor.entropy_collapse, action=action))
     alarms = Alarms(AlarmSettings.from_monitor(monitor))
     factors: list[float] = []
     # gold: 0.2 at the start, 0.5 at step 1 (the best), 0.1 at step 2: a rollback restores step 1
     guard = Guard(monitor, output_dir, alarms=alarms, gold=ScriptedGold([0.2, 0.5, 0.1]),
                   scale_learning_rate=factors.append)
     guard.begin(state(0.0, 0))
-    entropies = [2.0, 0.3] if process_id == 0 else [2.0, 1.9]
+    tripped = process_id == 0
+    entropies = [2.0, 0.3] if tripped and action != "raise_beta" else [2.0, 1.9]
+    kls = [0.5, 2.0] if tripped and action == "raise_beta" else [0.5, 0.5]
     current = None
     try:
-        for step, entropy in enumerate(entropies, start=1):
+        for step, (entropy, kl) in enumerate(zip(entropies, kls), start=1):
             current = state(float(step), step)
-            metrics = {"kl/ref_seq": 0.5, "entropy": entropy, "response/length_mean": 10.0, "reward/total": 0.0,
+            metrics = {"kl/ref_seq": kl, "entropy": entropy, "response/length_mean": 10.0, "reward/total": 0.0,
                        "grad_norm_max": 1.0, "clipfrac_low": 0.0, "clipfrac_high": 0.0, "update_skipped": 0.0,
                        "epochs_run": 1.0}
-            metrics.update(alarms.update(step, kl=0.5, entropy=entropy, length=10.0, reward=0.0, grad_norm=1.0))
+            metrics.update(alarms.update(step, kl=kl, entropy=entropy, length=10.0, reward=0.0, grad_norm=1.0))
             current = guard(step, current, metrics)
     except AlarmStopError as err:
         print(json.dumps({"process": process_id, "action": action, "stopped": str(err), "exit": err.exit_code}),
@@ -101,8 +111,9 @@ def guarded_run(process_id: int, output_dir: str, action: str) -> int:
     restored = [json.loads(line)["restored_step"] for line in guard.events.lines.splitlines()
                 if "restored_step" in json.loads(line)]
     local = {k: np.asarray(v.addressable_data(0)).tolist() for k, v in current.params.items()}
+    coef = float(np.asarray(current.extra["kl_coef"].coef.addressable_data(0)))
     print(json.dumps({"process": process_id, "action": action, "restored_steps": restored, "params": local,
-                      "rollbacks": guard.rollbacks, "lr_factors": factors}), flush=True)
+                      "rollbacks": guard.rollbacks, "lr_factors": factors, "kl_coef": coef}), flush=True)
     return 0
 
 

@@ -1,8 +1,9 @@
 """The monitor's decision in a two-process job (real local JAX processes, gloo collectives on
 CPU; tests/multihost_guard_check.py): an alarm raised on one process's figures acts on both.
 A stop ends both processes with exit status 3 and the same one line; a rollback restores the
-same gold-best checkpoint on both. Without the agreement the quiet process would train on
-(stop) or the other would wait in the checkpoint's collective restore alone (rollback)."""
+same gold-best checkpoint on both; the KL budget's raise of beta happens on both. Without the
+agreement the quiet process would train on (stop) or the other would wait in the checkpoint's
+collective restore alone (rollback)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def job(tmp_path_factory) -> list[tuple[int, dict[str, dict], str]]:
         for proc in procs:
             stdout, stderr = proc.communicate(timeout=240)
             results = {r["action"]: r for r in json_objects(stdout) if "action" in r}
-            assert set(results) == {"rollback", "stop"}, f"status {proc.returncode}:\n{stderr[-3000:]}"
+            assert set(results) == {"rollback", "raise_beta", "stop"}, f"status {proc.returncode}:\n{stderr[-3000:]}"
             out.append((proc.returncode, results, stderr))
     except subprocess.TimeoutExpired:
         for proc in procs:
@@ -61,3 +62,10 @@ def test_a_rollback_raised_on_one_process_restores_the_same_checkpoint_on_both(j
         assert result["restored_steps"] == [1] and result["rollbacks"] == 1 and result["lr_factors"] == [0.5]
         # step 1's state (parameters filled with 1.0), not step 2's that the rollback replaced
         assert result["params"] == {"w": [[1.0] * 4] * 3, "b": [0.0, 1.0, 2.0, 3.0]}
+
+
+def test_the_kl_budget_over_on_one_process_raises_beta_on_both(job):
+    for process, (_, results, _) in enumerate(job):
+        result = results["raise_beta"]
+        assert result["process"] == process and result["kl_coef"] == pytest.approx(0.2)  # 0.1 x beta_factor 2
+        assert result["params"]["w"] == [[2.0] * 4] * 3 and result["rollbacks"] == 0  # no rollback: step 2's state
