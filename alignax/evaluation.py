@@ -52,6 +52,7 @@ from alignax import paths
 from alignax.best_of_n import BestOfNConfig, Selectors, best_of_n_figures
 from alignax.data import DataConfig, DataIterator, PreparedData, prepare_dataset
 from alignax.rewards.composite import RewardModels, RewardScorer
+from alignax.rewards.process import ProcessRewardModel
 from alignax.parallel.multihost import allgather_rows, process_rows
 from alignax.parallel.sharding import mesh_for_shape
 from alignax.sampling import SamplingConfig
@@ -288,8 +289,13 @@ def build_sampler(graphdef: nnx.GraphDef, tokenizer, config: TrainConfig, *, mes
                                           param_dtype=config.precision.frozen)
         # host: held there; submesh: built on reward_mesh (the sub-mesh of a training run)
         reward_models.states = placement.place(reward_models.states, config.placement.reward_models)
+    prm = None
+    if config.rewards.prm:
+        prm = ProcessRewardModel(config.rewards.prm, mesh=reward_mesh, param_dtype=config.precision.frozen,
+                                 place=lambda value: place_rows(value, reward_mesh))
     scorer = RewardScorer(config.rewards, max_new_tokens=rc.max_new_tokens, stop_token_ids=sampling.stop_token_ids,
-                          reward_models=reward_models, frozen_dtype=config.precision.frozen)
+                          reward_models=reward_models, frozen_dtype=config.precision.frozen, prm=prm,
+                          tokenizer=tokenizer)
     return ScoredSampler(graphdef, tokenizer, scorer, sampling, mesh=mesh, place=place,
                          score_place=lambda value: place_rows(value, reward_mesh))
 

@@ -159,3 +159,42 @@ def test_prm_aggregations_sit_on_the_last_step(toy):
     np.testing.assert_allclose(prm.step_rewards(None, step_mask), [[0, 0, 0.2, 0], [0, 0.3, 0, 0], [0, 0, 0, 0]])
     prm.aggregation = "step"
     np.testing.assert_allclose(prm.step_rewards(None, step_mask), [[0.5, 0, 0.4, 0], [0, 0.3, 0, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("aggregation", ["min", "product", "last"])
+def test_a_prm_is_a_reward_component(toy, aggregation):
+    """``rewards.prm`` (what ``monitor.gold.rewards.prm`` scores the gold set with): each
+    completion's ``prm`` component is its steps' probabilities, each the sigmoid of its
+    prefix scored alone, steps ending at a "yes" token and at the last token (found here
+    by hand), reduced by the aggregation, times ``prm_weight``; the total is that alone."""
+    from alignax.evaluation import build_sampler, prompt_batches
+    from alignax.parallel.sharding import mesh_for_shape
+    from alignax.rewards.composite import RewardConfig
+
+    model, tokenizer, config, prm_dir, prm = toy
+    config = dataclasses.replace(config, rewards=RewardConfig(
+        verifier_weight=0.0, prm=prm_dir, prm_weight=0.5, prm_aggregation=aggregation, step_delimiter="yes"))
+    graphdef, state = nnx.split(model)
+    sampler = build_sampler(graphdef, tokenizer, config, mesh=mesh_for_shape(config.mesh.shape),
+                            vocab_size=model.config.vocab_size)
+    batch = next(iter(prompt_batches(config, tokenizer, prompts=prompt_set(2), records=scripted_records(COUNTS))))
+    groups, _, _ = sampler.sample(state, batch, jax.random.key(3),
+                                  config=dataclasses.replace(sampler.config, greedy=False, num_samples=4))
+    tokens, positions, attention = groups.full_sequences()
+    width, yes = groups.prompt_tokens.shape[1], tokenizer.convert_tokens_to_ids("yes")
+    prm_graphdef, prm_state = nnx.split(prm)
+    reward_of = jax.jit(lambda t, p, a: nnx.merge(prm_graphdef, prm_state)(t, p, a).rewards)
+    several = 0
+    for r in range(groups.size):
+        length = int(groups.response_mask[r].sum())
+        ends = sorted({t for t in range(length) if groups.tokens[r, t] == yes} | {length - 1})
+        several += len(ends) > 1
+        probs = []
+        for t in ends:
+            prefix = attention[r:r + 1].copy()
+            prefix[0, width + t + 1:] = 0
+            probs.append(1 / (1 + math.exp(-float(reward_of(tokens[r:r + 1], positions[r:r + 1], prefix)[0]))))
+        want = {"min": min(probs), "product": math.prod(probs), "last": probs[-1]}[aggregation]
+        assert groups.components["prm"][r] == pytest.approx(0.5 * want, abs=1e-5)
+    assert several  # some completion has several steps: the aggregation is not vacuous
+    np.testing.assert_allclose(groups.rewards, groups.components["prm"])

@@ -55,9 +55,11 @@ BASES = {
     "dpo-lora": ("dpo-lora", {}),
     "kto": ("kto", {}),
     "grpo": ("grpo", {"evaluation": {"max_prompts": 4}}),
-    # the monitor's gold signal (alignax.trainers.online.guard), scored by the verifier alone
+    # the monitor's gold signal (alignax.trainers.online.guard), scored by a function the
+    # training reward (verifier and format) does not weigh: a gold scorer it shares is refused
     "grpo-gold": ("grpo", {"evaluation": {"max_prompts": 4}, "monitor": {"gold": {
-        "prompts": GOLD_PROMPTS, "every": 1, "max_prompts": 4, "rewards": {"format_weight": 0.0}}}}),
+        "prompts": GOLD_PROMPTS, "every": 1, "max_prompts": 4,
+        "rewards": {"verifier_weight": 0.0, "functions": {"tests.support.rl_toy:yes_share": 1.0}}}}}),
     "grpo-calculator": ("grpo-calculator", {"evaluation": {"max_prompts": 4}}),
     "ppo": ("ppo", {"ppo": {"ptx_coef": 0.1, "ptx_data": PTX_DATA}, "evaluation": {"max_prompts": 4}}),
     "distill": ("distill", {}),
@@ -270,6 +272,8 @@ SWEEP_VALUES = {
     "evaluation.best_of_n.prm_aggregation": [["min"]],
     "evaluation.best_of_n.step_delimiter": [" ; "],
     "rewards.judge_model": ["runs/judge"],
+    "rewards.prm": ["runs/prm"],
+    "rewards.step_delimiter": [" ; "],
     "rewards.judge_rubric": ["{prompt} {completion} ok?"],
     "rewards.judge_verdicts": [["ok", "no"]],
     "grpo.process_reward_model": ["runs/prm"],

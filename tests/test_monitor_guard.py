@@ -165,6 +165,62 @@ def test_rollback_restores_the_gold_best_checkpoint_and_applies_the_factors(tmp_
     assert rollback and rollback[-1]["restored_step"] == 1 and rollback[-1]["alarm"] == name
 
 
+@pytest.mark.parametrize("name", list(TRIPS))
+def test_rollback_does_nothing_on_the_quiet_stream(tmp_path, name):
+    settings, _, quiet = TRIPS[name]
+    monitor = armed(name, "rollback", **settings)
+    monitor = dataclasses.replace(monitor, gold=dataclasses.replace(monitor.gold, every=1))
+    guard, alarms, lr = make_guard(tmp_path, monitor, ScriptedGold([0.2, 0.5] + [0.1] * len(quiet)))
+    guard.begin(make_state(0.0))
+    last = make_state(float(len(quiet)), rollouts=len(quiet))
+    state, out = run_stream(guard, alarms, quiet[:-1])
+    state, final = run_stream(guard, alarms, quiet[-1:], state=last, start=len(quiet))
+    assert state is last and guard.rollbacks == 0 and lr.factors == []  # the state the step gave goes on
+    assert all(m.get(f"alarm/{name}", 0.0) == 0.0 and m["guard/rollbacks"] == 0.0 for m in out + final)
+    assert events(tmp_path) == []
+
+
+# gold_divergence (gold points every rollout, window 1): the proxy rises 0.2 -> 0.3 while the
+# gold falls 0.6 -> 0.4 at step 3; quiet: the gold rises with the proxy
+GOLD_TRIP, GOLD_QUIET, PROXIES = [0.5, 0.55, 0.6, 0.4], [0.5, 0.6, 0.7, 0.8], [0.1, 0.2, 0.3]
+
+
+@pytest.mark.parametrize("action", ["warn", "stop", "rollback"])
+def test_gold_divergence_acts_on_the_tripping_stream_only(tmp_path, action):
+    def guarded(directory, golds):
+        monitor = armed("gold_divergence", action, window=1, min_gold_drop=0.05)
+        monitor = dataclasses.replace(monitor, gold=dataclasses.replace(monitor.gold, every=1))
+        guard, alarms, lr = make_guard(directory, monitor, ScriptedGold(golds))
+        guard.begin(make_state(0.0))
+        return guard, alarms, lr
+
+    def stream(guard, alarms):
+        states = [make_state(float(i), rollouts=i) for i in range(1, 4)]
+        out = []
+        for i, (proxy, state) in enumerate(zip(PROXIES, states)):
+            state, metrics = run_stream(guard, alarms, [{"reward/total": proxy}], state=state, start=i + 1)
+            out += metrics
+        return state, out
+
+    guard, alarms, lr = guarded(tmp_path / "quiet", GOLD_QUIET)
+    state, out = stream(guard, alarms)
+    assert [m["alarm/gold_divergence"] for m in out] == [0.0, 0.0, 0.0] and events(tmp_path / "quiet") == []
+    assert float(state.params["w"][0, 0]) == 3.0 and lr.factors == []
+    guard, alarms, lr = guarded(tmp_path / "trip", GOLD_TRIP)
+    if action == "stop":
+        with pytest.raises(AlarmStopError, match="monitor.gold_divergence.action=stop: step 3: the proxy reward rose"):
+            stream(guard, alarms)
+        return
+    state, out = stream(guard, alarms)
+    assert [m["alarm/gold_divergence"] for m in out] == [0.0, 0.0, 1.0]
+    assert [(e["step"], e["alarm"], e["action"]) for e in events(tmp_path / "trip")][0] == (3, "gold_divergence",
+                                                                                              action)
+    if action == "warn":
+        assert float(state.params["w"][0, 0]) == 3.0 and lr.factors == []
+    else:  # step 2's state: the best gold (0.6)
+        assert float(state.params["w"][0, 0]) == 2.0 and lr.factors == [0.5] and guard.rollbacks == 1
+
+
 def test_rollback_past_max_rollbacks_stops(tmp_path):
     monitor = armed("entropy_collapse", "rollback")
     monitor = dataclasses.replace(monitor, rollback=dataclasses.replace(monitor.rollback, max_rollbacks=1))
@@ -226,6 +282,10 @@ def test_kl_budget_stops_or_raises_beta(tmp_path):
     assert float(state.extra["kl_coef"].coef) == 1.0  # 0.25 x 2 x 2: raised at each rollout over budget
     assert [m.get("guard/kl_coef_raised", 0.0) for m in out] == [0.0, 1.0, 1.0]
     assert [e["action"] for e in events(tmp_path / "beta")] == ["raise_beta", "raise_beta"]
+    guard, alarms, _ = make_guard(tmp_path / "beta-under", raise_beta)
+    state, out = run_stream(guard, alarms, under, state=make_state(1.0, coef=0.25))
+    assert float(state.extra["kl_coef"].coef) == 0.25 and events(tmp_path / "beta-under") == []
+    assert all("guard/kl_coef_raised" not in m and "alarm/kl_budget" not in m for m in out)
 
 
 def test_the_defaults_are_the_former_warn_only_alarms():

@@ -17,6 +17,8 @@ from alignax import config as config_io
 from alignax.config import ConfigError
 from alignax.data import DataConfig, prepare_dataset, write_jsonl
 from alignax.metrics import read_jsonl
+from alignax.models import save_pretrained
+from alignax.trainers.engine.setup import build_model
 from alignax.trainers.api import load_config, train
 from alignax.trainers.online.gold import GoldOverlapError, check_held_out
 from tests.data.tiny_tokenizer import word_tokenizer
@@ -88,13 +90,17 @@ def test_rollback_then_stop_through_the_cli(tmp_path, toy_model, capsys):
 def test_a_resumed_run_keeps_its_rollbacks_and_learning_rate(tmp_path, toy_model):
     """Two steps (a rollback at step 1), then the same run resumed to three steps: the
     learning-rate factor of the first rollback is in force after the resume, and the second
-    rollback counts on from the first (the monitor's state rides in the checkpoint's meta)."""
+    rollback counts on from the first (the monitor's state rides in the checkpoint's meta).
+    The gold scorer is a process reward model (the toy trunk with a fresh score head; its
+    numbers are checked in tests/test_best_of_n.py::test_a_prm_is_a_reward_component)."""
     write_jsonl(toy_prompts(16), str(tmp_path / "train.jsonl"))
     write_jsonl(gold_prompts(4), str(tmp_path / "gold.jsonl"))
+    prm = build_model(toy_config(tmp_path / "unused", toy_model, "grpo", steps=1).model, kind="reward")
+    save_pretrained(prm, str(tmp_path / "prm"))
     monitor = {
         "gold": {"prompts": {"paths": [str(tmp_path / "gold.jsonl")], "format": "prompt", "max_prompt_length": 24,
                              "batch_size": 4}, "every": 1, "max_prompts": 4,
-                 "rewards": {"verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}},
+                 "rewards": {"verifier_weight": 0.0, "prm": str(tmp_path / "prm"), "step_delimiter": "yes"}},
         "gold_divergence": {"action": "rollback", "window": 1, "min_gold_drop": float("-inf"),
                             "min_proxy_rise": float("-inf")},
         "rollback": {"max_rollbacks": 3, "lr_factor": 0.5},
@@ -114,6 +120,8 @@ def test_a_resumed_run_keeps_its_rollbacks_and_learning_rate(tmp_path, toy_model
     assert rows[3]["guard/rollbacks"] == 2.0
     events = [json.loads(line) for line in open(tmp_path / "run" / "alarms.jsonl")]
     assert [e["step"] for e in events if "restored_step" in e] == [1, 3]
+    gold = [row for row in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if "gold/score" in row]
+    assert len(gold) >= 4 and all(row["gold/score"] == row["gold/prm"] and 0 < row["gold/prm"] < 1 for row in gold)
 
 
 def test_a_gold_set_sharing_a_training_prompt_is_refused(tmp_path):
@@ -134,11 +142,38 @@ def test_a_gold_set_sharing_a_training_prompt_is_refused(tmp_path):
     message = str(info.value)
     assert "gold.jsonl, line 4 has the same prompt as the training record" in message
     assert "train.jsonl, line 6" in message and "1 of the 4 gold prompts" in message
+    assert message.startswith("monitor.gold.prompts: ")
+
+
+def test_a_gold_prompt_is_a_training_prompt_under_another_template_or_spacing(tmp_path):
+    """The same question is caught though its ids differ: the gold set adds a system prompt
+    and spaces its words apart (the ids of the two prompts share no digest), or is a
+    conversation whose user turn is the training prompt."""
+    tokenizer = word_tokenizer()
+    train_records = toy_prompts(8)
+    write_jsonl(train_records, str(tmp_path / "train.jsonl"))
+    twin = {**train_records[2], "prompt": "  " + train_records[2]["prompt"].replace(" ", "   ") + " "}
+    write_jsonl(gold_prompts(3) + [twin], str(tmp_path / "spaced.jsonl"))
+    chat = {"messages": [{"role": "system", "content": "Answer yes."},
+                         {"role": "user", "content": train_records[7]["prompt"]}], "answer": "yes", "task": "toy"}
+    others = [{"messages": [{"role": "user", "content": r["prompt"]}], "answer": "yes"} for r in gold_prompts(2)]
+    write_jsonl([chat] + others, str(tmp_path / "chat.jsonl"))
+    train = prepare_dataset(DataConfig(paths=(str(tmp_path / "train.jsonl"),), format="prompt", max_prompt_length=24,
+                                       eval_fraction=0.0, shuffle=False), tokenizer)
+    for name, line, train_line, field_map in (("spaced.jsonl", 4, 3, {}), ("chat.jsonl", 1, 8, {"prompt": "messages"})):
+        gold = prepare_dataset(DataConfig(paths=(str(tmp_path / name),), format="prompt", max_prompt_length=24,
+                                          eval_fraction=0.0, shuffle=False, system_prompt="Be brief.",
+                                          field_map=field_map), tokenizer)
+        twin_ids = gold.encoder.encode(gold.source[line - 1]).prompt
+        assert twin_ids != train.encoder.encode(train.source[train_line - 1]).prompt  # not caught by the ids
+        with pytest.raises(GoldOverlapError, match=rf"{name}, line {line} has the same prompt as the training record "
+                                                   rf".*train.jsonl, line {train_line}"):
+            check_held_out(gold, train)
 
 
 GRPO = {"algorithm": "grpo", "data": {"format": "prompt"}, "output_dir": "runs/unused"}
 GOLD = {"prompts": {"paths": ["reasoning_gym:chain_sum?size=8&seed=1000"], "format": "prompt"},
-        "rewards": {"verifier_weight": 1.0, "format_weight": 0.5}}
+        "rewards": {"verifier_weight": 0.0, "functions": {"tests.support.rl_toy:yes_share": 1.0}}}
 
 
 def refused(**sections) -> str:
@@ -165,6 +200,61 @@ def test_monitor_config_checks():
     assert config.monitor.entropy_collapse.action == "rollback"
 
 
+
+
+def test_the_clip_fraction_alarm_is_refused_for_a_loss_without_a_clip():
+    clip = {"clip_fraction": {"max": 0.2}}
+    for section in ({"policy_loss": "dro", "dro_beta": 0.1}, {"policy_loss": "vespo"}, {"policy_loss": "kl_cov"},
+                    {"policy_loss": "pg"}):
+        message = refused(grpo=section, monitor=clip)
+        assert message.startswith("monitor.clip_fraction.max applies to a policy loss that clips its ratio")
+        assert f"got grpo.policy_loss={section['policy_loss']}" in message and "\n" not in message
+    distill = {"algorithm": "onpolicy_distill", "distill": {"teacher": {"name": "smollm2-135m-instruct"}}}
+    assert "got algorithm=onpolicy_distill, onpolicy_distill.estimator=exact" in refused(**distill, monitor=clip)
+    # the clipping ones read it: PPO-clip and its kin in grpo, ppo, the sampled on-policy distillation
+    for name in ("ppo", "gspo", "cispo", "dppo_tv", "clip_cov", "geo_mean"):
+        assert load_config(data={**GRPO, "grpo": {"policy_loss": name}, "monitor": clip}).monitor.clip_fraction.max \
+            == 0.2
+    load_config(data={**GRPO, "algorithm": "ppo", "monitor": clip})
+    load_config(data={**GRPO, **distill, "onpolicy_distill": {"estimator": "sampled"}, "monitor": clip})
+
+
+def test_a_gold_scorer_the_training_reward_weighs_is_refused_under_any_name(tmp_path, monkeypatch):
+    """Not only the same reward config: the same verifier beside other scorers, the same
+    function under an alias (tests.test_monitor_run imports rl_toy's yes_share), the same
+    judge, reward model or PRM under another spelling of its folder (a link, a relative
+    path), GRPO's own process reward model."""
+    yes = {"tests.support.rl_toy:yes_share": 1.0}
+    message = refused(monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 1.0, "functions": yes}}})
+    assert message.startswith("monitor.gold.rewards.verifier_weight is the reasoning-gym answer verifier, which the "
+                              "training reward weighs too (rewards.verifier_weight)") and "\n" not in message
+    message = refused(rewards={"verifier_weight": 0.0, "functions": yes},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0,
+                                                            "functions": {"tests.test_monitor_run:yes_share": 2.0}}}})
+    assert ("monitor.gold.rewards.functions entry 'tests.test_monitor_run:yes_share' is the function "
+            "tests.support.rl_toy:yes_share, which the training reward weighs too (rewards.functions entry "
+            "'tests.support.rl_toy:yes_share')") in message
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    os.symlink(judge, tmp_path / "judge-link")
+    monkeypatch.chdir(tmp_path)
+    message = refused(rewards={"verifier_weight": 0.0, "judge_model": str(judge)},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0, "judge_model": "judge-link/"}}})
+    assert (f"monitor.gold.rewards.judge_model 'judge-link/' is the model {os.path.realpath(judge)}, which the "
+            f"training reward weighs too (rewards.judge_model '{judge}')") in message
+    message = refused(rewards={"verifier_weight": 0.0, "reward_models": ["./judge"]},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0, "judge_model": str(judge)}}})
+    assert "rewards.reward_models entry './judge'" in message
+    # a PRM: the training reward's, or the algorithm's own (GRPO's process rewards)
+    message = refused(rewards={"verifier_weight": 0.0, "prm": "judge"},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0, "prm": "judge-link"}}})
+    assert "monitor.gold.rewards.prm 'judge-link' is the model" in message and "(rewards.prm 'judge')" in message
+    message = refused(grpo={"advantage": "process", "process_reward_model": "judge"},
+                      monitor={"gold": {**GOLD, "rewards": {"verifier_weight": 0.0, "prm": str(judge)}}})
+    assert "which the training reward weighs too (grpo.process_reward_model)" in message
+    # scorers apart: accepted (a function of the gold's own, the training reward's verifier)
+    load_config(data={**GRPO, "monitor": {"gold": {**GOLD, "rewards": {
+        "verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}}}})
 
 
 @pytest.mark.slow  # the tool's two arms; the rollback in a run is covered fast above

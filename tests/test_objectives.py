@@ -724,3 +724,19 @@ def test_the_verl_tables_cover_every_objective_and_their_keys_load():
                           "dro", "cispo", "bypass_mode"}
     for _, alignax in rows:
         assert key.search(alignax) or alignax.startswith(("not yet", "not supported")), alignax
+
+
+def test_the_registry_says_which_objectives_clip():
+    """``Objective.clips`` (what monitor.clip_fraction is refused by) against each loss's own
+    clip fractions: ratios e and 1/e, a whole row each way, with advantages of both signs,
+    leave tokens at a bound for every objective that has one; the others log 0."""
+    rng = np.random.default_rng(0)
+    logps = -rng.uniform(0.1, 2.0, (6, 5))
+    old = logps - np.where(np.arange(6) % 2 == 0, 1.0, -1.0)[:, None]
+    advantages = np.where(np.arange(6) % 3 == 0, 1.0, -1.0)[:, None] * np.ones((6, 5))
+    for name, entry in OBJECTIVES.items():
+        kw = {**{k: 0.1 for k in entry.required}, **({"key": jax.random.key(0)} if entry.rng else {})}
+        _, metrics = entry.loss(logps, old, advantages, np.ones((6, 5)), aggregation="token-mean", **kw)
+        clipped = float(metrics["clipfrac_low"] + metrics["clipfrac_high"])
+        assert (clipped > 0) == entry.clips, (name, clipped)
+    assert set(objectives.clipping()) == {"ppo", "gspo", "cispo", "dppo_tv", "dppo_kl", "clip_cov", "geo_mean"}

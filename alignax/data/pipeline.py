@@ -334,11 +334,17 @@ class PreparedData:
         return partner
 
     def prompt_digests(self, split: str = "train") -> dict[bytes, int]:
-        """Digest of each prompt's ids -> the first record of ``split`` (``train`` or
-        ``eval``) with that prompt: what a held-out set is checked against for overlap."""
+        """Digest of each prompt -> the first record of ``split`` (``train`` or ``eval``)
+        with that prompt: what a held-out set is checked against for overlap. Two keys a
+        record: its prompt's ids, and (prompt records) its prompt's text with whitespace
+        runs made one space (:func:`_prompt_text_digest`), so the same question under
+        another chat template, system prompt or truncation still meets its twin."""
         out: dict[bytes, int] = {}
         for i in self.train_indices if split == "train" else self.eval_indices:
-            out.setdefault(_digest(self.encoder.encode(self.source[int(i)]).prompt), int(i))
+            encoded = self.encoder.encode(self.source[int(i)])
+            out.setdefault(_digest(encoded.prompt), int(i))
+            if isinstance(encoded.reference, Mapping) and "prompt" in encoded.reference:
+                out.setdefault(_prompt_text_digest(encoded.reference["prompt"]), int(i))
         return out
 
     def example(self, record_index: int) -> dict[str, Any]:
@@ -375,6 +381,18 @@ class PreparedData:
 def _digest(ids: Sequence[int]) -> bytes:
     """A stable digest of token ids (the same in every process and run, unlike ``hash``)."""
     return hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=16).digest()
+
+
+def _prompt_text_digest(prompt: str | Sequence[Mapping]) -> bytes:
+    """A stable digest of a prompt's text (messages: each role and text, system messages
+    left out since a config may add its own; a string: one user turn), whitespace runs made
+    one space; tagged so it never equals an ids digest."""
+    if isinstance(prompt, str):
+        turns = [f"user: {prompt}"]
+    else:
+        turns = [f"{m.get('role')}: {m.get('content')}" for m in prompt if m.get("role") != "system"]
+    text = "\n".join(" ".join(str(turn).split()) for turn in turns)
+    return b"text:" + hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
 def _content_digest(encoded, format: str) -> bytes:

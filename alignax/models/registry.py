@@ -282,6 +282,25 @@ def model_folder_problem(name: str, *, random_init: bool = False) -> str | None:
     return None
 
 
+def model_identity(name: str) -> str:
+    """What the model ``name`` stands for, found without converting or downloading anything:
+    a registry model's converted cache folder, a local folder's real path (relative
+    spellings and links undone), a hub id's cached snapshot; else ``name`` itself. Two
+    names with one identity are one model (a gold scorer is checked against the training
+    reward by it)."""
+    if paths.is_remote(name):
+        return name
+    if name in MODELS:
+        try:
+            return os.path.realpath(cache_root() / "models" / name / _cache_key(gguf_path(name)))
+        except (ModuleNotFoundError, FileNotFoundError):
+            return f"registry model {name}"
+    folder = _cached_folder(name)
+    if folder is not None:
+        return os.path.realpath(folder)
+    return name if hub.split(name) is not None else os.path.realpath(name)  # a folder not made yet
+
+
 def _cached_folder(name: str) -> str | None:
     """The local folder ``name`` stands for without converting or downloading anything: the
     folder itself, or a hub id's snapshot already in the Hugging Face cache."""

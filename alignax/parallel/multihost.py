@@ -38,6 +38,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -324,6 +325,32 @@ def allgather_rows(value: np.ndarray) -> np.ndarray:
 
     gathered = np.asarray(multihost_utils.process_allgather(value))
     return gathered.reshape(-1, *value.shape[1:])
+
+
+def agreed_reasons(raised: Mapping[str, str], names: Sequence[str], *, width: int = 1024) -> dict[str, str]:
+    """Every process's ``raised`` (name -> a one-line reason) made one decision: a name
+    raised on any process is raised on every process, with the reason of the first process
+    (by index) that raised it, cut to ``width`` UTF-8 bytes. ``names``: every name that may
+    be raised, the same on every process; the result is in their order. A collective
+    (every process calls it at the same point); with one process, ``raised`` in that order."""
+    unknown = sorted(set(raised) - set(names))
+    if unknown:
+        raise ValueError(f"agreed_reasons: {unknown} are not among the names {list(names)}")
+    if jax.process_count() == 1:
+        return {name: raised[name] for name in names if name in raised}
+    table = np.zeros((1, len(names), width + 1), np.uint8)  # [flag, reason bytes...] per name
+    for j, name in enumerate(names):
+        if name in raised:
+            text = raised[name].encode("utf-8")[:width]
+            table[0, j, 0] = 1
+            table[0, j, 1:1 + len(text)] = np.frombuffer(text, np.uint8)
+    every = allgather_rows(table).reshape(-1, len(names), width + 1)  # [processes, names, 1 + width]
+    out = {}
+    for j, name in enumerate(names):
+        first = np.flatnonzero(every[:, j, 0])
+        if first.size:
+            out[name] = bytes(every[first[0], j, 1:]).rstrip(b"\0").decode("utf-8", errors="ignore")
+    return out
 
 
 def replicated(tree: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -8,6 +8,8 @@ Components (each ``[R]`` float32, logged as ``reward/<name>``):
 - ``reward_model``: trained reward models scoring prompt + completion, combined by an
   ensemble rule (:func:`alignax.losses.ensemble_rewards`);
 - ``judge``: an LLM judge's verdict log-probability on a rubric (:mod:`alignax.rewards.judge`, RLAIF);
+- ``prm``: a trained process reward model's step probabilities, reduced to one score a
+  completion (:class:`alignax.rewards.process.ProcessRewardModel`, Lightman et al. 2023);
 - ``length`` / ``missing_eos`` / ``overlong``: shaping terms (:mod:`alignax.rewards.shaping`).
 
 ``total = clip(sum of weighted components)``. A non-finite total is an error naming the
@@ -32,6 +34,7 @@ from alignax.parallel.multihost import local_rows
 from alignax.parallel.placement import to_device
 from alignax.rewards import shaping
 from alignax.rewards.judge import DEFAULT_RUBRIC, Judge
+from alignax.rewards.process import ProcessRewardModel, aggregate_step_scores, step_boundaries
 from alignax.rewards.verifiers import verifier_rewards
 
 
@@ -61,6 +64,11 @@ class RewardConfig:
         ``judge_rubric`` (``{prompt}``, ``{completion}``), weighted by ``judge_weight``;
         ``judge_verdicts``: the (positive, negative) answers; ``judge_score``: ``logp``
         (log p(positive)) or ``normalized`` (p(positive) / (p(positive) + p(negative))).
+      prm: a trained process reward model (``alignax export`` of a ``prm`` run, sharing the
+        policy's tokenizer) scoring each step of the completion (split at
+        ``step_delimiter``, as in its training), the step probabilities reduced to one score
+        by ``prm_aggregation`` (``min``: the weakest step; ``product``: every step right;
+        ``last``: the final step), weighted by ``prm_weight``.
       length_penalty_coef / length_target: ``-coef * max(0, L - target)`` tokens.
       missing_eos_penalty: added to completions that never emitted a stop token.
       overlong_buffer: DAPO's soft overlong punishment over the last ``buffer`` tokens of
@@ -86,6 +94,10 @@ class RewardConfig:
     judge_rubric: str = DEFAULT_RUBRIC
     judge_verdicts: tuple[str, str] = ("yes", "no")
     judge_score: Literal["logp", "normalized"] = "logp"
+    prm: str | None = None
+    prm_weight: float = 1.0
+    prm_aggregation: Literal["min", "product", "last"] = "min"
+    step_delimiter: str = "\n"
     length_penalty_coef: float = 0.0
     length_target: int = 0
     missing_eos_penalty: float | None = None
@@ -96,14 +108,49 @@ class RewardConfig:
 
     def component_weights(self) -> dict[str, float]:
         """The weight of each component :meth:`RewardScorer.score` sums, by its name there
-        (``answer``, ``format``, ``fn/<spec>``, ``reward_model``, ``judge``; the shaping terms
+        (``answer``, ``format``, ``fn/<spec>``, ``reward_model``, ``judge``, ``prm``; the shaping terms
         carry their coefficients inside and weigh 1). A component's value before its weight is
         its score divided by this (GDPO normalises the unweighted components,
         :mod:`alignax.estimators.gdpo`)."""
         return {"answer": self.verifier_weight, "format": self.format_weight,
                 **{f"fn/{spec}": weight for spec, weight in self.functions.items()},
-                "reward_model": self.reward_model_weight, "judge": self.judge_weight,
+                "reward_model": self.reward_model_weight, "judge": self.judge_weight, "prm": self.prm_weight,
                 "length": 1.0, "missing_eos": 1.0, "overlong": 1.0}
+
+
+def _function_identity(spec: str) -> str:
+    """The function a ``functions`` entry names, however spelt (an alias, a re-export):
+    its defining module and qualified name, or the object itself; the spec when it does
+    not load (the scorer reports that when it is built)."""
+    try:
+        fn = load_callable(spec)
+    except ConfigError:
+        return f"the function {spec}"
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"the function {module}:{name}" if module and name else f"the object {spec} (id {id(fn):#x})"
+
+
+def scorers(section: RewardConfig) -> list[tuple[str, str]]:
+    """``(key, identity)`` of each scorer ``section`` weighs (a non-zero weight): the key
+    under ``rewards`` that names it, and what it is whatever its name — the task verifier,
+    the format check, a function by its definition, a reward model or judge by its folder
+    (:func:`alignax.models.registry.model_identity`). Two reward configs sharing an
+    identity share a scorer; the shaping terms (length, EOS, overlong) are no scorers."""
+    model_identity = models.registry.model_identity
+    out = []
+    if section.verifier_weight != 0:
+        out.append(("verifier_weight", "the reasoning-gym answer verifier"))
+    if section.format_weight != 0:
+        out.append(("format_weight", "the answer-tag format check"))
+    out += [(f"functions entry {spec!r}", _function_identity(spec)) for spec, w in section.functions.items() if w != 0]
+    if section.reward_model_weight != 0:
+        out += [(f"reward_models entry {path!r}", f"the model {model_identity(path)}")
+                for path in section.reward_models]
+    if section.judge_model and section.judge_weight != 0:
+        out.append((f"judge_model {section.judge_model!r}", f"the model {model_identity(section.judge_model)}"))
+    if section.prm and section.prm_weight != 0:
+        out.append((f"prm {section.prm!r}", f"the model {model_identity(section.prm)}"))
+    return out
 
 
 class NonFiniteRewardError(ValueError):
@@ -195,11 +242,17 @@ class RewardModels:
 
 
 class RewardScorer:
-    """Scores a rollout: ``score(completions, references, tokens, response_mask, ...)``."""
+    """Scores a rollout: ``score(completions, references, tokens, response_mask, ...)``.
+
+    ``prm``: the :class:`~alignax.rewards.process.ProcessRewardModel` of ``section.prm``
+    (built by the caller, which places it); it needs ``tokenizer`` to find the steps."""
 
     def __init__(self, section: RewardConfig, *, max_new_tokens: int, stop_token_ids: Sequence[int],
-                 reward_models: RewardModels | None = None, frozen_dtype: str = "float32"):
-        self.section = section
+                 reward_models: RewardModels | None = None, frozen_dtype: str = "float32",
+                 prm: ProcessRewardModel | None = None, tokenizer=None):
+        if (prm is None) != (section.prm is None) or (prm is not None and tokenizer is None):
+            raise ValueError("rewards.prm needs its ProcessRewardModel and the policy's tokenizer (to find the steps)")
+        self.section, self.prm, self.tokenizer = section, prm, tokenizer
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = tuple(stop_token_ids)
         self.reward_models = reward_models
@@ -213,9 +266,9 @@ class RewardScorer:
                 f"got {section.overlong_buffer}"
             )
         uses_verifier = section.verifier_weight != 0 or section.format_weight != 0
-        if not uses_verifier and reward_models is None and not self.functions and self.judge is None:
+        if not uses_verifier and reward_models is None and not self.functions and self.judge is None and prm is None:
             raise ValueError("no reward source: set rewards.verifier_weight/format_weight, rewards.functions, "
-                             "rewards.reward_models or rewards.judge_model")
+                             "rewards.reward_models, rewards.judge_model or rewards.prm")
 
     def score(
         self,
@@ -249,6 +302,8 @@ class RewardScorer:
                 extra["reward_model_std"] = local_rows(jnp.std(scores, axis=0))
         if self.judge is not None:
             weighted["judge"] = s.judge_weight * self.judge.score(completions, references)
+        if self.prm is not None:
+            weighted["prm"] = s.prm_weight * self._prm_scores(response_tokens, response_mask, full_sequences)
         lengths = response_mask.sum(axis=-1).astype(np.float32)
         if s.length_penalty_coef:
             weighted["length"] = np.asarray(shaping.length_penalty(lengths, target_length=s.length_target,
@@ -271,3 +326,17 @@ class RewardScorer:
                     f"(and {bad.size - 1} more); completion starts {completions[i][:80]!r}"
                 )
         return total, {**{k: np.asarray(v, np.float32) for k, v in weighted.items()}, **extra}
+
+    @property
+    def reads_sequences(self) -> bool:
+        """Whether :meth:`score` needs the full sequences (a reward model or a PRM reads them)."""
+        return self.reward_models is not None or self.prm is not None
+
+    def _prm_scores(self, response_tokens: np.ndarray, response_mask: np.ndarray, full_sequences) -> np.ndarray:
+        """``[R]``: the PRM's step probabilities at the steps' end tokens, reduced by
+        ``prm_aggregation`` (a completion without a step scores 0)."""
+        tokens, positions, attention = full_sequences
+        width = tokens.shape[1] - response_tokens.shape[1]
+        probs = self.prm.sequence_probs(tokens, positions, attention, prompt_width=width)
+        step_mask, _ = step_boundaries(self.tokenizer, response_tokens, response_mask, self.section.step_delimiter)
+        return aggregate_step_scores(probs, step_mask, self.section.prm_aggregation).astype(np.float32)

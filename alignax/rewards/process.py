@@ -157,14 +157,19 @@ class ProcessRewardModel:
         """``sigmoid`` of the PRM's score at every response position ``[R, N]`` of sampled
         completions (:class:`alignax.sampling.scored.Groups`): at a step's end token, the
         probability that the prefix up to it is good."""
+        tokens, positions, attention = (self.place(a) for a in groups.full_sequences())
+        return self.sequence_probs(tokens, positions, attention, prompt_width=groups.prompt_tokens.shape[1])
+
+    def sequence_probs(self, tokens, positions, attention, *, prompt_width: int) -> np.ndarray:
+        """:meth:`step_probs` of full sequences ``[R, P + N]`` (prompt then response, as
+        ``Groups.full_sequences``; placed already, or host arrays), this process's rows."""
         graphdef, state, vocab_size = self._load()
-        tokens, positions, attention = groups.full_sequences()
-        if tokens.size and int(tokens.max()) >= vocab_size:
+        largest = int(np.max(local_rows(tokens))) if tokens.size else -1
+        if largest >= vocab_size:
             raise ValueError(f"PRM {self.path} has vocab_size {vocab_size}; the completions hold token "
-                             f"{int(tokens.max())} (a PRM must share the policy's tokenizer)")
-        values = _per_token_scores(graphdef, state, *(self.place(a) for a in (tokens, positions, attention)))
-        width = groups.prompt_tokens.shape[1]
-        return 1.0 / (1.0 + np.exp(-np.asarray(local_rows(values), np.float64)[:, width:]))
+                             f"{largest} (a PRM must share the policy's tokenizer)")
+        values = _per_token_scores(graphdef, state, tokens, positions, attention)
+        return 1.0 / (1.0 + np.exp(-np.asarray(local_rows(values), np.float64)[:, prompt_width:]))
 
     def step_rewards(self, groups, step_mask: np.ndarray) -> np.ndarray:
         """Step rewards ``[R, N]`` on the ``step_mask`` tokens (:func:`step_boundaries`)."""

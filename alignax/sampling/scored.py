@@ -4,7 +4,8 @@ generation-based evaluation both start from.
 :class:`ScoredSampler` runs the on-device sampler (:func:`alignax.sampling.generate`, one
 compiled program per sampling config) on a prompt batch, decodes the completions and
 scores them with a reward scorer (:class:`alignax.rewards.composite.RewardScorer`, or
-anything with its ``score`` method and ``reward_models`` attribute). The result is a
+anything with its ``score`` method and ``reward_models`` attribute; full sequences are
+passed where it ``reads_sequences``, default: where it holds reward models). The result is a
 :class:`Groups`: ``G`` rows per prompt, group-contiguous, every per-token array ``[R, N]``
 over the response tokens only.
 """
@@ -133,7 +134,7 @@ class ScoredSampler:
 
     def score(self, groups: Groups) -> None:
         full = None
-        if self.scorer.reward_models is not None:
+        if getattr(self.scorer, "reads_sequences", self.scorer.reward_models is not None):
             tokens, positions, attention = groups.full_sequences()
             full = (self.score_place(tokens), self.score_place(positions), self.score_place(attention))
         groups.rewards, groups.components = self.scorer.score(

@@ -72,6 +72,8 @@ class Algorithm:
       estimate_as: the config whose training step is the run's (iterative: a round's run).
       teacher: ``config -> ModelSpec`` of the frozen model of its own that it holds in the
         reference's place (distillation's teacher; the estimator counts it at its own size).
+      clips: when its policy loss holds the ratio to a bound, so the clip fraction it logs
+        means something (``monitor.clip_fraction`` is read then only).
     """
 
     name: str
@@ -93,6 +95,7 @@ class Algorithm:
     critic_on_base: Cond = NEVER
     estimate_as: Callable[[TrainConfig], TrainConfig] | None = None
     teacher: Callable[[TrainConfig], Any] | None = None
+    clips: Cond = NEVER
 
     @property
     def head(self) -> Literal["lm", "scalar"]:
@@ -477,11 +480,12 @@ ENTRIES: tuple[Algorithm, ...] = (
               estimate_as=_first_round),
     Algorithm("grpo", "online", ("causal_lm",), grpo.build_algorithm, ("grpo",), _formats("prompt"),
               reference=Above("grpo.kl_coef", 0), scorers=Given("grpo.process_reward_model"), rules=GRPO_RULES,
-              constraints=(_policy_objective, _group_size, _process_without_env)),
+              constraints=(_policy_objective, _group_size, _process_without_env),
+              clips=Is("grpo.policy_loss", *objectives.clipping())),
     Algorithm("ppo", "online", ("causal_lm", "policy_value", "value"), ppo.build_algorithm, ("ppo",),
               _formats("prompt"), reference=Above("ppo.kl_coef", 0), rules=PPO_RULES,
               constraints=(_ptx_data, _critic), critic=Is("ppo.critic", "separate", "adapter"),
-              critic_on_base=Is("ppo.critic", "adapter")),
+              critic_on_base=Is("ppo.critic", "adapter"), clips=ALWAYS),
     Algorithm("distill", "offline", ("causal_lm",), distill.make_task, ("distill",), _formats("sft", "text"),
               reference=ALWAYS, precomputed_reference=DISTILL_PRECOMPUTED, lora=False,
               rules=DISTILL_RULES,
@@ -492,7 +496,7 @@ ENTRIES: tuple[Algorithm, ...] = (
     Algorithm("onpolicy_distill", "online", ("causal_lm",), onpolicy_distill.build_algorithm,
               ("onpolicy_distill", "distill"), _formats("prompt"), reference=ALWAYS, lora=False,
               rules=DISTILL_RULES, constraints=(_teacher_named, _exact_teacher_beside_the_student, _exact_has_no_ratio),
-              teacher=_teacher_spec),
+              teacher=_teacher_spec, clips=Is("onpolicy_distill.estimator", "sampled")),
 )
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}

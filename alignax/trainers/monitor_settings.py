@@ -5,7 +5,10 @@ ranges, and the pairs of values that must agree. :mod:`alignax.trainers.validati
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
+from alignax.models.registry import model_identity
+from alignax.rewards.composite import RewardConfig, scorers
 from alignax.trainers.config import MonitorSection, TrainConfig
 
 ALARMS = ("kl_acceleration", "entropy_collapse", "length_drift", "no_signal", "gold_divergence", "clip_fraction",
@@ -37,14 +40,30 @@ def _ranges(m: MonitorSection) -> str | None:
     return None
 
 
+def _shared_scorer(gold: RewardConfig, train: RewardConfig, trained_models: Sequence[tuple[str, str]]) -> str | None:
+    """A scorer of the gold reward that the training reward weighs too, under whatever name
+    (:func:`alignax.rewards.composite.scorers`; ``trained_models``: ``(key, folder)`` of the
+    algorithm's own scoring models), in words naming both keys; or None."""
+    trained = {identity: f"rewards.{key}" for key, identity in scorers(train)}
+    trained.update({f"the model {model_identity(folder)}": key for key, folder in trained_models})
+    for key, identity in scorers(gold):
+        if identity in trained:
+            return (f"monitor.gold.rewards.{key} is {identity}, which the training reward weighs too "
+                    f"({trained[identity]}): a gold signal must be scored by something the policy is not "
+                    "trained on; give monitor.gold.rewards another verifier, judge, reward model or function (a "
+                    "scorer's weight 0 leaves it out)")
+    return None
+
+
 def actions(m: MonitorSection) -> dict[str, str]:
     """Alarm name -> its action."""
     return {name: getattr(m, name).action for name in ALARMS}
 
 
-def problem(config: TrainConfig, section: str) -> str | None:
+def problem(config: TrainConfig, section: str, trained_models: Sequence[tuple[str, str]] = ()) -> str | None:
     """The first problem of ``config.monitor`` in words naming its keys (``section``: the
-    online algorithm's own section, which holds ``kl_coef``), or None."""
+    online algorithm's own section, which holds ``kl_coef``; ``trained_models``: ``(key,
+    folder)`` of the scoring models the algorithm trains with beyond ``rewards:``), or None."""
     m = config.monitor
     found = _ranges(m)
     if found:
@@ -61,6 +80,9 @@ def problem(config: TrainConfig, section: str) -> str | None:
         return ("monitor.gold.rewards is the training reward (rewards): a gold signal must be scored by something "
                 "the policy is not trained on; set monitor.gold.rewards to another verifier, judge, reward model "
                 "or function")
+    shared = _shared_scorer(m.gold.rewards, config.rewards, trained_models) if m.gold.prompts is not None else None
+    if shared:
+        return shared
     if m.gold.prompts is not None and config.env.name is not None:
         return (f"monitor.gold.prompts with env.name={config.env.name}: the gold signal scores single-turn "
                 "completions; remove monitor.gold or the environment")

@@ -43,6 +43,7 @@ from alignax.config import (ALWAYS, NEVER, Above, All, AnyOf, Check, Cond, Confi
                             Named, NonZero, Rule, Unusable, keys_of, rule, set_keys, show)
 from alignax.config import schema_keys as config_schema_keys
 from alignax.config import unusable_keys as _unusable_keys
+from alignax.config import get as config_get
 from alignax.data import checks as data_checks
 from alignax.losses.objectives import OBJECTIVES
 from alignax.models import registry
@@ -88,10 +89,10 @@ def _per_entry(field: str) -> list[tuple[str, Cond]]:
 FROZEN_MODELS = Named(
     "a frozen model: a reference policy ("
     + "; ".join(f"algorithm {n} with {c.text}" for n, c in _per_entry("reference"))
-    + ") or a scoring model (rewards.reward_models or rewards.judge_model with online training; "
+    + ") or a scoring model (rewards.reward_models, rewards.judge_model or rewards.prm with online training; "
     + "; ".join(c.text for _, c in _per_entry("scorers")) + ")",
     AnyOf(*(All(named(n), c) for n, c in _per_entry("reference") + _per_entry("scorers")),
-          All(ONLINE, AnyOf(Given("rewards.reward_models"), Given("rewards.judge_model")))))
+          All(ONLINE, AnyOf(Given("rewards.reward_models"), Given("rewards.judge_model"), Given("rewards.prm")))))
 
 # A reference policy held as a model of its own during training (alignax.parallel.placement
 # places it): not a precomputed table of its log-probs.
@@ -101,6 +102,13 @@ LIVE_REFERENCE = Named(
     "a live reference policy (" + "; ".join(f"algorithm {n} with {c.text}" for n, c in _LIVE) + ")",
     AnyOf(*(All(named(n), c) for n, c in _LIVE)))
 
+
+# A policy loss that holds its ratio to a bound (each entry's ``clips``; GRPO's from the
+# objective registry, alignax.losses.objectives): the clip fraction the alarm reads is its.
+CLIPS = Named(
+    "a policy loss that clips its ratio ("
+    + "; ".join(f"algorithm {n}" + ("" if c is ALWAYS else f" with {c.text}") for n, c in _per_entry("clips")) + ")",
+    AnyOf(*(All(named(n), c) for n, c in _per_entry("clips"))))
 
 def _entry_rules() -> list[Rule]:
     """Each section read by its algorithms alone, then each entry's own rows (once)."""
@@ -127,6 +135,8 @@ def _gold_reward_rules() -> list[Rule]:
         rule(f"{g}ensemble_k", All(Given(f"{g}reward_models"), Is(f"{g}ensemble", "mean_minus_std", "mean_minus_var"))),
         rule([f"{g}judge_weight", f"{g}judge_rubric", f"{g}judge_verdicts", f"{g}judge_score"],
              Given(f"{g}judge_model"), "they configure the LLM judge"),
+        rule([f"{g}prm_weight", f"{g}prm_aggregation", f"{g}step_delimiter"], Given(f"{g}prm"),
+             "they configure the process reward model"),
         rule(f"{g}length_target", NonZero(f"{g}length_penalty_coef")),
         rule(f"{g}overlong_scale", Given(f"{g}overlong_buffer")),
     ]
@@ -202,6 +212,8 @@ KEY_RULES: tuple[Rule, ...] = (
                                    Is("rewards.ensemble", "mean_minus_std", "mean_minus_var"))),
     rule(["rewards.judge_weight", "rewards.judge_rubric", "rewards.judge_verdicts", "rewards.judge_score"],
          Given("rewards.judge_model"), "they configure the LLM judge"),
+    rule(["rewards.prm_weight", "rewards.prm_aggregation", "rewards.step_delimiter"], Given("rewards.prm"),
+         "they configure the process reward model"),
     rule("rewards.length_target", NonZero("rewards.length_penalty_coef")),
     rule("rewards.overlong_scale", Given("rewards.overlong_buffer")),
     # --- multi-turn rollouts with an environment (alignax.envs)
@@ -229,6 +241,7 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("monitor.rollback", Named("an alarm whose action is rollback (monitor.<alarm>.action=rollback)",
                                    AnyOf(*(Is(f"monitor.{a}.action", "rollback") for a in monitor_settings.ALARMS))),
          "it says what a rollback does"),
+    rule("monitor.clip_fraction", CLIPS, "the alarm reads the clip fraction, which a loss without a clip logs as 0"),
     rule("monitor.kl_budget", LIVE_REFERENCE, "it bounds the KL to the reference policy"),
     rule(["monitor.kl_budget.action", "monitor.kl_budget.beta_factor"], Given("monitor.kl_budget.max"),
          "they say what happens over the budget"),
@@ -334,9 +347,10 @@ def _async_rollouts(config):
 def _reward_source(config):
     r = config.rewards
     no_verifier = r.verifier_weight == 0 and r.format_weight == 0
-    if GENERATION(config) and no_verifier and not r.functions and not r.reward_models and not r.judge_model:
+    if GENERATION(config) and no_verifier and not r.functions and not r.reward_models and not r.judge_model \
+            and not r.prm:
         return ("rewards: no reward source (rewards.verifier_weight and rewards.format_weight are 0, no "
-                "rewards.functions, no rewards.reward_models, no rewards.judge_model); set one of them")
+                "rewards.functions, no rewards.reward_models, no rewards.judge_model, no rewards.prm); set one of them")
     return None
 
 
@@ -431,10 +445,19 @@ def _model_folder(config):
     return registry.model_folder_problem(config.model.name, random_init=config.model.random_init is not None)
 
 
+def _own_scoring_models(config) -> list[tuple[str, str]]:
+    """``(key, folder)`` of the frozen scoring models the algorithm's entry holds beyond
+    ``rewards:`` (its ``scorers``: GRPO's process reward model), where they are set."""
+    cond = algorithm(config.algorithm).scorers
+    return [(cond.path, config_get(config, cond.path))] if isinstance(cond, Given) and cond(config) else []
+
+
 def _monitor(config):
     """The monitor's values: in range, a rollback with a gold set to pick its checkpoint by, a
     gold scorer that is not the training reward, a KL coefficient for the factors to move."""
-    return monitor_settings.problem(config, _online_section(config)) if ONLINE(config) else None
+    if not ONLINE(config):
+        return None
+    return monitor_settings.problem(config, _online_section(config), trained_models=_own_scoring_models(config))
 
 
 def _data_files(config):

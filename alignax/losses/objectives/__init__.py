@@ -40,9 +40,9 @@ _CLIP = ("clip_eps_low", "clip_eps_high")
 
 # Read-only: an objective is added here, one line, beside its module.
 OBJECTIVES: Mapping[str, Objective] = types.MappingProxyType({
-    "ppo": Objective(policy.ppo_policy_loss, (*_CLIP, "dual_clip_c")),
-    "gspo": Objective(policy.gspo_policy_loss, _CLIP),
-    "cispo": Objective(policy.cispo_policy_loss, _CLIP),
+    "ppo": Objective(policy.ppo_policy_loss, (*_CLIP, "dual_clip_c"), clips=True),
+    "gspo": Objective(policy.gspo_policy_loss, _CLIP, clips=True),
+    "cispo": Objective(policy.cispo_policy_loss, _CLIP, clips=True),
     "sapo": Objective(policy.sapo_policy_loss, ("sapo_temperature_pos", "sapo_temperature_neg")),
     "pg": Objective(policy.pg_loss, ratio=False),
     # GPG (Chu et al. 2025, arXiv 2504.02546; equation number not checked: paper text
@@ -70,9 +70,14 @@ def readers(key: str) -> tuple[str, ...]:
     return tuple(name for name, entry in OBJECTIVES.items() if key in entry.keys)
 
 
+def clipping() -> tuple[str, ...]:
+    """The objectives that hold the ratio to a bound (:attr:`Objective.clips`)."""
+    return tuple(name for name, entry in OBJECTIVES.items() if entry.clips)
+
+
 def keys() -> tuple[str, ...]:
     """Every config key some objective reads, in first-seen order."""
     return tuple(dict.fromkeys(k for entry in OBJECTIVES.values() for k in entry.keys))
 
 
-__all__ = ["OBJECTIVES", "Objective", "keys", "objective", "readers"]
+__all__ = ["OBJECTIVES", "Objective", "clipping", "keys", "objective", "readers"]

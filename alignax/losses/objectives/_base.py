@@ -55,6 +55,10 @@ class Objective:
         the explicit weight ``sg(pi_theta) / pi_sampler`` from ``rollout.tis_cap``.
       rng: it draws random numbers (its loss takes ``key=``, a ``jax.random`` key).
       required: keys that must be set (no paper default to fall back on).
+      clips: it holds the ratio to a bound (a clip or a trust region), so its
+        ``clipfrac_low`` / ``clipfrac_high`` count the tokens held there; an objective
+        without one logs them as 0, and ``monitor.clip_fraction`` (an alarm on their sum)
+        is refused for it.
     """
 
     loss: Callable[..., tuple[Array, dict[str, Array]]]
@@ -62,3 +66,4 @@ class Objective:
     ratio: bool = True
     rng: bool = False
     required: tuple[str, ...] = ()
+    clips: bool = False

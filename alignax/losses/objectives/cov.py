@@ -125,5 +125,5 @@ def kl_cov_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask: 
 
 
 CLIP_COV = Objective(clip_cov_policy_loss, ("clip_eps_low", "clip_eps_high", "clip_cov_ratio", "clip_cov_lb",
-                                            "clip_cov_ub"), rng=True)
+                                            "clip_cov_ub"), rng=True, clips=True)
 KL_COV = Objective(kl_cov_policy_loss, ("kl_cov_ratio", "kl_cov_coef"))

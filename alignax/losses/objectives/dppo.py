@@ -94,5 +94,5 @@ def dppo_kl_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask:
 
 
 _KEYS = ("clip_eps_low", "clip_eps_high", "dppo_ratio_cap")
-DPPO_TV = Objective(dppo_tv_policy_loss, _KEYS)
-DPPO_KL = Objective(dppo_kl_policy_loss, _KEYS)
+DPPO_TV = Objective(dppo_tv_policy_loss, _KEYS, clips=True)
+DPPO_KL = Objective(dppo_kl_policy_loss, _KEYS, clips=True)

@@ -62,4 +62,4 @@ def geo_mean_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask
     return run(surrogate, logps, old_logps, advantages, mask, aggregation=aggregation, **shared)
 
 
-GEO_MEAN = Objective(geo_mean_policy_loss, ("clip_eps_low", "clip_eps_high"))
+GEO_MEAN = Objective(geo_mean_policy_loss, ("clip_eps_low", "clip_eps_high"), clips=True)

@@ -9,7 +9,8 @@ on prompts it never trains on shows when the proxy's gains stop being real ones.
 
 The gold set never meets the training prompts: :class:`GoldSignal` refuses a gold record
 whose prompt ids equal a training record's (each set tokenised by its own template and
-truncation), naming both records.
+truncation) or whose prompt text does (whitespace aside, system messages aside: the same
+question under another template), naming both records and the count.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ def check_held_out(gold: PreparedData, train: PreparedData) -> None:
     """Raise :class:`GoldOverlapError` naming the first gold record whose prompt is a
     training record's (the run's ``train`` split; its eval split may be shared)."""
     trained = train.prompt_digests("train")
-    overlap = [(i, trained[key]) for key, i in gold.prompt_digests("train").items() if key in trained]
+    overlap: dict[int, int] = {}  # gold record -> a training record with its prompt (ids or text)
+    for key, i in gold.prompt_digests("train").items():
+        if key in trained:
+            overlap[i] = min(overlap.get(i, trained[key]), trained[key])
     if overlap:
-        gold_record, train_record = min(overlap)
+        gold_record = min(overlap)
+        train_record = overlap[gold_record]
         raise GoldOverlapError(
             f"monitor.gold.prompts: {gold.source.where(gold_record)} has the same prompt as the training record "
             f"{train.source.where(train_record)} (data.paths); {len(overlap)} of the "

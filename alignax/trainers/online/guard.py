@@ -17,6 +17,11 @@ raised alarm's ``action`` says:
 ``monitor.kl_budget``: the rollout's sequence KL to the reference (``kl/ref_seq``, nats)
 above ``max`` stops the run or multiplies the KL coefficient by ``beta_factor``.
 
+In a multi-process job every process decides alike: an alarm raised on any process's figures
+is raised on all of them, with the first such process's reason
+(:func:`~alignax.parallel.multihost.agreed_reasons`), so a stop ends every process with the
+same line and a rollback restores the same checkpoint everywhere.
+
 Every event is a line of ``<output_dir>/alarms.jsonl`` (``step``, ``alarm``, ``action``,
 ``reason``) and a metric (``guard/rollbacks``, ``guard/stop``, ``guard/kl_coef_raised``);
 each gold point (``gold/score``, ``gold/proxy``: the mean proxy reward of the rollouts since
@@ -41,13 +46,18 @@ import jax.numpy as jnp
 from alignax import kl as kl_lib
 from alignax import paths
 from alignax.checkpoint import Checkpointer
-from alignax.parallel.multihost import is_writer
+from alignax.parallel.multihost import agreed_reasons, is_writer
 from alignax.trainers import monitor_settings
 from alignax.trainers.config import MonitorSection
 from alignax.trainers.engine.loop import RunStoppedError
 from alignax.trainers.engine.step import TrainState
 
 log = logging.getLogger("alignax")
+
+# The alarms in the order the guard acts on them (the first raised stop or rollback acts):
+# those of the rollout's figures (alignax.trainers.online.monitoring), the rates, the gold's.
+_FIGURE_ALARMS = ("kl_acceleration", "entropy_collapse", "length_drift", "no_signal")
+_ORDER = (*_FIGURE_ALARMS, "clip_fraction", "nonfinite_rate", "gold_divergence")
 
 EXIT_STATUS = 3
 """``alignax train``'s exit status when a monitor alarm (or the KL budget) stopped the run."""
@@ -191,8 +201,7 @@ class Guard:
     def __call__(self, step: int, state: TrainState, metrics: dict[str, float]) -> TrainState:
         """After rollout step ``step``: the actions of its alarms; the figures they add go into
         ``metrics`` (the step's, logged after this). Returns the state to go on from."""
-        raised = {name: self.alarms.reasons.get(name, name) for name in ("kl_acceleration", "entropy_collapse",
-                                                                         "length_drift", "no_signal")
+        raised = {name: self.alarms.reasons.get(name, name) for name in _FIGURE_ALARMS
                   if metrics.get(f"alarm/{name}", 0.0) > 0}
         raised.update(self._rate_alarms(step, metrics))
         self.proxy_since.append(float(metrics["reward/total"]))
@@ -200,6 +209,8 @@ class Guard:
             metrics.update(self._gold_point(step, state, kl=metrics.get("kl/ref_seq")))
             metrics["alarm/gold_divergence"] = 0.0
             raised.update(self._gold_divergence(step))
+        # one decision for the job: an alarm raised on any process's figures acts on every process
+        raised = agreed_reasons(raised, _ORDER)
         for name in raised:
             metrics[f"alarm/{name}"] = 1.0
         # the alarms act first: a stop saves the state before any raise of beta (so the checkpoint
@@ -298,9 +309,13 @@ class Guard:
 
     def _kl_budget(self, step: int, state: TrainState, metrics: dict[str, float]) -> TrainState:
         budget, kl = self.monitor.kl_budget, metrics.get("kl/ref_seq")
-        if budget.max is None or kl is None or not kl > budget.max:
+        if budget.max is None:
             return state
-        reason = f"step {step}: KL to the reference {kl:.4g} nats is above monitor.kl_budget.max={budget.max:g}"
+        over = {} if kl is None or not kl > budget.max else {"kl_budget": (
+            f"step {step}: KL to the reference {kl:.4g} nats is above monitor.kl_budget.max={budget.max:g}")}
+        reason = agreed_reasons(over, ("kl_budget",)).get("kl_budget")  # every process acts, or none
+        if reason is None:
+            return state
         metrics["alarm/kl_budget"] = 1.0
         if budget.action == "stop":
             self._stop(step, "kl_budget", reason, metrics)
