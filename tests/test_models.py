@@ -2,7 +2,8 @@
 
 One tiny random model per family (Llama with llama3 RoPE and biases, Qwen2 with q/k/v
 biases and tied embeddings, Qwen3 with q/k norms, GPT-2 with Conv1D weights and learned
-positions). Every parameter is perturbed away from its init so biases and norm scales
+positions; Mistral, Phi-3, Gemma 2 and Gemma 3 with sliding windows shorter than the
+sequences, tests/test_model_families.py has more of them). Every parameter is perturbed away from its init so biases and norm scales
 are not trivially zero/one. References are transformers' own forward passes.
 """
 
@@ -29,18 +30,14 @@ from alignax.models import (
 )
 
 from tests.support.compiled import jitted
-from tests.support.model_families import COMMON, CONFIGS
+from tests.support.model_families import COMMON, CONFIGS, HF_CLASS_NAMES
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
 
 TOL = 1e-4
 
-HF_CLASSES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
-}
+HF_CLASSES = {family: tuple(getattr(transformers, name) for name in names)
+              for family, names in HF_CLASS_NAMES.items()}
 FAMILIES = list(CONFIGS)
 
 
