@@ -198,6 +198,11 @@ class ModelConfig:
         return tuple(t == "sliding_attention" for t in self.layer_types)
 
     @property
+    def needs_xla_attention(self) -> bool:
+        """Sliding windows or soft-capped scores: masks the fused kernels (cuDNN, splash) do not take."""
+        return any(self.sliding_layers) or self.attn_softcap is not None
+
+    @property
     def attention_scale(self) -> float:
         return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
 
@@ -474,9 +479,10 @@ def _check_window_fields(c: ModelConfig) -> None:
         value = getattr(c, name)
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 or None; got {value!r}")
-    if c.attention != "xla" and (any(c.sliding_layers) or c.attn_softcap is not None):
+    if c.attention != "xla" and c.needs_xla_attention:
         raise ValueError(f"attention={c.attention!r} runs plain causal attention; this {c.model_type} model has "
-                         "sliding-window layers or soft-capped attention scores: use attention=xla")
+                         "sliding-window layers or soft-capped attention scores: use attention=xla "
+                         "(model.attention: xla or auto)")
 
 
 def _window(hf: Mapping[str, Any], model_type: str, default: int | None) -> int | None:

