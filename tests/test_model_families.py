@@ -223,3 +223,23 @@ def test_a_tiny_lora_sft_run_steps_on_the_family(tmp_path, family):
     adapters = [x.shape for x in jax.tree.leaves(nnx.state(result.model, LoRAParam))]
     assert len(adapters) == 2 * len(PROJECTIONS) * result.model.config.num_layers
     assert [x.shape for x in jax.tree.leaves(result.loop.state.params)] == adapters
+
+
+def test_phi3_longrope_short_and_long_factors_match_transformers():
+    """Phi-3's ``longrope`` (the 128k and 3.5 models): rows within ``original_max`` (16) take
+    the short factors, rows past it the long ones, both scaled by the attention factor
+    transformers derives (sqrt(1 + ln 4 / ln 16)); either set differs from plain RoPE."""
+    rope = {"rope_type": "longrope", "rope_theta": 1000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 6.0, 9.0]}
+    cfg, hf = hf_model("phi3", max_position_embeddings=64, original_max_position_embeddings=16, rope_parameters=rope)
+    sd = state_dict(hf)
+    model = from_hf_state_dict(cfg, sd)
+    assert model.config.rope_attention_factor == pytest.approx((1 + np.log(4) / np.log(16)) ** 0.5)
+    assert ModelConfig.from_hf_config(model.config.to_hf_config()) == model.config
+    plain = from_hf_state_dict(dict(cfg, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}), sd)
+    for length in (12, 24):
+        tokens = np.random.RandomState(length).randint(0, 64, (2, length))
+        mask, positions = np.ones_like(tokens), np.tile(np.arange(length), (2, 1))
+        ours = our_logits(model, tokens, mask, positions)
+        assert np.abs(ours - torch_logits(hf, tokens, mask, positions)).max() <= TOL, length
+        assert np.abs(ours - our_logits(plain, tokens, mask, positions)).max() > 1e-2, length

@@ -16,7 +16,8 @@ config read here describes the same network transformers builds from the same di
 RoPE follows transformers 5: settings live in ``rope_parameters`` (older files use
 ``rope_scaling`` plus a top-level ``rope_theta``); the inverse frequencies are computed
 by :func:`rope_inv_freq` exactly as ``transformers.modeling_rope_utils`` does for the
-supported types ``default``, ``linear`` and ``llama3``.
+supported types ``default``, ``linear``, ``llama3`` and ``longrope`` (Phi-3's long-context
+variants: :func:`longrope_inv_freqs`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from alignax.models.lora import LoraConfig
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "phi3", "gemma2", "gemma3_text")
 # Attention kinds of ``layer_types`` (transformers' names).
 LAYER_TYPES = ("full_attention", "sliding_attention")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 # Rematerialisation of each decoder layer in the backward pass (JAX's checkpoint policies):
 # "none" keeps every activation; "full" keeps only each layer's input and recomputes the
@@ -129,6 +130,12 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # longrope (Phi-3 128k, Phi-3.5): per-frequency divisors for a forward whose positions stay
+    # within rope_original_max_position_embeddings (short) or reach past it (long), and the
+    # factor on sin/cos
+    rope_short_factor: tuple[float, ...] | None = None
+    rope_long_factor: tuple[float, ...] | None = None
+    rope_attention_factor: float = 1.0
     attn_scale: float | None = None  # None: head_dim ** -0.5
     # Sliding windows and the Gemma layer (module docstring; alignax.models.layer_types).
     sliding_window: int | None = None  # W: a query sees the W latest positions, itself included
@@ -179,6 +186,13 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if self.rope_type == "longrope":
+            for name in ("rope_short_factor", "rope_long_factor"):
+                value = getattr(self, name)
+                if value is None or len(value) != self.head_dim // 2:
+                    raise ValueError(f"longrope needs {name} of head_dim / 2 = {self.head_dim // 2} numbers; "
+                                     f"got {value!r}")
+                object.__setattr__(self, name, tuple(float(v) for v in value))
         if self.activation not in set(_ACTIVATIONS.values()):
             raise ValueError(f"unknown activation {self.activation!r}; valid: {sorted(set(_ACTIVATIONS.values()))}")
         if self.head_dim % 2 and self.position_embedding == "rope":
@@ -280,6 +294,10 @@ class ModelConfig:
                     high_freq_factor=self.rope_high_freq_factor,
                     original_max_position_embeddings=self.rope_original_max_position_embeddings,
                 )
+            if self.rope_type == "longrope":
+                rope.update(short_factor=list(self.rope_short_factor), long_factor=list(self.rope_long_factor),
+                            original_max_position_embeddings=self.rope_original_max_position_embeddings,
+                            attention_factor=self.rope_attention_factor)
             out.update(
                 vocab_size=self.vocab_size,
                 hidden_size=self.hidden_size,
@@ -352,6 +370,8 @@ def _rope_fields(hf: Mapping[str, Any], model_type: str, max_pos: int) -> dict[s
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     out: dict[str, Any] = {"rope_type": rope_type, "rope_theta": float(theta)}
+    if rope_type == "longrope":
+        out.update(_longrope_fields(params, hf, max_pos))
     if rope_type in ("linear", "llama3"):
         if "factor" not in params:
             raise ValueError(f"rope_parameters of type {rope_type!r} is missing the field 'factor'")
@@ -365,6 +385,23 @@ def _rope_fields(hf: Mapping[str, Any], model_type: str, max_pos: int) -> dict[s
             params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
         )
     return out
+
+
+def _longrope_fields(params: Mapping[str, Any], hf: Mapping[str, Any], max_pos: int) -> dict[str, Any]:
+    """``longrope``'s factors; the attention factor as transformers derives it when absent:
+    ``sqrt(1 + ln(factor) / ln(original_max))`` with ``factor = max_pos / original_max``."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(params.get(key), (list, tuple)):
+            raise ValueError(f"rope_parameters of type 'longrope' needs the list {key!r}; got {params.get(key)!r}")
+    original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("rope_parameters of type 'longrope' is missing the field 'original_max_position_embeddings'")
+    factor = params.get("factor") or max_pos / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dict(rope_short_factor=tuple(params["short_factor"]), rope_long_factor=tuple(params["long_factor"]),
+                rope_original_max_position_embeddings=int(original), rope_attention_factor=float(attention))
 
 
 # transformers' per-family defaults for fields a config.json may omit.
@@ -609,6 +646,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     dim = config.head_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    if config.rope_type == "longrope":  # the short factors (longrope_inv_freqs has both)
+        return longrope_inv_freqs(config)[0]
     if config.rope_type == "linear":
         inv_freq = inv_freq / np.float32(config.rope_factor)
     elif config.rope_type == "llama3":
@@ -631,3 +670,14 @@ def local_rope_inv_freq(config: ModelConfig) -> np.ndarray:
     if config.rope_local_theta is None:
         return rope_inv_freq(config)
     return rope_inv_freq(config.replace(rope_type="default", rope_theta=config.rope_local_theta))
+
+
+def longrope_inv_freqs(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``(short, long)`` inverse frequencies ``[H/2]`` of ``longrope``: ``1 / (f_i * theta^(2i/H))``
+    with ``f`` the short or long factors (Phi-3; transformers' ``_compute_longrope_parameters``).
+    A forward uses the long ones when its largest position reaches ``original_max`` (as
+    transformers decides per call, from ``max(position_ids) + 1``)."""
+    dim = config.head_dim
+    base = np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    return tuple((1.0 / (np.asarray(f, np.float32) * base)).astype(np.float32)
+                 for f in (config.rope_short_factor, config.rope_long_factor))

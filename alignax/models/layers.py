@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from alignax.models.config import ModelConfig
+from alignax.models.config import ModelConfig, longrope_inv_freqs
 from alignax.models.layer_types import pick, softcap
 from alignax.models.lora import adapter, layer_dropout
 from alignax.models.quant import QuantizedKernel, project
@@ -119,6 +119,19 @@ def rope_sin_cos(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
     """``sin, cos`` of ``positions[..., None] * inv_freq``: float32 ``[B, T, H/2]``."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     return jnp.sin(angles), jnp.cos(angles)
+
+
+def longrope_sin_cos(positions: Array, config: ModelConfig) -> tuple[Array, Array]:
+    """``sin, cos`` of ``longrope`` (Phi-3): the long factors when ``max(positions) + 1`` exceeds
+    ``rope_original_max_position_embeddings`` (over the whole call, as transformers picks), else
+    the short ones; both times ``rope_attention_factor``. A generation that runs past
+    ``original_max`` switches to the long factors at that step while the cached keys keep the
+    short ones, as transformers' ``generate`` does; a full forward over the whole sequence uses
+    the long ones throughout, so sampler and learner disagree on such rows."""
+    short, long = longrope_inv_freqs(config)
+    use_long = jnp.max(positions) + 1 > config.rope_original_max_position_embeddings
+    sin, cos = rope_sin_cos(positions, jnp.where(use_long, long, short))
+    return sin * config.rope_attention_factor, cos * config.rope_attention_factor
 
 
 def apply_rope(x: Array, sin: Array, cos: Array) -> Array:

@@ -36,7 +36,7 @@ from alignax.models.cache import KVCache, slot_positions
 from alignax.models.config import ModelConfig, local_rope_inv_freq, rope_inv_freq
 from alignax.models.dense import DENSE_OUTPUT, dense
 from alignax.models.layer_types import by_layer_type, softcap, window_mask
-from alignax.models.layers import RESIDUAL, Block, KeyMask, Norm, normal_param, param, rope_sin_cos
+from alignax.models.layers import RESIDUAL, Block, KeyMask, Norm, longrope_sin_cos, normal_param, param, rope_sin_cos
 from alignax.models.lora import adapter
 from alignax.parallel.sharding import constrain
 
@@ -149,7 +149,12 @@ class Decoder(nnx.Module):
         # batch axes without the table being gathered, where one step makes XLA replicate
         # them on some meshes (its "involuntary full rematerialization").
         x = constrain(constrain(x, ("activation_lookup_batch", "length", "embed")), RESIDUAL)
-        sin_cos = rope_sin_cos(positions, rope_inv_freq(c)) if c.position_embedding == "rope" else None
+        if c.position_embedding != "rope":
+            sin_cos = None
+        elif c.rope_type == "longrope":  # Phi-3's long-context RoPE: its factors depend on the positions
+            sin_cos = longrope_sin_cos(positions, c)
+        else:
+            sin_cos = rope_sin_cos(positions, rope_inv_freq(c))
 
         if cache is None and c.attention in ("splash", "cudnn"):  # fused kernels: causal + real keys only
             if segment_ids is not None:
