@@ -38,7 +38,8 @@ from alignax.models import ModelConfig, from_hf_state_dict, from_pretrained, pos
 from alignax.models.lora import PROJECTIONS, LoRAParam, LoraConfig, with_adapters
 from alignax.sampling import SamplingConfig, generate
 from alignax.trainers.api import train
-from tests.support.model_families import CONFIGS, HF_CLASS_NAMES
+from tests.support.hf_reference import hf_model, perturbed_families, state_dict, torch_logits
+from tests.support.model_families import CONFIGS
 from tests.support.trainer_helpers import tiny_config
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
@@ -46,23 +47,7 @@ torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test 
 TOL = 1e-4
 FAMILIES = ["mistral", "phi3", "gemma2", "gemma3_text"]
 T = 20  # five windows of 4
-
-
-def hf_model(family: str, seed: int = 0, **overrides):
-    """``(config dict, transformers model)``: the family's tiny config, every parameter perturbed."""
-    config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASS_NAMES[family])
-    cfg = dict(CONFIGS[family], **overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return cfg, model.eval()
-
-
-def state_dict(model) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+SCALE = 0.3  # perturbation of every parameter: spreads the logits, so a wrong mask shows
 
 
 def rows(seed: int = 0):
@@ -72,12 +57,6 @@ def rows(seed: int = 0):
     mask[1, :3] = 0
     mask[2, -4:] = 0
     return tokens, mask, np.maximum(np.cumsum(mask, 1) - 1, 0)
-
-
-def torch_logits(model, tokens, mask, positions) -> np.ndarray:
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
-                     position_ids=torch.tensor(positions)).logits.numpy()
 
 
 @nnx.jit
@@ -98,11 +77,7 @@ def window_off(family: str) -> dict:
 
 @pytest.fixture(scope="module")
 def families():
-    out = {}
-    for i, family in enumerate(FAMILIES):
-        cfg, model = hf_model(family, seed=i)
-        out[family] = (cfg, model, state_dict(model))
-    return out
+    return perturbed_families(FAMILIES, scale=SCALE)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -122,7 +97,7 @@ def test_the_window_is_not_ignored(families, family):
     cfg, hf, sd = families[family]
     tokens, mask, positions = rows(seed=1)
     windowed = our_logits(from_hf_state_dict(cfg, sd), tokens, mask, positions)
-    off_cfg, off_hf = hf_model(family, seed=FAMILIES.index(family), **window_off(family))
+    off_cfg, off_hf = hf_model(family, seed=FAMILIES.index(family), scale=SCALE, **window_off(family))
     off = from_hf_state_dict(off_cfg, sd)
     assert not any(off.config.sliding_layers)
     unwindowed = our_logits(off, tokens, mask, positions)
@@ -231,7 +206,8 @@ def test_phi3_longrope_short_and_long_factors_match_transformers():
     transformers derives (sqrt(1 + ln 4 / ln 16)); either set differs from plain RoPE."""
     rope = {"rope_type": "longrope", "rope_theta": 1000.0, "original_max_position_embeddings": 16,
             "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 6.0, 9.0]}
-    cfg, hf = hf_model("phi3", max_position_embeddings=64, original_max_position_embeddings=16, rope_parameters=rope)
+    cfg, hf = hf_model("phi3", scale=SCALE, max_position_embeddings=64, original_max_position_embeddings=16,
+                       rope_parameters=rope)
     sd = state_dict(hf)
     model = from_hf_state_dict(cfg, sd)
     assert model.config.rope_attention_factor == pytest.approx((1 + np.log(4) / np.log(16)) ** 0.5)

@@ -162,8 +162,8 @@ def _layout(c: ModelConfig, kind: str, prefix: str) -> list[_Entry]:
                 add(f"{h}post_feedforward_layernorm.weight", (D,), [(*L, "mlp_post_norm", "scale")], _IDENTITY)
             else:
                 add(f"{h}post_attention_layernorm.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
-            mlp = (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))) if c.model_type != "phi3" else (("down", (D, F)),)
-            for name, shape in mlp:
+            mlp = (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))
+            for name, shape in mlp if c.model_type != "phi3" else mlp[2:]:
                 add(f"{h}mlp.{name}_proj.weight", shape, [(*L, "mlp", f"{name}_kernel")], _TRANSPOSE)
                 if c.mlp_bias:
                     add(f"{h}mlp.{name}_proj.bias", (shape[0],), [(*L, "mlp", f"{name}_bias")], _IDENTITY)
