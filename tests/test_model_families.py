@@ -14,8 +14,11 @@ global RoPE bases apart) is built in transformers, every parameter perturbed off
   tokens, 16 tokens past 6-token prompts, one of them left-padded;
 - a folder written by transformers' ``save_pretrained`` loads, and our export loads back in
   transformers as the same class with the same logits;
-- a tiny SFT step with LoRA on every projection runs on the family (``model.random_init``
-  swapped onto the tiny recipe's folder), and its adapters change the logits.
+- LoRA on every projection (Phi-3's fused ones included): each adapter gets a gradient,
+  and the merged export gives transformers our logits; a tiny LoRA SFT step runs with the
+  family swapped into configs/tiny-sft-lora.yaml's ``model.random_init``;
+- a reward model exports as the family's ``*ForSequenceClassification``;
+- Phi-3's ``longrope`` on both sides of ``original_max_position_embeddings``.
 
 The shared checks of test_models.py (logits with left padding, export, config round trip,
 every parameter's gradient) run on these families too.
@@ -39,7 +42,7 @@ from alignax.models.lora import PROJECTIONS, LoRAParam, LoraConfig, with_adapter
 from alignax.sampling import SamplingConfig, generate
 from alignax.trainers.api import train
 from tests.support.hf_reference import hf_model, perturbed_families, state_dict, torch_logits
-from tests.support.model_families import CONFIGS
+from tests.support.model_families import CONFIGS, HF_CLASS_NAMES
 from tests.support.trainer_helpers import tiny_config
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
@@ -219,3 +222,19 @@ def test_phi3_longrope_short_and_long_factors_match_transformers():
         ours = our_logits(model, tokens, mask, positions)
         assert np.abs(ours - torch_logits(hf, tokens, mask, positions)).max() <= TOL, length
         assert np.abs(ours - our_logits(plain, tokens, mask, positions)).max() > 1e-2, length
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_reward_model_exports_as_the_familys_sequence_classifier(families, family, tmp_path):
+    """The reward head goes out as ``*ForSequenceClassification`` (``score.weight``), whose
+    score at the last token transformers computes as our reward."""
+    cfg, _, sd = families[family]
+    model = from_hf_state_dict(cfg, sd, kind="reward", new_head=True, seed=1)
+    save_pretrained(model, tmp_path)
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert type(back).__name__ == HF_CLASS_NAMES[family][1].replace("ForCausalLM", "ForSequenceClassification") \
+        .replace("Gemma3For", "Gemma3TextFor")
+    tokens = np.random.RandomState(5).randint(3, 64, (2, T))
+    with torch.no_grad():
+        theirs = back(input_ids=torch.tensor(tokens)).logits.numpy()[:, 0]
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens)).rewards), theirs, atol=TOL)
