@@ -238,3 +238,30 @@ def test_a_reward_model_exports_as_the_familys_sequence_classifier(families, fam
     with torch.no_grad():
         theirs = back(input_ids=torch.tensor(tokens)).logits.numpy()[:, 0]
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens)).rewards), theirs, atol=TOL)
+
+
+def test_config_errors_name_the_field():
+    gemma2, gemma3, mistral = CONFIGS["gemma2"], CONFIGS["gemma3_text"], CONFIGS["mistral"]
+    with pytest.raises(ValueError, match="mistral config: sliding_window must be a positive integer or null; got 0"):
+        ModelConfig.from_hf_config(dict(mistral, sliding_window=0))
+    with pytest.raises(ValueError, match="layer_types has 1 entries; the model has 2 layers"):
+        ModelConfig.from_hf_config(dict(gemma2, layer_types=["full_attention"]))
+    with pytest.raises(ValueError, match=r"layer_types: unknown \['chunked_attention'\]"):
+        ModelConfig.from_hf_config(dict(gemma2, layer_types=["chunked_attention", "full_attention"]))
+    with pytest.raises(ValueError, match="attention='cudnn' runs plain causal attention; this gemma2 model"):
+        ModelConfig.from_hf_config(gemma2, attention="cudnn")
+    with pytest.raises(ValueError, match="use_bidirectional_attention=true"):
+        ModelConfig.from_hf_config(dict(gemma3, use_bidirectional_attention=True))
+    linear = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="sliding_attention: rope_type 'linear' is not supported for the sliding"):
+        ModelConfig.from_hf_config(dict(gemma3, rope_parameters={"sliding_attention": linear}))
+    with pytest.raises(ValueError, match="'longrope' needs the list 'long_factor'"):
+        ModelConfig.from_hf_config(dict(CONFIGS["phi3"], rope_parameters={
+            "rope_type": "longrope", "short_factor": [1.0] * 4, "original_max_position_embeddings": 16}))
+    with pytest.raises(ValueError, match=r"longrope needs rope_short_factor of head_dim / 2 = 4 numbers"):
+        ModelConfig.from_hf_config(dict(CONFIGS["phi3"], rope_parameters={
+            "rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4,
+            "original_max_position_embeddings": 16}))
+    # the window off: Mistral's null window, Gemma's all-global layers
+    assert not any(ModelConfig.from_hf_config(dict(mistral, sliding_window=None)).sliding_layers)
+    assert ModelConfig.from_hf_config(gemma2).sliding_layers == (True, False)

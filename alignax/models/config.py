@@ -423,7 +423,8 @@ def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     head_dim = hf.get("head_dim") or _LLAMA_LIKE_DEFAULTS[mt]["head_dim"] or req["hidden_size"] // heads
     max_pos = int(hf.get("max_position_embeddings") or _LLAMA_LIKE_DEFAULTS[mt]["max_position_embeddings"])
     if hf.get("use_sliding_window"):
-        raise ValueError(f"{mt} config sets use_sliding_window=true; sliding-window attention is not supported")
+        raise ValueError(f"{mt} config sets use_sliding_window=true; sliding-window attention is not supported "
+                         "for it (it is for mistral, phi3, gemma2 and gemma3_text)")
     if hf.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
     fields: dict[str, Any] = dict(
