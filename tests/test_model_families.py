@@ -18,7 +18,9 @@ global RoPE bases apart) is built in transformers, every parameter perturbed off
   and the merged export gives transformers our logits; a tiny LoRA SFT step runs with the
   family swapped into configs/tiny-sft-lora.yaml's ``model.random_init``;
 - a reward model exports as the family's ``*ForSequenceClassification``;
-- Phi-3's ``longrope`` on both sides of ``original_max_position_embeddings``.
+- Phi-3's ``longrope`` on both sides of ``original_max_position_embeddings``;
+- packed continuations (``segment_ids``) see the window they see alone (windows count
+  positions, not slots), and config errors name the field.
 
 The shared checks of test_models.py (logits with left padding, export, config round trip,
 every parameter's gradient) run on these families too.
@@ -265,3 +267,23 @@ def test_config_errors_name_the_field():
     # the window off: Mistral's null window, Gemma's all-global layers
     assert not any(ModelConfig.from_hf_config(dict(mistral, sliding_window=None)).sliding_layers)
     assert ModelConfig.from_hf_config(gemma2).sliding_layers == (True, False)
+
+
+def test_packed_continuations_see_the_window_they_see_alone(families):
+    """Windows count positions, not slots: a prefix packed with two continuations
+    (``segment_ids``, positions restarting after the prefix) gives each continuation the
+    logits of prefix + continuation run alone, though the second one sits 8 slots further."""
+    cfg, _, sd = families["gemma2"]
+    model = from_hf_state_dict(cfg, sd)
+    rng = np.random.RandomState(6)
+    prefix, first, second = rng.randint(0, 64, 5), rng.randint(0, 64, 8), rng.randint(0, 64, 8)
+    packed = np.concatenate([prefix, first, second])[None]
+    positions = np.concatenate([np.arange(13), np.arange(5, 13)])[None]
+    segments = np.array([[0] * 5 + [1] * 8 + [2] * 8])
+    ones = jnp.ones(packed.shape, jnp.int32)
+    out = nnx.jit(lambda m, t, p, a, s: m(t, p, a, segment_ids=s).logits)(
+        model, jnp.asarray(packed), jnp.asarray(positions), ones, jnp.asarray(segments))
+    for part, start in ((first, 5), (second, 13)):
+        alone = np.concatenate([prefix, part])[None]
+        ref = our_logits(model, alone, np.ones_like(alone), np.arange(13)[None])
+        np.testing.assert_allclose(np.asarray(out)[0, start:start + 8], ref[0, 5:], atol=1e-5)
