@@ -287,3 +287,30 @@ def test_packed_continuations_see_the_window_they_see_alone(families):
         alone = np.concatenate([prefix, part])[None]
         ref = our_logits(model, alone, np.ones_like(alone), np.arange(13)[None])
         np.testing.assert_allclose(np.asarray(out)[0, start:start + 8], ref[0, 5:], atol=1e-5)
+
+
+def same_ids(config: ModelConfig, like: ModelConfig) -> ModelConfig:
+    """``config`` with ``like``'s token ids and labels (transformers fills in defaults)."""
+    return config.replace(**{k: getattr(like, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id",
+                                                            "num_labels")})
+
+
+def test_older_gemma3_and_phi3_files_read_as_transformers_reads_them():
+    """Hub files from before transformers 5 (Gemma 3: ``rope_theta``, ``rope_local_base_freq``,
+    ``rope_scaling``, ``sliding_window_pattern`` and no ``layer_types``; Phi-3: ``rope_scaling``
+    of type ``longrope``) give the config transformers 5 itself converts them to."""
+    base = {k: v for k, v in CONFIGS["gemma3_text"].items() if k not in ("layer_types", "rope_parameters")}
+    legacy = dict(base, num_hidden_layers=7, rope_theta=5000.0, rope_local_base_freq=100.0,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_window_pattern=3)
+    converted = transformers.Gemma3TextConfig(**{k: v for k, v in legacy.items() if k != "model_type"}).to_dict()
+    ours = ModelConfig.from_hf_config(legacy)
+    assert ours == same_ids(ModelConfig.from_hf_config(converted), ours)
+    assert ours.sliding_layers == (True, True, False, True, True, False, True)
+    assert (ours.rope_theta, ours.rope_local_theta, ours.rope_type, ours.rope_factor) == (5000.0, 100.0, "linear", 2.0)
+    phi = dict(CONFIGS["phi3"], rope_theta=1000.0, original_max_position_embeddings=16, max_position_embeddings=64)
+    phi.pop("rope_parameters")
+    phi["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    converted = transformers.Phi3Config(**{k: v for k, v in phi.items() if k != "model_type"}).to_dict()
+    ours = ModelConfig.from_hf_config(phi)
+    assert ours == same_ids(ModelConfig.from_hf_config(converted), ours)
+    assert ours.rope_type == "longrope" and ours.rope_original_max_position_embeddings == 16
