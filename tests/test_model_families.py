@@ -264,6 +264,8 @@ def test_config_errors_name_the_field():
         ModelConfig.from_hf_config(dict(CONFIGS["phi3"], rope_parameters={
             "rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4,
             "original_max_position_embeddings": 16}))
+    with pytest.raises(ValueError, match="model_type='gemma3' is the multimodal Gemma3ForConditionalGeneration"):
+        ModelConfig.from_hf_config(dict(gemma3, model_type="gemma3"))
     # the window off: Mistral's null window, Gemma's all-global layers
     assert not any(ModelConfig.from_hf_config(dict(mistral, sliding_window=None)).sliding_layers)
     assert ModelConfig.from_hf_config(gemma2).sliding_layers == (True, False)

@@ -241,9 +241,12 @@ class ModelConfig:
                 "config is missing the field 'model_type'; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
             )
         if model_type not in SUPPORTED_ARCHITECTURES:
+            hint = (" (model_type='gemma3' is the multimodal Gemma3ForConditionalGeneration; its text decoder alone, "
+                    "gemma3_text as in Gemma3ForCausalLM checkpoints such as gemma-3-1b, is supported)"
+                    if model_type == "gemma3" else "")
             raise ValueError(
                 f"unsupported architecture model_type={model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}{hint}"
             )
         unknown = set(policy) - {"param_dtype", "dtype", "scan_layers", "remat", "attention"}
         if unknown:

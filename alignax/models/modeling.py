@@ -9,6 +9,8 @@ All share one forward signature::
   row unpadded: use :func:`positions_from_mask` (``cumsum(mask) - 1``, clipped at 0).
   When ``positions`` is ``None`` and there is no cache it is derived that way.
 - The mask is causal (slot order) and drops pad keys; pad queries give finite garbage.
+  Sliding-window layers (Mistral, Phi-3, Gemma 2 and 3) also drop keys outside their
+  window, counted in positions (:mod:`alignax.models.layer_types`).
 - ``segment_ids [B, T]`` (LM, policy+value and reward models, no cache) pack one prefix with
   several continuations in a row: a key of segment 0 (the shared prefix) is seen by every
   later query, a key of segment ``k > 0`` only by queries of segment ``k``. With restarted
@@ -151,10 +153,9 @@ class Decoder(nnx.Module):
         x = constrain(constrain(x, ("activation_lookup_batch", "length", "embed")), RESIDUAL)
         if c.position_embedding != "rope":
             sin_cos = None
-        elif c.rope_type == "longrope":  # Phi-3's long-context RoPE: its factors depend on the positions
-            sin_cos = longrope_sin_cos(positions, c)
-        else:
-            sin_cos = rope_sin_cos(positions, rope_inv_freq(c))
+        else:  # Phi-3's longrope picks its factors from the positions
+            sin_cos = longrope_sin_cos(positions, c) if c.rope_type == "longrope" else rope_sin_cos(
+                positions, rope_inv_freq(c))
 
         if cache is None and c.attention in ("splash", "cudnn"):  # fused kernels: causal + real keys only
             if segment_ids is not None:
@@ -186,16 +187,23 @@ class Decoder(nnx.Module):
             key_positions = slot_positions(slot_mask)
             query_positions = jax.lax.dynamic_slice_in_dim(key_positions, index, T, axis=1)
 
-        if any(c.sliding_layers):  # what sliding layers see differs (alignax.models.layer_types)
-            local = allowed & window_mask(query_positions, key_positions, c.sliding_window)
-            allowed = by_layer_type(c.sliding_layers, allowed, local)
-            if c.rope_local_theta is not None and sin_cos is not None:
-                sin_cos = by_layer_type(c.sliding_layers, sin_cos, rope_sin_cos(positions, local_rope_inv_freq(c)))
+        if any(c.sliding_layers):
+            sin_cos, allowed = self._sliding_inputs(sin_cos, allowed, positions, query_positions, key_positions)
         x, kv = self._run_layers(x, sin_cos, allowed, kv, index)
         hidden = constrain(self.final_norm(x), RESIDUAL)
         if cache is None:
             return hidden, None
         return hidden, KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=index + T)
+
+    def _sliding_inputs(self, sin_cos, allowed, positions, query_positions, key_positions):
+        """``(sin_cos, allowed)`` with the sliding layers' forms beside the full layers'
+        (:mod:`alignax.models.layer_types`): keys within the window, and Gemma 3's local RoPE."""
+        c = self.config
+        local = allowed & window_mask(query_positions, key_positions, c.sliding_window)
+        allowed = by_layer_type(c.sliding_layers, allowed, local)
+        if c.rope_local_theta is not None and sin_cos is not None:
+            sin_cos = by_layer_type(c.sliding_layers, sin_cos, rope_sin_cos(positions, local_rope_inv_freq(c)))
+        return sin_cos, allowed
 
     def _run_layers(self, x, sin_cos, allowed, kv, index):
         """Run every layer; ``kv`` (the stacked cache, or ``None``) is threaded through
