@@ -142,7 +142,7 @@ def parameter_count(model: ModelConfig, *, head: str = "lm") -> int:
     mlp = (3 if model.gated_mlp else 2) * D * F
     if model.mlp_bias:
         mlp += (2 * F if model.gated_mlp else F) + D
-    total = V * D + L * (attention + mlp + 2 * norm) + norm
+    total = V * D + L * (attention + mlp + (4 if model.post_norms else 2) * norm) + norm
     if model.position_embedding == "learned":
         total += model.max_position_embeddings * D
     if head == "lm":

@@ -2,8 +2,10 @@
 
 One tiny random model per family (Llama with llama3 RoPE and biases, Qwen2 with q/k/v
 biases and tied embeddings, Qwen3 with q/k norms, GPT-2 with Conv1D weights and learned
-positions). Every parameter is perturbed away from its init so biases and norm scales
-are not trivially zero/one. References are transformers' own forward passes.
+positions; Mistral, Phi-3, Gemma 2 and Gemma 3 with sliding windows shorter than the
+sequences, more of them in tests/test_model_families.py). Every parameter is perturbed away
+from its init so biases and norm scales are not trivially zero/one
+(tests/support/hf_reference.py). References are transformers' own forward passes.
 """
 
 from __future__ import annotations
@@ -29,48 +31,19 @@ from alignax.models import (
 )
 
 from tests.support.compiled import jitted
+from tests.support.hf_reference import perturbed_families, torch_logits
 from tests.support.model_families import COMMON, CONFIGS
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras; not in `make test-latest`)")
 
 TOL = 1e-4
 
-HF_CLASSES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
-}
 FAMILIES = list(CONFIGS)
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-
-
-def hf_model(family: str, cls=None, seed: int = 0, **overrides):
-    config_cls, model_cls = HF_CLASSES[family]
-    cfg = dict(CONFIGS[family], **overrides)
-    torch.manual_seed(seed)
-    model = (cls or model_cls)(config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}))
-    _perturb(model, seed)
-    return cfg, model.eval()
-
-
-def state_dict(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
 def families():
-    out = {}
-    for i, family in enumerate(FAMILIES):
-        cfg, model = hf_model(family, seed=i)
-        out[family] = (cfg, model, state_dict(model))
-    return out
+    return perturbed_families(FAMILIES)
 
 
 def batch(T: int = 8, B: int = 3, V: int = 64, seed: int = 0):
@@ -82,14 +55,6 @@ def batch(T: int = 8, B: int = 3, V: int = 64, seed: int = 0):
     mask[2, :5] = 0
     positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
     return tokens, mask, positions
-
-
-def torch_logits(model, tokens, mask, positions):
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions)
-        )
-    return out.logits.numpy()
 
 
 @nnx.jit

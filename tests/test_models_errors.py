@@ -48,12 +48,13 @@ def test_config_errors():
             ModelConfig.from_hf_config(cfg)
     with pytest.raises(ValueError, match="gpt2 config is missing the required field 'n_head'"):
         ModelConfig.from_hf_config({"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1})
-    unsupported = r"unsupported architecture model_type='mistral'; supported: llama, qwen2, qwen3, gpt2"
+    unsupported = (r"unsupported architecture model_type='falcon'; supported: llama, qwen2, qwen3, gpt2, mistral, "
+                   r"phi3, gemma2, gemma3_text")
     with pytest.raises(ValueError, match=unsupported):
-        ModelConfig.from_hf_config(dict(CFG, model_type="mistral"))
+        ModelConfig.from_hf_config(dict(CFG, model_type="falcon"))
     with pytest.raises(ValueError, match="missing the field 'model_type'"):
         ModelConfig.from_hf_config({k: v for k, v in CFG.items() if k != "model_type"})
-    with pytest.raises(ValueError, match=r"unsupported rope_type 'yarn' .*supported: default, linear, llama3"):
+    with pytest.raises(ValueError, match=r"unsupported rope_type 'yarn' .*supported: default, linear, llama3, longrope"):
         ModelConfig.from_hf_config(dict(CFG, rope_parameters={"rope_type": "yarn", "factor": 2.0}))
     with pytest.raises(ValueError, match="'llama3' is missing the field 'low_freq_factor'"):
         ModelConfig.from_hf_config(dict(CFG, rope_parameters={"rope_type": "llama3", "factor": 8.0}))

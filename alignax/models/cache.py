@@ -26,6 +26,10 @@ Typical use (what the sampler does inside one ``jax.jit``)::
 Under a mesh, :func:`cache_shardings` places the cache by the logical-axis rules (batch
 over ``("data", "fsdp")``, kv heads over ``tensor``), matching the activations.
 
+Sliding-window layers (:mod:`alignax.models.layer_types`) keep every slot and mask the
+keys out of the window: a slot's position is its count among the row's real slots
+(:func:`slot_positions`), so the window spans the ``W`` latest real tokens, as in a full pass.
+
 Slots past ``S`` cannot be written: ``jax.lax.dynamic_update_slice`` would clamp the
 index, so callers size ``max_len`` for prompt plus generation budget.
 """
@@ -92,3 +96,10 @@ def cache_shardings(cache: KVCache, mesh, *, rules=LOGICAL_AXIS_RULES) -> KVCach
         return NamedSharding(mesh, logical_to_spec(CACHE_AXES[name], value.shape, mesh, rules=rules))
 
     return KVCache(**{name: one(name) for name in CACHE_AXES})
+
+
+def slot_positions(mask: Array) -> Array:
+    """Position ``[B, S]`` of each slot among its row's real slots, ``cumsum(mask) - 1``
+    (what :func:`alignax.models.positions_from_mask` gives the same tokens in a full pass;
+    a pad slot carries its predecessor's, and is never attended)."""
+    return jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1

@@ -3,14 +3,21 @@ written back to a Hugging Face ``config.json`` dict.
 
 Families (``model_type``): ``llama`` (SmolLM2 is one), ``qwen2`` (Qwen2 and Qwen2.5: q/k/v
 biases), ``qwen3`` (q/k RMS norms on the head dim), ``gpt2`` (learned positions,
-LayerNorm, GELU, fused Conv1D projections).
+LayerNorm, GELU, fused Conv1D projections), ``mistral`` (sliding-window attention),
+``phi3`` (fused qkv and gate_up projections in its files; optional sliding window),
+``gemma2`` (soft-capped attention and final logits, alternating sliding-window/global
+layers, norms before and after attention and MLP, ``(1 + w)`` RMSNorm, embeddings scaled
+by ``sqrt(D)``, ``query_pre_attn_scalar``), ``gemma3_text`` (Gemma 3's text decoder,
+``Gemma3ForCausalLM``: Gemma 2's layer plus q/k norms, a sliding pattern, and a local RoPE
+base for the sliding layers).
 
 Defaults for optional fields are the ones transformers applies for that family, so a
 config read here describes the same network transformers builds from the same dict.
 RoPE follows transformers 5: settings live in ``rope_parameters`` (older files use
 ``rope_scaling`` plus a top-level ``rope_theta``); the inverse frequencies are computed
 by :func:`rope_inv_freq` exactly as ``transformers.modeling_rope_utils`` does for the
-supported types ``default``, ``linear`` and ``llama3``.
+supported types ``default``, ``linear``, ``llama3`` and ``longrope`` (Phi-3's long-context
+variants: :func:`longrope_inv_freqs`).
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ import numpy as np
 
 from alignax.models.lora import LoraConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "phi3", "gemma2", "gemma3_text")
+# Attention kinds of ``layer_types`` (transformers' names).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 # Rematerialisation of each decoder layer in the backward pass (JAX's checkpoint policies):
 # "none" keeps every activation; "full" keeps only each layer's input and recomputes the
@@ -57,12 +66,20 @@ _HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 _HF_SEQ_CLS_ARCHITECTURES = {
     "llama": "LlamaForSequenceClassification",
     "qwen2": "Qwen2ForSequenceClassification",
     "qwen3": "Qwen3ForSequenceClassification",
     "gpt2": "GPT2ForSequenceClassification",
+    "mistral": "MistralForSequenceClassification",
+    "phi3": "Phi3ForSequenceClassification",
+    "gemma2": "Gemma2ForSequenceClassification",
+    "gemma3_text": "Gemma3TextForSequenceClassification",
 }
 
 
@@ -113,7 +130,22 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # longrope (Phi-3 128k, Phi-3.5): per-frequency divisors for a forward whose positions stay
+    # within rope_original_max_position_embeddings (short) or reach past it (long), and the
+    # factor on sin/cos
+    rope_short_factor: tuple[float, ...] | None = None
+    rope_long_factor: tuple[float, ...] | None = None
+    rope_attention_factor: float = 1.0
     attn_scale: float | None = None  # None: head_dim ** -0.5
+    # Sliding windows and the Gemma layer (module docstring; alignax.models.layer_types).
+    sliding_window: int | None = None  # W: a query sees the W latest positions, itself included
+    layer_types: tuple[str, ...] | None = None  # per layer, from LAYER_TYPES; None: all sliding iff W is set
+    rope_local_theta: float | None = None  # sliding layers' RoPE base (default type); None: the global RoPE
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + w): Gemma's 1.0, its w starting at 0
+    post_norms: bool = False  # a norm after attention and after the MLP too, before each residual add
+    scale_embeddings: bool = False  # embeddings times sqrt(D)
+    attn_softcap: float | None = None  # attention scores c * tanh(s / c) before the mask
+    final_softcap: float | None = None  # logits c * tanh(z / c)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -154,15 +186,35 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if self.rope_type == "longrope":
+            for name in ("rope_short_factor", "rope_long_factor"):
+                value = getattr(self, name)
+                if value is None or len(value) != self.head_dim // 2:
+                    raise ValueError(f"longrope needs {name} of head_dim / 2 = {self.head_dim // 2} numbers; "
+                                     f"got {value!r}")
+                object.__setattr__(self, name, tuple(float(v) for v in value))
         if self.activation not in set(_ACTIVATIONS.values()):
             raise ValueError(f"unknown activation {self.activation!r}; valid: {sorted(set(_ACTIVATIONS.values()))}")
         if self.head_dim % 2 and self.position_embedding == "rope":
             raise ValueError(f"RoPE needs an even head_dim; got {self.head_dim}")
+        _check_window_fields(self)
 
     @property
     def num_groups(self) -> int:
         """Query heads per key/value head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it attend through the sliding window (``[L]``)?"""
+        if self.layer_types is None:
+            return (self.sliding_window is not None,) * self.num_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def needs_xla_attention(self) -> bool:
+        """Sliding windows or soft-capped scores: masks the fused kernels (cuDNN, splash) do not take."""
+        return any(self.sliding_layers) or self.attn_softcap is not None
 
     @property
     def attention_scale(self) -> float:
@@ -189,16 +241,20 @@ class ModelConfig:
                 "config is missing the field 'model_type'; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
             )
         if model_type not in SUPPORTED_ARCHITECTURES:
+            hint = (" (model_type='gemma3' is the multimodal Gemma3ForConditionalGeneration; its text decoder alone, "
+                    "gemma3_text as in Gemma3ForCausalLM checkpoints such as gemma-3-1b, is supported)"
+                    if model_type == "gemma3" else "")
             raise ValueError(
                 f"unsupported architecture model_type={model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}{hint}"
             )
         unknown = set(policy) - {"param_dtype", "dtype", "scan_layers", "remat", "attention"}
         if unknown:
             raise TypeError(
                 f"unknown policy arguments {sorted(unknown)}; valid: param_dtype, dtype, scan_layers, remat, attention"
             )
-        reader = _GPT2_READER if model_type == "gpt2" else _llama_like_fields
+        reader = {"gpt2": _GPT2_READER, "gemma2": _gemma_fields, "gemma3_text": _gemma_fields}.get(
+            model_type, _llama_like_fields)
         fields = reader(hf_config)
         fields.update(_token_ids(hf_config))
         num_labels = hf_config.get("num_labels")
@@ -241,6 +297,10 @@ class ModelConfig:
                     high_freq_factor=self.rope_high_freq_factor,
                     original_max_position_embeddings=self.rope_original_max_position_embeddings,
                 )
+            if self.rope_type == "longrope":
+                rope.update(short_factor=list(self.rope_short_factor), long_factor=list(self.rope_long_factor),
+                            original_max_position_embeddings=self.rope_original_max_position_embeddings,
+                            attention_factor=self.rope_attention_factor)
             out.update(
                 vocab_size=self.vocab_size,
                 hidden_size=self.hidden_size,
@@ -259,8 +319,10 @@ class ModelConfig:
                 out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
             elif self.model_type == "qwen3":
                 out.update(attention_bias=self.qkv_bias, use_sliding_window=False)
-            else:
+            elif self.model_type == "qwen2":
                 out.update(use_sliding_window=False)
+            else:
+                _write_window_family(self, out)
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         out.update(bos_token_id=self.bos_token_id, eos_token_id=eos, pad_token_id=self.pad_token_id)
         if architecture == "sequence_classification":
@@ -311,6 +373,8 @@ def _rope_fields(hf: Mapping[str, Any], model_type: str, max_pos: int) -> dict[s
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     out: dict[str, Any] = {"rope_type": rope_type, "rope_theta": float(theta)}
+    if rope_type == "longrope":
+        out.update(_longrope_fields(params, hf, max_pos))
     if rope_type in ("linear", "llama3"):
         if "factor" not in params:
             raise ValueError(f"rope_parameters of type {rope_type!r} is missing the field 'factor'")
@@ -326,11 +390,30 @@ def _rope_fields(hf: Mapping[str, Any], model_type: str, max_pos: int) -> dict[s
     return out
 
 
+def _longrope_fields(params: Mapping[str, Any], hf: Mapping[str, Any], max_pos: int) -> dict[str, Any]:
+    """``longrope``'s factors; the attention factor as transformers derives it when absent:
+    ``sqrt(1 + ln(factor) / ln(original_max))`` with ``factor = max_pos / original_max``."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(params.get(key), (list, tuple)):
+            raise ValueError(f"rope_parameters of type 'longrope' needs the list {key!r}; got {params.get(key)!r}")
+    original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("rope_parameters of type 'longrope' is missing the field 'original_max_position_embeddings'")
+    factor = params.get("factor") or max_pos / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dict(rope_short_factor=tuple(params["short_factor"]), rope_long_factor=tuple(params["long_factor"]),
+                rope_original_max_position_embeddings=int(original), rope_attention_factor=float(attention))
+
+
 # transformers' per-family defaults for fields a config.json may omit.
 _LLAMA_LIKE_DEFAULTS = {
     "llama": {"max_position_embeddings": 2048, "head_dim": None},
     "qwen2": {"max_position_embeddings": 32768, "head_dim": None},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+    "mistral": {"max_position_embeddings": 131072, "head_dim": None},
+    "phi3": {"max_position_embeddings": 4096, "head_dim": None, "rms_norm_eps": 1e-5},
 }
 
 
@@ -343,7 +426,8 @@ def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     head_dim = hf.get("head_dim") or _LLAMA_LIKE_DEFAULTS[mt]["head_dim"] or req["hidden_size"] // heads
     max_pos = int(hf.get("max_position_embeddings") or _LLAMA_LIKE_DEFAULTS[mt]["max_position_embeddings"])
     if hf.get("use_sliding_window"):
-        raise ValueError(f"{mt} config sets use_sliding_window=true; sliding-window attention is not supported")
+        raise ValueError(f"{mt} config sets use_sliding_window=true; sliding-window attention is not supported "
+                         "for it (it is for mistral, phi3, gemma2 and gemma3_text)")
     if hf.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
     fields: dict[str, Any] = dict(
@@ -354,7 +438,7 @@ def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         num_heads=heads,
         num_kv_heads=int(kv_heads),
         head_dim=int(head_dim),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(hf.get("rms_norm_eps", _LLAMA_LIKE_DEFAULTS[mt].get("rms_norm_eps", 1e-6))),
         activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -364,6 +448,8 @@ def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         fields.update(qkv_bias=bias, out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
     elif mt == "qwen2":
         fields.update(qkv_bias=True, out_bias=False)
+    elif mt in ("mistral", "phi3"):  # every layer sliding when the window is set
+        fields.update(sliding_window=_window(hf, mt, 4096 if mt == "mistral" else None))
     else:  # qwen3
         bias = bool(hf.get("attention_bias", False))
         fields.update(qkv_bias=bias, out_bias=bias, qk_norm=True)
@@ -414,6 +500,141 @@ def _gpt2_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
 _GPT2_READER = _gpt2_fields
 
 
+# ------------------------------------------------- sliding windows and the Gemma layer
+
+
+def _check_window_fields(c: ModelConfig) -> None:
+    """The fields of sliding-window and Gemma-style models (ModelConfig.__post_init__)."""
+    if c.sliding_window is not None and (isinstance(c.sliding_window, bool) or c.sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive number of positions or None; got {c.sliding_window!r}")
+    if c.layer_types is not None:
+        object.__setattr__(c, "layer_types", tuple(c.layer_types))
+        if len(c.layer_types) != c.num_layers:
+            raise ValueError(f"layer_types has {len(c.layer_types)} entries; the model has {c.num_layers} layers")
+        unknown = sorted(set(c.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types: unknown {unknown}; valid: {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in c.layer_types and c.sliding_window is None:
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
+    for name in ("attn_softcap", "final_softcap", "rope_local_theta"):
+        value = getattr(c, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 or None; got {value!r}")
+    if c.attention != "xla" and c.needs_xla_attention:
+        raise ValueError(f"attention={c.attention!r} runs plain causal attention; this {c.model_type} model has "
+                         "sliding-window layers or soft-capped attention scores: use attention=xla "
+                         "(model.attention: xla or auto)")
+
+
+def _window(hf: Mapping[str, Any], model_type: str, default: int | None) -> int | None:
+    window = hf.get("sliding_window", default)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{model_type} config: sliding_window must be a positive integer or null; got {window!r}")
+    return window
+
+
+# transformers' defaults of the two Gemma text decoders.
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(max_position_embeddings=8192, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   pattern=2, rope_theta=10_000.0),
+    "gemma3_text": dict(max_position_embeddings=131_072, final_logit_softcapping=None, attn_logit_softcapping=None,
+                        pattern=6, rope_theta=1_000_000.0),
+}
+
+
+def _gemma_rope(hf: Mapping[str, Any], mt: str, max_pos: int) -> dict[str, Any]:
+    """Gemma 2: one RoPE. Gemma 3: ``rope_parameters`` per layer type (transformers 5), or the
+    older ``rope_theta`` + ``rope_scaling`` (global) and ``rope_local_base_freq`` (sliding)."""
+    params = hf.get("rope_parameters") or {}
+    default_theta = _GEMMA_DEFAULTS[mt]["rope_theta"]
+    if mt == "gemma2" or not isinstance(params.get("full_attention", params.get("sliding_attention")), Mapping):
+        if mt == "gemma2":
+            return _rope_fields({"rope_theta": default_theta, **hf}, mt, max_pos)
+        out = _rope_fields({"rope_theta": default_theta, **hf}, mt, max_pos)
+        out["rope_local_theta"] = float(hf.get("rope_local_base_freq", 10_000.0))
+        return out
+    unknown = sorted(set(params) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"{mt} rope_parameters: unknown layer types {unknown}; valid: {', '.join(LAYER_TYPES)}")
+    full = {"rope_theta": default_theta, **(params.get("full_attention") or {})}
+    local = {"rope_theta": 10_000.0, **(params.get("sliding_attention") or {})}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"{mt} rope_parameters.sliding_attention: rope_type {local['rope_type']!r} is not "
+                         "supported for the sliding layers (only 'default')")
+    out = _rope_fields({"rope_parameters": full}, mt, max_pos)
+    out["rope_local_theta"] = float(local["rope_theta"])
+    return out
+
+
+def _gemma_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 2 and Gemma 3 text (``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``)."""
+    mt = hf["model_type"]
+    defaults = _GEMMA_DEFAULTS[mt]
+    req = {name: int(_require(hf, name, mt)) for name in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{mt} config sets use_bidirectional_attention=true (an embedding model); "
+                         "only causal decoders are supported")
+    layers = req["num_hidden_layers"]
+    pattern = int(hf.get("sliding_window_pattern") or defaults["pattern"])
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    max_pos = int(hf.get("max_position_embeddings") or defaults["max_position_embeddings"])
+    bias = bool(hf.get("attention_bias", False))
+    head_dim = int(hf.get("head_dim") or 256)
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+
+    def cap(name):
+        value = hf.get(name, defaults[name])
+        return None if value is None else float(value)
+
+    fields: dict[str, Any] = dict(
+        vocab_size=req["vocab_size"],
+        hidden_size=req["hidden_size"],
+        intermediate_size=req["intermediate_size"],
+        num_layers=layers,
+        num_heads=req["num_attention_heads"],
+        num_kv_heads=int(hf.get("num_key_value_heads") or req["num_attention_heads"]),
+        head_dim=head_dim,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        activation=_activation(activation, "hidden_activation"),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qkv_bias=bias,
+        out_bias=bias,
+        qk_norm=mt == "gemma3_text",
+        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        sliding_window=_window(hf, mt, 4096) if "sliding_attention" in layer_types else hf.get("sliding_window"),
+        layer_types=tuple(layer_types),
+        norm_offset=1.0,
+        post_norms=True,
+        scale_embeddings=True,
+        attn_softcap=cap("attn_logit_softcapping"),
+        final_softcap=cap("final_logit_softcapping"),
+    )
+    fields.update(_gemma_rope(hf, mt, max_pos))
+    return fields
+
+
+def _write_window_family(c: ModelConfig, out: dict[str, Any]) -> None:
+    """The HF fields of mistral, phi3, gemma2 and gemma3_text beyond the llama-like ones."""
+    out["sliding_window"] = c.sliding_window
+    if c.model_type not in ("gemma2", "gemma3_text"):
+        return
+    out["hidden_activation"] = out.pop("hidden_act")
+    scalar = c.attention_scale**-2
+    out.update(
+        layer_types=list(c.layer_types or ()),
+        attention_bias=c.qkv_bias,
+        query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+        attn_logit_softcapping=c.attn_softcap,
+        final_logit_softcapping=c.final_softcap,
+    )
+    if c.model_type == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": c.rope_local_theta or c.rope_theta}
+        out["rope_parameters"] = {"full_attention": out["rope_parameters"], "sliding_attention": local}
+
+
 # ---------------------------------------------------------------------------- RoPE
 
 
@@ -429,6 +650,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     dim = config.head_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    if config.rope_type == "longrope":  # the short factors (longrope_inv_freqs has both)
+        return longrope_inv_freqs(config)[0]
     if config.rope_type == "linear":
         inv_freq = inv_freq / np.float32(config.rope_factor)
     elif config.rope_type == "llama3":
@@ -443,3 +666,22 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
     return inv_freq.astype(np.float32)
+
+
+def local_rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies of the sliding layers' RoPE (Gemma 3: the default type with base
+    ``rope_local_theta``; transformers' ``rope_parameters["sliding_attention"]``)."""
+    if config.rope_local_theta is None:
+        return rope_inv_freq(config)
+    return rope_inv_freq(config.replace(rope_type="default", rope_theta=config.rope_local_theta))
+
+
+def longrope_inv_freqs(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``(short, long)`` inverse frequencies ``[H/2]`` of ``longrope``: ``1 / (f_i * theta^(2i/H))``
+    with ``f`` the short or long factors (Phi-3; transformers' ``_compute_longrope_parameters``).
+    A forward uses the long ones when its largest position reaches ``original_max`` (as
+    transformers decides per call, from ``max(position_ids) + 1``)."""
+    dim = config.head_dim
+    base = np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    return tuple((1.0 / (np.asarray(f, np.float32) * base)).astype(np.float32)
+                 for f in (config.rope_short_factor, config.rope_long_factor))

@@ -142,7 +142,9 @@ def _layout(c: ModelConfig, kind: str, prefix: str) -> list[_Entry]:
         for i in range(c.num_layers):
             h, L = f"{p}layers.{i}.", ("model", "layers", i)
             add(f"{h}input_layernorm.weight", (D,), [(*L, "attn_norm", "scale")], _IDENTITY)
-            for name, heads in (("q", N), ("k", K), ("v", K)):
+            if c.model_type == "phi3":  # fused projections: one table of its own
+                out.extend(_Entry(*e[:3], *e[3]) for e in _phi3_fused(c, h, L))
+            for name, heads in (("q", N), ("k", K), ("v", K)) if c.model_type != "phi3" else ():
                 add(f"{h}self_attn.{name}_proj.weight", (heads * H, D), [(*L, "attn", f"{name}_kernel")],
                     _linear_in((heads, H)))
                 if c.qkv_bias:
@@ -154,8 +156,14 @@ def _layout(c: ModelConfig, kind: str, prefix: str) -> list[_Entry]:
             if c.qk_norm:
                 add(f"{h}self_attn.q_norm.weight", (H,), [(*L, "attn", "q_norm", "scale")], _IDENTITY)
                 add(f"{h}self_attn.k_norm.weight", (H,), [(*L, "attn", "k_norm", "scale")], _IDENTITY)
-            add(f"{h}post_attention_layernorm.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
-            for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            if c.post_norms:  # Gemma: post_attention_layernorm is after attention, not before the MLP
+                add(f"{h}post_attention_layernorm.weight", (D,), [(*L, "attn_post_norm", "scale")], _IDENTITY)
+                add(f"{h}pre_feedforward_layernorm.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
+                add(f"{h}post_feedforward_layernorm.weight", (D,), [(*L, "mlp_post_norm", "scale")], _IDENTITY)
+            else:
+                add(f"{h}post_attention_layernorm.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
+            mlp = (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))
+            for name, shape in mlp if c.model_type != "phi3" else mlp[2:]:
                 add(f"{h}mlp.{name}_proj.weight", shape, [(*L, "mlp", f"{name}_kernel")], _TRANSPOSE)
                 if c.mlp_bias:
                     add(f"{h}mlp.{name}_proj.bias", (shape[0],), [(*L, "mlp", f"{name}_bias")], _IDENTITY)
@@ -168,6 +176,34 @@ def _layout(c: ModelConfig, kind: str, prefix: str) -> list[_Entry]:
     if kind in ("value", "policy_value"):
         add("score.weight", (1, D), [("value_head",)], _TRANSPOSE)
     return out
+
+
+def _phi3_fused(c: ModelConfig, h: str, L: Path) -> list[tuple]:
+    """Phi-3's ``qkv_proj`` ([q; k; v] rows) and ``gate_up_proj`` ([gate; up] rows) <-> our
+    separate q/k/v and gate/up kernels: ``(hf, hf_shape, paths, (to_ours, to_hf))``."""
+    D, N, K, H, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    rows = np.cumsum([N * H, K * H])
+
+    def qkv_to_ours(w):
+        q, k, v = np.split(w, rows, axis=0)
+        return q.T.reshape(D, N, H), k.T.reshape(D, K, H), v.T.reshape(D, K, H)
+
+    def qkv_to_hf(q, k, v):
+        return np.concatenate([x.reshape(D, -1).T for x in (q, k, v)], axis=0)
+
+    def gate_up_to_ours(w):
+        gate, up = np.split(w, 2, axis=0)
+        return gate.T, up.T
+
+    def gate_up_to_hf(gate, up):
+        return np.concatenate([gate.T, up.T], axis=0)
+
+    return [
+        (f"{h}self_attn.qkv_proj.weight", ((N + 2 * K) * H, D), tuple((*L, "attn", f"{x}_kernel") for x in "qkv"),
+         (qkv_to_ours, qkv_to_hf)),
+        (f"{h}mlp.gate_up_proj.weight", (2 * F, D), ((*L, "mlp", "gate_kernel"), (*L, "mlp", "up_kernel")),
+         (gate_up_to_ours, gate_up_to_hf)),
+    ]
 
 
 def _trunk_prefix(c: ModelConfig, names) -> str:

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from alignax.models.config import ModelConfig
+from alignax.models.config import ModelConfig, longrope_inv_freqs
+from alignax.models.layer_types import pick, softcap
 from alignax.models.lora import adapter, layer_dropout
 from alignax.models.quant import QuantizedKernel, project
 from alignax.models.splash import splash_attention
@@ -89,19 +90,23 @@ class Norm(nnx.Module):
     ``(x - mean) / sqrt(var + eps) * scale + bias`` (Ba et al. 2016) over the last axis.
 
     Statistics in float32; the normalised activations are cast back to the input dtype
-    before the scale, as transformers does.
+    before the scale, as transformers does. With ``offset`` (Gemma's RMSNorm: 1.0) the
+    scale is ``offset + w``, ``w`` starting at 0, applied in float32 before the cast back.
     """
 
-    def __init__(self, size: int, *, kind: str, eps: float, param_dtype, names=("norm",)):
+    def __init__(self, size: int, *, kind: str, eps: float, param_dtype, names=("norm",), offset: float = 0.0):
         self.kind = kind
         self.eps = eps
-        self.scale = const_param(1.0, (size,), names, param_dtype)
+        self.offset = offset
+        self.scale = const_param(1.0 - offset, (size,), names, param_dtype)
         self.bias = const_param(0.0, (size,), names, param_dtype) if kind == "layer" else None
 
     def __call__(self, x: Array) -> Array:
         x32 = x.astype(jnp.float32)
         if self.kind == "rms":
             y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+            if self.offset:
+                return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
             return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
@@ -114,6 +119,19 @@ def rope_sin_cos(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
     """``sin, cos`` of ``positions[..., None] * inv_freq``: float32 ``[B, T, H/2]``."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     return jnp.sin(angles), jnp.cos(angles)
+
+
+def longrope_sin_cos(positions: Array, config: ModelConfig) -> tuple[Array, Array]:
+    """``sin, cos`` of ``longrope`` (Phi-3): the long factors when ``max(positions) + 1`` exceeds
+    ``rope_original_max_position_embeddings`` (over the whole call, as transformers picks), else
+    the short ones; both times ``rope_attention_factor``. A generation that runs past
+    ``original_max`` switches to the long factors at that step while the cached keys keep the
+    short ones, as transformers' ``generate`` does; a full forward over the whole sequence uses
+    the long ones throughout, so sampler and learner disagree on such rows."""
+    short, long = longrope_inv_freqs(config)
+    use_long = jnp.max(positions) + 1 > config.rope_original_max_position_embeddings
+    sin, cos = rope_sin_cos(positions, jnp.where(use_long, long, short))
+    return sin * config.rope_attention_factor, cos * config.rope_attention_factor
 
 
 def apply_rope(x: Array, sin: Array, cos: Array) -> Array:
@@ -193,8 +211,8 @@ class Attention(nnx.Module):
             self.q_bias = self.k_bias = self.v_bias = None
         self.o_bias = const_param(0.0, (D,), ("embed",), pd) if c.out_bias else None
         if c.qk_norm:
-            self.q_norm = Norm(H, kind="rms", eps=c.norm_eps, param_dtype=pd)
-            self.k_norm = Norm(H, kind="rms", eps=c.norm_eps, param_dtype=pd)
+            self.q_norm = Norm(H, kind="rms", eps=c.norm_eps, param_dtype=pd, offset=c.norm_offset)
+            self.k_norm = Norm(H, kind="rms", eps=c.norm_eps, param_dtype=pd, offset=c.norm_offset)
         else:
             self.q_norm = self.k_norm = None
         self.q_lora = adapter(c.lora, "q", (D,), (N, H), ("embed",), ("heads", "head_dim"), pd, rngs)
@@ -245,7 +263,8 @@ class Attention(nnx.Module):
         elif T == 1:  # a decode step: contract in place, no transposed copy of the cache
             q = q.reshape(B, T, K, G, H)
             scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-            scores = jnp.where(allowed[:, None, None, :, :], scores * c.attention_scale, _MASKED)
+            scores = softcap(scores * c.attention_scale, c.attn_softcap)
+            scores = jnp.where(allowed[:, None, None, :, :], scores, _MASKED)
             probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
             out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
         else:  # attention=xla, and every pass into a KV cache (prefill: no backward, once per generate)
@@ -255,7 +274,8 @@ class Attention(nnx.Module):
             q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H]
             scores = jnp.einsum("BKMH,BKSH->BKMS", q, k, preferred_element_type=jnp.float32).reshape(B, K, G, T, S)
-            scores = jnp.where(allowed[:, None, None, :, :], scores * c.attention_scale, _MASKED)
+            scores = softcap(scores * c.attention_scale, c.attn_softcap)
+            scores = jnp.where(allowed[:, None, None, :, :], scores, _MASKED)
             probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype).reshape(B, K, G * T, S)
             out = jnp.einsum("BKMS,BKSH->BKMH", probs, v).reshape(B, K, G, T, H)
             out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
@@ -308,24 +328,41 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+    """One pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with
+    ``config.post_norms`` (Gemma 2 and 3) ``x + post_norm(attn(norm(x)))`` and the same
+    around the MLP.
 
     Its input, the stream between attention and MLP, and its output are pinned to
-    :data:`RESIDUAL` (the layer boundaries FSDP needs).
+    :data:`RESIDUAL` (the layer boundaries FSDP needs). ``sin_cos`` and ``allowed`` may
+    differ between sliding and full layers (:mod:`alignax.models.layer_types`): the layer
+    takes its own.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
         pd = jnp.dtype(c.param_dtype)
-        self.attn_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
+
+        def norm():
+            return Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd, offset=c.norm_offset)
+
+        self.sliding_layers = c.sliding_layers
+        self.attn_norm = norm()
         self.attn = Attention(c, rngs=rngs)
-        self.mlp_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
+        self.mlp_norm = norm()
         self.mlp = MLP(c, rngs=rngs)
+        self.attn_post_norm = norm() if c.post_norms else None
+        self.mlp_post_norm = norm() if c.post_norms else None
 
     def __call__(self, x, sin_cos, allowed, kv, index, layer=0):
+        sin_cos, allowed = pick(sin_cos, layer, self.sliding_layers), pick(allowed, layer, self.sliding_layers)
         with layer_dropout(layer):  # adapter dropout masks differ per layer (alignax.models.lora)
             x = constrain(x, RESIDUAL)
             h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index, layer)
+            if self.attn_post_norm is not None:
+                h = self.attn_post_norm(h)
             x = constrain(x + h, RESIDUAL)
-            x = constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+            h = self.mlp(self.mlp_norm(x))
+            if self.mlp_post_norm is not None:
+                h = self.mlp_post_norm(h)
+            x = constrain(x + h, RESIDUAL)
         return x, kv

@@ -58,6 +58,9 @@ PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 TARGETS = (*PROJECTIONS, "lm_head")
 # our projection -> (module attribute holding its kernel, PEFT/transformers module name)
 _ATTENTION = ("q", "k", "v", "o")
+# Families whose transformers modules are named as _HF_MODULE says (gpt2's c_attn and phi3's
+# qkv_proj / gate_up_proj fuse several of our projections: PEFT has no adapter per projection).
+PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
 _HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
@@ -367,7 +370,7 @@ def save_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, base_model_
                       base_model_revision: str | None = None) -> None:
     """Write the adapter alone as PEFT does (``adapter_config.json`` +
     ``adapter_model.safetensors``), loadable with ``peft.PeftModel.from_pretrained`` onto the
-    transformers model of the base weights. Llama-like families (llama, qwen2, qwen3).
+    transformers model of the base weights. The families of :data:`PEFT_FAMILIES`.
 
     ``base_model_name`` / ``base_model_revision``: the base as ``AutoPeftModelForCausalLM``
     looks it up (``base_model_name_or_path``, ``revision``): a hub id where the base has one
@@ -377,9 +380,10 @@ def save_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, base_model_
     spec: LoraConfig | None = model.config.lora
     if spec is None:
         raise ValueError("the model has no adapters to save")
-    if model.config.model_type == "gpt2":
-        raise ValueError("PEFT export is for llama-like families (llama, qwen2, qwen3); gpt2's fused c_attn "
-                         "projection has no per-projection adapter in PEFT's layout")
+    if model.config.model_type not in PEFT_FAMILIES:
+        raise ValueError(f"PEFT export is for the families {', '.join(PEFT_FAMILIES)}; {model.config.model_type}'s "
+                         "fused projections (gpt2's c_attn, phi3's qkv_proj and gate_up_proj) have no adapter per "
+                         "projection in PEFT's layout (the merged export carries the adapters)")
     tensors: dict[str, np.ndarray] = {}
     for i, name, _owner, lora in _adapter_modules(model):
         a = np.asarray(jax.device_get(lora.a[...]), np.float32)

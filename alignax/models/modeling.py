@@ -9,6 +9,8 @@ All share one forward signature::
   row unpadded: use :func:`positions_from_mask` (``cumsum(mask) - 1``, clipped at 0).
   When ``positions`` is ``None`` and there is no cache it is derived that way.
 - The mask is causal (slot order) and drops pad keys; pad queries give finite garbage.
+  Sliding-window layers (Mistral, Phi-3, Gemma 2 and 3) also drop keys outside their
+  window, counted in positions (:mod:`alignax.models.layer_types`).
 - ``segment_ids [B, T]`` (LM, policy+value and reward models, no cache) pack one prefix with
   several continuations in a row: a key of segment 0 (the shared prefix) is seen by every
   later query, a key of segment ``k > 0`` only by queries of segment ``k``. With restarted
@@ -32,10 +34,11 @@ from flax import nnx, struct
 
 from alignax import ops
 from alignax._checks import check_rank, check_same_shape
-from alignax.models.cache import KVCache
-from alignax.models.config import ModelConfig, rope_inv_freq
+from alignax.models.cache import KVCache, slot_positions
+from alignax.models.config import ModelConfig, local_rope_inv_freq, rope_inv_freq
 from alignax.models.dense import DENSE_OUTPUT, dense
-from alignax.models.layers import RESIDUAL, Block, KeyMask, Norm, normal_param, param, rope_sin_cos
+from alignax.models.layer_types import by_layer_type, softcap, window_mask
+from alignax.models.layers import RESIDUAL, Block, KeyMask, Norm, longrope_sin_cos, normal_param, param, rope_sin_cos
 from alignax.models.lora import adapter
 from alignax.parallel.sharding import constrain
 
@@ -114,7 +117,7 @@ class Decoder(nnx.Module):
             self.layers = nnx.List(
                 [nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], stacked)) for i in range(c.num_layers)]
             )
-        self.final_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
+        self.final_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd, offset=c.norm_offset)
 
     def __call__(
         self,
@@ -137,7 +140,10 @@ class Decoder(nnx.Module):
         mask = attention_mask.astype(bool)
         T = tokens.shape[1]
 
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if c.scale_embeddings:  # Gemma: times sqrt(D), rounded to the table's dtype as transformers does
+            x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
+        x = x.astype(dtype)
         if self.pos_embed is not None:
             x = x + jnp.take(self.pos_embed[...], positions, axis=0, mode="clip").astype(dtype)
         # Rows looked up in the fsdp-sharded table come out split on D; in two steps (batch
@@ -145,13 +151,18 @@ class Decoder(nnx.Module):
         # batch axes without the table being gathered, where one step makes XLA replicate
         # them on some meshes (its "involuntary full rematerialization").
         x = constrain(constrain(x, ("activation_lookup_batch", "length", "embed")), RESIDUAL)
-        sin_cos = rope_sin_cos(positions, rope_inv_freq(c)) if c.position_embedding == "rope" else None
+        if c.position_embedding != "rope":
+            sin_cos = None
+        else:  # Phi-3's longrope picks its factors from the positions
+            sin_cos = longrope_sin_cos(positions, c) if c.rope_type == "longrope" else rope_sin_cos(
+                positions, rope_inv_freq(c))
 
         if cache is None and c.attention in ("splash", "cudnn"):  # fused kernels: causal + real keys only
             if segment_ids is not None:
                 raise ValueError(f"model.attention={c.attention} cannot run shared-prompt packing (segment_ids: a "
                                  "prefix every continuation sees); set rollout.pack_groups=off or model.attention=xla")
             allowed, index, kv, slot_mask = KeyMask(mask), None, None, None
+            query_positions = key_positions = None
         elif cache is None:
             t = jnp.arange(T)
             allowed = (t[None, :] <= t[:, None])[None] & mask[:, None, :]  # [B, T, T]
@@ -159,6 +170,7 @@ class Decoder(nnx.Module):
                 seg = jnp.asarray(segment_ids)
                 allowed = allowed & ((seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None]))
             index, kv, slot_mask = None, None, None
+            query_positions = key_positions = positions
         else:
             if cache.k.shape[1] != tokens.shape[0] or cache.k.shape[0] != c.num_layers:
                 raise ValueError(
@@ -172,12 +184,26 @@ class Decoder(nnx.Module):
             k_slots = jnp.arange(cache.max_len)
             allowed = (k_slots[None, :] <= q_slots[:, None])[None] & slot_mask[:, None, :]  # [B, T, S]
             kv = (cache.k, cache.v)
+            key_positions = slot_positions(slot_mask)
+            query_positions = jax.lax.dynamic_slice_in_dim(key_positions, index, T, axis=1)
 
+        if any(c.sliding_layers):
+            sin_cos, allowed = self._sliding_inputs(sin_cos, allowed, positions, query_positions, key_positions)
         x, kv = self._run_layers(x, sin_cos, allowed, kv, index)
         hidden = constrain(self.final_norm(x), RESIDUAL)
         if cache is None:
             return hidden, None
         return hidden, KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=index + T)
+
+    def _sliding_inputs(self, sin_cos, allowed, positions, query_positions, key_positions):
+        """``(sin_cos, allowed)`` with the sliding layers' forms beside the full layers'
+        (:mod:`alignax.models.layer_types`): keys within the window, and Gemma 3's local RoPE."""
+        c = self.config
+        local = allowed & window_mask(query_positions, key_positions, c.sliding_window)
+        allowed = by_layer_type(c.sliding_layers, allowed, local)
+        if c.rope_local_theta is not None and sin_cos is not None:
+            sin_cos = by_layer_type(c.sliding_layers, sin_cos, rope_sin_cos(positions, local_rope_inv_freq(c)))
+        return sin_cos, allowed
 
     def _run_layers(self, x, sin_cos, allowed, kv, index):
         """Run every layer; ``kv`` (the stacked cache, or ``None``) is threaded through
@@ -271,6 +297,7 @@ class _LMHeadMixin:
             logits = dense(hidden, self.lm_head[...].astype(hidden.dtype), out_dtype=jnp.float32)
         if self.lm_head_lora is not None:
             logits = logits + self.lm_head_lora(hidden, out_dtype=jnp.float32)
+        logits = softcap(logits, self.config.final_softcap)  # Gemma 2's final_logit_softcapping
         return constrain(logits, (*rows, "activation_vocab"))
 
 

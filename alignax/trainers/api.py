@@ -27,7 +27,7 @@ from alignax.checkpoint import Checkpointer
 from alignax.config import ConfigError
 from alignax.models import save_pretrained
 from alignax.models import registry
-from alignax.models.lora import save_peft_adapter
+from alignax.models.lora import PEFT_FAMILIES, save_peft_adapter
 from alignax.parallel import hardware, multihost
 from alignax.trainers.algorithms import ALGORITHMS, ALIASES, Algorithm, algorithm, expand_alias
 from alignax.trainers.config import TrainConfig, rename_sections
@@ -164,7 +164,7 @@ def export(config: TrainConfig, destination: str | None = None, *, step: int | N
                 target = os.path.join(local, name) if name else local
                 save_pretrained(model, target)
                 trainer.tokenizer.save_pretrained(target)
-                if model.config.lora is not None and model.config.model_type != "gpt2":
+                if model.config.lora is not None and model.config.model_type in PEFT_FAMILIES:
                     save_peft_adapter(model, os.path.join(target, "adapter"), base_model_name=registry.hub_id(config.model.name),
                                       base_model_revision=registry.hub_revision(config.model.name))
     return destination

@@ -114,6 +114,9 @@ def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.
     policy = dict(**precision.model_dtypes(), scan_layers=spec.scan_layers, remat=spec.remat,
                   attention=attention_implementation(spec.attention, precision.compute_dtype))
     with reading_model_folder(spec, "the model (config.json and weights)"):
+        if spec.attention == "auto" and models.ModelConfig.from_hf_config(
+                {**hf_config, **(spec.random_init or {})}).needs_xla_attention:
+            policy["attention"] = "xla"  # sliding windows or soft caps: no fused kernel takes them
         if spec.random_init is not None:
             config = models.ModelConfig.from_hf_config({**hf_config, **spec.random_init}, **policy)
             model = models.create_model(config, kind=kind, seed=spec.seed, mesh=mesh)
