@@ -28,7 +28,9 @@ is swapped, inside the traced function, for the rows it would gather (one per po
 plus a zero perturbation ``delta [B, T, D]``, and the model is called on position indices
 instead of token ids. The forward is the model's own, bit for bit up to float rounding;
 ``dL/d delta`` is the gradient at each position's input embedding (for GPT-2's learned
-positions, at token + position embedding: the same gradient). Works with scanned and
+positions, at token + position embedding: the same gradient), taken at the looked-up table
+row: for Gemma, which multiplies that row by ``sqrt(D)``, it is ``sqrt(D)`` times the gradient
+at the scaled embedding, and the rows' gradients still add up to the table's. Works with scanned and
 remat layers, tied and untied LM heads, on ``causal_lm`` and ``policy_value`` models.
 """
 
