@@ -311,21 +311,25 @@ class Block(nnx.Module):
     """One pre-norm decoder layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
     Its input, the stream between attention and MLP, and its output are pinned to
-    :data:`RESIDUAL` (the layer boundaries FSDP needs).
+    :data:`RESIDUAL` (the layer boundaries FSDP needs). ``mlp_cls`` builds the MLP: :class:`MLP`,
+    or a mixture of experts (:class:`alignax.models.moe.MoE`) that also returns its router
+    probabilities; the block returns ``(x, kv, router probabilities [B, T, E] or None)``.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mlp_cls=None):
         c = config
         pd = jnp.dtype(c.param_dtype)
         self.attn_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
         self.attn = Attention(c, rngs=rngs)
         self.mlp_norm = Norm(c.hidden_size, kind=c.norm_type, eps=c.norm_eps, param_dtype=pd)
-        self.mlp = MLP(c, rngs=rngs)
+        self.mlp = (mlp_cls or MLP)(c, rngs=rngs)
 
     def __call__(self, x, sin_cos, allowed, kv, index, layer=0):
         with layer_dropout(layer):  # adapter dropout masks differ per layer (alignax.models.lora)
             x = constrain(x, RESIDUAL)
             h, kv = self.attn(self.attn_norm(x), sin_cos, allowed, kv, index, layer)
             x = constrain(x + h, RESIDUAL)
-            x = constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
-        return x, kv
+            h = self.mlp(self.mlp_norm(x))
+            h, router_probs = h if isinstance(h, tuple) else (h, None)
+            x = constrain(x + h, RESIDUAL)
+        return x, kv, router_probs
