@@ -48,7 +48,7 @@ def test_config_errors():
             ModelConfig.from_hf_config(cfg)
     with pytest.raises(ValueError, match="gpt2 config is missing the required field 'n_head'"):
         ModelConfig.from_hf_config({"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1})
-    unsupported = r"unsupported architecture model_type='mistral'; supported: llama, qwen2, qwen3, gpt2"
+    unsupported = r"unsupported architecture model_type='mistral'; supported: llama, qwen2, qwen3, qwen3_moe, gpt2"
     with pytest.raises(ValueError, match=unsupported):
         ModelConfig.from_hf_config(dict(CFG, model_type="mistral"))
     with pytest.raises(ValueError, match="missing the field 'model_type'"):
