@@ -238,3 +238,30 @@ def test_expert_weights_shard_over_the_expert_axis():
         assert found["expert_kernel_spec"] == spec, found
         assert found["expert_bytes_per_device"] * 8 == found["expert_bytes"], found
         assert abs(found["loss"] - result["single_device_loss"]) <= 1e-5, found
+
+
+def test_model_router_aux_loss_coef_overrides_the_checkpoint(toy_moe_model, toy_model):
+    """``model.router_aux_loss_coef`` is the coefficient the built model (and so the train
+    step above) uses; on a dense model it is an error naming the key."""
+    from alignax.config import ConfigError
+    from alignax.trainers.config import ModelSpec
+    from alignax.trainers.engine.setup import build_model
+
+    assert build_model(ModelSpec(name=toy_moe_model)).config.router_aux_loss_coef == 0.01  # the checkpoint's
+    assert build_model(ModelSpec(name=toy_moe_model, router_aux_loss_coef=0.5)).config.router_aux_loss_coef == 0.5
+    with pytest.raises((ValueError, ConfigError), match=r"model\.router_aux_loss_coef=0\.5 is for mixture-of-experts"):
+        build_model(ModelSpec(name=toy_model, router_aux_loss_coef=0.5))
+    with pytest.raises(ValueError, match=r"model\.router_aux_loss_coef must be >= 0"):
+        ModelSpec(router_aux_loss_coef=-1.0)
+
+
+def test_config_errors_name_the_field():
+    base = {k: v for k, v in CONFIG.items()}
+    for change, message in (({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+                            ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+                            ({"num_experts_per_tok": 5}, r"num_experts_per_tok must be in \[1, num_experts=4\]")):
+        with pytest.raises(ValueError, match=message):
+            models.ModelConfig.from_hf_config({**base, **change})
+    # transformers writes num_experts as num_local_experts (its attribute map); both read
+    assert models.ModelConfig.from_hf_config({**{k: v for k, v in base.items() if k != "num_experts"},
+                                              "num_local_experts": 6}).num_experts == 6
