@@ -265,3 +265,10 @@ def test_config_errors_name_the_field():
     # transformers writes num_experts as num_local_experts (its attribute map); both read
     assert models.ModelConfig.from_hf_config({**{k: v for k, v in base.items() if k != "num_experts"},
                                               "num_local_experts": 6}).num_experts == 6
+
+
+def test_parameter_count_matches_transformers(reference):
+    from alignax.estimate import parameter_count
+
+    cfg, hf, _ = reference
+    assert parameter_count(models.ModelConfig.from_hf_config(cfg)) == sum(p.numel() for p in hf.parameters())

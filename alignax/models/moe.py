@@ -27,6 +27,10 @@ Uniform routing gives ``aux = k``. Trainers add ``router_aux_loss_coef * aux`` t
 objective: each trained model's full forward pass records its ``aux`` here
 (:func:`record_router_loss`), the train step collects them (:func:`collect_router_losses`);
 forward passes of frozen models run under :func:`frozen_forward` and record nothing.
+
+LoRA (:mod:`alignax.models.lora`) adapts the attention projections of a mixture model; the
+router and the experts stay frozen with the base (the load-balancing loss still reaches
+the adapters through the router's inputs).
 """
 
 from __future__ import annotations
