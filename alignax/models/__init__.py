@@ -1,4 +1,4 @@
-"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3, GPT-2) with LM, value and reward heads,
+"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, GPT-2) with LM, value and reward heads,
 a KV cache, and Hugging Face weights in and out.
 
 Build from a config (``CausalLM(ModelConfig.from_hf_config(cfg), rngs=nnx.Rngs(0))``) or
