@@ -272,3 +272,52 @@ def test_parameter_count_matches_transformers(reference):
 
     cfg, hf, _ = reference
     assert parameter_count(models.ModelConfig.from_hf_config(cfg)) == sum(p.numel() for p in hf.parameters())
+
+
+def test_scanned_remat_layers_give_the_looped_gradients(reference):
+    """The router probabilities leave a scanned, rematerialised layer stack as the scan's
+    outputs: loss and gradients (load-balancing term included) equal the plain loop's."""
+    cfg, _, sd = reference
+    tokens, mask, positions = batch(seed=6)
+    data = {"tokens": jnp.asarray(tokens), "positions": jnp.asarray(positions), "mask": jnp.asarray(mask)}
+
+    def loss_and_router_grad(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        step = jax.jit(make_train_step(_sft_loss(graphdef, rest), optax.sgd(1.0), normalisers_fn=lambda b: {}))
+        state, out = step(init_train_state(params, optax.sgd(1.0), jax.random.key(0)), {}, data)
+        update = jax.tree.map(lambda new, old: np.asarray(new - old), state.params, params)
+        return float(out.metrics["loss"]), update["model"]["layers"]
+
+    loop_loss, loop = loss_and_router_grad(from_hf_state_dict(cfg, sd))
+    scan_loss, scan = loss_and_router_grad(from_hf_state_dict(cfg, sd, scan_layers=True, remat="full"))
+    assert scan_loss == pytest.approx(loop_loss, rel=1e-6)
+    for name in ("router", "gate_kernel", "down_kernel"):
+        stacked = np.stack([loop[i]["mlp"][name][...] for i in range(2)])
+        np.testing.assert_allclose(scan["mlp"][name][...], stacked, rtol=1e-4, atol=1e-7, err_msg=name)
+
+
+def test_gradient_accumulation_logs_the_mean_aux_and_adds_it_once(reference):
+    """Two micro-batches: ``moe/aux_loss`` is the mean of their aux losses, and the loss holds
+    ``coef x`` that mean once (each micro-batch adds its share / 2)."""
+    cfg, _, sd = reference
+    model = from_hf_state_dict(cfg, sd)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens, mask, positions = batch(B=4, seed=7)
+    mask[3, :2] = 0
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    data = {"tokens": jnp.asarray(tokens), "positions": jnp.asarray(positions), "mask": jnp.asarray(mask)}
+    step = jax.jit(make_train_step(_sft_loss(graphdef, rest), optax.sgd(0.0), normalisers_fn=lambda b: {},
+                                   grad_accum_steps=2))
+    _, out = step(init_train_state(params, optax.sgd(0.0), jax.random.key(0)), {}, data)
+    halves = [ours(model, tokens[s], mask[s], positions[s]) for s in (slice(0, 2), slice(2, 4))]
+    aux = [float(h.router_aux_loss) for h in halves]
+    assert aux[0] != pytest.approx(aux[1])
+    assert float(out.metrics["moe/aux_loss"]) == pytest.approx(np.mean(aux), rel=1e-5)
+    nll = float(out.metrics["nll"])  # the micro-batches' mean (the loss function's own metric)
+    # each micro-batch's NLL is its own mean here (no global normalisers), so the loss sums them
+    losses = []
+    for s in (slice(0, 2), slice(2, 4)):
+        part = {k: v[s] for k, v in data.items()}
+        losses.append(float(jax.jit(lambda p, b: _sft_loss(graphdef, rest)(p, {}, b, {}, None)[0])(params, part)))
+    assert nll == pytest.approx(np.mean(losses), rel=1e-5)
+    assert float(out.metrics["loss"]) == pytest.approx(sum(losses) + COEF * np.mean(aux), rel=1e-5)
