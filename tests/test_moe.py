@@ -139,7 +139,8 @@ def test_safetensors_round_trip_with_transformers(reference, tmp_path):
     assert config["router_aux_loss_coef"] == COEF and config["norm_topk_prob"] is True
     from safetensors.numpy import load_file
 
-    theirs, written = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
+    theirs = load_file(tmp_path / "hf" / "model.safetensors")
+    written = load_file(tmp_path / "ours" / "model.safetensors")
     assert set(written) == set(theirs) and "model.layers.1.mlp.experts.3.down_proj.weight" in written
     for name in theirs:
         np.testing.assert_array_equal(written[name], theirs[name], err_msg=name)

@@ -200,7 +200,8 @@ def _stack_experts(tensors: Mapping[str, np.ndarray], num_experts: int) -> dict[
             groups.setdefault(match["layer"] + match["proj"], {})[int(match["index"])] = name
         elif name.endswith(".mlp.experts.gate_up_proj") and np.ndim(tensors[name]) == 3:
             base = name[: -len("gate_up_proj")]
-            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = np.split(np.asarray(out.pop(name)), 2, axis=1)
+            gate, up = np.split(np.asarray(out.pop(name)), 2, axis=1)
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = gate, up
         elif name.endswith(".mlp.experts.down_proj"):
             out[name + ".weight"] = out.pop(name)
     for stacked, members in groups.items():

@@ -308,7 +308,8 @@ class CausalLM(_LMHeadMixin, nnx.Module):
     ):
         """``ModelOutput(logits, hidden, cache)``; ``return_logits=False`` skips the LM head."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache, segment_ids=segment_ids)
+        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache,
+                                                 segment_ids=segment_ids)
         routing = _routing(self.config, router_probs, attention_mask, cache)
         logits = self.logits(hidden) if return_logits else None
         return ModelOutput(logits=logits, hidden=hidden, cache=cache, **routing)
@@ -382,7 +383,8 @@ class PolicyValueModel(_LMHeadMixin, nnx.Module):
     ):
         """``ModelOutput(logits, hidden, values [B, T], cache)``."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache, segment_ids=segment_ids)
+        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache,
+                                                 segment_ids=segment_ids)
         routing = _routing(self.config, router_probs, attention_mask, cache)
         logits = self.logits(hidden) if return_logits else None
         values = _score(hidden, self.value_head)[..., 0]
@@ -413,7 +415,8 @@ class RewardModel(nnx.Module):
         ``rewards`` is the one at the last real token. ``segment_ids`` pack several
         continuations of one prefix in a row (see the module docstring)."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache, segment_ids=segment_ids)
+        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache,
+                                                 segment_ids=segment_ids)
         routing = _routing(self.config, router_probs, attention_mask, cache)
         last = last_token_index(attention_mask)
         pooled = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
