@@ -142,6 +142,8 @@ def parameter_count(model: ModelConfig, *, head: str = "lm") -> int:
     mlp = (3 if model.gated_mlp else 2) * D * F
     if model.mlp_bias:
         mlp += (2 * F if model.gated_mlp else F) + D
+    if model.num_experts:  # a mixture: the router and E gated experts replace the MLP
+        mlp = D * model.num_experts + model.num_experts * 3 * D * model.moe_intermediate_size
     total = V * D + L * (attention + mlp + (4 if model.post_norms else 2) * norm) + norm
     if model.position_embedding == "learned":
         total += model.max_position_embeddings * D

@@ -48,6 +48,14 @@ def toy_model(tmp_path_factory):
     return make_toy_model(tmp_path_factory.mktemp("toy-model"))
 
 
+@pytest.fixture(scope="session")
+def toy_moe_model(tmp_path_factory):
+    """The toy model as a Qwen3-MoE (4 experts, top 2; tests/support/toy_model.py)."""
+    from tests.support.toy_model import make_toy_model
+
+    return make_toy_model(tmp_path_factory.mktemp("toy-moe-model"), experts=4)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup``, a test without an ``xdist_group`` of its own joins its

@@ -48,8 +48,8 @@ def test_config_errors():
             ModelConfig.from_hf_config(cfg)
     with pytest.raises(ValueError, match="gpt2 config is missing the required field 'n_head'"):
         ModelConfig.from_hf_config({"model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1})
-    unsupported = (r"unsupported architecture model_type='falcon'; supported: llama, qwen2, qwen3, gpt2, mistral, "
-                   r"phi3, gemma2, gemma3_text")
+    unsupported = (r"unsupported architecture model_type='falcon'; supported: llama, qwen2, qwen3, qwen3_moe, gpt2, "
+                   r"mistral, phi3, gemma2, gemma3_text")
     with pytest.raises(ValueError, match=unsupported):
         ModelConfig.from_hf_config(dict(CFG, model_type="falcon"))
     with pytest.raises(ValueError, match="missing the field 'model_type'"):

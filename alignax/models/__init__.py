@@ -1,5 +1,5 @@
-"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3, GPT-2, Mistral, Phi-3, Gemma 2, Gemma 3 text)
-with LM, value and reward heads, a KV cache, and Hugging Face weights in and out.
+"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE, GPT-2, Mistral, Phi-3, Gemma 2, Gemma 3
+text) with LM, value and reward heads, a KV cache, and Hugging Face weights in and out.
 
 Build from a config (``CausalLM(ModelConfig.from_hf_config(cfg), rngs=nnx.Rngs(0))``) or
 from weights (``from_pretrained(dir)``, ``from_hf_state_dict(cfg, tensors)``); save with

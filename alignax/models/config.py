@@ -2,7 +2,8 @@
 written back to a Hugging Face ``config.json`` dict.
 
 Families (``model_type``): ``llama`` (SmolLM2 is one), ``qwen2`` (Qwen2 and Qwen2.5: q/k/v
-biases), ``qwen3`` (q/k RMS norms on the head dim), ``gpt2`` (learned positions,
+biases), ``qwen3`` (q/k RMS norms on the head dim), ``qwen3_moe`` (Qwen3 attention, every MLP a
+mixture of experts: :mod:`alignax.models.moe`), ``gpt2`` (learned positions,
 LayerNorm, GELU, fused Conv1D projections), ``mistral`` (sliding-window attention),
 ``phi3`` (fused qkv and gate_up projections in its files; optional sliding window),
 ``gemma2`` (soft-capped attention and final logits, alternating sliding-window/global
@@ -31,7 +32,8 @@ import numpy as np
 
 from alignax.models.lora import LoraConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "mistral", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt2", "mistral", "phi3", "gemma2",
+                           "gemma3_text")
 # Attention kinds of ``layer_types`` (transformers' names).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -65,6 +67,7 @@ _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -75,6 +78,7 @@ _HF_SEQ_CLS_ARCHITECTURES = {
     "llama": "LlamaForSequenceClassification",
     "qwen2": "Qwen2ForSequenceClassification",
     "qwen3": "Qwen3ForSequenceClassification",
+    "qwen3_moe": "Qwen3MoeForSequenceClassification",
     "gpt2": "GPT2ForSequenceClassification",
     "mistral": "MistralForSequenceClassification",
     "phi3": "Phi3ForSequenceClassification",
@@ -101,6 +105,11 @@ class ModelConfig:
       remat: what each layer keeps for the backward pass, one of :data:`REMAT_POLICIES`
         (``jax.checkpoint`` with that policy; ``True``/``False`` read as ``"full"``/``"none"``).
       attention: one of :data:`ATTENTION_IMPLEMENTATIONS`.
+      Mixture of experts (``num_experts > 0``; :mod:`alignax.models.moe`): every layer's MLP
+      is ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, each token sent
+      to its ``num_experts_per_tok`` most probable ones (their router probabilities
+      renormalised to sum to 1 when ``norm_topk_prob``); ``router_aux_loss_coef`` weighs
+      the load-balancing loss the trainers add to every objective.
       lora: low-rank adapters on the projections (:class:`alignax.models.lora.LoraConfig`);
         ``None``: none. Not part of the exported HF config (adapters are merged or saved
         apart, see :mod:`alignax.models.lora`).
@@ -151,6 +160,11 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     num_labels: int = 1
+    num_experts: int = 0  # 0: dense MLPs
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
     # run-time policy
     param_dtype: str = "float32"
     dtype: str = "float32"
@@ -195,6 +209,13 @@ class ModelConfig:
                 object.__setattr__(self, name, tuple(float(v) for v in value))
         if self.activation not in set(_ACTIVATIONS.values()):
             raise ValueError(f"unknown activation {self.activation!r}; valid: {sorted(set(_ACTIVATIONS.values()))}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}]; "
+                             f"got {self.num_experts_per_tok}")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1 with experts; got {self.moe_intermediate_size}")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0; got {self.router_aux_loss_coef}")
         if self.head_dim % 2 and self.position_embedding == "rope":
             raise ValueError(f"RoPE needs an even head_dim; got {self.head_dim}")
         _check_window_fields(self)
@@ -319,6 +340,12 @@ class ModelConfig:
                 out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
             elif self.model_type == "qwen3":
                 out.update(attention_bias=self.qkv_bias, use_sliding_window=False)
+            elif self.model_type == "qwen3_moe":
+                out.update(attention_bias=self.qkv_bias, use_sliding_window=False, num_experts=self.num_experts,
+                           num_experts_per_tok=self.num_experts_per_tok,
+                           moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                           router_aux_loss_coef=self.router_aux_loss_coef, decoder_sparse_step=1,
+                           mlp_only_layers=[])
             elif self.model_type == "qwen2":
                 out.update(use_sliding_window=False)
             else:
@@ -412,6 +439,7 @@ _LLAMA_LIKE_DEFAULTS = {
     "llama": {"max_position_embeddings": 2048, "head_dim": None},
     "qwen2": {"max_position_embeddings": 32768, "head_dim": None},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+    "qwen3_moe": {"max_position_embeddings": 32768, "head_dim": None},
     "mistral": {"max_position_embeddings": 131072, "head_dim": None},
     "phi3": {"max_position_embeddings": 4096, "head_dim": None, "rms_norm_eps": 1e-5},
 }
@@ -450,11 +478,32 @@ def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         fields.update(qkv_bias=True, out_bias=False)
     elif mt in ("mistral", "phi3"):  # every layer sliding when the window is set
         fields.update(sliding_window=_window(hf, mt, 4096 if mt == "mistral" else None))
-    else:  # qwen3
+    else:  # qwen3, qwen3_moe
         bias = bool(hf.get("attention_bias", False))
         fields.update(qkv_bias=bias, out_bias=bias, qk_norm=True)
+    if mt == "qwen3_moe":
+        fields.update(_moe_fields(hf))
     fields.update(_rope_fields(hf, mt, max_pos))
     return fields
+
+
+def _moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields (transformers' defaults where omitted). Every layer must be
+    a mixture: layers that alternate with dense MLPs are not supported."""
+    if hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"qwen3_moe config sets decoder_sparse_step={hf['decoder_sparse_step']}; only 1 (every "
+                         "layer a mixture of experts) is supported")
+    if hf.get("mlp_only_layers"):
+        raise ValueError(f"qwen3_moe config sets mlp_only_layers={hf['mlp_only_layers']}; dense layers between "
+                         "mixture layers are not supported")
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
 
 
 def _gpt2_fields(hf: Mapping[str, Any]) -> dict[str, Any]:

@@ -162,6 +162,9 @@ def _layout(c: ModelConfig, kind: str, prefix: str) -> list[_Entry]:
                 add(f"{h}post_feedforward_layernorm.weight", (D,), [(*L, "mlp_post_norm", "scale")], _IDENTITY)
             else:
                 add(f"{h}post_attention_layernorm.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
+            if c.num_experts:
+                _add_experts(add, c, h, L)
+                continue
             mlp = (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))
             for name, shape in mlp if c.model_type != "phi3" else mlp[2:]:
                 add(f"{h}mlp.{name}_proj.weight", shape, [(*L, "mlp", f"{name}_kernel")], _TRANSPOSE)
@@ -204,6 +207,58 @@ def _phi3_fused(c: ModelConfig, h: str, L: Path) -> list[tuple]:
         (f"{h}mlp.gate_up_proj.weight", (2 * F, D), ((*L, "mlp", "gate_kernel"), (*L, "mlp", "up_kernel")),
          (gate_up_to_ours, gate_up_to_hf)),
     ]
+
+
+_SWAP_LAST = ((lambda w: (np.swapaxes(w, -1, -2),)), (lambda k: np.swapaxes(k, -1, -2)))
+_EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts\.)(?P<index>\d+)\.(?P<proj>(gate|up|down)_proj\.weight)$")
+
+
+def _add_experts(add, c: ModelConfig, h: str, L: Path) -> None:
+    """A mixture layer's router and experts. Checkpoints hold one ``Linear`` per expert
+    (``mlp.experts.{e}.gate_proj.weight [F, D]``); the table names them stacked
+    (``mlp.experts.gate_proj.weight [E, F, D]``, :func:`_stack_experts` / :func:`_split_experts`)."""
+    E, D, F = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    add(f"{h}mlp.gate.weight", (E, D), [(*L, "mlp", "router")], _TRANSPOSE)
+    for name, shape in (("gate", (E, F, D)), ("up", (E, F, D)), ("down", (E, D, F))):
+        add(f"{h}mlp.experts.{name}_proj.weight", shape, [(*L, "mlp", f"{name}_kernel")], _SWAP_LAST)
+
+
+def _stack_experts(tensors: Mapping[str, np.ndarray], num_experts: int) -> dict[str, np.ndarray]:
+    """Per-expert tensors stacked under the table's names where all ``num_experts`` are
+    present (a partial set stays as it is, and the load reports it). transformers' fused
+    in-memory form (``mlp.experts.gate_up_proj [E, 2F, D]``, ``mlp.experts.down_proj [E, D, F]``,
+    its ``state_dict()``) is read too."""
+    groups: dict[str, dict[int, str]] = {}
+    out = dict(tensors)
+    for name in tensors:
+        match = _EXPERT.match(name)
+        if match:
+            groups.setdefault(match["layer"] + match["proj"], {})[int(match["index"])] = name
+        elif name.endswith(".mlp.experts.gate_up_proj") and np.ndim(tensors[name]) == 3:
+            base = name[: -len("gate_up_proj")]
+            gate, up = np.split(np.asarray(out.pop(name)), 2, axis=1)
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = gate, up
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[name + ".weight"] = out.pop(name)
+    for stacked, members in groups.items():
+        if sorted(members) == list(range(num_experts)):
+            out[stacked] = np.stack([np.asarray(tensors[members[e]]) for e in range(num_experts)])
+            for name in members.values():
+                del out[name]
+    return out
+
+
+def _split_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The table's stacked expert tensors written one per expert, as transformers saves them."""
+    out = {}
+    for name, value in tensors.items():
+        head, sep, proj = name.rpartition(".mlp.experts.")
+        if sep and proj.count(".") == 1:
+            for e in range(value.shape[0]):
+                out[f"{head}{sep}{e}.{proj}"] = np.ascontiguousarray(value[e])
+        else:
+            out[name] = value
+    return out
 
 
 def _trunk_prefix(c: ModelConfig, names) -> str:
@@ -267,6 +322,8 @@ def from_hf_state_dict(
     config = ModelConfig.from_hf_config(
         hf_config, param_dtype=param_dtype, dtype=dtype, scan_layers=scan_layers, remat=remat, attention=attention
     )
+    if config.num_experts:
+        tensors = _stack_experts(tensors, config.num_experts)
     names = set(tensors)
     entries = _layout(config, kind, _trunk_prefix(config, names))
     if new_head and kind != "reward":
@@ -442,6 +499,8 @@ def to_hf_state_dict(model) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         if out.shape != e.hf_shape:
             raise AssertionError(f"{e.hf}: exported shape {out.shape} != {e.hf_shape}")
         tensors[e.hf] = out
+    if c.num_experts:
+        tensors = _split_experts(tensors)
     arch = "sequence_classification" if kind in ("reward", "value") else "causal_lm"
     hf_config = c.to_hf_config(architecture=arch)
     # the dtype of the weights as written, not the one the model was built with: params cast

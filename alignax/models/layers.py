@@ -335,10 +335,12 @@ class Block(nnx.Module):
     Its input, the stream between attention and MLP, and its output are pinned to
     :data:`RESIDUAL` (the layer boundaries FSDP needs). ``sin_cos`` and ``allowed`` may
     differ between sliding and full layers (:mod:`alignax.models.layer_types`): the layer
-    takes its own.
+    takes its own. ``mlp_cls`` builds the MLP: :class:`MLP`, or a mixture of experts
+    (:class:`alignax.models.moe.MoE`) that also returns its router probabilities; the block
+    returns ``(x, kv, router probabilities [B, T, E] or None)``.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mlp_cls=None):
         c = config
         pd = jnp.dtype(c.param_dtype)
 
@@ -349,7 +351,7 @@ class Block(nnx.Module):
         self.attn_norm = norm()
         self.attn = Attention(c, rngs=rngs)
         self.mlp_norm = norm()
-        self.mlp = MLP(c, rngs=rngs)
+        self.mlp = (mlp_cls or MLP)(c, rngs=rngs)
         self.attn_post_norm = norm() if c.post_norms else None
         self.mlp_post_norm = norm() if c.post_norms else None
 
@@ -362,7 +364,8 @@ class Block(nnx.Module):
                 h = self.attn_post_norm(h)
             x = constrain(x + h, RESIDUAL)
             h = self.mlp(self.mlp_norm(x))
+            h, router_probs = h if isinstance(h, tuple) else (h, None)
             if self.mlp_post_norm is not None:
                 h = self.mlp_post_norm(h)
             x = constrain(x + h, RESIDUAL)
-        return x, kv
+        return x, kv, router_probs

@@ -40,6 +40,7 @@ from alignax.models.dense import DENSE_OUTPUT, dense
 from alignax.models.layer_types import by_layer_type, softcap, window_mask
 from alignax.models.layers import RESIDUAL, Block, KeyMask, Norm, longrope_sin_cos, normal_param, param, rope_sin_cos
 from alignax.models.lora import adapter
+from alignax.models.moe import MoE, load_balancing_loss, record_router_loss
 from alignax.parallel.sharding import constrain
 
 Array = jax.Array
@@ -54,6 +55,8 @@ class ModelOutput:
     values: Array | None = None  # [B, T] float32 (value heads; a reward head's per-token scores)
     rewards: Array | None = None  # [B] float32 at the last real token (reward head)
     cache: KVCache | None = None
+    router_probs: Array | None = None  # [L, B, T, E] float32, mixture-of-experts models
+    router_aux_loss: Array | None = None  # float32 load-balancing loss of a full pass (alignax.models.moe)
 
 
 def positions_from_mask(attention_mask: Array) -> Array:
@@ -109,8 +112,9 @@ class Decoder(nnx.Module):
         # not per layer: XLA compile time of the init does not grow with L), then kept
         # stacked for scan or split into a list.
         keys = jax.random.split(rngs.params(), c.num_layers)
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(c, rngs=nnx.Rngs(0))))
-        stacked = jax.vmap(lambda key: nnx.state(Block(c, rngs=nnx.Rngs(params=key))))(keys)
+        mlp_cls = MoE if c.num_experts else None
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(c, rngs=nnx.Rngs(0), mlp_cls=mlp_cls)))
+        stacked = jax.vmap(lambda key: nnx.state(Block(c, rngs=nnx.Rngs(params=key), mlp_cls=mlp_cls)))(keys)
         if c.scan_layers:
             self.layers = nnx.merge(graphdef, _stack_layer_metadata(stacked))
         else:
@@ -127,8 +131,9 @@ class Decoder(nnx.Module):
         *,
         cache: KVCache | None = None,
         segment_ids: Array | None = None,
-    ) -> tuple[Array, KVCache | None]:
-        """``(hidden [B, T, D], cache)``; see the module docstring."""
+    ) -> tuple[Array, KVCache | None, Array | None]:
+        """``(hidden [B, T, D], cache, router probabilities [L, B, T, E] float32 or None)``;
+        see the module docstring."""
         c = self.config
         check_rank(tokens=(tokens, 2))
         check_same_shape(tokens=tokens, positions=positions, attention_mask=attention_mask)
@@ -189,11 +194,11 @@ class Decoder(nnx.Module):
 
         if any(c.sliding_layers):
             sin_cos, allowed = self._sliding_inputs(sin_cos, allowed, positions, query_positions, key_positions)
-        x, kv = self._run_layers(x, sin_cos, allowed, kv, index)
+        x, kv, router_probs = self._run_layers(x, sin_cos, allowed, kv, index)
         hidden = constrain(self.final_norm(x), RESIDUAL)
         if cache is None:
-            return hidden, None
-        return hidden, KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=index + T)
+            return hidden, None, router_probs
+        return hidden, KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=index + T), router_probs
 
     def _sliding_inputs(self, sin_cos, allowed, positions, query_positions, key_positions):
         """``(sin_cos, allowed)`` with the sliding layers' forms beside the full layers'
@@ -207,7 +212,8 @@ class Decoder(nnx.Module):
 
     def _run_layers(self, x, sin_cos, allowed, kv, index):
         """Run every layer; ``kv`` (the stacked cache, or ``None``) is threaded through
-        them whole and each layer updates its own slice in place."""
+        them whole and each layer updates its own slice in place. Mixture layers' router
+        probabilities come out stacked ``[L, B, T, E]`` (``None`` for dense layers)."""
         c = self.config
         if c.scan_layers:
             graphdef, state = nnx.split(self.layers)
@@ -215,14 +221,15 @@ class Decoder(nnx.Module):
             def body(carry, xs):
                 h, layer_kv = carry
                 layer_state, layer = xs
-                h, layer_kv = nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index, layer)
-                return (h, layer_kv), None
+                h, layer_kv, probs = nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index, layer)
+                return (h, layer_kv), probs
 
             if c.remat != "none":
                 body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(c.remat))
-            (x, kv), _ = jax.lax.scan(body, (x, kv), (state, jnp.arange(c.num_layers)))
-            return x, kv
+            (x, kv), router_probs = jax.lax.scan(body, (x, kv), (state, jnp.arange(c.num_layers)))
+            return x, kv, router_probs
 
+        per_layer = []
         for i, layer in enumerate(self.layers):
             if c.remat != "none":
                 graphdef, state = nnx.split(layer)
@@ -230,10 +237,11 @@ class Decoder(nnx.Module):
                 def run(layer_state, h, layer_kv, graphdef=graphdef, i=i):
                     return nnx.merge(graphdef, layer_state)(h, sin_cos, allowed, layer_kv, index, i)
 
-                x, kv = jax.checkpoint(run, policy=remat_policy(c.remat))(state, x, kv)
+                x, kv, probs = jax.checkpoint(run, policy=remat_policy(c.remat))(state, x, kv)
             else:
-                x, kv = layer(x, sin_cos, allowed, kv, index, i)
-        return x, kv
+                x, kv, probs = layer(x, sin_cos, allowed, kv, index, i)
+            per_layer.append(probs)
+        return x, kv, (None if per_layer[0] is None else jnp.stack(per_layer))
 
 
 def remat_policy(name: str):
@@ -264,6 +272,19 @@ def _prepare(tokens, positions, attention_mask, cache):
             raise ValueError("positions are required with a cache (decode steps cannot infer them from the mask)")
         positions = positions_from_mask(attention_mask)
     return tokens, jnp.asarray(positions), jnp.asarray(attention_mask)
+
+
+def _routing(config: ModelConfig, router_probs, attention_mask, cache) -> dict:
+    """A mixture model's routing for :class:`ModelOutput`: its router probabilities and, for a
+    full pass (no cache), its load-balancing loss, recorded for the train step
+    (:func:`alignax.models.moe.record_router_loss`)."""
+    if router_probs is None:
+        return {}
+    if cache is not None:  # a prefill or decode step: nothing trains on it
+        return {"router_probs": router_probs}
+    aux = load_balancing_loss(router_probs, attention_mask, top_k=config.num_experts_per_tok)
+    record_router_loss(aux, config.router_aux_loss_coef)
+    return {"router_probs": router_probs, "router_aux_loss": aux}
 
 
 class _LMHeadMixin:
@@ -314,9 +335,11 @@ class CausalLM(_LMHeadMixin, nnx.Module):
     ):
         """``ModelOutput(logits, hidden, cache)``; ``return_logits=False`` skips the LM head."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache, segment_ids=segment_ids)
+        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache,
+                                                 segment_ids=segment_ids)
+        routing = _routing(self.config, router_probs, attention_mask, cache)
         logits = self.logits(hidden) if return_logits else None
-        return ModelOutput(logits=logits, hidden=hidden, cache=cache)
+        return ModelOutput(logits=logits, hidden=hidden, cache=cache, **routing)
 
 
 def _head_param(config: ModelConfig, rngs: nnx.Rngs, num_out: int, zero_init: bool) -> nnx.Param:
@@ -361,9 +384,10 @@ class ValueModel(nnx.Module):
     def __call__(self, tokens, positions=None, attention_mask=None, *, cache=None):
         """``ModelOutput(values [B, T] float32, hidden, cache)``."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache)
+        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache)
+        routing = _routing(self.config, router_probs, attention_mask, cache)
         values = _score(hidden, self.value_head)[..., 0]
-        return ModelOutput(hidden=hidden, values=values, cache=cache)
+        return ModelOutput(hidden=hidden, values=values, cache=cache, **routing)
 
 
 class PolicyValueModel(_LMHeadMixin, nnx.Module):
@@ -386,10 +410,12 @@ class PolicyValueModel(_LMHeadMixin, nnx.Module):
     ):
         """``ModelOutput(logits, hidden, values [B, T], cache)``."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache, segment_ids=segment_ids)
+        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache,
+                                                 segment_ids=segment_ids)
+        routing = _routing(self.config, router_probs, attention_mask, cache)
         logits = self.logits(hidden) if return_logits else None
         values = _score(hidden, self.value_head)[..., 0]
-        return ModelOutput(logits=logits, hidden=hidden, values=values, cache=cache)
+        return ModelOutput(logits=logits, hidden=hidden, values=values, cache=cache, **routing)
 
 
 class RewardModel(nnx.Module):
@@ -416,14 +442,16 @@ class RewardModel(nnx.Module):
         ``rewards`` is the one at the last real token. ``segment_ids`` pack several
         continuations of one prefix in a row (see the module docstring)."""
         tokens, positions, attention_mask = _prepare(tokens, positions, attention_mask, cache)
-        hidden, cache = self.model(tokens, positions, attention_mask, cache=cache, segment_ids=segment_ids)
+        hidden, cache, router_probs = self.model(tokens, positions, attention_mask, cache=cache,
+                                                 segment_ids=segment_ids)
+        routing = _routing(self.config, router_probs, attention_mask, cache)
         last = last_token_index(attention_mask)
         pooled = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, D]
         rewards = _score(pooled, self.score)
         if self.config.num_labels == 1:
             rewards = rewards[:, 0]
         values = _score(hidden, self.score)[..., 0] if per_token else None
-        return ModelOutput(hidden=hidden, rewards=rewards, values=values, cache=cache)
+        return ModelOutput(hidden=hidden, rewards=rewards, values=values, cache=cache, **routing)
 
 
 def _chunk_time(x: Array, chunk: int) -> Array:

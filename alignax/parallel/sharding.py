@@ -7,6 +7,12 @@ Mesh axes are ``("data", "fsdp", "tensor")``:
   (ZeRO-3 style; XLA all-gathers a layer's weights when it runs);
 - ``tensor``: Megatron-style tensor parallelism (heads, MLP width and vocab split).
 
+A mesh may add an ``expert`` axis (``make_mesh(shape, ("data", "fsdp", "expert", "tensor"))``):
+mixture-of-experts weights (``[E, ...]``, :mod:`alignax.models.moe`) split their experts over
+it, each device running its experts on every token and the per-expert sums reduced across
+it. Without one (the trainers' meshes) the experts split over ``fsdp`` instead, where
+``E`` divides it (the model dim otherwise), and are gathered like any FSDP weight.
+
 Parameters name their dims with logical axes (``embed``, ``heads``, ...; see
 alignax/models/layers.py); :data:`LOGICAL_AXIS_RULES` maps each name to mesh axes. A mesh
 axis is dropped from a dim when it does not divide the dim (e.g. 3 kv heads on
@@ -58,6 +64,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_kv_heads", "tensor"),
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
+    ("activation_experts", "expert"),  # [B, T, E, F] expert hidden states follow their weights
     # Parameter dims.
     ("embed", "fsdp"),
     ("vocab", "tensor"),
@@ -65,6 +72,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("experts", ("expert", "fsdp")),  # stacked expert weights [E, ...]; "expert" is an optional mesh axis
     ("layers", None),
     ("norm", None),
     ("positions", None),

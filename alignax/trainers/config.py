@@ -147,6 +147,10 @@ class ModelSpec:
         ``splash`` (the Pallas splash kernel; TPU; no shared-prompt packing of groups) |
         ``auto`` (``cudnn`` on a GPU with bfloat16 compute, ``splash`` on a TPU, else
         ``xla``). Decode steps and prefills into the sampler's cache use ``xla``.
+      router_aux_loss_coef: a mixture-of-experts model's weight on the load-balancing loss
+        every trainer adds to its objective (:mod:`alignax.models.moe`; logged as
+        ``moe/aux_loss``, unscaled); ``null``: the checkpoint's ``router_aux_loss_coef``
+        (transformers' default 0.001). An error on a dense model.
       logprob_chunk_size: compute token log-probs this many positions at a time from
         the final hidden states, never holding ``[B, T, V]`` float32 logits; ``null``:
         the whole sequence at once.
@@ -161,8 +165,11 @@ class ModelSpec:
     remat: bool | Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots"] = "none"
     attention: Literal["xla", "cudnn", "splash", "auto"] = "xla"
     logprob_chunk_size: int | None = None
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self):
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"model.router_aux_loss_coef must be >= 0 (or null); got {self.router_aux_loss_coef}")
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
 

@@ -24,8 +24,9 @@ from tests.data.tiny_tokenizer import WORDS, word_tokenizer
 TOY_WORDS = ["hi", "there", "bye", "now", "yes", "no", "what", "is", "two", "plus", "four", "ok", "sure"]
 
 
-def make_toy_model(directory, seed: int = 0, layers: int = 1) -> str:
-    """Write the tiny word-level model and its tokenizer to ``directory``."""
+def make_toy_model(directory, seed: int = 0, layers: int = 1, experts: int = 0) -> str:
+    """Write the tiny word-level model and its tokenizer to ``directory``; ``experts > 0``:
+    a Qwen3-MoE of that many experts (top 2, width 16) in place of the Llama MLP."""
     directory = str(directory)
     os.makedirs(directory, exist_ok=True)
     end = WORDS.index("<|im_end|>")
@@ -33,6 +34,9 @@ def make_toy_model(directory, seed: int = 0, layers: int = 1) -> str:
               num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=256,
               rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=end, pad_token_id=end,
               bos_token_id=WORDS.index("<|im_start|>"))
+    if experts:
+        hf.update(model_type="qwen3_moe", num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=16,
+                  norm_topk_prob=True, router_aux_loss_coef=0.01)
     model = create_model(ModelConfig.from_hf_config(hf), seed=seed)
     save_pretrained(model, directory)
     word_tokenizer().save_pretrained(directory)

@@ -110,7 +110,7 @@ def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.
             raise ValueError(f"model.{old} is no longer read: set precision.{new} (got model.{old}="
                              f"{getattr(spec, old)})")
     directory = model_directory(spec)
-    hf_config = read_config(directory, name=spec.name)
+    hf_config = _with_router_coef(read_config(directory, name=spec.name), spec)
     policy = dict(**precision.model_dtypes(), scan_layers=spec.scan_layers, remat=spec.remat,
                   attention=attention_implementation(spec.attention, precision.compute_dtype))
     with reading_model_folder(spec, "the model (config.json and weights)"):
@@ -126,6 +126,17 @@ def build_model(spec: ModelSpec, *, kind: str = "causal_lm", mesh: jax.sharding.
             model = models.from_hf_state_dict(hf_config, tensors, kind=kind, mesh=mesh, new_head=new_head,
                                               seed=spec.seed, **policy)
     return model if lora is None else with_adapters(model, lora, mesh=mesh)
+
+
+def _with_router_coef(hf_config: dict, spec: ModelSpec) -> dict:
+    """``hf_config`` with ``model.router_aux_loss_coef`` in place of the checkpoint's, when set."""
+    if spec.router_aux_loss_coef is None:
+        return hf_config
+    merged = {**hf_config, **(spec.random_init or {})}
+    if not merged.get("num_experts", merged.get("num_local_experts")):
+        raise ValueError(f"model.router_aux_loss_coef={spec.router_aux_loss_coef} is for mixture-of-experts models; "
+                         f"model.name={spec.name} ({merged.get('model_type')}) has no experts")
+    return {**hf_config, "router_aux_loss_coef": float(spec.router_aux_loss_coef)}
 
 
 def attention_implementation(choice: str, compute_dtype: str, backend: str | None = None) -> str:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from alignax.models.moe import collect_router_losses, router_objective
 from alignax.parallel.placement import to_device
 from alignax.parallel.sharding import batch_shards, constrain
 
@@ -148,10 +149,21 @@ def accumulate_gradients(
 ) -> tuple[Array, Any, LossAux]:
     """Sum of micro-batch losses and gradients, mean of their scalar metrics and
     concatenation of their per-row outputs (a ``lax.scan``). Gradients of parameters
-    narrower than float32 (bfloat16) are summed in float32."""
+    narrower than float32 (bfloat16) are summed in float32.
+
+    A mixture-of-experts model trained by ``loss_fn`` adds its load-balancing loss
+    (:mod:`alignax.models.moe`): ``router_aux_loss_coef * aux`` joins each micro-batch's loss
+    divided by their number (so the step's loss holds the mean over micro-batches), and
+    ``moe/aux_loss`` (``aux`` unscaled, the same mean) joins the metrics."""
     def typed_loss(*args):
-        loss, aux = loss_fn(*args)
-        return loss, aux if isinstance(aux, LossAux) else LossAux(dict(aux))
+        with collect_router_losses() as routed:
+            loss, aux = loss_fn(*args)
+        aux = aux if isinstance(aux, LossAux) else LossAux(dict(aux))
+        if routed:
+            scaled, plain = router_objective(routed)
+            loss = loss + scaled / num_micro
+            aux = aux._replace(sums={**aux.sums, "moe/aux_loss": plain / num_micro})
+        return loss, aux
 
     grad_fn = jax.value_and_grad(typed_loss, has_aux=True)
     if num_micro == 1:

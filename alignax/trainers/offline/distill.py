@@ -35,6 +35,7 @@ from alignax.config import ConfigError
 from alignax.losses.distill import distill_loss, sparse_distill_loss, teacher_topk
 from alignax.models.hf import read_config
 from alignax.models.modeling import positions_from_mask
+from alignax.models.moe import frozen_forward
 from alignax.sampling.sampler import generate
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine.precision import frozen_params
@@ -193,7 +194,8 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State, *, o
             return batch["ref_logps"]
         if "ref_logps" in frozen:  # distill.teacher_logits: precomputed
             return {k: frozen["ref_logps"][k][batch["record_index"]] for k in TOPK_KEYS}
-        logits, _ = window_logits(teacher.model(frozen["reference"]), batch, setup.window)
+        with frozen_forward():
+            logits, _ = window_logits(teacher.model(frozen["reference"]), batch, setup.window)
         return {"logits": jax.lax.stop_gradient(logits)}
 
     def dataset_loss(params, frozen, batch, normalisers):
@@ -205,7 +207,8 @@ def make_task(config: TrainConfig, graphdef: nnx.GraphDef, rest: nnx.State, *, o
     def on_policy_loss(params, frozen, batch, rng):
         rows = student_samples(graphdef, params, rest, batch, rng, setup.sampling, setup.prompt_width)
         logits, mask = window_logits(student(params), rows, setup.sampling.max_new_tokens)
-        t_logits, _ = window_logits(teacher.model(frozen["reference"]), rows, setup.sampling.max_new_tokens)
+        with frozen_forward():
+            t_logits, _ = window_logits(teacher.model(frozen["reference"]), rows, setup.sampling.max_new_tokens)
         teacher_out = {"logits": jax.lax.stop_gradient(t_logits)}
         # the samples' own token counts: the dataset's normalisers do not describe them
         loss, metrics = _divergence(setup, logits, teacher_out, _example_mask(mask, batch), {})

@@ -22,6 +22,7 @@ from flax import nnx
 from alignax import models
 from alignax.config import Is
 from alignax.losses import preference as pref
+from alignax.models.moe import frozen_forward
 from alignax.trainers.engine import packing
 from alignax.trainers.engine.setup import response_hidden, response_logps, sequence_logps
 from alignax.trainers.config import TrainConfig
@@ -137,7 +138,8 @@ class _Forward:
             return tuple(batch["ref_logps"][k] for k in keys)
         if "ref_logps" in frozen:
             return tuple(frozen["ref_logps"][k][batch["record_index"]] for k in keys)
-        live = _reference_logps(keys == ("completion", "kl"), self)(frozen["reference"], batch)
+        with frozen_forward():  # a mixture reference's routing trains nothing
+            live = _reference_logps(keys == ("completion", "kl"), self)(frozen["reference"], batch)
         return tuple(jax.lax.stop_gradient(live[k]) for k in keys)
 
 

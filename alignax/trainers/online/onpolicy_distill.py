@@ -41,6 +41,7 @@ from flax import nnx
 from alignax import ops
 from alignax.losses import ppo_policy_loss
 from alignax.losses.distill import distill_loss
+from alignax.models.moe import frozen_forward
 from alignax.parallel.placement import to_device
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine.step import LossAux
@@ -88,7 +89,8 @@ def exact_reverse_kl_loss(aggregation: str, temperature: float):
         student = nnx.merge(actors.graphdef, actors.policy_params(params), actors.rest)
         teacher = actors.algorithm.teacher.model(to_device(frozen["reference"]))
         logits = response_logits(student, mb, actors)
-        teacher_logits = jax.lax.stop_gradient(response_logits(teacher, mb, actors))
+        with frozen_forward():
+            teacher_logits = jax.lax.stop_gradient(response_logits(teacher, mb, actors))
         loss, metrics = distill_loss(logits, teacher_logits, ro.loss_mask, divergence="reverse_kl",
                                      temperature=temperature, aggregation=aggregation,
                                      num_tokens=normalisers["num_tokens"], num_seqs=normalisers["num_seqs"],
