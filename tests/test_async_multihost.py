@@ -94,3 +94,43 @@ def test_two_processes_train_asynchronously_like_one(runs):
     assert min(h["grad_norm"] for h in one["history"]) > 0  # it trained
     for a, b in zip(two_params, one_params, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=PARAM_ATOL)
+    # each kept checkpoint (steps 2 and 4) has its rollouts in flight in a file a process
+    assert two[0]["in_flight_files"] == [f"step_{s}.in_flight.process_{p}.json" for s in (2, 4) for p in (0, 1)]
+
+
+def _schedule_of(processes: int, monkeypatch, *, own_devices: bool, **sections):
+    """``OnlineTrainer.start_schedule`` for a GRPO config at staleness 1 as if in one of
+    ``processes`` processes (the actors stand in: the sampler's devices or none)."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from alignax.trainers.api import load_config
+    from alignax.trainers.online.trainer import OnlineTrainer
+
+    raw = {"algorithm": "grpo", "data": {"format": "prompt"}, "output_dir": "unused",
+           "rollout": {"old_logps": "sampler", "async": {"max_staleness": 1}}, **sections}
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    actors = SimpleNamespace(sampler_counterpart={"sampler": "learner"} if own_devices else None)
+    trainer = SimpleNamespace(config=load_config(data=raw), actors=actors, collector=SimpleNamespace(actors=actors))
+    return OnlineTrainer.start_schedule(trainer)
+
+
+def test_time_sliced_async_over_several_processes_is_refused_naming_the_key(monkeypatch):
+    """One device group over two processes: the two threads' collectives would share the
+    devices and could run in another order on each process. One line naming the key."""
+    from alignax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.async\.max_staleness=1 over 2 processes needs "
+                                          r"rollout\.async\.devices") as refused:
+        _schedule_of(2, monkeypatch, own_devices=False)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"rewards\.reward_models with rollout\.async\.max_staleness=1 runs in "
+                                          r"one process \(this run has 2\)"):
+        _schedule_of(2, monkeypatch, own_devices=True, rewards={"reward_models": ["some/folder"]})
+    schedule = _schedule_of(2, monkeypatch, own_devices=True)  # the sampler's own devices: accepted
+    assert schedule.sampler_devices == ["sampler"]
+    schedule.close()
+    schedule = _schedule_of(1, monkeypatch, own_devices=False)  # one process, time-sliced: accepted
+    assert schedule.sampler_devices is None
+    schedule.close()

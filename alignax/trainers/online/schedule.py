@@ -29,8 +29,13 @@ Time-sliced: both threads dispatch to the devices they were given (the sampler's
 ``rollout.mesh`` or the training mesh); overlap comes from whatever one side leaves idle
 (host decoding, reward code, the other's dispatch). With ``rollout.async.devices`` the
 sampler has a device group of its own (``Actors.sampler_mesh``) and the weights move there
-device to device. One process only (``OnlineTrainer.start_schedule``); the failure agreement
-and the per-process files below are written for several, which are not yet allowed.
+device to device. Over several processes only with that group of its own
+(``OnlineTrainer.start_schedule``): each thread's host collectives run on its own devices
+(:func:`~alignax.parallel.multihost.collectives_on`), and work that runs collectives on every
+device (Orbax's, a checkpoint's) waits for the sampler thread to be idle (:meth:`AsyncSchedule.drain`),
+so every device runs its programs in the same order on every process (docs/async-rollouts.md).
+Files beside the checkpoints are named by the step that needs them and removed once no kept
+checkpoint is that old (:meth:`AsyncSchedule.clean`).
 """
 
 from __future__ import annotations
