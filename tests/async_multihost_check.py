@@ -8,7 +8,8 @@ a checkpoint and an evaluation at rollout 2 (while rollout 3 is in flight) and a
 Run by tests/test_async_multihost.py with ``--xla_force_host_platform_device_count`` set:
 as 2 processes of 4 fake CPU devices (each process's first 2 are the learner's, its last 2
 the sampler's) and as 1 process of 8 (the first 4 the learner's, the last 4 the sampler's):
-the same mesh shapes, so the same programs. Prints one JSON line: each rollout's figures
+the same mesh shapes, so the same programs (two processes on CPU sample inline, on the
+learner's thread; one samples on its sampler thread). Prints one JSON line: each rollout's figures
 (timings left out), the evaluations, the devices each side ran on, and the final parameters'
 SHA-256; process 0 writes the final parameters to ``OUTPUT_DIR/params.npz`` (float32).
 """

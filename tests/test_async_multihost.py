@@ -1,7 +1,10 @@
 """Asynchronous rollouts over two JAX processes (gloo collectives on CPU, 4 fake devices
 each; the sampler on the last 2 of each process, the learner on the first 2) against one
-process with 8 (the sampler on the last 4): the same samples, figures and parameters.
-The runs are tests/async_multihost_check.py's; a run that hangs fails at the timeout."""
+process with 8 (the sampler on the last 4, on its own thread): the same samples, figures
+and parameters. On CPU the two processes sample inline, every program from the learner's
+thread (docs/async-rollouts.md: XLA's CPU client runs a process's multi-device programs one
+at a time in launch order, so two threads launching independently hung 1 run in 6). The runs
+are tests/async_multihost_check.py's; a run that hangs fails at the timeout."""
 
 from __future__ import annotations
 
@@ -79,7 +82,8 @@ def test_two_processes_train_asynchronously_like_one(runs):
     samples (every reward, length and evaluation figure equal), the update's figures within
     rtol 1e-5 and the final parameters within 1e-6 (see RTOL). The sampler and the learner
     ran on disjoint groups spanning both processes; the run checkpointed and evaluated at
-    rollout 2 with rollout 3 in flight."""
+    rollout 2 with rollout 3 in flight. The two processes sampled inline (CPU), the one
+    process on the sampler's thread: the same rollouts from the same weights."""
     two, one, two_params, one_params = runs
     for process, r in enumerate(two):
         assert (r["process"], r["processes"], r["devices"]) == (process, 2, 8)
@@ -98,9 +102,9 @@ def test_two_processes_train_asynchronously_like_one(runs):
     assert two[0]["in_flight_files"] == [f"step_{s}.in_flight.process_{p}.json" for s in (2, 4) for p in (0, 1)]
 
 
-def _schedule_of(processes: int, monkeypatch, *, own_devices: bool, **sections):
+def _schedule_of(processes: int, monkeypatch, *, own_devices: bool, backend: str = "cpu", **sections):
     """``OnlineTrainer.start_schedule`` for a GRPO config at staleness 1 as if in one of
-    ``processes`` processes (the actors stand in: the sampler's devices or none)."""
+    ``processes`` processes on ``backend`` (the actors stand in: the sampler's devices or none)."""
     from types import SimpleNamespace
 
     import jax
@@ -111,26 +115,35 @@ def _schedule_of(processes: int, monkeypatch, *, own_devices: bool, **sections):
     raw = {"algorithm": "grpo", "data": {"format": "prompt"}, "output_dir": "unused",
            "rollout": {"old_logps": "sampler", "async": {"max_staleness": 1}}, **sections}
     monkeypatch.setattr(jax, "process_count", lambda: processes)
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     actors = SimpleNamespace(sampler_counterpart={"sampler": "learner"} if own_devices else None)
     trainer = SimpleNamespace(config=load_config(data=raw), actors=actors, collector=SimpleNamespace(actors=actors))
-    return OnlineTrainer.start_schedule(trainer)
+    schedule = OnlineTrainer.start_schedule(trainer)
+    schedule.close()
+    return schedule
 
 
-def test_time_sliced_async_over_several_processes_is_refused_naming_the_key(monkeypatch):
-    """One device group over two processes: the two threads' collectives would share the
-    devices and could run in another order on each process. One line naming the key."""
+@pytest.mark.parametrize("processes, own_devices, backend, inline", [
+    (2, True, "cpu", True),    # XLA's CPU client: one multi-device program at a time, in launch order
+    (2, False, "cpu", True),   # time-sliced: both threads on the same devices
+    (2, False, "gpu", True),
+    (2, True, "gpu", False),   # each thread on its own devices
+    (1, True, "cpu", False),   # one process: nothing to keep in step
+    (1, False, "cpu", False),
+])
+def test_which_runs_sample_on_the_learners_thread(monkeypatch, processes, own_devices, backend, inline):
+    """Over several processes a schedule whose two threads would launch programs into one
+    queue samples inline (every program from the learner's thread, in one order on every
+    process); the two-process run above is such a run (CPU)."""
+    assert _schedule_of(processes, monkeypatch, own_devices=own_devices, backend=backend).inline is inline
+
+
+def test_reward_models_with_a_sampler_thread_over_several_processes_are_refused_naming_the_key(monkeypatch):
     from alignax.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"rollout\.async\.max_staleness=1 over 2 processes needs "
-                                          r"rollout\.async\.devices") as refused:
-        _schedule_of(2, monkeypatch, own_devices=False)
+    rewards = {"rewards": {"reward_models": ["some/folder"]}}
+    with pytest.raises(ConfigError, match=r"rewards\.reward_models with rollout\.async\.max_staleness=1 and "
+                                          r"rollout\.async\.devices over 2 processes") as refused:
+        _schedule_of(2, monkeypatch, own_devices=True, backend="gpu", **rewards)
     assert "\n" not in str(refused.value)
-    with pytest.raises(ConfigError, match=r"rewards\.reward_models with rollout\.async\.max_staleness=1 runs in "
-                                          r"one process \(this run has 2\)"):
-        _schedule_of(2, monkeypatch, own_devices=True, rewards={"reward_models": ["some/folder"]})
-    schedule = _schedule_of(2, monkeypatch, own_devices=True)  # the sampler's own devices: accepted
-    assert schedule.sampler_devices == ["sampler"]
-    schedule.close()
-    schedule = _schedule_of(1, monkeypatch, own_devices=False)  # one process, time-sliced: accepted
-    assert schedule.sampler_devices is None
-    schedule.close()
+    assert _schedule_of(2, monkeypatch, own_devices=True, backend="cpu", **rewards).inline  # one thread: accepted

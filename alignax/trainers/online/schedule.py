@@ -29,11 +29,13 @@ Time-sliced: both threads dispatch to the devices they were given (the sampler's
 ``rollout.mesh`` or the training mesh); overlap comes from whatever one side leaves idle
 (host decoding, reward code, the other's dispatch). With ``rollout.async.devices`` the
 sampler has a device group of its own (``Actors.sampler_mesh``) and the weights move there
-device to device. Over several processes only with that group of its own
-(``OnlineTrainer.start_schedule``): each thread's host collectives run on its own devices
-(:func:`~alignax.parallel.multihost.collectives_on`), and work that runs collectives on every
-device (Orbax's, a checkpoint's) waits for the sampler thread to be idle (:meth:`AsyncSchedule.drain`),
-so every device runs its programs in the same order on every process (docs/async-rollouts.md).
+device to device. Over several processes every process must start its programs in the same
+order: on CPU (XLA's client runs a process's multi-device programs one at a time, in launch
+order, across threads) and time-sliced, the schedule samples ``inline`` (each rollout where it
+is queued, on the learner's thread); with its own devices on an accelerator each thread's
+host collectives run on its own devices (:func:`~alignax.parallel.multihost.collectives_on`)
+and work with collectives on every device (Orbax's) waits for an idle sampler thread
+(:meth:`AsyncSchedule.drain`); see ``OnlineTrainer.start_schedule`` and docs/async-rollouts.md.
 Files beside the checkpoints are named by the step that needs them and removed once no kept
 checkpoint is that old (:meth:`AsyncSchedule.clean`).
 """
@@ -94,8 +96,11 @@ class AsyncSchedule:
     nowhere; a checkpoint then cannot carry them)."""
 
     def __init__(self, collector: Collector, max_staleness: int, *, directory: str | Path | None = None,
-                 kept_steps: Callable[[], list[int]] = list):
+                 kept_steps: Callable[[], list[int]] = list, inline: bool = False):
         self.collector, self.max_staleness = collector, max_staleness
+        # inline: each rollout is sampled on the learner's thread where it is queued (every
+        # program issued from one thread in one order; see OnlineTrainer.start_schedule)
+        self.inline = inline
         self.directory = None if directory is None else Path(directory)
         self.kept_steps = kept_steps  # the run's checkpoints on disk: whose files in directory are still needed
         # rollout.async.devices: the sampler thread's collectives and stray programs stay on its devices
@@ -139,7 +144,13 @@ class AsyncSchedule:
 
     def _queue(self, weights, prompt_batch: Mapping[str, Any], rollout_index: int, version: int) -> None:
         job = Job(Future(), rollout_index, version, prompt_batch, weights)
-        job.future = self.pool.submit(self._sample, job)
+        if self.inline:
+            try:
+                job.future.set_result(self._sample(job))
+            except Exception as err:  # noqa: BLE001 - raised where the learner takes this rollout, as threaded
+                job.future.set_exception(err)
+        else:
+            job.future = self.pool.submit(self._sample, job)
         self.in_flight.append(job)
 
     def _launch(self, state, prompt_batch: Mapping[str, Any], rollout_index: int, version: int) -> None:
