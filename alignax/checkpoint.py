@@ -54,10 +54,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.experimental import multihost_utils
 
 from alignax import paths
 from alignax.config import ConfigError
+from alignax.parallel import multihost
 
 REFERENCE_DIR = "reference"
 DIGEST_FILE = "alignax_digest.json"
@@ -182,21 +182,6 @@ def check_digest(root: str, *, base: str) -> str | None:
     return None
 
 
-def _all_processes_agree(ok: bool) -> bool:
-    """True when ``ok`` on every process (a collective call when there are several)."""
-    if jax.process_count() == 1:
-        return ok
-    return bool(np.all(multihost_utils.process_allgather(np.array(ok, np.int32))))
-
-
-def _process_zero_says(flag: bool) -> bool:
-    """Process 0's ``flag`` on every process (what one process sees of a shared directory
-    may lag another's)."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(multihost_utils.broadcast_one_to_all(np.array(flag, np.int32)))
-
-
 class Checkpointer:
     """Save and restore a run's checkpoints under one directory.
 
@@ -214,7 +199,7 @@ class Checkpointer:
                 with contextlib.suppress(OSError):
                     leftover.rmtree()
         if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("alignax: checkpoint directory ready")
+            multihost.barrier("alignax: checkpoint directory ready")
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
             enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=False,
@@ -243,7 +228,7 @@ class Checkpointer:
     def save_reference(self, reference_params: Any) -> None:
         """Write the frozen reference once, with its digest manifest; later calls are
         no-ops (it never changes)."""
-        if _process_zero_says(self.has_reference()):  # one answer for all: the save is collective
+        if multihost.process_zero_says(self.has_reference()):  # one answer for all: the save is collective
             return
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(epath.Path(self.reference_path), reference_params)
@@ -260,7 +245,7 @@ class Checkpointer:
             raise FileNotFoundError(f"no frozen reference saved under {self.reference_path}")
         problem = (check_digest(self.reference_path, base=self.directory)
                    if jax.process_index() == 0 else None)
-        if not _all_processes_agree(problem is None):
+        if not multihost.all_agree(problem is None):
             raise CorruptCheckpointError(
                 f"the frozen reference under {self.directory} is corrupt: "
                 f"{problem or 'digest mismatch reported by process 0'}")
@@ -383,7 +368,7 @@ class Checkpointer:
         """``((state, meta), None)`` for an intact step, ``(None, problem)`` otherwise."""
         problem = (check_digest(self.step_path(step), base=self.directory)
                    if jax.process_index() == 0 else None)
-        if not _all_processes_agree(problem is None):
+        if not multihost.all_agree(problem is None):
             return None, f"step {step}: {problem or 'digest mismatch reported by process 0'}"
         self._check_fit(step, abstract_state)
         result, problem = None, None
@@ -398,7 +383,7 @@ class Checkpointer:
             result = state, dict(meta, step=step)
         except Exception as exc:
             problem = self._restore_problem(step, item, exc)
-        if not _all_processes_agree(problem is None):
+        if not multihost.all_agree(problem is None):
             return None, problem or f"step {step}: restore failed on another process"
         return result, None
 

@@ -185,21 +185,27 @@ def test_a_failed_sampler_stops_the_run_and_the_resumed_run_repeats_the_uninterr
     full = train(async_config(tmp_path / "full", toy_model, staleness=1, steps=steps, rewards=rewards,
                               checkpoint={"enabled": False}), records=records)
     SAMPLER_FAULT.update(fail_on_batch=3, batches=0)  # batch 0: the evaluation at the start
+    kept = {"keep": 1}  # the resumed run's checkpoint of step 4 replaces step 2's, which it resumed from
+    in_flight = tmp_path / "split" / "async_in_flight"
     try:
         with pytest.raises(SamplerFailedError) as failed:
-            train(async_config(tmp_path / "split", toy_model, staleness=1, steps=steps, rewards=rewards),
-                  records=records)
+            train(async_config(tmp_path / "split", toy_model, staleness=1, steps=steps, rewards=rewards,
+                               checkpoint=kept), records=records)
         assert re.fullmatch(r"rollout 2: the sampler thread failed \(sampling with policy version 1\): "
                             r"RewardFunctionError: .*ConnectionError: the verifier dropped scored batch 3.*",
                             str(failed.value)), str(failed.value)
         assert "\n" not in str(failed.value)
-        assert (tmp_path / "split" / "async_in_flight" / "version_1.process_0.npz").exists()
-        resumed = train(async_config(tmp_path / "split", toy_model, staleness=1, steps=steps, rewards=rewards),
-                        records=records)
+        # the checkpoint of step 2 carries rollout 2 unsampled, with version 1's weights
+        assert sorted(p.name for p in in_flight.iterdir()) == ["step_2.version_1.process_0.npz"]
+        resumed = train(async_config(tmp_path / "split", toy_model, staleness=1, steps=steps, rewards=rewards,
+                                     checkpoint=kept), records=records)
     finally:
         SAMPLER_FAULT.update(fail_on_batch=None, batches=0)
     saved = 2  # the failed run stopped where the learner came to rollout 2, saving the state from before it
     assert [h["step"] for h in resumed.history] == [3, 4]
+    # consumed: the resumed run sampled rollout 2 again, and the checkpoint that needed the
+    # weights is no longer kept (keep 1), so async_in_flight/ is gone from the run directory
+    assert not in_flight.exists()
     for key in (*FIGURES, "async/staleness"):
         assert [h[key] for h in full.history[saved:]] == [h[key] for h in resumed.history], key
     for a, b in zip(jax.tree.leaves(jax.device_get(full.loop.state.params)),

@@ -30,7 +30,10 @@ service's host) was seen gone while process 1 sat 150 s in its shutdown.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import functools
+import hashlib
 import logging
 import math
 import os
@@ -38,12 +41,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from alignax.parallel.sharding import batch_sharding, fit_rows, place_array
 
@@ -316,15 +319,100 @@ def host_global(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 
 
+# The devices the host collectives of this thread run on (None: every device); see collectives_on
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def collectives_on(devices: Sequence[jax.Device] | None) -> Iterator[None]:
+    """Run this thread's host collectives (:func:`allgather_rows`, :func:`all_agree`,
+    :func:`process_zero_says`, :func:`barrier`) as programs on ``devices`` only (``None``:
+    every device, the default), one device of each process.
+
+    Why: a CPU device runs its programs one after another in the order they were issued. When
+    two threads of a process issue programs that are collectives across the processes (an
+    asynchronous run's sampler and learner), a program of one thread over *every* device can
+    be issued before the other thread's program on some device in one process and after it
+    in another; each process then waits for the other and the job hangs. Each thread's
+    collectives on its own device group keep every device's programs in one order on every
+    process. ``devices`` must include a device of each process."""
+    previous = getattr(_scope, "devices", None)
+    _scope.devices = None if devices is None else tuple(devices)
+    try:
+        yield
+    finally:
+        _scope.devices = previous
+
+
+def _collective_mesh() -> Mesh | None:
+    """A 1-D mesh of one device of each process, from this thread's :func:`collectives_on`
+    devices (``None``: every device, jax's own choice)."""
+    devices = getattr(_scope, "devices", None)
+    if devices is None:
+        return None
+    first: dict[int, jax.Device] = {}
+    for device in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        first.setdefault(device.process_index, device)
+    if sorted(first) != list(range(jax.process_count())):
+        raise ValueError(f"collectives_on: the devices {sorted(d.id for d in devices)} leave out a process "
+                         f"(they are processes {sorted(first)} of {jax.process_count()})")
+    return Mesh(np.array([first[p] for p in sorted(first)]), ("processes",))
+
+
+def _gathered(value: np.ndarray) -> np.ndarray:
+    """``[P, *value.shape]``: every process's ``value`` (same shape and dtype), in process
+    order, on every process: a collective over this thread's devices (:func:`collectives_on`)."""
+    mesh = _collective_mesh()
+    if mesh is None:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value))
+    mine = mesh.devices.flat[jax.process_index()]
+    rows = NamedSharding(mesh, jax.sharding.PartitionSpec("processes"))
+    shape = (jax.process_count(), *value.shape)
+    placed = jax.make_array_from_single_device_arrays(shape, rows, [jax.device_put(value[None], mine)])
+    whole = _whole_on(placed, NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return np.asarray(whole.addressable_data(0))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _whole_on(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def allgather_rows(value: np.ndarray) -> np.ndarray:
-    """This process's host rows concatenated with every other process's, in process order."""
+    """This process's host rows concatenated with every other process's, in process order
+    (a collective over this thread's devices, :func:`collectives_on`)."""
     value = np.asarray(value)
     if jax.process_count() == 1:
         return value
-    from jax.experimental import multihost_utils
+    return _gathered(value).reshape(-1, *value.shape[1:])
 
-    gathered = np.asarray(multihost_utils.process_allgather(value))
-    return gathered.reshape(-1, *value.shape[1:])
+
+def all_agree(ok: bool) -> bool:
+    """True when ``ok`` on every process (a collective with several)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(allgather_rows(np.array([ok], np.int32))))
+
+
+def process_zero_says(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (a collective with several)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(allgather_rows(np.array([flag], np.int32))[0])
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have come (a collective with several): and they
+    came to the same ``name``, else a ``RuntimeError`` naming both."""
+    if jax.process_count() == 1:
+        return
+    code = np.frombuffer(hashlib.sha256(name.encode()).digest()[:8], np.int32)
+    codes = _gathered(code)
+    if not (codes == code).all():
+        raise RuntimeError(f"barrier {name!r}: process {int(np.argmax((codes != code).any(axis=1)))} is at "
+                           "another barrier")
 
 
 def agreed_reasons(raised: Mapping[str, str], names: Sequence[str], *, width: int = 1024) -> dict[str, str]:

@@ -34,10 +34,10 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from alignax.checkpoint import Checkpointer, CheckpointWriteError
 from alignax.metrics import MetricWriter, to_host
+from alignax.parallel import multihost
 from alignax.trainers.engine.step import StepOutput, TrainState
 
 log = logging.getLogger("alignax")
@@ -133,7 +133,7 @@ class _StopSignals:
         if jax.process_count() == 1:
             return self.received
         try:
-            codes = multihost_utils.process_allgather(np.array(_STOP_CODES.index(self.received), np.int32))
+            codes = multihost.allgather_rows(np.array([_STOP_CODES.index(self.received)], np.int32))
         except Exception as err:
             if self.received is None:
                 raise

@@ -49,12 +49,12 @@ import jax
 import numpy as np
 import yaml
 from etils import epath
-from jax.experimental import multihost_utils
 
 from alignax import config as config_io
 from alignax import paths
 from alignax.trackers import TRACKER_IDS
 from alignax.config import ConfigError
+from alignax.parallel import multihost
 from alignax.trainers.config import TrainConfig, rename_sections
 
 log = logging.getLogger("alignax")
@@ -256,7 +256,7 @@ class RunDirectory:
             self.close()
             raise
         if jax.process_count() > 1:  # one verdict for all, and the others wait for an --overwrite
-            refused = np.asarray(multihost_utils.process_allgather(np.array(error is not None, np.int32)))
+            refused = multihost.allgather_rows(np.array([error is not None], np.int32))
             if refused.any() and error is None:
                 error = RunDirectoryError(f"{self.path}: process {int(np.argmax(refused))} refused the output "
                                           "directory (its log says why)")

@@ -187,6 +187,13 @@ class Guard:
             self.best.checkpointer.delete_after(-1)
             self.best_gold = None
 
+    @property
+    def touches_devices(self) -> bool:
+        """Whether acting may run programs beyond the training mesh's: a gold point samples
+        (on the sampler's mesh), a rollback restores a checkpoint (Orbax: collectives over
+        every device)."""
+        return self.gold is not None or "rollback" in self.actions.values()
+
     def retune_learning_rate(self, factor: float) -> None:
         self.lr_scale *= factor
         self.scale_learning_rate(factor)

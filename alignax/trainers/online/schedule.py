@@ -29,8 +29,15 @@ Time-sliced: both threads dispatch to the devices they were given (the sampler's
 ``rollout.mesh`` or the training mesh); overlap comes from whatever one side leaves idle
 (host decoding, reward code, the other's dispatch). With ``rollout.async.devices`` the
 sampler has a device group of its own (``Actors.sampler_mesh``) and the weights move there
-device to device. One process only (``OnlineTrainer.start_schedule``); the failure agreement
-and the per-process files below are written for several, which are not yet allowed.
+device to device. Over several processes every process must start its programs in the same
+order: on CPU (XLA's client runs a process's multi-device programs one at a time, in launch
+order, across threads) and time-sliced, the schedule samples ``inline`` (each rollout where it
+is queued, on the learner's thread); with its own devices on an accelerator each thread's
+host collectives run on its own devices (:func:`~alignax.parallel.multihost.collectives_on`)
+and work with collectives on every device (Orbax's) waits for an idle sampler thread
+(:meth:`AsyncSchedule.drain`); see ``OnlineTrainer.start_schedule`` and docs/async-rollouts.md.
+Files beside the checkpoints are named by the step that needs them and removed once no kept
+checkpoint is that old (:meth:`AsyncSchedule.clean`).
 """
 
 from __future__ import annotations
@@ -38,12 +45,14 @@ from __future__ import annotations
 import base64
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import json
+import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,7 +60,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from alignax.parallel.multihost import allgather_rows
+from alignax.parallel.multihost import allgather_rows, collectives_on
 from alignax.sampling.scored import Groups
 from alignax.trainers.online.collect import Collector, RolloutBatch, Sampled
 
@@ -86,9 +95,17 @@ class AsyncSchedule:
     ``directory``: where a checkpoint's unsampled rollouts keep their weights (``None``:
     nowhere; a checkpoint then cannot carry them)."""
 
-    def __init__(self, collector: Collector, max_staleness: int, *, directory: str | Path | None = None):
+    def __init__(self, collector: Collector, max_staleness: int, *, directory: str | Path | None = None,
+                 kept_steps: Callable[[], list[int]] = list, inline: bool = False):
         self.collector, self.max_staleness = collector, max_staleness
+        # inline: each rollout is sampled on the learner's thread where it is queued (every
+        # program issued from one thread in one order; see OnlineTrainer.start_schedule)
+        self.inline = inline
         self.directory = None if directory is None else Path(directory)
+        self.kept_steps = kept_steps  # the run's checkpoints on disk: whose files in directory are still needed
+        # rollout.async.devices: the sampler thread's collectives and stray programs stay on its devices
+        own = collector.actors.sampler_counterpart
+        self.sampler_devices = None if own is None else list(own)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignax-sampler")
         self.in_flight: collections.deque[Job] = collections.deque()
         self._restored: list[dict[str, Any]] = []  # a checkpoint's rollouts in flight, queued by the first collect
@@ -104,17 +121,36 @@ class AsyncSchedule:
                 self._sampler_idle_s += time.perf_counter() - self._sampler_free_since
             self._sampler_free_since = None
         try:
-            sampled = self.collector.sample(job.weights, job.prompts, iter(()), rollout_index=job.rollout_index,
-                                            version=job.version)
+            with self._on_sampler_devices():
+                sampled = self.collector.sample(job.weights, job.prompts, iter(()), rollout_index=job.rollout_index,
+                                                version=job.version)
             job.weights = None  # sampled: a checkpoint carries the samples, not the weights
             return sampled
         finally:
             with self._lock:
                 self._sampler_free_since = time.perf_counter()
 
+    def _on_sampler_devices(self) -> contextlib.AbstractContextManager:
+        """On the sampler thread, with devices of its own: its host collectives
+        (:func:`~alignax.parallel.multihost.collectives_on`) and the programs it makes without
+        a mesh (a rollout's key) on those devices, never on the learner's."""
+        if self.sampler_devices is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(collectives_on(self.sampler_devices))
+        stack.enter_context(jax.default_device(next(d for d in self.sampler_devices
+                                                    if d.process_index == jax.process_index())))
+        return stack
+
     def _queue(self, weights, prompt_batch: Mapping[str, Any], rollout_index: int, version: int) -> None:
         job = Job(Future(), rollout_index, version, prompt_batch, weights)
-        job.future = self.pool.submit(self._sample, job)
+        if self.inline:
+            try:
+                job.future.set_result(self._sample(job))
+            except Exception as err:  # noqa: BLE001 - raised where the learner takes this rollout, as threaded
+                job.future.set_exception(err)
+        else:
+            job.future = self.pool.submit(self._sample, job)
         self.in_flight.append(job)
 
     def _launch(self, state, prompt_batch: Mapping[str, Any], rollout_index: int, version: int) -> None:
@@ -178,19 +214,44 @@ class AsyncSchedule:
         the rollouts it queued are left out, the one it took stays. A rollout whose sampling
         raised is carried as its prompts and the weights it was queued with (written under
         ``directory``, a file per process), to be sampled again on resume."""
+        self.drain()  # and the checkpoint's collectives (Orbax's over every device) then meet an idle sampler
         kept = list(self.in_flight)[: len(self.in_flight) - self._opened]
+        if not kept:
+            return []
+        step = kept[0].rollout_index  # the checkpoint's: the rollout its state learns from next
+        self.clean(keep=step)
         saved = []
         for job in kept:
             if job.future.exception() is None:
                 saved.append(sampled_to_json(job.result()))
             else:
-                saved.append(self._unsampled_to_json(job))
-        if jax.process_count() == 1 or not saved:
+                saved.append(self._unsampled_to_json(job, step))
+        if jax.process_count() == 1:
             return saved
         # each process's rows are its own: a file per process, the checkpoint's meta names it
-        name = f"in_flight_{kept[0].rollout_index}"
+        name = f"step_{step}.in_flight"
         self._directory(kept[0]).joinpath(f"{name}.process_{jax.process_index()}.json").write_text(json.dumps(saved))
         return [{"per_process": name}]
+
+    def clean(self, *, keep: int | None = None) -> None:
+        """Remove this process's files under ``directory`` that no checkpoint on disk needs:
+        those written for a step older than the oldest checkpoint kept (``keep``: a step being
+        saved now, whose files stay). A resumed run's unsampled rollouts' weights thus go once
+        the checkpoint it resumed from is no longer kept (a newer checkpoint carries them as
+        samples). Nothing goes while no checkpoint is on disk; a save still being committed
+        is newer than every kept one, so its files stay."""
+        if self.directory is None or not self.directory.is_dir():
+            return
+        steps = [*self.kept_steps(), *([] if keep is None else [keep])]
+        if not steps:
+            return
+        oldest, suffix = min(steps), f".process_{jax.process_index()}"
+        for path in self.directory.iterdir():
+            match = re.fullmatch(r"step_(\d+)\..*", path.name)
+            if match and int(match.group(1)) < oldest and path.stem.endswith(suffix):
+                path.unlink(missing_ok=True)
+        if not any(self.directory.iterdir()):
+            self.directory.rmdir()
 
     def _directory(self, job: Job) -> Path:
         if self.directory is None:
@@ -199,8 +260,8 @@ class AsyncSchedule:
         self.directory.mkdir(parents=True, exist_ok=True)
         return self.directory
 
-    def _unsampled_to_json(self, job: Job) -> dict[str, Any]:
-        name = f"version_{job.version}.process_{jax.process_index()}.npz"  # each process its own shards
+    def _unsampled_to_json(self, job: Job, step: int) -> dict[str, Any]:
+        name = f"step_{step}.version_{job.version}.process_{jax.process_index()}.npz"  # each process its own shards
         write_weights(self._directory(job) / name, job.weights)
         return {"unsampled": True, "rollout_index": job.rollout_index, "version": job.version,
                 "prompts": {k: _value_json(v) for k, v in job.prompts.items()}, "weights": name}
@@ -226,8 +287,7 @@ class AsyncSchedule:
                 continue
             if template is None:
                 template = self.collector.actors.sampling_state(state.params)
-            weights = read_weights(self.directory / f"version_{item['version']}.process_{jax.process_index()}.npz",
-                                   template)
+            weights = read_weights(self.directory / item["weights"], template)
             prompts = {k: _json_value(v) for k, v in item["prompts"].items()}
             self._queue(weights, prompts, int(item["rollout_index"]), int(item["version"]))
         self._restored = []
@@ -238,11 +298,13 @@ class AsyncSchedule:
         concurrent.futures.wait([job.future for job in self.in_flight])
 
     def close(self) -> None:
-        """Stop the sampler thread (rollouts still queued past the run's end are dropped)."""
+        """Stop the sampler thread (rollouts still queued past the run's end are dropped), and
+        :meth:`clean` after the run's last checkpoint."""
         for job in self.in_flight:
             job.future.cancel()
         self.pool.shutdown(wait=True)
         self.in_flight.clear()
+        self.clean()
 
 
 # ---------------------------------------------------------------------- the sampler's weights <-> a file

@@ -21,6 +21,7 @@ a sampler thread and the learner); every batch records the policy version it was
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -33,8 +34,10 @@ from flax import nnx
 from alignax import evaluation
 from alignax.config import ConfigError
 from alignax.data import prepare_dataset
+from alignax.parallel.multihost import collectives_on
 from alignax.parallel.placement import place_optimizer_state
 from alignax.trainers.config import TrainConfig
+from alignax.trainers.engine.rundir import checkpoint_steps
 from alignax.trainers.engine.session import Session, TrainResult, init_state_on_mesh
 from alignax.trainers.engine.step import StepOutput, TrainState
 from alignax.trainers.online.actors import Actors
@@ -45,6 +48,8 @@ from alignax.trainers.online.monitoring import AlarmSettings, Alarms, step_figur
 from alignax.trainers.online.rollout import Minibatch, RowLayout
 from alignax.trainers.online.schedule import AsyncSchedule
 from alignax.trainers.online.update import Learner, Observer, UpdateResult
+
+log = logging.getLogger("alignax")
 
 CONSOLE_KEYS = ("reward/total", "reward/answer", "kl/ref_seq", "entropy", "response/length_mean")
 
@@ -189,26 +194,65 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ the run
     def start_schedule(self) -> AsyncSchedule | None:
-        """The asynchronous schedule of ``rollout.async.max_staleness > 0`` (one process only:
-        the learner thread's collectives over every device, such as the figures' gathers,
-        can deadlock against the sampler thread's on its devices; seen with two gloo
-        processes, docs/async-rollouts.md)."""
+        """The asynchronous schedule of ``rollout.async.max_staleness > 0``.
+
+        Over several processes the two threads' programs must start in the same order on
+        every process, else a collective of one waits for a peer still in the other's. XLA's
+        CPU client runs a process's multi-device programs one at a time in the order they
+        were launched, whichever thread and devices (``PjRtCpuClient``'s last collective
+        launch event), so on CPU, and time-sliced on any backend (both threads on the same
+        devices), the schedule samples inline: each rollout where it is queued, on the
+        learner's thread (the same rollouts from the same weights; nothing overlaps). With
+        ``rollout.async.devices`` on an accelerator each thread keeps to its own devices
+        (:meth:`train`); reward models are then refused (the sampler thread would score on
+        the learner's devices)."""
         staleness = self.config.rollout.async_.max_staleness
         if staleness == 0:
             return None
-        if jax.process_count() > 1:
-            raise ConfigError(f"rollout.async.max_staleness={staleness} runs in one process; this run has "
-                             f"{jax.process_count()} (use max_staleness 0)")
-        return AsyncSchedule(self.collector, staleness, directory=Path(self.config.output_dir) / "async_in_flight")
+        processes = jax.process_count()
+        inline = processes > 1 and (self.actors.sampler_counterpart is None or jax.default_backend() == "cpu")
+        if processes > 1 and not inline and self.config.rewards.reward_models:
+            raise ConfigError(f"rewards.reward_models with rollout.async.max_staleness={staleness} and "
+                              f"rollout.async.devices over {processes} processes: the sampler thread would score on "
+                              "the learner's devices; use rule rewards or max_staleness 0")
+        if inline:
+            log.info("rollout.async.max_staleness=%d over %d processes on %s%s: each rollout is sampled on the "
+                     "learner's thread, where it is queued (the same rollouts; no overlap)", staleness, processes,
+                     jax.default_backend(), "" if self.actors.sampler_counterpart else " without rollout.async.devices")
+        output_dir = self.config.output_dir
+        return AsyncSchedule(self.collector, staleness, directory=Path(output_dir) / "async_in_flight",
+                             kept_steps=lambda: checkpoint_steps(output_dir), inline=inline)
 
     def train(self) -> TrainResult:
+        """The run. With an asynchronous sampler on devices of its own, every host collective
+        of this (the learner's) thread runs on the learner's devices
+        (:func:`~alignax.parallel.multihost.collectives_on`; the sampler thread's on its own),
+        and the work that runs collectives on every device (Orbax's checkpoint barriers, an
+        evaluation or a gold point on the sampler's mesh, a rollback's restore) waits for the
+        sampler thread to be idle first (:meth:`AsyncSchedule.drain`): every device then runs
+        its programs in the same order on every process."""
         self.schedule = self.start_schedule()
+        split = self.schedule is not None and self.schedule.sampler_devices is not None and not self.schedule.inline
         try:
-            return self._train()
+            with collectives_on(list(self.mesh.devices.flat) if split else None):
+                return self._train()
         finally:
             if self.schedule is not None:
                 self.schedule.close()
             self.schedule = None
+
+    def quiesced(self, guard):
+        """``guard`` run with the sampler thread idle when it may touch devices beyond the
+        learner's (a gold point samples, a rollback restores a checkpoint) in a multi-process
+        asynchronous run; else ``guard`` itself."""
+        if self.schedule is None or self.schedule.inline or jax.process_count() == 1 or not guard.touches_devices:
+            return guard
+
+        def drained(step, state, metrics):
+            self.schedule.drain()
+            return guard(step, state, metrics)
+
+        return drained
 
     def _train(self) -> TrainResult:
         config, learner, schedule = self.config, self.learner, self.schedule
@@ -244,7 +288,8 @@ class OnlineTrainer:
                     eval_fn=session.reporting_eval(lambda st: self.evaluate(st.params),
                                                    step_of=lambda st: st.extra["rollouts"])
                     if self.has_evaluation() else None,
-                    meta_fn=meta, progress=lambda st: st.extra["rollouts"], count_batch_tokens=None, guard=guard,
+                    meta_fn=meta, progress=lambda st: st.extra["rollouts"], count_batch_tokens=None,
+                    guard=self.quiesced(guard),
                 )
             finally:
                 guard.finish()
