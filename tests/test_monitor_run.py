@@ -255,6 +255,12 @@ def test_a_gold_scorer_the_training_reward_weighs_is_refused_under_any_name(tmp_
     # scorers apart: accepted (a function of the gold's own, the training reward's verifier)
     load_config(data={**GRPO, "monitor": {"gold": {**GOLD, "rewards": {
         "verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}}}})
+    # on-policy distillation follows its teacher and only logs rewards: the verifier may be its gold, and the
+    # rewards section itself too
+    distill = {"algorithm": "onpolicy_distill", "distill": {"teacher": {"name": "smollm2-135m-instruct"}}}
+    for gold_rewards in ({"verifier_weight": 1.0, "format_weight": 0.5}, {}):
+        config = load_config(data={**GRPO, **distill, "monitor": {"gold": {**GOLD, "rewards": gold_rewards}}})
+        assert config.monitor.gold.prompts is not None
 
 
 @pytest.mark.slow  # the tool's two arms; the rollback in a run is covered fast above

@@ -74,6 +74,9 @@ class Algorithm:
         reference's place (distillation's teacher; the estimator counts it at its own size).
       clips: when its policy loss holds the ratio to a bound, so the clip fraction it logs
         means something (``monitor.clip_fraction`` is read then only).
+      trains_on_rewards: when its updates follow ``rewards:`` (online: the advantages come
+        from them), so a gold scorer must not be one of them; on-policy distillation follows
+        its teacher and only logs the rewards.
     """
 
     name: str
@@ -96,6 +99,7 @@ class Algorithm:
     estimate_as: Callable[[TrainConfig], TrainConfig] | None = None
     teacher: Callable[[TrainConfig], Any] | None = None
     clips: Cond = NEVER
+    trains_on_rewards: Cond = ALWAYS
 
     @property
     def head(self) -> Literal["lm", "scalar"]:
@@ -496,7 +500,7 @@ ENTRIES: tuple[Algorithm, ...] = (
     Algorithm("onpolicy_distill", "online", ("causal_lm",), onpolicy_distill.build_algorithm,
               ("onpolicy_distill", "distill"), _formats("prompt"), reference=ALWAYS, lora=False,
               rules=DISTILL_RULES, constraints=(_teacher_named, _exact_teacher_beside_the_student, _exact_has_no_ratio),
-              teacher=_teacher_spec, clips=Is("onpolicy_distill.estimator", "sampled")),
+              teacher=_teacher_spec, clips=Is("onpolicy_distill.estimator", "sampled"), trains_on_rewards=NEVER),
 )
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}

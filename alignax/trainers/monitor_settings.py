@@ -40,11 +40,13 @@ def _ranges(m: MonitorSection) -> str | None:
     return None
 
 
-def _shared_scorer(gold: RewardConfig, train: RewardConfig, trained_models: Sequence[tuple[str, str]]) -> str | None:
+def _shared_scorer(gold: RewardConfig, train: RewardConfig | None,
+                   trained_models: Sequence[tuple[str, str]]) -> str | None:
     """A scorer of the gold reward that the training reward weighs too, under whatever name
-    (:func:`alignax.rewards.composite.scorers`; ``trained_models``: ``(key, folder)`` of the
-    algorithm's own scoring models), in words naming both keys; or None."""
-    trained = {identity: f"rewards.{key}" for key, identity in scorers(train)}
+    (:func:`alignax.rewards.composite.scorers`; ``train``: None when the updates do not follow
+    ``rewards:``; ``trained_models``: ``(key, folder)`` of the algorithm's own scoring models),
+    in words naming both keys; or None."""
+    trained = {identity: f"rewards.{key}" for key, identity in scorers(train)} if train is not None else {}
     trained.update({f"the model {model_identity(folder)}": key for key, folder in trained_models})
     for key, identity in scorers(gold):
         if identity in trained:
@@ -60,10 +62,13 @@ def actions(m: MonitorSection) -> dict[str, str]:
     return {name: getattr(m, name).action for name in ALARMS}
 
 
-def problem(config: TrainConfig, section: str, trained_models: Sequence[tuple[str, str]] = ()) -> str | None:
+def problem(config: TrainConfig, section: str, trained_models: Sequence[tuple[str, str]] = (),
+            trains_on_rewards: bool = True) -> str | None:
     """The first problem of ``config.monitor`` in words naming its keys (``section``: the
     online algorithm's own section, which holds ``kl_coef``; ``trained_models``: ``(key,
-    folder)`` of the scoring models the algorithm trains with beyond ``rewards:``), or None."""
+    folder)`` of the scoring models the algorithm trains with beyond ``rewards:``;
+    ``trains_on_rewards``: whether its updates follow ``rewards:``, which the gold scorer must
+    then differ from), or None."""
     m = config.monitor
     found = _ranges(m)
     if found:
@@ -76,11 +81,13 @@ def problem(config: TrainConfig, section: str, trained_models: Sequence[tuple[st
         return (f"monitor.{rollbacks[0]}.action=rollback with rollout.async.max_staleness="
                 f"{config.rollout.async_.max_staleness}: batches in flight were sampled before the rollback; use "
                 "action stop, or max_staleness 0")
-    if m.gold.prompts is not None and m.gold.rewards == config.rewards:
+    if m.gold.prompts is not None and trains_on_rewards and m.gold.rewards == config.rewards:
         return ("monitor.gold.rewards is the training reward (rewards): a gold signal must be scored by something "
                 "the policy is not trained on; set monitor.gold.rewards to another verifier, judge, reward model "
                 "or function")
-    shared = _shared_scorer(m.gold.rewards, config.rewards, trained_models) if m.gold.prompts is not None else None
+    training_rewards = config.rewards if trains_on_rewards else None
+    shared = (_shared_scorer(m.gold.rewards, training_rewards, trained_models)
+              if m.gold.prompts is not None else None)
     if shared:
         return shared
     if m.gold.prompts is not None and config.env.name is not None:

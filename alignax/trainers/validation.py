@@ -457,7 +457,8 @@ def _monitor(config):
     gold scorer that is not the training reward, a KL coefficient for the factors to move."""
     if not ONLINE(config):
         return None
-    return monitor_settings.problem(config, _online_section(config), trained_models=_own_scoring_models(config))
+    return monitor_settings.problem(config, _online_section(config), trained_models=_own_scoring_models(config),
+                                    trains_on_rewards=algorithm(config.algorithm).trains_on_rewards(config))
 
 
 def _data_files(config):
