@@ -12,11 +12,12 @@ keys (wandb's run config; MLflow's params). Neither package is a dependency of a
   (``mlflow ui --backend-store-uri <output_dir>/mlruns``); any URI MLflow takes works.
 
 A resumed run continues the same tracker run: its id is kept in
-``<output_dir>/trackers.json``, written when the run starts, with the last step each tracker
-was sent and the figures of that step it holds. A run stopped between checkpoints repeats the
-steps since its last checkpoint exactly when resumed; those the tracker already holds are not
-sent again (MLflow would keep both equal values of a step, and an online wandb run refuses steps
-below its last), the rest of a step cut short are (:meth:`TrackerIds.unsent`). A tracker run ends as the run did
+``<output_dir>/trackers.json``, written when the run starts. A run stopped between checkpoints
+repeats the steps since its last checkpoint exactly when resumed: the figures a tracker already
+holds with the same value are not sent again (MLflow would keep both equal values of a step),
+others are (:class:`SentLog`: a step cut short, a resume with changes). An online wandb run
+refuses steps below its last, so there only the offline run folder and MLflow keep figures a
+resumed run sends for earlier steps. A tracker run ends as the run did
 (:meth:`MultiWriter.record_outcome <alignax.metrics.MultiWriter.record_outcome>`):
 ``finished``, ``killed`` (stopped by SIGTERM or SIGINT after saving, to be resumed) or
 ``failed`` (an error, an alarm's stop): MLflow's run status ``FINISHED`` / ``KILLED`` /
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import uuid
 from collections.abc import Mapping
@@ -37,6 +39,7 @@ from typing import Any, Literal
 from alignax import config as config_io
 from alignax import paths
 from alignax.config import ConfigError
+from alignax.metrics import JsonlWriter, read_jsonl
 
 TRACKER_IDS = "trackers.json"
 
@@ -83,46 +86,48 @@ OUTCOMES = ("finished", "killed", "failed")
 
 
 class TrackerIds:
-    """An output directory's ``trackers.json``: each tracker's run id, so that a resumed run
-    logs into the run it started, and (under ``"sent"``) the step each tracker was last sent
-    with the figures of that step, so that the steps a resumed run repeats are not sent twice."""
+    """The tracker run ids of an output directory (``trackers.json``), so a resumed run logs
+    into the run it started."""
 
     def __init__(self, output_dir: str):
         self.path = os.path.join(output_dir, TRACKER_IDS)
         target = paths.as_path(self.path)
-        stored = json.loads(target.read_text()) if target.exists() else {}
-        self.sent: dict[str, list] = stored.pop("sent", {})
-        self.ids: dict[str, str] = stored
-        self._resume_marks = dict(self.sent)  # what the run's earlier processes sent
+        self.ids: dict[str, str] = json.loads(target.read_text()) if target.exists() else {}
 
     def remember(self, tracker: str, run_id: str) -> None:
         self.ids[tracker] = run_id
-        self._save()
+        paths.write_text(self.path, json.dumps(self.ids, indent=1))
 
-    def unsent(self, tracker: str, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
-        """The figures of ``metrics`` at ``step`` to send to ``tracker``, recorded as sent.
 
-        A resumed run repeats the steps from its checkpoint to where the previous process
-        stopped: until a step goes past the last one that process sent, the steps before it
-        are left out and, at it, the figures it sent. After that everything is sent (a
-        monitor's rollback sends its steps again, with their new figures, as a new stretch)."""
-        mark = self._resume_marks.get(tracker)
-        if mark is not None:
-            mark_step, mark_keys = mark
-            if step < mark_step:
-                return {}
-            if step == mark_step:
-                metrics = {k: v for k, v in metrics.items() if k not in set(mark_keys)}
-            else:
-                del self._resume_marks[tracker]
-        last_step, last_keys = self.sent.get(tracker, (None, []))
-        held = set(last_keys) if last_step == step else set()
-        self.sent[tracker] = [int(step), sorted(held | set(metrics))]
-        self._save()
-        return dict(metrics)
+class SentLog:
+    """What a tracker was sent, ``<output_dir>/<tracker>_sent.jsonl`` (a
+    :class:`~alignax.metrics.JsonlWriter` file), so that a resumed run leaves out the figures
+    it repeats: those the run's earlier processes sent at the same step with the same value.
+    A figure that differs (a resume with changes, from an earlier step), or that no earlier
+    process sent (a step cut short, an evaluation at the start), is sent."""
 
-    def _save(self) -> None:
-        paths.write_text(self.path, json.dumps({**self.ids, "sent": self.sent}, indent=1))
+    def __init__(self, output_dir: str, tracker: str):
+        path = os.path.join(output_dir, f"{tracker}_sent.jsonl")
+        rows = read_jsonl(path) if paths.as_path(path).exists() else []
+        self._earlier = {(int(row["step"]), key): value for row in rows for key, value in row.items()
+                         if key not in ("step", "time")}
+        self._log = JsonlWriter(path)
+
+    def unsent(self, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The figures of ``metrics`` at ``step`` that no earlier process sent with this value."""
+        def sent_before(key: str, value: float) -> bool:
+            earlier = self._earlier.get((step, key))
+            return earlier is not None and (earlier == float(value) or (math.isnan(earlier) and math.isnan(value)))
+
+        return {key: float(value) for key, value in metrics.items() if not sent_before(key, float(value))}
+
+    def record(self, step: int, figures: Mapping[str, float]) -> None:
+        """``figures`` went out at ``step`` (after the tracker took them)."""
+        if figures:
+            self._log.write(step, figures)
+
+    def close(self) -> None:
+        self._log.close()
 
 
 def _checked_outcome(outcome: str) -> str:
@@ -144,18 +149,20 @@ class WandbWriter:
                                tags=list(section.tags), dir=output_dir, config=flat(config),
                                settings=wandb.Settings(silent=True, console="off"))
         ids.remember("wandb", run_id)
-        self._ids, self.outcome = ids, "finished"
+        self._sent, self.outcome = SentLog(output_dir, "wandb"), "finished"
         self.run_dir = self._run.dir  # <output_dir>/wandb/<offline-run-...>/files
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        fresh = self._ids.unsent("wandb", int(step), metrics)
+        fresh = self._sent.unsent(int(step), metrics)
         if fresh:
-            self._run.log({k: float(v) for k, v in fresh.items()}, step=int(step))
+            self._run.log(fresh, step=int(step))
+            self._sent.record(int(step), fresh)
 
     def record_outcome(self, outcome: str) -> None:
         self.outcome = _checked_outcome(outcome)
 
     def close(self) -> None:
+        self._sent.close()
         self._run.finish(exit_code=0 if self.outcome == "finished" else 1)
 
 
@@ -191,7 +198,7 @@ class MlflowWriter:
             ids.remember("mlflow", run_id)
         else:
             self._client.update_run(run_id, status="RUNNING")  # a resumed run is running again
-        self.run_id, self._ids, self.outcome = run_id, ids, "finished"
+        self.run_id, self._sent, self.outcome = run_id, SentLog(output_dir, "mlflow"), "finished"
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         import time
@@ -199,15 +206,17 @@ class MlflowWriter:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        fresh = self._ids.unsent("mlflow", int(step), metrics)
-        batch = [Metric(_mlflow_key(k), float(v), now, int(step)) for k, v in fresh.items()]
+        fresh = self._sent.unsent(int(step), metrics)
+        batch = [Metric(_mlflow_key(k), v, now, int(step)) for k, v in fresh.items()]
         for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics a call
             self._client.log_batch(self.run_id, metrics=batch[start:start + 1000])
+        self._sent.record(int(step), fresh)
 
     def record_outcome(self, outcome: str) -> None:
         self.outcome = _checked_outcome(outcome)
 
     def close(self) -> None:
+        self._sent.close()
         self._client.set_terminated(self.run_id, status=self.outcome.upper())
 
 
@@ -243,5 +252,5 @@ def tracker_writers(logging_section, output_dir: str, run_config: Any) -> list[A
     return writers
 
 
-__all__ = ["MlflowSection", "MlflowWriter", "OUTCOMES", "TRACKER_IDS", "TrackerIds", "WandbSection", "WandbWriter", "flat",
+__all__ = ["MlflowSection", "MlflowWriter", "OUTCOMES", "SentLog", "TRACKER_IDS", "TrackerIds", "WandbSection", "WandbWriter", "flat",
            "tracker_writers"]

@@ -14,7 +14,7 @@ import pytest
 
 from alignax.config import ConfigError
 from alignax.metrics import read_jsonl
-from alignax.trackers import TRACKER_IDS, TrackerIds, _import, flat
+from alignax.trackers import TRACKER_IDS, SentLog, _import, flat
 from alignax.trainers.api import train
 from alignax.trainers.engine.session import Session
 from tests.support import wandb_log
@@ -80,7 +80,7 @@ def test_a_resumed_run_logs_into_the_same_tracker_runs(tmp_path, toy_model):
         ids = json.load(f)
     second = _run(out, toy_model, 4)  # the same command with more steps: resumes at step 2
     with open(os.path.join(second.output_dir, TRACKER_IDS)) as f:
-        assert {k: v for k, v in json.load(f).items() if k != "sent"} == {k: v for k, v in ids.items() if k != "sent"}
+        assert json.load(f) == ids
     client, _ = _mlflow(second.output_dir)
     assert sorted(m.step for m in client.get_metric_history(ids["mlflow"], "loss")) == [1, 2, 3, 4]
     assert len(client.search_runs([client.get_run(ids["mlflow"]).info.experiment_id])) == 1
@@ -110,7 +110,8 @@ def test_steps_a_resumed_run_repeats_are_not_sent_to_the_trackers_twice(tmp_path
     first = _run(out, toy_model, 4)
     with open(os.path.join(first.output_dir, TRACKER_IDS)) as f:
         ids = json.load(f)
-    assert ids["sent"]["mlflow"][0] == 4 and "loss" in ids["sent"]["mlflow"][1]
+    sent = read_jsonl(os.path.join(first.output_dir, "mlflow_sent.jsonl"))
+    assert [int(r["step"]) for r in sent if "loss" in r] == [1, 2, 3, 4]
     shutil.rmtree(os.path.join(first.output_dir, "checkpoints", "4"))  # the stop came before step 4's save
     second = _run(out, toy_model, 4)
     jsonl = read_jsonl(os.path.join(second.output_dir, "metrics.jsonl"))
@@ -124,17 +125,18 @@ def test_steps_a_resumed_run_repeats_are_not_sent_to_the_trackers_twice(tmp_path
     assert client.get_run(ids["mlflow"]).info.status == "FINISHED"
 
 
-def test_a_step_cut_short_sends_only_the_figures_the_tracker_lacks(tmp_path):
-    ids = TrackerIds(str(tmp_path))
-    assert ids.unsent("mlflow", 3, {"loss": 1.0}) == {"loss": 1.0}
-    resumed = TrackerIds(str(tmp_path))  # the process stopped after step 3's loss, before its eval
-    assert resumed.unsent("mlflow", 2, {"loss": 0.5}) == {}
-    assert resumed.unsent("mlflow", 3, {"loss": 1.0}) == {}
-    assert resumed.unsent("mlflow", 3, {"eval/nll": 2.0}) == {"eval/nll": 2.0}
-    assert resumed.unsent("mlflow", 4, {"loss": 0.9}) == {"loss": 0.9}
-    # past the earlier process's last step, every step is sent again, as after a monitor's rollback
-    assert resumed.unsent("mlflow", 3, {"loss": 1.1}) == {"loss": 1.1}
-    assert TrackerIds(str(tmp_path)).sent["mlflow"] == [3, ["loss"]]
+def test_a_resumed_run_sends_what_the_tracker_lacks_or_holds_with_another_value(tmp_path):
+    log = SentLog(str(tmp_path), "mlflow")
+    log.record(2, log.unsent(2, {"loss": 0.5}))
+    log.record(3, log.unsent(3, {"loss": 1.0, "nan": float("nan")}))
+    log.close()  # the process stopped after step 3's loss, before its eval
+    resumed = SentLog(str(tmp_path), "mlflow")
+    assert resumed.unsent(2, {"loss": 0.5}) == {}  # repeated exactly: not sent again
+    assert resumed.unsent(3, {"loss": 1.0, "nan": float("nan")}) == {}
+    assert resumed.unsent(3, {"eval/nll": 2.0}) == {"eval/nll": 2.0}  # the rest of a step cut short
+    assert resumed.unsent(2, {"loss": 0.25}) == {"loss": 0.25}  # a resume with changes: new values go out
+    assert resumed.unsent(4, {"loss": 0.9}) == {"loss": 0.9}
+    resumed.close()
 
 
 @pytest.mark.parametrize("raised, status, exit_code", [(None, "FINISHED", 0), (RuntimeError, "FAILED", 1),
