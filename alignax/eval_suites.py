@@ -256,8 +256,8 @@ def output_paths(out: str) -> tuple[str, str, str]:
 def run(source: str, suites: str, out: str, options: SuiteOptions, *, step: int | None = None,
         overrides: Sequence[str] = (), verify: Verifier | None = None) -> dict[str, Any]:
     """Evaluate ``source`` (:func:`alignax.generate.load_policy`) on ``suites``
-    (:func:`resolve`), write the report, the table and the records (:func:`output_paths`),
-    and return the report."""
+    (:func:`resolve`), write the report, the table and the records (:func:`output_paths`;
+    rewritten whole after each task), and return the report."""
     from alignax.generate import load_policy, recipe_config
 
     check_options(options)
@@ -282,13 +282,17 @@ def run(source: str, suites: str, out: str, options: SuiteOptions, *, step: int 
                      time.perf_counter() - start)
             report["suites"][suite][task.name] = figures
             lines += [json.dumps({"suite": suite, **row}, ensure_ascii=False) + "\n" for row in rows]
+            _write(out, report, lines)  # after every task: a stopped run keeps the tasks it finished
+    return report
+
+
+def _write(out: str, report: Mapping[str, Any], lines: Sequence[str]) -> None:
     json_path, md_path, records_path = output_paths(out)
     if os.path.dirname(json_path):
         paths.as_path(json_path).parent.mkdir(parents=True, exist_ok=True)
     paths.write_text(json_path, json.dumps(report, indent=2) + "\n")
     paths.write_text(md_path, markdown_table(report))
     paths.write_text(records_path, "".join(lines))
-    return report
 
 
 __all__ = ["SUITES", "SuiteOptions", "SuiteTask", "check_options", "markdown_table", "output_paths", "problems",
