@@ -137,7 +137,12 @@ def resolve(names: str) -> dict[str, tuple[SuiteTask, ...]]:
                 check_task(task or "")
             except ValueError as err:
                 raise ConfigError(f"--suite {name!r}: {err}") from None
-            out[name] = (SuiteTask(task, task, tuple(sorted(options.items()))),)
+            spec = SuiteTask(task, task, tuple(sorted(options.items())))
+            try:  # the options now, in one line, rather than after the model has loaded
+                problems(spec, 1, 0)
+            except (TypeError, ValueError, AssertionError) as err:
+                raise ConfigError(f"--suite {name!r}: reasoning-gym's {task} refuses these options: {err}") from None
+            out[name] = (spec,)
             continue
         raise ConfigError(f"--suite: unknown suite {name!r}; known: {', '.join(SUITES)}, or "
                           "reasoning_gym:<task>[?option=value&...] for any reasoning-gym task")
@@ -194,6 +199,15 @@ def _decode(model, tokenizer, records: list[dict], options: SuiteOptions, *, bud
     return out
 
 
+def _verdicts(verify: Verifier, completions: Sequence[str], references: Sequence[Mapping], task: str) -> np.ndarray:
+    """``verify``'s verdicts as bool ``[N]``, refused when it gave another shape."""
+    verdicts = np.asarray(verify(completions, references))
+    if verdicts.shape != (len(completions),):
+        raise ValueError(f"task {task}: the verifier gave shape {verdicts.shape} for {len(completions)} completions; "
+                         "expected one verdict each")
+    return verdicts.astype(bool)
+
+
 def run_task(model, tokenizer, task: SuiteTask, options: SuiteOptions, *,
              verify: Verifier | None = None) -> tuple[dict[str, Any], list[dict]]:
     """``(figures, per-problem records)`` of one task (the module docstring's figures)."""
@@ -201,9 +215,11 @@ def run_task(model, tokenizer, task: SuiteTask, options: SuiteOptions, *,
 
     verify = verify or task_verifier(options)
     records = problems(task, options.problems, options.seed)
+    if not records:
+        raise ConfigError(f"task {task.name}: reasoning-gym's {task.task} gave no problems with {dict(task.options)}")
     budget = options.max_new_tokens or task.max_new_tokens
     greedy = [texts[0] for texts in _decode(model, tokenizer, records, options, budget=budget, greedy=True)]
-    greedy_correct = np.asarray(verify(greedy, records), bool)
+    greedy_correct = _verdicts(verify, greedy, records, task.name)
     rows = [{"task": task.name, "index": i, "question": r["prompt"], "answer": r["answer"],
              "greedy_completion": text, "greedy_correct": bool(ok)}
             for i, (r, text, ok) in enumerate(zip(records, greedy, greedy_correct))]
@@ -213,7 +229,7 @@ def run_task(model, tokenizer, task: SuiteTask, options: SuiteOptions, *,
     if n:
         sampled = _decode(model, tokenizer, records, options, budget=budget, greedy=False)
         flat = [text for texts in sampled for text in texts]
-        correct = np.asarray(verify(flat, [r for r in records for _ in range(n)]), bool).reshape(len(records), n)
+        correct = _verdicts(verify, flat, [r for r in records for _ in range(n)], task.name).reshape(len(records), n)
         counts = correct.sum(axis=1)
         for row, texts, oks in zip(rows, sampled, correct):
             row.update(sample_completions=texts, sample_correct=[bool(ok) for ok in oks], num_correct=int(oks.sum()))

@@ -120,6 +120,9 @@ def test_accept_everything_scores_100_and_a_model_that_never_answers_0(toy_model
     nothing = eval_suites.run(toy_model, "reasoning_gym:chain_sum", str(tmp_path / "none.json"), options)
     figures = nothing["suites"]["reasoning_gym:chain_sum"]["chain_sum"]
     assert (figures["accuracy"], figures["pass@2"], figures["sampled_accuracy"]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="gave shape \\(1,\\) for 3 completions"):
+        eval_suites.run(toy_model, "reasoning_gym:chain_sum", str(tmp_path / "bad.json"), options,
+                        verify=lambda completions, references: np.ones(1, bool))
 
 
 def test_the_cli_writes_the_report_table_and_records(toy_model, tmp_path, capsys):
@@ -137,6 +140,7 @@ def test_the_cli_writes_the_report_table_and_records(toy_model, tmp_path, capsys
 @pytest.mark.parametrize("argv, message", [
     (["--suite", "arithmetic,gsm8k"], "unknown suite 'gsm8k'; known: arithmetic, counting, math"),
     (["--suite", "reasoning_gym:chain_summ"], "did you mean 'chain_sum'"),
+    (["--suite", "reasoning_gym:chain_sum?bogus=1"], "unexpected keyword argument 'bogus'"),
     (["--suite", "arithmetic", "--pass-k", "1,8", "--num-samples", "4"], "--pass-k 8 exceeds --num-samples 4"),
     (["--suite", "arithmetic", "--num-samples", "4"], "--num-samples 4 needs --pass-k"),
     (["--suite", "arithmetic", "--pass-k", "0"], "--pass-k 0: each k must be a positive integer"),
