@@ -161,3 +161,12 @@ def test_help_names_the_suites(capsys):
     assert stop.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "--suite NAME[,NAME...]" in text and "arithmetic, counting, math" in text and "--pass-k" in text
+
+
+def test_without_suite_eval_is_still_the_recipes_own_evaluation(monkeypatch, capsys):
+    from alignax.trainers import api
+
+    seen = []
+    monkeypatch.setattr(api, "evaluate", lambda config, step=None: seen.append((config.algorithm, step)) or {"x": 1.0})
+    assert cli.main(["eval", "configs/tiny-dpo.yaml", "--step", "3"]) == 0
+    assert seen == [("dpo", 3)] and json.loads(capsys.readouterr().out) == {"x": 1.0}
