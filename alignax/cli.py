@@ -324,8 +324,8 @@ def _refuse_suite_flags(args) -> None:
 
     d = SuiteOptions()
     given = [flag for flag, value, default in (
-        ("--problems", args.problems, d.problems), ("--pass-k", args.pass_k, ""), ("--num-samples", args.num_samples, None),
-        ("--seed", args.seed, d.seed), ("--temperature", args.temperature, d.temperature),
+        ("--problems", args.problems, d.problems), ("--pass-k", args.pass_k, ""),
+        ("--num-samples", args.num_samples, None), ("--seed", args.seed, d.seed), ("--temperature", args.temperature, d.temperature),
         ("--max-new-tokens", args.max_new_tokens, None), ("--batch-size", args.batch_size, d.batch_size),
         ("--system-prompt", args.system_prompt, d.system_prompt), ("--extraction", args.extraction, d.extraction),
         ("--out", args.out, None)) if value != default]
