@@ -2,6 +2,8 @@
 
     alignax train  CONFIG.yaml [--overwrite] [--allow-changes] [--step N] [dotted.key=value ...]
     alignax eval   CONFIG.yaml [--step N] [dotted.key=value ...]
+    alignax eval   MODEL_OR_RECIPE --suite NAME[,NAME...] [--problems N] [--pass-k 1,4] [--num-samples N]
+                   [--seed S] [--temperature T] [--max-new-tokens N] [--out FILE.json] [...]
     alignax export CONFIG.yaml [--out DIR] [--step N] [--critic] [--dtype D] [dotted.key=value ...]
     alignax estimate CONFIG.yaml [--devices N] [--device h100|v5e|...] [--device-memory GB]
                      [--mesh d,f,t] [--model PRESET] [--assumptions standard|seed] [--json]
@@ -47,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (("train", "train from a recipe"), ("eval", "evaluate a run's checkpoint"),
                             ("export", "write a run's policy as Hugging Face safetensors")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("config", help="recipe YAML (see configs/)")
+        p.add_argument("config", help="recipe YAML (see configs/)" if name != "eval" else
+                       "recipe YAML (see configs/); with --suite, a model (registry name, Hugging Face folder or "
+                       "hub id) or a recipe (its run's checkpoint)")
         p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
         p.add_argument("--debug", action="store_true", help="show the traceback of any error")
         if name == "train":
@@ -59,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="resume although the config changes what is trained (changes are logged)")
         else:
             p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+        if name == "eval":
+            _suite_arguments(p)
         if name == "export":
             p.add_argument("--out", default=None, help="destination (default: <output_dir>/export)")
             p.add_argument("--critic", action="store_true",
@@ -87,6 +93,48 @@ def _parser() -> argparse.ArgumentParser:
     _label_parser(sub)
     _best_of_n_parser(sub)
     return parser
+
+
+def _suite_arguments(p) -> None:
+    from alignax.eval_suites import SUITES, SuiteOptions
+
+    d = SuiteOptions()
+    p.add_argument("--suite", default=None, metavar="NAME[,NAME...]",
+                   help=f"benchmark suites ({', '.join(SUITES)}, or reasoning_gym:<task>[?option=value&...]): "
+                        "greedy accuracy and pass@k on problems that ship with reasoning-gym (alignax.eval_suites)")
+    p.add_argument("--problems", type=int, default=d.problems, help="problems a task (fixed by --seed)")
+    p.add_argument("--pass-k", default="", metavar="K[,K...]", help="sampled pass@k for these k (default: greedy only)")
+    p.add_argument("--num-samples", type=int, default=None, help="n samples a problem for pass@k (default: max k)")
+    p.add_argument("--seed", type=int, default=d.seed, help="the problems' seed and the samples'")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="of the pass@k samples")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="response budget (default: each task's own)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="problems a compiled call")
+    p.add_argument("--system-prompt", default=d.system_prompt, help="a reasoning-gym system prompt name (default, "
+                   "direct, simple, DeepSeekZero, chain_of_draft), literal text, or none")
+    p.add_argument("--extraction", default=d.extraction, help="how the answer is read: tag (<answer>...</answer>) "
+                   "or tag_or_last_number")
+    p.add_argument("--out", default=None, help="the JSON report (default: eval-<suites>.json); the Markdown table "
+                   "and the per-problem JSONL records are written beside it (.md, .records.jsonl)")
+
+
+def _eval_suite(args) -> int:
+    from alignax import eval_suites
+
+    try:
+        pass_k = tuple(int(k) for k in args.pass_k.split(",") if k.strip())
+    except ValueError:
+        raise ConfigError(f"--pass-k {args.pass_k!r}: expected comma-separated positive integers, e.g. 1,4") from None
+    options = eval_suites.SuiteOptions(
+        problems=args.problems, seed=args.seed, pass_k=pass_k, num_samples=args.num_samples,
+        temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        system_prompt=args.system_prompt, extraction=args.extraction)
+    eval_suites.check_options(options)
+    out = args.out or "eval-" + "-".join("".join(c if c.isalnum() or c in "_-" else "_" for c in name)
+                                         for name in args.suite.split(",")) + ".json"
+    report = eval_suites.run(args.config, args.suite, out, options, step=args.step, overrides=args.overrides)
+    print(eval_suites.markdown_table(report), end="")
+    print(eval_suites.output_paths(out)[0])
+    return 0
 
 
 def _best_of_n_parser(sub) -> None:
@@ -245,6 +293,10 @@ def _run(args) -> int:
         return _label(args)
     if args.command == "best-of-n":
         return _best_of_n(args)
+    if args.command == "eval" and args.suite is not None:
+        return _eval_suite(args)
+    if args.command == "eval":
+        _refuse_suite_flags(args)
     from alignax.trainers import api
 
     config = api.load_config(args.config, [*args.overrides, *_flag_overrides(args)])
@@ -264,6 +316,22 @@ def _run(args) -> int:
         return 0
     print(api.export(config, args.out, step=args.step, critic=args.critic, dtype=args.dtype))
     return 0
+
+
+def _refuse_suite_flags(args) -> None:
+    """A recipe's own evaluation (no --suite) reads its ``evaluation:`` section; the suite flags would be ignored."""
+    from alignax.eval_suites import SuiteOptions
+
+    d = SuiteOptions()
+    given = [flag for flag, value, default in (
+        ("--problems", args.problems, d.problems), ("--pass-k", args.pass_k, ""),
+        ("--num-samples", args.num_samples, None), ("--seed", args.seed, d.seed), ("--temperature", args.temperature, d.temperature),
+        ("--max-new-tokens", args.max_new_tokens, None), ("--batch-size", args.batch_size, d.batch_size),
+        ("--system-prompt", args.system_prompt, d.system_prompt), ("--extraction", args.extraction, d.extraction),
+        ("--out", args.out, None)) if value != default]
+    if given:
+        raise ConfigError(f"{', '.join(given)} apply to --suite; a recipe's own evaluation reads its evaluation: "
+                          "section (set evaluation.* overrides instead)")
 
 
 # Devices of one host of each --device kind: what `estimate` assumes for a mesh with a -1

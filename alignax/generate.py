@@ -123,12 +123,14 @@ def prompt_set(prompts: str, base: DataConfig | None = None, **fields: Any) -> D
 
 
 def prompt_rows(prompts: str, tokenizer, options: GenerateOptions, width: int,
-                base: DataConfig | None = None) -> Iterator[Mapping[str, Any]]:
+                base: DataConfig | None = None, *, records: Sequence[Mapping] | None = None
+                ) -> Iterator[Mapping[str, Any]]:
     """Left-padded prompt batches of ``prompts`` in file order (the last one padded, its
     padding rows marked ``example_mask == 0``), ``width`` tokens at most (a longer prompt
-    keeps its end), each batch cut to its longest prompt (rounded up to 32 columns)."""
+    keeps its end), each batch cut to its longest prompt (rounded up to 32 columns).
+    ``records``: in-memory prompt records read instead of the file (``prompts`` names them)."""
     config = prompt_set(prompts, base, max_prompt_length=width, batch_size=options.batch_size)
-    data = prepare_dataset(config, tokenizer)
+    data = prepare_dataset(config, tokenizer, records=records)
     for batch in data.iterator("train", ordered=True, process_index=0, process_count=1):
         used = int(np.max(np.sum(batch["prompt_attention_mask"], axis=1)))
         keep = min(width, -(-used // _WIDTH_STEP) * _WIDTH_STEP)

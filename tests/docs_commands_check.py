@@ -9,7 +9,8 @@ the same order. What "checked" means per command, since most of them train for m
 - ``alignax SUBCOMMAND ...``: ``alignax.cli.main`` parses the command and loads the config
   with its overrides (every key, type and cross-field rule); ``train``, ``eval`` and
   ``export`` stop there, ``estimate`` runs (it is arithmetic, milliseconds); ``generate``
-  and ``judge`` parse their flags and stop before reading a model, ``label`` and ``best-of-n`` load their recipe.
+  and ``judge`` parse their flags and stop before reading a model (``eval --suite`` after
+  checking its flags and suite names), ``label`` and ``best-of-n`` load their recipe.
 - ``python tools/....py ...``: the script runs up to its ``argparse`` call, which parses
   the command's options and stops it (an unknown or misspelt option fails).
 - a shell program (``{"kind": "script"}``: a loop, a quoted program over several lines):
@@ -61,10 +62,14 @@ def strip_wrappers(words: list[str]) -> list[str]:
 
 
 def check_cli(argv: list[str]) -> str | None:
-    from alignax import cli, generate, judging, math_shepherd
+    from alignax import cli, eval_suites, generate, judging, math_shepherd
     from alignax.trainers import api
 
     def stop(*args, **kwargs):
+        raise Checked
+
+    def suites_then_stop(source, suites, out, options, **kwargs):
+        eval_suites.resolve(suites)  # the suite names (the flags were checked before)
         raise Checked
 
     def label_after_config(recipe, solutions, out, *, overrides=(), **kwargs):
@@ -72,9 +77,10 @@ def check_cli(argv: list[str]) -> str | None:
         raise Checked
 
     saved = (api.train, api.evaluate, api.export, generate.run, judging.run, math_shepherd.label_file,
-             generate.best_of_n_file)
+             generate.best_of_n_file, eval_suites.run)
     api.train = api.evaluate = api.export = generate.run = judging.run = stop
     math_shepherd.label_file = generate.best_of_n_file = label_after_config
+    eval_suites.run = suites_then_stop
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
             code = cli.main(argv)
@@ -84,7 +90,7 @@ def check_cli(argv: list[str]) -> str | None:
         return f"exit {exit_.code}: {err.getvalue()[-1000:]}"
     finally:
         (api.train, api.evaluate, api.export, generate.run, judging.run, math_shepherd.label_file,
-         generate.best_of_n_file) = saved
+         generate.best_of_n_file, eval_suites.run) = saved
     return None if code == 0 else f"exit {code}: {err.getvalue()[-1000:]}"
 
 
