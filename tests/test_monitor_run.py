@@ -30,6 +30,18 @@ pytestmark = pytest.mark.xdist_group("monitor_run")
 GOLD_SEEN: list[str] = []
 
 
+def _share_of(word):
+    """A reward function counting ``word``: two calls make two closures with one qualified name."""
+    def share(completions, references):
+        del references
+        return [sum(w == word for w in text.split()) / max(len(text.split()), 1) for text in completions]
+    return share
+
+
+yes_closure, no_closure = _share_of("yes"), _share_of("no")
+yes_closure_alias = yes_closure
+
+
 def gold_yes_share(completions, references):
     """The gold scorer of the run below: records every prompt it is shown."""
     GOLD_SEEN.extend(r["prompt"] for r in references)
@@ -255,6 +267,14 @@ def test_a_gold_scorer_the_training_reward_weighs_is_refused_under_any_name(tmp_
     # scorers apart: accepted (a function of the gold's own, the training reward's verifier)
     load_config(data={**GRPO, "monitor": {"gold": {**GOLD, "rewards": {
         "verifier_weight": 0.0, "functions": {"tests.test_monitor_run:gold_yes_share": 1.0}}}}})
+    # closures of one factory are different functions (one qualified name); an alias of one is the same
+    closures = {"verifier_weight": 0.0, "functions": {"tests.test_monitor_run:yes_closure": 1.0}}
+    load_config(data={**GRPO, "rewards": closures, "monitor": {"gold": {**GOLD, "rewards": {
+        "verifier_weight": 0.0, "functions": {"tests.test_monitor_run:no_closure": 1.0}}}}})
+    message = refused(rewards=closures, monitor={"gold": {**GOLD, "rewards": {
+        "verifier_weight": 0.0, "functions": {"tests.test_monitor_run:yes_closure_alias": 1.0}}}})
+    assert "monitor.gold.rewards.functions entry 'tests.test_monitor_run:yes_closure_alias' is the object " \
+           "tests.test_monitor_run:_share_of.<locals>.share at 0x" in message
     # on-policy distillation follows its teacher and only logs rewards: the verifier may be its gold, and the
     # rewards section itself too
     distill = {"algorithm": "onpolicy_distill", "distill": {"teacher": {"name": "smollm2-135m-instruct"}}}

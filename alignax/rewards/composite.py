@@ -19,6 +19,7 @@ completion, never a silent NaN in the advantages.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -119,15 +120,23 @@ class RewardConfig:
 
 
 def _function_identity(spec: str) -> str:
-    """The function a ``functions`` entry names, however spelt (an alias, a re-export):
-    its defining module and qualified name, or the object itself; the spec when it does
-    not load (the scorer reports that when it is built)."""
+    """The function a ``functions`` entry names, however spelt (an alias, a re-export): its
+    defining module and qualified name where that name finds this very object, else the
+    object itself (two closures of one factory share a qualified name but are different
+    functions; an instance has none); the spec when it does not load (the scorer reports that
+    when it is built)."""
     try:
         fn = load_callable(spec)
     except ConfigError:
         return f"the function {spec}"
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    return f"the function {module}:{name}" if module and name else f"the object {spec} (id {id(fn):#x})"
+    found = sys.modules.get(module) if module else None
+    for part in (name or "").split(".") if found is not None else ():
+        found = getattr(found, part, None)
+    if module and name and found is fn:
+        return f"the function {module}:{name}"
+    label = f"{module}:{name}" if module and name else type(fn).__qualname__
+    return f"the object {label} at {id(fn):#x}"
 
 
 def scorers(section: RewardConfig) -> list[tuple[str, str]]:
