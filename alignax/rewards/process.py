@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from alignax import models
-from alignax.parallel.multihost import local_rows
+from alignax.parallel.multihost import allgather_rows, local_rows
 from alignax.rewards.verifiers import answer_reward
 
 STEP_AGGREGATIONS = ("min", "product", "last")
@@ -164,7 +164,9 @@ class ProcessRewardModel:
         """:meth:`step_probs` of full sequences ``[R, P + N]`` (prompt then response, as
         ``Groups.full_sequences``; placed already, or host arrays), this process's rows."""
         graphdef, state, vocab_size = self._load()
-        largest = int(np.max(local_rows(tokens))) if tokens.size else -1
+        # every process's largest token: a process raising alone would leave the others
+        # waiting in the sharded forward below
+        largest = int(np.max(allgather_rows(np.array([np.max(local_rows(tokens)) if tokens.size else -1]))))
         if largest >= vocab_size:
             raise ValueError(f"PRM {self.path} has vocab_size {vocab_size}; the completions hold token "
                              f"{largest} (a PRM must share the policy's tokenizer)")
