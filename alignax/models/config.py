@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -401,7 +402,7 @@ def _rope_fields(hf: Mapping[str, Any], model_type: str, max_pos: int) -> dict[s
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     out: dict[str, Any] = {"rope_type": rope_type, "rope_theta": float(theta)}
     if rope_type == "longrope":
-        out.update(_longrope_fields(params, hf, max_pos))
+        out.update(_longrope_fields(params, _original_max_position(params, hf, model_type, max_pos), max_pos))
     if rope_type in ("linear", "llama3"):
         if "factor" not in params:
             raise ValueError(f"rope_parameters of type {rope_type!r} is missing the field 'factor'")
@@ -411,38 +412,64 @@ def _rope_fields(hf: Mapping[str, Any], model_type: str, max_pos: int) -> dict[s
             if key not in params:
                 raise ValueError(f"rope_parameters of type 'llama3' is missing the field {key!r}")
             out[field] = float(params[key])
-        out["rope_original_max_position_embeddings"] = int(
-            params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
-        )
+        out["rope_original_max_position_embeddings"] = _original_max_position(params, hf, model_type, max_pos)
     return out
 
 
-def _longrope_fields(params: Mapping[str, Any], hf: Mapping[str, Any], max_pos: int) -> dict[str, Any]:
+# Phi3Config's top-level ``original_max_position_embeddings`` when a config.json omits it.
+_PHI3_ORIGINAL_MAX_POSITION = 4096
+
+
+def _original_max_position(params: Mapping[str, Any], hf: Mapping[str, Any], model_type: str, max_pos: int) -> int:
+    """The pretraining length of ``llama3`` and ``longrope`` scaling, with transformers' priority
+    (``standardize_rope_params``): Phi-3's config class always has a top-level field (4096 when
+    the file omits it) that replaces the one in ``rope_parameters``; the other families read
+    ``rope_parameters`` only (a top-level field is ignored), else ``max_position_embeddings``."""
+    if model_type == "phi3":
+        value = hf.get("original_max_position_embeddings", _PHI3_ORIGINAL_MAX_POSITION)
+    else:
+        value = params.get("original_max_position_embeddings", max_pos)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{model_type} config: original_max_position_embeddings must be a positive integer; "
+                         f"got {value!r}")
+    return int(value)
+
+
+def _longrope_fields(params: Mapping[str, Any], original: int, max_pos: int) -> dict[str, Any]:
     """``longrope``'s factors; the attention factor as transformers derives it when absent:
     ``sqrt(1 + ln(factor) / ln(original_max))`` with ``factor = max_pos / original_max``."""
     for key in ("short_factor", "long_factor"):
         if not isinstance(params.get(key), (list, tuple)):
             raise ValueError(f"rope_parameters of type 'longrope' needs the list {key!r}; got {params.get(key)!r}")
-    original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
-    if original is None:
-        raise ValueError("rope_parameters of type 'longrope' is missing the field 'original_max_position_embeddings'")
     factor = params.get("factor") or max_pos / original
     attention = params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return dict(rope_short_factor=tuple(params["short_factor"]), rope_long_factor=tuple(params["long_factor"]),
-                rope_original_max_position_embeddings=int(original), rope_attention_factor=float(attention))
+                rope_original_max_position_embeddings=original, rope_attention_factor=float(attention))
 
 
-# transformers' per-family defaults for fields a config.json may omit.
+# transformers' per-family defaults for fields a config.json may omit (num_key_value_heads
+# None: as many as the query heads).
 _LLAMA_LIKE_DEFAULTS = {
-    "llama": {"max_position_embeddings": 2048, "head_dim": None},
-    "qwen2": {"max_position_embeddings": 32768, "head_dim": None},
-    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
-    "qwen3_moe": {"max_position_embeddings": 32768, "head_dim": None},
-    "mistral": {"max_position_embeddings": 131072, "head_dim": None},
-    "phi3": {"max_position_embeddings": 4096, "head_dim": None, "rms_norm_eps": 1e-5},
+    "llama": {"max_position_embeddings": 2048, "head_dim": None, "num_key_value_heads": None},
+    "qwen2": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
+    "qwen3_moe": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 4},
+    "mistral": {"max_position_embeddings": 131072, "head_dim": None, "num_key_value_heads": 8},
+    "phi3": {"max_position_embeddings": 4096, "head_dim": None, "rms_norm_eps": 1e-5, "num_key_value_heads": None},
 }
+
+
+def _kv_heads(hf: Mapping[str, Any], model_type: str, heads: int, default: int | None) -> int:
+    """``num_key_value_heads`` as transformers reads it: the family's class default when the
+    field is absent (8 for Mistral, 4 for Gemma 2/3, ...), the query heads when it is null."""
+    value = hf.get("num_key_value_heads", default)
+    if value is None:
+        return heads
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{model_type} config: num_key_value_heads must be a positive integer; got {value!r}")
+    return int(value)
 
 
 def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -450,7 +477,7 @@ def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     req = {name: int(_require(hf, name, mt)) for name in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
     heads = req["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
+    kv_heads = _kv_heads(hf, mt, heads, _LLAMA_LIKE_DEFAULTS[mt]["num_key_value_heads"])
     head_dim = hf.get("head_dim") or _LLAMA_LIKE_DEFAULTS[mt]["head_dim"] or req["hidden_size"] // heads
     max_pos = int(hf.get("max_position_embeddings") or _LLAMA_LIKE_DEFAULTS[mt]["max_position_embeddings"])
     if hf.get("use_sliding_window"):
@@ -477,7 +504,7 @@ def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     elif mt == "qwen2":
         fields.update(qkv_bias=True, out_bias=False)
     elif mt in ("mistral", "phi3"):  # every layer sliding when the window is set
-        fields.update(sliding_window=_window(hf, mt, 4096 if mt == "mistral" else None))
+        fields.update(sliding_window=hf.get("sliding_window", 4096 if mt == "mistral" else None))
     else:  # qwen3, qwen3_moe
         bias = bool(hf.get("attention_bias", False))
         fields.update(qkv_bias=bias, out_bias=bias, qk_norm=True)
@@ -554,8 +581,9 @@ _GPT2_READER = _gpt2_fields
 
 def _check_window_fields(c: ModelConfig) -> None:
     """The fields of sliding-window and Gemma-style models (ModelConfig.__post_init__)."""
-    if c.sliding_window is not None and (isinstance(c.sliding_window, bool) or c.sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive number of positions or None; got {c.sliding_window!r}")
+    window = c.sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
+        raise ValueError(f"{c.model_type} config: sliding_window must be a positive integer or null; got {window!r}")
     if c.layer_types is not None:
         object.__setattr__(c, "layer_types", tuple(c.layer_types))
         if len(c.layer_types) != c.num_layers:
@@ -575,19 +603,12 @@ def _check_window_fields(c: ModelConfig) -> None:
                          "(model.attention: xla or auto)")
 
 
-def _window(hf: Mapping[str, Any], model_type: str, default: int | None) -> int | None:
-    window = hf.get("sliding_window", default)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"{model_type} config: sliding_window must be a positive integer or null; got {window!r}")
-    return window
-
-
 # transformers' defaults of the two Gemma text decoders.
 _GEMMA_DEFAULTS = {
     "gemma2": dict(max_position_embeddings=8192, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
-                   pattern=2, rope_theta=10_000.0),
+                   pattern=2, rope_theta=10_000.0, num_key_value_heads=4),
     "gemma3_text": dict(max_position_embeddings=131_072, final_logit_softcapping=None, attn_logit_softcapping=None,
-                        pattern=6, rope_theta=1_000_000.0),
+                        pattern=6, rope_theta=1_000_000.0, num_key_value_heads=4),
 }
 
 
@@ -625,7 +646,8 @@ def _gemma_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{mt} config sets use_bidirectional_attention=true (an embedding model); "
                          "only causal decoders are supported")
     layers = req["num_hidden_layers"]
-    pattern = int(hf.get("sliding_window_pattern") or defaults["pattern"])
+    # Gemma 2 always alternates (Gemma2Config ignores sliding_window_pattern); Gemma 3 reads it
+    pattern = int(hf.get("sliding_window_pattern") or defaults["pattern"]) if mt == "gemma3_text" else 2
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     max_pos = int(hf.get("max_position_embeddings") or defaults["max_position_embeddings"])
@@ -643,7 +665,7 @@ def _gemma_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         intermediate_size=req["intermediate_size"],
         num_layers=layers,
         num_heads=req["num_attention_heads"],
-        num_kv_heads=int(hf.get("num_key_value_heads") or req["num_attention_heads"]),
+        num_kv_heads=_kv_heads(hf, mt, req["num_attention_heads"], defaults["num_key_value_heads"]),
         head_dim=head_dim,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         activation=_activation(activation, "hidden_activation"),
@@ -653,7 +675,7 @@ def _gemma_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         out_bias=bias,
         qk_norm=mt == "gemma3_text",
         attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        sliding_window=_window(hf, mt, 4096) if "sliding_attention" in layer_types else hf.get("sliding_window"),
+        sliding_window=hf.get("sliding_window", 4096 if "sliding_attention" in layer_types else None),
         layer_types=tuple(layer_types),
         norm_offset=1.0,
         post_norms=True,
@@ -668,6 +690,10 @@ def _gemma_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
 def _write_window_family(c: ModelConfig, out: dict[str, Any]) -> None:
     """The HF fields of mistral, phi3, gemma2 and gemma3_text beyond the llama-like ones."""
     out["sliding_window"] = c.sliding_window
+    if c.model_type == "phi3" and c.rope_type == "longrope":
+        # Phi3Config has this field whatever the file says (4096 when absent) and transformers
+        # puts it over the one in rope_parameters
+        out["original_max_position_embeddings"] = c.rope_original_max_position_embeddings
     if c.model_type not in ("gemma2", "gemma3_text"):
         return
     out["hidden_activation"] = out.pop("hidden_act")
@@ -695,12 +721,15 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     ``llama3``: wavelengths ``2 pi / inv_freq`` above ``original_max / low_freq_factor``
     are divided by ``factor``, those below ``original_max / high_freq_factor`` kept, and
     the band between interpolated smoothly (Llama 3.1).
+
+    ``longrope`` has two sets and a factor on sin/cos, chosen per forward: it raises here
+    (:func:`longrope_inv_freqs`, and ``layers.longrope_sin_cos`` for the whole rotation).
     """
-    dim = config.head_dim
-    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
-    if config.rope_type == "longrope":  # the short factors (longrope_inv_freqs has both)
-        return longrope_inv_freqs(config)[0]
+    if config.rope_type == "longrope":
+        raise ValueError("rope_inv_freq: rope_type 'longrope' has short and long inverse frequencies and an "
+                         "attention factor on sin/cos; use longrope_inv_freqs(config) (both sets) or "
+                         "alignax.models.layers.longrope_sin_cos(positions, config)")
+    inv_freq = (1.0 / _rope_powers(config)).astype(np.float32)
     if config.rope_type == "linear":
         inv_freq = inv_freq / np.float32(config.rope_factor)
     elif config.rope_type == "llama3":
@@ -730,7 +759,13 @@ def longrope_inv_freqs(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     with ``f`` the short or long factors (Phi-3; transformers' ``_compute_longrope_parameters``).
     A forward uses the long ones when its largest position reaches ``original_max`` (as
     transformers decides per call, from ``max(position_ids) + 1``)."""
-    dim = config.head_dim
-    base = np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    base = _rope_powers(config)
     return tuple((1.0 / (np.asarray(f, np.float32) * base)).astype(np.float32)
                  for f in (config.rope_short_factor, config.rope_long_factor))
+
+
+def _rope_powers(config: ModelConfig) -> np.ndarray:
+    """``theta^(2i/H)`` ``[H/2]`` in float32, the wavelengths' base before any scaling (the
+    inverse frequencies of the default type are its reciprocals)."""
+    dim = config.head_dim
+    return np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
