@@ -297,60 +297,9 @@ class ModelConfig:
         act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[self.activation]
         out: dict[str, Any] = {"architectures": [names[self.model_type]], "model_type": self.model_type}
         if self.model_type == "gpt2":
-            out.update(
-                vocab_size=self.vocab_size,
-                n_embd=self.hidden_size,
-                n_layer=self.num_layers,
-                n_head=self.num_heads,
-                n_inner=self.intermediate_size,
-                n_positions=self.max_position_embeddings,
-                layer_norm_epsilon=self.norm_eps,
-                activation_function=act,
-                scale_attn_weights=self.attn_scale is None,
-                tie_word_embeddings=self.tie_word_embeddings,
-            )
+            _write_gpt2(self, out, act)
         else:
-            rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
-            if self.rope_type in ("linear", "llama3"):
-                rope["factor"] = self.rope_factor
-            if self.rope_type == "llama3":
-                rope.update(
-                    low_freq_factor=self.rope_low_freq_factor,
-                    high_freq_factor=self.rope_high_freq_factor,
-                    original_max_position_embeddings=self.rope_original_max_position_embeddings,
-                )
-            if self.rope_type == "longrope":
-                rope.update(short_factor=list(self.rope_short_factor), long_factor=list(self.rope_long_factor),
-                            original_max_position_embeddings=self.rope_original_max_position_embeddings,
-                            attention_factor=self.rope_attention_factor)
-            out.update(
-                vocab_size=self.vocab_size,
-                hidden_size=self.hidden_size,
-                intermediate_size=self.intermediate_size,
-                num_hidden_layers=self.num_layers,
-                num_attention_heads=self.num_heads,
-                num_key_value_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                hidden_act=act,
-                rms_norm_eps=self.norm_eps,
-                max_position_embeddings=self.max_position_embeddings,
-                rope_parameters=rope,
-                tie_word_embeddings=self.tie_word_embeddings,
-            )
-            if self.model_type == "llama":
-                out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-            elif self.model_type == "qwen3":
-                out.update(attention_bias=self.qkv_bias, use_sliding_window=False)
-            elif self.model_type == "qwen3_moe":
-                out.update(attention_bias=self.qkv_bias, use_sliding_window=False, num_experts=self.num_experts,
-                           num_experts_per_tok=self.num_experts_per_tok,
-                           moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                           router_aux_loss_coef=self.router_aux_loss_coef, decoder_sparse_step=1,
-                           mlp_only_layers=[])
-            elif self.model_type == "qwen2":
-                out.update(use_sliding_window=False)
-            else:
-                _write_window_family(self, out)
+            _write_decoder(self, out, act)
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         out.update(bos_token_id=self.bos_token_id, eos_token_id=eos, pad_token_id=self.pad_token_id)
         if architecture == "sequence_classification":
@@ -359,6 +308,76 @@ class ModelConfig:
             out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
         out["dtype"] = self.param_dtype
         return out
+
+
+# ---------------------------------------------------------------------------- writers
+
+
+def _write_gpt2(c: ModelConfig, out: dict[str, Any], act: str) -> None:
+    """GPT-2's own field names (``n_embd``, ``n_layer``, ...)."""
+    out.update(
+        vocab_size=c.vocab_size,
+        n_embd=c.hidden_size,
+        n_layer=c.num_layers,
+        n_head=c.num_heads,
+        n_inner=c.intermediate_size,
+        n_positions=c.max_position_embeddings,
+        layer_norm_epsilon=c.norm_eps,
+        activation_function=act,
+        scale_attn_weights=c.attn_scale is None,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
+
+
+def _hf_rope_parameters(c: ModelConfig) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters`` of the global RoPE."""
+    rope: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    if c.rope_type in ("linear", "llama3"):
+        rope["factor"] = c.rope_factor
+    if c.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=c.rope_low_freq_factor,
+            high_freq_factor=c.rope_high_freq_factor,
+            original_max_position_embeddings=c.rope_original_max_position_embeddings,
+        )
+    if c.rope_type == "longrope":
+        rope.update(short_factor=list(c.rope_short_factor), long_factor=list(c.rope_long_factor),
+                    original_max_position_embeddings=c.rope_original_max_position_embeddings,
+                    attention_factor=c.rope_attention_factor)
+    return rope
+
+
+def _write_decoder(c: ModelConfig, out: dict[str, Any], act: str) -> None:
+    """The llama-like fields every family but GPT-2 shares, then each family's own."""
+    rope = _hf_rope_parameters(c)
+    out.update(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        hidden_act=act,
+        rms_norm_eps=c.norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters=rope,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
+    if c.model_type == "llama":
+        out.update(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
+    elif c.model_type == "qwen3":
+        out.update(attention_bias=c.qkv_bias, use_sliding_window=False)
+    elif c.model_type == "qwen3_moe":
+        out.update(attention_bias=c.qkv_bias, use_sliding_window=False, num_experts=c.num_experts,
+                   num_experts_per_tok=c.num_experts_per_tok,
+                   moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                   router_aux_loss_coef=c.router_aux_loss_coef, decoder_sparse_step=1,
+                   mlp_only_layers=[])
+    elif c.model_type == "qwen2":
+        out.update(use_sliding_window=False)
+    else:
+        _write_window_family(c, out)
 
 
 # ---------------------------------------------------------------------------- readers
