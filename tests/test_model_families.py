@@ -18,7 +18,10 @@ global RoPE bases apart) is built in transformers, every parameter perturbed off
   and the merged export gives transformers our logits; a tiny LoRA SFT step runs with the
   family swapped into configs/tiny-sft-lora.yaml's ``model.random_init``;
 - a reward model exports as the family's ``*ForSequenceClassification``;
-- Phi-3's ``longrope`` on both sides of ``original_max_position_embeddings``;
+- Phi-3's ``longrope`` on both sides of ``original_max_position_embeddings``, and our export
+  read by transformers with the same original length (its top-level field);
+- fields a config.json omits or writes the old way read as transformers reads them
+  (``num_key_value_heads``, ``sliding_window_pattern``, ``original_max_position_embeddings``);
 - packed continuations (``segment_ids``) see the window they see alone (windows count
   positions, not slots), and config errors name the field.
 
@@ -226,6 +229,88 @@ def test_phi3_longrope_short_and_long_factors_match_transformers():
         assert np.abs(ours - our_logits(plain, tokens, mask, positions)).max() > 1e-2, length
 
 
+def test_phi3_longrope_export_keeps_its_original_length_in_transformers(tmp_path):
+    """Phi3Config always has a top-level ``original_max_position_embeddings`` (4096 when the
+    file omits it) that transformers puts over the one in ``rope_parameters``: our export
+    writes it, so transformers switches to the long factors past 16, as we do. At 24
+    positions (between 16 and 4096) an export without it gives transformers the short ones."""
+    rope = {"rope_type": "longrope", "rope_theta": 1000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 6.0, 9.0]}
+    cfg, hf = hf_model("phi3", scale=SCALE, max_position_embeddings=64, original_max_position_embeddings=16,
+                       rope_parameters=rope)
+    model = from_hf_state_dict(cfg, state_dict(hf))
+    save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["original_max_position_embeddings"] == 16
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert back.config.rope_parameters["original_max_position_embeddings"] == 16
+    tokens = np.random.RandomState(24).randint(0, 64, (2, 24))
+    mask, positions = np.ones_like(tokens), np.tile(np.arange(24), (2, 1))
+    ours = our_logits(model, tokens, mask, positions)
+    assert np.abs(torch_logits(back, tokens, mask, positions) - ours).max() <= TOL
+    assert np.abs(torch_logits(hf, tokens, mask, positions) - ours).max() <= TOL
+
+
+def test_original_max_position_is_read_with_transformers_priority():
+    """Phi-3: the top-level field over the nested one, 4096 when the top level omits it (what
+    transformers makes of a file with the nested field only); other families: the nested
+    field, else ``max_position_embeddings`` (a top-level field is not read)."""
+    rope = {"rope_type": "longrope", "rope_theta": 1000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    phi = dict(CONFIGS["phi3"], max_position_embeddings=64, rope_parameters=rope)
+    llama3 = {k: v for k, v in CONFIGS["llama"]["rope_parameters"].items() if k != "original_max_position_embeddings"}
+    cases = [("phi3", phi, 4096), ("phi3", dict(phi, original_max_position_embeddings=32), 32),
+             ("llama", dict(CONFIGS["llama"], original_max_position_embeddings=32, rope_parameters=llama3), 64),
+             ("llama", dict(CONFIGS["llama"], original_max_position_embeddings=32), 16)]
+    for family, cfg, want in cases:
+        config_cls = getattr(transformers, HF_CLASS_NAMES[family][0])
+        theirs = config_cls(**{k: v for k, v in json.loads(json.dumps(cfg)).items() if k != "model_type"})
+        assert theirs.rope_parameters["original_max_position_embeddings"] == want, (family, cfg)
+        assert ModelConfig.from_hf_config(cfg).rope_original_max_position_embeddings == want, (family, cfg)
+
+
+def test_rope_inv_freq_refuses_longrope():
+    """``rope_inv_freq`` has one set of frequencies and no factor on sin/cos: for ``longrope``
+    it raises (naming the function that has both) rather than hand out the short set alone."""
+    from alignax.models import rope_inv_freq
+    from alignax.models.config import longrope_inv_freqs
+
+    rope = {"rope_type": "longrope", "rope_theta": 1000.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [2.0, 4.0, 6.0, 9.0]}
+    config = ModelConfig.from_hf_config(dict(CONFIGS["phi3"], rope_parameters=rope))
+    with pytest.raises(ValueError, match=r"'longrope'.*use longrope_inv_freqs\(config\)"):
+        rope_inv_freq(config)
+    base = 1000.0 ** (np.arange(0, 8, 2) / 8)  # theta^(2i/H), H = 8
+    short, long = longrope_inv_freqs(config)
+    np.testing.assert_allclose(short, 1 / (np.array(rope["short_factor"]) * base), rtol=1e-6)
+    np.testing.assert_allclose(long, 1 / (np.array(rope["long_factor"]) * base), rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_sliding_window_pattern_is_read_as_transformers_reads_it(family):
+    """Gemma 3 takes its global layers from ``sliding_window_pattern``; Gemma2Config ignores
+    the field and alternates (sliding, full, ...) whatever it says."""
+    cfg = {k: v for k, v in CONFIGS[family].items() if k not in ("layer_types",)}
+    cfg.update(num_hidden_layers=6, sliding_window_pattern=3)
+    theirs = getattr(transformers, HF_CLASS_NAMES[family][0])(**{k: v for k, v in cfg.items() if k != "model_type"})
+    want = {"gemma2": (True, False) * 3, "gemma3_text": (True, True, False) * 2}[family]
+    assert tuple(t == "sliding_attention" for t in theirs.layer_types) == want
+    assert ModelConfig.from_hf_config(cfg).sliding_layers == want
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"])
+def test_a_missing_num_key_value_heads_takes_the_familys_default(family):
+    """A config.json without ``num_key_value_heads`` gets the family's class default in
+    transformers 5 (Mistral 8, Gemma 2/3 4, Qwen2/Qwen3 32), not the query heads (Llama and
+    Phi-3's default); a null reads as the query heads."""
+    cfg = {k: v for k, v in CONFIGS[family].items() if k != "num_key_value_heads"}
+    cfg.update(hidden_size=64, num_attention_heads=32)
+    theirs = getattr(transformers, HF_CLASS_NAMES[family][0])(**{k: v for k, v in cfg.items() if k != "model_type"})
+    want = {"mistral": 8, "gemma2": 4, "gemma3_text": 4, "qwen2": 32, "qwen3": 32}.get(family, 32)
+    assert theirs.num_key_value_heads == want
+    assert ModelConfig.from_hf_config(cfg).num_kv_heads == want
+    assert ModelConfig.from_hf_config(dict(cfg, num_key_value_heads=None)).num_kv_heads == 32
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_reward_model_exports_as_the_familys_sequence_classifier(families, family, tmp_path):
     """The reward head goes out as ``*ForSequenceClassification`` (``score.weight``), whose
@@ -246,6 +331,13 @@ def test_config_errors_name_the_field():
     gemma2, gemma3, mistral = CONFIGS["gemma2"], CONFIGS["gemma3_text"], CONFIGS["mistral"]
     with pytest.raises(ValueError, match="mistral config: sliding_window must be a positive integer or null; got 0"):
         ModelConfig.from_hf_config(dict(mistral, sliding_window=0))
+    with pytest.raises(ValueError, match="phi3 config: sliding_window must be a positive integer or null; got 4.0"):
+        ModelConfig.from_hf_config(CONFIGS["phi3"]).replace(sliding_window=4.0)  # one check, read or built
+    with pytest.raises(ValueError, match="gemma2 config: num_key_value_heads must be a positive integer; got 0"):
+        ModelConfig.from_hf_config(dict(gemma2, num_key_value_heads=0))
+    with pytest.raises(ValueError, match="phi3 config: original_max_position_embeddings must be a positive integer"):
+        ModelConfig.from_hf_config(dict(CONFIGS["phi3"], original_max_position_embeddings=0, rope_parameters={
+            "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4}))
     with pytest.raises(ValueError, match="layer_types has 1 entries; the model has 2 layers"):
         ModelConfig.from_hf_config(dict(gemma2, layer_types=["full_attention"]))
     with pytest.raises(ValueError, match=r"layer_types: unknown \['chunked_attention'\]"):

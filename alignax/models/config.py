@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -296,60 +297,9 @@ class ModelConfig:
         act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[self.activation]
         out: dict[str, Any] = {"architectures": [names[self.model_type]], "model_type": self.model_type}
         if self.model_type == "gpt2":
-            out.update(
-                vocab_size=self.vocab_size,
-                n_embd=self.hidden_size,
-                n_layer=self.num_layers,
-                n_head=self.num_heads,
-                n_inner=self.intermediate_size,
-                n_positions=self.max_position_embeddings,
-                layer_norm_epsilon=self.norm_eps,
-                activation_function=act,
-                scale_attn_weights=self.attn_scale is None,
-                tie_word_embeddings=self.tie_word_embeddings,
-            )
+            _write_gpt2(self, out, act)
         else:
-            rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
-            if self.rope_type in ("linear", "llama3"):
-                rope["factor"] = self.rope_factor
-            if self.rope_type == "llama3":
-                rope.update(
-                    low_freq_factor=self.rope_low_freq_factor,
-                    high_freq_factor=self.rope_high_freq_factor,
-                    original_max_position_embeddings=self.rope_original_max_position_embeddings,
-                )
-            if self.rope_type == "longrope":
-                rope.update(short_factor=list(self.rope_short_factor), long_factor=list(self.rope_long_factor),
-                            original_max_position_embeddings=self.rope_original_max_position_embeddings,
-                            attention_factor=self.rope_attention_factor)
-            out.update(
-                vocab_size=self.vocab_size,
-                hidden_size=self.hidden_size,
-                intermediate_size=self.intermediate_size,
-                num_hidden_layers=self.num_layers,
-                num_attention_heads=self.num_heads,
-                num_key_value_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                hidden_act=act,
-                rms_norm_eps=self.norm_eps,
-                max_position_embeddings=self.max_position_embeddings,
-                rope_parameters=rope,
-                tie_word_embeddings=self.tie_word_embeddings,
-            )
-            if self.model_type == "llama":
-                out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-            elif self.model_type == "qwen3":
-                out.update(attention_bias=self.qkv_bias, use_sliding_window=False)
-            elif self.model_type == "qwen3_moe":
-                out.update(attention_bias=self.qkv_bias, use_sliding_window=False, num_experts=self.num_experts,
-                           num_experts_per_tok=self.num_experts_per_tok,
-                           moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                           router_aux_loss_coef=self.router_aux_loss_coef, decoder_sparse_step=1,
-                           mlp_only_layers=[])
-            elif self.model_type == "qwen2":
-                out.update(use_sliding_window=False)
-            else:
-                _write_window_family(self, out)
+            _write_decoder(self, out, act)
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
         out.update(bos_token_id=self.bos_token_id, eos_token_id=eos, pad_token_id=self.pad_token_id)
         if architecture == "sequence_classification":
@@ -358,6 +308,76 @@ class ModelConfig:
             out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
         out["dtype"] = self.param_dtype
         return out
+
+
+# ---------------------------------------------------------------------------- writers
+
+
+def _write_gpt2(c: ModelConfig, out: dict[str, Any], act: str) -> None:
+    """GPT-2's own field names (``n_embd``, ``n_layer``, ...)."""
+    out.update(
+        vocab_size=c.vocab_size,
+        n_embd=c.hidden_size,
+        n_layer=c.num_layers,
+        n_head=c.num_heads,
+        n_inner=c.intermediate_size,
+        n_positions=c.max_position_embeddings,
+        layer_norm_epsilon=c.norm_eps,
+        activation_function=act,
+        scale_attn_weights=c.attn_scale is None,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
+
+
+def _hf_rope_parameters(c: ModelConfig) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters`` of the global RoPE."""
+    rope: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
+    if c.rope_type in ("linear", "llama3"):
+        rope["factor"] = c.rope_factor
+    if c.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=c.rope_low_freq_factor,
+            high_freq_factor=c.rope_high_freq_factor,
+            original_max_position_embeddings=c.rope_original_max_position_embeddings,
+        )
+    if c.rope_type == "longrope":
+        rope.update(short_factor=list(c.rope_short_factor), long_factor=list(c.rope_long_factor),
+                    original_max_position_embeddings=c.rope_original_max_position_embeddings,
+                    attention_factor=c.rope_attention_factor)
+    return rope
+
+
+def _write_decoder(c: ModelConfig, out: dict[str, Any], act: str) -> None:
+    """The llama-like fields every family but GPT-2 shares, then each family's own."""
+    rope = _hf_rope_parameters(c)
+    out.update(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        hidden_act=act,
+        rms_norm_eps=c.norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters=rope,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
+    if c.model_type == "llama":
+        out.update(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
+    elif c.model_type == "qwen3":
+        out.update(attention_bias=c.qkv_bias, use_sliding_window=False)
+    elif c.model_type == "qwen3_moe":
+        out.update(attention_bias=c.qkv_bias, use_sliding_window=False, num_experts=c.num_experts,
+                   num_experts_per_tok=c.num_experts_per_tok,
+                   moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                   router_aux_loss_coef=c.router_aux_loss_coef, decoder_sparse_step=1,
+                   mlp_only_layers=[])
+    elif c.model_type == "qwen2":
+        out.update(use_sliding_window=False)
+    else:
+        _write_window_family(c, out)
 
 
 # ---------------------------------------------------------------------------- readers
@@ -401,7 +421,7 @@ def _rope_fields(hf: Mapping[str, Any], model_type: str, max_pos: int) -> dict[s
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     out: dict[str, Any] = {"rope_type": rope_type, "rope_theta": float(theta)}
     if rope_type == "longrope":
-        out.update(_longrope_fields(params, hf, max_pos))
+        out.update(_longrope_fields(params, _original_max_position(params, hf, model_type, max_pos), max_pos))
     if rope_type in ("linear", "llama3"):
         if "factor" not in params:
             raise ValueError(f"rope_parameters of type {rope_type!r} is missing the field 'factor'")
@@ -411,38 +431,64 @@ def _rope_fields(hf: Mapping[str, Any], model_type: str, max_pos: int) -> dict[s
             if key not in params:
                 raise ValueError(f"rope_parameters of type 'llama3' is missing the field {key!r}")
             out[field] = float(params[key])
-        out["rope_original_max_position_embeddings"] = int(
-            params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
-        )
+        out["rope_original_max_position_embeddings"] = _original_max_position(params, hf, model_type, max_pos)
     return out
 
 
-def _longrope_fields(params: Mapping[str, Any], hf: Mapping[str, Any], max_pos: int) -> dict[str, Any]:
+# Phi3Config's top-level ``original_max_position_embeddings`` when a config.json omits it.
+_PHI3_ORIGINAL_MAX_POSITION = 4096
+
+
+def _original_max_position(params: Mapping[str, Any], hf: Mapping[str, Any], model_type: str, max_pos: int) -> int:
+    """The pretraining length of ``llama3`` and ``longrope`` scaling, with transformers' priority
+    (``standardize_rope_params``): Phi-3's config class always has a top-level field (4096 when
+    the file omits it) that replaces the one in ``rope_parameters``; the other families read
+    ``rope_parameters`` only (a top-level field is ignored), else ``max_position_embeddings``."""
+    if model_type == "phi3":
+        value = hf.get("original_max_position_embeddings", _PHI3_ORIGINAL_MAX_POSITION)
+    else:
+        value = params.get("original_max_position_embeddings", max_pos)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{model_type} config: original_max_position_embeddings must be a positive integer; "
+                         f"got {value!r}")
+    return int(value)
+
+
+def _longrope_fields(params: Mapping[str, Any], original: int, max_pos: int) -> dict[str, Any]:
     """``longrope``'s factors; the attention factor as transformers derives it when absent:
     ``sqrt(1 + ln(factor) / ln(original_max))`` with ``factor = max_pos / original_max``."""
     for key in ("short_factor", "long_factor"):
         if not isinstance(params.get(key), (list, tuple)):
             raise ValueError(f"rope_parameters of type 'longrope' needs the list {key!r}; got {params.get(key)!r}")
-    original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
-    if original is None:
-        raise ValueError("rope_parameters of type 'longrope' is missing the field 'original_max_position_embeddings'")
     factor = params.get("factor") or max_pos / original
     attention = params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return dict(rope_short_factor=tuple(params["short_factor"]), rope_long_factor=tuple(params["long_factor"]),
-                rope_original_max_position_embeddings=int(original), rope_attention_factor=float(attention))
+                rope_original_max_position_embeddings=original, rope_attention_factor=float(attention))
 
 
-# transformers' per-family defaults for fields a config.json may omit.
+# transformers' per-family defaults for fields a config.json may omit (num_key_value_heads
+# None: as many as the query heads).
 _LLAMA_LIKE_DEFAULTS = {
-    "llama": {"max_position_embeddings": 2048, "head_dim": None},
-    "qwen2": {"max_position_embeddings": 32768, "head_dim": None},
-    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
-    "qwen3_moe": {"max_position_embeddings": 32768, "head_dim": None},
-    "mistral": {"max_position_embeddings": 131072, "head_dim": None},
-    "phi3": {"max_position_embeddings": 4096, "head_dim": None, "rms_norm_eps": 1e-5},
+    "llama": {"max_position_embeddings": 2048, "head_dim": None, "num_key_value_heads": None},
+    "qwen2": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128, "num_key_value_heads": 32},
+    "qwen3_moe": {"max_position_embeddings": 32768, "head_dim": None, "num_key_value_heads": 4},
+    "mistral": {"max_position_embeddings": 131072, "head_dim": None, "num_key_value_heads": 8},
+    "phi3": {"max_position_embeddings": 4096, "head_dim": None, "rms_norm_eps": 1e-5, "num_key_value_heads": None},
 }
+
+
+def _kv_heads(hf: Mapping[str, Any], model_type: str, heads: int, default: int | None) -> int:
+    """``num_key_value_heads`` as transformers reads it: the family's class default when the
+    field is absent (8 for Mistral, 4 for Gemma 2/3, ...), the query heads when it is null."""
+    value = hf.get("num_key_value_heads", default)
+    if value is None:
+        return heads
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{model_type} config: num_key_value_heads must be a positive integer; got {value!r}")
+    return int(value)
 
 
 def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -450,7 +496,7 @@ def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     req = {name: int(_require(hf, name, mt)) for name in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
     heads = req["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
+    kv_heads = _kv_heads(hf, mt, heads, _LLAMA_LIKE_DEFAULTS[mt]["num_key_value_heads"])
     head_dim = hf.get("head_dim") or _LLAMA_LIKE_DEFAULTS[mt]["head_dim"] or req["hidden_size"] // heads
     max_pos = int(hf.get("max_position_embeddings") or _LLAMA_LIKE_DEFAULTS[mt]["max_position_embeddings"])
     if hf.get("use_sliding_window"):
@@ -477,7 +523,7 @@ def _llama_like_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     elif mt == "qwen2":
         fields.update(qkv_bias=True, out_bias=False)
     elif mt in ("mistral", "phi3"):  # every layer sliding when the window is set
-        fields.update(sliding_window=_window(hf, mt, 4096 if mt == "mistral" else None))
+        fields.update(sliding_window=hf.get("sliding_window", 4096 if mt == "mistral" else None))
     else:  # qwen3, qwen3_moe
         bias = bool(hf.get("attention_bias", False))
         fields.update(qkv_bias=bias, out_bias=bias, qk_norm=True)
@@ -554,8 +600,9 @@ _GPT2_READER = _gpt2_fields
 
 def _check_window_fields(c: ModelConfig) -> None:
     """The fields of sliding-window and Gemma-style models (ModelConfig.__post_init__)."""
-    if c.sliding_window is not None and (isinstance(c.sliding_window, bool) or c.sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive number of positions or None; got {c.sliding_window!r}")
+    window = c.sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
+        raise ValueError(f"{c.model_type} config: sliding_window must be a positive integer or null; got {window!r}")
     if c.layer_types is not None:
         object.__setattr__(c, "layer_types", tuple(c.layer_types))
         if len(c.layer_types) != c.num_layers:
@@ -575,19 +622,12 @@ def _check_window_fields(c: ModelConfig) -> None:
                          "(model.attention: xla or auto)")
 
 
-def _window(hf: Mapping[str, Any], model_type: str, default: int | None) -> int | None:
-    window = hf.get("sliding_window", default)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"{model_type} config: sliding_window must be a positive integer or null; got {window!r}")
-    return window
-
-
 # transformers' defaults of the two Gemma text decoders.
 _GEMMA_DEFAULTS = {
     "gemma2": dict(max_position_embeddings=8192, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
-                   pattern=2, rope_theta=10_000.0),
+                   pattern=2, rope_theta=10_000.0, num_key_value_heads=4),
     "gemma3_text": dict(max_position_embeddings=131_072, final_logit_softcapping=None, attn_logit_softcapping=None,
-                        pattern=6, rope_theta=1_000_000.0),
+                        pattern=6, rope_theta=1_000_000.0, num_key_value_heads=4),
 }
 
 
@@ -625,7 +665,8 @@ def _gemma_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{mt} config sets use_bidirectional_attention=true (an embedding model); "
                          "only causal decoders are supported")
     layers = req["num_hidden_layers"]
-    pattern = int(hf.get("sliding_window_pattern") or defaults["pattern"])
+    # Gemma 2 always alternates (Gemma2Config ignores sliding_window_pattern); Gemma 3 reads it
+    pattern = int(hf.get("sliding_window_pattern") or defaults["pattern"]) if mt == "gemma3_text" else 2
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     max_pos = int(hf.get("max_position_embeddings") or defaults["max_position_embeddings"])
@@ -643,7 +684,7 @@ def _gemma_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         intermediate_size=req["intermediate_size"],
         num_layers=layers,
         num_heads=req["num_attention_heads"],
-        num_kv_heads=int(hf.get("num_key_value_heads") or req["num_attention_heads"]),
+        num_kv_heads=_kv_heads(hf, mt, req["num_attention_heads"], defaults["num_key_value_heads"]),
         head_dim=head_dim,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         activation=_activation(activation, "hidden_activation"),
@@ -653,7 +694,7 @@ def _gemma_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         out_bias=bias,
         qk_norm=mt == "gemma3_text",
         attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        sliding_window=_window(hf, mt, 4096) if "sliding_attention" in layer_types else hf.get("sliding_window"),
+        sliding_window=hf.get("sliding_window", 4096 if "sliding_attention" in layer_types else None),
         layer_types=tuple(layer_types),
         norm_offset=1.0,
         post_norms=True,
@@ -668,6 +709,10 @@ def _gemma_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
 def _write_window_family(c: ModelConfig, out: dict[str, Any]) -> None:
     """The HF fields of mistral, phi3, gemma2 and gemma3_text beyond the llama-like ones."""
     out["sliding_window"] = c.sliding_window
+    if c.model_type == "phi3" and c.rope_type == "longrope":
+        # Phi3Config has this field whatever the file says (4096 when absent) and transformers
+        # puts it over the one in rope_parameters
+        out["original_max_position_embeddings"] = c.rope_original_max_position_embeddings
     if c.model_type not in ("gemma2", "gemma3_text"):
         return
     out["hidden_activation"] = out.pop("hidden_act")
@@ -695,12 +740,15 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     ``llama3``: wavelengths ``2 pi / inv_freq`` above ``original_max / low_freq_factor``
     are divided by ``factor``, those below ``original_max / high_freq_factor`` kept, and
     the band between interpolated smoothly (Llama 3.1).
+
+    ``longrope`` has two sets and a factor on sin/cos, chosen per forward: it raises here
+    (:func:`longrope_inv_freqs`, and ``layers.longrope_sin_cos`` for the whole rotation).
     """
-    dim = config.head_dim
-    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
-    if config.rope_type == "longrope":  # the short factors (longrope_inv_freqs has both)
-        return longrope_inv_freqs(config)[0]
+    if config.rope_type == "longrope":
+        raise ValueError("rope_inv_freq: rope_type 'longrope' has short and long inverse frequencies and an "
+                         "attention factor on sin/cos; use longrope_inv_freqs(config) (both sets) or "
+                         "alignax.models.layers.longrope_sin_cos(positions, config)")
+    inv_freq = (1.0 / _rope_powers(config)).astype(np.float32)
     if config.rope_type == "linear":
         inv_freq = inv_freq / np.float32(config.rope_factor)
     elif config.rope_type == "llama3":
@@ -730,7 +778,13 @@ def longrope_inv_freqs(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     with ``f`` the short or long factors (Phi-3; transformers' ``_compute_longrope_parameters``).
     A forward uses the long ones when its largest position reaches ``original_max`` (as
     transformers decides per call, from ``max(position_ids) + 1``)."""
-    dim = config.head_dim
-    base = np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    base = _rope_powers(config)
     return tuple((1.0 / (np.asarray(f, np.float32) * base)).astype(np.float32)
                  for f in (config.rope_short_factor, config.rope_long_factor))
+
+
+def _rope_powers(config: ModelConfig) -> np.ndarray:
+    """``theta^(2i/H)`` ``[H/2]`` in float32, the wavelengths' base before any scaling (the
+    inverse frequencies of the default type are its reciprocals)."""
+    dim = config.head_dim
+    return np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))

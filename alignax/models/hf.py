@@ -93,85 +93,25 @@ _TRANSPOSE = ((lambda w: (w.T,)), (lambda k: k.T))
 
 def _layout(c: ModelConfig, kind: str, prefix: str) -> list[_Entry]:
     """Every HF tensor of a checkpoint of ``kind`` for config ``c``."""
-    D, N, K, H, F, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
+    D, V = c.hidden_size, c.vocab_size
     out: list[_Entry] = []
 
     def add(hf, hf_shape, paths, fns):
         out.append(_Entry(hf, tuple(hf_shape), tuple(paths), *fns))
 
+    p = prefix
     if c.model_type == "gpt2":
-        p = prefix
         add(f"{p}wte.weight", (V, D), [("model", "embed")], _IDENTITY)
         add(f"{p}wpe.weight", (c.max_position_embeddings, D), [("model", "pos_embed")], _IDENTITY)
         for i in range(c.num_layers):
-            h, L = f"{p}h.{i}.", ("model", "layers", i)
-            add(f"{h}ln_1.weight", (D,), [(*L, "attn_norm", "scale")], _IDENTITY)
-            add(f"{h}ln_1.bias", (D,), [(*L, "attn_norm", "bias")], _IDENTITY)
-            qkv_paths = [(*L, "attn", f"{x}_kernel") for x in "qkv"]
-            add(
-                f"{h}attn.c_attn.weight",
-                (D, 3 * D),
-                qkv_paths,
-                (
-                    lambda w: tuple(x.reshape(D, N, H) for x in np.split(w, 3, axis=1)),
-                    lambda q, k, v: np.concatenate([x.reshape(D, D) for x in (q, k, v)], axis=1),
-                ),
-            )
-            add(
-                f"{h}attn.c_attn.bias",
-                (3 * D,),
-                [(*L, "attn", f"{x}_bias") for x in "qkv"],
-                (
-                    lambda b: tuple(x.reshape(N, H) for x in np.split(b, 3)),
-                    lambda q, k, v: np.concatenate([x.reshape(-1) for x in (q, k, v)]),
-                ),
-            )
-            add(f"{h}attn.c_proj.weight", (D, D), [(*L, "attn", "o_kernel")], _reshape((N, H, D), (D, D)))
-            add(f"{h}attn.c_proj.bias", (D,), [(*L, "attn", "o_bias")], _IDENTITY)
-            add(f"{h}ln_2.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
-            add(f"{h}ln_2.bias", (D,), [(*L, "mlp_norm", "bias")], _IDENTITY)
-            add(f"{h}mlp.c_fc.weight", (D, F), [(*L, "mlp", "up_kernel")], _IDENTITY)
-            add(f"{h}mlp.c_fc.bias", (F,), [(*L, "mlp", "up_bias")], _IDENTITY)
-            add(f"{h}mlp.c_proj.weight", (F, D), [(*L, "mlp", "down_kernel")], _IDENTITY)
-            add(f"{h}mlp.c_proj.bias", (D,), [(*L, "mlp", "down_bias")], _IDENTITY)
+            _add_gpt2_block(add, c, f"{p}h.{i}.", ("model", "layers", i))
         add(f"{p}ln_f.weight", (D,), [("model", "final_norm", "scale")], _IDENTITY)
         add(f"{p}ln_f.bias", (D,), [("model", "final_norm", "bias")], _IDENTITY)
     else:
-        p = prefix
         add(f"{p}embed_tokens.weight", (V, D), [("model", "embed")], _IDENTITY)
         for i in range(c.num_layers):
-            h, L = f"{p}layers.{i}.", ("model", "layers", i)
-            add(f"{h}input_layernorm.weight", (D,), [(*L, "attn_norm", "scale")], _IDENTITY)
-            if c.model_type == "phi3":  # fused projections: one table of its own
-                out.extend(_Entry(*e[:3], *e[3]) for e in _phi3_fused(c, h, L))
-            for name, heads in (("q", N), ("k", K), ("v", K)) if c.model_type != "phi3" else ():
-                add(f"{h}self_attn.{name}_proj.weight", (heads * H, D), [(*L, "attn", f"{name}_kernel")],
-                    _linear_in((heads, H)))
-                if c.qkv_bias:
-                    add(f"{h}self_attn.{name}_proj.bias", (heads * H,), [(*L, "attn", f"{name}_bias")],
-                        _reshape((heads, H), (heads * H,)))
-            add(f"{h}self_attn.o_proj.weight", (D, N * H), [(*L, "attn", "o_kernel")], _linear_out((N, H)))
-            if c.out_bias:
-                add(f"{h}self_attn.o_proj.bias", (D,), [(*L, "attn", "o_bias")], _IDENTITY)
-            if c.qk_norm:
-                add(f"{h}self_attn.q_norm.weight", (H,), [(*L, "attn", "q_norm", "scale")], _IDENTITY)
-                add(f"{h}self_attn.k_norm.weight", (H,), [(*L, "attn", "k_norm", "scale")], _IDENTITY)
-            if c.post_norms:  # Gemma: post_attention_layernorm is after attention, not before the MLP
-                add(f"{h}post_attention_layernorm.weight", (D,), [(*L, "attn_post_norm", "scale")], _IDENTITY)
-                add(f"{h}pre_feedforward_layernorm.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
-                add(f"{h}post_feedforward_layernorm.weight", (D,), [(*L, "mlp_post_norm", "scale")], _IDENTITY)
-            else:
-                add(f"{h}post_attention_layernorm.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
-            if c.num_experts:
-                _add_experts(add, c, h, L)
-                continue
-            mlp = (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))
-            for name, shape in mlp if c.model_type != "phi3" else mlp[2:]:
-                add(f"{h}mlp.{name}_proj.weight", shape, [(*L, "mlp", f"{name}_kernel")], _TRANSPOSE)
-                if c.mlp_bias:
-                    add(f"{h}mlp.{name}_proj.bias", (shape[0],), [(*L, "mlp", f"{name}_bias")], _IDENTITY)
+            _add_decoder_block(add, c, f"{p}layers.{i}.", ("model", "layers", i))
         add(f"{p}norm.weight", (D,), [("model", "final_norm", "scale")], _IDENTITY)
-
     if kind in ("causal_lm", "policy_value") and not c.tie_word_embeddings:
         add("lm_head.weight", (V, D), [("lm_head",)], _TRANSPOSE)
     if kind == "reward":
@@ -179,6 +119,77 @@ def _layout(c: ModelConfig, kind: str, prefix: str) -> list[_Entry]:
     if kind in ("value", "policy_value"):
         add("score.weight", (1, D), [("value_head",)], _TRANSPOSE)
     return out
+
+
+def _add_gpt2_block(add, c: ModelConfig, h: str, L: Path) -> None:
+    """One GPT-2 block (``h``: its HF prefix, ``L``: our layer path): LayerNorms with biases,
+    Conv1D ``[in, out]`` weights, q/k/v fused in ``c_attn``."""
+    D, N, H, F = c.hidden_size, c.num_heads, c.head_dim, c.intermediate_size
+    add(f"{h}ln_1.weight", (D,), [(*L, "attn_norm", "scale")], _IDENTITY)
+    add(f"{h}ln_1.bias", (D,), [(*L, "attn_norm", "bias")], _IDENTITY)
+    qkv_paths = [(*L, "attn", f"{x}_kernel") for x in "qkv"]
+    add(
+        f"{h}attn.c_attn.weight",
+        (D, 3 * D),
+        qkv_paths,
+        (
+            lambda w: tuple(x.reshape(D, N, H) for x in np.split(w, 3, axis=1)),
+            lambda q, k, v: np.concatenate([x.reshape(D, D) for x in (q, k, v)], axis=1),
+        ),
+    )
+    add(
+        f"{h}attn.c_attn.bias",
+        (3 * D,),
+        [(*L, "attn", f"{x}_bias") for x in "qkv"],
+        (
+            lambda b: tuple(x.reshape(N, H) for x in np.split(b, 3)),
+            lambda q, k, v: np.concatenate([x.reshape(-1) for x in (q, k, v)]),
+        ),
+    )
+    add(f"{h}attn.c_proj.weight", (D, D), [(*L, "attn", "o_kernel")], _reshape((N, H, D), (D, D)))
+    add(f"{h}attn.c_proj.bias", (D,), [(*L, "attn", "o_bias")], _IDENTITY)
+    add(f"{h}ln_2.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
+    add(f"{h}ln_2.bias", (D,), [(*L, "mlp_norm", "bias")], _IDENTITY)
+    add(f"{h}mlp.c_fc.weight", (D, F), [(*L, "mlp", "up_kernel")], _IDENTITY)
+    add(f"{h}mlp.c_fc.bias", (F,), [(*L, "mlp", "up_bias")], _IDENTITY)
+    add(f"{h}mlp.c_proj.weight", (F, D), [(*L, "mlp", "down_kernel")], _IDENTITY)
+    add(f"{h}mlp.c_proj.bias", (D,), [(*L, "mlp", "down_bias")], _IDENTITY)
+
+
+def _add_decoder_block(add, c: ModelConfig, h: str, L: Path) -> None:
+    """One layer of the llama-like families (``h``: its HF prefix, ``L``: our layer path):
+    Phi-3's fused projections, biases, q/k norms, Gemma's four norms, or a mixture MLP."""
+    D, N, K, H, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    add(f"{h}input_layernorm.weight", (D,), [(*L, "attn_norm", "scale")], _IDENTITY)
+    if c.model_type == "phi3":  # fused projections: one table of its own
+        for hf, hf_shape, paths, fns in _phi3_fused(c, h, L):
+            add(hf, hf_shape, paths, fns)
+    for name, heads in (("q", N), ("k", K), ("v", K)) if c.model_type != "phi3" else ():
+        add(f"{h}self_attn.{name}_proj.weight", (heads * H, D), [(*L, "attn", f"{name}_kernel")],
+            _linear_in((heads, H)))
+        if c.qkv_bias:
+            add(f"{h}self_attn.{name}_proj.bias", (heads * H,), [(*L, "attn", f"{name}_bias")],
+                _reshape((heads, H), (heads * H,)))
+    add(f"{h}self_attn.o_proj.weight", (D, N * H), [(*L, "attn", "o_kernel")], _linear_out((N, H)))
+    if c.out_bias:
+        add(f"{h}self_attn.o_proj.bias", (D,), [(*L, "attn", "o_bias")], _IDENTITY)
+    if c.qk_norm:
+        add(f"{h}self_attn.q_norm.weight", (H,), [(*L, "attn", "q_norm", "scale")], _IDENTITY)
+        add(f"{h}self_attn.k_norm.weight", (H,), [(*L, "attn", "k_norm", "scale")], _IDENTITY)
+    if c.post_norms:  # Gemma: post_attention_layernorm is after attention, not before the MLP
+        add(f"{h}post_attention_layernorm.weight", (D,), [(*L, "attn_post_norm", "scale")], _IDENTITY)
+        add(f"{h}pre_feedforward_layernorm.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
+        add(f"{h}post_feedforward_layernorm.weight", (D,), [(*L, "mlp_post_norm", "scale")], _IDENTITY)
+    else:
+        add(f"{h}post_attention_layernorm.weight", (D,), [(*L, "mlp_norm", "scale")], _IDENTITY)
+    if c.num_experts:
+        _add_experts(add, c, h, L)
+        return
+    mlp = (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))
+    for name, shape in mlp if c.model_type != "phi3" else mlp[2:]:
+        add(f"{h}mlp.{name}_proj.weight", shape, [(*L, "mlp", f"{name}_kernel")], _TRANSPOSE)
+        if c.mlp_bias:
+            add(f"{h}mlp.{name}_proj.bias", (shape[0],), [(*L, "mlp", f"{name}_bias")], _IDENTITY)
 
 
 def _phi3_fused(c: ModelConfig, h: str, L: Path) -> list[tuple]:

@@ -141,10 +141,27 @@ class Decoder(nnx.Module):
             if cache is not None:
                 raise ValueError("segment_ids are for full forward passes; a cached decode step cannot take them")
             check_same_shape(tokens=tokens, segment_ids=segment_ids)
-        dtype = jnp.dtype(c.dtype)
         mask = attention_mask.astype(bool)
-        T = tokens.shape[1]
+        x = self._embed(tokens, positions)
+        if c.position_embedding != "rope":
+            sin_cos = None
+        else:  # Phi-3's longrope picks its factors from the positions
+            sin_cos = longrope_sin_cos(positions, c) if c.rope_type == "longrope" else rope_sin_cos(
+                positions, rope_inv_freq(c))
+        allowed, index, kv, slot_mask, query_positions, key_positions = self._attention_inputs(
+            tokens, positions, mask, cache, segment_ids)
+        if any(c.sliding_layers):
+            sin_cos, allowed = self._sliding_inputs(sin_cos, allowed, positions, query_positions, key_positions)
+        x, kv, router_probs = self._run_layers(x, sin_cos, allowed, kv, index)
+        hidden = constrain(self.final_norm(x), RESIDUAL)
+        if cache is None:
+            return hidden, None, router_probs
+        return hidden, KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=index + tokens.shape[1]), router_probs
 
+    def _embed(self, tokens: Array, positions: Array) -> Array:
+        """Token (and GPT-2's learned position) embeddings ``[B, T, D]`` in the compute dtype."""
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
         x = jnp.take(self.embed[...], tokens, axis=0)
         if c.scale_embeddings:  # Gemma: times sqrt(D), rounded to the table's dtype as transformers does
             x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
@@ -156,12 +173,15 @@ class Decoder(nnx.Module):
         # batch axes without the table being gathered, where one step makes XLA replicate
         # them on some meshes (its "involuntary full rematerialization").
         x = constrain(constrain(x, ("activation_lookup_batch", "length", "embed")), RESIDUAL)
-        if c.position_embedding != "rope":
-            sin_cos = None
-        else:  # Phi-3's longrope picks its factors from the positions
-            sin_cos = longrope_sin_cos(positions, c) if c.rope_type == "longrope" else rope_sin_cos(
-                positions, rope_inv_freq(c))
+        return x
 
+    def _attention_inputs(self, tokens, positions, mask, cache, segment_ids):
+        """``(allowed, index, kv, slot_mask, query_positions, key_positions)``: which keys each
+        query sees (``[B, T, T]``, ``[B, T, S]`` with a cache, or a ``KeyMask`` for the fused
+        kernels), the cache's write index, stacked keys/values and slot mask, and the positions
+        the sliding windows are counted in."""
+        c = self.config
+        T = tokens.shape[1]
         if cache is None and c.attention in ("splash", "cudnn"):  # fused kernels: causal + real keys only
             if segment_ids is not None:
                 raise ValueError(f"model.attention={c.attention} cannot run shared-prompt packing (segment_ids: a "
@@ -192,13 +212,7 @@ class Decoder(nnx.Module):
             key_positions = slot_positions(slot_mask)
             query_positions = jax.lax.dynamic_slice_in_dim(key_positions, index, T, axis=1)
 
-        if any(c.sliding_layers):
-            sin_cos, allowed = self._sliding_inputs(sin_cos, allowed, positions, query_positions, key_positions)
-        x, kv, router_probs = self._run_layers(x, sin_cos, allowed, kv, index)
-        hidden = constrain(self.final_norm(x), RESIDUAL)
-        if cache is None:
-            return hidden, None, router_probs
-        return hidden, KVCache(k=kv[0], v=kv[1], mask=slot_mask, index=index + T), router_probs
+        return allowed, index, kv, slot_mask, query_positions, key_positions
 
     def _sliding_inputs(self, sin_cos, allowed, positions, query_positions, key_positions):
         """``(sin_cos, allowed)`` with the sliding layers' forms beside the full layers'
