@@ -34,31 +34,19 @@ from alignax.models.cache import init_cache
 from alignax.models.moe import frozen_forward, load_balancing_loss
 from alignax.trainers.engine.step import init_train_state, make_train_step
 from tests.fake_devices import run_check
+from tests.support import hf_reference
+from tests.support.hf_reference import state_dict
+from tests.support.model_families import CONFIGS
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras)")
 
 TOL = 1e-4
-COEF = 0.05  # larger than transformers' 0.001 so the term shows in a float32 loss
-CONFIG = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-              num_experts_per_tok=2, norm_topk_prob=True, attention_bias=True, router_aux_loss_coef=COEF,
-              rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+CONFIG = CONFIGS["qwen3_moe"]
+COEF = CONFIG["router_aux_loss_coef"]  # 0.05: larger than transformers' 0.001, so the term shows in a float32 loss
 
 
 def hf_model(seed: int = 0, **overrides):
-    cfg = dict(CONFIG, **overrides)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{k: v for k, v in cfg.items()
-                                                                            if k != "model_type"}))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return cfg, model.eval()
-
-
-def state_dict(model) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return hf_reference.hf_model("qwen3_moe", seed=seed, **overrides)
 
 
 @pytest.fixture(scope="module")
