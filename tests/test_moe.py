@@ -36,12 +36,12 @@ from alignax.trainers.engine.step import init_train_state, make_train_step
 from tests.fake_devices import run_check
 from tests.support import hf_reference
 from tests.support.hf_reference import state_dict
-from tests.support.model_families import CONFIGS
+from tests.support.model_families import MOE_CONFIGS
 
 torch = pytest.importorskip("torch", reason="the PyTorch reference (pinned test extras)")
 
 TOL = 1e-4
-CONFIG = CONFIGS["qwen3_moe"]
+CONFIG = MOE_CONFIGS["qwen3_moe"]
 COEF = CONFIG["router_aux_loss_coef"]  # 0.05: larger than transformers' 0.001, so the term shows in a float32 loss
 
 

@@ -80,6 +80,11 @@ CONFIGS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}},
     ),
+}
+# Mixtures of experts (alignax.models.moe; tests/test_moe.py): apart from CONFIGS, as
+# tests/test_models.py's gradient check names the expert weights one tensor an expert where
+# transformers' state_dict() holds them fused (experts.gate_up_proj [E, 2F, D]).
+MOE_CONFIGS = {
     # a mixture (alignax.models.moe): 4 experts, top 2; the coefficient larger than
     # transformers' 0.001 so the load-balancing term shows in a float32 loss
     "qwen3_moe": dict(
