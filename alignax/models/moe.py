@@ -25,8 +25,12 @@ over all layers' router probabilities together, real tokens only)::
 
 Uniform routing gives ``aux = k``. Trainers add ``router_aux_loss_coef * aux`` to their
 objective: each trained model's full forward pass records its ``aux`` here
-(:func:`record_router_loss`), the train step collects them (:func:`collect_router_losses`);
-forward passes of frozen models run under :func:`frozen_forward` and record nothing.
+(:func:`record_router_loss`), the train step collects them (:func:`collect_router_losses`)
+and adds each trained model's term once (:func:`router_objective`: the mean over a model's
+passes, summed over models; a separate critic's passes run under :func:`routed_model`).
+Passes that train nothing (frozen models, a pass under ``stop_gradient``) run under
+:func:`frozen_forward` and record nothing. A pass traced inside a ``lax.cond`` branch
+collects its own record there and returns the objective (:func:`record_router_objective`).
 
 LoRA (:mod:`alignax.models.lora`) adapts the attention projections of a mixture model; the
 router and the experts stay frozen with the base (the load-balancing loss still reaches
