@@ -456,7 +456,10 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                      "(alignax.parallel.multihost.place_local_batch); and these figures are not calibrated for "
                      "rows that run whole (SmolLM2's shape on 16 devices: DPO 1.8x and PPO 1.3x the compiled "
                      "step): a batch of at least one row per batch device is the layout to plan with")
-    D, F, V, L = model.hidden_size, model.intermediate_size, model.vocab_size, model.num_layers
+    D, V, L = model.hidden_size, model.vocab_size, model.num_layers
+    # a mixture runs every expert on every token (alignax.models.moe): its MLP arrays are
+    # [tokens, E, moe_intermediate_size] where a dense MLP's are [tokens, F]
+    F = model.num_experts * model.moe_intermediate_size if model.num_experts else model.intermediate_size
     heads = model.num_heads / tensor
     q_width, kv_width = model.num_heads * model.head_dim / tensor, model.num_kv_heads * model.head_dim / tensor
     # float32 scores and probabilities, unless a fused kernel keeps only its [B, N, T] statistics
@@ -466,6 +469,10 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     # scanned residuals show); plain, the up output, its activation and its derivative's
     # input (3, not measured)
     mlp_arrays = 6 if model.gated_mlp else 3
+    # a mixture's [tokens, E, F] arrays: also the routing weights' product and its gradient's
+    # inputs (11 per layer, read from compiled SFT steps of the toy mixture at E x F = 1024:
+    # remat none 5.0 more than 6 a layer, remat full 3.7 more in the recomputed layer)
+    mlp_arrays = 11 if model.num_experts else mlp_arrays
 
     def layer_set_of(device_rows: float, row_length: int) -> tuple[float, float]:
         """``(one layer's working set, its attention scores)`` over ``device_rows`` rows of
@@ -489,7 +496,10 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                  "dots_saveable": inputs + projections + scores,
                  "offload_dots": inputs}  # the projections wait in host memory
         kept = min(saved[config.model.remat], layer_set)
-        return L * kept + (layer_set - kept)
+        # a mixture's float32 router probabilities [L, rows, T, E] leave the layer stack for
+        # the load-balancing loss, whatever the remat policy
+        router = L * tokens * model.num_experts * 4
+        return L * kept + (layer_set - kept) + router
 
     # Packed rows (DPO pairs, online groups) are counted as the compiled steps run them:
     # fewer, longer rows. A separate critic runs its own forward and backward in the same

@@ -15,7 +15,9 @@ are the projection's own plus ``lora_rank`` (replicated): ``A`` of q is
 mesh rules they shard like the kernel they adapt. Stacked for scan they gain ``layers``.
 
 Targets: ``q k v o`` (attention), ``gate up down`` (MLP), ``lm_head`` (an untied LM head);
-``all`` is the seven projections. Dropout on the adapter's input (``lora.dropout``, as
+``all`` is the seven projections. A mixture-of-experts model (:mod:`alignax.models.moe`) has
+no dense MLP and its experts take no adapters: there ``all`` (or the seven named) adapts
+attention only, and ``gate up down`` named without the rest are refused. Dropout on the adapter's input (``lora.dropout``, as
 PEFT: ``s dropout(x) A B``) applies only inside :func:`adapter_dropout` (the trainers enter
 it in the training loss with a key from the step's rng); everywhere else (eval, the
 reference, sampling, export) adapters run without it. Each adapter draws its mask from that
@@ -202,15 +204,32 @@ def adapters_off(adapters: Any) -> Any:
     return jax.tree.map(jnp.zeros_like, adapters)
 
 
+MLP_PROJECTIONS = ("gate", "up", "down")
+
+
+def check_targets(config, spec: LoraConfig) -> None:
+    """Refuse MLP targets that a mixture-of-experts model of ``config`` cannot adapt: its
+    experts have no adapters, so ``gate up down`` named apart from ``all`` would do less than
+    asked (``all``, or the seven projections, adapts the attention projections only)."""
+    named = [t for t in MLP_PROJECTIONS if t in spec.targets]
+    if config.num_experts and named and not set(PROJECTIONS) <= set(spec.targets):
+        raise ValueError(f"lora.targets names {' '.join(named)}, but this {config.model_type} model's MLPs are "
+                         f"{config.num_experts} experts, which take no adapters; target q k v o (or 'all', which "
+                         "is attention only on a mixture of experts)")
+
+
 def projection_sizes(config) -> dict[str, tuple[int, int]]:
     """``{projection: (fan in, fan out)}`` of one layer of a model of ``config`` (a
-    ``ModelConfig``): the kernels LoRA adapts and QLoRA quantises."""
+    ``ModelConfig``): the kernels LoRA adapts and QLoRA quantises (a mixture of experts:
+    the attention projections; its experts take no adapters and stay unquantised)."""
     D, N, K, H, F = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, \
         config.intermediate_size
     sizes = {"q": (D, N * H), "k": (D, K * H), "v": (D, K * H), "o": (N * H, D), "gate": (D, F), "up": (D, F),
              "down": (F, D)}
     if not config.gated_mlp:
         sizes.pop("gate")
+    if config.num_experts:
+        sizes = {t: size for t, size in sizes.items() if t not in MLP_PROJECTIONS}
     return sizes
 
 
@@ -250,6 +269,7 @@ def with_adapters(model: nnx.Module, spec: LoraConfig, *, mesh: jax.sharding.Mes
 
     if model.config.lora is not None:
         raise ValueError("the model already has adapters")
+    check_targets(model.config, spec)
     if "lm_head" in spec.targets and getattr(model, "lm_head", 0) is None:
         raise ValueError("lora.targets names lm_head, but this model's LM head is tied to the embeddings "
                          "(tie_word_embeddings); drop lm_head from lora.targets")

@@ -25,8 +25,12 @@ over all layers' router probabilities together, real tokens only)::
 
 Uniform routing gives ``aux = k``. Trainers add ``router_aux_loss_coef * aux`` to their
 objective: each trained model's full forward pass records its ``aux`` here
-(:func:`record_router_loss`), the train step collects them (:func:`collect_router_losses`);
-forward passes of frozen models run under :func:`frozen_forward` and record nothing.
+(:func:`record_router_loss`), the train step collects them (:func:`collect_router_losses`)
+and adds each trained model's term once (:func:`router_objective`: the mean over a model's
+passes, summed over models; a separate critic's passes run under :func:`routed_model`).
+Passes that train nothing (frozen models, a pass under ``stop_gradient``) run under
+:func:`frozen_forward` and record nothing. A pass traced inside a ``lax.cond`` branch
+collects its own record there and returns the objective (:func:`record_router_objective`).
 
 LoRA (:mod:`alignax.models.lora`) adapts the attention projections of a mixture model; the
 router and the experts stay frozen with the base (the load-balancing loss still reaches
@@ -119,15 +123,33 @@ def load_balancing_loss(router_probs: Array, attention_mask: Array, *, top_k: in
 
 # ------------------------------------------------------------ the train step's record
 
-_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("alignax_router_losses", default=None)
+class RouterRecord(list):
+    """``(model, coef * aux, aux)`` of each recorded forward pass, and the trace the record
+    was opened in (a pass traced in an inner trace, such as a ``lax.cond`` branch, cannot
+    be used outside it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace = _trace_state()
+
+
+_RECORD: contextvars.ContextVar[RouterRecord | None] = contextvars.ContextVar("alignax_router_losses", default=None)
+POLICY = "policy"  # the name of the trained model's passes outside routed_model()
+_MODEL: contextvars.ContextVar[str] = contextvars.ContextVar("alignax_routed_model", default=POLICY)
+
+
+def _trace_state():
+    from jax._src import core  # no public API tells which trace is current
+
+    return core.get_opaque_trace_state()
 
 
 @contextlib.contextmanager
-def collect_router_losses() -> Iterator[list[tuple[Array, float]]]:
-    """Collect ``(aux, router_aux_loss_coef)`` of every mixture model's full forward pass
-    traced inside the block (outside :func:`frozen_forward`). Read at trace time: open it
-    in the same trace as the forward passes (the train step opens it around the loss)."""
-    record: list[tuple[Array, float]] = []
+def collect_router_losses() -> Iterator[RouterRecord]:
+    """Collect ``(model, coef * aux, aux)`` of every mixture model's full forward
+    pass traced inside the block (outside :func:`frozen_forward`). Read at trace time: open
+    it in the same trace as the forward passes (the train step opens it around the loss)."""
+    record = RouterRecord()
     token = _RECORD.set(record)
     try:
         yield record
@@ -137,8 +159,8 @@ def collect_router_losses() -> Iterator[list[tuple[Array, float]]]:
 
 @contextlib.contextmanager
 def frozen_forward() -> Iterator[None]:
-    """Forward passes of frozen models (a live reference, a teacher): they train nothing,
-    so their routing adds nothing to the objective."""
+    """Forward passes that train nothing (a live reference, a teacher, a pass under
+    ``stop_gradient``): their routing adds nothing to the objective."""
     token = _RECORD.set(None)
     try:
         yield
@@ -146,15 +168,53 @@ def frozen_forward() -> Iterator[None]:
         _RECORD.reset(token)
 
 
+@contextlib.contextmanager
+def routed_model(name: str) -> Iterator[None]:
+    """Forward passes inside the block are of the trained model ``name`` (a separate critic):
+    :func:`router_objective` adds each trained model's term once. Outside: ``"policy"``."""
+    token = _MODEL.set(name)
+    try:
+        yield
+    finally:
+        _MODEL.reset(token)
+
+
 def record_router_loss(aux: Array, coef: float) -> None:
-    """Add one forward pass's load-balancing loss to the open record (none open: no-op)."""
+    """Add one forward pass's load-balancing loss to the open record (none open: no-op).
+
+    Raises ValueError when the pass is traced in a trace inside the one the record was
+    opened in (a ``lax.cond`` branch, a ``scan`` body): that value does not exist outside it;
+    collect there (:func:`collect_router_losses`) and return the objective from it."""
     record = _RECORD.get()
-    if record is not None:
-        record.append((aux, coef))
+    if record is None:
+        return
+    if isinstance(aux, jax.core.Tracer) and _trace_state() != record.trace:
+        raise ValueError("a mixture model's forward pass is traced inside a jax.lax.cond/scan/jit within the loss, "
+                         "so its load-balancing loss cannot be added outside it: open collect_router_losses() "
+                         "inside that function and return router_objective(...) with its result")
+    record.append((_MODEL.get(), coef * aux, aux))
 
 
-def router_objective(record: list[tuple[Array, float]]) -> tuple[Array, Array]:
-    """``(mean coef * aux, mean aux)`` over the recorded forward passes (float32 scalars)."""
-    scaled = jnp.mean(jnp.stack([coef * aux for aux, coef in record]))
-    plain = jnp.mean(jnp.stack([aux for aux, _ in record]))
-    return scaled, plain
+def record_router_objective(scaled: Array, plain: dict[str, Array]) -> None:
+    """Add an objective collected inside an inner trace (:func:`router_objective` of a
+    ``lax.cond`` branch's record, returned from the branch) to the open record: its scaled
+    term once, under its first model, and each model's ``aux``."""
+    record = _RECORD.get()
+    if record is None:
+        return
+    for i, (model, aux) in enumerate(plain.items()):
+        record.append((model, scaled if i == 0 else jnp.zeros_like(scaled), aux))
+
+
+def router_objective(record: list[tuple[str, Array, Array]]) -> tuple[Array, dict[str, Array]]:
+    """``(sum coef * aux, {model: aux})`` over the distinct trained models of the record
+    (float32 scalars; ``(0, {})`` for an empty record), each model's terms the mean over its
+    forward passes: a policy and a separate critic each add their own ``coef * aux``; two
+    passes of one model (PPO-ptx's) add it once."""
+    models: dict[str, list[tuple[Array, Array]]] = {}
+    for model, scaled, plain in record:
+        models.setdefault(model, []).append((scaled, plain))
+    scaled = sum((jnp.mean(jnp.stack([s for s, _ in passes])) for passes in models.values()), jnp.float32(0.0))
+    plain = {model: jnp.mean(jnp.stack([p for _, p in passes])).astype(jnp.float32)
+             for model, passes in models.items()}
+    return scaled.astype(jnp.float32), plain

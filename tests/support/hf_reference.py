@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.support.model_families import CONFIGS, HF_CLASS_NAMES
+from tests.support.model_families import CONFIGS, HF_CLASS_NAMES, MOE_CONFIGS
 
 
 def hf_model(family: str, *, cls=None, seed: int = 0, scale: float = 0.1, **overrides):
-    """``(config dict, transformers model in eval mode)``: ``CONFIGS[family]`` with ``overrides``,
+    """``(config dict, transformers model in eval mode)``: ``CONFIGS[family]`` (or
+    ``MOE_CONFIGS[family]``) with ``overrides``,
     each parameter plus ``scale`` times a standard normal drawn from ``seed``."""
     import torch
     import transformers
 
     config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASS_NAMES[family])
-    cfg = dict(CONFIGS[family], **overrides)
+    cfg = dict({**CONFIGS, **MOE_CONFIGS}[family], **overrides)
     torch.manual_seed(seed)
     model = (cls or model_cls)(config_cls(**{k: v for k, v in cfg.items() if k != "model_type"}))
     gen = torch.Generator().manual_seed(seed)

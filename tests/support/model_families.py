@@ -81,6 +81,26 @@ CONFIGS = {
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}},
     ),
 }
+# Mixtures of experts (alignax.models.moe; tests/test_moe.py): apart from CONFIGS, as
+# tests/test_models.py's gradient check names the expert weights one tensor an expert where
+# transformers' state_dict() holds them fused (experts.gate_up_proj [E, 2F, D]).
+MOE_CONFIGS = {
+    # a mixture (alignax.models.moe): 4 experts, top 2; the coefficient larger than
+    # transformers' 0.001 so the load-balancing term shows in a float32 loss
+    "qwen3_moe": dict(
+        COMMON,
+        model_type="qwen3_moe",
+        moe_intermediate_size=16,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        attention_bias=True,
+        router_aux_loss_coef=0.05,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    ),
+}
 # transformers' classes of each family (built by the tests that import torch).
 HF_CLASS_NAMES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -91,4 +111,5 @@ HF_CLASS_NAMES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }

@@ -133,7 +133,8 @@ def _with_router_coef(hf_config: dict, spec: ModelSpec) -> dict:
     if spec.router_aux_loss_coef is None:
         return hf_config
     merged = {**hf_config, **(spec.random_init or {})}
-    if not merged.get("num_experts", merged.get("num_local_experts")):
+    # the config's own reading: a qwen3_moe config without num_experts has transformers' 128
+    if not models.ModelConfig.from_hf_config(merged).num_experts:
         raise ValueError(f"model.router_aux_loss_coef={spec.router_aux_loss_coef} is for mixture-of-experts models; "
                          f"model.name={spec.name} ({merged.get('model_type')}) has no experts")
     return {**hf_config, "router_aux_loss_coef": float(spec.router_aux_loss_coef)}

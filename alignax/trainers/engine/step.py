@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from alignax.models.moe import collect_router_losses, router_objective
+from alignax.models.moe import POLICY, collect_router_losses, router_objective
 from alignax.parallel.placement import to_device
 from alignax.parallel.sharding import batch_shards, constrain
 
@@ -154,7 +154,8 @@ def accumulate_gradients(
     A mixture-of-experts model trained by ``loss_fn`` adds its load-balancing loss
     (:mod:`alignax.models.moe`): ``router_aux_loss_coef * aux`` joins each micro-batch's loss
     divided by their number (so the step's loss holds the mean over micro-batches), and
-    ``moe/aux_loss`` (``aux`` unscaled, the same mean) joins the metrics."""
+    ``moe/aux_loss`` (``aux`` unscaled, the same mean) joins the metrics; a separate mixture
+    critic adds its own term and logs ``moe/critic_aux_loss``."""
     def typed_loss(*args):
         with collect_router_losses() as routed:
             loss, aux = loss_fn(*args)
@@ -162,7 +163,9 @@ def accumulate_gradients(
         if routed:
             scaled, plain = router_objective(routed)
             loss = loss + scaled / num_micro
-            aux = aux._replace(sums={**aux.sums, "moe/aux_loss": plain / num_micro})
+            logged = {"moe/aux_loss" if model == POLICY else f"moe/{model}_aux_loss": value / num_micro
+                      for model, value in plain.items()}
+            aux = aux._replace(sums={**aux.sums, **logged})
         return loss, aux
 
     grad_fn = jax.value_and_grad(typed_loss, has_aux=True)

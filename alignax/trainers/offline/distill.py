@@ -35,7 +35,7 @@ from alignax.config import ConfigError
 from alignax.losses.distill import distill_loss, sparse_distill_loss, teacher_topk
 from alignax.models.hf import read_config
 from alignax.models.modeling import positions_from_mask
-from alignax.models.moe import frozen_forward
+from alignax.models.moe import collect_router_losses, frozen_forward, record_router_objective, router_objective
 from alignax.sampling.sampler import generate
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine.precision import frozen_params
@@ -162,16 +162,30 @@ def _divergence(setup: _Setup, student_logits, teacher, mask, normalisers):
 def _mixed(lmbda: float, on_policy_loss, dataset_loss):
     """The step's loss: on the student's samples with probability ``lmbda``, else on the
     dataset's rows. One coin a (micro-)batch, as GKD draws one a step; ``lmbda`` 0 or 1
-    compiles one branch only."""
+    compiles one branch only. A mixture student's load-balancing loss is collected inside
+    each ``lax.cond`` branch and returned from it (a branch's values do not exist outside it)."""
     def loss_fn(params, frozen, batch, normalisers, rng):
         if lmbda == 0.0:
             return dataset_loss(params, frozen, batch, normalisers)
         sample_rng, coin_rng = jax.random.split(rng)
         if lmbda == 1.0:
             return on_policy_loss(params, frozen, batch, sample_rng)
-        return jax.lax.cond(jax.random.uniform(coin_rng) < lmbda,
-                            lambda: on_policy_loss(params, frozen, batch, sample_rng),
-                            lambda: dataset_loss(params, frozen, batch, normalisers))
+        routed = []
+
+        def branch(loss):
+            def run():
+                with collect_router_losses() as record:
+                    out = loss()
+                routed.append(bool(record))
+                return out, router_objective(record)
+            return run
+
+        out, objective = jax.lax.cond(jax.random.uniform(coin_rng) < lmbda,
+                                      branch(lambda: on_policy_loss(params, frozen, batch, sample_rng)),
+                                      branch(lambda: dataset_loss(params, frozen, batch, normalisers)))
+        if any(routed):
+            record_router_objective(*objective)
+        return out
 
     return loss_fn
 

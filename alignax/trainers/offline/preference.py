@@ -181,7 +181,8 @@ def _reads_chosen_nll(section) -> bool:
 def _kto_loss(section, forward: _Forward, params, frozen, batch, weights, num_examples):
     """KTO of a batch of unpaired records and their KL partners: ``(loss, metrics)``."""
     policy, _ = forward.single(params, batch, "")
-    kl_policy, _ = forward.single(params, batch, "kl_")
+    with frozen_forward():  # the KL partners' pass is under stop_gradient (the reference point): it trains nothing
+        kl_policy, _ = forward.single(params, batch, "kl_")
     ref, kl_ref = forward.reference(frozen, batch, ("completion", "kl"))
     ref_point = pref.kto_reference_point(kl_policy, kl_ref, weights=weights)
     return pref.kto_loss(

@@ -28,6 +28,7 @@ from alignax import ops
 from alignax.data import prepare_dataset
 from alignax.losses import sft_loss, value_loss
 from alignax.metrics import to_host
+from alignax.models.moe import routed_model
 from alignax.parallel.sharding import batch_sharding, fit_rows
 from alignax.trainers.config import TrainConfig
 from alignax.trainers.engine import adapters
@@ -171,7 +172,8 @@ class Learner:
         critic = algo.critic
         if critic is not None:
             if actors.separate_critic:
-                values = actors.critic_values(params["critic"], ro.tokens, ro.positions, ro.attention_mask)
+                with routed_model("critic"):  # a mixture critic's load-balancing term is its own
+                    values = actors.critic_values(params["critic"], ro.tokens, ro.positions, ro.attention_mask)
             v_loss, v_metrics = value_loss(values, ro.old_values, ro.returns, ro.loss_mask, clip_eps=critic.value_clip,
                                            aggregation=algo.objective.aggregation,
                                            num_tokens=normalisers["num_tokens"], num_seqs=normalisers["num_seqs"],
