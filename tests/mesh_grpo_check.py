@@ -66,9 +66,13 @@ def reduction_length(config) -> int:
     return rows * (config.data.max_prompt_length + config.rollout.max_new_tokens)
 
 
-def relative_gradient_noise(relative: float, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+def relative_gradient_noise(relative: float, seed: int = 0,
+                            exact_zeros: bool = False) -> optax.GradientTransformationExtraArgs:
     """Adds to each gradient tensor ``g`` independent Gaussian noise of standard deviation
-    ``relative * rms(g)``, drawn anew at each update (key: ``seed`` folded with the count)."""
+    ``relative * rms(g)``, drawn anew at each update (key: ``seed`` folded with the count).
+    ``exact_zeros``: entries whose gradient is exactly 0 get none (a sum of zeros is 0 in
+    any order: the embedding rows of tokens a minibatch never holds, which Adam would
+    otherwise move by ~lr per update on noise alone)."""
 
     def init(params):
         del params
@@ -79,21 +83,21 @@ def relative_gradient_noise(relative: float, seed: int = 0) -> optax.GradientTra
         leaves, tree = jax.tree.flatten(updates)
         keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), state.count), len(leaves))
         noisy = [g + relative * jnp.sqrt(jnp.mean(jnp.square(g))) * jax.random.normal(k, g.shape, g.dtype)
-                 for g, k in zip(leaves, keys)]
+                 * ((g != 0) if exact_zeros else 1) for g, k in zip(leaves, keys)]
         return jax.tree.unflatten(tree, noisy), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
 @contextlib.contextmanager
-def noisy_gradients(relative: float):
+def noisy_gradients(relative: float, exact_zeros: bool = False):
     """Online trainers built inside add :func:`relative_gradient_noise` to the gradient
     before their optimiser (and its clipping) sees it."""
     build = online_update.build_optimizer
 
     def build_noisy(*args, **kwargs):
         optimizer, schedule = build(*args, **kwargs)
-        return optax.chain(relative_gradient_noise(relative), optimizer), schedule
+        return optax.chain(relative_gradient_noise(relative, exact_zeros=exact_zeros), optimizer), schedule
 
     online_update.build_optimizer = build_noisy
     try:

@@ -92,8 +92,20 @@ def test_ppo_steps_with_a_separate_critic_on_a_mesh_match_one_device():
                 "approx_kl"):
         np.testing.assert_allclose(out[f"sharded/{key}"], out[f"single/{key}"], rtol=1e-4, atol=1e-6, err_msg=key)
     # Eight Adam steps at lr 2e-2 (2 rollouts x 2 epochs x 2 minibatches) for the policy and
-    # the critic; measured on CPU: every entry within ~1e-5. As in the GRPO check, float32
-    # noise in a near-zero gradient entry could move it by up to ~lr, hence the looser max.
+    # the critic, bounded as the GRPO test bounds its four: a third run, on one device, adds
+    # Gaussian noise of sqrt(K) * 2**-24 * rms(g) to every gradient tensor (the policy's and
+    # the critic's, through the trainer's optimiser) at every update, K = 4 rows x 32 tokens
+    # = 128 the longest sum the mesh splits (tests/mesh_ppo_check.py); the mesh may move each
+    # model's parameters no further from one device than that noise does. Entries with an
+    # exactly-zero gradient get no noise (the critic's embedding rows of absent tokens: 0 in
+    # any order; with noise there Adam moved them by up to 0.10, a bound no mesh could fail).
+    # Measured (mesh / noise run), jax 0.10.2 and 0.12.1: policy p99.9 7.7e-7 and 3.5e-6 /
+    # 1.7e-5, max 2.5e-6 and 1.1e-5 / 6.7e-5 (6.8e-5); critic p99.9 7.8e-7 and 6.3e-7 /
+    # 2.7e-6 (2.6e-6), max 4.3e-6 and 1.0e-6 / 1.7e-5. The hand-set 5e-5 this replaces was 14
+    # times the largest p99.9 measured; the derived bounds are 4.8 (policy) and 3.4 (critic).
+    noise = {k.removeprefix("float32_noise/"): v for k, v in out.items() if k.startswith("float32_noise/")}
+    assert noise["reduction_length"] == 4 * (24 + 8) and noise["noise_relative"] == np.sqrt(4 * 32) * 2.0**-24, noise
+    assert noise["reward/total"] == out["single/reward/total"]  # the same samples, so only the noise differs
     for part in ("policy", "critic"):
-        assert out[f"{part}_p999_diff"] < 5e-5, (part, out[f"{part}_p999_diff"])
-        assert out[f"{part}_max_diff"] < 1e-3, (part, out[f"{part}_max_diff"])
+        assert out[f"{part}_p999_diff"] < noise[f"{part}_p999_diff"], (part, out[f"{part}_p999_diff"], noise)
+        assert out[f"{part}_max_diff"] < noise[f"{part}_max_diff"], (part, out[f"{part}_max_diff"], noise)

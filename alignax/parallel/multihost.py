@@ -18,6 +18,15 @@ answer, a process never started) exits with status 2 and one line naming the
 coordinator, its process id and the timeout, before jax's own deadline would end it
 natively (SIGABRT and a C++ stack).
 
+Compiling: in a job of several CPU processes, every process compiles its programs itself;
+jax's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``) is turned off for the
+job (:func:`_compile_in_every_cpu_process`). Only process 0 writes that cache, and the other
+processes' cache keys differ from its own, so with a warm cache process 0 ran the
+executable deserialized from it while process 1 ran a fresh compile of the same program:
+on jaxlib 0.12.1 (gloo collectives) both then waited forever in the gloo all-gathers of
+the first training step (both processes alive, neither past step 1), while a cold cache
+(both compiled) trained.
+
 Leaving: a process that :func:`initialize` joined to a job leaves it with :func:`leave`, run
 at interpreter exit (before jax's own exit-time clean-up) and callable earlier: a barrier
 through the coordination service once every process's work is done, then
@@ -150,10 +159,26 @@ def initialize(config: DistributedConfig | None) -> bool:
     finally:
         watchdog.cancel()
     _joined["timeout_s"] = config.initialization_timeout_s
+    _compile_in_every_cpu_process()
     atexit.register(leave)  # after jax's exit-time clean-up was registered (at import), so it runs before it
     log.info("joined a %d-process job as process %d (%d local devices of %d)", jax.process_count(),
              jax.process_index(), jax.local_device_count(), jax.device_count())
     return True
+
+
+def _compile_in_every_cpu_process() -> None:
+    """Turn jax's persistent compilation cache off in a multi-process CPU job (see the
+    module docstring, "Compiling"): every process then runs a program it compiled itself,
+    and all of them issue the same cross-process collectives in the same order. Called
+    after joining and before anything is compiled (jax reads the setting at the first
+    compile)."""
+    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+        return
+    if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
+        log.info("process %d of %d: jax's persistent compilation cache (%s) is off for this CPU job: each "
+                 "process compiles its own programs (a cached program in process 0 only hung the collectives)",
+                 jax.process_index(), jax.process_count(), jax.config.jax_compilation_cache_dir)
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 def _coordinator_answers(address: str) -> bool:
