@@ -16,7 +16,7 @@ from alignax import ops
 from alignax.data import DataConfig, Encoder, prepare_dataset
 from alignax.data.builders import chain_sum_step_labels, reasoning_gym_steps
 from alignax.data.sources import BadRecordError
-from alignax.losses import prm_loss
+from alignax.losses import prm_loss, prm_step_counts
 from alignax.models import ModelConfig, create_model
 from alignax.trainers.api import train
 from alignax.trainers.offline import prm as prm_task
@@ -129,6 +129,21 @@ def test_prm_metrics_worked_by_hand():
     assert float(metrics["first_error_accuracy"]) == pytest.approx(1 / 3)
     sigmoid = 1 / (1 + np.exp(-scores))
     assert float(metrics["mean_score"]) == pytest.approx(float(sigmoid[mask > 0].mean()), rel=1e-6)
+
+
+def test_prm_metrics_count_only_rows_with_steps_and_divide_by_the_counts():
+    """A row without a step is no solution (it counts in no denominator), and the metrics are
+    the counts' plain ratios: one step, or one solution, is a whole denominator."""
+    # row 0: one step, labelled bad, predicted bad (score 0 is predicted good; -1 bad): first errors 0 vs 0
+    # row 1: no step at all (its label and score are never read)
+    scores = np.array([[-1.0, 5.0], [-4.0, -4.0]])
+    labels = np.array([[0.0, 1.0], [0.0, 0.0]])
+    mask = np.array([[1, 0], [0, 0]], np.float32)
+    _, metrics = prm_loss(scores, labels, mask)
+    assert float(metrics["step_accuracy"]) == 1.0  # 1 of 1 step
+    assert float(metrics["first_error_accuracy"]) == 1.0  # 1 of 1 solution, not 1 of 2 rows
+    counts = {k: float(v) for k, v in prm_step_counts(scores, labels, mask).items()}
+    assert counts == {"step_correct": 1.0, "steps": 1.0, "first_error_correct": 1.0, "solutions": 1.0}
 
 
 # ---------------------------------------------------------------------------- the head
