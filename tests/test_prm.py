@@ -117,6 +117,20 @@ def test_prm_loss_matches_a_numpy_loop_on_soft_labels(mode):
     np.testing.assert_allclose(float(sum(halves)), float(loss), rtol=1e-5)
 
 
+def test_prm_loss_of_bfloat16_scores_is_computed_in_float32():
+    """A bfloat16 head's scores are read exactly and the BCE is formed in float32: the loss is the
+    NumPy float64 BCE of the same (bf16-representable) values, not one rounded to bf16 per step."""
+    rng = np.random.default_rng(3)
+    scores = jnp.asarray(rng.normal(size=(3, 6)) * 4, jnp.bfloat16)
+    labels = rng.uniform(size=(3, 6)).astype(np.float32)
+    mask = np.ones((3, 6), np.float32)
+    loss, _ = prm_loss(scores, labels, mask)
+    x = np.asarray(scores.astype(jnp.float32), np.float64)
+    want = np.mean(np.logaddexp(0.0, x) - labels * x)
+    assert loss.dtype == jnp.float32
+    np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+
+
 def test_prm_metrics_worked_by_hand():
     # row 0: labels good, good, bad; scores predict good, bad, bad -> first error 1 vs 2
     # row 1: labels good, good;      scores predict good, good     -> none vs none
@@ -144,6 +158,23 @@ def test_prm_metrics_count_only_rows_with_steps_and_divide_by_the_counts():
     assert float(metrics["first_error_accuracy"]) == 1.0  # 1 of 1 solution, not 1 of 2 rows
     counts = {k: float(v) for k, v in prm_step_counts(scores, labels, mask).items()}
     assert counts == {"step_correct": 1.0, "steps": 1.0, "first_error_correct": 1.0, "solutions": 1.0}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_an_error_found_by_one_side_only_is_never_a_first_error_match(batch):
+    """'None' is a first error of its own: a solution whose labels have a bad step at p and whose
+    scores predict every step good (or the reverse) is not identified, for every p."""
+    t, counts_of = 5, jax.jit(prm_step_counts)
+    for p in range(t):
+        labels = np.ones((batch, t), np.float32)
+        labels[:, p] = 0.0
+        scores = np.full((batch, t), 2.0)
+        mask = np.ones((batch, t), np.float32)
+        predicted_bad_at_p = np.where(labels > 0, 2.0, -2.0)
+        for s, y in ((scores, labels), (predicted_bad_at_p, np.ones_like(labels))):
+            counts = counts_of(s, y, mask)
+            assert float(counts["first_error_correct"]) == 0.0, (p, batch)
+            assert float(counts["solutions"]) == batch
 
 
 # ---------------------------------------------------------------------------- the head
