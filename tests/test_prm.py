@@ -158,6 +158,9 @@ def test_prm_metrics_count_only_rows_with_steps_and_divide_by_the_counts():
     assert float(metrics["first_error_accuracy"]) == 1.0  # 1 of 1 solution, not 1 of 2 rows
     counts = {k: float(v) for k, v in prm_step_counts(scores, labels, mask).items()}
     assert counts == {"step_correct": 1.0, "steps": 1.0, "first_error_correct": 1.0, "solutions": 1.0}
+    # the sums are float32 whatever the mask's dtype (as sft's token count): a boolean mask counts the same
+    from_bool = prm_step_counts(scores, labels, mask > 0)
+    assert all(v.dtype == jnp.float32 and float(v) == counts[k] for k, v in from_bool.items())
 
 
 @pytest.mark.parametrize("batch", [1, 3])
