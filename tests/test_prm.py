@@ -84,7 +84,7 @@ def _bce(s, y):
     return -(y * math.log(p) + (1 - y) * math.log(1 - p))
 
 
-def _reference_loss(scores, labels, mask, mode):
+def _reference_loss(scores, labels, mask, mode, norm_length=None):
     """From the formula, one step at a time."""
     b, t = scores.shape
     per_row, total, steps = [], 0.0, 0
@@ -97,7 +97,7 @@ def _reference_loss(scores, labels, mask, mode):
     return {"token-mean": total / steps, "token-sum": total,
             "seq-mean-token-mean": sum(sum(r) / len(r) for r in per_row) / len(per_row),
             "seq-mean-token-sum": total / len(per_row),
-            "seq-mean-token-sum-norm": total / (len(per_row) * t)}[mode]
+            "seq-mean-token-sum-norm": total / (len(per_row) * (norm_length or t))}[mode]
 
 
 @pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
@@ -115,6 +115,9 @@ def test_prm_loss_matches_a_numpy_loop_on_soft_labels(mode):
     halves = [prm_loss(scores[i:i + 2], labels[i:i + 2], mask[i:i + 2], aggregation=mode, **norms)[0]
               for i in (0, 2)]
     np.testing.assert_allclose(float(sum(halves)), float(loss), rtol=1e-5)
+    if mode == "seq-mean-token-sum-norm":  # Dr. GRPO's constant: a budget of 10 steps, not the row's 7
+        loss = prm_loss(scores, labels, mask, aggregation=mode, norm_length=10)[0]
+        np.testing.assert_allclose(float(loss), _reference_loss(scores, labels, mask, mode, norm_length=10), rtol=1e-5)
 
 
 def test_prm_loss_of_bfloat16_scores_is_computed_in_float32():
