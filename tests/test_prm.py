@@ -121,17 +121,20 @@ def test_prm_loss_matches_a_numpy_loop_on_soft_labels(mode):
 
 
 def test_prm_loss_of_bfloat16_scores_is_computed_in_float32():
-    """A bfloat16 head's scores are read exactly and the BCE is formed in float32: the loss is the
-    NumPy float64 BCE of the same (bf16-representable) values, not one rounded to bf16 per step."""
+    """A bfloat16 head's scores are read exactly and the BCE and sigmoid are formed in float32: the loss
+    and ``mean_score`` are NumPy's float64 ones of the same (bf16-representable) values, not ones
+    rounded to bf16 per step."""
     rng = np.random.default_rng(3)
     scores = jnp.asarray(rng.normal(size=(3, 6)) * 4, jnp.bfloat16)
     labels = rng.uniform(size=(3, 6)).astype(np.float32)
     mask = np.ones((3, 6), np.float32)
-    loss, _ = prm_loss(scores, labels, mask)
+    loss, metrics = prm_loss(scores, labels, mask)
     x = np.asarray(scores.astype(jnp.float32), np.float64)
     want = np.mean(np.logaddexp(0.0, x) - labels * x)
     assert loss.dtype == jnp.float32
     np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+    # the mean predicted probability too: sigmoid in float32, not rounded to bf16 per step
+    np.testing.assert_allclose(float(metrics["mean_score"]), np.mean(1 / (1 + np.exp(-x))), rtol=1e-6)
 
 
 def test_prm_metrics_worked_by_hand():
