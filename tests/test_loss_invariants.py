@@ -371,6 +371,15 @@ def test_losses_and_metrics_stay_float32_with_x64_on():
         assert loss.dtype == jnp.float32 and all(v.dtype == jnp.float32 for v in metrics.values())
 
 
+def test_prm_loss_metrics_and_step_counts_stay_float32_with_x64_on():
+    a = {k: np.asarray(v, np.float64) for k, v in _arrays(6).items()}
+    scores, labels = a["values"], np.clip(a["returns"], 0.0, 1.0)  # [B, T] logits and soft labels
+    with jax.enable_x64(True):
+        loss, metrics = prm_loss(scores, labels, a["mask"])
+        assert loss.dtype == jnp.float32 and all(v.dtype == jnp.float32 for v in metrics.values())
+        counts = prm_step_counts(scores, labels, a["mask"])
+        assert all(v.dtype == jnp.float32 for v in counts.values()), {k: v.dtype for k, v in counts.items()}
+
 def test_explained_variance_has_a_finite_gradient_when_the_returns_are_constant():
     a = _arrays(7)
     grad = jax.grad(lambda v: losses.explained_variance(jnp.ones((B, T)), v, a["mask"]))(a["values"])

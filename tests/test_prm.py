@@ -16,7 +16,7 @@ from alignax import ops
 from alignax.data import DataConfig, Encoder, prepare_dataset
 from alignax.data.builders import chain_sum_step_labels, reasoning_gym_steps
 from alignax.data.sources import BadRecordError
-from alignax.losses import prm_loss
+from alignax.losses import prm_loss, prm_step_counts
 from alignax.models import ModelConfig, create_model
 from alignax.trainers.api import train
 from alignax.trainers.offline import prm as prm_task
@@ -84,7 +84,7 @@ def _bce(s, y):
     return -(y * math.log(p) + (1 - y) * math.log(1 - p))
 
 
-def _reference_loss(scores, labels, mask, mode):
+def _reference_loss(scores, labels, mask, mode, norm_length=None):
     """From the formula, one step at a time."""
     b, t = scores.shape
     per_row, total, steps = [], 0.0, 0
@@ -97,7 +97,7 @@ def _reference_loss(scores, labels, mask, mode):
     return {"token-mean": total / steps, "token-sum": total,
             "seq-mean-token-mean": sum(sum(r) / len(r) for r in per_row) / len(per_row),
             "seq-mean-token-sum": total / len(per_row),
-            "seq-mean-token-sum-norm": total / (len(per_row) * t)}[mode]
+            "seq-mean-token-sum-norm": total / (len(per_row) * (norm_length or t))}[mode]
 
 
 @pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
@@ -115,6 +115,26 @@ def test_prm_loss_matches_a_numpy_loop_on_soft_labels(mode):
     halves = [prm_loss(scores[i:i + 2], labels[i:i + 2], mask[i:i + 2], aggregation=mode, **norms)[0]
               for i in (0, 2)]
     np.testing.assert_allclose(float(sum(halves)), float(loss), rtol=1e-5)
+    if mode == "seq-mean-token-sum-norm":  # Dr. GRPO's constant: a budget of 10 steps, not the row's 7
+        loss = prm_loss(scores, labels, mask, aggregation=mode, norm_length=10)[0]
+        np.testing.assert_allclose(float(loss), _reference_loss(scores, labels, mask, mode, norm_length=10), rtol=1e-5)
+
+
+def test_prm_loss_of_bfloat16_scores_is_computed_in_float32():
+    """A bfloat16 head's scores are read exactly and the BCE and sigmoid are formed in float32: the loss
+    and ``mean_score`` are NumPy's float64 ones of the same (bf16-representable) values, not ones
+    rounded to bf16 per step."""
+    rng = np.random.default_rng(3)
+    scores = jnp.asarray(rng.normal(size=(3, 6)) * 4, jnp.bfloat16)
+    labels = rng.uniform(size=(3, 6)).astype(np.float32)
+    mask = np.ones((3, 6), np.float32)
+    loss, metrics = prm_loss(scores, labels, mask)
+    x = np.asarray(scores.astype(jnp.float32), np.float64)
+    want = np.mean(np.logaddexp(0.0, x) - labels * x)
+    assert loss.dtype == jnp.float32
+    np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+    # the mean predicted probability too: sigmoid in float32, not rounded to bf16 per step
+    np.testing.assert_allclose(float(metrics["mean_score"]), np.mean(1 / (1 + np.exp(-x))), rtol=1e-6)
 
 
 def test_prm_metrics_worked_by_hand():
@@ -129,6 +149,41 @@ def test_prm_metrics_worked_by_hand():
     assert float(metrics["first_error_accuracy"]) == pytest.approx(1 / 3)
     sigmoid = 1 / (1 + np.exp(-scores))
     assert float(metrics["mean_score"]) == pytest.approx(float(sigmoid[mask > 0].mean()), rel=1e-6)
+
+
+def test_prm_metrics_count_only_rows_with_steps_and_divide_by_the_counts():
+    """A row without a step is no solution (it counts in no denominator), and the metrics are
+    the counts' plain ratios: one step, or one solution, is a whole denominator."""
+    # row 0: one step, labelled bad, predicted bad (score 0 is predicted good; -1 bad): first errors 0 vs 0
+    # row 1: no step at all (its label and score are never read)
+    scores = np.array([[-1.0, 5.0], [-4.0, -4.0]])
+    labels = np.array([[0.0, 1.0], [0.0, 0.0]])
+    mask = np.array([[1, 0], [0, 0]], np.float32)
+    _, metrics = prm_loss(scores, labels, mask)
+    assert float(metrics["step_accuracy"]) == 1.0  # 1 of 1 step
+    assert float(metrics["first_error_accuracy"]) == 1.0  # 1 of 1 solution, not 1 of 2 rows
+    counts = {k: float(v) for k, v in prm_step_counts(scores, labels, mask).items()}
+    assert counts == {"step_correct": 1.0, "steps": 1.0, "first_error_correct": 1.0, "solutions": 1.0}
+    # the sums are float32 whatever the mask's dtype (as sft's token count): a boolean mask counts the same
+    from_bool = prm_step_counts(scores, labels, mask > 0)
+    assert all(v.dtype == jnp.float32 and float(v) == counts[k] for k, v in from_bool.items())
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_an_error_found_by_one_side_only_is_never_a_first_error_match(batch):
+    """'None' is a first error of its own: a solution whose labels have a bad step at p and whose
+    scores predict every step good (or the reverse) is not identified, for every p."""
+    t, counts_of = 5, jax.jit(prm_step_counts)
+    for p in range(t):
+        labels = np.ones((batch, t), np.float32)
+        labels[:, p] = 0.0
+        scores = np.full((batch, t), 2.0)
+        mask = np.ones((batch, t), np.float32)
+        predicted_bad_at_p = np.where(labels > 0, 2.0, -2.0)
+        for s, y in ((scores, labels), (predicted_bad_at_p, np.ones_like(labels))):
+            counts = counts_of(s, y, mask)
+            assert float(counts["first_error_correct"]) == 0.0, (p, batch)
+            assert float(counts["solutions"]) == batch
 
 
 # ---------------------------------------------------------------------------- the head

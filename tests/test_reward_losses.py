@@ -80,6 +80,14 @@ def test_bradley_terry_shard_sum_and_weights():
     np.testing.assert_allclose(float(bradley_terry_loss(r_c, r_r, weights=w)[0]),
                                float(bradley_terry_loss(r_c[:3], r_r[:3])[0]), **TOL)
 
+    # the metrics are weighted means too: a pair of weight 0 is not in them
+    _, metrics = bradley_terry_loss(r_c, r_r, weights=w)
+    _, first_three = bradley_terry_loss(r_c[:3], r_r[:3])
+    for k in ("accuracy", "margin", "rewards/chosen", "rewards/rejected"):
+        np.testing.assert_allclose(float(metrics[k]), float(first_three[k]), **TOL, err_msg=k)
+    _, want = ref_bradley_terry(r_c[:3], r_r[:3], [0.0] * 3, 0.0)
+    np.testing.assert_allclose(float(metrics["margin"]), want["margin"], **TOL)
+
 
 def test_bradley_terry_bad_inputs():
     r_c, r_r = rewards()
@@ -126,6 +134,12 @@ def test_ensemble_hand_values_and_bad_inputs():
     # identical members: std 0 with a finite (mean-only) gradient
     g = jax.grad(lambda r: ensemble_rewards(r, method="mean_minus_std").sum())(jnp.asarray(rs))
     np.testing.assert_allclose(np.asarray(g)[:, 1], [0.5, 0.5])
+    # the defaults: the plain mean over the ensemble, and k = 1 for the lower bounds
+    np.testing.assert_allclose(np.asarray(ensemble_rewards(rs)), [2.0, 2.0])
+    np.testing.assert_allclose(np.asarray(ensemble_rewards(rs, method="mean_minus_std")), [1.0, 2.0])
+    np.testing.assert_allclose(np.asarray(ensemble_rewards(rs, method="mean_minus_var")), [1.0, 2.0])
+    # d/dr_k of mu - sigma for column 0 (members 1 and 3): 1/2 -+ (r_k - mu) / (K sigma) = 1/2 -+ 1/2
+    np.testing.assert_allclose(np.asarray(g)[:, 0], [1.0, 0.0], atol=1e-6)
     with pytest.raises(ValueError, match="unknown method 'median'; valid: mean, min, mean_minus_std, mean_minus_var"):
         ensemble_rewards(rs, method="median")
     with pytest.raises(ValueError, match="rewards must have rank 2"):
