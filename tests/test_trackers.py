@@ -39,6 +39,12 @@ def _wandb_file(output_dir):
     return files[0]
 
 
+def _wandb_steps(output_dir, run_id, key):
+    """Every step at which ``key`` was logged to wandb run ``run_id``, over all its process starts."""
+    files = glob.glob(os.path.join(output_dir, "wandb", "*run-*", f"run-{run_id}.wandb"))
+    return sorted(int(h["_step"]) for f in files for h in wandb_log.history(f) if key in h)
+
+
 def _mlflow(output_dir):
     from mlflow.tracking import MlflowClient
 
@@ -85,9 +91,7 @@ def test_a_resumed_run_logs_into_the_same_tracker_runs(tmp_path, toy_model):
     assert sorted(m.step for m in client.get_metric_history(ids["mlflow"], "loss")) == [1, 2, 3, 4]
     assert len(client.search_runs([client.get_run(ids["mlflow"]).info.experiment_id])) == 1
     # wandb keeps one folder per process start of the run id; both name the same run
-    files = glob.glob(os.path.join(second.output_dir, "wandb", "*run-*", f"run-{ids['wandb']}.wandb"))
-    steps = sorted(int(h["_step"]) for f in files for h in wandb_log.history(f) if "loss" in h)
-    assert steps == [1, 2, 3, 4]
+    assert _wandb_steps(second.output_dir, ids["wandb"], "loss") == [1, 2, 3, 4]
 
 
 def test_flat_dotted_keys_and_a_missing_package_named(monkeypatch):
@@ -95,12 +99,6 @@ def test_flat_dotted_keys_and_a_missing_package_named(monkeypatch):
     with pytest.raises(ConfigError, match=r"logging.wandb needs the no_such_tracker package, which is not installed: "
                                           r"pip install 'alignax\[trackers\]'"):
         _import("no_such_tracker", "logging.wandb")
-
-
-def _wandb_steps(output_dir, run_id, key):
-    """Every step at which ``key`` was logged to wandb run ``run_id``, over all its process starts."""
-    files = glob.glob(os.path.join(output_dir, "wandb", "*run-*", f"run-{run_id}.wandb"))
-    return sorted(int(h["_step"]) for f in files for h in wandb_log.history(f) if key in h)
 
 
 def test_steps_a_resumed_run_repeats_are_not_sent_to_the_trackers_twice(tmp_path, toy_model):
