@@ -69,11 +69,14 @@ def pytest_collection_modifyitems(config, items):
 
 # Where the suite's time goes: with ALIGNAX_TEST_JAX_TIMES=FILE, each test appends one JSON
 # line to FILE with its wall time and the seconds jax spent tracing, lowering to MLIR and
-# compiling (XLA) in this process (subprocess checks are not seen). Used to find what to
-# trim; off by default.
+# compiling (XLA) in this process (subprocess checks are not seen), and the CPU seconds it
+# used: its own ("cpu") and those of the subprocesses it waited for ("cpu_children"), which
+# a loaded machine does not inflate as it does wall time. Used to find what to trim; off by
+# default.
 _JAX_TIMES = os.environ.get("ALIGNAX_TEST_JAX_TIMES")
 if _JAX_TIMES:
     import json
+    import resource
     import time
     from collections import defaultdict
 
@@ -86,13 +89,19 @@ if _JAX_TIMES:
 
     jax.monitoring.register_event_duration_secs_listener(_listen)
 
+    def _cpu(who: int) -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         _spent.clear()
-        start = time.perf_counter()
+        start, cpu, children = time.perf_counter(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
         yield
         row = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
                "wall": round(time.perf_counter() - start, 3),
+               "cpu": round(_cpu(resource.RUSAGE_SELF) - cpu, 3),
+               "cpu_children": round(_cpu(resource.RUSAGE_CHILDREN) - children, 3),
                **{k: round(v, 3) for k, v in _spent.items()}}
         with open(_JAX_TIMES, "a") as f:
             f.write(json.dumps(row) + "\n")
