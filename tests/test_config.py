@@ -315,3 +315,21 @@ def test_load_callable_errors_name_the_spec_and_the_fix(fake_module):
                                           r"No module named 'a_dependency_that_is_not_there'") as info:
         load_callable("fake_rewards_pkg.broken:f")
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("grpo.off_policy_mask_threshold=0", "grpo.off_policy_mask_threshold must be > 0 nats"),
+    ("grpo.off_policy_mask_threshold=-0.1", "grpo.off_policy_mask_threshold must be > 0 nats"),
+    ("grpo.top_entropy_quantile=0", r"grpo.top_entropy_quantile must be in \(0, 1\]"),
+    ("grpo.top_entropy_quantile=1.5", r"grpo.top_entropy_quantile must be in \(0, 1\]"),
+])
+def test_a_policy_update_threshold_outside_its_range_is_refused_at_load(override, message):
+    """Refused when the config loads, not at the first traced step: a threshold of 0 would mask
+    on-policy sequences on the float32 rounding between the pricing pass and the update's own
+    forward (two compiled programs of the same weights), so it is not "mask any drift"."""
+    from alignax.trainers.api import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(os.path.join(ROOT, "configs", "tiny-grpo.yaml"), [override])
+    assert load_config(os.path.join(ROOT, "configs", "tiny-grpo.yaml"),
+                       ["grpo.off_policy_mask_threshold=1e-5", "grpo.top_entropy_quantile=1"]).grpo.top_entropy_quantile == 1

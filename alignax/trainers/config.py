@@ -589,7 +589,10 @@ class PolicyUpdateSection:
         that name): a negative-advantage token loses its policy term when its completion's
         mean per-token ``log pi_old - log pi_theta`` exceeds this many nats
         (``alignax.losses.off_policy_sequence_mask``); it acts only off-policy (``epochs >
-        1``, ``rollout.old_logps: sampler``). ``null`` (default): off.
+        1``, ``rollout.old_logps: sampler``). ``null`` (default): off. It must be ``> 0``:
+        on-policy, ``pi_old`` (the pricing pass) and ``pi_theta`` (the update's forward) are
+        the same weights through two compiled programs, equal only to float32 rounding, so 0
+        would mask sequences on that rounding alone (TRL's example is 0.5).
       top_entropy_quantile: only the tokens in this top fraction of entropy keep their policy
         term ("Beyond the 80/20 Rule" keeps 0.2; TRL's key; ``alignax.losses.high_entropy_mask``);
         ``null`` (default): every token.
@@ -617,6 +620,16 @@ class PolicyUpdateSection:
     minibatches: int = 1
     clip_eps_high: float | None = None
     dual_clip_c: float | None = None
+
+    def __post_init__(self):
+        section = "ppo" if isinstance(self, PPOSection) else "grpo"
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
+            raise ValueError(f"{section}.off_policy_mask_threshold must be > 0 nats (null: off; 0 would mask "
+                             "on-policy sequences on the float32 rounding between the pricing pass and the "
+                             f"update's forward); got {self.off_policy_mask_threshold}")
+        if self.top_entropy_quantile is not None and not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(f"{section}.top_entropy_quantile must be in (0, 1] (null: every token); "
+                             f"got {self.top_entropy_quantile}")
 
 
 @dataclasses.dataclass(frozen=True)
