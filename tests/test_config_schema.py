@@ -745,7 +745,8 @@ def builder_reads(config: TrainConfig) -> set[str]:
             group_ids=jnp.repeat(jnp.arange(config.data.batch_size), config.rollout.num_samples),
             old_logps=zeros, ref_logps=zeros, old_values=zeros, kl_coef=jnp.asarray(0.1),
             baseline=jnp.zeros(rows), step_rewards=zeros, step_mask=zeros,
-            reward_components=jnp.zeros((rows, 2)), reward_weights=jnp.ones(2), sum_pi_squared=zeros))
+            reward_components=jnp.zeros((rows, 2)), reward_weights=jnp.ones(2), sum_pi_squared=zeros,
+            stat_logps=zeros))
     return recorder.reads
 
 

@@ -22,8 +22,17 @@ loss tokens, so the observation tokens of a multi-turn trajectory (tool outputs,
 policy did not choose) neither take a position nor add to ``W``. On a single-turn rollout the
 two agree.
 
-``pi(y_j)`` is ``exp(old_logps)`` and ``sum_v pi_j(v)^2`` is :func:`sum_pi_squared` of the
-logits of the policy that sampled the rollout, at the sampling temperature.
+``pi(y_j)`` and ``sum_v pi_j(v)^2`` come from one forward pass of one policy
+(:func:`token_statistics`, at the sampling temperature): the learner's weights when the
+rollout is priced, verl's ``pi_old`` (verl computes ``sum_pi_squared`` in the actor's
+``compute_log_prob`` pass that recomputes ``old_log_probs``, ``ray_trainer.py``
+``_compute_old_log_prob``). ``||e_y - pi||^2`` is the squared logit-gradient of the policy the
+update differentiates, so that is the policy both terms are of. With synchronous rollouts it
+is also the one that sampled the tokens; under ``rollout.async.max_staleness >= 1`` the
+sampler's weights are up to ``k`` updates older, and with ``rollout.old_logps: sampler`` the
+loss's old log-probs are the sampler's, but the estimator still reads the learner's pair,
+never the sampler's ``pi(y_j)`` beside the learner's ``sum pi^2`` (verl's bypass mode computes
+no ``sum_pi_squared`` at all, so verl runs OTB only with recomputed old log-probs).
 
 Sources. Equation number not checked: paper text unavailable (arXiv:2602.07078's text could
 not be read). The formulas are those of verl's ``compute_optimal_token_baseline_advantage``
@@ -53,6 +62,16 @@ def sum_pi_squared(logits: Array, *, temperature: float = 1.0) -> Array:
     """
     z = jnp.asarray(logits, jnp.float32) / temperature
     return jnp.exp(jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * jax.nn.logsumexp(z, axis=-1))
+
+
+def token_statistics(logits: Array, targets: Array, *, temperature: float = 1.0) -> tuple[Array, Array]:
+    """``(log pi(y), sum_v pi(v)^2)``, each float32 ``[...]``: the two per-token inputs of the
+    path-variance proxy ``1 - 2 pi(y) + sum_v pi(v)^2``, from the same ``logits [..., V]`` (at
+    ``temperature``) and the sampled tokens ``targets [...]``, so that both are of one policy."""
+    z = jnp.asarray(logits, jnp.float32) / temperature
+    lse = jax.nn.logsumexp(z, axis=-1)
+    logp = jnp.take_along_axis(z, jnp.asarray(targets)[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+    return logp, jnp.exp(jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * lse)
 
 
 def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq: Array, *, group_ids: Array,
@@ -98,7 +117,7 @@ def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq
 def advantages(x, section, num_groups: int):
     """``[R, N]`` OTB advantages, positions counted in columns of the response."""
     del section  # no options
-    return otb_advantages(x.rewards, x.loss_mask, x.old_logps, x.sum_pi_squared, group_ids=x.group_ids,
+    return otb_advantages(x.rewards, x.loss_mask, x.stat_logps, x.sum_pi_squared, group_ids=x.group_ids,
                           num_groups=num_groups)
 
 

@@ -256,15 +256,16 @@ class Collector:
     def estimator_extras(self, state, groups: Groups, tokens: Mapping[str, Any]) -> dict[str, Array]:
         """What the algorithm's estimator reads beyond the total reward (its flags): each
         ``rewards:`` component before its weight ``[R, K]`` and the weights ``[K]``
-        (GDPO), and ``sum_v pi(v)^2`` of the policy that sampled the rollout ``[R, N]``
-        (the optimal token baseline; one more forward pass)."""
+        (GDPO), and ``sum_v pi(v)^2`` with the sampled token's log-prob ``[R, N]`` (the optimal
+        token baseline; one more forward pass), both of the learner's policy in ``state``."""
         extras: dict[str, Array] = {}
         if self.algorithm.reward_components:
             components, weights = reward_components(groups, self.config.rewards.component_weights())
             extras.update(reward_components=self.actors.place(components), reward_weights=jnp.asarray(weights))
         if self.algorithm.token_stats:
             placed = (tokens["tokens"], tokens["positions"], tokens["attention"])
-            extras["sum_pi_squared"] = self.actors.sum_pi_squared(self.actors.whole_policy(state.params), *placed)
+            extras["stat_logps"], extras["sum_pi_squared"] = self.actors.token_statistics(
+                self.actors.whole_policy(state.params), *placed)
         return extras
 
     def agreement_after_update(self, batch: RolloutBatch, recomputed: Array) -> dict[str, float]:
