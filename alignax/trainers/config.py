@@ -502,6 +502,10 @@ class RolloutSection:
         IS weights; a ratio objective's ratio is already ``pi_theta / pi_sampler``.
       tis_level: ``token`` (each token's ratio) or ``sequence`` (the product over the
         completion, on each of its tokens), verl's ``rollout_is``.
+      tis_batch_normalize: divide the truncated weights by their mean, so that they average 1
+        (verl's ``rollout_is_batch_normalize``): over the response tokens (``tis_level:
+        token``) or over the completions (``sequence``) of each micro-batch the loss sees,
+        on every device (``alignax.losses.sampler_correction``). ``false`` (default): off.
       rejection / rejection_bounds: verl's rejection masks (``rollout_rs`` ``token_k1``,
         ``seq_sum_k1``, ``seq_mean_k1``): drop the policy term of a token whose ratio
         (``token``), whose completion's ratio product (``sequence``) or per-token geometric
@@ -552,6 +556,7 @@ class RolloutSection:
     old_logps: Literal["recompute", "sampler"] = "recompute"
     tis_cap: float | None = None
     tis_level: Literal["token", "sequence"] = "token"
+    tis_batch_normalize: bool = False
     rejection: Literal["token", "sequence", "geometric"] | None = None
     rejection_bounds: tuple[float, float] = (0.5, 2.0)
     rejection_divergences: dict[str, float] | None = None
