@@ -468,6 +468,56 @@ def test_batch_normalized_weights_match_verls_definition(level):
         pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=None, tis_batch_normalize=True)
 
 
+def ref_icepop(log_rho, mask, lower, upper, level):
+    """verl's IcePop (``rollout_corr_helper.py``, ``compute_rollout_correction_weights``,
+    ``rollout_is_threshold: "lower_upper"``): the raw weight (the token's ratio, or the row's
+    product of them clamped to exp(+-20)) where ``lower <= w <= upper``, else 0."""
+    weight = np.zeros((B, T))
+    for i in range(B):
+        seq = sum(log_rho[i, t] for t in range(T) if mask[i, t])
+        for t in range(T):
+            if mask[i, t]:
+                raw = math.exp(log_rho[i, t] if level == "token" else max(-20.0, min(20.0, seq)))
+                weight[i, t] = raw if lower <= raw <= upper else 0.0
+    return weight
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_icepop_weights_match_verls_definition(level):
+    """``tis_lower`` with ``tis_cap``: the ratio inside the bounds, 0 outside (not truncated, not
+    a mask: ``keep`` stays 1); the empty row and off-mask positions weigh 1; batch normalisation
+    counts the zeros; a row's log-weight stays finite; the loss and its out-of-bounds fraction."""
+    data = make_data(20)
+    mask, log_rho = data["mask"], _log_rho(data)
+    lower, upper = (0.9, 1.1) if level == "token" else (0.8, 1.25)
+    x, m = jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask)
+    got = sampler_correction(x, m, tis_cap=upper, tis_lower=lower, tis_level=level)
+    want = ref_icepop(log_rho, mask, lower, upper, level)
+    on = mask > 0
+    assert 0 < (want[on] == 0).mean() < 1  # the bounds zero some weights, not all
+    np.testing.assert_allclose(np.asarray(got.weight)[on], want[on], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.weight)[~on], 1.0)
+    np.testing.assert_array_equal(np.asarray(got.keep), 1.0)
+    assert np.all(np.isfinite(np.asarray(got.seq_log_weight)))
+    truncated = sampler_correction(x, m, tis_cap=upper, tis_level=level)
+    assert np.all(np.asarray(truncated.weight)[on] > 0)  # without tis_lower: min(rho, cap), never 0
+    normed = sampler_correction(x, m, tis_cap=upper, tis_lower=lower, tis_level=level, batch_normalize=True)
+    rows = [i for i in range(B) if on[i].any()]
+    mean = want[on].mean() if level == "token" else np.mean([want[i][on[i]][0] for i in rows])
+    np.testing.assert_allclose(float(normed.norm_factor), mean, rtol=1e-5)
+    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    args = [f(data[k]) for k in ("logps", "old_logps", "advantages", "mask")]
+    loss, metrics = pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=upper, tis_lower=lower,
+                            tis_level=level, aggregation="token-sum")
+    a, lp = _per_token_adv(data), data["logps"]
+    np.testing.assert_allclose(float(loss), -(want * a * lp)[on].sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["tis_out_of_bounds"]), (want[on] == 0).mean(), rtol=1e-6)
+    with pytest.raises(ValueError, match="tis_lower must be 0 < tis_lower <= tis_cap"):
+        sampler_correction(x, m, tis_cap=1.0, tis_lower=1.5)
+    with pytest.raises(ValueError, match="tis_lower=0.5 needs a tis_cap"):
+        pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=None, tis_lower=0.5)
+
+
 def test_bypass_reinforce_takes_the_current_policys_weight():
     """Bypass mode, REINFORCE: old_logps are the sampler's; l_t = -min(sg(pi_theta)/pi_s, cap) A_t logp_t,
     and a rejected sequence (geometric mean outside the bounds) loses its policy term."""

@@ -58,6 +58,9 @@ def runs(tmp_path_factory, toy_model):
             elif name == "batch_normalized_pg":
                 spec = dict(grpo={"epochs": 2, "policy_loss": "pg"},
                             rollout={**BYPASS["rollout"], "tis_batch_normalize": True})
+            elif name == "icepop_pg":
+                spec = dict(grpo={"epochs": 2, "policy_loss": "pg"},
+                            rollout={"old_logps": "sampler", "tis_cap": 1.4, "tis_lower": 0.7})
             elif name == "sampler_pg":
                 spec = dict(grpo={"epochs": 2, "policy_loss": "pg"}, rollout={"old_logps": "sampler"})
             else:
@@ -143,6 +146,26 @@ def test_batch_normalized_weights_average_one_over_the_completions(runs):
     np.testing.assert_allclose(metrics["pg_loss"], per_row[mask.any(1)].mean(), rtol=2e-4, atol=1e-6)
     np.testing.assert_allclose(metrics["tis_batch_norm_factor"], mean, rtol=1e-5)
     assert abs(metrics["pg_loss"] - unnormalized.updates[1]["metrics"]["pg_loss"]) > 1e-5
+
+
+def test_icepop_weighs_by_the_ratio_inside_its_bounds_and_zero_outside(runs):
+    """rollout.tis_lower 0.7 with tis_cap 1.4 (token level) in bypass mode: the update's policy
+    term is -agg(w * A * logp) with w = pi_theta / pi_sampler inside [0.7, 1.4] and 0 outside
+    (verl's rollout_is_threshold "0.7_1.4"); without it, plain -agg(A logp)."""
+    run, plain = runs("icepop_pg"), runs("sampler_pg")
+    assert_same_rollout(run, plain)
+    second = run.updates[1]
+    ro, logps = second["rollout"], second["logps"].astype(np.float64)
+    mask = ro.loss_mask > 0
+    rho = np.exp(np.where(mask, logps - ro.sampler_logps, 0.0))
+    inside = (rho >= 0.7) & (rho <= 1.4)
+    assert 0 < inside[mask].mean() < 1  # the bounds zero some tokens, not all
+    w = np.where(inside, rho, 0.0)
+    per_row = (-w * ro.advantages * np.where(mask, logps, 0.0)).sum(1) / np.maximum(mask.sum(1), 1)
+    metrics = second["metrics"]
+    np.testing.assert_allclose(metrics["pg_loss"], per_row[mask.any(1)].mean(), rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["tis_out_of_bounds"], 1 - inside[mask].mean(), atol=1e-6)
+    assert abs(metrics["pg_loss"] - plain.updates[1]["metrics"]["pg_loss"]) > 1e-4
 
 
 def test_divergence_rejection_drops_the_tokens_it_bounds(runs):

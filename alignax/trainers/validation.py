@@ -192,6 +192,7 @@ KEY_RULES: tuple[Rule, ...] = (
          "with the sampler's log-probs as the old ones (verl's bypass mode) an objective's own ratio pi_theta / "
          "pi_sampler is the importance correction; only an objective without one takes the explicit weight"),
     rule("rollout.tis_level", Given("rollout.tis_cap"), "it is the truncated weight's level"),
+    rule("rollout.tis_lower", Given("rollout.tis_cap"), "IcePop's weight is bounded by the two"),
     rule("rollout.tis_batch_normalize", Given("rollout.tis_cap"), "it rescales the truncated weights"),
     rule("rollout.rejection_bounds", Given("rollout.rejection"), "they bound the rejection mask's ratio"),
     rule("rollout.max_logprob_gap",
