@@ -811,12 +811,16 @@ def test_the_verl_tables_cover_every_objective_and_their_keys_load():
         raw = {"algorithm": "grpo", "data": {"format": "prompt"}, "grpo": {}, "rollout": {}}
         for sec, extra in companions.get((k, value), {}).items():
             raw[sec].update(extra)
-        if field == "tis_level":
+        if field in ("tis_level", "tis_lower", "tis_batch_normalize"):  # options of the truncated weight
             raw["rollout"]["tis_cap"] = 2.0
         if value.startswith("{"):  # a mapping (rollout.rejection_divergences), as YAML reads it
             mapping = yaml.safe_load(value)
             raw[section][field] = mapping
             assert getattr(getattr(load_config(data=raw), section), field) == mapping, (k, value)
+            continue
+        if value in ("true", "false"):
+            raw[section][field] = value == "true"
+            assert getattr(getattr(load_config(data=raw), section), field) is (value == "true"), (k, value)
             continue
         raw[section][field] = value
         config = load_config(data=raw)
