@@ -13,7 +13,7 @@ from alignax.estimators.gdpo import gdpo_advantages, normalize_then_sum
 from alignax.estimators.gpg import gpg_advantages
 from alignax.estimators.grpo_passk import passk_advantages
 from alignax.estimators.opo import opo_advantages
-from alignax.estimators.optimal_token_baseline import otb_advantages, sum_pi_squared
+from alignax.estimators.optimal_token_baseline import otb_advantages, sum_pi_squared, token_statistics
 from alignax.estimators.reinforce_plus_plus_baseline import reinforce_pp_baseline_advantages
 
 # groups 0 (4 rows), 1 (1 row: a group of one), 2 (3 rows), listed out of order
@@ -189,6 +189,21 @@ def test_sum_pi_squared_from_logits():
     scaled = np.exp(logits / 0.5) / np.exp(logits / 0.5).sum(-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(sum_pi_squared(jnp.asarray(logits), temperature=0.5)),
                                (scaled ** 2).sum(-1), rtol=1e-5)
+
+
+def test_token_statistics_are_the_sampled_log_prob_and_sum_pi_squared_of_one_distribution():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(3, 5, 11)) * 3
+    tokens = rng.integers(0, 11, size=(3, 5))
+    for temperature in (1.0, 0.6):
+        z = logits / temperature
+        probs = np.exp(z - z.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        logp, spsq = token_statistics(jnp.asarray(logits), jnp.asarray(tokens), temperature=temperature)
+        want_logp = np.log(np.take_along_axis(probs, tokens[..., None], -1)[..., 0])
+        np.testing.assert_allclose(np.asarray(logp), want_logp, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(spsq), (probs ** 2).sum(-1), rtol=1e-5)
+        assert logp.dtype == spsq.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("skip", [False, True])
