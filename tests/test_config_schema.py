@@ -617,7 +617,8 @@ def test_tis_cap_needs_recomputed_old_logps_or_an_objective_without_a_ratio():
     load_config(data=GRPO, overrides=["rollout.old_logps=sampler", "rollout.tis_cap=2.0", "grpo.policy_loss=pg",
                                       "rollout.tis_level=sequence", "rollout.rejection=geometric"])
     assert "rollout.tis_level applies to rollout.tis_cap" in refused(GRPO, ["rollout.tis_level=sequence"])
-    assert "rollout.tis_batch_normalize applies to rollout.tis_cap" in refused(GRPO, ["rollout.tis_batch_normalize=true"])
+    assert "rollout.tis_batch_normalize applies to rollout.tis_cap" in refused(
+        GRPO, ["rollout.tis_batch_normalize=true"])
     load_config(data=GRPO, overrides=["rollout.tis_cap=2.0", "rollout.tis_batch_normalize=true"])
     assert "rollout.tis_lower applies to rollout.tis_cap" in refused(GRPO, ["rollout.tis_lower=0.5"])
     load_config(data=GRPO, overrides=["rollout.tis_cap=2.0", "rollout.tis_lower=0.5"])

@@ -110,9 +110,9 @@ def test_sum_pi_squared_in_chunks_of_positions_is_the_same(runs):
 
 
 def test_token_statistics_with_shared_prompt_packing_are_the_unpacked_ones(runs):
-    """``rollout.pack_groups`` (``auto`` packs the toy's groups) runs the statistic's forward packed, as the log-probs' (each
-    group's prompt once, its completions as segments): the same ``sum pi^2``, log-probs and
-    advantages as unpacked rows, position for position."""
+    """``rollout.pack_groups`` (``auto`` packs the toy's groups) runs the statistic's forward
+    packed, as the log-probs' (each group's prompt once, its completions as segments): the
+    same ``sum pi^2``, log-probs and advantages as unpacked rows, position for position."""
     packed, unpacked = runs("optimal_token_baseline"), runs("otb_unpacked")  # pack_groups auto packs the toy's
     assert packed.trainer.actors.pack_group > 1 and unpacked.trainer.actors.pack_group == 1
     assert_same_rollout(packed, unpacked)
