@@ -149,9 +149,11 @@ def test_gpg_numbers_by_hand():
 
 
 # ----------------------------------------------------------------------------- OTB
-def otb_np(rewards, mask, old_logps, spsq, skip_observations=False, eps=1e-8, group_ids=GROUP_IDS):
+def otb_np(rewards, mask, old_logps, spsq, skip_observations=False, eps=1e-8, group_ids=GROUP_IDS, is_weights=None):
     rows, width = mask.shape
     w = (1 - 2 * np.exp(old_logps) + spsq) * mask
+    if is_weights is not None:  # verl: w_per_timestep * rollout_is_weights**2
+        w = w * np.asarray(is_weights, np.float64) ** 2
     cum = np.cumsum(w, axis=1)
     pos = (np.cumsum(mask, 1) - 1).astype(int) if skip_observations else np.tile(np.arange(width), (rows, 1))
     returns = rewards[:, None] * mask
@@ -218,6 +220,26 @@ def test_optimal_token_baseline(skip):
     assert np.all(got[3, :2] == 2.0)  # a group of one: the return itself
     assert np.all(got[4] == 0.0)  # the empty row
     assert np.all(got[2, 4:] == REWARDS[2]) or skip  # group 0's unique longest row past the second longest
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_optimal_token_baseline_with_rollout_correction_weights(skip):
+    """verl's OTB under rollout IS: each token's energy times its weight squared; the weights
+    move the baseline (a token far from 1 counts more or less in the running sum)."""
+    _, old_logps, spsq = otb_inputs(2)
+    weights = np.random.default_rng(3).uniform(0.2, 2.0, size=MASK.shape)
+    mask = MASK.copy()
+    if skip:
+        mask[0, 1] = mask[2, 0] = 0
+    args = (jnp.asarray(REWARDS), jnp.asarray(mask), jnp.asarray(old_logps), jnp.asarray(spsq))
+    got = both(otb_advantages, *args, group_ids=GROUP_IDS, num_groups=NUM_GROUPS, skip_observations=skip,
+               is_weights=jnp.asarray(weights))
+    want = otb_np(REWARDS, mask, old_logps, spsq, skip, is_weights=weights)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(want - otb_np(REWARDS, mask, old_logps, spsq, skip))) > 1e-3
+    ones = otb_advantages(*args, group_ids=GROUP_IDS, num_groups=NUM_GROUPS, skip_observations=skip,
+                          is_weights=jnp.ones(MASK.shape))
+    np.testing.assert_allclose(np.asarray(ones), otb_np(REWARDS, mask, old_logps, spsq, skip), rtol=1e-5, atol=1e-5)
 
 
 def test_tool_integrated_otb_differs_where_observations_shift_positions():

@@ -53,7 +53,9 @@ class AdvantageInputs:
     ``reward_weights [K]`` the weights; ``sum_pi_squared [R, N]``: ``sum_v pi(v)^2`` at each
     token and ``stat_logps [R, N]`` the sampled token's log-prob, both from one forward pass of
     the learner's policy at pricing (not necessarily ``old_logps``: those are the sampler's
-    under ``rollout.old_logps: sampler`` and in single-update mode).
+    under ``rollout.old_logps: sampler`` and in single-update mode); ``is_weights [R, N]``: the
+    rollout-correction weight of ``pi_old / pi_sampler`` at each token (``rollout.tis_cap``
+    with recomputed old log-probs, verl's decoupled ``rollout_is_weights``), else ``None``.
     """
 
     rewards: Array
@@ -70,6 +72,7 @@ class AdvantageInputs:
     reward_weights: Array | None = None
     sum_pi_squared: Array | None = None
     stat_logps: Array | None = None
+    is_weights: Array | None = None
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[Array, Array]]
