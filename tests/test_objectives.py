@@ -514,8 +514,12 @@ def test_icepop_weights_match_verls_definition(level):
     np.testing.assert_allclose(float(metrics["tis_out_of_bounds"]), (want[on] == 0).mean(), rtol=1e-6)
     with pytest.raises(ValueError, match="tis_lower must be 0 < tis_lower <= tis_cap"):
         sampler_correction(x, m, tis_cap=1.0, tis_lower=1.5)
-    with pytest.raises(ValueError, match="tis_lower=0.5 needs a tis_cap"):
+    with pytest.raises(ValueError, match="tis_lower=0.5 needs sampler_logps= and a tis_cap"):
         pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=None, tis_lower=0.5)
+    with pytest.raises(ValueError, match="tis_lower=0.5 needs sampler_logps= and a tis_cap"):
+        pg_loss(*args, tis_lower=0.5)
+    with pytest.raises(ValueError, match="tis_lower=0.5 needs a tis_cap"):
+        sampler_correction(x, m, tis_cap=None, tis_lower=0.5)
 
 
 def test_bypass_reinforce_takes_the_current_policys_weight():

@@ -324,7 +324,6 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
       keeps a token when ``kN_t <= bound``; ``seq_sum_kN``, ``seq_mean_kN``, ``seq_max_kN`` keep
       a row when the sum, the mean or the max of ``kN_t`` over its response tokens is ``<= bound``.
       ``kept_by`` holds each criterion's mask.
-
     - ``batch_normalize`` (verl's ``rollout_is_batch_normalize``): the truncated weights are
       divided by their mean, ``w_t / m``, so that they average 1: at the token level ``m`` is the
       mean of ``w_t`` over every response token of the arrays given; at the sequence level the
@@ -339,6 +338,8 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     """
     check_same_shape(log_rho=log_rho, mask=mask)
     check_choice("tis_level", tis_level, TIS_LEVELS)
+    if tis_lower is not None and tis_cap is None:
+        raise ValueError(f"tis_lower={tis_lower} needs a tis_cap: the two bound IcePop's weight")
     if is_concrete_number(tis_lower) and is_concrete_number(tis_cap) and not 0 < tis_lower <= tis_cap:
         raise ValueError(f"tis_lower must be 0 < tis_lower <= tis_cap (IcePop's bounds on the ratio); got "
                          f"tis_lower={tis_lower}, tis_cap={tis_cap}")
@@ -452,8 +453,9 @@ def _policy_loss(
                          "log-probs [B, T]) to measure the divergences it bounds")
     if tis_cap is not None and is_concrete_number(tis_cap) and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
-    if tis_lower is not None and tis_cap is None:
-        raise ValueError(f"tis_lower={tis_lower} needs a tis_cap: the two bound IcePop's weight")
+    if tis_lower is not None and (sampler_logps is None or tis_cap is None):
+        raise ValueError(f"tis_lower={tis_lower} needs sampler_logps= and a tis_cap: the two bound IcePop's weight "
+                         "of the ratio to the sampler")
     if tis_batch_normalize and (sampler_logps is None or tis_cap is None):
         raise ValueError("tis_batch_normalize=True needs sampler_logps= and a tis_cap: it rescales the truncated "
                          "importance weights to mean 1")
