@@ -6,7 +6,9 @@ gradients, optimiser moments and float32 master copy; the frozen models (referen
 models) and PPO's critic; activations under the config's remat setting and micro-batch;
 the chunked LM-head buffers; the rollout's KV cache, decode buffers, gathered weights and
 the sampler's compute-dtype copy (a program of its own: the total counts the larger of the
-rollout's and the update's temporaries beside the states); the total against the device's
+rollout's and the update's temporaries beside the states); the optimal token baseline's
+logits (``sum pi^2 logits``: its pass over the rollout is a third program, counted the same
+way); the total against the device's
 memory, with a "does not fit; try ..." line naming the cheapest change that fits. It also
 gives the FLOPs of one step (policy update, reference and critic passes, generation) and
 the time they take at a stated MFU.
@@ -106,6 +108,12 @@ _BYTES = {"float32": 4, "bfloat16": 2}
 # cannot be written over the logits it reads and whose [rows, chunk] scale operand is
 # broadcast to the full shape first (5). alignax's code is the same on all three.
 LM_HEAD_ARRAYS = (((0, 10), 2, 4), ((0, 12), 1, 5))
+# The float32 [rows, chunk, V] arrays the optimal token baseline's pass (log pi(y) and
+# sum_v pi(v)^2 of each position, alignax.estimators.optimal_token_baseline.token_statistics)
+# holds per chunk: the logits and the two exponentials of its two logsumexps. Read from the
+# compiled pass's memory_analysis() on jaxlib 0.10.2 (3.03 with its per-row outputs, chunked
+# or whole); not read on other releases.
+TOKEN_STATS_ARRAYS = 3
 CALIBRATED_JAXLIB = ("0.10.2", "0.11.2", "0.12.1")  # the jaxlib releases the compiled steps were read on
 
 
@@ -212,7 +220,7 @@ class Estimate:
         trainer's jitted step measures: arguments + outputs - aliased + temporaries): all
         but the rollout's KV cache, and for online runs but the frozen models, which the
         rollout's programs read (the update takes their log-probs)."""
-        left_out = (*ROLLOUT_TEMPORARIES, "rollout not live with the update")
+        left_out = (*ROLLOUT_TEMPORARIES, "rollout not live with the update", *TOKEN_STATS_ITEMS)
         if self.online:
             left_out += ("reference", "reward models")
         return {k: v for k, v in self.items.items() if k not in left_out}
@@ -582,6 +590,16 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                       + items["optimizer update"] + sum(v for k, v in items.items() if k.endswith("gradients"))
                       + items["not live at once"])
             items["rollout not live with the update"] = -min(rollout, update)
+            if hasattr(section, "advantage") and estimators.estimator(estimators.effective_name(section)).token_stats:
+                # the optimal token baseline's pass, a program of its own when the rollout is
+                # priced: over every rollout row at once (groups unpacked at the head), a chunk
+                # of positions of logits at a time; the device holds the largest of the three
+                # programs' temporaries beside the states
+                scored = config.rollout.max_new_tokens
+                chunk = min(config.model.logprob_chunk_size or scored, scored)
+                logits = TOKEN_STATS_ARRAYS * rows_per_device(rows) * chunk * V * 4 / tensor
+                items["sum pi^2 logits"] = logits
+                items["sum pi^2 not live with the others"] = -min(logits, max(rollout, update))
 
     if submesh:
         # the reference runs on every row of the step (online: of the rollout) at once, packed as the policy's are
@@ -641,6 +659,8 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
 
 # what the rollout's program holds beside the states (the update's own program holds none of it)
 ROLLOUT_TEMPORARIES = ("sampler weights", "KV cache", "sampling buffers", "sampler gathered weights")
+# the optimal token baseline's pass (TOKEN_STATS_ARRAYS): neither the rollout's program nor the update's
+TOKEN_STATS_ITEMS = ("sum pi^2 logits", "sum pi^2 not live with the others")
 
 
 def _rollout_items(config, model: ModelConfig, p: Precision, mesh: tuple[int, int, int], *, rows: float,

@@ -177,6 +177,38 @@ def micro_batch_split() -> dict:
     return {"micro_rows": np.asarray(micro).tolist(), "micro_joined": np.asarray(joined).tolist()}
 
 
+def otb_statistics(model_dir) -> dict:
+    """The optimal token baseline's per-token pass (``log pi(y)``, ``sum pi^2``) and advantages
+    of one rollout, priced on (2, 2, 2) and on one device from the same samples (sampled
+    once, on one device) and the same initial weights: their largest differences."""
+    from alignax.trainers.online.collect import Sampled
+
+    priced = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in ((1, 1, 1), (2, 2, 2)):
+            config = toy_config(f"{tmp}/{len(priced)}", model_dir, "grpo", steps=1, checkpoint={"enabled": False},
+                                mesh={"shape": list(shape)}, data={"eval_fraction": 0.0},
+                                grpo={"advantage": "optimal_token_baseline"})
+            trainer = build_trainer(config, records=toy_prompts(24))
+            state, frozen = trainer.start()
+            if not priced:
+                batches = trainer.data.iterator("train")
+                sampled = trainer.collector.sample(trainer.actors.sampling_state(state.params), next(batches),
+                                                   batches, rollout_index=0, version=0)
+            batch = trainer.collector.price(state, frozen, sampled)
+            priced[shape] = {k: np.asarray(jax.device_get(v), np.float64) for k, v in
+                             (("sum_pi_squared", batch.inputs.sum_pi_squared), ("stat_logps", batch.inputs.stat_logps),
+                              ("advantages", batch.rollout.advantages))}
+            priced[shape]["devices"] = len(batch.inputs.sum_pi_squared.sharding.device_set)
+    one, mesh = priced[(1, 1, 1)], priced[(2, 2, 2)]
+    on = sampled.groups.actions() > 0
+    return {"otb/devices": mesh["devices"], "otb/tokens": int(on.sum()),
+            "otb/sum_pi_squared_min": float(one["sum_pi_squared"][on].min()),
+            "otb/advantage_abs_max": float(np.abs(one["advantages"]).max()),
+            **{f"otb/max_{k}_diff": float(np.abs(one[k] - mesh[k])[on].max())
+               for k in ("sum_pi_squared", "stat_logps", "advantages")}}
+
+
 def param_diffs(a, b) -> dict[str, float]:
     """Largest and 99.9th-percentile absolute difference over every parameter entry."""
     diff = np.concatenate([np.abs(np.asarray(x) - np.asarray(y)).ravel()
@@ -197,6 +229,7 @@ def main() -> int:
         sharded, sharded_params, sharded_log = run(model_dir, (2, 2, 2))
         noise, noisy = float32_noise_run(model_dir)
         copy = sampler_copy(model_dir)
+        otb = otb_statistics(model_dir)
     keys = ("reward/total", "loss", "grad_norm", "kl/ref_seq", "response/length_mean", "entropy")
     out = {
         "devices": jax.device_count(),
@@ -210,7 +243,7 @@ def main() -> int:
         "sharded_involuntary_remat": sharded_log.count("Involuntary full rematerialization"),
         **micro_batch_split(),
     }
-    out.update({f"sampler_copy/{k}": v for k, v in copy.items()})
+    out.update({f"sampler_copy/{k}": v for k, v in copy.items()}, **otb)
     print(json.dumps(out))
     return 0
 

@@ -254,3 +254,65 @@ def test_importance_weighted_kl_at_staleness_one_weighs_by_the_behaviour_policy(
         np.testing.assert_allclose(kl, np.sum(w * k3 * mask) / np.sum(mask), rtol=1e-5)
         shifted, _, _ = kl_term(_shifted(behind, 0.3))
         np.testing.assert_allclose(shifted, kl * (np.exp(0.3) if weight == "ratio" else 1.0), rtol=1e-5)
+
+
+def test_optimal_token_baseline_of_a_stale_rollout_reads_the_learners_policy(tmp_path, toy_model):
+    """Staleness 1 with the sampler's log-probs as the old ones: the optimal token baseline's
+    ``pi(y)`` and ``sum pi^2`` are both the learner's at pricing (version 1), not the sampler's
+    ``pi(y)`` (version 0) beside the learner's ``sum pi^2``; the advantages are the NumPy
+    reference's on that pair (alignax/estimators/optimal_token_baseline.py says why)."""
+    from tests.test_estimators import otb_np
+
+    with first_step(tmp_path, toy_model, 1, grpo={"advantage": "optimal_token_baseline"}) as (
+            trainer, schedule, state, frozen, batches, first):
+        state, _ = trainer.learn(state, frozen, first)
+        schedule.finish()
+        behind: Sampled = schedule.in_flight[0].result()
+        assert (behind.rollout_index, behind.version) == (1, 0)
+        batch = trainer.collector.price(state, frozen, behind)
+        x = {k: None if v is None else np.asarray(v, np.float64)
+             for k, v in vars(jax.device_get(batch.inputs)).items()}
+        on = x["loss_mask"] > 0
+        actors = trainer.actors
+        placed = tuple(actors.place(a) for a in behind.groups.full_sequences())
+        learner = np.asarray(actors.forward(actors.whole_policy(state.params), *placed)[0], np.float64)
+        np.testing.assert_allclose(x["stat_logps"][on], learner[on], atol=1e-5)
+        sampler = behind.groups.sampler_logps.astype(np.float64)
+        np.testing.assert_array_equal(x["old_logps"], sampler)  # the loss's old log-probs stay the sampler's
+        assert np.max(np.abs(x["stat_logps"] - sampler)[on]) > 1e-3  # one update apart: the pair is not theirs
+        expected = otb_np(x["rewards"], x["loss_mask"], x["stat_logps"], x["sum_pi_squared"], False,
+                          group_ids=x["group_ids"].astype(int))
+        np.testing.assert_allclose(np.asarray(batch.rollout.advantages), expected, rtol=1e-4, atol=1e-5)
+        mixed = otb_np(x["rewards"], x["loss_mask"], sampler, x["sum_pi_squared"], False,
+                       group_ids=x["group_ids"].astype(int))
+        assert np.max(np.abs(mixed - expected)) > 1e-5  # the mixed pair would give other advantages
+
+
+def test_optimal_token_baseline_of_a_stale_rollout_squares_the_decoupled_weights(tmp_path, toy_model):
+    """Staleness 1 in verl's decoupled mode (recomputed old log-probs, rollout.tis_cap 1.5): the
+    optimal token baseline multiplies each token's energy by the square of its weight
+    min(pi_old / pi_sampler, 1.5), pi_old the learner's at pricing and pi_sampler version 0's
+    (verl's compute_optimal_token_baseline_advantage with its rollout_is_weights)."""
+    from tests.test_estimators import otb_np
+
+    with first_step(tmp_path, toy_model, 1, grpo={"advantage": "optimal_token_baseline"},
+                    rollout={"old_logps": "recompute", "tis_cap": 1.5}) as (
+            trainer, schedule, state, frozen, batches, first):
+        state, _ = trainer.learn(state, frozen, first)
+        schedule.finish()
+        behind: Sampled = schedule.in_flight[0].result()
+        batch = trainer.collector.price(state, frozen, behind)
+        x = {k: None if v is None else np.asarray(v, np.float64)
+             for k, v in vars(jax.device_get(batch.inputs)).items()}
+        mask = x["loss_mask"]
+        on = mask > 0
+        sampler = behind.groups.sampler_logps.astype(np.float64)
+        weights = np.where(on, np.minimum(np.exp(x["stat_logps"] - sampler), 1.5), 1.0)
+        np.testing.assert_allclose(x["is_weights"][on], weights[on], rtol=1e-5)
+        assert np.max(np.abs(weights - 1)[on]) > 1e-2 and np.any(weights[on] == 1.5)  # stale, and capped somewhere
+        ids = x["group_ids"].astype(int)
+        expected = otb_np(x["rewards"], mask, x["stat_logps"], x["sum_pi_squared"], False, group_ids=ids,
+                          is_weights=weights)
+        np.testing.assert_allclose(np.asarray(batch.rollout.advantages), expected, rtol=1e-4, atol=1e-5)
+        unweighted = otb_np(x["rewards"], mask, x["stat_logps"], x["sum_pi_squared"], False, group_ids=ids)
+        assert np.max(np.abs(unweighted - expected)) > 1e-5

@@ -243,6 +243,7 @@ SWEEP_VALUES = {
     "grpo.step_delimiter": ["\n\n"],
     "grpo.policy_loss": [name for name in OBJECTIVES if name != "ppo"],
     "rollout.rejection_bounds": [[0.8, 1.25]],
+    "rollout.tis_lower": [0.5],  # refused alone: IcePop's upper bound is rollout.tis_cap
     "rollout.rejection_divergences": [{"seq_max_k2": 2.5, "token_k3": 0.1}],
     "grpo.process_reward": ["alignax.rewards.process:well_formed_steps"],
     "ppo.critic_path": ["runs/reward-model"],
@@ -616,6 +617,13 @@ def test_tis_cap_needs_recomputed_old_logps_or_an_objective_without_a_ratio():
     load_config(data=GRPO, overrides=["rollout.old_logps=sampler", "rollout.tis_cap=2.0", "grpo.policy_loss=pg",
                                       "rollout.tis_level=sequence", "rollout.rejection=geometric"])
     assert "rollout.tis_level applies to rollout.tis_cap" in refused(GRPO, ["rollout.tis_level=sequence"])
+    assert "rollout.tis_batch_normalize applies to rollout.tis_cap" in refused(
+        GRPO, ["rollout.tis_batch_normalize=true"])
+    load_config(data=GRPO, overrides=["rollout.tis_cap=2.0", "rollout.tis_batch_normalize=true"])
+    assert "rollout.tis_lower applies to rollout.tis_cap" in refused(GRPO, ["rollout.tis_lower=0.5"])
+    load_config(data=GRPO, overrides=["rollout.tis_cap=2.0", "rollout.tis_lower=0.5"])
+    assert "rollout.tis_lower must be > 0 and <= rollout.tis_cap (2.0)" in refused(
+        GRPO, ["rollout.tis_cap=2.0", "rollout.tis_lower=3.0"])
     assert "rollout.rejection_bounds applies to rollout.rejection" in refused(GRPO, ["rollout.rejection_bounds=[0.8,1.2]"])
 
 
@@ -745,7 +753,8 @@ def builder_reads(config: TrainConfig) -> set[str]:
             group_ids=jnp.repeat(jnp.arange(config.data.batch_size), config.rollout.num_samples),
             old_logps=zeros, ref_logps=zeros, old_values=zeros, kl_coef=jnp.asarray(0.1),
             baseline=jnp.zeros(rows), step_rewards=zeros, step_mask=zeros,
-            reward_components=jnp.zeros((rows, 2)), reward_weights=jnp.ones(2), sum_pi_squared=zeros))
+            reward_components=jnp.zeros((rows, 2)), reward_weights=jnp.ones(2), sum_pi_squared=zeros,
+            stat_logps=zeros))
     return recorder.reads
 
 

@@ -188,6 +188,39 @@ def test_the_rollout_and_the_update_are_not_live_at_once():
                                            "sampler gathered weights"}
 
 
+def test_the_optimal_token_baselines_logits_are_a_program_of_their_own():
+    """grpo.advantage=optimal_token_baseline: its pass over the rollout (every row at once, a
+    chunk of positions at a time) holds TOKEN_STATS_ARRAYS float32 [rows, chunk, V] logits, a
+    program of its own: the total is the states and the largest of the three programs'
+    temporaries. Qwen2.5-7B's 152,064-token vocabulary, 512 rows of 1,024 new tokens on 8
+    devices: whole (model.logprob_chunk_size null) the pass is the peak (3 x 64 x 1024 x
+    152064 x 4 bytes = 120 GB a device); in chunks of 64 it stays under the update."""
+    def both(*overrides):
+        common = ["model.remat=full", "precision.compute_dtype=bfloat16", "data.batch_size=64", "rollout.num_samples=8",
+                  "rollout.max_new_tokens=1024", *overrides]
+        out = []
+        for advantage in ("grpo", "optimal_token_baseline"):
+            config = load_config("configs/grpo.yaml", [*common, f"grpo.advantage={advantage}"])
+            out.append(estimate(config, model=model_config_for(config, "qwen2.5-7b"), devices=8, mesh=(1, 8, 1)))
+        return out
+
+    def others(e):  # the rollout's and the update's temporaries, the larger of which the total holds
+        rollout = sum(e.items[k] for k in ROLLOUT_TEMPORARIES)
+        update = sum(e.update_step_items().values()) - sum(
+            v for k, v in e.items.items() if k.startswith("policy") and not k.endswith("gradients"))
+        return max(rollout, update)
+
+    plain, otb = both("model.logprob_chunk_size=null")
+    assert "sum pi^2 logits" not in plain.items
+    assert otb.items["sum pi^2 logits"] == pytest.approx(3 * 64 * 1024 * 152064 * 4)
+    assert otb.items["sum pi^2 logits"] > others(otb)  # the peak: the total grows by what it exceeds the others by
+    assert otb.total - plain.total == pytest.approx(otb.items["sum pi^2 logits"] - others(otb))
+    assert not set(otb.update_step_items()) & {"sum pi^2 logits", "sum pi^2 not live with the others"}
+    plain, otb = both("model.logprob_chunk_size=64")
+    assert otb.items["sum pi^2 logits"] == pytest.approx(3 * 64 * 64 * 152064 * 4)
+    assert otb.items["sum pi^2 logits"] < others(otb) and otb.total == pytest.approx(plain.total)
+
+
 def test_a_batch_the_batch_devices_do_not_divide_is_noted():
     """16 pairs on 64 batch devices: one process places them whole on each device, several
     refuse them, and the figures are not calibrated there: the estimate says so (its note,

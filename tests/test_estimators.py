@@ -13,7 +13,7 @@ from alignax.estimators.gdpo import gdpo_advantages, normalize_then_sum
 from alignax.estimators.gpg import gpg_advantages
 from alignax.estimators.grpo_passk import passk_advantages
 from alignax.estimators.opo import opo_advantages
-from alignax.estimators.optimal_token_baseline import otb_advantages, sum_pi_squared
+from alignax.estimators.optimal_token_baseline import otb_advantages, sum_pi_squared, token_statistics
 from alignax.estimators.reinforce_plus_plus_baseline import reinforce_pp_baseline_advantages
 
 # groups 0 (4 rows), 1 (1 row: a group of one), 2 (3 rows), listed out of order
@@ -149,9 +149,11 @@ def test_gpg_numbers_by_hand():
 
 
 # ----------------------------------------------------------------------------- OTB
-def otb_np(rewards, mask, old_logps, spsq, skip_observations=False, eps=1e-8, group_ids=GROUP_IDS):
+def otb_np(rewards, mask, old_logps, spsq, skip_observations=False, eps=1e-8, group_ids=GROUP_IDS, is_weights=None):
     rows, width = mask.shape
     w = (1 - 2 * np.exp(old_logps) + spsq) * mask
+    if is_weights is not None:  # verl: w_per_timestep * rollout_is_weights**2
+        w = w * np.asarray(is_weights, np.float64) ** 2
     cum = np.cumsum(w, axis=1)
     pos = (np.cumsum(mask, 1) - 1).astype(int) if skip_observations else np.tile(np.arange(width), (rows, 1))
     returns = rewards[:, None] * mask
@@ -191,6 +193,21 @@ def test_sum_pi_squared_from_logits():
                                (scaled ** 2).sum(-1), rtol=1e-5)
 
 
+def test_token_statistics_are_the_sampled_log_prob_and_sum_pi_squared_of_one_distribution():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(3, 5, 11)) * 3
+    tokens = rng.integers(0, 11, size=(3, 5))
+    for temperature in (1.0, 0.6):
+        z = logits / temperature
+        probs = np.exp(z - z.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        logp, spsq = token_statistics(jnp.asarray(logits), jnp.asarray(tokens), temperature=temperature)
+        want_logp = np.log(np.take_along_axis(probs, tokens[..., None], -1)[..., 0])
+        np.testing.assert_allclose(np.asarray(logp), want_logp, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(spsq), (probs ** 2).sum(-1), rtol=1e-5)
+        assert logp.dtype == spsq.dtype == jnp.float32
+
+
 @pytest.mark.parametrize("skip", [False, True])
 def test_optimal_token_baseline(skip):
     _, old_logps, spsq = otb_inputs()
@@ -203,6 +220,26 @@ def test_optimal_token_baseline(skip):
     assert np.all(got[3, :2] == 2.0)  # a group of one: the return itself
     assert np.all(got[4] == 0.0)  # the empty row
     assert np.all(got[2, 4:] == REWARDS[2]) or skip  # group 0's unique longest row past the second longest
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_optimal_token_baseline_with_rollout_correction_weights(skip):
+    """verl's OTB under rollout IS: each token's energy times its weight squared; the weights
+    move the baseline (a token far from 1 counts more or less in the running sum)."""
+    _, old_logps, spsq = otb_inputs(2)
+    weights = np.random.default_rng(3).uniform(0.2, 2.0, size=MASK.shape)
+    mask = MASK.copy()
+    if skip:
+        mask[0, 1] = mask[2, 0] = 0
+    args = (jnp.asarray(REWARDS), jnp.asarray(mask), jnp.asarray(old_logps), jnp.asarray(spsq))
+    got = both(otb_advantages, *args, group_ids=GROUP_IDS, num_groups=NUM_GROUPS, skip_observations=skip,
+               is_weights=jnp.asarray(weights))
+    want = otb_np(REWARDS, mask, old_logps, spsq, skip, is_weights=weights)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(want - otb_np(REWARDS, mask, old_logps, spsq, skip))) > 1e-3
+    ones = otb_advantages(*args, group_ids=GROUP_IDS, num_groups=NUM_GROUPS, skip_observations=skip,
+                          is_weights=jnp.ones(MASK.shape))
+    np.testing.assert_allclose(np.asarray(ones), otb_np(REWARDS, mask, old_logps, spsq, skip), rtol=1e-5, atol=1e-5)
 
 
 def test_tool_integrated_otb_differs_where_observations_shift_positions():

@@ -27,6 +27,7 @@ RUNS = {
     "optimal_token_baseline": {"grpo": {"advantage": "optimal_token_baseline"}},
     "tir_optimal_token_baseline": {"grpo": {"advantage": "tir_optimal_token_baseline"}},
     "otb_chunked": {"grpo": {"advantage": "optimal_token_baseline"}, "model": {"logprob_chunk_size": 3}},
+    "otb_unpacked": {"grpo": {"advantage": "optimal_token_baseline"}, "rollout": {"pack_groups": "off"}},
     "base_two_rewards": {"rewards": TWO_REWARDS},
     "gdpo": {"grpo": {"advantage": "gdpo"}, "rewards": TWO_REWARDS},
     "normalize_then_sum": {"grpo": {"reward_aggregation": "normalize_then_sum"}, "rewards": TWO_REWARDS},
@@ -86,12 +87,14 @@ def test_gpg_in_the_trainer(runs):
 def test_optimal_token_baseline_in_the_trainer(runs, name):
     run = runs(name)
     x, rewards, mask, ids = rollout_of(run)
-    spsq, old_logps = np.asarray(x["sum_pi_squared"], np.float64), np.asarray(x["old_logps"], np.float64)
+    spsq, stat_logps = np.asarray(x["sum_pi_squared"], np.float64), np.asarray(x["stat_logps"], np.float64)
     # sum_v pi(v)^2 is a probability of two draws agreeing: at least pi(y)^2, at most 1
     on = mask > 0
-    assert np.all(spsq[on] <= 1 + 1e-6) and np.all(spsq[on] >= np.exp(old_logps[on]) ** 2 - 1e-6)
+    assert np.all(spsq[on] <= 1 + 1e-6) and np.all(spsq[on] >= np.exp(stat_logps[on]) ** 2 - 1e-6)
+    # synchronous, recomputed old log-probs: the statistic's pass is the learner's pi_old
+    np.testing.assert_allclose(stat_logps[on], np.asarray(x["old_logps"], np.float64)[on], atol=1e-5)
     assert np.all(spsq[on] < 1 - 1e-3)  # the toy policy is not deterministic: the statistic is live
-    check(run, runs("base"), otb_np(rewards, mask, old_logps, spsq, name.startswith("tir"), group_ids=ids))
+    check(run, runs("base"), otb_np(rewards, mask, stat_logps, spsq, name.startswith("tir"), group_ids=ids))
     assert np.std(run.advantages[0][on]) > 0
     assert not np.allclose(run.advantages[0], (run.advantages[0].sum(1) / np.maximum(mask.sum(1), 1))[:, None] * mask,
                            atol=1e-4)  # a baseline per token: advantages vary along a row
@@ -103,6 +106,21 @@ def test_sum_pi_squared_in_chunks_of_positions_is_the_same(runs):
     whole, chunked = runs("optimal_token_baseline").inputs[0], runs("otb_chunked").inputs[0]
     np.testing.assert_array_equal(whole["loss_mask"], chunked["loss_mask"])
     np.testing.assert_allclose(chunked["sum_pi_squared"], whole["sum_pi_squared"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(chunked["stat_logps"], whole["stat_logps"], rtol=1e-5, atol=1e-6)
+
+
+def test_token_statistics_with_shared_prompt_packing_are_the_unpacked_ones(runs):
+    """``rollout.pack_groups`` (``auto`` packs the toy's groups) runs the statistic's forward
+    packed, as the log-probs' (each group's prompt once, its completions as segments): the
+    same ``sum pi^2``, log-probs and advantages as unpacked rows, position for position."""
+    packed, unpacked = runs("optimal_token_baseline"), runs("otb_unpacked")  # pack_groups auto packs the toy's
+    assert packed.trainer.actors.pack_group > 1 and unpacked.trainer.actors.pack_group == 1
+    assert_same_rollout(packed, unpacked)
+    p, u = packed.inputs[0], unpacked.inputs[0]
+    on = u["loss_mask"] > 0
+    np.testing.assert_allclose(p["sum_pi_squared"][on], u["sum_pi_squared"][on], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(p["stat_logps"][on], u["stat_logps"][on], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(packed.advantages[0], unpacked.advantages[0], rtol=1e-4, atol=1e-5)
 
 
 def test_gdpo_in_the_trainer_and_normalize_then_sum_is_the_same(runs):
@@ -139,6 +157,6 @@ def test_tool_integrated_otb_on_trajectories_skips_the_observations(tmp_path):
     mask, ids = x["loss_mask"], x["group_ids"].astype(int)
     observations = (batch.groups.response_mask > 0) & (batch.groups.actions() == 0)
     assert observations.any() and len(np.unique(x["rewards"])) > 1
-    args = (x["rewards"], mask, x["old_logps"], x["sum_pi_squared"])
+    args = (x["rewards"], mask, x["stat_logps"], x["sum_pi_squared"])
     np.testing.assert_allclose(batch.rollout.advantages, otb_np(*args, True, group_ids=ids), rtol=1e-4, atol=1e-5)
     assert np.max(np.abs(otb_np(*args, True, group_ids=ids) - otb_np(*args, False, group_ids=ids))) > 1e-3

@@ -285,7 +285,8 @@ CONSTANT_ARGUMENTS = {
     "geo_mean_policy_loss": _policy_entry(losses.geo_mean_policy_loss, clip_eps_low=0.1,
                                           rejection_divergences={"seq_max_k2": 2.0, "token_k3": 1.0}),
     "dro_policy_loss": _policy_entry(losses.dro_policy_loss, dro_beta=0.5, tis_level="sequence"),
-    "vespo_policy_loss": _policy_entry(losses.vespo_policy_loss, rejection="geometric", rejection_bounds=(0.8, 1.25)),
+    "vespo_policy_loss": _policy_entry(losses.vespo_policy_loss, rejection="geometric", rejection_bounds=(0.8, 1.25),
+                                       tis_batch_normalize=True),
     "distill_loss": (losses.distill_loss, lambda a: dict(
         student_logits=_logits(a, 0), teacher_logits=_logits(a, 1), mask=a["mask"], divergence="jsd",
     ), ("teacher_logits",)),

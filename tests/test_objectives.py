@@ -414,6 +414,114 @@ def test_sampler_correction_matches_verls_definitions(level, rejection):
             assert 0 < keep[mask > 0].mean() < 1  # the bounds cut somewhere, not everywhere
 
 
+def ref_batch_normalized(log_rho, mask, cap, level):
+    """verl's ``rollout_is_batch_normalize`` (``rollout_corr_helper.py``,
+    ``compute_rollout_correction_weights``): the truncated weights over their mean, token level
+    over every response token, sequence level over the rows' weights (each a row's mean over
+    its tokens) of the rows with a token; a mean <= 1e-8 leaves them. Returns (weights, mean)."""
+    weight, _ = ref_correction(log_rho, mask, cap, level, None, 0.0, 1.0)
+    rows = [i for i in range(B) if mask[i].sum() > 0]
+    if level == "token":
+        mean = sum(weight[i, t] for i in rows for t in range(T) if mask[i, t]) / mask.sum()
+    else:
+        mean = sum(sum(weight[i, t] for t in range(T) if mask[i, t]) / mask[i].sum() for i in rows) / len(rows)
+    return (weight / mean if mean > 1e-8 else weight), (mean if mean > 1e-8 else 1.0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_batch_normalized_weights_match_verls_definition(level):
+    """The weights average 1 after ``tis_batch_normalize``, divided by verl's mean (rejected
+    tokens and the empty row 2 as verl counts them: the first in, the second out); the row's
+    log-weight (VESPO's) moves with them; the loss's policy term and metric follow."""
+    data = make_data(19)
+    mask, log_rho = data["mask"], _log_rho(data)
+    assert mask[2].sum() == 0  # the empty row
+    cap = 1.1 if level == "token" else 1.5
+    x, m = jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask)
+    got = sampler_correction(x, m, tis_cap=cap, tis_level=level, rejection="token", rejection_bounds=(0.9, 1.1),
+                             batch_normalize=True)
+    want, mean = ref_batch_normalized(log_rho, mask, cap, level)
+    on = mask > 0
+    assert abs(mean - 1.0) > 1e-2  # the factor is not 1, so dividing by it shows
+    np.testing.assert_allclose(float(got.norm_factor), mean, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.weight)[on], want[on], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.weight)[~on], 1.0)
+    assert 0 < 1 - np.asarray(got.keep)[on].mean() < 1  # the rejection cuts, and does not change the mean
+    rows = [i for i in range(B) if on[i].any()]
+    # the log of the weight a row carries: the sum of its tokens' logs, or its one weight's log
+    per_row = [np.log(want[i][on[i]]).sum() if level == "token" else np.log(want[i][on[i]][0]) for i in rows]
+    np.testing.assert_allclose(np.asarray(got.seq_log_weight)[rows], per_row, rtol=1e-5, atol=1e-6)
+    plain = sampler_correction(x, m, tis_cap=cap, tis_level=level)
+    assert float(plain.norm_factor) == 1.0
+    # all masked: no mean to take, the weights stay
+    empty = sampler_correction(x, jnp.zeros_like(m), tis_cap=cap, tis_level=level, batch_normalize=True)
+    assert float(empty.norm_factor) == 1.0
+    # through a loss: REINFORCE with the normalised weights
+    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    args = [f(data[k]) for k in ("logps", "old_logps", "advantages", "mask")]
+    loss, metrics = pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=cap, tis_level=level,
+                            tis_batch_normalize=True, aggregation="token-sum")
+    a, lp = _per_token_adv(data), data["logps"]
+    np.testing.assert_allclose(float(loss), -(want * a * lp)[on].sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["tis_batch_norm_factor"]), mean, rtol=1e-5)
+    with pytest.raises(ValueError, match="tis_batch_normalize=True needs sampler_logps= and a tis_cap"):
+        pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=None, tis_batch_normalize=True)
+
+
+def ref_icepop(log_rho, mask, lower, upper, level):
+    """verl's IcePop (``rollout_corr_helper.py``, ``compute_rollout_correction_weights``,
+    ``rollout_is_threshold: "lower_upper"``): the raw weight (the token's ratio, or the row's
+    product of them clamped to exp(+-20)) where ``lower <= w <= upper``, else 0."""
+    weight = np.zeros((B, T))
+    for i in range(B):
+        seq = sum(log_rho[i, t] for t in range(T) if mask[i, t])
+        for t in range(T):
+            if mask[i, t]:
+                raw = math.exp(log_rho[i, t] if level == "token" else max(-20.0, min(20.0, seq)))
+                weight[i, t] = raw if lower <= raw <= upper else 0.0
+    return weight
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_icepop_weights_match_verls_definition(level):
+    """``tis_lower`` with ``tis_cap``: the ratio inside the bounds, 0 outside (not truncated, not
+    a mask: ``keep`` stays 1); the empty row and off-mask positions weigh 1; batch normalisation
+    counts the zeros; a row's log-weight stays finite; the loss and its out-of-bounds fraction."""
+    data = make_data(20)
+    mask, log_rho = data["mask"], _log_rho(data)
+    lower, upper = (0.9, 1.1) if level == "token" else (0.8, 1.25)
+    x, m = jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask)
+    got = sampler_correction(x, m, tis_cap=upper, tis_lower=lower, tis_level=level)
+    want = ref_icepop(log_rho, mask, lower, upper, level)
+    on = mask > 0
+    assert 0 < (want[on] == 0).mean() < 1  # the bounds zero some weights, not all
+    np.testing.assert_allclose(np.asarray(got.weight)[on], want[on], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.weight)[~on], 1.0)
+    np.testing.assert_array_equal(np.asarray(got.keep), 1.0)
+    assert np.all(np.isfinite(np.asarray(got.seq_log_weight)))
+    truncated = sampler_correction(x, m, tis_cap=upper, tis_level=level)
+    assert np.all(np.asarray(truncated.weight)[on] > 0)  # without tis_lower: min(rho, cap), never 0
+    normed = sampler_correction(x, m, tis_cap=upper, tis_lower=lower, tis_level=level, batch_normalize=True)
+    rows = [i for i in range(B) if on[i].any()]
+    mean = want[on].mean() if level == "token" else np.mean([want[i][on[i]][0] for i in rows])
+    np.testing.assert_allclose(float(normed.norm_factor), mean, rtol=1e-5)
+    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    args = [f(data[k]) for k in ("logps", "old_logps", "advantages", "mask")]
+    loss, metrics = pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=upper, tis_lower=lower,
+                            tis_level=level, aggregation="token-sum")
+    a, lp = _per_token_adv(data), data["logps"]
+    np.testing.assert_allclose(float(loss), -(want * a * lp)[on].sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["tis_out_of_bounds"]), (want[on] == 0).mean(), rtol=1e-6)
+    with pytest.raises(ValueError, match="tis_lower must be 0 < tis_lower <= tis_cap"):
+        sampler_correction(x, m, tis_cap=1.0, tis_lower=1.5)
+    with pytest.raises(ValueError, match="tis_lower=0.5 needs sampler_logps= and a tis_cap"):
+        pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=None, tis_lower=0.5)
+    with pytest.raises(ValueError, match="tis_lower=0.5 needs sampler_logps= and a tis_cap"):
+        pg_loss(*args, tis_lower=0.5)
+    with pytest.raises(ValueError, match="tis_lower=0.5 needs a tis_cap"):
+        sampler_correction(x, m, tis_cap=None, tis_lower=0.5)
+
+
 def test_bypass_reinforce_takes_the_current_policys_weight():
     """Bypass mode, REINFORCE: old_logps are the sampler's; l_t = -min(sg(pi_theta)/pi_s, cap) A_t logp_t,
     and a rejected sequence (geometric mean outside the bounds) loses its policy term."""
@@ -707,12 +815,16 @@ def test_the_verl_tables_cover_every_objective_and_their_keys_load():
         raw = {"algorithm": "grpo", "data": {"format": "prompt"}, "grpo": {}, "rollout": {}}
         for sec, extra in companions.get((k, value), {}).items():
             raw[sec].update(extra)
-        if field == "tis_level":
+        if field in ("tis_level", "tis_lower", "tis_batch_normalize"):  # options of the truncated weight
             raw["rollout"]["tis_cap"] = 2.0
         if value.startswith("{"):  # a mapping (rollout.rejection_divergences), as YAML reads it
             mapping = yaml.safe_load(value)
             raw[section][field] = mapping
             assert getattr(getattr(load_config(data=raw), section), field) == mapping, (k, value)
+            continue
+        if value in ("true", "false"):
+            raw[section][field] = value == "true"
+            assert getattr(getattr(load_config(data=raw), section), field) is (value == "true"), (k, value)
             continue
         raw[section][field] = value
         config = load_config(data=raw)

@@ -55,6 +55,12 @@ def runs(tmp_path_factory, toy_model):
             elif name == "divergences_pg":
                 spec = dict(grpo={"epochs": 2, "policy_loss": "pg"},
                             rollout={"old_logps": "sampler", "rejection_divergences": DIVERGENCES})
+            elif name == "batch_normalized_pg":
+                spec = dict(grpo={"epochs": 2, "policy_loss": "pg"},
+                            rollout={**BYPASS["rollout"], "tis_batch_normalize": True})
+            elif name == "icepop_pg":
+                spec = dict(grpo={"epochs": 2, "policy_loss": "pg"},
+                            rollout={"old_logps": "sampler", "tis_cap": 1.4, "tis_lower": 0.7})
             elif name == "sampler_pg":
                 spec = dict(grpo={"epochs": 2, "policy_loss": "pg"}, rollout={"old_logps": "sampler"})
             else:
@@ -115,6 +121,51 @@ def test_bypass_reinforce_weighs_by_the_current_policy_over_the_sampler(runs):
     np.testing.assert_allclose(second["metrics"]["pg_loss"], want, rtol=2e-4, atol=1e-6)
     assert 0 < second["metrics"]["rejected"] < 1
     assert abs(second["metrics"]["pg_loss"] - plain.updates[1]["metrics"]["pg_loss"]) > 1e-4
+
+
+def test_batch_normalized_weights_average_one_over_the_completions(runs):
+    """rollout.tis_batch_normalize with bypass_pg's sequence-level weight: the update's policy
+    term is bypass_pg's with each row's weight divided by the mean of the rows' weights (every
+    row with a token: the rejected ones count, as in verl), and that mean is logged."""
+    run, unnormalized = runs("batch_normalized_pg"), runs("bypass_pg")
+    assert_same_rollout(run, unnormalized)
+    second = run.updates[1]
+    ro, logps = second["rollout"], second["logps"].astype(np.float64)
+    mask = ro.loss_mask > 0
+    assert len(ro.loss_mask) == len(run.inputs[0]["loss_mask"])  # one micro-batch: the mean is the rollout's
+    log_rho = np.where(mask, logps - ro.sampler_logps, 0.0)
+    seq = log_rho.sum(1)
+    weight = np.minimum(np.exp(seq), 1.5)
+    mean = weight[mask.any(1)].mean()
+    geo = seq / np.maximum(mask.sum(1), 1)
+    keep = (np.exp(geo) >= 0.8) & (np.exp(geo) <= 1.25)
+    assert abs(mean - 1) > 1e-3 and 0 < keep[mask.any(1)].mean() < 1
+    w = (weight / mean * keep)[:, None]
+    per_row = (-w * ro.advantages * np.where(mask, logps, 0.0)).sum(1) / np.maximum(mask.sum(1), 1)
+    metrics = second["metrics"]
+    np.testing.assert_allclose(metrics["pg_loss"], per_row[mask.any(1)].mean(), rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["tis_batch_norm_factor"], mean, rtol=1e-5)
+    assert abs(metrics["pg_loss"] - unnormalized.updates[1]["metrics"]["pg_loss"]) > 1e-5
+
+
+def test_icepop_weighs_by_the_ratio_inside_its_bounds_and_zero_outside(runs):
+    """rollout.tis_lower 0.7 with tis_cap 1.4 (token level) in bypass mode: the update's policy
+    term is -agg(w * A * logp) with w = pi_theta / pi_sampler inside [0.7, 1.4] and 0 outside
+    (verl's rollout_is_threshold "0.7_1.4"); without it, plain -agg(A logp)."""
+    run, plain = runs("icepop_pg"), runs("sampler_pg")
+    assert_same_rollout(run, plain)
+    second = run.updates[1]
+    ro, logps = second["rollout"], second["logps"].astype(np.float64)
+    mask = ro.loss_mask > 0
+    rho = np.exp(np.where(mask, logps - ro.sampler_logps, 0.0))
+    inside = (rho >= 0.7) & (rho <= 1.4)
+    assert 0 < inside[mask].mean() < 1  # the bounds zero some tokens, not all
+    w = np.where(inside, rho, 0.0)
+    per_row = (-w * ro.advantages * np.where(mask, logps, 0.0)).sum(1) / np.maximum(mask.sum(1), 1)
+    metrics = second["metrics"]
+    np.testing.assert_allclose(metrics["pg_loss"], per_row[mask.any(1)].mean(), rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["tis_out_of_bounds"], 1 - inside[mask].mean(), atol=1e-6)
+    assert abs(metrics["pg_loss"] - plain.updates[1]["metrics"]["pg_loss"]) > 1e-4
 
 
 def test_divergence_rejection_drops_the_tokens_it_bounds(runs):

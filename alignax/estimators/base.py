@@ -37,8 +37,9 @@ class Estimator:
       step_rewards: the rollout scores each reasoning step (process supervision).
       reward_components: it reads each reward component of ``rewards:`` apart, with its weight
         (``inputs.reward_components [R, K]``, ``inputs.reward_weights [K]``).
-      token_stats: it reads ``inputs.sum_pi_squared [R, N]``, ``sum_v pi(v)^2`` of the policy
-        that sampled each token (one more forward pass over the rollout).
+      token_stats: it reads ``inputs.sum_pi_squared [R, N]``, ``sum_v pi(v)^2``, and
+        ``inputs.stat_logps [R, N]``, ``log pi(y_t)``, both of the learner's policy when the
+        rollout is priced (one more forward pass over the rollout).
     """
 
     name: str

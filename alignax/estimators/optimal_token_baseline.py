@@ -22,16 +22,33 @@ loss tokens, so the observation tokens of a multi-turn trajectory (tool outputs,
 policy did not choose) neither take a position nor add to ``W``. On a single-turn rollout the
 two agree.
 
-``pi(y_j)`` is ``exp(old_logps)`` and ``sum_v pi_j(v)^2`` is :func:`sum_pi_squared` of the
-logits of the policy that sampled the rollout, at the sampling temperature.
+``pi(y_j)`` and ``sum_v pi_j(v)^2`` come from one forward pass of one policy
+(:func:`token_statistics`, at the sampling temperature): the learner's weights when the
+rollout is priced, verl's ``pi_old`` (verl computes ``sum_pi_squared`` in the actor's
+``compute_log_prob`` pass that recomputes ``old_log_probs``, ``ray_trainer.py``
+``_compute_old_log_prob``). ``||e_y - pi||^2`` is the squared logit-gradient of the policy the
+update differentiates, so that is the policy both terms are of. With synchronous rollouts it
+is also the one that sampled the tokens; under ``rollout.async.max_staleness >= 1`` the
+sampler's weights are up to ``k`` updates older, and with ``rollout.old_logps: sampler`` the
+loss's old log-probs are the sampler's, but the estimator still reads the learner's pair,
+never the sampler's ``pi(y_j)`` beside the learner's ``sum pi^2`` (verl's bypass mode computes
+no ``sum_pi_squared`` at all, so verl runs OTB only with recomputed old log-probs).
 
 Sources. Equation number not checked: paper text unavailable (arXiv:2602.07078's text could
 not be read). The formulas are those of verl's ``compute_optimal_token_baseline_advantage``
 (``verl/trainer/ppo/core_algos.py``) and ``docs/algo/otb.md`` (``B*_t = sum G W / (sum W +
 eps)``, ``W_t = sum_{j<=t} (1 - 2 pi_j + sum pi_j^2)``, the zero-tail rule), which alignax
 follows. Where it differs from verl: ``G_t`` is the sequence reward on every loss token
-(verl's reward-to-go of token-level rewards is the same for an outcome reward); verl's
-rescaling of each ``w_j`` by ``rollout_is_weights^2`` under rollout IS is not done.
+(verl's reward-to-go of token-level rewards is the same for an outcome reward).
+
+Rollout correction. With ``rollout.tis_cap`` and recomputed old log-probs (verl's decoupled
+mode, where its ``rollout_is_weights`` are computed once on the batch before the advantages,
+``ray_trainer.py``), each token's energy is multiplied by the square of its rollout-correction
+weight ``w_j`` (:func:`alignax.losses.sampler_correction` of ``pi_old / pi_sampler``, with
+``tis_level``, ``tis_lower`` and ``tis_batch_normalize``, the mean over the whole rollout as
+verl's), as verl's ``compute_optimal_token_baseline_advantage`` does (``core_algos.py``,
+``w_per_timestep * rollout_is_weights**2``). In bypass mode (``rollout.old_logps: sampler``)
+verl passes no weights to the estimator and neither does alignax.
 """
 
 from __future__ import annotations
@@ -55,8 +72,19 @@ def sum_pi_squared(logits: Array, *, temperature: float = 1.0) -> Array:
     return jnp.exp(jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * jax.nn.logsumexp(z, axis=-1))
 
 
+def token_statistics(logits: Array, targets: Array, *, temperature: float = 1.0) -> tuple[Array, Array]:
+    """``(log pi(y), sum_v pi(v)^2)``, each float32 ``[...]``: the two per-token inputs of the
+    path-variance proxy ``1 - 2 pi(y) + sum_v pi(v)^2``, from the same ``logits [..., V]`` (at
+    ``temperature``) and the sampled tokens ``targets [...]``, so that both are of one policy."""
+    z = jnp.asarray(logits, jnp.float32) / temperature
+    lse = jax.nn.logsumexp(z, axis=-1)
+    logp = jnp.take_along_axis(z, jnp.asarray(targets)[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+    return logp, jnp.exp(jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * lse)
+
+
 def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq: Array, *, group_ids: Array,
-                   num_groups: int, skip_observations: bool = False, eps: float = 1e-8) -> Array:
+                   num_groups: int, skip_observations: bool = False, is_weights: Array | None = None,
+                   eps: float = 1e-8) -> Array:
     """``[R, N]`` Optimal Token Baseline advantages (module docstring).
 
     Args:
@@ -66,6 +94,9 @@ def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq
       sum_pi_sq: ``[R, N]`` ``sum_v pi(v)^2`` of the same distributions.
       group_ids / num_groups: the prompt of each row, in ``[0, num_groups)``.
       skip_observations: count positions over loss tokens only (the tool-integrated variant).
+      is_weights: ``[R, N]`` the rollout-correction weights ``w_j`` of the tokens, or ``None``:
+        each ``1 - 2 pi_j + sum pi_j^2`` is multiplied by ``w_j^2`` before the running sum
+        (verl's ``W`` "scaled by rho-bar^2 to minimize MSE under truncated IS").
     """
     check_rank(loss_mask=(loss_mask, 2))
     check_same_shape(loss_mask=loss_mask, old_logps=old_logps, sum_pi_sq=sum_pi_sq)
@@ -74,6 +105,9 @@ def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq
     ids = flat_groups(group_ids, num_groups, rows)
     returns = _f32(rewards).reshape(-1)[:, None] * mask
     energy = (1.0 - 2.0 * jnp.exp(_f32(old_logps)) + _f32(sum_pi_sq)) * mask
+    if is_weights is not None:
+        check_same_shape(loss_mask=loss_mask, is_weights=is_weights)
+        energy = energy * jnp.square(_f32(is_weights))
     cumulative = jnp.cumsum(energy, axis=1)
     position = (jnp.cumsum(mask, axis=1) - 1.0).astype(jnp.int32) if skip_observations else \
         jnp.broadcast_to(jnp.arange(width), (rows, width))
@@ -98,8 +132,8 @@ def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq
 def advantages(x, section, num_groups: int):
     """``[R, N]`` OTB advantages, positions counted in columns of the response."""
     del section  # no options
-    return otb_advantages(x.rewards, x.loss_mask, x.old_logps, x.sum_pi_squared, group_ids=x.group_ids,
-                          num_groups=num_groups)
+    return otb_advantages(x.rewards, x.loss_mask, x.stat_logps, x.sum_pi_squared, group_ids=x.group_ids,
+                          num_groups=num_groups, is_weights=x.is_weights)
 
 
 ESTIMATOR = Estimator("optimal_token_baseline", advantages, "per-token baseline weighted by the path's accumulated "

@@ -23,8 +23,8 @@ from alignax.estimators.optimal_token_baseline import otb_advantages
 def advantages(x, section, num_groups: int):
     """``[R, N]`` OTB advantages, positions counted over loss tokens only."""
     del section  # no options
-    return otb_advantages(x.rewards, x.loss_mask, x.old_logps, x.sum_pi_squared, group_ids=x.group_ids,
-                          num_groups=num_groups, skip_observations=True)
+    return otb_advantages(x.rewards, x.loss_mask, x.stat_logps, x.sum_pi_squared, group_ids=x.group_ids,
+                          num_groups=num_groups, skip_observations=True, is_weights=x.is_weights)
 
 
 ESTIMATOR = Estimator("tir_optimal_token_baseline", advantages, "the optimal token baseline over the policy's own "

@@ -30,6 +30,10 @@ Options shared by every loss (one private driver, :func:`_policy_loss`, applies 
   for objectives without a ratio of their own (``old_logps`` are then the sampler's:
   REINFORCE with explicit IS weights). ``tis_cap=None`` applies no weight (rejection alone).
   A rejected token loses its policy term; entropy and KL keep every token.
+  ``tis_lower`` (with ``tis_cap``): IcePop's weight, ``rho`` inside ``[tis_lower, tis_cap]`` and 0
+  outside, in place of the truncation (verl's ``rollout_is_threshold: "lower_upper"``).
+  ``tis_batch_normalize`` (with ``tis_cap``): the weights divided by their mean over the arrays
+  given (with micro-batches, each micro-batch's), verl's ``rollout_is_batch_normalize``.
 - ``entropy`` ``[B, T]`` with ``entropy_coef``: ``loss -= entropy_coef * agg(entropy)``.
 - ``top_entropy_quantile`` ``rho`` (with ``entropy``): only the tokens whose entropy is in
   the top ``rho`` fraction of the batch's response tokens keep their policy term (Wang et
@@ -75,6 +79,9 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
 - ``kl`` (only when ``ref_logps`` is given): masked mean of ``KL_t`` to the reference
   (weighted by ``pi_theta / pi_old`` under ``kl_importance_weight``).
 - ``tis_weight_mean`` (only when ``sampler_logps`` is given with a ``tis_cap``): masked mean of ``w_t``.
+- ``tis_out_of_bounds`` (only with ``tis_lower``): the fraction of tokens whose IcePop weight is 0
+  (verl's ``rollout_is_oob_ratio``).
+- ``tis_batch_norm_factor`` (only with ``tis_batch_normalize``): the mean the weights were divided by.
 - ``rejected`` (only with ``rejection`` or ``rejection_divergences``): the fraction of tokens
   the rejection masks dropped, all criteria together; ``rejected_<criterion>`` (one per entry
   of ``rejection_divergences``, e.g. ``rejected_seq_max_k2``): the fraction that criterion drops.
@@ -241,6 +248,8 @@ class SamplerCorrection(NamedTuple):
     # [B, T] 1 where the divergence criterion of that name keeps the token (rejection_divergences);
     # a plain dict, so that the tuple stays a pytree (jit can return it)
     kept_by: dict[str, Array]
+    # the weights' mean the weights were divided by (batch_normalize), else 1
+    norm_factor: Array | float = 1.0
 
 
 def check_rejection_divergences(divergences: Mapping[str, Scalar] | None, *, key: str = "rejection_divergences"
@@ -288,7 +297,8 @@ def _divergence_keep(log_rho: Array, mask: Array, name: str, bound: Scalar) -> A
 
 def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 2.0, tis_level: str = "token",
                        rejection: str | None = None, rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
-                       rejection_divergences: Mapping[str, Scalar] | None = None) -> SamplerCorrection:
+                       rejection_divergences: Mapping[str, Scalar] | None = None, tis_lower: Scalar | None = None,
+                       batch_normalize: bool = False) -> SamplerCorrection:
     """Importance weights and rejection masks for the sampler/trainer mismatch (verl's rollout
     correction, ``verl/trainer/ppo/rollout_corr_helper.py``; Yao et al. 2025 for TIS).
 
@@ -297,6 +307,11 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     - ``tis_level="token"``: ``w_t = min(rho_t, tis_cap)`` (truncated IS, biased, low variance);
       ``"sequence"``: ``w_t = min(prod_t rho_t, tis_cap)`` on every token of the row (unbiased,
       high variance). ``tis_cap=None``: ``w_t = 1`` (rejection alone).
+    - ``tis_lower`` (with ``tis_cap``): IcePop's weight instead of the truncated one, verl's
+      ``rollout_is_threshold: "lower_upper"``: ``w_t = rho`` (the token's or the row's, as
+      ``tis_level`` says) where ``tis_lower <= rho <= tis_cap``, else 0. Unlike ``rejection`` it
+      is a weight, not a mask: it counts in ``batch_normalize``'s mean as a 0, and a row's
+      log-weight (VESPO's) is ``log 1e-30`` per zeroed weight rather than ``-inf``.
     - ``rejection`` with ``rejection_bounds = (lo, hi)`` on the ratio (verl's ``rollout_rs`` k1
       options ``token_k1``, ``seq_sum_k1``, ``seq_mean_k1``): ``token`` keeps a token when
       ``lo <= rho_t <= hi``; ``sequence`` keeps a row when ``lo <= prod_t rho_t <= hi``;
@@ -309,6 +324,13 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
       keeps a token when ``kN_t <= bound``; ``seq_sum_kN``, ``seq_mean_kN``, ``seq_max_kN`` keep
       a row when the sum, the mean or the max of ``kN_t`` over its response tokens is ``<= bound``.
       ``kept_by`` holds each criterion's mask.
+    - ``batch_normalize`` (verl's ``rollout_is_batch_normalize``): the truncated weights are
+      divided by their mean, ``w_t / m``, so that they average 1: at the token level ``m`` is the
+      mean of ``w_t`` over every response token of the arrays given; at the sequence level the
+      mean of the rows' weights over the rows with a response token (one weight per row). The
+      mean is before rejection (a rejected token's weight counts, as verl's IS weights are
+      computed on the response mask before ``rollout_rs``); ``m <= 1e-8`` leaves the weights
+      as they are. ``norm_factor`` is ``m`` (verl's ``rollout_is_batch_norm_factor``), 1 without.
 
     Criteria chain as verl's comma-separated ``rollout_rs``: ``keep`` is 1 only where every one
     of them (and ``rejection``) keeps the token. Off the mask ``log_rho`` counts as 0; a row with
@@ -316,6 +338,11 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     """
     check_same_shape(log_rho=log_rho, mask=mask)
     check_choice("tis_level", tis_level, TIS_LEVELS)
+    if tis_lower is not None and tis_cap is None:
+        raise ValueError(f"tis_lower={tis_lower} needs a tis_cap: the two bound IcePop's weight")
+    if is_concrete_number(tis_lower) and is_concrete_number(tis_cap) and not 0 < tis_lower <= tis_cap:
+        raise ValueError(f"tis_lower must be 0 < tis_lower <= tis_cap (IcePop's bounds on the ratio); got "
+                         f"tis_lower={tis_lower}, tis_cap={tis_cap}")
     if rejection is not None:
         check_choice("rejection", rejection, REJECTIONS)
     divergences = check_rejection_divergences(rejection_divergences)
@@ -327,12 +354,24 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     seq_sum = jnp.sum(log_rho, axis=-1)  # [B] log prod_t rho_t
     level_log = log_rho if tis_level == "token" else jnp.broadcast_to(
         jnp.clip(seq_sum, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[:, None], log_rho.shape)
-    weight = jnp.ones_like(log_rho) if tis_cap is None else jnp.minimum(jnp.exp(level_log), tis_cap)
-    weight = jnp.where(keep_in, weight, 1.0)
+    if tis_cap is None:
+        weight = jnp.ones_like(log_rho)
+    elif tis_lower is None:
+        weight = jnp.minimum(jnp.exp(level_log), tis_cap)
+    else:  # IcePop
+        raw = jnp.exp(level_log)
+        weight = jnp.where((raw >= tis_lower) & (raw <= tis_cap), raw, 0.0)
+    norm_factor = _weight_mean(weight, keep_in, tis_level) if batch_normalize else jnp.float32(1.0)
+    scaled = weight / norm_factor  # at the sequence level a row's weight on every column of it
+    weight = jnp.where(keep_in, scaled, 1.0)
+    # the log of a row's weight; an IcePop zero counts as 1e-30, not -inf
     if tis_level == "token" or tis_cap is None:
-        seq_log_weight = jnp.sum(jnp.log(weight), axis=-1)  # 0 where the weight is 1 (off the mask)
+        seq_log_weight = jnp.sum(jnp.log(jnp.maximum(weight, 1e-30)), axis=-1)  # 0 where the weight is 1 (off the mask)
+    elif tis_lower is None:
+        seq_log_weight = jnp.minimum(jnp.clip(seq_sum, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
+                                     jnp.log(tis_cap)) - jnp.log(norm_factor)
     else:
-        seq_log_weight = jnp.minimum(jnp.clip(seq_sum, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), jnp.log(tis_cap))
+        seq_log_weight = jnp.log(jnp.maximum(scaled[:, 0], 1e-30))
     stat = {"token": log_rho, "sequence": seq_sum[:, None],
             "geometric": (seq_sum / jnp.maximum(jnp.sum(keep_in, axis=-1), 1))[:, None]}.get(rejection)
     keep = jnp.ones_like(log_rho) if stat is None else jnp.broadcast_to(
@@ -342,7 +381,19 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     for criterion in kept_by.values():
         keep = keep * criterion
     keep = jnp.where(keep_in, keep, 1.0)
-    return SamplerCorrection(weight, keep, seq_log_weight, kept_by)
+    return SamplerCorrection(weight, keep, seq_log_weight, kept_by, norm_factor)
+
+
+def _weight_mean(weight: Array, mask: Array, tis_level: str) -> Array:
+    """The mean ``batch_normalize`` divides by: of the token weights over the response tokens,
+    or (sequence level) of the rows' weights over the rows with one; 1 where it is <= 1e-8
+    (no response token, or every weight ~0)."""
+    if tis_level == "token":
+        mean = jnp.sum(jnp.where(mask, weight, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+    else:
+        rows = jnp.any(mask, axis=-1)
+        mean = jnp.sum(jnp.where(rows, weight[:, 0], 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+    return jnp.where(mean > 1e-8, mean, 1.0)
 
 
 def _policy_loss(
@@ -371,6 +422,8 @@ def _policy_loss(
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
+    tis_lower: Scalar | None = None,
+    tis_batch_normalize: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
     """The part every policy loss shares: checks, masking, TIS, aggregation, entropy, KL, metrics."""
     check_rank(logps=(logps, 2), mask=(mask, 2), advantages=(advantages, (1, 2)))
@@ -400,6 +453,12 @@ def _policy_loss(
                          "log-probs [B, T]) to measure the divergences it bounds")
     if tis_cap is not None and is_concrete_number(tis_cap) and tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0; got {tis_cap}")
+    if tis_lower is not None and (sampler_logps is None or tis_cap is None):
+        raise ValueError(f"tis_lower={tis_lower} needs sampler_logps= and a tis_cap: the two bound IcePop's weight "
+                         "of the ratio to the sampler")
+    if tis_batch_normalize and (sampler_logps is None or tis_cap is None):
+        raise ValueError("tis_batch_normalize=True needs sampler_logps= and a tis_cap: it rescales the truncated "
+                         "importance weights to mean 1")
     _check_nonnegative(off_policy_mask_threshold=off_policy_mask_threshold)
     if top_entropy_quantile is not None and entropy is None:
         raise ValueError("top_entropy_quantile needs entropy= (the per-token entropy [B, T]) to rank the tokens by")
@@ -423,7 +482,8 @@ def _policy_loss(
         target = old_logps if tis_ratio == "old" else sg(logps)
         correction = sampler_correction(target - sg(on_mask(sampler_logps)), keep, tis_cap=tis_cap,
                                         tis_level=tis_level, rejection=rejection, rejection_bounds=rejection_bounds,
-                                        rejection_divergences=rejection_divergences)
+                                        rejection_divergences=rejection_divergences, tis_lower=tis_lower,
+                                        batch_normalize=tis_batch_normalize)
     tokens = _Tokens(
         logps=logps, log_ratio=log_ratio,
         advantages=jax.lax.stop_gradient(on_mask(advantages)), mask=keep,
@@ -439,6 +499,10 @@ def _policy_loss(
             per_token = per_token * correction.weight
         if tis_cap is not None:
             metrics["tis_weight_mean"] = ops.masked_mean(correction.weight, keep)
+        if tis_lower is not None:
+            metrics["tis_out_of_bounds"] = ops.masked_mean(correction.weight == 0, keep)
+        if tis_batch_normalize:
+            metrics["tis_batch_norm_factor"] = correction.norm_factor
         if rejection is not None or correction.kept_by:
             per_token = per_token * correction.keep
             metrics["rejected"] = ops.masked_mean(1.0 - correction.keep, keep)
@@ -512,6 +576,8 @@ def ppo_policy_loss(
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
+    tis_lower: Scalar | None = None,
+    tis_batch_normalize: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
     """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms").
 
@@ -562,6 +628,7 @@ def ppo_policy_loss(
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
         rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
+        tis_lower=tis_lower, tis_batch_normalize=tis_batch_normalize,
     )
 
 
@@ -592,6 +659,8 @@ def gspo_policy_loss(
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
+    tis_lower: Scalar | None = None,
+    tis_batch_normalize: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
     """GSPO, sequence-level clipped ratio (Zheng et al. 2025, "Group Sequence Policy Optimization").
 
@@ -639,6 +708,7 @@ def gspo_policy_loss(
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
         rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
+        tis_lower=tis_lower, tis_batch_normalize=tis_batch_normalize,
     )
 
 
@@ -669,6 +739,8 @@ def cispo_policy_loss(
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
+    tis_lower: Scalar | None = None,
+    tis_batch_normalize: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
     """CISPO: clipped, stop-gradient IS weight times log-prob (MiniMax 2025, "MiniMax-M1", eq. 4).
 
@@ -708,6 +780,7 @@ def cispo_policy_loss(
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
         rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
+        tis_lower=tis_lower, tis_batch_normalize=tis_batch_normalize,
     )
 
 
@@ -736,6 +809,8 @@ def pg_loss(
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
+    tis_lower: Scalar | None = None,
+    tis_batch_normalize: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
     """Plain policy gradient ``l_t = -A_t * logps_t`` (Williams 1992, REINFORCE).
 
@@ -762,6 +837,7 @@ def pg_loss(
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
         rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
+        tis_lower=tis_lower, tis_batch_normalize=tis_batch_normalize,
     )
 
 
@@ -792,6 +868,8 @@ def sapo_policy_loss(
     rejection: str | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
+    tis_lower: Scalar | None = None,
+    tis_batch_normalize: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
     """SAPO, a soft gate in place of the clip (Gao et al. 2025, "Soft Adaptive Policy
     Optimization"; TRL's ``loss_type="sapo"``).
@@ -826,6 +904,7 @@ def sapo_policy_loss(
         off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
         sampler_logps=sampler_logps, tis_cap=tis_cap, tis_level=tis_level, tis_ratio=tis_ratio,
         rejection=rejection, rejection_bounds=rejection_bounds, rejection_divergences=rejection_divergences,
+        tis_lower=tis_lower, tis_batch_normalize=tis_batch_normalize,
     )
 
 

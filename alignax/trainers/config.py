@@ -34,6 +34,7 @@ the new key (:func:`rename_sections`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -502,6 +503,14 @@ class RolloutSection:
         IS weights; a ratio objective's ratio is already ``pi_theta / pi_sampler``.
       tis_level: ``token`` (each token's ratio) or ``sequence`` (the product over the
         completion, on each of its tokens), verl's ``rollout_is``.
+      tis_lower: IcePop (verl's ``rollout_is_threshold: "lower_upper"``): the weight is the
+        ratio itself inside ``[tis_lower, tis_cap]`` and 0 outside, in place of
+        ``min(ratio, tis_cap)``; a weight, not a rejection mask (it counts in
+        ``tis_batch_normalize``'s mean). ``null`` (default): the truncated weight.
+      tis_batch_normalize: divide the truncated weights by their mean, so that they average 1
+        (verl's ``rollout_is_batch_normalize``): over the response tokens (``tis_level:
+        token``) or over the completions (``sequence``) of each micro-batch the loss sees,
+        on every device (``alignax.losses.sampler_correction``). ``false`` (default): off.
       rejection / rejection_bounds: verl's rejection masks (``rollout_rs`` ``token_k1``,
         ``seq_sum_k1``, ``seq_mean_k1``): drop the policy term of a token whose ratio
         (``token``), whose completion's ratio product (``sequence``) or per-token geometric
@@ -552,6 +561,8 @@ class RolloutSection:
     old_logps: Literal["recompute", "sampler"] = "recompute"
     tis_cap: float | None = None
     tis_level: Literal["token", "sequence"] = "token"
+    tis_lower: float | None = None
+    tis_batch_normalize: bool = False
     rejection: Literal["token", "sequence", "geometric"] | None = None
     rejection_bounds: tuple[float, float] = (0.5, 2.0)
     rejection_divergences: dict[str, float] | None = None
@@ -562,6 +573,9 @@ class RolloutSection:
 
     def __post_init__(self):
         check_rejection_divergences(self.rejection_divergences, key="rollout.rejection_divergences")
+        if self.tis_lower is not None and not 0 < self.tis_lower <= (self.tis_cap or math.inf):
+            raise ValueError(f"rollout.tis_lower must be > 0 and <= rollout.tis_cap ({self.tis_cap}): IcePop's bounds "
+                             f"on the ratio; got {self.tis_lower}")
         if self.max_logprob_gap is not None and not self.max_logprob_gap > 0:
             raise ValueError(f"rollout.max_logprob_gap must be > 0 nats (null: not enforced); "
                              f"got {self.max_logprob_gap}")

@@ -192,6 +192,8 @@ KEY_RULES: tuple[Rule, ...] = (
          "with the sampler's log-probs as the old ones (verl's bypass mode) an objective's own ratio pi_theta / "
          "pi_sampler is the importance correction; only an objective without one takes the explicit weight"),
     rule("rollout.tis_level", Given("rollout.tis_cap"), "it is the truncated weight's level"),
+    rule("rollout.tis_lower", Given("rollout.tis_cap"), "IcePop's weight is bounded by the two"),
+    rule("rollout.tis_batch_normalize", Given("rollout.tis_cap"), "it rescales the truncated weights"),
     rule("rollout.rejection_bounds", Given("rollout.rejection"), "they bound the rejection mask's ratio"),
     rule("rollout.max_logprob_gap",
          All(Is("rollout.top_k", 0), Is("rollout.top_p", 1.0), Is("rollout.async.max_staleness", 0)),

@@ -26,7 +26,7 @@ SHARED_DEFAULTS = dict(
     num_tokens=None, num_seqs=None, norm_length=None, entropy=None, entropy_coef=0.0, ref_logps=None, kl_coef=0.0,
     kl_kind="k3", kl_importance_weight="none", off_policy_mask_threshold=None, top_entropy_quantile=None,
     sampler_logps=None, tis_cap=2.0, tis_level="token", tis_ratio="old", rejection=None, rejection_bounds=(0.5, 2.0),
-    rejection_divergences=None,
+    rejection_divergences=None, tis_lower=None, tis_batch_normalize=False,
 )
 
 

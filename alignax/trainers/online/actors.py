@@ -22,7 +22,7 @@ from flax import nnx
 
 from alignax import evaluation, models
 from alignax.config import ConfigError
-from alignax.estimators.optimal_token_baseline import sum_pi_squared
+from alignax.estimators.optimal_token_baseline import token_statistics
 from alignax.models import lora as lora_lib
 from alignax.models import modeling
 from alignax.parallel.multihost import place_rows
@@ -34,7 +34,7 @@ from alignax.trainers.engine.precision import compute_copy, frozen_params
 from alignax.trainers.engine.setup import (build_frozen_params, build_meshes, build_model, load_tokenizer,
                                            split_params, split_sampler_devices)
 from alignax.trainers.online.algorithm import OnlineAlgorithm
-from alignax.trainers.online.rollout import response_forward
+from alignax.trainers.online.rollout import response_forward, response_states
 
 
 class Actors:
@@ -246,23 +246,28 @@ class Actors:
                                 chunk_size=self.config.model.logprob_chunk_size, group=self.pack_group)
 
     @functools.cached_property
-    def sum_pi_squared(self):
-        """A jitted ``(policy params, tokens, positions, attention) -> [R, N]``: ``sum_v pi(v)^2``
-        of the policy's next-token distribution (at the sampling temperature) at each response
-        position, the optimal token baseline's per-token statistic
-        (:mod:`alignax.estimators.optimal_token_baseline`)."""
+    def token_statistics(self):
+        """A jitted ``(policy params, tokens, positions, attention) -> (log pi(y) [R, N],
+        sum_v pi(v)^2 [R, N])``: the sampled token's log-prob and ``sum_v pi(v)^2`` of the
+        policy's next-token distribution (at the sampling temperature) at each response
+        position, from the same logits: the optimal token baseline's per-token inputs
+        (:func:`alignax.estimators.optimal_token_baseline.token_statistics`). The forward is
+        :meth:`policy_forward`'s (packed under ``rollout.pack_groups`` as that one is), and the
+        logits come ``model.logprob_chunk_size`` positions at a time, never the whole ``[R, N, V]``."""
         temperature, prompt_len = self.config.rollout.temperature, self.prompt_len
-        chunk = self.config.model.logprob_chunk_size
+        chunk, group = self.config.model.logprob_chunk_size, self.pack_group
 
         def per_token(policy_params, tokens, positions, attention):
             model = nnx.merge(self.graphdef, to_device(policy_params), self.rest)
-            hidden = model(tokens, positions, attention, return_logits=False).hidden[:, prompt_len - 1 : -1]
-            stat = lambda h: sum_pi_squared(model.logits(h), temperature=temperature)  # noqa: E731
+            hidden, _ = response_states(model, tokens, positions, attention, prompt_len=prompt_len, group=group)
+            targets = tokens[:, prompt_len:]
+            stat = lambda h, y: token_statistics(model.logits(h), y, temperature=temperature)  # noqa: E731
             width = hidden.shape[1]
             if chunk is None or chunk >= width:
-                return stat(hidden)
-            # model.logprob_chunk_size positions at a time, as the log-probs: never the whole [R, N, V]
-            return modeling._unchunk_time(jax.lax.map(stat, modeling._chunk_time(hidden, chunk)), width)
+                return stat(hidden, targets)
+            chunks = jax.lax.map(lambda hy: stat(*hy),
+                                 (modeling._chunk_time(hidden, chunk), modeling._chunk_time(targets, chunk)))
+            return tuple(modeling._unchunk_time(c, width) for c in chunks)
 
         return jax.jit(per_token)
 

@@ -50,8 +50,12 @@ class AdvantageInputs:
     reference model (:attr:`KLSetup.uses_reference`). For the estimators that read them
     (:class:`alignax.estimators.Estimator`'s flags), ``None`` otherwise:
     ``reward_components [R, K]`` each ``rewards:`` component before its weight and
-    ``reward_weights [K]`` the weights; ``sum_pi_squared [R, N]``: ``sum_v pi(v)^2`` of the
-    sampling policy at each token.
+    ``reward_weights [K]`` the weights; ``sum_pi_squared [R, N]``: ``sum_v pi(v)^2`` at each
+    token and ``stat_logps [R, N]`` the sampled token's log-prob, both from one forward pass of
+    the learner's policy at pricing (not necessarily ``old_logps``: those are the sampler's
+    under ``rollout.old_logps: sampler`` and in single-update mode); ``is_weights [R, N]``: the
+    rollout-correction weight of ``pi_old / pi_sampler`` at each token (``rollout.tis_cap``
+    with recomputed old log-probs, verl's decoupled ``rollout_is_weights``), else ``None``.
     """
 
     rewards: Array
@@ -67,6 +71,8 @@ class AdvantageInputs:
     reward_components: Array | None = None
     reward_weights: Array | None = None
     sum_pi_squared: Array | None = None
+    stat_logps: Array | None = None
+    is_weights: Array | None = None
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[Array, Array]]
@@ -197,7 +203,7 @@ class OnlineAlgorithm:
     dynamic_sampling_refills: int | None = None  # DAPO: None = off
     # what the estimator reads beyond the total reward (alignax.estimators.Estimator's flags)
     reward_components: bool = False  # each rewards: component and its weight (GDPO)
-    token_stats: bool = False  # sum_v pi(v)^2 of the sampling policy per token (optimal token baseline)
+    token_stats: bool = False  # log pi(y) and sum_v pi(v)^2 per token, the learner's (optimal token baseline)
     # On-policy distillation (trainers/online/onpolicy_distill.py): the frozen teacher held in the
     # reference's place, with a graph and size of its own (``build(mesh) -> params``,
     # ``model(params) -> nnx.Module``); and the update's loss from the policy's whole next-token

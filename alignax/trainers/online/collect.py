@@ -28,6 +28,7 @@ its forward pass: :meth:`Collector.agreement_after_update`) and stops the run pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from alignax.losses.policy import sampler_correction
 from alignax.parallel.multihost import allgather_rows
 from alignax.rewards.process import ProcessRewardModel, process_step_rewards, step_boundaries
 from alignax.rewards.verifiers import with_task
@@ -256,16 +258,36 @@ class Collector:
     def estimator_extras(self, state, groups: Groups, tokens: Mapping[str, Any]) -> dict[str, Array]:
         """What the algorithm's estimator reads beyond the total reward (its flags): each
         ``rewards:`` component before its weight ``[R, K]`` and the weights ``[K]``
-        (GDPO), and ``sum_v pi(v)^2`` of the policy that sampled the rollout ``[R, N]``
-        (the optimal token baseline; one more forward pass)."""
+        (GDPO), and ``sum_v pi(v)^2`` with the sampled token's log-prob ``[R, N]`` (the optimal
+        token baseline; one more forward pass), both of the learner's policy in ``state``, with
+        the rollout correction's weights of its ``pi_old / pi_sampler`` under ``rollout.tis_cap``
+        and recomputed old log-probs (``is_weights``, which the baseline squares, as verl's)."""
         extras: dict[str, Array] = {}
         if self.algorithm.reward_components:
             components, weights = reward_components(groups, self.config.rewards.component_weights())
             extras.update(reward_components=self.actors.place(components), reward_weights=jnp.asarray(weights))
         if self.algorithm.token_stats:
             placed = (tokens["tokens"], tokens["positions"], tokens["attention"])
-            extras["sum_pi_squared"] = self.actors.sum_pi_squared(self.actors.whole_policy(state.params), *placed)
+            extras["stat_logps"], extras["sum_pi_squared"] = self.actors.token_statistics(
+                self.actors.whole_policy(state.params), *placed)
+            if self.config.rollout.tis_cap is not None and self.config.rollout.old_logps == "recompute":
+                extras["is_weights"] = self.correction_weights(extras["stat_logps"], tokens["sampler_logps"],
+                                                               tokens["loss_mask"])
         return extras
+
+    @functools.cached_property
+    def correction_weights(self):
+        """A jitted ``(pi_old log-probs, sampler log-probs, loss mask) -> [R, N]``: the rollout
+        correction's weight of each token (``rollout.tis_cap``, ``tis_level``, ``tis_lower``,
+        ``tis_batch_normalize`` over the whole rollout), verl's decoupled ``rollout_is_weights``
+        that its optimal token baseline squares."""
+        rc = self.config.rollout
+
+        def weights(old_logps, sampler_logps, loss_mask):
+            return sampler_correction(old_logps - sampler_logps, loss_mask, tis_cap=rc.tis_cap, tis_level=rc.tis_level,
+                                      tis_lower=rc.tis_lower, batch_normalize=rc.tis_batch_normalize).weight
+
+        return jax.jit(weights)
 
     def agreement_after_update(self, batch: RolloutBatch, recomputed: Array) -> dict[str, float]:
         """Single-update mode's agreement figures: the update's own forward pass (``recomputed``

@@ -147,15 +147,16 @@ class Learner:
 
     def sampler_correction_keywords(self, ro: Rollout) -> dict:
         """The rollout-correction keywords of the policy loss (``rollout.tis_cap``,
-        ``tis_level``, ``rejection``, ``rejection_divergences``): none unless one is set. With
-        ``rollout.old_logps: sampler`` (verl's bypass mode) the ratio to the sampler is the
-        current policy's."""
+        ``tis_level``, ``tis_lower``, ``tis_batch_normalize``, ``rejection``,
+        ``rejection_divergences``): none unless one is set. With ``rollout.old_logps: sampler``
+        (verl's bypass mode) the ratio to the sampler is the current policy's."""
         rc = self.config.rollout
         if rc.tis_cap is None and rc.rejection is None and not rc.rejection_divergences:
             return {}
         return dict(sampler_logps=ro.sampler_logps, tis_cap=rc.tis_cap, tis_level=rc.tis_level,
                     tis_ratio="current" if rc.old_logps == "sampler" else "old", rejection=rc.rejection,
-                    rejection_bounds=tuple(rc.rejection_bounds), rejection_divergences=rc.rejection_divergences)
+                    rejection_bounds=tuple(rc.rejection_bounds), rejection_divergences=rc.rejection_divergences,
+                    tis_lower=rc.tis_lower, tis_batch_normalize=rc.tis_batch_normalize)
 
     def loss_fn(self, params, frozen, mb: Minibatch, normalisers, rng):
         """The update's loss on one micro-batch: :meth:`policy_loss`, plus the critic's value
