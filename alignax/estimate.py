@@ -605,10 +605,13 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                             else parameter_count(teacher) - teacher.vocab_size * teacher.hidden_size)
     if online:
         trained_tokens = rows * length * section.epochs
+        # once in the collector, or once an epoch inside the update (on-policy distillation's exact loss)
+        reference_passes = section.epochs if entry.reference_in_update(config) else 1
         flops = {"policy update": trained_tokens * (update + attention),
                  "generation": 2 * non_embedding * rows * length,
                  "policy forward": 2 * non_embedding * rows * length,
-                 "reference forward": 2 * frozen_non_embedding * rows * length if uses_reference else 0.0}
+                 "reference forward": (2 * frozen_non_embedding * rows * length * reference_passes
+                                       if uses_reference else 0.0)}
         if hasattr(section, "advantage") and estimators.estimator(estimators.effective_name(section)).token_stats:
             flops["sum pi^2 forward"] = 2 * non_embedding * rows * length  # the estimator's per-token statistic
         if critic:

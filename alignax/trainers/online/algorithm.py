@@ -205,3 +205,11 @@ class OnlineAlgorithm:
     # in place of ``objective`` (None: ``objective``).
     teacher: Any = None
     logits_loss: Callable | None = None
+
+    @property
+    def reference_in_update(self) -> bool:
+        """Whether the frozen model runs in the update rather than in the collector: a
+        ``logits_loss`` reading it (the ``exact`` estimator's teacher logits) hands back its
+        log-probs of the sampled tokens from that one pass (:attr:`~alignax.trainers.online.
+        rollout.UpdateRows.ref_logps`), so the collector does not run it a second time."""
+        return self.logits_loss is not None and self.kl.uses_reference
