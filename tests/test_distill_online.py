@@ -236,6 +236,44 @@ def test_train_evaluate_export_through_the_api(tmp_path, toy_model, random_teach
         assert json.load(f)["num_hidden_layers"] == 1
 
 
+def test_a_lora_student_steps_its_adapters_against_the_teacher_beside_its_base(tmp_path, toy_model, random_teacher):
+    """``lora:`` on onpolicy_distill: the update's frozen inputs are the student's base and the
+    teacher (its own two layers, not the base with the adapters off); with ``B = 0`` the fresh
+    adapters sample the full-parameter run's rollout and its step-0 loss; one step moves
+    adapters only (the train state holds nothing else, the base is bitwise the same, some
+    ``B`` left zero), and the exported model (merged ``W + s A B``) gives the trained model's
+    logits."""
+    from alignax.models import from_pretrained, save_pretrained
+    from alignax.models.lora import LoRAParam
+
+    losses, batches = {}, {}
+    for name, lora in (("full", None), ("lora", {"rank": 2, "alpha": 4})):
+        config = onpolicy_config(tmp_path / name, toy_model, random_teacher, lora=lora)
+        trainer, state, frozen, batches[name] = collected(config)
+        if lora is not None:
+            assert set(frozen) == {"base", "reference"}
+            teacher_layers = len(frozen["reference"]["model"]["layers"])
+            assert teacher_layers == 2 and len(frozen["base"]["model"]["layers"]) == 1, teacher_layers
+            assert all(isinstance(v, LoRAParam) for _, v in nnx.to_flat_state(state.params))
+            base_before = [np.asarray(x) for x in jax.tree.leaves(frozen["base"])]
+        seen = []
+        state, _ = trainer.learn(state, frozen, batches[name], observe=lambda mb, out: seen.append(out.metrics["loss"]))
+        losses[name] = float(seen[0])
+    np.testing.assert_array_equal(batches["lora"].rollout.tokens, batches["full"].rollout.tokens)
+    np.testing.assert_allclose(losses["lora"], losses["full"], rtol=1e-6)
+    assert losses["full"] > 0.01
+    for before, after in zip(base_before, jax.tree.leaves(frozen["base"])):
+        np.testing.assert_array_equal(before, np.asarray(after))
+    adapters = dict(nnx.to_flat_state(state.params))
+    assert any(np.any(np.asarray(v[...]) != 0) for path, v in adapters.items() if path[-1] == "b")  # B moved
+    trained = trainer.export_models(state.params)[""]
+    save_pretrained(trained, str(tmp_path / "export"))
+    exported = from_pretrained(str(tmp_path / "export"))
+    assert exported.config.lora is None and exported.config.num_layers == 1  # merged, the student
+    tokens = np.asarray(batches["lora"].rollout.tokens)
+    np.testing.assert_allclose(np.asarray(exported(tokens).logits), np.asarray(trained(tokens).logits), atol=1e-5)
+
+
 def test_a_teacher_in_host_memory_gives_the_device_placed_losses(tmp_path, toy_model, random_teacher):
     losses = {}
     for where in ("device", "host"):
@@ -263,6 +301,12 @@ def test_estimate_counts_the_teacher_at_its_own_size():
             config.onpolicy_distill, estimator=estimator, epochs=2))
         flops = estimate.estimate(two_epochs, model=estimate.model_config_for(two_epochs), devices=1).flops
         assert flops["reference forward"] == passes * 2 * non_embedding * rows * length, estimator
+    # a LoRA student: the teacher is still a model of its own beside the student's frozen base
+    from alignax.models.lora import LoraConfig
+
+    lora = estimate.estimate(dataclasses.replace(config, lora=LoraConfig(rank=2)),
+                             model=estimate.model_config_for(config), devices=1)
+    assert lora.items["reference"] == teacher_params * 4 and lora.items["frozen base"] == student_params * 4
 
 
 def _problems(**sections):
