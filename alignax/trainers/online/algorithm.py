@@ -100,8 +100,9 @@ class KLSetup:
     (:func:`alignax.kl.importance_weighted_kl`). A zero fixed coefficient drops the
     reference model altogether, save under ``teacher``: the frozen model is on-policy
     distillation's teacher (:attr:`OnlineAlgorithm.teacher`), its log-probs gathered (the
-    advantages' ``ref_logps``, the ``kl/ref_*`` figures: the student's KL to the teacher)
-    and no KL penalty placed anywhere."""
+    advantages' ``ref_logps``, the ``kl/ref_*`` figures: the student's KL to the teacher; by
+    the update's loss under :attr:`OnlineAlgorithm.reference_in_update`) and no KL penalty
+    placed anywhere."""
 
     coef: float
     controller: Any  # kl_lib.FixedKLController | kl_lib.AdaptiveKLController

@@ -26,8 +26,11 @@ the student and must share its tokenizer.
   expectation over the sampled token, with that sample's variance on top.
 
 Both leave out how a token changes the later positions' KL (no gradient through the
-sampling, as GKD); the advantages (the sampled estimate) and the ``kl/ref_*`` figures (the
-student's sampled KL to the teacher) are gathered for both, the exact loss reads neither.
+sampling, as GKD). The ``kl/ref_*`` figures (the student's sampled KL to the teacher) are
+gathered for both: under ``sampled`` from the collector's teacher pass, under ``exact`` from
+the update's (the teacher runs once a rollout, once an epoch past one epoch: the collector
+does not run it, :attr:`~alignax.trainers.online.algorithm.OnlineAlgorithm.reference_in_update`;
+its advantages are zeros, which the exact loss does not read).
 GKD's ``lmbda`` (mixing the student's samples with a dataset's responses) stays with
 ``algorithm: gkd``: this family's data are prompts, with no responses to mix in.
 """
