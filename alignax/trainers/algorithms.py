@@ -500,7 +500,8 @@ ENTRIES: tuple[Algorithm, ...] = (
               reference=ALWAYS, rules=DISTILL_RULES,
               constraints=(_teacher, _on_policy_teacher), teacher=_teacher_spec),
     Algorithm("onpolicy_distill", "online", ("causal_lm",), onpolicy_distill.build_algorithm,
-              ("onpolicy_distill", "distill"), _formats("prompt"), reference=ALWAYS, rules=DISTILL_RULES, constraints=(_teacher_named, _exact_teacher_beside_the_student, _exact_has_no_ratio),
+              ("onpolicy_distill", "distill"), _formats("prompt"), reference=ALWAYS, rules=DISTILL_RULES,
+              constraints=(_teacher_named, _exact_teacher_beside_the_student, _exact_has_no_ratio),
               teacher=_teacher_spec, reference_in_update=Is("onpolicy_distill.estimator", "exact"),
               clips=Is("onpolicy_distill.estimator", "sampled"), trains_on_rewards=NEVER),
 )
