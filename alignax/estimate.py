@@ -382,7 +382,9 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     section = getattr(config, entry.sections[0])
     live = entry.reference(config) and not entry.precomputed_reference(config)
     uses_reference = live or (assumptions == "seed" and entry.reference is not NEVER)
-    items["reference"] = frozen if uses_reference and adapters is None else 0.0  # LoRA: the base, adapters off
+    # LoRA's reference is the base with the adapters off (no second copy); a teacher is a model of its own
+    separate_reference = adapters is None or teacher is not None
+    items["reference"] = frozen if uses_reference and separate_reference else 0.0
     n_reward_models = len(config.rewards.reward_models or ()) if online else 0
     if assumptions == "seed" and online:
         n_reward_models = max(n_reward_models, 1)  # the seed's GRPO/PPO count a reward model
@@ -546,7 +548,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         layer = (P - embedding * (1 if model.tie_word_embeddings else 2)) / L
         stored = p.frozen if adapters is not None else p.params
         head = embedding * stored / tensor
-        live_reference = uses_reference and adapters is None and not online and "reference" not in submesh
+        live_reference = uses_reference and separate_reference and not online and "reference" not in submesh
         held = 2 * head + (embedding * p.frozen / tensor if live_reference else 0.0)
         # A third moment: the head's gradient, written whole before its reduce-scatter, beside
         # the gathered head and the last chunk's cotangent (one of the chunk's arrays). It is
@@ -623,10 +625,13 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                             else parameter_count(teacher) - teacher.vocab_size * teacher.hidden_size)
     if online:
         trained_tokens = rows * length * section.epochs
+        # once in the collector, or once an epoch inside the update (on-policy distillation's exact loss)
+        reference_passes = section.epochs if entry.reference_in_update(config) else 1
         flops = {"policy update": trained_tokens * (update + attention),
                  "generation": 2 * non_embedding * rows * length,
                  "policy forward": 2 * non_embedding * rows * length,
-                 "reference forward": 2 * frozen_non_embedding * rows * length if uses_reference else 0.0}
+                 "reference forward": (2 * frozen_non_embedding * rows * length * reference_passes
+                                       if uses_reference else 0.0)}
         if hasattr(section, "advantage") and estimators.estimator(estimators.effective_name(section)).token_stats:
             flops["sum pi^2 forward"] = 2 * non_embedding * rows * length  # the estimator's per-token statistic
         if critic:
@@ -743,7 +748,8 @@ def _changes(config, mesh: tuple[int, int, int]) -> list[tuple[str, Any, tuple[i
         out.append((f"{precompute.path}={value}", changed, mesh))
 
     placement = config.placement
-    if LIVE_REFERENCE(config) and config.lora is None and placement.reference == "device":
+    separate_reference = config.lora is None or entry.teacher is not None  # not LoRA's base with the adapters off
+    if LIVE_REFERENCE(config) and separate_reference and placement.reference == "device":
         out.append(("placement.reference=host", dataclasses.replace(
             config, placement=dataclasses.replace(placement, reference="host")), mesh))
     if entry.family == "online" and config.rewards.reward_models and placement.reward_models == "device":

@@ -149,6 +149,41 @@ def test_gkd_mixes_on_policy_and_dataset_steps(tmp_path, teacher, toy_model):
     assert set(shares) == {0.0, 1.0}, shares  # both kinds of step, one coin each
 
 
+@pytest.mark.parametrize("recipe, distill", [("distill", {}), ("gkd", {"lmbda": 1.0, "divergence": "reverse_kl"})],
+                         ids=["distill", "gkd_on_policy"])
+def test_a_lora_student_steps_its_adapters_against_the_teacher_beside_its_base(tmp_path, toy_model, recipe, distill):
+    """``lora:`` on the offline distillation tasks: the frozen inputs are the student's base and
+    the teacher (a model of its own, two layers: not the base with the adapters off); with
+    ``B = 0`` the first step's loss is the full-parameter run's (gkd: on the same samples
+    drawn inside the step), and the step moves adapters only (the state holds nothing else,
+    the base is bitwise the student's checkpoint, some ``B`` left zero)."""
+    from alignax.models import from_pretrained
+    from alignax.models.lora import LoRAParam
+    from alignax.trainers.api import build_trainer
+
+    teacher_dir = make_toy_model(tmp_path / "teacher", seed=7, layers=2)  # random: far from the student
+    records = conversations(WORDS, ANSWER.get)
+    losses = {}
+    for name, lora in (("full", None), ("lora", {"rank": 2, "alpha": 4})):
+        config = tiny_config(tmp_path / name, recipe, steps=1, model_dir=toy_model, checkpoint={"enabled": False},
+                             data={"eval_fraction": 0.0, "max_response_length": 2}, lora=lora,
+                             distill={"teacher": {"name": teacher_dir, **NOT_RANDOM}, **distill})
+        result = train(config, records=records)
+        losses[name] = result.history[0]["loss"]
+    frozen = (trainer := build_trainer(config, records=records)).frozen_inputs(trainer.initial_reference())
+    assert set(frozen) == {"base", "reference"}
+    assert len(frozen["reference"]["model"]["layers"]) == 2 and len(frozen["base"]["model"]["layers"]) == 1
+    np.testing.assert_allclose(losses["lora"], losses["full"], rtol=1e-6)
+    assert losses["full"] > 0.01
+    trained = result.loop.state.params
+    assert all(isinstance(v, LoRAParam) for _, v in nnx.to_flat_state(trained))
+    assert any(np.any(np.asarray(v[...]) != 0) for path, v in nnx.to_flat_state(trained) if path[-1] == "b")
+    loaded = dict(nnx.to_flat_state(nnx.state(from_pretrained(toy_model), nnx.Param)))
+    now = dict(nnx.to_flat_state(nnx.state(result.model, nnx.Param)))
+    for path, value in loaded.items():  # bitwise: the trained model's base is the checkpoint's
+        np.testing.assert_array_equal(np.asarray(now[path][...]), np.asarray(value[...]))
+
+
 def test_a_teacher_on_a_submesh_steps_as_a_device_teacher():
     runs = run_check("distill_submesh_check.py")  # 8 fake devices: 4 train, the teacher on the other 4
     np.testing.assert_allclose(runs["submesh"]["loss"], runs["device"]["loss"], rtol=1e-5)

@@ -122,6 +122,58 @@ def test_the_exact_loss_is_the_reverse_kl_over_the_vocabulary_of_a_collected_rol
     np.testing.assert_allclose(seen, [reference(mask)], rtol=2e-5)
 
 
+class _CountedTeacher:
+    """The teacher model, recording the rows of each forward pass as it runs (a host callback
+    in the compiled program: once an execution, not once a trace)."""
+
+    def __init__(self, model, passes):
+        self._model, self._passes = model, passes
+
+    def __call__(self, tokens, *args, **kwargs):
+        rows = int(tokens.shape[0])
+        jax.debug.callback(lambda: self._passes.append(rows))
+        return self._model(tokens, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_the_exact_estimators_teacher_runs_once_an_epoch_and_its_logps_come_from_the_update(
+        tmp_path, toy_model, random_teacher, monkeypatch):
+    """The collector does not run the teacher under ``exact`` (its log-probs of the sampled
+    tokens would only feed the figures); each update step's one teacher pass hands them back.
+    Two epochs of two minibatches: four passes of 2 packed rows (4 prompts x 2 samples, a
+    prompt's samples packed in one row), none in the collector, so at one epoch (the
+    default) the teacher runs once a rollout. The ``kl/ref_*`` figures read the teacher's
+    log-probs put back in rollout order: equal to the plain teacher's (NumPy), and the k1
+    figure to ``mean(log q - log p)`` of the sampled tokens."""
+    from alignax.trainers.online.monitoring import step_figures
+    from alignax.trainers.online.onpolicy_distill import OnlineTeacher
+
+    passes = []
+    counted = OnlineTeacher.model
+    monkeypatch.setattr(OnlineTeacher, "model", lambda self, params: _CountedTeacher(counted(self, params), passes))
+    config = onpolicy_config(tmp_path, toy_model, random_teacher, rollout={"temperature": 0.7},
+                             onpolicy_distill={"epochs": 2, "minibatches": 2})
+    trainer, state, frozen, batch = collected(config)
+    jax.effects_barrier()
+    assert passes == [] and batch.rollout.ref_logps is None
+    assert float(jnp.max(jnp.abs(batch.rollout.advantages))) == 0.0  # the exact loss reads none
+    ro, P = batch.rollout, config.data.max_prompt_length
+    student, teacher_model = models_of(trainer, state, config)  # before the updates: the sampling policy
+    sampled = np.asarray(ro.tokens)[:, P:, None]
+    log_t = np.take_along_axis(np_log_softmax(response_logits(teacher_model, ro, P), 0.7), sampled, -1)[..., 0]
+    log_s = np.take_along_axis(np_log_softmax(response_logits(student, ro, P), 0.7), sampled, -1)[..., 0]
+    _, result = trainer.learn(state, frozen, batch)  # donates the state
+    jax.effects_barrier()
+    assert passes == [2, 2, 2, 2], passes
+    mask = np.asarray(batch.response_mask, np.float64)
+    np.testing.assert_allclose(np.asarray(result.ref_logps) * mask, log_t * mask, atol=2e-5)
+    figures = step_figures(batch, result, mesh=trainer.mesh, group_size=2)
+    np.testing.assert_allclose(figures["kl/ref_k1"], references.mean(references.masked_values(log_s - log_t, mask)),
+                               rtol=1e-4)
+
+
 def test_the_sampled_estimator_charges_each_token_its_own_log_ratio(tmp_path, toy_model, random_teacher):
     """``A_t = log p_t(y_t) - log p_s(y_t)`` of the sampled token (the advantages the rollout
     carries), and the step's loss is PPO-clip's at ratio 1: ``-token-mean(A)``; it differs from
@@ -184,6 +236,44 @@ def test_train_evaluate_export_through_the_api(tmp_path, toy_model, random_teach
         assert json.load(f)["num_hidden_layers"] == 1
 
 
+def test_a_lora_student_steps_its_adapters_against_the_teacher_beside_its_base(tmp_path, toy_model, random_teacher):
+    """``lora:`` on onpolicy_distill: the update's frozen inputs are the student's base and the
+    teacher (its own two layers, not the base with the adapters off); with ``B = 0`` the fresh
+    adapters sample the full-parameter run's rollout and its step-0 loss; one step moves
+    adapters only (the train state holds nothing else, the base is bitwise the same, some
+    ``B`` left zero), and the exported model (merged ``W + s A B``) gives the trained model's
+    logits."""
+    from alignax.models import from_pretrained, save_pretrained
+    from alignax.models.lora import LoRAParam
+
+    losses, batches = {}, {}
+    for name, lora in (("full", None), ("lora", {"rank": 2, "alpha": 4})):
+        config = onpolicy_config(tmp_path / name, toy_model, random_teacher, lora=lora)
+        trainer, state, frozen, batches[name] = collected(config)
+        if lora is not None:
+            assert set(frozen) == {"base", "reference"}
+            teacher_layers = len(frozen["reference"]["model"]["layers"])
+            assert teacher_layers == 2 and len(frozen["base"]["model"]["layers"]) == 1, teacher_layers
+            assert all(isinstance(v, LoRAParam) for _, v in nnx.to_flat_state(state.params))
+            base_before = [np.asarray(x) for x in jax.tree.leaves(frozen["base"])]
+        seen = []
+        state, _ = trainer.learn(state, frozen, batches[name], observe=lambda mb, out: seen.append(out.metrics["loss"]))
+        losses[name] = float(seen[0])
+    np.testing.assert_array_equal(batches["lora"].rollout.tokens, batches["full"].rollout.tokens)
+    np.testing.assert_allclose(losses["lora"], losses["full"], rtol=1e-6)
+    assert losses["full"] > 0.01
+    for before, after in zip(base_before, jax.tree.leaves(frozen["base"])):
+        np.testing.assert_array_equal(before, np.asarray(after))
+    adapters = dict(nnx.to_flat_state(state.params))
+    assert any(np.any(np.asarray(v[...]) != 0) for path, v in adapters.items() if path[-1] == "b")  # B moved
+    trained = trainer.export_models(state.params)[""]
+    save_pretrained(trained, str(tmp_path / "export"))
+    exported = from_pretrained(str(tmp_path / "export"))
+    assert exported.config.lora is None and exported.config.num_layers == 1  # merged, the student
+    tokens = np.asarray(batches["lora"].rollout.tokens)
+    np.testing.assert_allclose(np.asarray(exported(tokens).logits), np.asarray(trained(tokens).logits), atol=1e-5)
+
+
 def test_a_teacher_in_host_memory_gives_the_device_placed_losses(tmp_path, toy_model, random_teacher):
     losses = {}
     for where in ("device", "host"):
@@ -205,6 +295,18 @@ def test_estimate_counts_the_teacher_at_its_own_size():
     length = config.data.max_prompt_length + config.rollout.max_new_tokens
     non_embedding = teacher_params - teacher_cfg.vocab_size * teacher_cfg.hidden_size
     assert result.flops["reference forward"] == 2 * non_embedding * rows * length
+    # what runs: exact, once an epoch in the update (none in the collector); sampled, once in the collector
+    for estimator, passes in (("exact", 2), ("sampled", 1)):
+        two_epochs = dataclasses.replace(config, onpolicy_distill=dataclasses.replace(
+            config.onpolicy_distill, estimator=estimator, epochs=2))
+        flops = estimate.estimate(two_epochs, model=estimate.model_config_for(two_epochs), devices=1).flops
+        assert flops["reference forward"] == passes * 2 * non_embedding * rows * length, estimator
+    # a LoRA student: the teacher is still a model of its own beside the student's frozen base
+    from alignax.models.lora import LoraConfig
+
+    lora = estimate.estimate(dataclasses.replace(config, lora=LoraConfig(rank=2)),
+                             model=estimate.model_config_for(config), devices=1)
+    assert lora.items["reference"] == teacher_params * 4 and lora.items["frozen base"] == student_params * 4
 
 
 def _problems(**sections):

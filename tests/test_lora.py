@@ -83,6 +83,9 @@ def test_fresh_adapter_is_the_base_bit_for_bit_and_merging_is_exact():
     merged = merge_adapters(model)
     assert merged.config.lora is None and not jax.tree.leaves(nnx.state(merged, LoRAParam))
     np.testing.assert_allclose(logits(merged), changed, atol=2e-5)
+    # the adapted model is left as it was (merging once set its kernels to W + s A B in place,
+    # so an exported model then computed W + 2 s A B)
+    np.testing.assert_array_equal(logits(model), changed)
 
 
 def test_adapter_adds_s_x_a_b_to_a_projection():

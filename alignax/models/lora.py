@@ -329,7 +329,8 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
     if spec.quantize != "none":  # QLoRA: the dequantised base, in the model's param dtype
         base = dequantize_state(base, kind=spec.quantize, block_size=spec.quant_block_size,
                                 dtype=model.config.param_dtype)
-    merged = nnx.merge(graphdef, base, rest)
+    # Variables of its own: setting its kernels below leaves ``model`` as it was
+    merged = nnx.merge(graphdef, base, rest, copy=True)
     for i, name, owner, lora in _adapter_modules(model):
         target_owner = _owner_in(merged, owner, i)
         kernel = getattr(target_owner, f"{name}_kernel")

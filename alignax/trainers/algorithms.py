@@ -72,6 +72,8 @@ class Algorithm:
       estimate_as: the config whose training step is the run's (iterative: a round's run).
       teacher: ``config -> ModelSpec`` of the frozen model of its own that it holds in the
         reference's place (distillation's teacher; the estimator counts it at its own size).
+      reference_in_update: when an online entry's reference runs inside the update's steps
+        (once an epoch) instead of once in the collector (estimator: its forward's count).
       clips: when its policy loss holds the ratio to a bound, so the clip fraction it logs
         means something (``monitor.clip_fraction`` is read then only).
       trains_on_rewards: when its updates follow ``rewards:`` (online: the advantages come
@@ -98,6 +100,7 @@ class Algorithm:
     critic_on_base: Cond = NEVER
     estimate_as: Callable[[TrainConfig], TrainConfig] | None = None
     teacher: Callable[[TrainConfig], Any] | None = None
+    reference_in_update: Cond = NEVER
     clips: Cond = NEVER
     trains_on_rewards: Cond = ALWAYS
 
@@ -491,16 +494,16 @@ ENTRIES: tuple[Algorithm, ...] = (
               constraints=(_ptx_data, _critic), critic=Is("ppo.critic", "separate", "adapter"),
               critic_on_base=Is("ppo.critic", "adapter"), clips=ALWAYS),
     Algorithm("distill", "offline", ("causal_lm",), distill.make_task, ("distill",), _formats("sft", "text"),
-              reference=ALWAYS, precomputed_reference=DISTILL_PRECOMPUTED, lora=False,
-              rules=DISTILL_RULES,
+              reference=ALWAYS, precomputed_reference=DISTILL_PRECOMPUTED, rules=DISTILL_RULES,
               constraints=(_teacher,), teacher=_teacher_spec),
     Algorithm("gkd", "offline", ("causal_lm",), distill.make_gkd_task, ("distill",), _formats("sft"),
-              reference=ALWAYS, lora=False, rules=DISTILL_RULES,
+              reference=ALWAYS, rules=DISTILL_RULES,
               constraints=(_teacher, _on_policy_teacher), teacher=_teacher_spec),
     Algorithm("onpolicy_distill", "online", ("causal_lm",), onpolicy_distill.build_algorithm,
-              ("onpolicy_distill", "distill"), _formats("prompt"), reference=ALWAYS, lora=False,
-              rules=DISTILL_RULES, constraints=(_teacher_named, _exact_teacher_beside_the_student, _exact_has_no_ratio),
-              teacher=_teacher_spec, clips=Is("onpolicy_distill.estimator", "sampled"), trains_on_rewards=NEVER),
+              ("onpolicy_distill", "distill"), _formats("prompt"), reference=ALWAYS, rules=DISTILL_RULES,
+              constraints=(_teacher_named, _exact_teacher_beside_the_student, _exact_has_no_ratio),
+              teacher=_teacher_spec, reference_in_update=Is("onpolicy_distill.estimator", "exact"),
+              clips=Is("onpolicy_distill.estimator", "sampled"), trains_on_rewards=NEVER),
 )
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in ENTRIES}

@@ -153,8 +153,9 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("precision.mu_dtype", Is("optim.name", "adamw", "adam"), "it is the dtype of Adam's first moment"),
     rule("precision.frozen_dtype", AnyOf(FROZEN_MODELS, Given("lora")),
          "it is the dtype of frozen weights: a reference, reward models, or a LoRA run's base"),
-    rule("placement.reference", All(LIVE_REFERENCE, Is("lora", None)),
-         "it places the frozen reference policy; with lora the reference is the base itself, adapters off"),
+    rule("placement.reference", All(LIVE_REFERENCE, AnyOf(Is("lora", None), where(lambda a: a.teacher is not None))),
+         "it places the frozen reference policy; with lora the reference is the base itself, adapters off (a "
+         "distillation teacher, a model of its own, is placed with or without lora)"),
     rule("placement.reward_models", Given("rewards.reward_models"), "it places the models of rewards.reward_models"),
     rule("placement.submesh", AnyOf(Is("placement.reference", "submesh"), Is("placement.reward_models", "submesh")),
          "it is the shape of the devices set apart for the models placed on submesh (placement.reference or "

@@ -11,6 +11,8 @@ lives, and its reference.
   leaves replaced by zeros (:func:`alignax.models.lora.adapters_off`), so its outputs are
   the base's bit for bit. Its weight arrays are the base's own buffers: no second copy of
   the model; only the adapter-sized zeros are new (and saved once as the run's reference).
+  Distillation's teacher is a frozen model of its own in the reference's place: it is not
+  merged with the base (``frozen_base(base, None)``, the teacher placed beside it).
 - QLoRA (``lora.quantize``): the base's projection kernels are codes and scales
   (:mod:`alignax.models.quant`), frozen like the rest of the base and never cast to
   ``precision.frozen_dtype``; the reference is the same quantised base, adapters off. They
@@ -80,7 +82,8 @@ def reference_adapters(trained: nnx.State) -> nnx.State:
 def frozen_base(base: nnx.State | None, reference: Any) -> dict[str, Any]:
     """``{"base": base, "reference": base with the adapters off}`` (one set of weight
     buffers); ``{}`` without a base. ``reference``: :func:`reference_adapters`, or ``None``
-    when the run has no reference."""
+    when the run has no reference or its reference is a model of its own (a teacher, which
+    the caller places beside the base)."""
     if base is None:
         return {}
     out: dict[str, Any] = {"base": base}

@@ -141,8 +141,9 @@ class OfflineTrainer:
 
     def frozen_inputs(self, reference) -> dict[str, Any]:
         """What the loss reads besides the params: the live reference or its log-probs, and
-        with LoRA the frozen base (``reference`` is then the adapters-off leaves)."""
-        frozen = adapters.frozen_base(self.base, reference)
+        with LoRA the frozen base (``reference`` is then the adapters-off leaves, unless it
+        is a model of its own: a distillation teacher, placed beside the base)."""
+        frozen = self._frozen_base(reference)
         if reference is None:
             return frozen
         if self.task.precompute is not None:
@@ -152,9 +153,18 @@ class OfflineTrainer:
             self.submesh_reference = SubmeshReference(self.task.reference_logps, reference, submesh=self.submesh,
                                                       mesh=self.mesh)
             return frozen
+        if "reference" in frozen:  # LoRA: the base with the adapters off, on the base's buffers
+            return frozen
         # placement.reference: host holds it in host memory; the step and the evaluation
         # move it to the device inside their programs (_reference_on_device)
-        return frozen or {"reference": place(reference, self.config.placement.reference)}
+        return {**frozen, "reference": place(reference, self.config.placement.reference)}
+
+    def _frozen_base(self, reference) -> dict[str, Any]:
+        """:func:`adapters.frozen_base` of the run: ``{}`` without LoRA; with it the base and,
+        when the reference is the base with the adapters off, that reference (a teacher,
+        ``Task.reference_params``, is a model of its own: not merged with the base)."""
+        own_model = self.task.reference_params is not None
+        return adapters.frozen_base(self.base, None if own_model else reference)
 
     def place_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """A host batch on the training mesh, with the sub-mesh reference's log-probs of it
@@ -271,7 +281,8 @@ class OfflineTrainer:
         if self.task.precompute is not None and self.data is None:
             # with_data=False: no records to precompute over; the caller's batches
             # (precompute_reference) make the table from the reference handed here
-            return state, adapters.frozen_base(self.base, self.reference) or {"reference": self.reference}
+            frozen = self._frozen_base(self.reference)
+            return state, frozen if "reference" in frozen else {**frozen, "reference": self.reference}
         return state, self.frozen_inputs(self.reference)
 
     def _compile_step(self) -> TrainState:

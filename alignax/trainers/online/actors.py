@@ -214,15 +214,20 @@ class Actors:
 
     def frozen_inputs(self, reference) -> dict[str, Any]:
         """``frozen`` of the update: the reference when the KL is on and, with LoRA, the base
-        (the reference is then that base with the adapters off, on the same buffers). Under
+        (the reference is then that base with the adapters off, on the same buffers; a
+        distillation teacher is a model of its own, placed beside the base). Under
         ``placement.reference: submesh`` the reference stays here (:meth:`reference_logps`
         runs it on the sub-mesh) and the update gets none."""
-        if self.base is not None:
+        teacher = self.algorithm.teacher is not None
+        if self.base is not None and not teacher:
             return adapters.frozen_base(self.base, reference)
+        frozen = adapters.frozen_base(self.base, None)  # {"base": ...} with LoRA, else {}
         if reference is not None and self.config.placement.on_submesh("reference"):
             self.submesh_reference = reference
-            return {}
-        return {} if reference is None else {"reference": place(reference, self.config.placement.reference)}
+            return frozen
+        if reference is None:
+            return frozen
+        return {**frozen, "reference": place(reference, self.config.placement.reference)}
 
     def reference_logps(self, frozen, sequences: tuple[np.ndarray, ...], placed: tuple[jax.Array, ...]) -> jax.Array:
         """The reference's log-probs of the rollout's response tokens, ``[R, N]`` on the

@@ -106,8 +106,9 @@ class KLSetup:
     (:func:`alignax.kl.importance_weighted_kl`). A zero fixed coefficient drops the
     reference model altogether, save under ``teacher``: the frozen model is on-policy
     distillation's teacher (:attr:`OnlineAlgorithm.teacher`), its log-probs gathered (the
-    advantages' ``ref_logps``, the ``kl/ref_*`` figures: the student's KL to the teacher)
-    and no KL penalty placed anywhere."""
+    advantages' ``ref_logps``, the ``kl/ref_*`` figures: the student's KL to the teacher; by
+    the update's loss under :attr:`OnlineAlgorithm.reference_in_update`) and no KL penalty
+    placed anywhere."""
 
     coef: float
     controller: Any  # kl_lib.FixedKLController | kl_lib.AdaptiveKLController
@@ -211,3 +212,11 @@ class OnlineAlgorithm:
     # in place of ``objective`` (None: ``objective``).
     teacher: Any = None
     logits_loss: Callable | None = None
+
+    @property
+    def reference_in_update(self) -> bool:
+        """Whether the frozen model runs in the update rather than in the collector: a
+        ``logits_loss`` reading it (the ``exact`` estimator's teacher logits) hands back its
+        log-probs of the sampled tokens from that one pass (:attr:`~alignax.trainers.online.
+        rollout.UpdateRows.ref_logps`), so the collector does not run it a second time."""
+        return self.logits_loss is not None and self.kl.uses_reference

@@ -9,7 +9,8 @@ reference log-probs, rewards, advantages, the policy version that sampled them).
 2. the per-token quantities under the current policy (:meth:`Collector.token_quantities`):
    old log-probs (recomputed by a forward pass, or the sampler's), reference log-probs,
    the critic's values. In single-update mode (:func:`single_update`) the separate
-   forward pass is skipped: the update's own pass is the rollout's policy;
+   forward pass is skipped: the update's own pass is the rollout's policy; likewise the
+   reference's when the update's loss runs it (on-policy distillation's exact estimator);
 3. the sequence rewards (less the KL where the algorithm's
    :class:`~alignax.trainers.online.algorithm.KLSetup` places it), ReMax's greedy baseline
    (:func:`greedy_baseline`) and process step rewards (:func:`step_rewards`), and the
@@ -303,7 +304,8 @@ class Collector:
         ``positions``, ``attention`` ``[R, P + N]``; ``response_mask`` (the policy's tokens),
         ``loss_mask`` (less observation tokens and, under ``rewards.mask_truncated``,
         truncated rows), ``sampler_logps``, ``old_logps``, ``recomputed``, ``entropy``,
-        ``ref_logps`` (``None`` without a reference) and ``old_values``, each ``[R, N]``."""
+        ``ref_logps`` (``None`` without a reference, or when the update runs it:
+        ``algorithm.reference_in_update``) and ``old_values``, each ``[R, N]``."""
         actors, rc = self.actors, self.config.rollout
         sequences = groups.full_sequences()
         placed = tuple(actors.place(a) for a in sequences)
@@ -321,8 +323,10 @@ class Collector:
         loss_mask = actions  # observation tokens of a trajectory get no loss
         if self.config.rewards.mask_truncated:
             loss_mask = loss_mask * groups.stopped[:, None].astype(np.float32)
-        # no reference model (a zero fixed KL coefficient): no reference log-probs, no KL figures
-        ref_logps = actors.reference_logps(frozen, sequences, placed) if self.algorithm.kl.uses_reference else None
+        # no reference model (a zero fixed KL coefficient): no reference log-probs, no KL figures;
+        # a loss that runs the frozen model itself hands its log-probs back from the update
+        priced = self.algorithm.kl.uses_reference and not self.algorithm.reference_in_update
+        ref_logps = actors.reference_logps(frozen, sequences, placed) if priced else None
         return dict(tokens=placed[0], positions=placed[1], attention=placed[2], response_mask=actors.place(actions),
                     loss_mask=actors.place(loss_mask), sampler_logps=sampler_logps,
                     old_logps=sampler_logps if rc.old_logps == "sampler" else recomputed, recomputed=recomputed,

@@ -214,7 +214,7 @@ def step_figures(batch: RolloutBatch, result: UpdateResult, *, mesh: jax.shardin
     ``update_skipped`` summed, the first minibatch's ratios), ``epochs_run``, the next
     ``kl_coef`` and the learner's timing."""
     groups, rewards = gathered_rows(batch.groups, batch.rewards)
-    device_arrays = host_global((result.old_logps, batch.rollout.ref_logps, result.recomputed,
+    device_arrays = host_global((result.old_logps, result.ref_logps, result.recomputed,
                                  batch.rollout.sampler_logps, batch.response_mask, result.entropy,
                                  batch.rollout.advantages), mesh)
     figures = dict(batch.figures)

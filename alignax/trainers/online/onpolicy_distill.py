@@ -26,8 +26,11 @@ the student and must share its tokenizer.
   expectation over the sampled token, with that sample's variance on top.
 
 Both leave out how a token changes the later positions' KL (no gradient through the
-sampling, as GKD); the advantages (the sampled estimate) and the ``kl/ref_*`` figures (the
-student's sampled KL to the teacher) are gathered for both, the exact loss reads neither.
+sampling, as GKD). The ``kl/ref_*`` figures (the student's sampled KL to the teacher) are
+gathered for both: under ``sampled`` from the collector's teacher pass, under ``exact`` from
+the update's (the teacher runs once a rollout, once an epoch past one epoch: the collector
+does not run it, :attr:`~alignax.trainers.online.algorithm.OnlineAlgorithm.reference_in_update`;
+its advantages are zeros, which the exact loss does not read).
 GKD's ``lmbda`` (mixing the student's samples with a dataset's responses) stays with
 ``algorithm: gkd``: this family's data are prompts, with no responses to mix in.
 """
@@ -64,7 +67,11 @@ class OnlineTeacher(Teacher):
 def teacher_advantages(x: AdvantageInputs) -> tuple[jax.Array, jax.Array]:
     """``(A [R, N], zeros [R, N])`` with ``A_t = log p_t(y_t) - log p_s(y_t)`` on the loss mask:
     the negative one-sample reverse KL of each sampled token (``ref_logps``: the teacher's,
-    ``old_logps``: the policy that sampled, both at ``rollout.temperature``)."""
+    ``old_logps``: the policy that sampled, both at ``rollout.temperature``). Zeros when the
+    collector did not run the teacher (``exact``: its loss reads no advantage, and the
+    teacher runs once a rollout, in the update)."""
+    if x.ref_logps is None:
+        return jnp.zeros_like(x.old_logps), jnp.zeros_like(x.old_logps)
     advantages = (x.ref_logps - x.old_logps) * x.loss_mask
     return advantages, jnp.zeros_like(advantages)
 
@@ -81,8 +88,9 @@ def response_logits(model: nnx.Module, mb: Minibatch, actors) -> jax.Array:
 def exact_reverse_kl_loss(aggregation: str, temperature: float):
     """The ``logits_loss`` of the ``exact`` estimator: ``aggregate(KL(p_s || p_t)_t, loss_mask)``
     over the whole vocabulary, ``p = softmax(logits / temperature)``, with the minibatch's
-    normalisers; the student's log-probs and entropy of the sampled tokens go back as its
-    rows (the rollout's policy in single-update mode)."""
+    normalisers. Its rows: the student's log-probs and entropy of the sampled tokens (the
+    rollout's policy in single-update mode) and the teacher's log-probs of them from the
+    same logits (the ``kl/ref_*`` figures: the teacher's one pass a rollout is this one)."""
 
     def loss_fn(actors, params, frozen, mb: Minibatch, normalisers):
         ro = mb.rollout
@@ -95,9 +103,11 @@ def exact_reverse_kl_loss(aggregation: str, temperature: float):
                                      temperature=temperature, aggregation=aggregation,
                                      num_tokens=normalisers["num_tokens"], num_seqs=normalisers["num_seqs"],
                                      norm_length=actors.max_new)
-        logps, entropy = ops.token_logprobs_and_entropy(logits, ro.tokens[:, actors.prompt_len:],
-                                                        temperature=temperature)
-        rows = UpdateRows(logps=jax.lax.stop_gradient(logps), entropy=jax.lax.stop_gradient(entropy))
+        sampled = ro.tokens[:, actors.prompt_len:]
+        logps, entropy = ops.token_logprobs_and_entropy(logits, sampled, temperature=temperature)
+        teacher_logps = ops.token_logprobs(teacher_logits, sampled, temperature=temperature)
+        rows = UpdateRows(logps=jax.lax.stop_gradient(logps), entropy=jax.lax.stop_gradient(entropy),
+                          ref_logps=teacher_logps)
         metrics = {"divergence": metrics["divergence"], "teacher_agreement": metrics["teacher_agreement"]}
         return loss, LossAux(metrics, rows, {"distill_loss": loss})
 

@@ -99,10 +99,14 @@ class Minibatch:
 
 @struct.dataclass
 class UpdateRows:
-    """Per-row outputs of an update's forward pass, gradient stopped, ``[rows, N]``."""
+    """Per-row outputs of an update's forward pass, gradient stopped, ``[rows, N]``:
+    the policy's log-probs and entropy and, when the loss runs the frozen model itself
+    (:attr:`~alignax.trainers.online.algorithm.OnlineAlgorithm.reference_in_update`), its
+    log-probs of the sampled tokens (``None`` otherwise)."""
 
     logps: Array
     entropy: Array
+    ref_logps: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

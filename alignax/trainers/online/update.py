@@ -53,9 +53,12 @@ class UpdateResult:
     ``metrics``: each step's metrics (host floats), in order; ``epochs_run``: epochs that
     ran (``stop_after_epoch`` may end them before ``epochs``); ``old_logps``,
     ``recomputed``, ``entropy`` ``[R, N]``: the rollout's policy log-probs and entropy (in
-    single-update mode from the update's own forward pass); ``seq_kl [R]``: each
-    completion's k1 KL to the reference on the host (``None`` without one); ``kl_coef``:
-    the KL controller's state for the next rollout; ``seconds``: wall time of the steps.
+    single-update mode from the update's own forward pass); ``ref_logps [R, N]``: the
+    reference's (the teacher's) log-probs of the sampled tokens, from the collector or, when
+    the loss runs it (``algorithm.reference_in_update``), from the first epoch's steps
+    (``None`` without a reference); ``seq_kl [R]``: each completion's k1 KL to the
+    reference on the host (``None`` without one); ``kl_coef``: the KL controller's state
+    for the next rollout; ``seconds``: wall time of the steps.
     """
 
     metrics: tuple[dict[str, float], ...]
@@ -66,6 +69,15 @@ class UpdateResult:
     seq_kl: np.ndarray | None
     kl_coef: Any
     seconds: float
+    ref_logps: jax.Array | None = None
+
+
+@jax.jit
+def rows_in_rollout_order(indices: list[jax.Array], values: list[jax.Array], like: jax.Array) -> jax.Array:
+    """``[R, N]``: the steps' per-row ``values`` (``[M, N]`` each) put back at their rows
+    ``indices`` (``[M]`` each, together every row of the rollout once); ``like``: an ``[R, N]``
+    array of the dtype wanted."""
+    return jnp.zeros_like(like).at[jnp.concatenate(indices)].set(jnp.concatenate(values).astype(like.dtype))
 
 
 class Learner:
@@ -235,10 +247,11 @@ class Learner:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
         per_token = array((rows, actors.max_new), jnp.float32)
+        priced = self.algorithm.kl.uses_reference and not self.algorithm.reference_in_update  # the collector's
         rollout = Rollout(tokens=array((rows, width), jnp.int32), positions=array((rows, width), jnp.int32),
                           attention_mask=array((rows, width), jnp.int32), loss_mask=per_token,
                           sampler_logps=per_token, old_logps=None if single_pass else per_token,
-                          ref_logps=per_token if self.algorithm.kl.uses_reference else None, old_values=per_token,
+                          ref_logps=per_token if priced else None, old_values=per_token,
                           advantages=per_token, returns=per_token)
         ptx = None
         if self.ptx is not None:
@@ -261,16 +274,21 @@ class Learner:
         metrics: list[dict[str, float]] = []
         epochs_run = 0
         per_rollout = algo.epochs * algo.minibatches
+        teacher_rows: tuple[list, list] = ([], [])  # the loss's own reference log-probs: rows, values
         for epoch in range(algo.epochs):
             epoch_metrics = []
             for index, rows in enumerate(self.minibatch_rows(order_rng)):
                 position = version * per_rollout + epoch * algo.minibatches + index
-                minibatch = Minibatch(rollout=batch.rollout.take(self.actors.place(np.sort(rows).astype(np.int32))),
+                placed_rows = self.actors.place(np.sort(rows).astype(np.int32))
+                minibatch = Minibatch(rollout=batch.rollout.take(placed_rows),
                                       kl_coef=kl_coef, schedule_position=jnp.asarray(position, jnp.int32),
                                       ptx=self.next_ptx_batch(), entropy_coef=entropy_coef)
                 state, out = self.step(state, frozen, minibatch)
                 if observe is not None:
                     observe(minibatch, out)
+                if epoch == 0 and algo.reference_in_update:  # the frozen model is the same each epoch
+                    teacher_rows[0].append(placed_rows)
+                    teacher_rows[1].append(out.rows.ref_logps)
                 epoch_metrics.append(to_host(out.metrics))
             metrics.extend(epoch_metrics)
             epochs_run += 1
@@ -283,7 +301,10 @@ class Learner:
         if recomputed is None:  # single-update mode: one update over every row, in rollout order
             recomputed, entropy = out.rows.logps, out.rows.entropy
             old_logps = recomputed if old_logps is None else old_logps
-        seq_kl, new_coef = algo.kl.next_coef(state.extra["kl_coef"], old_logps, batch.rollout.ref_logps,
+        ref_logps = batch.rollout.ref_logps
+        if teacher_rows[0]:
+            ref_logps = rows_in_rollout_order(*teacher_rows, batch.rollout.loss_mask)
+        seq_kl, new_coef = algo.kl.next_coef(state.extra["kl_coef"], old_logps, ref_logps,
                                              batch.response_mask, mesh=self.actors.mesh, rows=self.layout.rows)
         extra = {**state.extra, "kl_coef": new_coef, "rollouts": state.extra["rollouts"] + 1}
         if control is not None:  # the adaptive entropy coefficient steps on this rollout's entropy
@@ -292,4 +313,4 @@ class Learner:
         state = state._replace(extra=extra)
         return state, UpdateResult(metrics=tuple(metrics), epochs_run=epochs_run, old_logps=old_logps,
                                    recomputed=recomputed, entropy=entropy, seq_kl=seq_kl, kl_coef=new_coef,
-                                   seconds=seconds)
+                                   seconds=seconds, ref_logps=ref_logps)
