@@ -195,6 +195,22 @@ def test_each_entry_says_whether_its_recipe_holds_a_reference(name, reference):
     assert bool(ALGORITHMS[name].reference(config)) is reference
 
 
+@pytest.mark.parametrize("recipe,overrides", [("grpo", []), ("ppo", []), ("onpolicy-distill", []),
+                                              ("onpolicy-distill", ["onpolicy_distill.estimator=sampled"])])
+def test_the_estimators_reference_in_update_is_the_trainers(recipe, overrides):
+    """Two places say whether an online run's frozen model runs inside the update: the map's
+    ``reference_in_update`` (what ``alignax estimate`` counts) and the built algorithm's
+    (what the collector skips). They must agree, or the estimate counts passes that never run."""
+    from alignax.trainers.api import load_config
+
+    config = load_config(os.path.join(CONFIGS, f"tiny-{recipe}.yaml"), overrides)
+    entry = ALGORITHMS[config.algorithm]
+    built = entry.make(config)
+    assert bool(entry.reference_in_update(config)) is built.reference_in_update
+    if recipe == "onpolicy-distill":
+        assert built.reference_in_update is (config.onpolicy_distill.estimator == "exact")
+
+
 # ---------------------------------------------------------------------------- a new DPO variant
 def test_a_new_dpo_variant_is_one_function_and_one_entry(monkeypatch):
     """A toy variant, the linear loss ``-b (r_c - r_r)``, put in the variant table alone:

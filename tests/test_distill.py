@@ -156,7 +156,7 @@ def test_a_lora_student_steps_its_adapters_against_the_teacher_beside_its_base(t
     the teacher (a model of its own, two layers: not the base with the adapters off); with
     ``B = 0`` the first step's loss is the full-parameter run's (gkd: on the same samples
     drawn inside the step), and the step moves adapters only (the state holds nothing else,
-    the base is bitwise the student's checkpoint, some ``B`` left zero)."""
+    the base is bitwise the student's checkpoint, some ``B`` moved off zero)."""
     from alignax.models import from_pretrained
     from alignax.models.lora import LoRAParam
     from alignax.trainers.api import build_trainer

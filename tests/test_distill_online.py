@@ -172,6 +172,8 @@ def test_the_exact_estimators_teacher_runs_once_an_epoch_and_its_logps_come_from
     figures = step_figures(batch, result, mesh=trainer.mesh, group_size=2)
     np.testing.assert_allclose(figures["kl/ref_k1"], references.mean(references.masked_values(log_s - log_t, mask)),
                                rtol=1e-4)
+    logged = trainer.figures(batch, result)  # the loss reads no advantage: no constant-0 advantages/* figures
+    assert "kl/ref_k1" in logged and not any(key.startswith("advantages/") for key in logged)
 
 
 def test_the_sampled_estimator_charges_each_token_its_own_log_ratio(tmp_path, toy_model, random_teacher):
@@ -241,7 +243,7 @@ def test_a_lora_student_steps_its_adapters_against_the_teacher_beside_its_base(t
     teacher (its own two layers, not the base with the adapters off); with ``B = 0`` the fresh
     adapters sample the full-parameter run's rollout and its step-0 loss; one step moves
     adapters only (the train state holds nothing else, the base is bitwise the same, some
-    ``B`` left zero), and the exported model (merged ``W + s A B``) gives the trained model's
+    ``B`` moved off zero), and the exported model (merged ``W + s A B``) gives the trained model's
     logits."""
     from alignax.models import from_pretrained, save_pretrained
     from alignax.models.lora import LoRAParam

@@ -327,3 +327,21 @@ def test_no_gradient_flows_through_any_estimator():
     for name, fn in fns.items():
         grad = np.asarray(jax.grad(fn)(jnp.asarray(REWARDS)))
         assert np.all(grad == 0.0), name
+
+
+def test_the_variance_study_feeds_every_estimator_it_measures():
+    """``tools/studies/estimator_variance.py`` builds the rollout inputs itself: each estimator it
+    measures takes them (an input an estimator started reading, like OTB's ``is_weights``,
+    broke the whole study with nothing failing) and gives a gradient of the right shape. Traced
+    only (``jax.eval_shape``): a missing input fails at trace time, and the study's own run
+    measures the values."""
+    from tests.support.tools import load_tool
+
+    study = load_tool("studies/estimator_variance.py")
+    theta = jax.ShapeDtypeStruct((2, 5, 7), jnp.float32)
+    names = [n for n in study.ESTIMATORS if n not in study.SKIPPED]
+    assert {"optimal_token_baseline", "gdpo", "grpo"} <= set(names)
+    for name in names:
+        grad = jax.eval_shape(lambda t, name=name: study.batch_gradient(name, t, jax.random.key(1), prompts=2, group=3),
+                              theta)
+        assert grad.shape == theta.shape and grad.dtype == jnp.float32, name

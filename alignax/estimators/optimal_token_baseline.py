@@ -69,7 +69,12 @@ def sum_pi_squared(logits: Array, *, temperature: float = 1.0) -> Array:
     ``logits [..., V]`` in any float dtype; returns float32 ``[...]`` in ``[1/V, 1]``.
     """
     z = jnp.asarray(logits, jnp.float32) / temperature
-    return jnp.exp(jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * jax.nn.logsumexp(z, axis=-1))
+    return _sum_squares(z, jax.nn.logsumexp(z, axis=-1))
+
+
+def _sum_squares(z: Array, lse: Array) -> Array:
+    """``sum_v softmax(z)_v^2`` from ``z`` and its ``logsumexp``."""
+    return jnp.exp(jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * lse)
 
 
 def token_statistics(logits: Array, targets: Array, *, temperature: float = 1.0) -> tuple[Array, Array]:
@@ -79,7 +84,7 @@ def token_statistics(logits: Array, targets: Array, *, temperature: float = 1.0)
     z = jnp.asarray(logits, jnp.float32) / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     logp = jnp.take_along_axis(z, jnp.asarray(targets)[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
-    return logp, jnp.exp(jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * lse)
+    return logp, _sum_squares(z, lse)
 
 
 def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq: Array, *, group_ids: Array,

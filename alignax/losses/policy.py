@@ -389,10 +389,9 @@ def _weight_mean(weight: Array, mask: Array, tis_level: str) -> Array:
     or (sequence level) of the rows' weights over the rows with one; 1 where it is <= 1e-8
     (no response token, or every weight ~0)."""
     if tis_level == "token":
-        mean = jnp.sum(jnp.where(mask, weight, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+        mean = ops.masked_mean(weight, mask)
     else:
-        rows = jnp.any(mask, axis=-1)
-        mean = jnp.sum(jnp.where(rows, weight[:, 0], 0.0)) / jnp.maximum(jnp.sum(rows), 1)
+        mean = ops.masked_mean(weight[:, 0], jnp.any(mask, axis=-1))
     return jnp.where(mean > 1e-8, mean, 1.0)
 
 

@@ -510,7 +510,11 @@ class RolloutSection:
       tis_batch_normalize: divide the truncated weights by their mean, so that they average 1
         (verl's ``rollout_is_batch_normalize``): over the response tokens (``tis_level:
         token``) or over the completions (``sequence``) of each micro-batch the loss sees,
-        on every device (``alignax.losses.sampler_correction``). ``false`` (default): off.
+        on every device (``alignax.losses.sampler_correction``). The optimal token
+        baseline's ``w^2`` (decoupled mode) reads the weights normalised over the whole
+        rollout, at pricing: the two means differ when ``minibatches`` or
+        ``train.grad_accum_steps`` split the rollout (verl takes one batch-level mean for
+        both). ``false`` (default): off.
       rejection / rejection_bounds: verl's rejection masks (``rollout_rs`` ``token_k1``,
         ``seq_sum_k1``, ``seq_mean_k1``): drop the policy term of a token whose ratio
         (``token``), whose completion's ratio product (``sequence``) or per-token geometric

@@ -87,7 +87,7 @@ def batch_gradient(name: str, theta, key, prompts: int, group: int):
     sampled = jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
     x = types.SimpleNamespace(
         rewards=parts @ WEIGHTS, loss_mask=mask, group_ids=ids,
-        old_logps=sampled, stat_logps=sampled, sum_pi_squared=jnp.sum(pi * pi, -1),
+        old_logps=sampled, stat_logps=sampled, sum_pi_squared=jnp.sum(pi * pi, -1), is_weights=None,
         reward_components=parts, reward_weights=jnp.asarray(WEIGHTS), baseline=jnp.zeros(rows))
     section = types.SimpleNamespace(unbiased_std=True, scale_rewards="group", reinforce_baseline=False)
     adv = ESTIMATORS[name].advantages(x, section, prompts)

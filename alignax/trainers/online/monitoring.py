@@ -207,18 +207,22 @@ def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recom
 
 
 def step_figures(batch: RolloutBatch, result: UpdateResult, *, mesh: jax.sharding.Mesh,
-                 group_size: int) -> dict[str, float]:
+                 group_size: int, with_advantages: bool = True) -> dict[str, float]:
     """One rollout step's figures (host floats, the same on every process): the batch's own
     (generation, refills, step rewards), :func:`rollout_figures` over every process's rows,
     a multi-turn run's trajectory figures, the updates' metrics (means; ``grad_norm_max``,
     ``update_skipped`` summed, the first minibatch's ratios), ``epochs_run``, the next
-    ``kl_coef`` and the learner's timing."""
+    ``kl_coef`` and the learner's timing. ``with_advantages=False`` (a loss on whole
+    distributions that reads no advantage, e.g. exact on-policy distillation, whose rollout
+    carries zeros) leaves out the ``advantages/*`` figures rather than log a constant 0."""
     groups, rewards = gathered_rows(batch.groups, batch.rewards)
     device_arrays = host_global((result.old_logps, result.ref_logps, result.recomputed,
                                  batch.rollout.sampler_logps, batch.response_mask, result.entropy,
                                  batch.rollout.advantages), mesh)
     figures = dict(batch.figures)
     figures.update(rollout_figures(groups, rewards, result.seq_kl, *device_arrays, group_size=group_size))
+    if not with_advantages:
+        del figures["advantages/mean"], figures["advantages/abs_mean"]
     if groups.trajectory:
         figures.update(trajectory_figures(groups, figures["perf/generation_s"]))
     updates = result.metrics

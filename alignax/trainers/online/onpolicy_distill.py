@@ -104,8 +104,9 @@ def exact_reverse_kl_loss(aggregation: str, temperature: float):
                                      num_tokens=normalisers["num_tokens"], num_seqs=normalisers["num_seqs"],
                                      norm_length=actors.max_new)
         sampled = ro.tokens[:, actors.prompt_len:]
-        logps, entropy = ops.token_logprobs_and_entropy(logits, sampled, temperature=temperature)
-        teacher_logps = ops.token_logprobs(teacher_logits, sampled, temperature=temperature)
+        chunk = actors.config.model.logprob_chunk_size  # no second whole [M, N, V] log-softmax
+        logps, entropy = ops.token_logprobs_and_entropy(logits, sampled, temperature=temperature, chunk_size=chunk)
+        teacher_logps = ops.token_logprobs(teacher_logits, sampled, temperature=temperature, chunk_size=chunk)
         rows = UpdateRows(logps=jax.lax.stop_gradient(logps), entropy=jax.lax.stop_gradient(entropy),
                           ref_logps=teacher_logps)
         metrics = {"divergence": metrics["divergence"], "teacher_agreement": metrics["teacher_agreement"]}

@@ -161,7 +161,8 @@ class OnlineTrainer:
     def figures(self, batch: RolloutBatch, result: UpdateResult) -> dict[str, float]:
         """A rollout step's figures (:func:`~alignax.trainers.online.monitoring.step_figures`)
         and its alarms (which keep a history: once a step)."""
-        figures = step_figures(batch, result, mesh=self.mesh, group_size=self.layout.group_size)
+        figures = step_figures(batch, result, mesh=self.mesh, group_size=self.layout.group_size,
+                               with_advantages=self.algorithm.logits_loss is None)
         figures.update(self.alarms.update(batch.rollout_index + 1, kl=figures.get("kl/ref_seq"),
                                           entropy=figures["entropy"], length=figures["response/length_mean"],
                                           reward=figures.get("reward/answer", figures["reward/total"]),
