@@ -10,8 +10,10 @@ rollout's and the update's temporaries beside the states); the optimal token bas
 logits (``sum pi^2 logits``: its pass over the rollout is a third program, counted the same
 way); the total against the device's
 memory, with a "does not fit; try ..." line naming the cheapest change that fits. It also
-gives the FLOPs of one step (policy update, reference and critic passes, generation) and
-the time they take at a stated MFU.
+gives the FLOPs of one step (policy update, reference and critic passes, generation; the
+collector's old-log-prob pass, "policy forward", only where the trainer runs it: not in
+single-update mode, :func:`alignax.trainers.online.collect.single_update`) and the time
+they take at a stated MFU.
 
 Accounting (``standard``): every array at its dtype, sharded ``fsdp x tensor`` ways
 (replicated over ``data``); gradients have the parameters' dtype; Adam keeps two moments
@@ -67,6 +69,7 @@ from alignax.parallel.sharding import logical_to_spec
 from alignax.config import NEVER, Is
 from alignax.trainers.algorithms import algorithm
 from alignax.trainers.engine import packing
+from alignax.trainers.online.collect import single_update
 from alignax.trainers.validation import LIVE_REFERENCE  # the rule that accepts placement.reference
 
 GB = 1e9
@@ -627,9 +630,12 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         trained_tokens = rows * length * section.epochs
         # once in the collector, or once an epoch inside the update (on-policy distillation's exact loss)
         reference_passes = section.epochs if entry.reference_in_update(config) else 1
+        # the collector's pass for the old log-probs; none in single-update mode, where the
+        # update's own forward supplies them (the trainer's rule, on the algorithm it builds)
+        priced = not single_update(config, entry.make(config))
         flops = {"policy update": trained_tokens * (update + attention),
                  "generation": 2 * non_embedding * rows * length,
-                 "policy forward": 2 * non_embedding * rows * length,
+                 "policy forward": 2 * non_embedding * rows * length if priced else 0.0,
                  "reference forward": (2 * frozen_non_embedding * rows * length * reference_passes
                                        if uses_reference else 0.0)}
         if hasattr(section, "advantage") and estimators.estimator(estimators.effective_name(section)).token_stats:

@@ -444,3 +444,55 @@ def test_iterative_dpo_is_sized_as_its_rounds_dpo_run():
     rows, length = 2 * 8, 161
     assert ours.flops["reference forward"] == 2 * (parameter_count(model) - model.vocab_size * model.hidden_size) \
         * rows * length
+
+
+def _online_estimate(path: str, *overrides: str):
+    config = load_config(path, list(overrides))
+    return config, estimate(config, model=model_config_for(config, "llama-2-7b"), devices=8, mesh=(1, 8, 1),
+                            peak_flops=197e12, suggest=False)
+
+
+def test_single_update_runs_no_pricing_forward():
+    """GRPO's one update per rollout (one epoch, one minibatch, no critic) takes pi_old
+    from its own forward pass: no collector pass is counted. A second minibatch or epoch
+    brings the pass back, ``2 N_non-embedding`` FLOPs a token of the rollout, and nothing
+    else moves between one and two minibatches."""
+    one, two = (_online_estimate("configs/grpo.yaml", f"grpo.minibatches={m}", *BF16)[1] for m in (1, 2))
+    config, two_epochs = _online_estimate("configs/grpo.yaml", "grpo.minibatches=1", "grpo.epochs=2", *BF16)
+    rows = config.data.batch_size * config.rollout.num_samples
+    length = config.data.max_prompt_length + config.rollout.max_new_tokens
+    model = model_config_for(config, "llama-2-7b")
+    pricing = 2 * (parameter_count(model) - model.vocab_size * model.hidden_size) * rows * length
+    assert one.flops["policy forward"] == 0.0
+    assert two.flops["policy forward"] == two_epochs.flops["policy forward"] == pricing
+    assert sum(two.flops.values()) - sum(one.flops.values()) == pytest.approx(pricing)
+    assert two.step_seconds - one.step_seconds == pytest.approx(pricing / (8 * 197e12 * 0.4))
+    assert "policy forward" not in one.table() and "policy forward" in two.table()
+
+
+TINY_DISTILL = "configs/tiny-onpolicy-distill.yaml"
+
+
+@pytest.mark.parametrize("path,overrides,single", [
+    ("configs/tiny-grpo.yaml", [], True),  # the defaults: one update, the KL in the loss
+    ("configs/tiny-grpo.yaml", ["grpo.epochs=2"], False),
+    ("configs/tiny-grpo.yaml", ["grpo.minibatches=2"], False),
+    ("configs/tiny-grpo.yaml", ["grpo.kl_placement=reward"], False),  # the reward reads recomputed log-probs
+    ("configs/tiny-grpo.yaml", ["grpo.kl_placement=reward", "rollout.old_logps=sampler"], True),
+    ("configs/tiny-grpo.yaml", ["rollout.async.max_staleness=1", "rollout.tis_cap=2.0"], True),  # nor staleness
+    ("configs/tiny-ppo.yaml", ["ppo.epochs=1", "ppo.minibatches=1"], False),  # the critic's values read the policy
+    (TINY_DISTILL, ["onpolicy_distill.estimator=exact"], True),
+    (TINY_DISTILL, ["onpolicy_distill.estimator=sampled"], True),
+    (TINY_DISTILL, ["onpolicy_distill.estimator=sampled", "onpolicy_distill.epochs=2"], False),
+], ids=["grpo", "grpo-epochs2", "grpo-minibatches2", "grpo-kl-reward", "grpo-kl-reward-sampler", "grpo-async1",
+        "ppo", "distill-exact", "distill-sampled", "distill-sampled-epochs2"])
+def test_the_estimate_prices_as_the_trainer_does(path, overrides, single):
+    """The estimate counts the collector's old-log-prob pass exactly when the trainer runs
+    it: the trainer's flag is ``collect.single_update`` of the algorithm its entry builds
+    (tests/test_online.py checks ``OnlineTrainer.single_pass`` is that)."""
+    from alignax.trainers.algorithms import algorithm
+    from alignax.trainers.online.collect import single_update
+
+    config, result = _online_estimate(path, *overrides)
+    assert single_update(config, algorithm(config.algorithm).make(config)) is single
+    assert (result.flops["policy forward"] == 0.0) is single
