@@ -246,7 +246,7 @@ class SamplerCorrection(NamedTuple):
     weight: Array  # [B, T] the truncated IS weight on each token's policy term (1 without a cap)
     keep: Array  # [B, T] 1 where every rejection criterion keeps the token, else 0
     seq_log_weight: Array  # [B] log of the weight each row carries (token level: the sum of the logs)
-    # [B, T] 1 where the divergence criterion of that name keeps the token (rejection_divergences);
+    # [B, T] 1 where the criterion of that name keeps the token (each of rejection and of rejection_divergences);
     # a plain dict, so that the tuple stays a pytree (jit can return it)
     kept_by: dict[str, Array]
     # the weights' mean the weights were divided by (batch_normalize), else 1
