@@ -242,6 +242,8 @@ SWEEP_VALUES = {
     "preference.sync_ref": [{"alpha": 0.5, "tau": 2}],
     "grpo.step_delimiter": ["\n\n"],
     "grpo.policy_loss": [name for name in OBJECTIVES if name != "ppo"],
+    # a name, or several k1 criteria with their own bounds (verl's "token_k1,seq_mean_k1")
+    "rollout.rejection": ["token", "sequence", "geometric", {"token": [0.5, 2.0], "geometric": [0.9, 1.1]}],
     "rollout.rejection_bounds": [[0.8, 1.25]],
     "rollout.tis_lower": [0.5],  # refused alone: IcePop's upper bound is rollout.tis_cap
     "rollout.rejection_divergences": [{"seq_max_k2": 2.5, "token_k3": 0.1}],
@@ -625,6 +627,25 @@ def test_tis_cap_needs_recomputed_old_logps_or_an_objective_without_a_ratio():
     assert "rollout.tis_lower must be > 0 and <= rollout.tis_cap (2.0)" in refused(
         GRPO, ["rollout.tis_cap=2.0", "rollout.tis_lower=3.0"])
     assert "rollout.rejection_bounds applies to rollout.rejection" in refused(GRPO, ["rollout.rejection_bounds=[0.8,1.2]"])
+
+
+def test_chained_rejection_takes_its_own_bounds_per_criterion():
+    """rollout.rejection as a mapping {criterion: [lo, hi]} (verl's chained k1 options): loads
+    beside the k2 / k3 criteria; refused with a name it lacks, bounds out of order or not a
+    pair, or rollout.rejection_bounds beside it (each criterion holds its own), naming the key."""
+    config = load_config(data=GRPO, overrides=["rollout.rejection={token: [0.5, 2.0], geometric: [0.9, 1.1]}",
+                                               "rollout.rejection_divergences={seq_max_k2: 2.5}"])
+    assert config.rollout.rejection == {"token": (0.5, 2.0), "geometric": (0.9, 1.1)}
+    assert "rollout.rejection has unknown criteria ['seq_mean_k1']; valid: token, sequence, geometric" in refused(
+        GRPO, ["rollout.rejection={seq_mean_k1: [0.9, 1.1]}"])
+    assert "rollout.rejection.sequence must be 0 < lo <= hi" in refused(
+        GRPO, ["rollout.rejection={token: [0.5, 2.0], sequence: [2.0, 0.5]}"])
+    assert "rollout.rejection: expected" in refused(GRPO, ["rollout.rejection={token: 0.5}"])
+    assert ("rollout.rejection_bounds applies to rollout.rejection=token|sequence|geometric only; got "
+            "rollout.rejection={'token': (0.5, 2.0)}") in refused(
+        GRPO, ["rollout.rejection={token: [0.5, 2.0]}", "rollout.rejection_bounds=[0.8,1.2]"])
+    assert "rollout.rejection_bounds must be 0 < lo <= hi" in refused(
+        GRPO, ["rollout.rejection=token", "rollout.rejection_bounds=[2.0,0.5]"])
 
 
 def test_rejection_divergences_are_checked_by_name_and_bound():

@@ -648,6 +648,74 @@ def test_divergence_criteria_are_checked():
         pg_loss(*args, rejection_divergences={"token_k2": 1.0})
 
 
+def ref_verl_k1_keep(log_rho, mask, options, thresholds):
+    """verl's ``compute_rollout_rejection_mask`` for its k1 options (``rollout_corr_helper.py``
+    at 1dda039), written from its code: ``log_ratio = log pi - log pi_sampler`` clamped to
+    +-20, ``token_k1 = -log_ratio``; ``token_k1`` keeps a token, ``seq_sum_k1`` /
+    ``seq_mean_k1`` a row (masked sum / ``sum / (count + 1e-8)``), when ``log lo <= stat <=
+    log hi`` for the option's ``"lo_hi"`` threshold; a token survives only if every option
+    keeps it (the product of the masks), and off the response mask it is 0."""
+    safe = np.clip(log_rho, -20.0, 20.0)
+    k1 = np.where(mask > 0, -safe, 0.0)
+    keep = np.ones((B, T))
+    for option, spec in zip(options.split(","), thresholds.split(",")):
+        lo, hi = (math.log(float(x)) for x in spec.split("_"))
+        stat = {"token_k1": k1, "seq_sum_k1": k1.sum(1, keepdims=True),
+                "seq_mean_k1": k1.sum(1, keepdims=True) / (mask.sum(1, keepdims=True) + 1e-8)}[option]
+        keep = keep * np.broadcast_to((stat >= lo) & (stat <= hi), (B, T))
+    return keep * mask
+
+
+def test_chained_ratio_bounds_match_verls_chained_k1_options():
+    """rejection as a mapping: verl's ``rollout_rs: "token_k1,seq_mean_k1"`` with
+    ``rollout_rs_threshold: "0.7_1.25,0.96_1.04"``. verl's k1 bounds the inverse ratio
+    ``pi_sampler / pi``, so its ``lo_hi`` is ``[1/hi, 1/lo]`` on ours. Each criterion drops
+    tokens the other keeps; the empty row (2) and positions off the mask are kept; the
+    scalar form is the one-entry mapping; the loss drops the union and logs each part."""
+    data = make_data(19)
+    mask, log_rho = data["mask"], _log_rho(data)
+    on = mask > 0
+    want = ref_verl_k1_keep(log_rho, mask, "token_k1,seq_mean_k1", "0.7_1.25,0.96_1.04") > 0
+    token = ref_verl_k1_keep(log_rho, mask, "token_k1", "0.7_1.25") > 0
+    geometric = ref_verl_k1_keep(log_rho, mask, "seq_mean_k1", "0.96_1.04") > 0
+    # both bind, on different tokens: dropping either criterion would change the mask
+    assert np.any(token[on] & ~geometric[on]) and np.any(geometric[on] & ~token[on])
+    bounds = {"token": (1 / 1.25, 1 / 0.7), "geometric": (1 / 1.04, 1 / 0.96)}
+    x, m = jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask)
+    got = sampler_correction(x, m, tis_cap=None, rejection=bounds)
+    np.testing.assert_array_equal(np.asarray(got.keep)[on], want[on])
+    np.testing.assert_array_equal(np.asarray(got.kept_by["token"])[on], token[on])
+    np.testing.assert_array_equal(np.asarray(got.kept_by["geometric"])[on], geometric[on])
+    assert np.all(np.asarray(got.keep)[~on] == 1)  # the empty row and the prompt / padding
+    jitted = jax.jit(lambda x, m: sampler_correction(x, m, tis_cap=None, rejection=bounds))(x, m)
+    np.testing.assert_array_equal(np.asarray(jitted.keep), np.asarray(got.keep))
+    for name, kept in (("token", token), ("geometric", geometric)):
+        one = sampler_correction(x, m, tis_cap=None, rejection=name, rejection_bounds=bounds[name])
+        np.testing.assert_array_equal(np.asarray(one.keep)[on], kept[on])
+        np.testing.assert_array_equal(np.asarray(sampler_correction(x, m, tis_cap=None, rejection={
+            name: bounds[name]}).keep), np.asarray(one.keep))
+    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    args = [f(data[k]) for k in ("logps", "old_logps", "advantages", "mask")]
+    loss, metrics = pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=None, rejection=bounds,
+                            aggregation="token-sum")
+    np.testing.assert_allclose(float(loss), -(want * _per_token_adv(data) * data["logps"])[on].sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["rejected"]), 1 - want[on].mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["rejected_token"]), 1 - token[on].mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["rejected_geometric"]), 1 - geometric[on].mean(), rtol=1e-6)
+
+
+def test_chained_ratio_bounds_are_checked():
+    x, m = jnp.zeros((B, T)), jnp.ones((B, T))
+    with pytest.raises(ValueError, match=r"rejection has unknown criteria \['seq_mean_k1'\]; valid: token, "):
+        sampler_correction(x, m, rejection={"seq_mean_k1": (0.9, 1.1)})
+    with pytest.raises(ValueError, match=r"rejection.geometric must be 0 < lo <= hi on the ratio"):
+        sampler_correction(x, m, rejection={"token": (0.5, 2.0), "geometric": (1.1, 0.9)})
+    with pytest.raises(TypeError, match=r"rejection.token must be \[lo, hi\]"):
+        sampler_correction(x, m, rejection={"token": 2.0})
+    with pytest.raises(TypeError, match="rejection must be one of token, sequence, geometric or map them"):
+        sampler_correction(x, m, rejection=["token", "geometric"])
+
+
 # ---------------------------------------------------------------------------------------
 # The registry
 # ---------------------------------------------------------------------------------------
@@ -817,10 +885,11 @@ def test_the_verl_tables_cover_every_objective_and_their_keys_load():
             raw[sec].update(extra)
         if field in ("tis_level", "tis_lower", "tis_batch_normalize"):  # options of the truncated weight
             raw["rollout"]["tis_cap"] = 2.0
-        if value.startswith("{"):  # a mapping (rollout.rejection_divergences), as YAML reads it
+        if value.startswith("{"):  # a mapping (rollout.rejection_divergences, rollout.rejection), as YAML reads it
             mapping = yaml.safe_load(value)
             raw[section][field] = mapping
-            assert getattr(getattr(load_config(data=raw), section), field) == mapping, (k, value)
+            got = getattr(getattr(load_config(data=raw), section), field)
+            assert {n: list(v) if isinstance(v, tuple) else v for n, v in got.items()} == mapping, (k, value)
             continue
         if value in ("true", "false"):
             raw[section][field] = value == "true"

@@ -40,6 +40,8 @@ BYPASS = {"rollout": {"old_logps": "sampler", "tis_cap": 1.5, "tis_level": "sequ
                       "rejection_bounds": [0.8, 1.25]}}
 # verl's k2 / k3 rejection criteria, chained, in bypass mode without an IS weight
 DIVERGENCES = {"seq_max_k2": 0.15, "token_k3": 0.05}
+# verl's k1 criteria chained ("token_k1,seq_mean_k1"), each with its own ratio bounds
+CHAINED_K1 = {"token": [0.7, 1.4], "geometric": [0.8, 1.25]}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,9 @@ def runs(tmp_path_factory, toy_model):
             elif name == "divergences_pg":
                 spec = dict(grpo={"epochs": 2, "policy_loss": "pg"},
                             rollout={"old_logps": "sampler", "rejection_divergences": DIVERGENCES})
+            elif name == "chained_k1_pg":
+                spec = dict(grpo={"epochs": 2, "policy_loss": "pg"},
+                            rollout={"old_logps": "sampler", "rejection": CHAINED_K1})
             elif name == "batch_normalized_pg":
                 spec = dict(grpo={"epochs": 2, "policy_loss": "pg"},
                             rollout={**BYPASS["rollout"], "tis_batch_normalize": True})
@@ -190,6 +195,37 @@ def test_divergence_rejection_drops_the_tokens_it_bounds(runs):
     for name, kept in (("seq_max_k2", np.broadcast_to(keep_k2, mask.shape)), ("token_k3", keep_k3)):
         assert 0 < 1 - kept[mask].mean() < 1, name  # each bound cuts somewhere, not everywhere
         np.testing.assert_allclose(metrics[f"rejected_{name}"], 1 - kept[mask].mean(), atol=1e-6)
+    assert abs(metrics["pg_loss"] - plain.updates[1]["metrics"]["pg_loss"]) > 1e-4
+
+
+def test_chained_ratio_bounds_drop_what_either_criterion_drops(runs):
+    """rollout.rejection {token: [0.7, 1.4], geometric: [0.8, 1.25]} in bypass mode: the second
+    update's policy term is -agg(keep * A * logp) with keep the AND of the token ratio's bounds
+    and the row's geometric mean's, rho = pi_theta / pi_sampler; it differs from the term with
+    either criterion alone (each drops tokens the other keeps) and from none."""
+    run, plain = runs("chained_k1_pg"), runs("sampler_pg")
+    assert_same_rollout(run, plain)
+    second = run.updates[1]
+    ro, logps = second["rollout"], second["logps"].astype(np.float64)
+    mask = ro.loss_mask > 0
+    log_rho = np.where(mask, logps - ro.sampler_logps, 0.0)
+    (t_lo, t_hi), (g_lo, g_hi) = CHAINED_K1["token"], CHAINED_K1["geometric"]
+    keep_token = (np.exp(log_rho) >= t_lo) & (np.exp(log_rho) <= t_hi)
+    geo = np.exp(log_rho.sum(1, keepdims=True) / np.maximum(mask.sum(1, keepdims=True), 1))
+    keep_geo = np.broadcast_to((geo >= g_lo) & (geo <= g_hi), mask.shape)
+
+    def term(keep):  # seq-mean-token-mean, GRPO's default
+        per_row = (-keep.astype(float) * ro.advantages * np.where(mask, logps, 0.0)).sum(1) / np.maximum(mask.sum(1), 1)
+        return per_row[mask.any(1)].mean()
+
+    metrics = second["metrics"]
+    np.testing.assert_allclose(metrics["pg_loss"], term(keep_token & keep_geo), rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["rejected"], 1 - (keep_token & keep_geo)[mask].mean(), atol=1e-6)
+    for name, kept in (("token", keep_token), ("geometric", keep_geo)):
+        np.testing.assert_allclose(metrics[f"rejected_{name}"], 1 - kept[mask].mean(), atol=1e-6)
+    assert np.any((keep_token & ~keep_geo)[mask]) and np.any((keep_geo & ~keep_token)[mask])
+    for single in (keep_token, keep_geo):
+        assert abs(metrics["pg_loss"] - term(single)) > 1e-4
     assert abs(metrics["pg_loss"] - plain.updates[1]["metrics"]["pg_loss"]) > 1e-4
 
 

@@ -83,8 +83,9 @@ Metrics (all over masked-in tokens; 0 when the mask is empty):
   (verl's ``rollout_is_oob_ratio``).
 - ``tis_batch_norm_factor`` (only with ``tis_batch_normalize``): the mean the weights were divided by.
 - ``rejected`` (only with ``rejection`` or ``rejection_divergences``): the fraction of tokens
-  the rejection masks dropped, all criteria together; ``rejected_<criterion>`` (one per entry
-  of ``rejection_divergences``, e.g. ``rejected_seq_max_k2``): the fraction that criterion drops.
+  the rejection masks dropped, all criteria together; ``rejected_<criterion>`` (one per
+  criterion of ``rejection`` and per entry of ``rejection_divergences``, e.g.
+  ``rejected_geometric``, ``rejected_seq_max_k2``): the fraction that criterion drops.
 - ``entropy_masked`` (only with ``top_entropy_quantile``): the fraction of tokens whose
   policy term the entropy mask dropped.
 - ``off_policy_masked`` (only with ``off_policy_mask_threshold``): the fraction of tokens
@@ -245,7 +246,7 @@ class SamplerCorrection(NamedTuple):
     weight: Array  # [B, T] the truncated IS weight on each token's policy term (1 without a cap)
     keep: Array  # [B, T] 1 where every rejection criterion keeps the token, else 0
     seq_log_weight: Array  # [B] log of the weight each row carries (token level: the sum of the logs)
-    # [B, T] 1 where the divergence criterion of that name keeps the token (rejection_divergences);
+    # [B, T] 1 where the criterion of that name keeps the token (each of rejection and of rejection_divergences);
     # a plain dict, so that the tuple stays a pytree (jit can return it)
     kept_by: dict[str, Array]
     # the weights' mean the weights were divided by (batch_normalize), else 1
@@ -276,6 +277,36 @@ def check_rejection_divergences(divergences: Mapping[str, Scalar] | None, *, key
     return dict(divergences)
 
 
+def check_rejection(rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None,
+                    bounds: tuple[Scalar, Scalar] = (0.5, 2.0), *, key: str = "rejection",
+                    bounds_key: str = "rejection_bounds") -> dict[str, tuple[Scalar, Scalar]]:
+    """verl's k1 criteria as ``{criterion: (lo, hi)}``, checked. A name (one of
+    :data:`REJECTIONS`) is that criterion with ``bounds``; a mapping names each criterion with
+    its own ``[lo, hi]`` (verl's chained ``rollout_rs: "token_k1,seq_mean_k1"`` with one
+    ``rollout_rs_threshold`` each), ``bounds`` unused. Every concrete pair is ``0 < lo <= hi``
+    on the ratio. ``key`` / ``bounds_key`` name the options in the errors. ``None``: none."""
+    if rejection is None:
+        return {}
+    if isinstance(rejection, str):
+        check_choice(key, rejection, REJECTIONS)
+        criteria, where = {rejection: bounds}, {rejection: bounds_key}
+    elif isinstance(rejection, Mapping):
+        unknown = sorted(set(rejection) - set(REJECTIONS))
+        if unknown:
+            raise ValueError(f"{key} has unknown criteria {unknown}; valid: {', '.join(REJECTIONS)}")
+        criteria, where = dict(rejection), {name: f"{key}.{name}" for name in rejection}
+    else:
+        raise TypeError(f"{key} must be one of {', '.join(REJECTIONS)} or map them to [lo, hi] bounds, e.g. "
+                        f"{{'token': [0.5, 2.0], 'geometric': [0.9, 1.1]}}; got {rejection!r}")
+    for name, pair in criteria.items():
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"{where[name]} must be [lo, hi], bounds on the ratio pi / pi_sampler; got {pair!r}")
+        lo, hi = pair
+        if is_concrete_number(lo) and is_concrete_number(hi) and not 0 < lo <= hi:  # also refuses NaN
+            raise ValueError(f"{where[name]} must be 0 < lo <= hi on the ratio pi / pi_sampler; got {tuple(pair)}")
+    return {name: tuple(pair) for name, pair in criteria.items()}
+
+
 def _divergence_keep(log_rho: Array, mask: Array, name: str, bound: Scalar) -> Array:
     """``[B, T]`` bool: where the criterion ``name`` (``token|seq_sum|seq_mean|seq_max`` x
     ``k2|k3``) keeps the token, its divergence ``<= bound``. ``log_rho`` is 0 off the mask."""
@@ -296,7 +327,8 @@ def _divergence_keep(log_rho: Array, mask: Array, name: str, bound: Scalar) -> A
 
 
 def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 2.0, tis_level: str = "token",
-                       rejection: str | None = None, rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
+                       rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None = None,
+                       rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
                        rejection_divergences: Mapping[str, Scalar] | None = None, tis_lower: Scalar | None = None,
                        batch_normalize: bool = False) -> SamplerCorrection:
     """Importance weights and rejection masks for the sampler/trainer mismatch (verl's rollout
@@ -316,14 +348,16 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
       options ``token_k1``, ``seq_sum_k1``, ``seq_mean_k1``): ``token`` keeps a token when
       ``lo <= rho_t <= hi``; ``sequence`` keeps a row when ``lo <= prod_t rho_t <= hi``;
       ``geometric`` when ``lo <= exp(mean_t log rho_t) <= hi`` (the per-token geometric mean,
-      which does not grow with length). ``None``: keep everything.
+      which does not grow with length). A mapping ``{criterion: (lo, hi)}`` chains several,
+      each with its own bounds (``rejection_bounds`` unused), e.g. ``{"token": (0.5, 2.0),
+      "geometric": (0.9, 1.1)}`` (verl's ``"token_k1,seq_mean_k1"``). ``None``: keep everything.
     - ``rejection_divergences``, ``{criterion: bound}``: verl's ``rollout_rs`` divergence
       criteria, each an upper bound on a divergence of the sampler from the target, per token
       ``k2_t = (log rho_t)^2 / 2`` or ``k3_t = rho_t - 1 - log rho_t`` (both >= 0 and 0 at
       ``rho_t = 1``; ``E_sampler[k3] = KL(pi_sampler || pi_target)``, Schulman 2020): ``token_kN``
       keeps a token when ``kN_t <= bound``; ``seq_sum_kN``, ``seq_mean_kN``, ``seq_max_kN`` keep
       a row when the sum, the mean or the max of ``kN_t`` over its response tokens is ``<= bound``.
-      ``kept_by`` holds each criterion's mask.
+      ``kept_by`` holds each criterion's mask, the k1 ones' (under their ``rejection`` names) too.
     - ``batch_normalize`` (verl's ``rollout_is_batch_normalize``): the truncated weights are
       divided by their mean, ``w_t / m``, so that they average 1: at the token level ``m`` is the
       mean of ``w_t`` over every response token of the arrays given; at the sequence level the
@@ -343,12 +377,8 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     if is_concrete_number(tis_lower) and is_concrete_number(tis_cap) and not 0 < tis_lower <= tis_cap:
         raise ValueError(f"tis_lower must be 0 < tis_lower <= tis_cap (IcePop's bounds on the ratio); got "
                          f"tis_lower={tis_lower}, tis_cap={tis_cap}")
-    if rejection is not None:
-        check_choice("rejection", rejection, REJECTIONS)
+    criteria = check_rejection(rejection, rejection_bounds)
     divergences = check_rejection_divergences(rejection_divergences)
-    lo, hi = rejection_bounds
-    if is_concrete_number(lo) and is_concrete_number(hi) and not 0 < lo <= hi:
-        raise ValueError(f"rejection_bounds must be 0 < lo <= hi on the ratio pi / pi_sampler; got {rejection_bounds}")
     keep_in = jnp.asarray(mask) > 0
     log_rho = jax.lax.stop_gradient(jnp.where(keep_in, jnp.clip(_f32(log_rho), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0))
     seq_sum = jnp.sum(log_rho, axis=-1)  # [B] log prod_t rho_t
@@ -372,15 +402,15 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
                                      jnp.log(tis_cap)) - jnp.log(norm_factor)
     else:
         seq_log_weight = jnp.log(jnp.maximum(scaled[:, 0], 1e-30))
-    stat = {"token": log_rho, "sequence": seq_sum[:, None],
-            "geometric": (seq_sum / jnp.maximum(jnp.sum(keep_in, axis=-1), 1))[:, None]}.get(rejection)
-    keep = jnp.ones_like(log_rho) if stat is None else jnp.broadcast_to(
-        (stat >= jnp.log(lo)) & (stat <= jnp.log(hi)), log_rho.shape).astype(jnp.float32)
-    kept_by = {name: jnp.where(keep_in, _divergence_keep(log_rho, keep_in, name, bound), True).astype(jnp.float32)
-               for name, bound in divergences.items()}
+    log_stat = {"token": log_rho, "sequence": seq_sum[:, None],
+                "geometric": (seq_sum / jnp.maximum(jnp.sum(keep_in, axis=-1), 1))[:, None]}
+    kept_by = {name: jnp.broadcast_to((log_stat[name] >= jnp.log(lo)) & (log_stat[name] <= jnp.log(hi)),
+                                      log_rho.shape) for name, (lo, hi) in criteria.items()}
+    kept_by |= {name: _divergence_keep(log_rho, keep_in, name, bound) for name, bound in divergences.items()}
+    kept_by = {name: jnp.where(keep_in, kept, True).astype(jnp.float32) for name, kept in kept_by.items()}
+    keep = jnp.ones_like(log_rho)
     for criterion in kept_by.values():
         keep = keep * criterion
-    keep = jnp.where(keep_in, keep, 1.0)
     return SamplerCorrection(weight, keep, seq_log_weight, kept_by, norm_factor)
 
 
@@ -418,7 +448,7 @@ def _policy_loss(
     tis_cap: Scalar | None,
     tis_level: str = "token",
     tis_ratio: str = "old",
-    rejection: str | None = None,
+    rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
     tis_lower: Scalar | None = None,
@@ -502,7 +532,7 @@ def _policy_loss(
             metrics["tis_out_of_bounds"] = ops.masked_mean(correction.weight == 0, keep)
         if tis_batch_normalize:
             metrics["tis_batch_norm_factor"] = correction.norm_factor
-        if rejection is not None or correction.kept_by:
+        if correction.kept_by:
             per_token = per_token * correction.keep
             metrics["rejected"] = ops.masked_mean(1.0 - correction.keep, keep)
         for name, kept in correction.kept_by.items():
@@ -572,7 +602,7 @@ def ppo_policy_loss(
     tis_cap: Scalar | None = 2.0,
     tis_level: str = "token",
     tis_ratio: str = "old",
-    rejection: str | None = None,
+    rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
     tis_lower: Scalar | None = None,
@@ -655,7 +685,7 @@ def gspo_policy_loss(
     tis_cap: Scalar | None = 2.0,
     tis_level: str = "token",
     tis_ratio: str = "old",
-    rejection: str | None = None,
+    rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
     tis_lower: Scalar | None = None,
@@ -735,7 +765,7 @@ def cispo_policy_loss(
     tis_cap: Scalar | None = 2.0,
     tis_level: str = "token",
     tis_ratio: str = "old",
-    rejection: str | None = None,
+    rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
     tis_lower: Scalar | None = None,
@@ -805,7 +835,7 @@ def pg_loss(
     tis_cap: Scalar | None = 2.0,
     tis_level: str = "token",
     tis_ratio: str = "old",
-    rejection: str | None = None,
+    rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
     tis_lower: Scalar | None = None,
@@ -864,7 +894,7 @@ def sapo_policy_loss(
     tis_cap: Scalar | None = 2.0,
     tis_level: str = "token",
     tis_ratio: str = "old",
-    rejection: str | None = None,
+    rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None = None,
     rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
     rejection_divergences: Mapping[str, Scalar] | None = None,
     tis_lower: Scalar | None = None,

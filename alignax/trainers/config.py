@@ -45,7 +45,7 @@ from alignax.trackers import MlflowSection, WandbSection
 from alignax.envs.config import EnvConfig
 from alignax.evaluation import EvaluationConfig
 from alignax.models.lora import LoraConfig
-from alignax.losses.policy import check_rejection_divergences
+from alignax.losses.policy import check_rejection, check_rejection_divergences
 from alignax.ops import AggregationMode
 from alignax.parallel.multihost import DistributedConfig
 from alignax.parallel.placement import PlacementConfig
@@ -519,7 +519,11 @@ class RolloutSection:
         ``seq_sum_k1``, ``seq_mean_k1``): drop the policy term of a token whose ratio
         (``token``), whose completion's ratio product (``sequence``) or per-token geometric
         mean (``geometric``) to the sampler falls outside ``[lo, hi]`` (``(0.5, 2.0)``, ours).
-        The ratio is the one ``tis_cap`` weighs by. ``null``: no rejection.
+        The ratio is the one ``tis_cap`` weighs by. Several at once, each with its own
+        bounds: a mapping ``{criterion: [lo, hi]}``, e.g. ``{token: [0.5, 2.0], geometric:
+        [0.9, 1.1]}`` (verl's ``rollout_rs: "token_k1,seq_mean_k1"`` with
+        ``rollout_rs_threshold`` per option), with no ``rejection_bounds`` beside it; a token
+        is kept only if every criterion keeps it. ``null``: no rejection.
       rejection_divergences: verl's divergence criteria (``rollout_rs`` ``token_k2``,
         ``token_k3``, ``seq_sum_k2`` ... ``seq_max_k3``) as ``{criterion: upper bound}``, e.g.
         ``{seq_max_k2: 2.5, token_k3: 0.1}``: drop the policy term of a token whose
@@ -567,7 +571,7 @@ class RolloutSection:
     tis_level: Literal["token", "sequence"] = "token"
     tis_lower: float | None = None
     tis_batch_normalize: bool = False
-    rejection: Literal["token", "sequence", "geometric"] | None = None
+    rejection: Literal["token", "sequence", "geometric"] | dict[str, tuple[float, float]] | None = None
     rejection_bounds: tuple[float, float] = (0.5, 2.0)
     rejection_divergences: dict[str, float] | None = None
     pack_groups: Literal["auto", "on", "off"] = "auto"
@@ -576,6 +580,8 @@ class RolloutSection:
     max_logprob_gap: float | None = None
 
     def __post_init__(self):
+        check_rejection(self.rejection, self.rejection_bounds, key="rollout.rejection",
+                        bounds_key="rollout.rejection_bounds")
         check_rejection_divergences(self.rejection_divergences, key="rollout.rejection_divergences")
         if self.tis_lower is not None and not 0 < self.tis_lower <= (self.tis_cap or math.inf):
             raise ValueError(f"rollout.tis_lower must be > 0 and <= rollout.tis_cap ({self.tis_cap}): IcePop's bounds "

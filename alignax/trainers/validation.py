@@ -195,7 +195,8 @@ KEY_RULES: tuple[Rule, ...] = (
     rule("rollout.tis_level", Given("rollout.tis_cap"), "it is the truncated weight's level"),
     rule("rollout.tis_lower", Given("rollout.tis_cap"), "IcePop's weight is bounded by the two"),
     rule("rollout.tis_batch_normalize", Given("rollout.tis_cap"), "it rescales the truncated weights"),
-    rule("rollout.rejection_bounds", Given("rollout.rejection"), "they bound the rejection mask's ratio"),
+    rule("rollout.rejection_bounds", Is("rollout.rejection", "token", "sequence", "geometric"),
+         "they bound the one criterion a name sets; a mapping rollout.rejection holds each criterion's own bounds"),
     rule("rollout.max_logprob_gap",
          All(Is("rollout.top_k", 0), Is("rollout.top_p", 1.0), Is("rollout.async.max_staleness", 0)),
          "it bounds how far the learner's log-probs are from the sampler's on the same weights; under top-k/top-p "
