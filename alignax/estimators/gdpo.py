@@ -20,9 +20,15 @@ a long completion weighs more in its statistics).
 ``grpo.reward_aggregation: normalize_then_sum`` (TRL's key) is this estimator; the default
 ``sum_then_normalize`` normalises the total reward, as GRPO always has.
 
-Sources. Equation number not checked: paper text unavailable (arXiv:2601.05242's text could
-not be read). The three steps are those of verl's ``compute_gdpo_outcome_advantage``
-docstring (``verl/trainer/ppo/core_algos.py``; per-dimension GRPO normalisation, weighted sum,
+Sources. Liu et al. 2026, equation number not checked: the paper's text is not available offline
+(no stored page holds its text past the abstract). Two summaries describe the same three steps,
+unnumbered: https://xinzhang-ops.github.io/daily_paper/dailies/pages/2026-01-09.html
+("group-wise normalization for each reward separately before aggregation, followed by batch-wise
+advantage normalization") and
+https://liner.com/review/gdpo-group-rewarddecoupled-normalization-policy-optimization-for-multireward-rl-optimization;
+neither says whether the batch statistics are over sequences or tokens. The three steps are
+those of verl's ``compute_gdpo_outcome_advantage`` docstring
+(``verl/trainer/ppo/core_algos.py``; per-dimension GRPO normalisation, weighted sum,
 ``masked_whiten``). That the paper whitens over sequences rather than tokens is TRL's reading,
 not checked against the paper's text; alignax follows it and differs from verl there.
 """
@@ -64,7 +70,10 @@ def normalize_then_sum(components: Array, weights: Array, *, group_ids: Array, n
 def gdpo_advantages(components: Array, weights: Array, *, group_ids: Array, num_groups: int,
                     unbiased_std: bool = True, eps: float = 1e-6) -> Array:
     """``[R]`` GDPO sequence advantages: :func:`normalize_then_sum` whitened over the batch
-    (all-equal sums give exactly 0)."""
+    (all-equal sums give exactly 0).
+
+    Paper: Liu et al. 2026 (arXiv:2601.05242), equation number not checked:
+    the paper's text is not available offline."""
     summed = normalize_then_sum(components, weights, group_ids=group_ids, num_groups=num_groups,
                                 unbiased_std=unbiased_std, eps=eps)
     batch = _GroupStats(summed, jnp.ones_like(summed, bool), jnp.zeros(summed.shape, jnp.int32), 1)

@@ -10,13 +10,17 @@ with ``B`` the rollout's rows and ``F_norm = 1`` (verl's default, as the paper's
 one sample gets the baseline 0 (``A = alpha r``), as verl's. Pair it with
 ``grpo.policy_loss: pg`` for the paper's unclipped objective.
 
-Sources. Equation number not checked: paper text unavailable (only the abstract and
-introduction of arXiv:2504.02546 could be read). The authors' README (AMAP-ML/GPG) writes the
-correction ``alpha = B / (B - M)`` with ``M`` the invalid samples and ``F_norm`` 1 or the group
-std; verl's ``compute_gpg_outcome_advantage`` reads ``B - M`` as the number of samples with a
-non-zero reward, and alignax follows verl. If the paper's ``M`` counts the samples of groups
-whose rewards are all equal (no advantage), the two differ where a group is all-correct: verl
-and alignax count its samples as valid. Not checked against the paper's text.
+Sources. Chu et al. 2025, equation number not checked: the paper's text is not available offline
+(the stored page https://arxiv.org/html/2504.02546v3 holds the abstract and introduction only).
+The authors' README (AMAP-ML/GPG) writes the correction ``alpha = B / (B - M)`` with ``M`` the
+invalid samples and ``F_norm`` 1 or the group std; verl's ``compute_gpg_outcome_advantage``
+reads ``B - M`` as the number of samples with a non-zero reward, and alignax follows verl. If
+the paper's ``M`` counts the samples of groups whose rewards are all equal (no advantage), the
+two differ where a group is all-correct: verl and alignax count its samples as valid. Not
+checked against the paper's text; two third-party summaries read it that way
+(https://www.besthub.dev/articles/group-policy-gradient-direct-objective-optimization-for-faster-reinforcement-learning-b57e84436d5a:
+"N_invalid counts groups with homogeneous outcomes"; https://papers.lunadong.com/paper/14060:
+the correction is for groups whose samples "have identical rewards (all right/wrong)").
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ Array = jax.Array
 
 
 def gpg_advantages(rewards: Array, *, group_ids: Array, num_groups: int, f_norm: float = 1.0) -> Array:
-    """``[R]`` GPG sequence advantages of ``rewards [R]`` in groups ``group_ids``."""
+    """``[R]`` GPG sequence advantages of ``rewards [R]`` in groups ``group_ids`` (module docstring).
+
+    Paper: Chu et al. 2025 (arXiv:2504.02546), equation number not checked:
+    the paper's text is not available offline."""
     r = _f32(rewards).reshape(-1)
     ids = flat_groups(group_ids, num_groups, r.shape[0])
     count = segment(jnp.ones_like(r), ids, num_groups)

@@ -9,13 +9,16 @@ Only the best completion of a group is credited, with its margin over the runner
 default ``norm_adv_by_std_in_grpo``. A tie for the best gives 0 (no margin); a group of one
 sample has no runner-up and gets 0 (verl refuses it; the trainer needs two samples anyway).
 
-Sources. Equation number not checked: paper text unavailable (only the abstract and
-introduction of arXiv:2503.19595, Tang et al. 2025, "Optimizing Language Models for Inference
-Time Objectives using Reinforcement Learning", could be read), so the formula above is verl's
-``compute_grpo_passk_outcome_advantage`` (``verl/trainer/ppo/core_algos.py``, which cites the
-paper), followed here line for line: ``r_max - r_second`` is the leave-one-out credit of the
-group's max, ``max_j r_j - max_{j != i} r_j``, which is 0 for every sample but the best. The
-division by the group std is verl's option; whether the paper divides is not checked.
+Sources. Tang et al. 2025, "Optimizing Language Models for Inference Time Objectives using
+Reinforcement Learning", arXiv:2503.19595, equation number not checked: the paper's text is not
+available offline (no stored page holds its text; https://paperhub.cn/paper/ZVWJO5YTz4, a
+review, says only that it derives "an unbiased gradient estimator using the leave-one-out
+method, and a biased variant that reduces variance by centering the advantage function"), so the
+formula above is verl's ``compute_grpo_passk_outcome_advantage``
+(``verl/trainer/ppo/core_algos.py``, which cites the paper), followed here line for line:
+``r_max - r_second`` is the leave-one-out credit of the group's max, ``max_j r_j - max_{j != i}
+r_j``, which is 0 for every sample but the best. The division by the group std is verl's option;
+whether the paper divides is not checked.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ Array = jax.Array
 def passk_advantages(rewards: Array, *, group_ids: Array, num_groups: int, normalize_by_std: bool = True,
                      unbiased_std: bool = True, eps: float = 1e-6) -> Array:
     """``[R]`` Pass@k sequence advantages of ``rewards [R]`` in groups ``group_ids [R]``
-    (``[0, num_groups)``, any order and sizes). No gradient flows (they are targets)."""
+    (``[0, num_groups)``, any order and sizes). No gradient flows (they are targets).
+
+    Paper: Tang et al. 2025 (arXiv:2503.19595), equation number not checked:
+    the paper's text is not available offline."""
     r = _f32(rewards).reshape(-1)
     ids = flat_groups(group_ids, num_groups, r.shape[0])
     rows = jnp.arange(r.shape[0])

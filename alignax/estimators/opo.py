@@ -11,13 +11,18 @@ on every loss token of row ``i``. ``l_i`` counts row ``i``'s loss tokens. A grou
 sample gets ``b = 0`` (``A = r``), as verl's; a group whose rows have no loss token gets
 ``b = 0`` too (its advantages are masked away anyway).
 
-Sources. Equation number not checked: paper text unavailable (only the abstract and
-introduction of arXiv:2505.23585 could be read). The formula is verl's
-``compute_opo_outcome_advantage`` (``verl/trainer/ppo/core_algos.py``) and its
-``docs/algo/opo.md`` ("the length-weighted reward of the group", no std normalisation), which
-alignax follows; it differs from verl in two places only: ``l_i`` counts loss tokens (verl:
-response tokens, the same unless ``rewards.mask_truncated`` drops a row), and an all-empty
-group gets ``b = 0`` where verl divides by 0.
+Sources. Hao et al. 2025, equation number not checked: the paper's text is not available offline
+(the stored page https://arxiv.org/html/2505.23585v2 holds the abstract and introduction only).
+Two reviews give the same baseline, unnumbered:
+https://www.themoonlight.io/review/on-policy-rl-with-optimal-reward-baseline (``b* = E[||grad
+log pi||^2 r] / E[||grad log pi||^2]`` with ``||grad log pi(y|x)||^2`` taken proportional to the
+length ``l_y``) and https://jeybird248.github.io/blog/2025/research_30 (``b* = sum(l_i r_i) /
+sum(l_i)``); ``b_g`` above matches both. The formula is verl's ``compute_opo_outcome_advantage``
+(``verl/trainer/ppo/core_algos.py``) and its ``docs/algo/opo.md`` ("the length-weighted reward
+of the group", no std normalisation), which alignax follows; it differs from verl in two places
+only: ``l_i`` counts loss tokens (verl: response tokens, the same unless
+``rewards.mask_truncated`` drops a row), and an all-empty group gets ``b = 0`` where verl
+divides by 0.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ Array = jax.Array
 
 
 def opo_advantages(rewards: Array, loss_mask: Array, *, group_ids: Array, num_groups: int) -> Array:
-    """``[R, N]`` OPO advantages of ``rewards [R]`` with lengths from ``loss_mask [R, N]``."""
+    """``[R, N]`` OPO advantages of ``rewards [R]`` with lengths from ``loss_mask [R, N]``.
+
+    Paper: Hao et al. 2025 (arXiv:2505.23585), equation number not checked:
+    the paper's text is not available offline."""
     r = _f32(rewards).reshape(-1)
     ids = flat_groups(group_ids, num_groups, r.shape[0])
     mask = jnp.asarray(loss_mask, jnp.float32)

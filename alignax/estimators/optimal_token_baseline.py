@@ -34,12 +34,17 @@ loss's old log-probs are the sampler's, but the estimator still reads the learne
 never the sampler's ``pi(y_j)`` beside the learner's ``sum pi^2`` (verl's bypass mode computes
 no ``sum_pi_squared`` at all, so verl runs OTB only with recomputed old log-probs).
 
-Sources. Equation number not checked: paper text unavailable (arXiv:2602.07078's text could
-not be read). The formulas are those of verl's ``compute_optimal_token_baseline_advantage``
-(``verl/trainer/ppo/core_algos.py``) and ``docs/algo/otb.md`` (``B*_t = sum G W / (sum W +
-eps)``, ``W_t = sum_{j<=t} (1 - 2 pi_j + sum pi_j^2)``, the zero-tail rule), which alignax
-follows. Where it differs from verl: ``G_t`` is the sequence reward on every loss token
-(verl's reward-to-go of token-level rewards is the same for an outcome reward).
+Sources. Li et al. 2026, equation number not checked: the paper's text is not available offline
+(the stored page https://arxiv.org/html/2602.07078v1 holds the abstract and the start of the
+introduction only). The squared logit-gradient form of the proxy agrees with the first author's
+note "Logit Dynamics in Softmax Policy Gradient Methods"
+(https://ar5iv.labs.arxiv.org/html/2506.12912: ``||Delta z||_2 proportional to sqrt(1 - 2 P_c +
+C(P))``, ``C(P)`` the collision probability ``sum_v pi(v)^2``). The formulas are those of verl's
+``compute_optimal_token_baseline_advantage`` (``verl/trainer/ppo/core_algos.py``) and
+``docs/algo/otb.md`` (``B*_t = sum G W / (sum W + eps)``, ``W_t = sum_{j<=t} (1 - 2 pi_j + sum
+pi_j^2)``, the zero-tail rule), which alignax follows. Where it differs from verl: ``G_t`` is
+the sequence reward on every loss token (verl's reward-to-go of token-level rewards is the same
+for an outcome reward).
 
 Rollout correction. With ``rollout.tis_cap`` and recomputed old log-probs (verl's decoupled
 mode, where its ``rollout_is_weights`` are computed once on the batch before the advantages,
@@ -91,6 +96,8 @@ def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq
                    num_groups: int, skip_observations: bool = False, is_weights: Array | None = None,
                    eps: float = 1e-8) -> Array:
     """``[R, N]`` Optimal Token Baseline advantages (module docstring).
+
+    Paper: Li et al. 2026 (arXiv:2602.07078), equation number not checked: the paper's text is not available offline.
 
     Args:
       rewards: ``[R]`` sequence rewards (the return-to-go of every loss token).

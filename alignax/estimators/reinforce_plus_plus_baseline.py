@@ -10,8 +10,14 @@ completion weighs more than a short one in the statistics. This differs from
 ``grpo.advantage: reinforce_pp`` with ``grpo.reinforce_baseline: true``, which whitens per
 *sequence* and does not re-centre.
 
-Sources. Equation number not checked: paper text unavailable (arXiv:2501.03262's text could
-not be read). The formula is verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage``
+Sources. Hu et al. 2025, equation number not checked: the paper's text is not available offline
+(the stored pages, https://arxiv.org/html/2501.03262v9 and
+https://www.sciencestack.ai/paper/2501.03262v9, hold the abstract and the start of the
+introduction only). The figure-1 caption, quoted by
+https://liner.com/review/reinforce-simple-and-efficient-approach-for-aligning-large-language-models,
+gives the same two steps, unnumbered: "a group-mean subtraction followed by global batch
+normalization"; whether the batch statistics are over tokens or sequences is not said there. The
+formula is verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage``
 (``verl/trainer/ppo/core_algos.py``: group mean, baseline 0 for a group of one, then
 ``masked_whiten`` over the response tokens), followed exactly; ``masked_whiten`` there and
 ``alignax.ops.masked_whiten`` here both use the unbiased token variance.
@@ -31,7 +37,9 @@ Array = jax.Array
 
 def reinforce_pp_baseline_advantages(rewards: Array, loss_mask: Array, *, group_ids: Array, num_groups: int) -> Array:
     """``[R, N]``: group-mean-centred rewards of ``rewards [R]`` whitened over the tokens of
-    ``loss_mask [R, N]``. Rows without a loss token are 0 and do not enter the statistics."""
+    ``loss_mask [R, N]``. Rows without a loss token are 0 and do not enter the statistics.
+
+    Paper: Hu et al. 2025 (arXiv:2501.03262), equation number not checked: the paper's text is not available offline."""
     r = _f32(rewards).reshape(-1)
     ids = flat_groups(group_ids, num_groups, r.shape[0])
     count = segment(jnp.ones_like(r), ids, num_groups)

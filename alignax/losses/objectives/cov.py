@@ -1,19 +1,19 @@
 """Clip-Cov and KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
-Reasoning Language Models", Section 4; verl's ``clip_cov`` and ``kl_cov``).
+Reasoning Language Models", arXiv:2505.22617; verl's ``clip_cov`` and ``kl_cov``).
 
 The paper shows the policy's entropy falls in proportion to the covariance, over tokens,
 between a token's log-prob and its advantage, and that a tiny fraction of tokens with
 outlying covariance drives the collapse. Per response token, with batch means over the
 response tokens of the arrays given (stop-gradient):
 
-    Cov_t = (A_t - mean(A)) * (logps_t - mean(logps))                        (eq. 11)
+    Cov_t = (A_t - mean(A)) * (logps_t - mean(logps))
 
-- **Clip-Cov** (eq. 12): among the tokens PPO-clip did not already clip whose ``Cov_t`` lies
+- **Clip-Cov**: among the tokens PPO-clip did not already clip whose ``Cov_t`` lies
   in ``(clip_cov_lb, clip_cov_ub)``, draw ``k = max(floor(clip_cov_ratio * N), 1)`` at random
   (``N`` response tokens) and drop them from the loss (their gradient, and as in verl their
   value: ``l_t = 0``); the rest keep PPO-clip's
   ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``.
-- **KL-Cov** (eq. 13): the ``k = max(floor(kl_cov_ratio * N), 1)`` tokens of largest
+- **KL-Cov**: the ``k = max(floor(kl_cov_ratio * N), 1)`` tokens of largest
   ``Cov_t`` get a KL penalty, ``l_t = -A_t r_t + kl_cov_coef * |logps_t - old_logps_t|``;
   every other token ``l_t = -A_t r_t`` (no clip). Ties at the k-th value are all penalised.
 
@@ -24,9 +24,13 @@ the trainer passes the step's); without it the draw uses ``jax.random.key(0)``.
 Metrics: ``cov_selected``: the fraction of tokens chosen (Clip-Cov: detached; KL-Cov:
 penalised); Clip-Cov's ``clipfrac_*`` are PPO-clip's.
 
-Sources. Equation numbers not checked: paper text unavailable (arXiv:2505.22617's text could
-not be read): "Section 4" and eqs. 11-13 above are unverified, not from the paper's text. The
-formulas are verl's ``compute_policy_loss_clip_cov`` / ``compute_policy_loss_kl_cov``
+Sources. Cui et al. 2025, equation number not checked: the paper's text is not available offline
+(the stored pages, https://arxiv.org/html/2505.22617v1 and its mirrors, hold the abstract and
+author list only; the abstract says the entropy change "is driven by the covariance between
+action probability and the change in logits, which is proportional to its advantage", with no
+formula). The section and equation numbers this docstring used to give (Section 4, eqs. 11-13)
+were never read in the paper and are removed. The formulas are verl's
+``compute_policy_loss_clip_cov`` / ``compute_policy_loss_kl_cov``
 (``verl/trainer/ppo/core_algos.py``, adapted from the authors' PRIME-RL/Entropy-Mechanism-of-RL
 code), which alignax follows: the same covariance, band, PPO-clip exclusion (verl: where the
 clipped branch is strictly larger), ``max(floor(ratio N), 1)`` and random draw for Clip-Cov,
@@ -46,8 +50,8 @@ from alignax.losses.policy import _ppo_clip  # noqa: PLC2701 - PPO-clip's one de
 
 
 def token_covariance(logps: Array, advantages: Array, mask: Array) -> Array:
-    """``(A_t - mean A) (logps_t - mean logps)`` over the masked-in tokens (eq. 11), ``[B, T]``,
-    stop-gradient; 0 off the mask."""
+    """``(A_t - mean A) (logps_t - mean logps)`` over the masked-in tokens (``Cov_t`` in the
+    module docstring), ``[B, T]``, stop-gradient; 0 off the mask."""
     sg = jax.lax.stop_gradient
     logps, advantages = sg(logps), sg(advantages)
     cov = (advantages - ops.masked_mean(advantages, mask)) * (logps - ops.masked_mean(logps, mask))
@@ -85,8 +89,11 @@ def clip_cov_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask
                          clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
                          key: Array | None = None, aggregation: str = "token-mean",
                          **shared) -> tuple[Array, dict[str, Array]]:
-    """Clip-Cov (module docstring, eq. 12). Data ``[B, T]``; shared options as
-    :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``."""
+    """Clip-Cov (module docstring). Data ``[B, T]``; shared options as
+    :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
+
+    Paper: Cui et al. 2025 (arXiv:2505.22617), equation number not checked:
+    the paper's text is not available offline."""
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     check_nonnegative(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
     _check_ratio("clip_cov_ratio", clip_cov_ratio)
@@ -108,8 +115,11 @@ def clip_cov_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask
 def kl_cov_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask: Array, *,
                        kl_cov_ratio: float = 2e-4, kl_cov_coef: float = 1.0, aggregation: str = "token-mean",
                        **shared) -> tuple[Array, dict[str, Array]]:
-    """KL-Cov (module docstring, eq. 13). Data ``[B, T]``; shared options as
-    :mod:`alignax.losses.policy`'s (``clipfrac_*`` are 0: no clip). Returns ``(loss, metrics)``."""
+    """KL-Cov (module docstring). Data ``[B, T]``; shared options as
+    :mod:`alignax.losses.policy`'s (``clipfrac_*`` are 0: no clip). Returns ``(loss, metrics)``.
+
+    Paper: Cui et al. 2025 (arXiv:2505.22617), equation number not checked:
+    the paper's text is not available offline."""
     _check_ratio("kl_cov_ratio", kl_cov_ratio)
     check_nonnegative(kl_cov_coef=kl_cov_coef)
 

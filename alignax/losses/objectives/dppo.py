@@ -15,8 +15,8 @@ direction its advantage asks for (binary mask ``m_t``, stop-gradient):
     TV:  m_t = [p - q <= eps_high]  if A_t > 0,   [p - q >= -eps_low]  otherwise
     KL:  m_t = [D_t <= eps_high or p <= q]  if A_t > 0,   [D_t <= eps_low or p >= q]  otherwise
 
-and the per-token loss is the truncated-IS policy gradient (Section 5.4: no dual clip, a
-large cap instead)
+and the per-token loss is the truncated-IS policy gradient ("Section 5.4" in verl's comment,
+not checked: no dual clip, a large cap instead)
 
     l_t = -A_t * sg(min(r_t, c)) * m_t * logps_t,    r_t = exp(logps_t - old_logps_t)
 
@@ -26,12 +26,15 @@ fallback in verl's code and a "large threshold" as Section 5.4 asks; verl's acto
 carries ``clip_ratio_c: 3.0``, which its DPPO then reads, so a verl run caps at 3 unless set). Metrics: ``clipfrac_high`` / ``clipfrac_low``: tokens
 masked with ``A > 0`` / ``A <= 0``; ``ratio_capped``: tokens whose weight was truncated.
 
-Sources. Equation numbers not checked: paper text unavailable (only the abstract and
-introduction of arXiv:2602.04879 could be read); "Section 5.4" is the citation in verl's code
-comment, not checked against the paper. The masks, the binary KL (with its ``1e-8``) and the
-loss above are verl's ``compute_policy_loss_dppo_tv`` / ``compute_policy_loss_dppo_kl``
-(``verl/trainer/ppo/core_algos.py``), followed exactly; only the metrics are named differently
-(verl's ``pg_clipfrac`` is our ``clipfrac_low + clipfrac_high``).
+Sources. Qi et al. 2026, arXiv:2602.04879, equation number not checked: the paper's text is not
+available offline (the stored pages, https://arxiv.org/html/2602.04879v1 and the authors' README
+https://github.com/sail-sg/Stable-RL, hold the abstract, figure captions and usage only: "a mask
+based on a direct approximation of policy divergence (e.g., Total Variation)", with no formula).
+"Section 5.4" is the citation in verl's code comment, not checked against the paper. The masks,
+the binary KL (with its ``1e-8``) and the loss above are verl's ``compute_policy_loss_dppo_tv``
+/ ``compute_policy_loss_dppo_kl`` (``verl/trainer/ppo/core_algos.py``), followed exactly; only
+the metrics are named differently (verl's ``pg_clipfrac`` is our ``clipfrac_low +
+clipfrac_high``).
 """
 
 from __future__ import annotations
@@ -80,7 +83,9 @@ def dppo_tv_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask:
                         aggregation: str = "token-mean", **shared) -> tuple[Array, dict[str, Array]]:
     """DPPO-Binary-TV (module docstring). Data ``[B, T]`` (advantages ``[B, T]`` or ``[B]``);
     the shared options (aggregation, KL, entropy, TIS / rejection, masks) as
-    :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``."""
+    :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
+
+    Paper: Qi et al. 2026 (arXiv:2602.04879), equation number not checked: the paper's text is not available offline."""
     return run(_dppo("tv", clip_eps_low, clip_eps_high, dppo_ratio_cap), logps, old_logps, advantages, mask,
                aggregation=aggregation, **shared)
 
@@ -88,7 +93,9 @@ def dppo_tv_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask:
 def dppo_kl_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask: Array, *,
                         clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dppo_ratio_cap: float = 20.0,
                         aggregation: str = "token-mean", **shared) -> tuple[Array, dict[str, Array]]:
-    """DPPO-Binary-KL (module docstring); arguments as :func:`dppo_tv_policy_loss`."""
+    """DPPO-Binary-KL (module docstring); arguments as :func:`dppo_tv_policy_loss`.
+
+    Paper: Qi et al. 2026 (arXiv:2602.04879), equation number not checked: the paper's text is not available offline."""
     return run(_dppo("kl", clip_eps_low, clip_eps_high, dppo_ratio_cap), logps, old_logps, advantages, mask,
                aggregation=aggregation, **shared)
 

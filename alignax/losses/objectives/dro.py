@@ -1,5 +1,5 @@
 """DRO, direct reward optimisation (Richemond et al. 2024, "Offline Regularised Reinforcement
-Learning for Large Language Models Alignment", eq. 8, with ``pi_old`` in the reference's
+Learning for Large Language Models Alignment", arXiv:2405.19107, with ``pi_old`` in the reference's
 place as verl's ``dro`` does; Kimi k1.5 (2025) uses the same squared log-ratio regulariser).
 
 Per token, with ``lr_t = logps_t - old_logps_t``:
@@ -12,13 +12,18 @@ paper default that carries over (the paper's is for its own reward scale); like 
 be set (> 0). The log-ratio is clipped to +-20 as everywhere in the policy losses.
 ``clipfrac_*`` are 0.
 
-Sources. Equation number not checked: paper text unavailable (the "eq. 8" above is
-unverified, not from the paper's text). The loss is verl's ``compute_policy_loss_dro``
-(``verl/trainer/ppo/core_algos.py``) and ``docs/algo/dro.md``, followed exactly except that
-verl does not clip the log-ratio. Worked by hand, not read in the paper: if DRO's objective is
-``(1/2) (r - V - tau log(pi / pi_ref))^2`` per sample, its gradient in ``theta`` is
-``-tau (A - tau lr) grad logps`` with ``A = r - V``, ``tau`` times the gradient of the loss
-above with ``beta = tau`` and ``pi_old`` for ``pi_ref``.
+Sources. Richemond et al. 2024, equation number not checked: the paper's text is not available
+offline (the stored pages for arXiv:2405.19107 hold its abstract only); the "eq. 8" this
+docstring used to cite was never read in the paper and is removed. The same per-token objective,
+unnumbered, is Tinker's DRO loss (https://tinker-docs.thinkingmachines.ai/tinker/losses/dro:
+``E_{x~q}[log p_theta(x) A(x) - (1/2) beta (log p_theta(x) / q(x))^2]``, ``q`` the sampler),
+which matches the loss above with ``pi_old`` as ``q`` (Tinker sums over tokens; the aggregation
+here is the shared option). The loss is verl's ``compute_policy_loss_dro``
+(``verl/trainer/ppo/core_algos.py``) and ``docs/algo/dro.md``, followed exactly except that verl
+does not clip the log-ratio. Worked by hand, not read in the paper: if DRO's objective is
+``(1/2) (r - V - tau log(pi / pi_ref))^2`` per sample, its gradient in ``theta`` is ``-tau (A -
+tau lr) grad logps`` with ``A = r - V``, ``tau`` times the gradient of the loss above with
+``beta = tau`` and ``pi_old`` for ``pi_ref``.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from alignax.losses.objectives._base import Array, Objective, Surrogate, Tokens,
 def dro_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask: Array, *, dro_beta: float,
                     aggregation: str = "token-mean", **shared) -> tuple[Array, dict[str, Array]]:
     """DRO (module docstring). Data ``[B, T]``; ``dro_beta`` > 0; shared options as
-    :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``."""
+    :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
+
+    Paper: Richemond et al. 2024 (arXiv:2405.19107), equation number not checked:
+    the paper's text is not available offline."""
     if dro_beta is None or (is_concrete_number(dro_beta) and dro_beta <= 0):
         raise ValueError(f"dro_beta must be > 0 (the weight of the squared log-ratio to pi_old); got {dro_beta}")
 

@@ -19,15 +19,21 @@ also averages in empty rows, which add 0), and the shared aggregation modes appl
 ``clipfrac_high`` / ``clipfrac_low``: tokens whose clipped log-ratio was chosen with
 ``A > 0`` / ``A < 0``; ``ratio_*`` report ``s_i``.
 
-Sources. Equation number not checked: paper text unavailable (only the abstract and
-introduction of arXiv:2507.20673 could be read; the "eq. 4" this docstring used to cite was
-never checked). The formula is verl's ``compute_policy_loss_geo_mean``
-(``verl/trainer/ppo/core_algos.py``, adapted from the authors' ``train_zero_math_gmpo.py``),
-which alignax follows for the value and gradient. Where they differ: verl takes a row's
-advantage as its token mean and averages over every row, empty ones included; verl's clip
-metrics count tokens whose log-ratio is outside the band whatever side ``min`` took; and a
-rollout-correction weight multiplies each token here (so a row carries the arithmetic mean of
-its token weights) where verl multiplies the row by their geometric mean.
+Sources. Zhao et al. 2025, equation number not checked: the paper's text is not available
+offline (the stored pages, https://arxiv.org/html/2507.20673v3,
+https://www.sciencestack.ai/paper/2507.20673 and
+https://en.papernotes.org/ICLR2026/reinforcement_learning/geometric-mean_policy_optimization/,
+hold the abstract, figure 1 and the motivation only; the "eq. 4" this docstring used to cite was
+never read in the paper). TRL's GMPO page (https://hfproxy.873968684.xyz/docs/trl/main/gmpo.md)
+describes the same clip, unnumbered: "per token, in log space, and one-sided per the advantage
+sign ... before the geometric mean is taken", range ``(exp(-0.4), exp(0.4))`` ("paper, Sec. 4"
+in TRL's comment, not checked), which the formula above matches. The formula is verl's
+``compute_policy_loss_geo_mean`` (``verl/trainer/ppo/core_algos.py``, adapted from the authors'
+``train_zero_math_gmpo.py``), which alignax follows for the value and gradient. Where they
+differ: verl takes a row's advantage as its token mean and averages over every row, empty ones
+included; verl's clip metrics count tokens whose log-ratio is outside the band whatever side
+``min`` took; and a rollout-correction weight multiplies each token here (so a row carries the
+arithmetic mean of its token weights) where verl multiplies the row by their geometric mean.
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ def geo_mean_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask
                          aggregation: str = "seq-mean-token-mean", **shared) -> tuple[Array, dict[str, Array]]:
     """GMPO (module docstring). Data ``[B, T]`` (advantages ``[B, T]`` or ``[B]``);
     ``clip_eps_high=None`` means ``clip_eps_low``; shared options as
-    :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``."""
+    :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
+
+    Paper: Zhao et al. 2025 (arXiv:2507.20673), equation number not checked:
+    the paper's text is not available offline."""
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     check_nonnegative(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
 

@@ -1,4 +1,4 @@
-"""VESPO, variational sequence-level soft policy optimisation (arXiv 2602.10693, Section 3.4;
+"""VESPO, variational sequence-level soft policy optimisation (Shen et al. 2026, arXiv 2602.10693;
 TRL 1.16's ``loss_type="vespo"``, ``GRPOTrainer.get_gamma_weights``).
 
 In place of a clip, the gradient of each completion is scaled by a smooth, asymmetric
@@ -17,10 +17,15 @@ correction ``pi_old / pi_sampler`` is folded into ``W`` (in log space, as TRL fo
 as 0. Default aggregation ``token-mean`` (TRL normalises VESPO by the token count).
 Metrics: ``vespo_phi_mean``: the masked mean of ``phi``; ``clipfrac_*`` are 0.
 
-Sources. Equation number not checked: paper text unavailable (arXiv:2602.10693's text could
-not be read; "Section 3.4" above is unverified). verl has no VESPO; the formula is TRL's
-``GRPOTrainer.get_gamma_weights`` (``phi(W) = e^lambda W^k e^(-lambda W)``, the summed token
-log-ratios clipped to ``[log 1e-8, 20]``, by the sign of ``A``), which alignax follows.
+Sources. Shen et al. 2026, equation number not checked: the paper's text is not available
+offline (the stored pages, https://arxiv.org/html/2602.10693v1 and v3, hold the abstract and the
+start of the introduction: "a closed-form reshaping kernel that operates directly on
+sequence-level importance weights without length normalization", which the summed, not averaged,
+log-ratios above agree with; the kernel's formula is not in them). The "Section 3.4" this
+docstring used to cite was never read in the paper and is removed. verl has no VESPO; the
+formula is TRL's ``GRPOTrainer.get_gamma_weights`` (``phi(W) = e^lambda W^k e^(-lambda W)``, the
+summed token log-ratios clipped to ``[log 1e-8, 20]``, by the sign of ``A``), which alignax
+follows.
 """
 
 from __future__ import annotations
@@ -50,7 +55,10 @@ def vespo_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask: A
                       vespo_lambda_neg: float = 2.0, aggregation: str = "token-mean",
                       **shared) -> tuple[Array, dict[str, Array]]:
     """VESPO (module docstring). Data ``[B, T]`` (advantages ``[B, T]`` or ``[B]``); shared
-    options as :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``."""
+    options as :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
+
+    Paper: Shen et al. 2026 (arXiv:2602.10693), equation number not checked:
+    the paper's text is not available offline."""
     check_nonnegative(vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                       vespo_lambda_neg=vespo_lambda_neg)
 
