@@ -331,5 +331,7 @@ def test_a_policy_update_threshold_outside_its_range_is_refused_at_load(override
 
     with pytest.raises(ConfigError, match=message):
         load_config(os.path.join(ROOT, "configs", "tiny-grpo.yaml"), [override])
+    with pytest.raises(ConfigError, match=message.replace("grpo.", "ppo.")):  # PPO's section, its own name
+        load_config(os.path.join(ROOT, "configs", "tiny-ppo.yaml"), [override.replace("grpo.", "ppo.")])
     assert load_config(os.path.join(ROOT, "configs", "tiny-grpo.yaml"),
                        ["grpo.off_policy_mask_threshold=1e-5", "grpo.top_entropy_quantile=1"]).grpo.top_entropy_quantile == 1

@@ -489,7 +489,7 @@ TINY_DISTILL = "configs/tiny-onpolicy-distill.yaml"
 def test_the_estimate_prices_as_the_trainer_does(path, overrides, single):
     """The estimate counts the collector's old-log-prob pass exactly when the trainer runs
     it: the trainer's flag is ``collect.single_update`` of the algorithm its entry builds
-    (tests/test_online.py checks ``OnlineTrainer.single_pass`` is that)."""
+    (the trainer's default ``single_pass``, ``OnlineTrainer.__init__``, is that call)."""
     from alignax.trainers.algorithms import algorithm
     from alignax.trainers.online.collect import single_update
 

@@ -714,6 +714,10 @@ def test_chained_ratio_bounds_are_checked():
         sampler_correction(x, m, rejection={"token": 2.0})
     with pytest.raises(TypeError, match="rejection must be one of token, sequence, geometric or map them"):
         sampler_correction(x, m, rejection=["token", "geometric"])
+    with pytest.raises(ValueError, match=r"rejection maps no criterion; name one .* or set null"):
+        sampler_correction(x, m, rejection={})
+    with pytest.raises(TypeError, match=r"rejection.token must be \[lo, hi\], two numbers"):
+        sampler_correction(x, m, rejection={"token": ("a", "b")})
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ a long completion weighs more in its statistics).
 ``grpo.reward_aggregation: normalize_then_sum`` (TRL's key) is this estimator; the default
 ``sum_then_normalize`` normalises the total reward, as GRPO always has.
 
-Sources. Liu et al. 2026, equation number not checked: the paper's text is not available offline
+Sources. Liu et al. 2026, equation number not checked:
+the stored copies of the paper read here hold only its abstract and introduction
 (no stored page holds its text past the abstract). Two summaries describe the same three steps,
 unnumbered: https://xinzhang-ops.github.io/daily_paper/dailies/pages/2026-01-09.html
 ("group-wise normalization for each reward separately before aggregation, followed by batch-wise
@@ -73,7 +74,7 @@ def gdpo_advantages(components: Array, weights: Array, *, group_ids: Array, num_
     (all-equal sums give exactly 0).
 
     Paper: Liu et al. 2026 (arXiv:2601.05242), equation number not checked:
-    the paper's text is not available offline."""
+    the stored copies of the paper read here hold only its abstract and introduction."""
     summed = normalize_then_sum(components, weights, group_ids=group_ids, num_groups=num_groups,
                                 unbiased_std=unbiased_std, eps=eps)
     batch = _GroupStats(summed, jnp.ones_like(summed, bool), jnp.zeros(summed.shape, jnp.int32), 1)

@@ -10,7 +10,8 @@ with ``B`` the rollout's rows and ``F_norm = 1`` (verl's default, as the paper's
 one sample gets the baseline 0 (``A = alpha r``), as verl's. Pair it with
 ``grpo.policy_loss: pg`` for the paper's unclipped objective.
 
-Sources. Chu et al. 2025, equation number not checked: the paper's text is not available offline
+Sources. Chu et al. 2025, equation number not checked:
+the stored copies of the paper read here hold only its abstract and introduction
 (the stored page https://arxiv.org/html/2504.02546v3 holds the abstract and introduction only).
 The authors' README (AMAP-ML/GPG) writes the correction ``alpha = B / (B - M)`` with ``M`` the
 invalid samples and ``F_norm`` 1 or the group std; verl's ``compute_gpg_outcome_advantage``
@@ -38,7 +39,7 @@ def gpg_advantages(rewards: Array, *, group_ids: Array, num_groups: int, f_norm:
     """``[R]`` GPG sequence advantages of ``rewards [R]`` in groups ``group_ids`` (module docstring).
 
     Paper: Chu et al. 2025 (arXiv:2504.02546), equation number not checked:
-    the paper's text is not available offline."""
+    the stored copies of the paper read here hold only its abstract and introduction."""
     r = _f32(rewards).reshape(-1)
     ids = flat_groups(group_ids, num_groups, r.shape[0])
     count = segment(jnp.ones_like(r), ids, num_groups)

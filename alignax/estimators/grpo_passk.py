@@ -38,7 +38,7 @@ def passk_advantages(rewards: Array, *, group_ids: Array, num_groups: int, norma
     (``[0, num_groups)``, any order and sizes). No gradient flows (they are targets).
 
     Paper: Tang et al. 2025 (arXiv:2503.19595), equation number not checked:
-    the paper's text is not available offline."""
+    the stored copies of the paper read here hold only its abstract and introduction."""
     r = _f32(rewards).reshape(-1)
     ids = flat_groups(group_ids, num_groups, r.shape[0])
     rows = jnp.arange(r.shape[0])

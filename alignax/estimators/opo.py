@@ -11,7 +11,8 @@ on every loss token of row ``i``. ``l_i`` counts row ``i``'s loss tokens. A grou
 sample gets ``b = 0`` (``A = r``), as verl's; a group whose rows have no loss token gets
 ``b = 0`` too (its advantages are masked away anyway).
 
-Sources. Hao et al. 2025, equation number not checked: the paper's text is not available offline
+Sources. Hao et al. 2025, equation number not checked:
+the stored copies of the paper read here hold only its abstract and introduction
 (the stored page https://arxiv.org/html/2505.23585v2 holds the abstract and introduction only).
 Two reviews give the same baseline, unnumbered:
 https://www.themoonlight.io/review/on-policy-rl-with-optimal-reward-baseline (``b* = E[||grad
@@ -40,7 +41,7 @@ def opo_advantages(rewards: Array, loss_mask: Array, *, group_ids: Array, num_gr
     """``[R, N]`` OPO advantages of ``rewards [R]`` with lengths from ``loss_mask [R, N]``.
 
     Paper: Hao et al. 2025 (arXiv:2505.23585), equation number not checked:
-    the paper's text is not available offline."""
+    the stored copies of the paper read here hold only its abstract and introduction."""
     r = _f32(rewards).reshape(-1)
     ids = flat_groups(group_ids, num_groups, r.shape[0])
     mask = jnp.asarray(loss_mask, jnp.float32)

@@ -34,7 +34,8 @@ loss's old log-probs are the sampler's, but the estimator still reads the learne
 never the sampler's ``pi(y_j)`` beside the learner's ``sum pi^2`` (verl's bypass mode computes
 no ``sum_pi_squared`` at all, so verl runs OTB only with recomputed old log-probs).
 
-Sources. Li et al. 2026, equation number not checked: the paper's text is not available offline
+Sources. Li et al. 2026, equation number not checked:
+the stored copies of the paper read here hold only its abstract and introduction
 (the stored page https://arxiv.org/html/2602.07078v1 holds the abstract and the start of the
 introduction only). The squared logit-gradient form of the proxy agrees with the first author's
 note "Logit Dynamics in Softmax Policy Gradient Methods"
@@ -97,7 +98,8 @@ def otb_advantages(rewards: Array, loss_mask: Array, old_logps: Array, sum_pi_sq
                    eps: float = 1e-8) -> Array:
     """``[R, N]`` Optimal Token Baseline advantages (module docstring).
 
-    Paper: Li et al. 2026 (arXiv:2602.07078), equation number not checked: the paper's text is not available offline.
+    Paper: Li et al. 2026 (arXiv:2602.07078), equation number not checked:
+    the stored copies of the paper read here hold only its abstract and introduction.
 
     Args:
       rewards: ``[R]`` sequence rewards (the return-to-go of every loss token).

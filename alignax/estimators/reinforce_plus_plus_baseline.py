@@ -10,7 +10,8 @@ completion weighs more than a short one in the statistics. This differs from
 ``grpo.advantage: reinforce_pp`` with ``grpo.reinforce_baseline: true``, which whitens per
 *sequence* and does not re-centre.
 
-Sources. Hu et al. 2025, equation number not checked: the paper's text is not available offline
+Sources. Hu et al. 2025, equation number not checked:
+the stored copies of the paper read here hold only its abstract and introduction
 (the stored pages, https://arxiv.org/html/2501.03262v9 and
 https://www.sciencestack.ai/paper/2501.03262v9, hold the abstract and the start of the
 introduction only). The figure-1 caption, quoted by
@@ -39,7 +40,8 @@ def reinforce_pp_baseline_advantages(rewards: Array, loss_mask: Array, *, group_
     """``[R, N]``: group-mean-centred rewards of ``rewards [R]`` whitened over the tokens of
     ``loss_mask [R, N]``. Rows without a loss token are 0 and do not enter the statistics.
 
-    Paper: Hu et al. 2025 (arXiv:2501.03262), equation number not checked: the paper's text is not available offline."""
+    Paper: Hu et al. 2025 (arXiv:2501.03262), equation number not checked:
+    the stored copies of the paper read here hold only its abstract and introduction."""
     r = _f32(rewards).reshape(-1)
     ids = flat_groups(group_ids, num_groups, r.shape[0])
     count = segment(jnp.ones_like(r), ids, num_groups)

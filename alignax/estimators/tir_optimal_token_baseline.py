@@ -6,7 +6,8 @@ over the policy's own tokens only: the observation tokens an environment or tool
 skipped, so the ``k``-th token the policy chose in each trajectory shares a baseline with the
 ``k``-th of the others, wherever the tool outputs fell.
 
-Sources. Li et al. 2026, equation number not checked: the paper's text is not available offline
+Sources. Li et al. 2026, equation number not checked:
+the stored copies of the paper read here hold only its abstract and introduction
 (the stored page https://arxiv.org/html/2602.07078v1 holds the abstract and the start of the
 introduction only). The variant is verl's
 ``compute_multi_turn_optimal_token_baseline_advantage``, which alignax follows: it packs each
@@ -24,7 +25,8 @@ from alignax.estimators.optimal_token_baseline import otb_advantages
 def advantages(x, section, num_groups: int):
     """``[R, N]`` OTB advantages, positions counted over loss tokens only.
 
-    Paper: Li et al. 2026 (arXiv:2602.07078), equation number not checked: the paper's text is not available offline."""
+    Paper: Li et al. 2026 (arXiv:2602.07078), equation number not checked:
+    the stored copies of the paper read here hold only its abstract and introduction."""
     del section  # no options
     return otb_advantages(x.rewards, x.loss_mask, x.stat_logps, x.sum_pi_squared, group_ids=x.group_ids,
                           num_groups=num_groups, skip_observations=True, is_weights=x.is_weights)

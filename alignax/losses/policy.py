@@ -43,7 +43,9 @@ Options shared by every loss (one private driver, :func:`_policy_loss`, applies 
   "DeepSeek-V3.2", eq. 9; TRL's ``off_policy_mask_threshold``): the policy term of a token
   with a negative advantage is dropped when its sequence has drifted, on average per token,
   more than ``delta`` nats from ``old_logps`` (:func:`off_policy_sequence_mask`). The
-  entropy and KL terms keep every token.
+  entropy and KL terms keep every token. ``delta = 0`` is allowed here but refused in a
+  config: on-policy, ``old_logps`` from a separate pricing pass equal ``logps`` only to
+  float32 rounding, so 0 would mask on that rounding.
 - ``ref_logps`` ``[B, T]`` with ``kl_coef`` and ``kl_kind``: ``loss += kl_coef *
   agg(KL_t)`` with ``KL_t = kl_estimate(logps, sg(ref_logps), kind=kl_kind)`` — the GRPO
   placement of the KL term (Shao et al. 2024); ``k3`` by default. ``kl_importance_weight``
@@ -294,6 +296,8 @@ def check_rejection(rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None,
         unknown = sorted(set(rejection) - set(REJECTIONS))
         if unknown:
             raise ValueError(f"{key} has unknown criteria {unknown}; valid: {', '.join(REJECTIONS)}")
+        if not rejection:
+            raise ValueError(f"{key} maps no criterion; name one ({', '.join(REJECTIONS)}) or set null (no rejection)")
         criteria, where = dict(rejection), {name: f"{key}.{name}" for name in rejection}
     else:
         raise TypeError(f"{key} must be one of {', '.join(REJECTIONS)} or map them to [lo, hi] bounds, e.g. "
@@ -302,6 +306,9 @@ def check_rejection(rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None,
         if isinstance(pair, (str, bytes)) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(f"{where[name]} must be [lo, hi], bounds on the ratio pi / pi_sampler; got {pair!r}")
         lo, hi = pair
+        if not all(is_concrete_number(b) or isinstance(b, jax.Array) for b in pair):  # an array may be traced
+            raise TypeError(f"{where[name]} must be [lo, hi], two numbers bounding the ratio pi / pi_sampler; "
+                            f"got {pair!r}")
         if is_concrete_number(lo) and is_concrete_number(hi) and not 0 < lo <= hi:  # also refuses NaN
             raise ValueError(f"{where[name]} must be 0 < lo <= hi on the ratio pi / pi_sampler; got {tuple(pair)}")
     return {name: tuple(pair) for name, pair in criteria.items()}

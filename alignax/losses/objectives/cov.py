@@ -24,7 +24,8 @@ the trainer passes the step's); without it the draw uses ``jax.random.key(0)``.
 Metrics: ``cov_selected``: the fraction of tokens chosen (Clip-Cov: detached; KL-Cov:
 penalised); Clip-Cov's ``clipfrac_*`` are PPO-clip's.
 
-Sources. Cui et al. 2025, equation number not checked: the paper's text is not available offline
+Sources. Cui et al. 2025, equation number not checked:
+the stored copies of the paper read here hold only its abstract and introduction
 (the stored pages, https://arxiv.org/html/2505.22617v1 and its mirrors, hold the abstract and
 author list only; the abstract says the entropy change "is driven by the covariance between
 action probability and the change in logits, which is proportional to its advantage", with no
@@ -93,7 +94,7 @@ def clip_cov_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask
     :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
 
     Paper: Cui et al. 2025 (arXiv:2505.22617), equation number not checked:
-    the paper's text is not available offline."""
+    the stored copies of the paper read here hold only its abstract and introduction."""
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     check_nonnegative(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
     _check_ratio("clip_cov_ratio", clip_cov_ratio)
@@ -119,7 +120,7 @@ def kl_cov_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask: 
     :mod:`alignax.losses.policy`'s (``clipfrac_*`` are 0: no clip). Returns ``(loss, metrics)``.
 
     Paper: Cui et al. 2025 (arXiv:2505.22617), equation number not checked:
-    the paper's text is not available offline."""
+    the stored copies of the paper read here hold only its abstract and introduction."""
     _check_ratio("kl_cov_ratio", kl_cov_ratio)
     check_nonnegative(kl_cov_coef=kl_cov_coef)
 

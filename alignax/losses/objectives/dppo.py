@@ -85,7 +85,8 @@ def dppo_tv_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask:
     the shared options (aggregation, KL, entropy, TIS / rejection, masks) as
     :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
 
-    Paper: Qi et al. 2026 (arXiv:2602.04879), equation number not checked: the paper's text is not available offline."""
+    Paper: Qi et al. 2026 (arXiv:2602.04879), equation number not checked:
+    the stored copies of the paper read here hold only its abstract and introduction."""
     return run(_dppo("tv", clip_eps_low, clip_eps_high, dppo_ratio_cap), logps, old_logps, advantages, mask,
                aggregation=aggregation, **shared)
 
@@ -95,7 +96,8 @@ def dppo_kl_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask:
                         aggregation: str = "token-mean", **shared) -> tuple[Array, dict[str, Array]]:
     """DPPO-Binary-KL (module docstring); arguments as :func:`dppo_tv_policy_loss`.
 
-    Paper: Qi et al. 2026 (arXiv:2602.04879), equation number not checked: the paper's text is not available offline."""
+    Paper: Qi et al. 2026 (arXiv:2602.04879), equation number not checked:
+    the stored copies of the paper read here hold only its abstract and introduction."""
     return run(_dppo("kl", clip_eps_low, clip_eps_high, dppo_ratio_cap), logps, old_logps, advantages, mask,
                aggregation=aggregation, **shared)
 

@@ -40,7 +40,7 @@ def dro_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask: Arr
     :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
 
     Paper: Richemond et al. 2024 (arXiv:2405.19107), equation number not checked:
-    the paper's text is not available offline."""
+    the stored copies of the paper read here hold only its abstract and introduction."""
     if dro_beta is None or (is_concrete_number(dro_beta) and dro_beta <= 0):
         raise ValueError(f"dro_beta must be > 0 (the weight of the squared log-ratio to pi_old); got {dro_beta}")
 

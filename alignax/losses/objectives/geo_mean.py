@@ -53,7 +53,7 @@ def geo_mean_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask
     :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
 
     Paper: Zhao et al. 2025 (arXiv:2507.20673), equation number not checked:
-    the paper's text is not available offline."""
+    the stored copies of the paper read here hold only its abstract and introduction."""
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     check_nonnegative(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
 

@@ -58,7 +58,7 @@ def vespo_policy_loss(logps: Array, old_logps: Array, advantages: Array, mask: A
     options as :mod:`alignax.losses.policy`'s. Returns ``(loss, metrics)``.
 
     Paper: Shen et al. 2026 (arXiv:2602.10693), equation number not checked:
-    the paper's text is not available offline."""
+    the stored copies of the paper read here hold only its abstract and introduction."""
     check_nonnegative(vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                       vespo_lambda_neg=vespo_lambda_neg)
 
