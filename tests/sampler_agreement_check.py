@@ -25,20 +25,34 @@ SETTINGS = {"mesh": {"mesh": {"shape": [2, 2, 2]}},
 
 def one_rollout(model_dir, dtype: str, sections: dict) -> dict:
     """The agreement figures of one priced rollout (the separate old-log-prob pass) and
-    what NumPy makes of the same arrays."""
+    what NumPy makes of the same arrays; in bfloat16 also ``learner_bf16_error``, the
+    learner's largest difference from a float32 pass over the same sequences on the same
+    mesh (the test's bound is twice it: test_sampler_agreement.bf16_bound says why)."""
     rollout = {"temperature": 0.7, **sections.get("rollout", {})}
-    with tempfile.TemporaryDirectory() as tmp:
+
+    def trainer_in(tmp, compute: str):
         config = toy_config(tmp, model_dir, "grpo", steps=1, checkpoint={"enabled": False},
-                            precision={"compute_dtype": dtype}, data={"eval_fraction": 0.0},
+                            precision={"compute_dtype": compute}, data={"eval_fraction": 0.0},
                             **{**sections, "rollout": rollout})
-        trainer = OnlineTrainer(config, grpo.build_algorithm(config), records=toy_prompts(16), single_pass=False)
+        return OnlineTrainer(config, grpo.build_algorithm(config), records=toy_prompts(16), single_pass=False)
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = trainer_in(tmp, dtype)
         state, frozen = trainer.start()
         batches = trainer.data.iterator("train")
         batch = trainer.collect(state, frozen, next(batches), batches)
     mask = np.asarray(jax.device_get(batch.response_mask)) > 0
+    if dtype == "bfloat16":
+        with tempfile.TemporaryDirectory() as tmp:
+            reference = trainer_in(tmp, "float32")
+            placed = tuple(reference.actors.place(a) for a in batch.groups.full_sequences())
+            float32 = reference.actors.forward(reference.actors.whole_policy(reference.start()[0].params), *placed)[0]
+        error = np.abs(np.asarray(jax.device_get(batch.recomputed), np.float64) - np.asarray(jax.device_get(float32)))
+        out["learner_bf16_error"] = float(error[mask].max())
     gap = np.abs(np.asarray(jax.device_get(batch.recomputed), np.float64)
                  - np.asarray(jax.device_get(batch.rollout.sampler_logps), np.float64))[mask]
-    return {"figures": {k: v for k, v in batch.figures.items() if k.startswith("agreement/")},
+    return {**out, "figures": {k: v for k, v in batch.figures.items() if k.startswith("agreement/")},
             "numpy": {"mean": float(gap.mean()), "max": float(gap.max()), "share": float(np.mean(gap > 1e-3)),
                       "tokens": int(mask.sum())},
             "sampler_devices": len(trainer.actors.sampler_mesh.devices.flat),
