@@ -10,6 +10,7 @@ than a chunk header is zero padding. Each record is a ``wandb.proto.wandb_intern
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 _BLOCK, _HEADER, _CHUNK = 32 * 1024, 7, 7
@@ -32,6 +33,8 @@ def records(path: str) -> Iterator[object]:
         if kind == 0:  # a zeroed chunk: padding to the block's end
             pos += _BLOCK - pos % _BLOCK
             continue
+        if pos + _CHUNK + length > len(data):  # a chunk the writer has not finished: read it next time
+            break
         parts.append(data[pos + _CHUNK:pos + _CHUNK + length])
         pos += _CHUNK + length
         if kind in (_FULL, _LAST):
@@ -65,9 +68,19 @@ def config(path: str) -> dict[str, object]:
     return out
 
 
-def exit_code(path: str) -> int:
-    """The exit code the run was finished with (its ``exit`` record; 0: finished, else failed)."""
-    codes = [record.exit.exit_code for record in records(path) if record.WhichOneof("record_type") == "exit"]
-    if not codes:
-        raise ValueError(f"{path}: the run has no exit record (it was not finished)")
-    return codes[-1]
+def exit_code(path: str, *, wait_s: float = 30.0) -> int:
+    """The exit code the run was finished with (its ``exit`` record; 0: finished, else failed).
+
+    wandb's service process writes the file: ``run.finish()`` returns once the service has the
+    exit, and the record reaches the file a moment later (seen missing right after ``finish``
+    about one read in four under load; it is there when the process ends, as wandb's exit hook
+    waits for the service). So the file is read again for up to ``wait_s`` seconds before a
+    missing record is an error."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        codes = [record.exit.exit_code for record in records(path) if record.WhichOneof("record_type") == "exit"]
+        if codes:
+            return codes[-1]
+        if time.monotonic() > deadline:
+            raise ValueError(f"{path}: the run has no exit record after {wait_s:g} s (it was not finished)")
+        time.sleep(0.2)
