@@ -15,9 +15,9 @@ Stages, all through ``alignax.trainers.api`` on this machine:
    response budget) on the one-digit set and the first ``--two-digit`` two-digit sums.
 
 Writes one JSON object (``--json``, default ``<out>/distill_smollm2.json``): settings, each
-model's accuracy on each set, the share of the teacher's gain the student recovers
-(``(student - base) / (teacher - base)``, null where the teacher gained nothing), seconds per
-stage and the load average at the start and the end.
+model's accuracy on each set (with the half-width of its 95% interval), the share of the
+teacher's gain the student recovers (``(student - base) / (teacher - base)``, null where the
+teacher gained nothing), seconds per stage and the load average at the start and the end.
 
     nice -n 10 .venv/bin/python tools/studies/distill_smollm2.py --out runs/distill-study \\
         --teacher-steps 16 --distill-steps 16 --json docs/results/distill_smollm2.json
@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -90,6 +91,13 @@ def train_teacher(args, paths) -> tuple[str, dict]:
                     "reward_last": rewards[-1], "config": "configs/demo-grpo.yaml from the base model"}
 
 
+def interval_95(figures: dict) -> float:
+    """Half-width of the 95% interval of a greedy accuracy, 1.96 standard errors (the demo's
+    ``fraction``, so the figures read as the README's demo table does)."""
+    n, p = int(figures["prompts"]), figures["accuracy"]
+    return 1.96 * math.sqrt(p * (1 - p) / n)
+
+
 def recovered(figures: dict, set_name: str) -> float | None:
     base, teacher, student = (figures[m][set_name]["accuracy"] for m in ("base", "teacher", "student"))
     return None if teacher <= base else (student - base) / (teacher - base)
@@ -135,7 +143,8 @@ def main(argv=None) -> int:
                      "recipe": "configs/onpolicy-distill.yaml", "command": " ".join(["tools/studies/distill_smollm2.py",
                                                                                      *(argv or sys.argv[1:])])},
         "accuracy": {m: {s: {"correct": round(f[s]["accuracy"] * f[s]["prompts"]), "prompts": int(f[s]["prompts"]),
-                             "accuracy": f[s]["accuracy"]} for s in sets} for m, f in figures.items()},
+                             "accuracy": f[s]["accuracy"], "interval_95": interval_95(f[s])} for s in sets}
+                     for m, f in figures.items()},
         "recovered_share_of_teacher_gain": {s: recovered(figures, s) for s in sets},
         # the sampled KL to the teacher (both estimators); the exact one's full-vocabulary figures
         "student_run": {f"{key}_{end}": row.get(key) for key in ("kl/ref_k1", "divergence", "teacher_agreement")
