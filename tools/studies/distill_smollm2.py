@@ -48,6 +48,7 @@ def parse_args(argv):
     p.add_argument("--distill-steps", type=int, default=16)
     p.add_argument("--estimator", choices=("exact", "sampled"), default="exact")
     p.add_argument("--lr", type=float, default=5e-6, help="the student's learning rate")
+    p.add_argument("--seed", type=int, default=0, help="the student run's train.seed and data.seed (sampling, prompt order)")
     p.add_argument("--two-digit", type=int, default=128, help="how many of the 128 two-digit sums to judge")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -118,7 +119,8 @@ def main(argv=None) -> int:
     config = api.load_config(os.path.join(ROOT, "configs/onpolicy-distill.yaml"), [
         f"output_dir={args.out}/student", f"data.paths=[{paths['grpo_prompts']}]", f"distill.teacher.name={args.teacher}",
         f"onpolicy_distill.estimator={args.estimator}", f"optim.learning_rate={args.lr}",
-        f"train.total_steps={args.distill_steps}", "checkpoint.resume=false", "checkpoint.overwrite=true"])
+        f"train.total_steps={args.distill_steps}", f"train.seed={args.seed}", f"data.seed={args.seed}",
+        "checkpoint.resume=false", "checkpoint.overwrite=true"])
     mesh, sets = run_mesh(config), judging_sets(paths, args.two_digit)
     tokenizer = load_tokenizer(config)
     figures, seconds = {}, {}
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     history = student.history
     out = {
         "settings": {"teacher": teacher_run, "distill_steps": args.distill_steps, "estimator": args.estimator,
-                     "learning_rate": args.lr, "prompts_per_rollout": config.data.batch_size,
+                     "seed": args.seed, "learning_rate": args.lr, "prompts_per_rollout": config.data.batch_size,
                      "samples_per_prompt": config.rollout.num_samples, "max_new_tokens": config.rollout.max_new_tokens,
                      "recipe": "configs/onpolicy-distill.yaml", "command": " ".join(["tools/studies/distill_smollm2.py",
                                                                                      *(argv or sys.argv[1:])])},
