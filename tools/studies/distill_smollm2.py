@@ -19,8 +19,10 @@ model's accuracy on each set (with the half-width of its 95% interval), the shar
 teacher's gain the student recovers (``(student - base) / (teacher - base)``, null where the
 teacher gained nothing), seconds per stage and the load average at the start and the end.
 
-    nice -n 10 .venv/bin/python tools/studies/distill_smollm2.py --out runs/distill-study \\
-        --teacher-steps 16 --distill-steps 16 --json docs/results/distill_smollm2.json
+    nice -n 19 .venv/bin/python tools/studies/distill_smollm2.py --out runs/distill-study \\
+        --teacher runs/demo/grpo/export --distill-steps 16 --json docs/results/distill_smollm2.json
+
+(the measured run, after ``make demo``; figures in docs/algorithms/distillation.md).
 """
 
 from __future__ import annotations
