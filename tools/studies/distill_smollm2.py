@@ -15,12 +15,14 @@ Stages, all through ``alignax.trainers.api`` on this machine:
    response budget) on the one-digit set and the first ``--two-digit`` two-digit sums.
 
 Writes one JSON object (``--json``, default ``<out>/distill_smollm2.json``): settings, each
-model's accuracy on each set, the share of the teacher's gain the student recovers
-(``(student - base) / (teacher - base)``, null where the teacher gained nothing), seconds per
-stage and the load average at the start and the end.
+model's accuracy on each set (with the half-width of its 95% interval), the share of the
+teacher's gain the student recovers (``(student - base) / (teacher - base)``, null where the
+teacher gained nothing), seconds per stage and the load average at the start and the end.
 
-    nice -n 10 .venv/bin/python tools/studies/distill_smollm2.py --out runs/distill-study \\
-        --teacher-steps 16 --distill-steps 16 --json docs/results/distill_smollm2.json
+    nice -n 19 .venv/bin/python tools/studies/distill_smollm2.py --out runs/distill-study \\
+        --teacher runs/demo/grpo/export --distill-steps 16 --json docs/results/distill_smollm2.json
+
+(the measured run, after ``make demo``; figures in docs/algorithms/distillation.md).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -47,6 +50,7 @@ def parse_args(argv):
     p.add_argument("--distill-steps", type=int, default=16)
     p.add_argument("--estimator", choices=("exact", "sampled"), default="exact")
     p.add_argument("--lr", type=float, default=5e-6, help="the student's learning rate")
+    p.add_argument("--seed", type=int, default=0, help="the student run's train.seed and data.seed (sampling, prompt order)")
     p.add_argument("--two-digit", type=int, default=128, help="how many of the 128 two-digit sums to judge")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -90,6 +94,13 @@ def train_teacher(args, paths) -> tuple[str, dict]:
                     "reward_last": rewards[-1], "config": "configs/demo-grpo.yaml from the base model"}
 
 
+def interval_95(figures: dict) -> float:
+    """Half-width of the 95% interval of a greedy accuracy, 1.96 standard errors (the demo's
+    ``fraction``, so the figures read as the README's demo table does)."""
+    n, p = int(figures["prompts"]), figures["accuracy"]
+    return 1.96 * math.sqrt(p * (1 - p) / n)
+
+
 def recovered(figures: dict, set_name: str) -> float | None:
     base, teacher, student = (figures[m][set_name]["accuracy"] for m in ("base", "teacher", "student"))
     return None if teacher <= base else (student - base) / (teacher - base)
@@ -110,7 +121,8 @@ def main(argv=None) -> int:
     config = api.load_config(os.path.join(ROOT, "configs/onpolicy-distill.yaml"), [
         f"output_dir={args.out}/student", f"data.paths=[{paths['grpo_prompts']}]", f"distill.teacher.name={args.teacher}",
         f"onpolicy_distill.estimator={args.estimator}", f"optim.learning_rate={args.lr}",
-        f"train.total_steps={args.distill_steps}", "checkpoint.resume=false", "checkpoint.overwrite=true"])
+        f"train.total_steps={args.distill_steps}", f"train.seed={args.seed}", f"data.seed={args.seed}",
+        "checkpoint.resume=false", "checkpoint.overwrite=true"])
     mesh, sets = run_mesh(config), judging_sets(paths, args.two_digit)
     tokenizer = load_tokenizer(config)
     figures, seconds = {}, {}
@@ -130,12 +142,13 @@ def main(argv=None) -> int:
     history = student.history
     out = {
         "settings": {"teacher": teacher_run, "distill_steps": args.distill_steps, "estimator": args.estimator,
-                     "learning_rate": args.lr, "prompts_per_rollout": config.data.batch_size,
+                     "seed": args.seed, "learning_rate": args.lr, "prompts_per_rollout": config.data.batch_size,
                      "samples_per_prompt": config.rollout.num_samples, "max_new_tokens": config.rollout.max_new_tokens,
                      "recipe": "configs/onpolicy-distill.yaml", "command": " ".join(["tools/studies/distill_smollm2.py",
                                                                                      *(argv or sys.argv[1:])])},
         "accuracy": {m: {s: {"correct": round(f[s]["accuracy"] * f[s]["prompts"]), "prompts": int(f[s]["prompts"]),
-                             "accuracy": f[s]["accuracy"]} for s in sets} for m, f in figures.items()},
+                             "accuracy": f[s]["accuracy"], "interval_95": interval_95(f[s])} for s in sets}
+                     for m, f in figures.items()},
         "recovered_share_of_teacher_gain": {s: recovered(figures, s) for s in sets},
         # the sampled KL to the teacher (both estimators); the exact one's full-vocabulary figures
         "student_run": {f"{key}_{end}": row.get(key) for key in ("kl/ref_k1", "divergence", "teacher_agreement")
