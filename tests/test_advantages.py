@@ -430,6 +430,9 @@ def test_grpo_reward_scale_matches_reference(scale, unbiased):
                                    num_groups=5, scale=scale, unbiased_std=unbiased)
     np.testing.assert_allclose(np.asarray(got), ref_scaled_grpo(rewards, ids, scale, unbiased), rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(got)[ids == 1] == 0)
+    jitted = jax.jit(functools.partial(adv_lib.group_advantages, method="grpo", num_groups=5, scale=scale,
+                                       unbiased_std=unbiased))
+    np.testing.assert_allclose(jitted(jnp.asarray(rewards, jnp.float32), group_ids=jnp.asarray(ids)), got, **TOL)
     if scale == "none":
         dr = adv_lib.group_advantages(jnp.asarray(rewards, jnp.float32), method="dr_grpo",
                                       group_ids=jnp.asarray(ids), num_groups=5)
@@ -439,6 +442,13 @@ def test_grpo_reward_scale_matches_reference(scale, unbiased):
     got = adv_lib.group_advantages(jnp.asarray(pg, jnp.float32), method="grpo", scale=scale, unbiased_std=unbiased)
     want = ref_scaled_grpo(pg.reshape(-1), np.repeat(np.arange(3), 4), scale, unbiased).reshape(3, 4)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_batch_scale_adds_eps_to_the_batch_std():
+    # Batch [0, 2, 0, 2]: mean 1, population std 1; each row's mean is 1 too: (r - 1) / (1 + eps).
+    out = adv_lib.group_advantages(np.array([[0.0, 2.0], [0.0, 2.0]], np.float32), method="grpo", scale="batch",
+                                   unbiased_std=False, eps=1.0)
+    np.testing.assert_allclose(out, [[-0.5, 0.5], [-0.5, 0.5]], **TOL)
 
 
 def test_reward_scale_errors_name_the_argument():
