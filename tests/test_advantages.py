@@ -127,13 +127,17 @@ def test_gae_traced_hyperparameters_and_no_gradient():
     assert np.all(np.asarray(grad) == 0.0)
 
 
-def test_gae_is_float32_with_x64_on_and_float64_hyper_parameters():
-    """Under ``jax.enable_x64`` float64 inputs and a float64 gamma and lambda still give the
-    documented float32 (the scan's carry is float32 from its start)."""
+def test_advantages_are_float32_with_x64_on_and_float64_inputs():
+    """Under ``jax.enable_x64`` float64 inputs (and a float64 gamma and lambda) still give the
+    documented float32: the inputs are cast, the scan's carry and the group counts are float32."""
     rewards, values, mask = (np.asarray(a, np.float64) for a in _ragged_batch(seed=4))
     with jax.enable_x64(True):
         advantages, returns = adv_lib.gae(rewards, values, mask, gamma=np.float64(0.9), lam=np.float64(0.8))
-    assert advantages.dtype == returns.dtype == jnp.float32
+        scores = adv_lib.token_rewards(rewards[:, 0], mask, kl_penalty=values)
+        groups = adv_lib.group_advantages(rewards[:4], method="grpo")
+        steps = adv_lib.process_advantages(rewards, (values > 0).astype(np.float64), mask)
+    for out in (advantages, returns, scores, groups, steps):
+        assert out.dtype == jnp.float32
     np.testing.assert_allclose(advantages, references.gae(rewards, values, mask, 0.9, 0.8)[0], **TOL)
 
 
@@ -312,6 +316,10 @@ def test_group_advantages_errors():
         adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.zeros(5, np.int32), num_groups=1)
     with pytest.raises(ValueError, match="num_groups"):
         adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.zeros(24, np.int32))
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="num_groups must be a static Python int >= 1"):
+            adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.zeros(24, np.int32),
+                                     num_groups=bad)
     with pytest.raises(ValueError, match=r"group_ids must lie in \[0, num_groups\)"):
         adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.full(24, 4, np.int32), num_groups=4)
     for extra in ({"group_ids": np.zeros(4, np.int32), "num_groups": 1}, {"group_ids": np.zeros(4, np.int32)},
