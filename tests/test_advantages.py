@@ -385,7 +385,7 @@ def test_process_advantages_errors():
         adv_lib.process_advantages(mask, np.ones((2, 4), np.float32), mask)
     with pytest.raises(ValueError, match="num_groups"):
         adv_lib.process_advantages(mask, mask, mask, group_ids=np.zeros(2, np.int32))
-    with pytest.raises(ValueError, match=r"group_ids has shape \(3,\); it must be \[2\], one id per row of step_rewards"):
+    with pytest.raises(ValueError, match=r"shape \(3,\); it must be \[2\], one id per row of step_rewards"):
         adv_lib.process_advantages(mask, mask, mask, group_ids=np.zeros(3, np.int32), num_groups=1)
 
 
