@@ -127,6 +127,20 @@ def test_gae_traced_hyperparameters_and_no_gradient():
     assert np.all(np.asarray(grad) == 0.0)
 
 
+def test_advantages_are_float32_with_x64_on_and_float64_inputs():
+    """Under ``jax.enable_x64`` float64 inputs (and a float64 gamma and lambda) still give the
+    documented float32: the inputs are cast, the scan's carry and the group counts are float32."""
+    rewards, values, mask = (np.asarray(a, np.float64) for a in _ragged_batch(seed=4))
+    with jax.enable_x64(True):
+        advantages, returns = adv_lib.gae(rewards, values, mask, gamma=np.float64(0.9), lam=np.float64(0.8))
+        scores = adv_lib.token_rewards(rewards[:, 0], mask, kl_penalty=values)
+        groups = adv_lib.group_advantages(rewards[:4], method="grpo")
+        steps = adv_lib.process_advantages(rewards, (values > 0).astype(np.float64), mask)
+    for out in (advantages, returns, scores, groups, steps):
+        assert out.dtype == jnp.float32
+    np.testing.assert_allclose(advantages, references.gae(rewards, values, mask, 0.9, 0.8)[0], **TOL)
+
+
 def test_gae_errors_name_the_argument():
     rewards, values, mask = _ragged_batch()
     with pytest.raises(ValueError, match="values"):
@@ -260,6 +274,19 @@ def test_group_hand_cases():
     # RLOO: 1 - 2/3 = 1/3; 0 - 1 = -1.
     out = adv_lib.group_advantages(np.array([[1.0, 0.0, 1.0, 1.0]], np.float32), method="rloo")
     np.testing.assert_allclose(out, [[1 / 3, -1.0, 1 / 3, 1 / 3]], **TOL)
+    # A group of two: the unbiased std divides by n - 1 = 1, sqrt(.5); RLOO's baseline is the
+    # other sample, 2/1 * (r - mu).
+    out = adv_lib.group_advantages(np.array([[1.0, 0.0]], np.float32), method="grpo", eps=0.0)
+    np.testing.assert_allclose(out, [[0.5 / 0.5**0.5, -0.5 / 0.5**0.5]], **TOL)
+    out = adv_lib.group_advantages(np.array([[1.0, 0.0]], np.float32), method="rloo")
+    np.testing.assert_allclose(out, [[1.0, -1.0]], **TOL)
+    # [P, G] with more prompts than samples: one group per row, P of them.
+    out = adv_lib.group_advantages(np.array([[1.0, 0.0], [0.0, 2.0], [5.0, 1.0]], np.float32), method="dr_grpo")
+    np.testing.assert_allclose(out, [[0.5, -0.5], [-1.0, 1.0], [2.0, -2.0]], **TOL)
+    # Plain REINFORCE++ on flat rewards needs no groups: it whitens the whole batch.
+    flat = _pg_rewards().reshape(-1)
+    want = references.group_advantages(flat, np.zeros(flat.size, int), "reinforce_pp")
+    np.testing.assert_allclose(adv_lib.group_advantages(flat, method="reinforce_pp"), want, **TOL)
     # Groups of one sample give 0 for grpo, dr_grpo and rloo (no NaN from n - 1 = 0).
     for method in ("grpo", "dr_grpo", "rloo"):
         out = adv_lib.group_advantages(np.array([[3.0], [-2.0]], np.float32), method=method)
@@ -285,14 +312,20 @@ def test_group_advantages_errors():
         adv_lib.group_advantages(rewards[None], method="grpo")
     with pytest.raises(ValueError, match="group_ids"):
         adv_lib.group_advantages(rewards.reshape(-1), method="grpo")
-    with pytest.raises(ValueError, match="group_ids has shape"):
+    with pytest.raises(ValueError, match=r"group_ids has shape \(5,\); it must be \[24\], one id per row of rewards"):
         adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.zeros(5, np.int32), num_groups=1)
     with pytest.raises(ValueError, match="num_groups"):
         adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.zeros(24, np.int32))
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="num_groups must be a static Python int >= 1"):
+            adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.zeros(24, np.int32),
+                                     num_groups=bad)
     with pytest.raises(ValueError, match=r"group_ids must lie in \[0, num_groups\)"):
         adv_lib.group_advantages(rewards.reshape(-1), method="grpo", group_ids=np.full(24, 4, np.int32), num_groups=4)
-    with pytest.raises(ValueError, match="group_ids/num_groups are for flat"):
-        adv_lib.group_advantages(rewards, method="grpo", group_ids=np.zeros(4, np.int32), num_groups=1)
+    for extra in ({"group_ids": np.zeros(4, np.int32), "num_groups": 1}, {"group_ids": np.zeros(4, np.int32)},
+                  {"num_groups": 4}):
+        with pytest.raises(ValueError, match="group_ids/num_groups are for flat"):
+            adv_lib.group_advantages(rewards, method="grpo", **extra)
     with pytest.raises(ValueError, match="baseline"):
         adv_lib.group_advantages(rewards, method="remax")
     with pytest.raises(ValueError, match="baseline"):
@@ -352,7 +385,7 @@ def test_process_advantages_errors():
         adv_lib.process_advantages(mask, np.ones((2, 4), np.float32), mask)
     with pytest.raises(ValueError, match="num_groups"):
         adv_lib.process_advantages(mask, mask, mask, group_ids=np.zeros(2, np.int32))
-    with pytest.raises(ValueError, match="group_ids has shape"):
+    with pytest.raises(ValueError, match=r"shape \(3,\); it must be \[2\], one id per row of step_rewards"):
         adv_lib.process_advantages(mask, mask, mask, group_ids=np.zeros(3, np.int32), num_groups=1)
 
 
@@ -405,6 +438,9 @@ def test_grpo_reward_scale_matches_reference(scale, unbiased):
                                    num_groups=5, scale=scale, unbiased_std=unbiased)
     np.testing.assert_allclose(np.asarray(got), ref_scaled_grpo(rewards, ids, scale, unbiased), rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(got)[ids == 1] == 0)
+    jitted = jax.jit(functools.partial(adv_lib.group_advantages, method="grpo", num_groups=5, scale=scale,
+                                       unbiased_std=unbiased))
+    np.testing.assert_allclose(jitted(jnp.asarray(rewards, jnp.float32), group_ids=jnp.asarray(ids)), got, **TOL)
     if scale == "none":
         dr = adv_lib.group_advantages(jnp.asarray(rewards, jnp.float32), method="dr_grpo",
                                       group_ids=jnp.asarray(ids), num_groups=5)
@@ -414,6 +450,13 @@ def test_grpo_reward_scale_matches_reference(scale, unbiased):
     got = adv_lib.group_advantages(jnp.asarray(pg, jnp.float32), method="grpo", scale=scale, unbiased_std=unbiased)
     want = ref_scaled_grpo(pg.reshape(-1), np.repeat(np.arange(3), 4), scale, unbiased).reshape(3, 4)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_batch_scale_adds_eps_to_the_batch_std():
+    # Batch [0, 2, 0, 2]: mean 1, population std 1; each row's mean is 1 too: (r - 1) / (1 + eps).
+    out = adv_lib.group_advantages(np.array([[0.0, 2.0], [0.0, 2.0]], np.float32), method="grpo", scale="batch",
+                                   unbiased_std=False, eps=1.0)
+    np.testing.assert_allclose(out, [[-0.5, 0.5], [-0.5, 0.5]], **TOL)
 
 
 def test_reward_scale_errors_name_the_argument():
