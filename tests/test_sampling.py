@@ -357,8 +357,8 @@ def test_recompiles_only_when_shapes_or_config_change(tiny, prompts, greedy):
     hf, _, graphdef, state = tiny
     config = SamplingConfig(max_new_tokens=N, greedy=True, pad_id=PAD)
     # jit's in-memory cache is one LRU shared by every jitted function of the process (8,192
-    # entries): late in a long worker it is full, and the counts below were seen off by one
-    # (an entry evicted as another was added). Emptied first, the counts are this test's own.
+    # entries): late in a long worker it can be full, and the counts below were seen off by one
+    # (most likely an entry evicted as another was added). Emptied first, the counts are this test's own.
     jax.clear_caches()
     again = generate(graphdef, state, *prompts, jax.random.key(0), config=config)
     np.testing.assert_array_equal(np.asarray(again.tokens), greedy.tokens)
