@@ -52,6 +52,22 @@ def _per_token_adv(data):
     return np.broadcast_to(adv[:, None], (B, T)) if adv.ndim == 1 else adv
 
 
+def _loss_args(data):
+    """``([logps, old_logps, advantages, mask], sampler_logps)`` of ``data`` as float32 arrays."""
+    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    return [f(data[k]) for k in ("logps", "old_logps", "advantages", "mask")], f(data["sampler_logps"])
+
+
+def _weighted_reinforce_matches(data, want, on, **correction):
+    """``pg_loss`` (REINFORCE, token-sum) with the sampler correction ``correction`` on ``data``
+    equals ``-sum(w * A * logp)`` over the counted tokens ``on`` with the expected weights
+    ``want``; returns the loss's metrics."""
+    args, sampler = _loss_args(data)
+    loss, metrics = pg_loss(*args, sampler_logps=sampler, aggregation="token-sum", **correction)
+    np.testing.assert_allclose(float(loss), -(want * _per_token_adv(data) * data["logps"])[on].sum(), rtol=1e-5)
+    return metrics
+
+
 # ---------------------------------------------------------------------------------------
 # References: (l [B, T], g [B, T]) from the papers' formulas
 # ---------------------------------------------------------------------------------------
@@ -457,15 +473,10 @@ def test_batch_normalized_weights_match_verls_definition(level):
     empty = sampler_correction(x, jnp.zeros_like(m), tis_cap=cap, tis_level=level, batch_normalize=True)
     assert float(empty.norm_factor) == 1.0
     # through a loss: REINFORCE with the normalised weights
-    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
-    args = [f(data[k]) for k in ("logps", "old_logps", "advantages", "mask")]
-    loss, metrics = pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=cap, tis_level=level,
-                            tis_batch_normalize=True, aggregation="token-sum")
-    a, lp = _per_token_adv(data), data["logps"]
-    np.testing.assert_allclose(float(loss), -(want * a * lp)[on].sum(), rtol=1e-5)
+    metrics = _weighted_reinforce_matches(data, want, on, tis_cap=cap, tis_level=level, tis_batch_normalize=True)
     np.testing.assert_allclose(float(metrics["tis_batch_norm_factor"]), mean, rtol=1e-5)
     with pytest.raises(ValueError, match="tis_batch_normalize=True needs sampler_logps= and a tis_cap"):
-        pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=None, tis_batch_normalize=True)
+        pg_loss(*_loss_args(data)[0], sampler_logps=_loss_args(data)[1], tis_cap=None, tis_batch_normalize=True)
 
 
 def ref_icepop(log_rho, mask, lower, upper, level):
@@ -505,19 +516,14 @@ def test_icepop_weights_match_verls_definition(level):
     rows = [i for i in range(B) if on[i].any()]
     mean = want[on].mean() if level == "token" else np.mean([want[i][on[i]][0] for i in rows])
     np.testing.assert_allclose(float(normed.norm_factor), mean, rtol=1e-5)
-    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
-    args = [f(data[k]) for k in ("logps", "old_logps", "advantages", "mask")]
-    loss, metrics = pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=upper, tis_lower=lower,
-                            tis_level=level, aggregation="token-sum")
-    a, lp = _per_token_adv(data), data["logps"]
-    np.testing.assert_allclose(float(loss), -(want * a * lp)[on].sum(), rtol=1e-5)
+    metrics = _weighted_reinforce_matches(data, want, on, tis_cap=upper, tis_lower=lower, tis_level=level)
     np.testing.assert_allclose(float(metrics["tis_out_of_bounds"]), (want[on] == 0).mean(), rtol=1e-6)
     with pytest.raises(ValueError, match="tis_lower must be 0 < tis_lower <= tis_cap"):
         sampler_correction(x, m, tis_cap=1.0, tis_lower=1.5)
     with pytest.raises(ValueError, match="tis_lower=0.5 needs sampler_logps= and a tis_cap"):
-        pg_loss(*args, sampler_logps=f(data["sampler_logps"]), tis_cap=None, tis_lower=0.5)
+        pg_loss(*_loss_args(data)[0], sampler_logps=_loss_args(data)[1], tis_cap=None, tis_lower=0.5)
     with pytest.raises(ValueError, match="tis_lower=0.5 needs sampler_logps= and a tis_cap"):
-        pg_loss(*args, tis_lower=0.5)
+        pg_loss(*_loss_args(data)[0], tis_lower=0.5)
     with pytest.raises(ValueError, match="tis_lower=0.5 needs a tis_cap"):
         sampler_correction(x, m, tis_cap=None, tis_lower=0.5)
 
