@@ -86,6 +86,15 @@ def recompute(run, update, loss_fn, **keywords):
     return float(metrics["pg_loss"])
 
 
+def second_update(run):
+    """``(update, rollout, logps float64, mask, log rho)`` of ``run``'s second update (bypass
+    mode: ``rho = pi_theta / pi_sampler``, ``log rho`` 0 off the mask)."""
+    second = run.updates[1]
+    ro, logps = second["rollout"], second["logps"].astype(np.float64)
+    mask = ro.loss_mask > 0
+    return second, ro, logps, mask, np.where(mask, logps - ro.sampler_logps, 0.0)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIONS))
 def test_each_objective_reaches_the_update(runs, name):
     run, default = runs(name), runs("default")
@@ -112,11 +121,8 @@ def test_bypass_reinforce_weighs_by_the_current_policy_over_the_sampler(runs):
     dropped; without the correction (sampler old log-probs alone) it is plain -agg(A logp)."""
     run, plain = runs("bypass_pg"), runs("sampler_pg")
     assert_same_rollout(run, plain)
-    second = run.updates[1]
-    ro, logps = second["rollout"], second["logps"].astype(np.float64)
-    mask = ro.loss_mask > 0
+    second, ro, logps, mask, log_rho = second_update(run)
     np.testing.assert_array_equal(ro.old_logps, ro.sampler_logps)  # bypass: old = the sampler's
-    log_rho = np.where(mask, logps - ro.sampler_logps, 0.0)
     seq = log_rho.sum(1)
     weight = np.minimum(np.exp(seq), 1.5)[:, None]
     geo = seq / np.maximum(mask.sum(1), 1)
@@ -134,11 +140,8 @@ def test_batch_normalized_weights_average_one_over_the_completions(runs):
     row with a token: the rejected ones count, as in verl), and that mean is logged."""
     run, unnormalized = runs("batch_normalized_pg"), runs("bypass_pg")
     assert_same_rollout(run, unnormalized)
-    second = run.updates[1]
-    ro, logps = second["rollout"], second["logps"].astype(np.float64)
-    mask = ro.loss_mask > 0
+    second, ro, logps, mask, log_rho = second_update(run)
     assert len(ro.loss_mask) == len(run.inputs[0]["loss_mask"])  # one micro-batch: the mean is the rollout's
-    log_rho = np.where(mask, logps - ro.sampler_logps, 0.0)
     seq = log_rho.sum(1)
     weight = np.minimum(np.exp(seq), 1.5)
     mean = weight[mask.any(1)].mean()
@@ -179,10 +182,7 @@ def test_divergence_rejection_drops_the_tokens_it_bounds(runs):
     k3 = rho - 1 - log rho (per token), rho = pi_theta / pi_sampler; without it, plain -agg(A logp)."""
     run, plain = runs("divergences_pg"), runs("sampler_pg")
     assert_same_rollout(run, plain)
-    second = run.updates[1]
-    ro, logps = second["rollout"], second["logps"].astype(np.float64)
-    mask = ro.loss_mask > 0
-    log_rho = np.where(mask, logps - ro.sampler_logps, 0.0)
+    second, ro, logps, mask, log_rho = second_update(run)
     k2_max = np.where(mask, 0.5 * log_rho ** 2, 0.0).max(1, keepdims=True)
     k3 = np.expm1(log_rho) - log_rho
     keep_k2, keep_k3 = k2_max <= DIVERGENCES["seq_max_k2"], k3 <= DIVERGENCES["token_k3"]
@@ -205,10 +205,7 @@ def test_chained_ratio_bounds_drop_what_either_criterion_drops(runs):
     either criterion alone (each drops tokens the other keeps) and from none."""
     run, plain = runs("chained_k1_pg"), runs("sampler_pg")
     assert_same_rollout(run, plain)
-    second = run.updates[1]
-    ro, logps = second["rollout"], second["logps"].astype(np.float64)
-    mask = ro.loss_mask > 0
-    log_rho = np.where(mask, logps - ro.sampler_logps, 0.0)
+    second, ro, logps, mask, log_rho = second_update(run)
     (t_lo, t_hi), (g_lo, g_hi) = CHAINED_K1["token"], CHAINED_K1["geometric"]
     keep_token = (np.exp(log_rho) >= t_lo) & (np.exp(log_rho) <= t_hi)
     geo = np.exp(log_rho.sum(1, keepdims=True) / np.maximum(mask.sum(1, keepdims=True), 1))
