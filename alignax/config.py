@@ -193,7 +193,17 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if origin in (dict, Mapping) and typing.get_args(tp):
+        key, value = typing.get_args(tp)
+        return f"{{{_type_name(key)}: {_type_name(value)}}}"
+    if origin is tuple and typing.get_args(tp) and typing.get_args(tp)[-1] is not Ellipsis:
+        return f"[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
     return getattr(tp, "__name__", str(tp))
+
+
+def _takes_mappings(tp: Any) -> bool:
+    """Whether ``tp`` is read from a YAML mapping (a section or a ``dict[...]``)."""
+    return dataclasses.is_dataclass(tp) or typing.get_origin(tp) in (dict, Mapping) or tp is dict
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
@@ -209,11 +219,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        sections = [a for a in args if dataclasses.is_dataclass(a)]
-        if len(sections) == 1 and isinstance(value, Mapping):
-            # a mapping can only be the section: its own error names the field and the rule
-            # (``lora.rank: ...``), not "expected LoraConfig | null"
-            return _convert(sections[0], value, path)
+        mapped = [a for a in args if _takes_mappings(a)]
+        if len(mapped) == 1 and isinstance(value, Mapping):
+            # a mapping can only be the one option read from a mapping: its own error names the
+            # field and the rule (``lora.rank: ...``, ``rollout.rejection.token: expected 2
+            # items``), not "expected LoraConfig | null"
+            return _convert(mapped[0], value, path)
         reasons = []
         for option in args:
             if option is type(None):

@@ -335,3 +335,22 @@ def test_a_policy_update_threshold_outside_its_range_is_refused_at_load(override
         load_config(os.path.join(ROOT, "configs", "tiny-ppo.yaml"), [override.replace("grpo.", "ppo.")])
     assert load_config(os.path.join(ROOT, "configs", "tiny-grpo.yaml"),
                        ["grpo.off_policy_mask_threshold=1e-5", "grpo.top_entropy_quantile=1"]).grpo.top_entropy_quantile == 1
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.rejection={token: [0.5]}", "rollout.rejection.token: expected 2 items, got 1"),
+    ("rollout.rejection={token: 3}", "rollout.rejection.token: expected a list, got 3"),
+    ("rollout.rejection={token: [a, 2]}", "rollout.rejection.token[0]: expected a number, got 'a'"),
+    ("rollout.rejection=tokn", "rollout.rejection: expected 'token' | 'sequence' | 'geometric' | "
+                               "{str: [float, float]} | null, got 'tokn'"),
+])
+def test_a_bad_mapping_in_a_union_names_its_entry_and_rule(override, message):
+    """``rollout.rejection: Literal[...] | dict[str, tuple[float, float]] | None``: a mapping can
+    only be the ``dict`` option, so its entry's own error comes through (it used to read
+    ``rollout.rejection: expected 'token' | 'sequence' | 'geometric' | dict | null, got {...}``),
+    and the union's message spells the mapping's shape."""
+    from alignax.trainers.api import load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(os.path.join(ROOT, "configs", "tiny-grpo.yaml"), [override])
+    assert str(info.value) == message
