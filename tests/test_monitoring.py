@@ -284,3 +284,15 @@ def test_rollout_figures_without_a_reference_have_no_kl():
     assert without == {k: v for k, v in with_ref.items() if not k.startswith("kl/")}  # the rest unchanged
     with pytest.raises(ValueError, match="both None"):
         rollout_figures(r["groups"], r["rewards"], r["seq_kl"], r["old_logps"], None, *args, group_size=2)
+
+
+def test_rollout_figures_without_advantages_have_no_advantage_figures():
+    """A loss that reads no advantage (exact on-policy distillation) passes ``None``: no
+    ``advantages/*`` figure (not a constant 0), every other figure unchanged."""
+    r = hand_rollout()
+    head = (r["groups"], r["rewards"], r["seq_kl"], r["old_logps"], r["ref_logps"], r["recomputed"],
+            r["sampler_logps"], r["response_mask"], r["entropy"])
+    with_advantages = rollout_figures(*head, r["advantages"], group_size=2)
+    without = rollout_figures(*head, None, group_size=2)
+    assert {k for k in with_advantages if k.startswith("advantages/")} == {"advantages/mean", "advantages/abs_mean"}
+    assert without == {k: v for k, v in with_advantages.items() if not k.startswith("advantages/")}

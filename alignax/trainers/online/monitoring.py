@@ -167,7 +167,8 @@ def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recom
     ``rewards [R]``: what the advantages saw (after a KL placed in the reward);
     per-token arrays ``[R, N]`` are averaged over ``response_mask``. A run without a
     reference model passes ``seq_kl`` and ``ref_logps`` as ``None`` and gets no ``kl/ref_*``
-    figures (a KL against nothing is not zero, it is not there).
+    figures (a KL against nothing is not zero, it is not there); a loss that reads no
+    advantage passes ``advantages`` as ``None`` and gets no ``advantages/*`` figures.
     """
     if (seq_kl is None) != (ref_logps is None):
         raise ValueError("seq_kl and ref_logps go together: both None (no reference model) or both arrays")
@@ -192,9 +193,10 @@ def rollout_figures(groups: Groups, rewards, seq_kl, old_logps, ref_logps, recom
         "mismatch/sampler_trainer_abs": masked_mean(np.abs(diff)),
         "mismatch/sampler_trainer_max": float(np.max(np.where(mask > 0, np.abs(diff), 0.0))),
         "mismatch/sampler_trainer_k3": masked_mean(kl_lib.kl_estimate(sampler_logps, recomputed, kind="k3")),
-        "advantages/mean": masked_mean(advantages),
-        "advantages/abs_mean": masked_mean(np.abs(np.asarray(advantages))),
     }
+    if advantages is not None:
+        figures["advantages/mean"] = masked_mean(advantages)
+        figures["advantages/abs_mean"] = masked_mean(np.abs(np.asarray(advantages)))
     if ref_logps is not None:
         figures["kl/ref_seq"] = float(np.mean(seq_kl))
         figures["kl/ref_k1"] = masked_mean(np.asarray(old_logps) - np.asarray(ref_logps))
@@ -214,15 +216,13 @@ def step_figures(batch: RolloutBatch, result: UpdateResult, *, mesh: jax.shardin
     ``update_skipped`` summed, the first minibatch's ratios), ``epochs_run``, the next
     ``kl_coef`` and the learner's timing. ``with_advantages=False`` (a loss on whole
     distributions that reads no advantage, e.g. exact on-policy distillation, whose rollout
-    carries zeros) leaves out the ``advantages/*`` figures rather than log a constant 0."""
+    carries zeros) neither gathers the advantages nor logs ``advantages/*`` (a constant 0)."""
     groups, rewards = gathered_rows(batch.groups, batch.rewards)
     device_arrays = host_global((result.old_logps, result.ref_logps, result.recomputed,
                                  batch.rollout.sampler_logps, batch.response_mask, result.entropy,
-                                 batch.rollout.advantages), mesh)
+                                 batch.rollout.advantages if with_advantages else None), mesh)
     figures = dict(batch.figures)
     figures.update(rollout_figures(groups, rewards, result.seq_kl, *device_arrays, group_size=group_size))
-    if not with_advantages:
-        del figures["advantages/mean"], figures["advantages/abs_mean"]
     if groups.trajectory:
         figures.update(trajectory_figures(groups, figures["perf/generation_s"]))
     updates = result.metrics
