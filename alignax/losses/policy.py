@@ -389,6 +389,25 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     keep_in = jnp.asarray(mask) > 0
     log_rho = jax.lax.stop_gradient(jnp.where(keep_in, jnp.clip(_f32(log_rho), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0))
     seq_sum = jnp.sum(log_rho, axis=-1)  # [B] log prod_t rho_t
+    weight, seq_log_weight, norm_factor = _importance_weights(log_rho, seq_sum, keep_in, tis_cap=tis_cap,
+                                                              tis_level=tis_level, tis_lower=tis_lower,
+                                                              batch_normalize=batch_normalize)
+    log_stat = {"token": log_rho, "sequence": seq_sum[:, None],
+                "geometric": (seq_sum / jnp.maximum(jnp.sum(keep_in, axis=-1), 1))[:, None]}
+    kept_by = {name: jnp.broadcast_to((log_stat[name] >= jnp.log(lo)) & (log_stat[name] <= jnp.log(hi)),
+                                      log_rho.shape) for name, (lo, hi) in criteria.items()}
+    kept_by |= {name: _divergence_keep(log_rho, keep_in, name, bound) for name, bound in divergences.items()}
+    kept_by = {name: jnp.where(keep_in, kept, True).astype(jnp.float32) for name, kept in kept_by.items()}
+    keep = jnp.ones_like(log_rho)
+    for criterion in kept_by.values():
+        keep = keep * criterion
+    return SamplerCorrection(weight, keep, seq_log_weight, kept_by, norm_factor)
+
+
+def _importance_weights(log_rho: Array, seq_sum: Array, keep_in: Array, *, tis_cap, tis_level, tis_lower,
+                        batch_normalize) -> tuple[Array, Array, Array]:
+    """:func:`sampler_correction`'s weights: per token ``[B, T]`` (1 off the mask), the log of
+    each row's weight ``[B]`` and the batch-normalisation factor (1 without)."""
     level_log = log_rho if tis_level == "token" else jnp.broadcast_to(
         jnp.clip(seq_sum, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[:, None], log_rho.shape)
     if tis_cap is None:
@@ -409,16 +428,7 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
                                      jnp.log(tis_cap)) - jnp.log(norm_factor)
     else:
         seq_log_weight = jnp.log(jnp.maximum(scaled[:, 0], 1e-30))
-    log_stat = {"token": log_rho, "sequence": seq_sum[:, None],
-                "geometric": (seq_sum / jnp.maximum(jnp.sum(keep_in, axis=-1), 1))[:, None]}
-    kept_by = {name: jnp.broadcast_to((log_stat[name] >= jnp.log(lo)) & (log_stat[name] <= jnp.log(hi)),
-                                      log_rho.shape) for name, (lo, hi) in criteria.items()}
-    kept_by |= {name: _divergence_keep(log_rho, keep_in, name, bound) for name, bound in divergences.items()}
-    kept_by = {name: jnp.where(keep_in, kept, True).astype(jnp.float32) for name, kept in kept_by.items()}
-    keep = jnp.ones_like(log_rho)
-    for criterion in kept_by.values():
-        keep = keep * criterion
-    return SamplerCorrection(weight, keep, seq_log_weight, kept_by, norm_factor)
+    return weight, seq_log_weight, norm_factor
 
 
 def _weight_mean(weight: Array, mask: Array, tis_level: str) -> Array:
@@ -432,36 +442,12 @@ def _weight_mean(weight: Array, mask: Array, tis_level: str) -> Array:
     return jnp.where(mean > 1e-8, mean, 1.0)
 
 
-def _policy_loss(
-    surrogate: Callable[[_Tokens], _Surrogate],
-    logps: Array,
-    old_logps: Array,
-    advantages: Array,
-    mask: Array,
-    *,
-    aggregation: ops.AggregationMode,
-    num_tokens: Scalar | None,
-    num_seqs: Scalar | None,
-    norm_length: Scalar | None,
-    entropy: Array | None,
-    entropy_coef: Scalar,
-    ref_logps: Array | None,
-    kl_coef: Scalar,
-    kl_kind: kl_lib.KLKind,
-    kl_importance_weight: kl_lib.KLWeight,
-    off_policy_mask_threshold: Scalar | None,
-    top_entropy_quantile: Scalar | None,
-    sampler_logps: Array | None,
-    tis_cap: Scalar | None,
-    tis_level: str = "token",
-    tis_ratio: str = "old",
-    rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None = None,
-    rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
-    rejection_divergences: Mapping[str, Scalar] | None = None,
-    tis_lower: Scalar | None = None,
-    tis_batch_normalize: bool = False,
-) -> tuple[Array, dict[str, Array]]:
-    """The part every policy loss shares: checks, masking, TIS, aggregation, entropy, KL, metrics."""
+def _check_policy_inputs(logps, old_logps, advantages, mask, *, aggregation, entropy, ref_logps, kl_kind,
+                         kl_importance_weight, off_policy_mask_threshold, top_entropy_quantile, sampler_logps,
+                         tis_cap, tis_ratio, rejection, rejection_divergences, tis_lower,
+                         tis_batch_normalize) -> Array:
+    """Every policy loss's argument checks (shapes, choices, options that need another argument);
+    returns ``advantages`` as ``[B, T]`` (a ``[B]`` per-sequence advantage broadcast over its row)."""
     check_rank(logps=(logps, 2), mask=(mask, 2), advantages=(advantages, (1, 2)))
     check_same_shape(logps=logps, old_logps=old_logps, mask=mask)
     advantages = jnp.asarray(advantages)
@@ -498,7 +484,101 @@ def _policy_loss(
     _check_nonnegative(off_policy_mask_threshold=off_policy_mask_threshold)
     if top_entropy_quantile is not None and entropy is None:
         raise ValueError("top_entropy_quantile needs entropy= (the per-token entropy [B, T]) to rank the tokens by")
+    return advantages
 
+
+def _selected_tokens(sur: _Surrogate, correction: SamplerCorrection | None, tokens: _Tokens, entropy: Array | None,
+                     *, tis_cap, tis_lower, tis_batch_normalize, off_policy_mask_threshold,
+                     top_entropy_quantile) -> tuple[Array, dict[str, Array]]:
+    """The surrogate's per-token loss after the sampler correction (TIS weight, rejection masks),
+    the off-policy sequence mask and the high-entropy token selection, with their figures."""
+    keep = tokens.mask
+    per_token = sur.per_token
+    metrics: dict[str, Array] = {}
+    if correction is not None:
+        if not sur.absorbs_correction:
+            per_token = per_token * correction.weight
+        if tis_cap is not None:
+            metrics["tis_weight_mean"] = ops.masked_mean(correction.weight, keep)
+        if tis_lower is not None:
+            metrics["tis_out_of_bounds"] = ops.masked_mean(correction.weight == 0, keep)
+        if tis_batch_normalize:
+            metrics["tis_batch_norm_factor"] = correction.norm_factor
+        if correction.kept_by:
+            per_token = per_token * correction.keep
+            metrics["rejected"] = ops.masked_mean(1.0 - correction.keep, keep)
+        for name, kept in correction.kept_by.items():
+            metrics[f"rejected_{name}"] = ops.masked_mean(1.0 - kept, keep)
+    if off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_mask(tokens.logps, tokens.old_logps, tokens.advantages, keep,
+                                        threshold=off_policy_mask_threshold)
+        per_token = per_token * kept
+        metrics["off_policy_masked"] = ops.masked_mean(1.0 - kept, keep)
+    if top_entropy_quantile is not None:
+        high = high_entropy_mask(entropy, keep, quantile=top_entropy_quantile)
+        per_token = per_token * high
+        metrics["entropy_masked"] = ops.masked_mean(1.0 - high, keep)
+    return per_token, metrics
+
+
+def _ratio_metrics(sur: _Surrogate, old_logps: Array, logps: Array, keep: Array, *, pg: Array) -> dict[str, Array]:
+    """The update's figures every policy loss logs: its policy-gradient term, clip fractions,
+    approximate KL to the old policy, the ratio's mean and range, the surrogate's indicators."""
+    sg = jax.lax.stop_gradient
+    ratio = sg(sur.ratio)
+    ratio_min, ratio_max = _masked_min_max(ratio, keep)
+    # k3 of KL(pi_old || pi_theta): samples come from pi_old, so the log-ratio is old - new.
+    approx_kl = kl_lib.kl_estimate(old_logps, sg(logps), kind="k3")
+    metrics = dict(
+        pg_loss=pg,
+        clipfrac_low=ops.masked_mean(sur.clipped_low, keep),
+        clipfrac_high=ops.masked_mean(sur.clipped_high, keep),
+        approx_kl=ops.masked_mean(approx_kl, keep),
+        ratio_mean=ops.masked_mean(ratio, keep),
+        ratio_min=ratio_min,
+        ratio_max=ratio_max,
+    )
+    for name, indicator in sur.indicators.items():
+        metrics[name] = ops.masked_mean(indicator, keep)
+    return metrics
+
+
+def _policy_loss(
+    surrogate: Callable[[_Tokens], _Surrogate],
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    aggregation: ops.AggregationMode,
+    num_tokens: Scalar | None,
+    num_seqs: Scalar | None,
+    norm_length: Scalar | None,
+    entropy: Array | None,
+    entropy_coef: Scalar,
+    ref_logps: Array | None,
+    kl_coef: Scalar,
+    kl_kind: kl_lib.KLKind,
+    kl_importance_weight: kl_lib.KLWeight,
+    off_policy_mask_threshold: Scalar | None,
+    top_entropy_quantile: Scalar | None,
+    sampler_logps: Array | None,
+    tis_cap: Scalar | None,
+    tis_level: str = "token",
+    tis_ratio: str = "old",
+    rejection: str | Mapping[str, tuple[Scalar, Scalar]] | None = None,
+    rejection_bounds: tuple[Scalar, Scalar] = (0.5, 2.0),
+    rejection_divergences: Mapping[str, Scalar] | None = None,
+    tis_lower: Scalar | None = None,
+    tis_batch_normalize: bool = False,
+) -> tuple[Array, dict[str, Array]]:
+    """The part every policy loss shares: checks, masking, TIS, aggregation, entropy, KL, metrics."""
+    advantages = _check_policy_inputs(
+        logps, old_logps, advantages, mask, aggregation=aggregation, entropy=entropy, ref_logps=ref_logps,
+        kl_kind=kl_kind, kl_importance_weight=kl_importance_weight, off_policy_mask_threshold=off_policy_mask_threshold,
+        top_entropy_quantile=top_entropy_quantile, sampler_logps=sampler_logps, tis_cap=tis_cap, tis_ratio=tis_ratio,
+        rejection=rejection, rejection_divergences=rejection_divergences, tis_lower=tis_lower,
+        tis_batch_normalize=tis_batch_normalize)
     keep = jnp.asarray(mask).astype(bool)
 
     def on_mask(x):
@@ -510,7 +590,6 @@ def _policy_loss(
     old_logps = jax.lax.stop_gradient(on_mask(old_logps))
     log_ratio = jnp.clip(logps - old_logps, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sg = jax.lax.stop_gradient
-    metrics: dict[str, Array] = {}
     correction = None
     if sampler_logps is not None:
         # pi_target / pi_sampler: the old policy's (decoupled: old_logps recomputed by the
@@ -529,29 +608,10 @@ def _policy_loss(
 
     agg = dict(mode=aggregation, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
 
-    per_token = sur.per_token
-    if correction is not None:
-        if not sur.absorbs_correction:
-            per_token = per_token * correction.weight
-        if tis_cap is not None:
-            metrics["tis_weight_mean"] = ops.masked_mean(correction.weight, keep)
-        if tis_lower is not None:
-            metrics["tis_out_of_bounds"] = ops.masked_mean(correction.weight == 0, keep)
-        if tis_batch_normalize:
-            metrics["tis_batch_norm_factor"] = correction.norm_factor
-        if correction.kept_by:
-            per_token = per_token * correction.keep
-            metrics["rejected"] = ops.masked_mean(1.0 - correction.keep, keep)
-        for name, kept in correction.kept_by.items():
-            metrics[f"rejected_{name}"] = ops.masked_mean(1.0 - kept, keep)
-    if off_policy_mask_threshold is not None:
-        kept = off_policy_sequence_mask(logps, old_logps, tokens.advantages, keep, threshold=off_policy_mask_threshold)
-        per_token = per_token * kept
-        metrics["off_policy_masked"] = ops.masked_mean(1.0 - kept, keep)
-    if top_entropy_quantile is not None:
-        high = high_entropy_mask(entropy, keep, quantile=top_entropy_quantile)
-        per_token = per_token * high
-        metrics["entropy_masked"] = ops.masked_mean(1.0 - high, keep)
+    per_token, metrics = _selected_tokens(sur, correction, tokens, entropy, tis_cap=tis_cap, tis_lower=tis_lower,
+                                          tis_batch_normalize=tis_batch_normalize,
+                                          off_policy_mask_threshold=off_policy_mask_threshold,
+                                          top_entropy_quantile=top_entropy_quantile)
     pg = ops.aggregate(per_token, keep, **agg)
     loss = pg
 
@@ -565,21 +625,7 @@ def _policy_loss(
         loss = loss + kl_coef * ops.aggregate(kl_tokens, keep, **agg)
         metrics["kl"] = ops.masked_mean(kl_tokens, keep)
 
-    ratio = sg(sur.ratio)
-    ratio_min, ratio_max = _masked_min_max(ratio, keep)
-    # k3 of KL(pi_old || pi_theta): samples come from pi_old, so the log-ratio is old - new.
-    approx_kl = kl_lib.kl_estimate(old_logps, sg(logps), kind="k3")
-    metrics.update(
-        pg_loss=pg,
-        clipfrac_low=ops.masked_mean(sur.clipped_low, keep),
-        clipfrac_high=ops.masked_mean(sur.clipped_high, keep),
-        approx_kl=ops.masked_mean(approx_kl, keep),
-        ratio_mean=ops.masked_mean(ratio, keep),
-        ratio_min=ratio_min,
-        ratio_max=ratio_max,
-    )
-    for name, indicator in sur.indicators.items():
-        metrics[name] = ops.masked_mean(indicator, keep)
+    metrics |= _ratio_metrics(sur, old_logps, logps, keep, pg=pg)
     metrics = {k: sg(_f32(v)) for k, v in metrics.items()}
     return _f32(loss), metrics
 
