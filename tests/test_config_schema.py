@@ -640,7 +640,7 @@ def test_chained_rejection_takes_its_own_bounds_per_criterion():
         GRPO, ["rollout.rejection={seq_mean_k1: [0.9, 1.1]}"])
     assert "rollout.rejection.sequence must be 0 < lo <= hi" in refused(
         GRPO, ["rollout.rejection={token: [0.5, 2.0], sequence: [2.0, 0.5]}"])
-    assert "rollout.rejection: expected" in refused(GRPO, ["rollout.rejection={token: 0.5}"])
+    assert refused(GRPO, ["rollout.rejection={token: 0.5}"]) == "rollout.rejection.token: expected a list, got 0.5"
     assert ("rollout.rejection_bounds applies to rollout.rejection=token|sequence|geometric only; got "
             "rollout.rejection={'token': (0.5, 2.0)}") in refused(
         GRPO, ["rollout.rejection={token: [0.5, 2.0]}", "rollout.rejection_bounds=[0.8,1.2]"])
