@@ -126,8 +126,13 @@ def test_opo_length_weighted_baseline():
 
 
 # ----------------------------------------------------------------------------- GPG
-def gpg_np(rewards, group_ids=GROUP_IDS):
-    alpha = len(rewards) / max(1, np.count_nonzero(rewards))
+def gpg_np(rewards, group_ids=GROUP_IDS, valid="nonzero_reward"):
+    if valid == "nonzero_reward":  # verl: B - M = samples with a non-zero reward
+        n_valid = np.count_nonzero(rewards)
+    else:  # the authors' code: B - M = samples of groups whose rewards' std is > 0
+        n_valid = sum(len(members(g, group_ids)) for g in range(num_groups_of(group_ids))
+                      if len(members(g, group_ids)) > 1 and np.std(rewards[members(g, group_ids)]) > 0)
+    alpha = len(rewards) / max(1, n_valid)
     out = np.zeros(len(rewards))
     for g in range(num_groups_of(group_ids)):
         idx = members(g, group_ids)
@@ -140,6 +145,27 @@ def gpg_np(rewards, group_ids=GROUP_IDS):
 def test_gpg_rescales_by_the_share_of_rewarded_samples(rewards):
     got = both(gpg_advantages, jnp.asarray(rewards), group_ids=GROUP_IDS, num_groups=NUM_GROUPS)
     np.testing.assert_allclose(got, gpg_np(rewards), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rewards", [REWARDS, np.zeros(8), np.ones(8), np.array([0, 0, 1.0, 0, 0, 0, 0, 0]),
+                                     np.array([1.0, 0, 1, 1, 0, 1, 0, 1])])
+def test_gpg_counts_the_samples_of_varied_groups_as_the_authors_code(rewards):
+    got = both(gpg_advantages, jnp.asarray(rewards), group_ids=GROUP_IDS, num_groups=NUM_GROUPS,
+               valid="varied_group")
+    np.testing.assert_allclose(got, gpg_np(rewards, valid="varied_group"), rtol=1e-6, atol=1e-6)
+
+
+def test_gpg_valid_samples_by_hand():
+    # groups: 0 = rows 0, 2, 5, 7; 1 = row 3 (alone); 2 = rows 1, 4, 6. Rewards: group 0 all
+    # correct (1, 1, 1, 1), group 1 a lone 0, group 2 varied (0, 1, 0).
+    r = jnp.array([1.0, 0, 1, 0, 1, 1, 0, 1])
+    verl = np.asarray(gpg_advantages(r, group_ids=GROUP_IDS, num_groups=3))
+    authors = np.asarray(gpg_advantages(r, group_ids=GROUP_IDS, num_groups=3, valid="varied_group"))
+    # verl: 5 non-zero rewards -> alpha = 8 / 5; the authors: only group 2's 3 samples -> alpha = 8 / 3
+    assert verl[4] == pytest.approx(8 / 5 * (1 - 1 / 3)) and authors[4] == pytest.approx(8 / 3 * (1 - 1 / 3))
+    assert verl[0] == authors[0] == 0.0  # the all-correct group has no advantage either way
+    with pytest.raises(ValueError, match="valid must be one of nonzero_reward, varied_group; got 'all'"):
+        gpg_advantages(r, group_ids=GROUP_IDS, num_groups=3, valid="all")
 
 
 def test_gpg_numbers_by_hand():

@@ -24,6 +24,9 @@ RUNS = {
     "reinforce_plus_plus_baseline": {"grpo": {"advantage": "reinforce_plus_plus_baseline"}},
     "opo": {"grpo": {"advantage": "opo"}},
     "gpg": {"grpo": {"advantage": "gpg", "policy_loss": "pg"}},
+    # the "yes"-share reward: zeros in varied groups, so the two counts of valid samples differ
+    "gpg_varied_group": {"grpo": {"advantage": "gpg", "policy_loss": "pg", "gpg_valid": "varied_group"},
+                         "rewards": {"functions": {"tests.support.rl_toy:yes_share": 1.0}}},
     "optimal_token_baseline": {"grpo": {"advantage": "optimal_token_baseline"}},
     "tir_optimal_token_baseline": {"grpo": {"advantage": "tir_optimal_token_baseline"}},
     "otb_chunked": {"grpo": {"advantage": "optimal_token_baseline"}, "model": {"logprob_chunk_size": 3}},
@@ -81,6 +84,16 @@ def test_gpg_in_the_trainer(runs):
     run = runs("gpg")
     _, rewards, mask, ids = rollout_of(run)
     check(run, runs("base"), gpg_np(rewards, group_ids=ids)[:, None] * mask)
+
+
+def test_gpg_varied_group_in_the_trainer(runs):
+    run = runs("gpg_varied_group")
+    _, rewards, mask, ids = rollout_of(run)
+    expected = gpg_np(rewards, group_ids=ids, valid="varied_group")
+    # the option matters on this rollout: verl's count would give other advantages (the
+    # rewards differ from the other runs', so the update is not compared with theirs)
+    assert np.abs(expected - gpg_np(rewards, group_ids=ids)).max() > 1e-2
+    np.testing.assert_allclose(run.advantages[0], expected[:, None] * mask, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])

@@ -259,6 +259,7 @@ GRPO_RULES: tuple[Rule, ...] = (
          "only these divide by a std"),
     rule("grpo.reinforce_baseline", Is("grpo.advantage", "reinforce_pp")),
     rule("grpo.scale_rewards", Is("grpo.advantage", "grpo"), "it picks grpo advantages' std"),
+    rule("grpo.gpg_valid", Is("grpo.advantage", "gpg"), "it counts gpg's valid samples"),
     # each objective's own keys, from its registry entry (alignax.losses.objectives)
     *(rule(f"grpo.{key}", Is("grpo.policy_loss", *objectives.readers(key)), "only these objectives read it")
       for key in objectives.keys()),

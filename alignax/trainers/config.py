@@ -671,6 +671,9 @@ class GRPOSection(PolicyUpdateSection):
         ``multi_objective_aggregation``: each component normalised in its group, then the
         weighted sum whitened over the batch; the same as ``advantage: gdpo``).
       unbiased_std / reinforce_baseline: ``group_advantages`` options.
+      gpg_valid: ``gpg`` advantages' count of valid samples in ``alpha = B / (B - M)``:
+        ``nonzero_reward`` (verl's: samples with a non-zero reward) or ``varied_group`` (the GPG
+        authors' code: samples of groups whose rewards are not all equal).
       scale_rewards: ``grpo`` advantages' divisor (TRL's key): ``group`` (each group's
         std, the default), ``batch`` (the std of the rollout's rewards) or ``none``
         (``dr_grpo``'s advantages).
@@ -715,6 +718,7 @@ class GRPOSection(PolicyUpdateSection):
     unbiased_std: bool = True
     reinforce_baseline: bool = False
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    gpg_valid: Literal["nonzero_reward", "varied_group"] = "nonzero_reward"
     # a name of alignax.losses.objectives.OBJECTIVES (validated through the algorithm map)
     policy_loss: str = "ppo"
     sapo_temperature_pos: float | None = None
