@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from alignax.advantages import _f32
+from alignax.advantages import _f32, _GroupStats, _std
 from alignax.estimators.base import Estimator, flat_groups, per_token, segment
 
 Array = jax.Array
@@ -49,10 +49,8 @@ def passk_advantages(rewards: Array, *, group_ids: Array, num_groups: int, norma
     runner_up = jax.ops.segment_max(jnp.where(is_best, -jnp.inf, r), ids, num_segments=num_groups)[ids]
     margin = jnp.where(count > 1, best_value - runner_up, 0.0)
     if normalize_by_std:
-        mean = segment(r, ids, num_groups) / count
-        sq = segment(jnp.square(r - mean), ids, num_groups)
-        std = jnp.sqrt(sq / jnp.maximum(count - 1.0 if unbiased_std else count, 1.0))
-        margin = margin / (std + eps)
+        stats = _GroupStats(r, jnp.ones_like(r, bool), ids, num_groups)
+        margin = margin / (_std(stats.sq, stats.count, unbiased_std) + eps)
     return jnp.where(is_best & (count > 1), margin, 0.0)
 
 
