@@ -26,6 +26,7 @@ from alignax.models.modeling import (
     RewardModel,
     ValueModel,
     last_token_index,
+    map_time_chunks,
     positions_from_mask,
     token_logprobs_from_hidden,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "init_cache",
     "last_token_index",
     "load",
+    "map_time_chunks",
     "positions_from_mask",
     "read_hf_tensors",
     "read_safetensors",

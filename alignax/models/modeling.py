@@ -482,6 +482,22 @@ def _unchunk_time(y: Array, t: int) -> Array:
     return jnp.moveaxis(y, 0, 1).reshape(y.shape[1], -1)[:, :t]
 
 
+def map_time_chunks(fn, hidden: Array, targets: Array, *, chunk_size: int | None, remat: bool = False):
+    """``fn(hidden, targets)`` (``[B, T, D]``, ``[B, T]`` -> a tree of ``[B, T]`` arrays) applied
+    ``chunk_size`` positions at a time with ``jax.lax.map``, so that whatever ``fn`` builds per
+    position (the ``[B, chunk, V]`` logits) never exists for the whole sequence; the results are
+    those of one call. ``remat``: each chunk under ``jax.checkpoint``, so that the backward pass
+    recomputes a chunk's logits rather than keep them. ``chunk_size`` ``None`` or ``>= T``: one call."""
+    t = hidden.shape[1]
+    if chunk_size is None or chunk_size >= t:
+        return fn(hidden, targets)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    body = jax.checkpoint(fn) if remat else fn
+    outs = jax.lax.map(lambda args: body(*args), (_chunk_time(hidden, chunk_size), _chunk_time(targets, chunk_size)))
+    return jax.tree.map(lambda y: _unchunk_time(y, t), outs)
+
+
 def token_logprobs_from_hidden(
     hidden: Array,
     model: CausalLM | PolicyValueModel,
@@ -516,14 +532,7 @@ def token_logprobs_from_hidden(
             return ops.token_logprobs_and_entropy(logits, tg, temperature=temperature)
         return ops.token_logprobs(logits, tg, temperature=temperature)
 
-    t = hidden.shape[1]
-    if chunk_size is None or chunk_size >= t:
-        return fn(hidden, targets)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    body = jax.checkpoint(fn)
-    outs = jax.lax.map(lambda args: body(*args), (_chunk_time(hidden, chunk_size), _chunk_time(targets, chunk_size)))
-    return jax.tree.map(lambda y: _unchunk_time(y, t), outs)
+    return map_time_chunks(fn, hidden, targets, chunk_size=chunk_size, remat=True)
 
 
 MODEL_KINDS = {"causal_lm": CausalLM, "reward": RewardModel, "value": ValueModel, "policy_value": PolicyValueModel}

@@ -267,12 +267,7 @@ class Actors:
             hidden, _ = response_states(model, tokens, positions, attention, prompt_len=prompt_len, group=group)
             targets = tokens[:, prompt_len:]
             stat = lambda h, y: token_statistics(model.logits(h), y, temperature=temperature)  # noqa: E731
-            width = hidden.shape[1]
-            if chunk is None or chunk >= width:
-                return stat(hidden, targets)
-            chunks = jax.lax.map(lambda hy: stat(*hy),
-                                 (modeling._chunk_time(hidden, chunk), modeling._chunk_time(targets, chunk)))
-            return tuple(modeling._unchunk_time(c, width) for c in chunks)
+            return modeling.map_time_chunks(stat, hidden, targets, chunk_size=chunk)
 
         return jax.jit(per_token)
 
