@@ -255,3 +255,28 @@ def test_estimate_sizes_the_new_options_as_the_dpo_run_they_are():
     model = model_config_for(plain)
     ours, theirs = (estimate(c, model=model, devices=1, mesh=(1, 1, 1)) for c in (options, plain))
     assert ours.items == theirs.items and ours.items["reference"] > 0
+
+
+def test_wpo_weights_come_a_chunk_of_logits_at_a_time(setup, losses, monkeypatch):
+    """With ``model.logprob_chunk_size`` WPO's aligned log-probs are computed as the log-probs are,
+    a few positions of logits at a time (they were not: WPO's pass called the unembedding on the
+    whole window, ``[rows, T, V]`` float32): the loss is still the papers' formula, and the terms
+    go through ``map_time_chunks`` with the chunk size. (The toy model's vocabulary and hidden
+    size are both 32, so the traced program's shapes cannot tell logits from hidden states.)"""
+    config = setup["config"]
+    chunk = 3
+    chunked = dict(setup, config=dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                                       logprob_chunk_size=chunk)))
+    calls = []
+    real = preference.models.map_time_chunks
+
+    def spy(fn, hidden, targets, *, chunk_size, remat=False):
+        calls.append((getattr(fn, "__qualname__", ""), chunk_size, hidden.shape[1]))
+        return real(fn, hidden, targets, chunk_size=chunk_size, remat=remat)
+
+    monkeypatch.setattr(preference.models, "map_time_chunks", spy)
+    for name in ("wpo", "ld_mpo_wpo"):
+        calls.clear()
+        np.testing.assert_allclose(task_loss(chunked, CASES[name]), losses[name][1], rtol=2e-5, atol=2e-6)
+        wpo_calls = [c for c in calls if "_pair_token_logps" in c[0]]
+        assert wpo_calls and all(size == chunk < width for _, size, width in wpo_calls), calls

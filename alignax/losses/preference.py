@@ -585,14 +585,21 @@ def wpo_aligned_logps(logits: Array, targets: Array, mask: Array) -> Array:
     aligned log-probs, :func:`wpo_weights`); ``log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z)``.
 
     ``logits [B, T, V]`` scoring ``targets [B, T]`` (shifted already), ``mask [B, T]``.
-    Returns ``[B]`` float32.
+    Returns ``[B]`` float32. The per-token terms are :func:`wpo_token_terms` (which a trainer
+    computes a chunk of positions at a time, never holding the ``[B, T, V]`` logits).
     """
     check_rank(logits=(logits, 3), targets=(targets, 2))
+    return jnp.sum(jnp.where(f32(mask) > 0, wpo_token_terms(logits, targets), 0.0), axis=-1)
+
+
+def wpo_token_terms(logits: Array, targets: Array) -> Array:
+    """``log p(y_t) - log sum_v p(v)^2`` at each position, float32 ``[...]``, no gradient:
+    :func:`wpo_aligned_logps`'s terms before the masked sum (``logits [..., V]``, ``targets [...]``)."""
     z = jax.lax.stop_gradient(f32(logits))
     lse = jax.nn.logsumexp(z, axis=-1)
     log_sq_norm = jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * lse
-    logp = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
-    return jnp.sum(jnp.where(f32(mask) > 0, logp - log_sq_norm, 0.0), axis=-1)
+    logp = jnp.take_along_axis(z, jnp.asarray(targets)[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+    return logp - log_sq_norm
 
 
 def simpo_loss(

@@ -78,7 +78,10 @@ def _pair_token_logps(model, batch, chunk_size, window, wpo: bool):
     if wpo:
         hidden, targets, mask = response_hidden(*args, window=window)
         logps = models.token_logprobs_from_hidden(hidden, model, targets, chunk_size=chunk_size)
-        aligned = pref.wpo_aligned_logps(model.logits(jax.lax.stop_gradient(hidden)), targets, mask)
+        # WPO's aligned log-probs, model.logprob_chunk_size positions of logits at a time
+        terms = models.map_time_chunks(lambda h, y: pref.wpo_token_terms(model.logits(h), y),
+                                       jax.lax.stop_gradient(hidden), targets, chunk_size=chunk_size)
+        aligned = jnp.sum(jnp.where(mask > 0, terms, 0.0), axis=-1)
     else:
         logps, mask = response_logps(*args, chunk_size=chunk_size, window=window)
     b = batch["chosen_tokens"].shape[0]
