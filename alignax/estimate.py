@@ -66,7 +66,7 @@ from alignax.models.lora import adapter_parameter_count, projection_sizes
 from alignax.models.quant import quantized_bytes
 from alignax.parallel.placement import SUBMESH_ROLES
 from alignax.parallel.sharding import logical_to_spec
-from alignax.config import NEVER, Is
+from alignax.config import NEVER, ConfigError, Is
 from alignax.trainers.algorithms import algorithm
 from alignax.trainers.engine import packing
 from alignax.trainers.online.collect import single_update
@@ -225,7 +225,7 @@ class Estimate:
         rollout's programs read (the update takes their log-probs)."""
         left_out = (*ROLLOUT_TEMPORARIES, "rollout not live with the update", *TOKEN_STATS_ITEMS)
         if self.online:
-            left_out += ("reference", "reward models")
+            left_out += ("reference", *SCORER_ITEMS)
         return {k: v for k, v in self.items.items() if k not in left_out}
 
     def rollout_items(self) -> dict[str, float]:
@@ -388,10 +388,17 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     # LoRA's reference is the base with the adapters off (no second copy); a teacher is a model of its own
     separate_reference = adapters is None or teacher is not None
     items["reference"] = frozen if uses_reference and separate_reference else 0.0
-    n_reward_models = len(config.rewards.reward_models or ()) if online else 0
-    if assumptions == "seed" and online:
-        n_reward_models = max(n_reward_models, 1)  # the seed's GRPO/PPO count a reward model
-    items["reward models"] = n_reward_models * scalar * p.frozen / shard
+    notes: list[str] = []
+    if assumptions == "seed":  # the seed's GRPO/PPO count one reward model at the policy's size
+        scorers = [_Scorer("reward models", scalar, P - model.vocab_size * model.hidden_size)] * (
+            max(len(config.rewards.reward_models or ()), 1) if online else 0)
+    else:
+        scorers = _scorers(config, model, section, notes) if online else []
+    for item in SCORER_ITEMS:
+        mine = [s for s in scorers if s.item == item]
+        if mine or item == "reward models":
+            # on the reward models' mesh, fsdp x tensor ways; or whole on the first device
+            items[item] = sum(s.parameters for s in mine) * p.frozen / (shard if item != SCORERS_UNSHARDED else 1)
     # placement: host (alignax.parallel.placement): held in pinned host memory, each device's
     # shard of it. A frozen model's device copy lives only while the program that runs it
     # does (not counted: how much of it is live at once is the compiler's scheduling); the
@@ -399,10 +406,12 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
     # there (``moved_in``, in "optimizer update").
     # placement: submesh: on the sub-mesh's devices, sharded over its fsdp x tensor
     host, submesh = {}, {}
-    for key, name in (("reference", "reference"), ("reward_models", "reward models")):
-        if getattr(config.placement, key) == "host" and items[name]:
+    # (rewards.prm is loaded on the reward models' mesh, never held in host memory)
+    for key, name in (("reference", "reference"), ("reward_models", "reward models"),
+                      ("reward_models", "process reward models")):
+        if name != "process reward models" and getattr(config.placement, key) == "host" and items.get(name):
             host[name], items[name] = items[name], 0.0
-        if key in on_submesh and items[name]:
+        if key in on_submesh and items.get(name):
             submesh[name], items[name] = items[name] * shard / (sub[1] * sub[2]), 0.0
     critic_on_base = entry.critic_on_base(config)
     critic = entry.critic(config) or (assumptions == "seed" and entry.critic is not NEVER)
@@ -457,7 +466,6 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         return global_rows / math.prod({"data": data, "fsdp": fsdp}[a] for a in axes)
 
     per_device_rows = rows_per_device(train_rows)
-    notes = []
     batch_devices = data * fsdp
     placed = {"data.batch_size": config.data.batch_size}  # the rows of each array a step places
     if online:
@@ -645,8 +653,8 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                 4 * non_embedding + 6 * critic_trained)
             flops["critic update"] = trained_tokens * (critic_update + attention)
             flops["critic forward"] = 2 * non_embedding * rows * length
-        if n_reward_models:
-            flops["reward models"] = n_reward_models * 2 * non_embedding * rows * length
+        if scorers:  # each scoring model's forward over every rollout row (a judge reads its rubric too: not counted)
+            flops["reward models"] = sum(2 * s.non_embedding * rows * length for s in scorers)
     else:
         trained_tokens = rows * length
         flops = {"policy update": trained_tokens * (update + attention),
@@ -666,6 +674,51 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         result.suggestion = _suggestion(config, model, result, assumptions=assumptions, mfu=mfu, peak_flops=peak_flops,
                                         jaxlib=jaxlib)
     return result
+
+
+# the models that score a rollout (alignax.rewards): the reward models and rewards.prm on the
+# reward models' mesh (placement.reward_models), sharded; a judge model and grpo.process_reward_model
+# whole on the first device (they are loaded without a mesh)
+SCORERS_UNSHARDED = "scoring models on the first device"
+SCORER_ITEMS = ("reward models", "process reward models", SCORERS_UNSHARDED)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scorer:
+    """A model that scores the rollout: its item of :data:`SCORER_ITEMS` and its size."""
+
+    item: str
+    parameters: int
+    non_embedding: int
+
+
+def _scorers(config, model: ModelConfig, section, notes: list[str]) -> list[_Scorer]:
+    """The scoring models an online run of ``config`` loads, each at its own size (read from
+    its folder or registry name; a folder not on this machine counts at the policy's shape,
+    said in ``notes``): ``rewards.reward_models``, ``rewards.prm`` and ``rewards.judge_model``,
+    the same of ``monitor.gold.rewards`` when the gold signal is on, and the process advantages'
+    ``grpo.process_reward_model``."""
+    wanted = []
+    sources = [config.rewards] + ([config.monitor.gold.rewards] if config.monitor.gold.prompts is not None else [])
+    for rewards in sources:
+        wanted += [("reward models", path, "scalar") for path in rewards.reward_models or ()]
+        wanted += [("process reward models", rewards.prm, "scalar")] if rewards.prm else []
+        wanted += [(SCORERS_UNSHARDED, rewards.judge_model, "lm")] if rewards.judge_model else []
+    prm = getattr(section, "process_reward_model", None)
+    if prm and estimators.estimator(estimators.effective_name(section)).step_rewards:
+        wanted.append((SCORERS_UNSHARDED, prm, "scalar"))
+    out = []
+    for item, name, head in wanted:
+        try:
+            shape = model_config_for(dataclasses.replace(config, model=dataclasses.replace(
+                config.model, name=name, random_init=None)))
+        except (ConfigError, OSError, ValueError):
+            shape = None
+            notes.append(f"{name}: no model folder here to read its shape; counted at the policy's")
+        shape = shape or model
+        params = parameter_count(shape, head=head)
+        out.append(_Scorer(item, params, params - shape.vocab_size * shape.hidden_size))
+    return out
 
 
 # what the rollout's program holds beside the states (the update's own program holds none of it)

@@ -499,3 +499,37 @@ def test_the_estimate_prices_as_the_trainer_does(path, overrides, single):
     config, result = _online_estimate(path, *overrides)
     assert single_update(config, algorithm(config.algorithm).make(config)) is single
     assert (result.flops["policy forward"] == 0.0) is single
+
+
+def test_each_scoring_model_is_counted_at_its_own_size_and_place(tmp_path):
+    """The models that score a rollout count at their own sizes (read from their folders), not
+    the policy's: reward models and ``rewards.prm`` sharded on the reward models' mesh, a judge
+    and the process advantages' ``grpo.process_reward_model`` whole on the first device (they
+    are loaded without a mesh); a folder not on this machine counts at the policy's size, said
+    in a note; their forward passes are in the FLOPs at their sizes."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIGS["llama"]))
+    small = models.ModelConfig.from_hf_config(CONFIGS["llama"])
+    scalar, lm = parameter_count(small, head="scalar"), parameter_count(small, head="lm")
+    config = load_config("configs/grpo.yaml", [*BF16, f'rewards.reward_models=["{folder}", "runs/not-here"]',
+                                              f"rewards.judge_model={folder}", f"rewards.prm={folder}"])
+    policy = model_config_for(config, "llama-2-7b")
+    result = estimate(config, model=policy, devices=8, mesh=(1, 8, 1))
+    frozen = 2  # bfloat16
+    assert result.items["reward models"] == pytest.approx(
+        (scalar + parameter_count(policy, head="scalar")) * frozen / 8)
+    assert result.items["process reward models"] == pytest.approx(scalar * frozen / 8)
+    assert result.items["scoring models on the first device"] == pytest.approx(lm * frozen)  # the judge, whole
+    assert result.notes == ("runs/not-here: no model folder here to read its shape; counted at the policy's",)
+    rollout_tokens = result.flops["generation"] / (2 * (parameter_count(policy) - policy.vocab_size * policy.hidden_size))
+    non_embedding = lambda n, s: n - s.vocab_size * s.hidden_size  # noqa: E731
+    assert result.flops["reward models"] == pytest.approx(2 * rollout_tokens * (
+        2 * non_embedding(scalar, small) + non_embedding(lm, small)
+        + non_embedding(parameter_count(policy, head="scalar"), policy)))
+    # none of them is in the compiled update step; the process advantages' PRM is counted only with them
+    assert not set(result.update_step_items()) & {"reward models", "process reward models",
+                                                  "scoring models on the first device"}
+    process = load_config("configs/grpo.yaml", [*BF16, "grpo.advantage=process", f"grpo.process_reward_model={folder}"])
+    assert estimate(process, model=policy, devices=8, mesh=(1, 8, 1)).items[
+        "scoring models on the first device"] == pytest.approx(scalar * frozen)
