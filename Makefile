@@ -92,9 +92,13 @@ $(VENV)/.installed-mutation: $(VENV)/.installed
 	$(PIP) install -q --no-compile -c constraints.txt -e '.[test,mutation]'
 	touch $@
 
+# `make mutation MODULE=alignax.kl` runs and scores one module's mutants (the whole core cold is
+# hours on 2 cores; one module is minutes: docs/mutation-testing.md, Figures).
+MODULE ?=
 mutation: $(VENV)/.installed-mutation
-	mkdir -p mutants && nice -n 19 $(VENV)/bin/mutmut run --max-children 2 > mutants/run.log 2>&1 || { tail -40 mutants/run.log; exit 1; }
-	$(PY) tools/mutation/summary.py --mutmut $(VENV)/bin/mutmut
+	mkdir -p mutants && nice -n 19 $(VENV)/bin/mutmut run --max-children 2 $(if $(MODULE),"$(MODULE)*") \
+		> mutants/run.log 2>&1 || { tail -40 mutants/run.log; exit 1; }
+	$(PY) tools/mutation/summary.py --mutmut $(VENV)/bin/mutmut $(if $(MODULE),--module $(MODULE))
 
 # The main job: DPO then GRPO on SmolLM2-135M-Instruct (reasoning-gym chain_sum), ~15 min
 # on 2 CPU cores; prints held-out accuracies before/after, writes runs/demo/.
