@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from alignax.estimators import ESTIMATORS  # noqa: E402
+from alignax.trainers.config import GRPOSection  # noqa: E402
 
 SKIPPED = {"remax": "needs a greedy decode per prompt", "process": "needs step rewards"}
 WEIGHTS = np.array([1.0, 0.5], np.float32)  # answer, format
@@ -89,7 +90,7 @@ def batch_gradient(name: str, theta, key, prompts: int, group: int):
         rewards=parts @ WEIGHTS, loss_mask=mask, group_ids=ids,
         old_logps=sampled, stat_logps=sampled, sum_pi_squared=jnp.sum(pi * pi, -1), is_weights=None,
         reward_components=parts, reward_weights=jnp.asarray(WEIGHTS), baseline=jnp.zeros(rows))
-    section = types.SimpleNamespace(unbiased_std=True, scale_rewards="group", reinforce_baseline=False)
+    section = GRPOSection()  # every estimator option at its default (a new option cannot go missing here)
     adv = ESTIMATORS[name].advantages(x, section, prompts)
     score = jax.nn.one_hot(tokens, V) - pi  # [R, T, V]
     per_row = jnp.einsum("rt,rtv->rtv", adv * mask, score) / rows
