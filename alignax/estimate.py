@@ -2,9 +2,10 @@
 
 ``alignax estimate CONFIG [--devices N] [--device-memory GB] [--mesh d,f,t] [--model NAME]
 [--assumptions standard|seed] [--json]`` prints, per device: the trained model's weights,
-gradients, optimiser moments and float32 master copy; the frozen models (reference, reward
-models) and PPO's critic; activations under the config's remat setting and micro-batch;
-the chunked LM-head buffers; the rollout's KV cache, decode buffers, gathered weights and
+gradients, optimiser moments and float32 master copy; the frozen models (reference, the
+models that score the rollout: reward models, process reward models, a judge) and PPO's
+critic; activations under the config's remat setting and micro-batch; the chunked LM-head
+buffers; the rollout's KV cache, decode buffers, gathered weights and
 the sampler's compute-dtype copy (a program of its own: the total counts the larger of the
 rollout's and the update's temporaries beside the states); the optimal token baseline's
 logits (``sum pi^2 logits``: its pass over the rollout is a third program, counted the same
@@ -66,7 +67,7 @@ from alignax.models.lora import adapter_parameter_count, projection_sizes
 from alignax.models.quant import quantized_bytes
 from alignax.parallel.placement import SUBMESH_ROLES
 from alignax.parallel.sharding import logical_to_spec
-from alignax.config import NEVER, ConfigError, Is
+from alignax.config import NEVER, ConfigError, Given, Is, get
 from alignax.trainers.algorithms import algorithm
 from alignax.trainers.engine import packing
 from alignax.trainers.online.collect import single_update
@@ -393,12 +394,8 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
         scorers = [_Scorer("reward models", scalar, P - model.vocab_size * model.hidden_size)] * (
             max(len(config.rewards.reward_models or ()), 1) if online else 0)
     else:
-        scorers = _scorers(config, model, section, notes) if online else []
-    for item in SCORER_ITEMS:
-        mine = [s for s in scorers if s.item == item]
-        if mine or item == "reward models":
-            # on the reward models' mesh, fsdp x tensor ways; or whole on the first device
-            items[item] = sum(s.parameters for s in mine) * p.frozen / (shard if item != SCORERS_UNSHARDED else 1)
+        scorers = _scorers(config, model, entry, notes) if online else []
+    items.update(_scorer_items(scorers, p.frozen / shard, p.frozen))
     # placement: host (alignax.parallel.placement): held in pinned host memory, each device's
     # shard of it. A frozen model's device copy lives only while the program that runs it
     # does (not counted: how much of it is live at once is the compiler's scheduling); the
@@ -653,8 +650,7 @@ def estimate(config, *, model: ModelConfig, devices: int, mesh: tuple[int, int, 
                 4 * non_embedding + 6 * critic_trained)
             flops["critic update"] = trained_tokens * (critic_update + attention)
             flops["critic forward"] = 2 * non_embedding * rows * length
-        if scorers:  # each scoring model's forward over every rollout row (a judge reads its rubric too: not counted)
-            flops["reward models"] = sum(2 * s.non_embedding * rows * length for s in scorers)
+        flops.update(_scorer_flops(scorers, config, rows=rows, length=length))
     else:
         trained_tokens = rows * length
         flops = {"policy update": trained_tokens * (update + attention),
@@ -685,39 +681,66 @@ SCORER_ITEMS = ("reward models", "process reward models", SCORERS_UNSHARDED)
 
 @dataclasses.dataclass(frozen=True)
 class _Scorer:
-    """A model that scores the rollout: its item of :data:`SCORER_ITEMS` and its size."""
+    """A model that scores rollouts: its item of :data:`SCORER_ITEMS`, its size, and whether
+    it scores the gold prompts (``monitor.gold``) rather than every rollout."""
 
     item: str
     parameters: int
     non_embedding: int
+    gold: bool = False
 
 
-def _scorers(config, model: ModelConfig, section, notes: list[str]) -> list[_Scorer]:
+def _scorers(config, model: ModelConfig, entry, notes: list[str]) -> list[_Scorer]:
     """The scoring models an online run of ``config`` loads, each at its own size (read from
     its folder or registry name; a folder not on this machine counts at the policy's shape,
     said in ``notes``): ``rewards.reward_models``, ``rewards.prm`` and ``rewards.judge_model``,
-    the same of ``monitor.gold.rewards`` when the gold signal is on, and the process advantages'
-    ``grpo.process_reward_model``."""
+    the same of ``monitor.gold.rewards`` when the gold signal is on, and the entry's own
+    (``entry.scorers``: GRPO's ``grpo.process_reward_model``)."""
     wanted = []
-    sources = [config.rewards] + ([config.monitor.gold.rewards] if config.monitor.gold.prompts is not None else [])
-    for rewards in sources:
-        wanted += [("reward models", path, "scalar") for path in rewards.reward_models or ()]
-        wanted += [("process reward models", rewards.prm, "scalar")] if rewards.prm else []
-        wanted += [(SCORERS_UNSHARDED, rewards.judge_model, "lm")] if rewards.judge_model else []
-    prm = getattr(section, "process_reward_model", None)
-    if prm and estimators.estimator(estimators.effective_name(section)).step_rewards:
-        wanted.append((SCORERS_UNSHARDED, prm, "scalar"))
+    sources = [(config.rewards, False)]
+    if config.monitor.gold.prompts is not None:
+        sources.append((config.monitor.gold.rewards, True))
+    for rewards, gold in sources:
+        wanted += [("reward models", path, "scalar", gold) for path in rewards.reward_models or ()]
+        wanted += [("process reward models", rewards.prm, "scalar", gold)] if rewards.prm else []
+        wanted += [(SCORERS_UNSHARDED, rewards.judge_model, "lm", gold)] if rewards.judge_model else []
+    if isinstance(entry.scorers, Given) and entry.scorers(config):
+        wanted.append((SCORERS_UNSHARDED, get(config, entry.scorers.path), "scalar", False))
     out = []
-    for item, name, head in wanted:
+    for item, name, head, gold in wanted:
         try:
             shape = model_config_for(dataclasses.replace(config, model=dataclasses.replace(
                 config.model, name=name, random_init=None)))
         except (ConfigError, OSError, ValueError):
-            shape = None
+            shape = model
             notes.append(f"{name}: no model folder here to read its shape; counted at the policy's")
-        shape = shape or model
         params = parameter_count(shape, head=head)
-        out.append(_Scorer(item, params, params - shape.vocab_size * shape.hidden_size))
+        out.append(_Scorer(item, params, params - shape.vocab_size * shape.hidden_size, gold))
+    return out
+
+
+def _scorer_items(scorers: list[_Scorer], sharded: float, whole: float) -> dict[str, float]:
+    """Per device, the bytes of the scoring models by item (``reward models`` always, 0 without):
+    ``sharded`` bytes a parameter on the reward models' mesh, ``whole`` on the first device."""
+    out = {}
+    for item in SCORER_ITEMS:
+        mine = [s.parameters for s in scorers if s.item == item]
+        if mine or item == "reward models":
+            out[item] = sum(mine) * (whole if item == SCORERS_UNSHARDED else sharded)
+    return out
+
+
+def _scorer_flops(scorers: list[_Scorer], config, *, rows: float, length: int) -> dict[str, float]:
+    """The scoring models' forward FLOPs a step: over every rollout row, ``reward models`` for
+    those on the reward models' mesh, :data:`SCORERS_UNSHARDED` for those run on the first
+    device (a judge's rubric tokens are not counted); the gold signal's, ``max_prompts``
+    greedy completions every ``every`` rollouts, averaged over the steps."""
+    gold = config.monitor.gold
+    gold_rows = min(gold.max_prompts, rows) / gold.every
+    out: dict[str, float] = {}
+    for s in scorers:
+        item = "gold scoring" if s.gold else "reward models" if s.item != SCORERS_UNSHARDED else SCORERS_UNSHARDED
+        out[item] = out.get(item, 0.0) + 2 * s.non_embedding * (gold_rows if s.gold else rows) * length
     return out
 
 
@@ -786,7 +809,7 @@ def _submesh_forward(config, model: ModelConfig, p: Precision, sub: tuple[int, i
         lm_buffers = device_rows * chunk * model.vocab_size * 4 * buffers / s_tensor
         head = embedding * p.frozen / s_tensor if gathered else 0.0
         peak = max(layer_whole + layer_set(device_rows, ref_length), 2 * head, head + lm_buffers)
-    if "reward models" in placed:
+    if "reward models" in placed or "process reward models" in placed:  # (counted at the policy's layer size)
         peak = max(peak, layer_whole + layer_set(max(rows / batch_devices, 1), length))
     return {"forward pass": peak}
 

@@ -524,12 +524,46 @@ def test_each_scoring_model_is_counted_at_its_own_size_and_place(tmp_path):
     assert result.notes == ("runs/not-here: no model folder here to read its shape; counted at the policy's",)
     rollout_tokens = result.flops["generation"] / (2 * (parameter_count(policy) - policy.vocab_size * policy.hidden_size))
     non_embedding = lambda n, s: n - s.vocab_size * s.hidden_size  # noqa: E731
-    assert result.flops["reward models"] == pytest.approx(2 * rollout_tokens * (
-        2 * non_embedding(scalar, small) + non_embedding(lm, small)
-        + non_embedding(parameter_count(policy, head="scalar"), policy)))
+    assert result.flops["reward models"] == pytest.approx(2 * rollout_tokens * (  # the two reward models and the PRM
+        2 * non_embedding(scalar, small) + non_embedding(parameter_count(policy, head="scalar"), policy)))
+    assert result.flops["scoring models on the first device"] == pytest.approx(
+        2 * rollout_tokens * non_embedding(lm, small))
     # none of them is in the compiled update step; the process advantages' PRM is counted only with them
     assert not set(result.update_step_items()) & {"reward models", "process reward models",
                                                   "scoring models on the first device"}
     process = load_config("configs/grpo.yaml", [*BF16, "grpo.advantage=process", f"grpo.process_reward_model={folder}"])
     assert estimate(process, model=policy, devices=8, mesh=(1, 8, 1)).items[
         "scoring models on the first device"] == pytest.approx(scalar * frozen)
+
+
+def test_gold_scorers_and_a_placed_prm_are_counted_where_they_run(tmp_path):
+    """The gold signal's scorers are loaded for the whole run (memory) but score ``max_prompts``
+    greedy completions every ``every`` rollouts (FLOPs averaged over the steps); ``rewards.prm``
+    follows ``placement.reward_models: submesh`` but is never held in host memory."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIGS["llama"]))
+    small = models.ModelConfig.from_hf_config(CONFIGS["llama"])
+    scalar = parameter_count(small, head="scalar")
+    gold = ["monitor.gold.prompts={paths: [gold.jsonl], format: prompt}", "monitor.gold.every=4", "monitor.gold.max_prompts=8",
+            "monitor.gold.rewards.verifier_weight=0", f'monitor.gold.rewards.reward_models=["{folder}"]']
+    config = load_config("configs/grpo.yaml", [*BF16, *gold])
+    policy = model_config_for(config, "llama-2-7b")
+    result = estimate(config, model=policy, devices=8, mesh=(1, 8, 1))
+    assert result.items["reward models"] == pytest.approx(scalar * 2 / 8)
+    length = config.data.max_prompt_length + config.rollout.max_new_tokens
+    assert result.flops["gold scoring"] == pytest.approx(2 * (scalar - small.vocab_size * small.hidden_size)
+                                                         * 8 / 4 * length)
+    assert "reward models" not in result.flops
+    # (placement.reward_models needs rewards.reward_models; the PRM is loaded on their mesh)
+    prm = [*BF16, f"rewards.prm={folder}", f'rewards.reward_models=["{folder}"]']
+    on_host = estimate(load_config("configs/grpo.yaml", [*prm, "placement.reward_models=host"]), model=policy,
+                       devices=8, mesh=(1, 8, 1))
+    assert on_host.items["process reward models"] == pytest.approx(scalar * 2 / 8)
+    assert on_host.items["reward models"] == 0.0 and set(on_host.host) == {"reward models"}
+    apart = estimate(load_config("configs/grpo.yaml", [*prm, "placement.reward_models=submesh",
+                                                       "placement.submesh=[1,4,1]"]),
+                     model=policy, devices=8, mesh=(1, 4, 1))
+    assert apart.items["process reward models"] == apart.items["reward models"] == 0.0
+    assert apart.submesh["process reward models"] == apart.submesh["reward models"] == pytest.approx(scalar * 2 / 4)
+    assert apart.submesh["forward pass"] > 0 and "reward models" in apart.submesh_flops
