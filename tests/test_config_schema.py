@@ -582,8 +582,11 @@ def test_grpo_loss_and_advantage_keys():
     assert "grpo.max_refills applies to grpo.dynamic_sampling=true only" in refused(GRPO, ["grpo.max_refills=2"])
     assert "grpo.step_delimiter applies to grpo.advantage=process only; got grpo.advantage=grpo" in refused(
         GRPO, ["grpo.step_delimiter=;"])
+    assert "grpo.gpg_valid applies to grpo.advantage=gpg only; got grpo.advantage=grpo" in refused(
+        GRPO, ["grpo.gpg_valid=varied_group"])
     load_config(data=GRPO, overrides=["grpo.advantage=reinforce_pp", "grpo.reinforce_baseline=true"])
     load_config(data=GRPO, overrides=["grpo.dynamic_sampling=true", "grpo.max_refills=2"])
+    load_config(data=GRPO, overrides=["grpo.advantage=gpg", "grpo.gpg_valid=varied_group"])
 
 
 def test_process_supervision_has_no_sequence_reward_for_a_kl():

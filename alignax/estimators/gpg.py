@@ -12,10 +12,13 @@ the paper's). Which samples are invalid is ``grpo.gpg_valid``:
 - ``nonzero_reward`` (the default, verl's ``compute_gpg_outcome_advantage``): ``B - M`` is the
   number of samples with a non-zero reward.
 - ``varied_group`` (the authors' code, AMAP-ML/GPG ``open-r1/src/open_r1/gpg_trainer.py``:
-  ``inverse_alpha`` = groups whose rewards' std is > 0 over all groups): ``B - M`` is the number
-  of samples in groups whose rewards are not all equal; an all-correct or all-wrong group has
-  no advantage and counts as invalid. A group of one counts as invalid here (its std is
-  undefined in the authors' code, which never has one). The authors' code also resamples
+  ``inverse_alpha`` = the groups whose rewards' std is not 0 over all groups): ``B - M`` is the
+  number of samples in groups whose rewards are not all equal; an all-correct or all-wrong
+  group has no advantage and counts as invalid. The authors count groups, alignax samples: the
+  two shares agree where every group has the same size (the trainer's rollouts; groups of
+  several sizes come only from a direct call). A group of one counts as invalid here; in the
+  authors' code its std is NaN, which is not 0, so it would count as valid (their groups
+  always hold several samples). The authors' code also resamples
   prompts until ``B - M >= 0.5 B`` (``min_inverse_alpha``); alignax does not (DAPO's
   ``grpo.dynamic_sampling`` keeps only groups with varied rewards, which makes ``alpha = 1``).
 
@@ -73,5 +76,6 @@ def advantages(x, section, num_groups: int):
                                     valid=section.gpg_valid), x.loss_mask)
 
 
-ESTIMATOR = Estimator("gpg", advantages, "group-mean baseline rescaled by the share of rewarded samples "
-                      "(GPG, arXiv:2504.02546)", verl_name="gpg")
+ESTIMATOR = Estimator("gpg", advantages, "group-mean baseline rescaled by the share of valid samples: rewarded "
+                      "(verl) or in groups whose rewards differ (`grpo.gpg_valid`; GPG, arXiv:2504.02546)",
+                      verl_name="gpg")
