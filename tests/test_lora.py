@@ -151,6 +151,36 @@ def test_peft_adapter_round_trip_with_transformers_and_peft(tmp_path):
     np.testing.assert_allclose(logits(loaded), hf_logits(theirs), atol=1e-4)
 
 
+@pytest.mark.parametrize("targets,rslora", [(("all", "lm_head"), False), (("q", "v", "up", "o"), True)])
+def test_a_phi3_adapter_exports_to_peft_through_its_fused_projections(tmp_path, targets, rslora):
+    """Phi-3 fuses q, k, v into ``qkv_proj`` and gate, up into ``gate_up_proj``: the export
+    writes one PEFT adapter per fused module, the parts' adapters side by side (rank n r,
+    block-diagonal B, zero rows for a part without one, ``alpha_pattern`` keeping each part's
+    scale), and peft on the transformers base gives our logits."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from alignax.models import save_pretrained
+    from tests.support.model_families import CONFIGS
+
+    base = create_model(ModelConfig.from_hf_config(CONFIGS["phi3"]), seed=0)
+    save_pretrained(base, tmp_path / "base")
+    model = _perturbed(with_adapters(base, LoraConfig(rank=2, alpha=3, targets=targets, rslora=rslora)), scale=0.2)
+    ours = logits(model)
+    assert np.max(np.abs(ours - logits(base))) > 0.05  # the adapters change the logits
+    save_peft_adapter(model, tmp_path / "adapter")
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        written = json.load(f)
+    fused = {"qkv_proj": 3, "gate_up_proj": 2} if "all" in targets else {"qkv_proj": 2}  # adapted parts
+    assert written["rank_pattern"] == {m: 2 * n for m, n in fused.items()}
+    hf_base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", local_files_only=True).eval()
+    with_peft = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = with_peft(torch.tensor(TOKENS)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------- a LoRA DPO run
 LORA = {"rank": 4, "alpha": 8}
 

@@ -60,11 +60,14 @@ PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 TARGETS = (*PROJECTIONS, "lm_head")
 # our projection -> (module attribute holding its kernel, PEFT/transformers module name)
 _ATTENTION = ("q", "k", "v", "o")
-# Families whose transformers modules are named as _HF_MODULE says (gpt2's c_attn and phi3's
-# qkv_proj / gate_up_proj fuse several of our projections: PEFT has no adapter per projection).
-PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+# Families whose transformers modules are named as _HF_MODULE says; phi3's qkv_proj and
+# gate_up_proj fuse several of our projections (_FUSED_MODULES: one PEFT adapter each, the
+# projections' adapters side by side); gpt2's c_attn (a Conv1D) has no export.
+PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
 _HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_FUSED_MODULES = {"phi3": {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up"),
+                           "self_attn.o_proj": ("o",), "mlp.down_proj": ("down",)}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +396,13 @@ def save_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, base_model_
     ``adapter_model.safetensors``), loadable with ``peft.PeftModel.from_pretrained`` onto the
     transformers model of the base weights. The families of :data:`PEFT_FAMILIES`.
 
+    Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` get one adapter each holding the adapters of
+    the projections they fuse side by side, exactly: ``A = [A_q; A_k; A_v]`` (rank ``n r`` for
+    ``n`` adapted parts) and ``B`` block-diagonal (zero rows for a part without an adapter), so
+    ``B A x = [B_q A_q x; B_k A_k x; B_v A_v x]``; ``rank_pattern`` and ``alpha_pattern`` give the
+    module that rank and the ``lora_alpha`` keeping the scale ``alpha / r`` (``alpha / sqrt(r)``
+    with rsLoRA).
+
     ``base_model_name`` / ``base_model_revision``: the base as ``AutoPeftModelForCausalLM``
     looks it up (``base_model_name_or_path``, ``revision``): a hub id where the base has one
     (:func:`alignax.models.registry.hub_id`), else its folder."""
@@ -403,36 +413,64 @@ def save_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, base_model_
         raise ValueError("the model has no adapters to save")
     if model.config.model_type not in PEFT_FAMILIES:
         raise ValueError(f"PEFT export is for the families {', '.join(PEFT_FAMILIES)}; {model.config.model_type}'s "
-                         "fused projections (gpt2's c_attn, phi3's qkv_proj and gate_up_proj) have no adapter per "
-                         "projection in PEFT's layout (the merged export carries the adapters)")
-    tensors: dict[str, np.ndarray] = {}
+                         "fused projections (gpt2's c_attn, a Conv1D) have no adapter in PEFT's layout (the merged "
+                         "export carries the adapters)")
+    per_layer: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     for i, name, _owner, lora in _adapter_modules(model):
         a = np.asarray(jax.device_get(lora.a[...]), np.float32)
         b = np.asarray(jax.device_get(lora.b[...]), np.float32)
         for layer in (range(model.config.num_layers) if i is None else (i,)):
             la, lb = (a[layer], b[layer]) if i is None else (a, b)
-            pa, pb = _peft_shapes(name, la, lb)
-            prefix = f"base_model.model.model.layers.{layer}.{_HF_MODULE[name]}"
+            per_layer.setdefault(layer, {})[name] = _peft_shapes(name, la, lb)
+    modules = _FUSED_MODULES.get(model.config.model_type, {m: (t,) for t, m in _HF_MODULE.items()})
+    parts_out = _projection_outputs(model.config)
+    tensors: dict[str, np.ndarray] = {}
+    ranks: dict[str, int] = {}
+    for layer, adapters in sorted(per_layer.items()):
+        for module, parts in modules.items():
+            adapted = [t for t in parts if t in adapters]
+            if not adapted:
+                continue
+            pa = np.concatenate([adapters[t][0] for t in adapted])  # [n r, in]
+            pb = np.zeros((sum(parts_out[t] for t in parts), pa.shape[0]), np.float32)
+            row = 0
+            for t in parts:
+                if t in adapters:
+                    col = adapted.index(t) * spec.rank
+                    pb[row:row + parts_out[t], col:col + spec.rank] = adapters[t][1]
+                row += parts_out[t]
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(pa)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(pb)
+            ranks[module.split(".")[1]] = pa.shape[0]
     if getattr(model, "lm_head_lora", None) is not None:
         lo = model.lm_head_lora
         pa, pb = _peft_shapes("lm_head", np.asarray(jax.device_get(lo.a[...]), np.float32),
                               np.asarray(jax.device_get(lo.b[...]), np.float32))
         tensors["base_model.model.lm_head.lora_A.weight"] = np.ascontiguousarray(pa)
         tensors["base_model.model.lm_head.lora_B.weight"] = np.ascontiguousarray(pb)
+        ranks["lm_head"] = spec.rank
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     write_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
-    modules = [_HF_MODULE[t].split(".")[1] if t in _HF_MODULE else t for t in spec.targets]
+    widened = {m: r for m, r in ranks.items() if r != spec.rank}  # fused modules of several adapted parts
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-        "lora_dropout": spec.dropout, "use_rslora": spec.rslora, "target_modules": modules, "bias": "none",
+        "lora_dropout": spec.dropout, "use_rslora": spec.rslora, "target_modules": sorted(ranks), "bias": "none",
         "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
         "base_model_name_or_path": base_model_name, "revision": base_model_revision,
+        "rank_pattern": widened,
+        # the scale alpha / r (alpha / sqrt(r) with rsLoRA) of each part, at the module's rank
+        "alpha_pattern": {m: spec.alpha * (r / spec.rank) ** (0.5 if spec.rslora else 1.0) for m, r in widened.items()},
     }
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+def _projection_outputs(c) -> dict[str, int]:
+    """Each projection's output width in transformers' layout (heads flattened)."""
+    return {"q": c.num_heads * c.head_dim, "k": c.num_kv_heads * c.head_dim, "v": c.num_kv_heads * c.head_dim,
+            "o": c.hidden_size, "gate": c.intermediate_size, "up": c.intermediate_size, "down": c.hidden_size}
 
 
 def load_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None
