@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 from etils import epath
 from etils.epath import backend as epath_backend
@@ -76,18 +77,34 @@ def as_path(path: str | os.PathLike) -> epath.Path:
 
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` so that a reader sees the old content or the new, never a
-    part: locally a temporary file, flushed to disk and renamed into place; on an object
-    store one upload, which the store commits whole."""
+    part: locally through :func:`atomic_open`; on an object store one upload, which the store
+    commits whole."""
     target = as_path(path)
     if is_remote(target):
         target.write_text(text, encoding="utf-8")
         return
-    tmp = f"{target}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(target, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
+    """A local file opened for writing (``mode`` ``"w"`` or ``"wb"``) that appears at ``path``
+    whole or not at all: written to a temporary file beside it, flushed to disk and renamed
+    into place when the block ends; an exception in the block removes the temporary file
+    and leaves ``path`` as it was."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode must be 'w' or 'wb'; got {mode!r}")
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @contextlib.contextmanager

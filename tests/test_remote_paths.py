@@ -259,3 +259,23 @@ def test_what_cannot_run_on_a_store_is_refused_naming_the_key(store):
         TensorBoardWriter("az://container/run/tensorboard")
     with pytest.raises(ConfigError, match="output_dir=gs://bucket/run: iterative_dpo writes each round"):
         validate(tiny_config("gs://bucket/run", "iterative-dpo"))
+
+
+def test_atomic_open_writes_whole_or_not_at_all(tmp_path):
+    """A file written through ``paths.atomic_open`` (the sampler weights a checkpoint names,
+    safetensors, a run's text files) appears whole when the block ends; an error in the block
+    leaves the old file as it was and no temporary beside it."""
+    target = tmp_path / "weights.npz"
+    with paths.atomic_open(target) as f:
+        f.write(b"old")
+        assert not target.exists()  # nothing at the path until the block ends
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        with paths.atomic_open(target) as f:
+            f.write(b"half of the new")
+            raise RuntimeError("killed mid-write")
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["weights.npz"]
+    paths.write_text(tmp_path / "note.txt", "whole")
+    assert (tmp_path / "note.txt").read_text() == "whole"
+    with pytest.raises(ValueError, match="mode must be 'w' or 'wb'"):
+        with paths.atomic_open(target, "a"):
+            pass

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
+from alignax import paths
+
 _DTYPES = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -110,10 +112,8 @@ def write_safetensors(
         arrays.append(arr)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with paths.atomic_open(path) as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for arr in arrays:
             f.write(arr.tobytes())
-    os.replace(tmp, path)

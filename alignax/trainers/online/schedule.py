@@ -60,6 +60,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from alignax import paths
 from alignax.parallel.multihost import allgather_rows, collectives_on
 from alignax.sampling.scored import Groups
 from alignax.trainers.online.collect import Collector, RolloutBatch, Sampled
@@ -327,7 +328,7 @@ def write_weights(path: Path, weights: Any) -> None:
                 shards[placed[key]] = data.view(f"u{data.dtype.itemsize}")
         index.append({"dtype": str(x.dtype), "shards": placed})
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
+    with paths.atomic_open(path) as f:  # whole or not at all: a checkpoint names it
         np.savez(f, index=np.frombuffer(json.dumps(index).encode(), np.uint8), **shards)
 
 
