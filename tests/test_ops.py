@@ -313,6 +313,10 @@ def test_masked_reductions_of_one_and_two_entries():
     np.testing.assert_allclose(ops.masked_var(x[2:3], mask[2:3]), 2 * 1.7**2, rtol=1e-6)  # / (n - 1) = 1
     np.testing.assert_allclose(ops.masked_var(x[2:3], mask[2:3], unbiased=False), 1.7**2, rtol=1e-6)
     assert float(ops.masked_var(x[1:2], mask[1:2])) == 0.0  # one entry: nothing to spread
+    # the documented 0 is the result itself, not a quotient of the spread: even a lone inf
+    # entry, whose spread inf - inf is NaN, gives 0
+    lone_inf = np.array([[np.inf, 1.0]], np.float32), np.array([[1.0, 0.0]], np.float32)
+    assert float(ops.masked_var(*lone_inf)) == 0.0
     white = ops.masked_whiten(x[2:3], mask[2:3], unbiased=False)  # (x - 0.9) / 1.7 = -1, +1
     np.testing.assert_allclose(white[0, :2], [(a - 0.9) / 1.7, (b - 0.9) / 1.7], rtol=1e-6)
     np.testing.assert_array_equal(white[0, 2:], 0.0)
@@ -359,3 +363,29 @@ def test_reductions_and_normalisers_stay_float32_with_x64_on():
                 ops.masked_whiten(x64, mask64), *ops.aggregation_normalisers(mask64).values()]
         outs += [ops.aggregate(x64, mask64, mode=mode) for mode in ops.AGGREGATION_MODES]
         assert all(o.dtype == jnp.float32 for o in outs), [o.dtype for o in outs]
+
+
+def test_a_chunk_size_at_or_over_the_sequence_length_takes_the_whole_sequence():
+    """T = 4 and V = 9: chunks of 4 and 6 positions cover the sequence in one piece (a chunk
+    is never longer than T, however it compares with V)."""
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=(2, 4, 9)).astype(np.float32) * 2
+    targets = rng.integers(0, 9, size=(2, 4))
+    want_lp, want_ent = ref_logprob_entropy(logits, targets)
+    for chunk in (4, 6):
+        lp, ent = ops.token_logprobs_and_entropy(logits, targets, chunk_size=chunk)
+        np.testing.assert_allclose(lp, want_lp, atol=1e-5, err_msg=str(chunk))
+        np.testing.assert_allclose(ent, want_ent, atol=1e-5, err_msg=str(chunk))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_logprobs_and_entropy_stay_float32_with_x64_on(chunk_size):
+    rng = np.random.default_rng(10)
+    logits = rng.normal(size=(2, 7, 5)) * 2  # float64
+    targets = rng.integers(0, 5, size=(2, 7))
+    want_lp, want_ent = ref_logprob_entropy(logits, targets)
+    with jax.enable_x64(True):
+        lp, ent = ops.token_logprobs_and_entropy(logits, targets, chunk_size=chunk_size)
+        assert lp.dtype == ent.dtype == jnp.float32, (lp.dtype, ent.dtype)
+    np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
