@@ -389,3 +389,14 @@ def test_logprobs_and_entropy_stay_float32_with_x64_on(chunk_size):
         assert lp.dtype == ent.dtype == jnp.float32, (lp.dtype, ent.dtype)
     np.testing.assert_allclose(lp, want_lp, atol=1e-5)
     np.testing.assert_allclose(ent, want_ent, atol=1e-5)
+
+
+def test_a_chunk_of_one_position_is_accepted():
+    """The smallest positive chunk_size: one position at a time, the same values."""
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(2, 3, 4)).astype(np.float32)
+    targets = rng.integers(0, 4, size=(2, 3))
+    want_lp, want_ent = ref_logprob_entropy(logits, targets)
+    lp, ent = ops.token_logprobs_and_entropy(logits, targets, chunk_size=1)
+    np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
