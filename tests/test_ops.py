@@ -195,7 +195,17 @@ def float32_gradient_bound(z: np.ndarray, targets: np.ndarray, weights: np.ndarr
     return 2 * one_path + 8 * u * np.abs(g)
 
 
-def test_chunked_path_never_builds_full_float32_log_softmax():
+# The public functions whose direct path holds a float32 [B, T, V] (token_logprobs alone does
+# not: XLA fuses its softmax into the gradient it returns, 12 KB of temporaries here), each as a
+# loss of (logits, targets, chunk_size).
+CHUNKED_OUTPUTS = {
+    "token_logprobs_and_entropy": lambda lg, tg, chunk: sum(ops.token_logprobs_and_entropy(lg, tg, chunk_size=chunk)),
+    "entropy_from_logits": lambda lg, tg, chunk: ops.entropy_from_logits(lg, chunk_size=chunk),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED_OUTPUTS))
+def test_chunked_path_never_builds_full_float32_log_softmax(name):
     # float32 logits: XLA's CPU backend widens a bf16 while-loop operand to f32, which
     # would measure that backend's artefact rather than this code.
     b, t, v = 2, 256, 1000
@@ -205,8 +215,7 @@ def test_chunked_path_never_builds_full_float32_log_softmax():
 
     def temp_bytes(chunk):
         def loss(lg, tg):
-            logps, entropy = ops.token_logprobs_and_entropy(lg, tg, chunk_size=chunk)
-            return jnp.sum(logps + entropy)
+            return jnp.sum(CHUNKED_OUTPUTS[name](lg, tg, chunk))
 
         fn = jax.jit(jax.grad(loss))
         return fn.lower(logits, targets).compile().memory_analysis().temp_size_in_bytes
@@ -253,3 +262,141 @@ def test_float_targets_are_refused():
     logits = jnp.zeros((2, 3, 5))
     with pytest.raises(ValueError, match="targets must be integer token ids; got dtype float32"):
         ops.token_logprobs(logits, jnp.zeros((2, 3)))
+
+
+# --------------------------------------------------------------------------- edge counts and defaults
+# Written against the survivors of a mutmut run over alignax/ops.py (issue 38,
+# docs/mutation-testing.md): rows of one and two tokens, a single sequence, constant values,
+# the arguments left at their defaults, and dtypes with x64 on.
+
+
+def short_rows():
+    """Rows of 0, 1, 2 and 5 counted tokens (T = 5); every column holds a counted token, so a
+    count over the wrong axis (5 columns, not 3 rows) shows. Masked-out entries are 9."""
+    x = np.array([[9.0, 9.0, 9.0, 9.0, 9.0],
+                  [1.5, 9.0, 9.0, 9.0, 9.0],
+                  [-0.8, 2.6, 9.0, 9.0, 9.0],
+                  [0.3, -0.9, 1.7, -2.2, 0.5]], np.float32)
+    mask = np.array([[0, 0, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], np.float32)
+    return x, mask
+
+
+def test_normalisers_count_tokens_and_non_empty_rows():
+    x, mask = short_rows()
+    norms = ops.aggregation_normalisers(mask)
+    assert float(norms["num_tokens"]) == 8.0  # 0 + 1 + 2 + 5
+    assert float(norms["num_seqs"]) == 3.0  # a row of one token counts, the empty one does not
+    one = ops.aggregation_normalisers(mask[1:2])
+    assert (float(one["num_tokens"]), float(one["num_seqs"])) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("mode", ops.AGGREGATION_MODES)
+def test_aggregate_rows_of_one_and_two_tokens_and_a_single_sequence(mode):
+    x, mask = short_rows()
+    for rows in (slice(0, 4), slice(1, 2), slice(2, 3), slice(0, 2)):  # all; one token; two; one + empty
+        got = ops.aggregate(x[rows], mask[rows], mode=mode)
+        np.testing.assert_allclose(got, references.aggregate(x[rows], mask[rows], mode), rtol=1e-6, err_msg=str(rows))
+    # a shard of one token normalised by a global count of one token and one sequence
+    got = ops.aggregate(x[1:2], mask[1:2], mode=mode, num_tokens=1.0, num_seqs=1.0)
+    np.testing.assert_allclose(got, references.aggregate(x[1:2], mask[1:2], mode), rtol=1e-6)
+
+
+def test_aggregate_defaults_to_token_mean():
+    x, mask = short_rows()
+    np.testing.assert_allclose(ops.aggregate(x, mask), references.aggregate(x, mask, "token-mean"), rtol=1e-6)
+
+
+def test_masked_reductions_of_one_and_two_entries():
+    x, mask = short_rows()
+    np.testing.assert_allclose(ops.masked_mean(x, mask, axis=-1), [0.0, 1.5, 0.9, -0.12], rtol=1e-6, atol=1e-7)
+    a, b = -0.8, 2.6  # row 2: two entries, mean 0.9, squared deviations 2 * 1.7^2
+    np.testing.assert_allclose(ops.masked_var(x[2:3], mask[2:3]), 2 * 1.7**2, rtol=1e-6)  # / (n - 1) = 1
+    np.testing.assert_allclose(ops.masked_var(x[2:3], mask[2:3], unbiased=False), 1.7**2, rtol=1e-6)
+    assert float(ops.masked_var(x[1:2], mask[1:2])) == 0.0  # one entry: nothing to spread
+    # the documented 0 is the result itself, not a quotient of the spread: even a lone inf
+    # entry, whose spread inf - inf is NaN, gives 0
+    lone_inf = np.array([[np.inf, 1.0]], np.float32), np.array([[1.0, 0.0]], np.float32)
+    assert float(ops.masked_var(*lone_inf)) == 0.0
+    white = ops.masked_whiten(x[2:3], mask[2:3], unbiased=False)  # (x - 0.9) / 1.7 = -1, +1
+    np.testing.assert_allclose(white[0, :2], [(a - 0.9) / 1.7, (b - 0.9) / 1.7], rtol=1e-6)
+    np.testing.assert_array_equal(white[0, 2:], 0.0)
+
+
+def test_masked_whiten_biased_matches_loop():
+    x, mask = batch(seed=6)
+    vals = references.masked_values(x, mask)
+    mean, var = references.mean(vals), references.variance(vals, ddof=0)
+    white = ops.masked_whiten(x, mask, unbiased=False)
+    want = np.where(mask > 0, (x - mean) / np.sqrt(var + 1e-8), 0.0)
+    np.testing.assert_allclose(white, want, atol=1e-5)
+
+
+def test_masked_whiten_of_constant_or_single_values_is_zero_not_nan():
+    """``var = 0`` there: ``eps`` keeps ``rsqrt`` finite, so the result is exactly 0."""
+    mask = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
+    for unbiased in (True, False):
+        white = ops.masked_whiten(np.full((2, 3), 0.5, np.float32), mask, unbiased=unbiased)
+        np.testing.assert_array_equal(white, np.zeros((2, 3)))
+        single = ops.masked_whiten(np.array([[2.0, 7.0, -1.0]], np.float32), np.array([[0, 1, 0]], np.float32),
+                                   unbiased=unbiased)
+        np.testing.assert_array_equal(single, np.zeros((1, 3)))
+
+
+def test_logprobs_and_entropy_default_to_temperature_one():
+    rng = np.random.default_rng(8)
+    logits = rng.normal(size=(2, 4, 6)).astype(np.float32) * 2
+    targets = rng.integers(0, 6, size=(2, 4))
+    want_lp, want_ent = ref_logprob_entropy(logits, targets)
+    atol = 1e-6 * np.abs(logits).max()
+    np.testing.assert_allclose(ops.entropy_from_logits(logits), want_ent, atol=atol)
+    lp, ent = ops.token_logprobs_and_entropy(logits, targets)
+    np.testing.assert_allclose(lp, want_lp, atol=atol)
+    np.testing.assert_allclose(ent, want_ent, atol=atol)
+    np.testing.assert_allclose(ops.token_logprobs(logits, targets), want_lp, atol=atol)
+
+
+def test_reductions_and_normalisers_stay_float32_with_x64_on():
+    x, mask = short_rows()
+    x64, mask64 = x.astype(np.float64), mask.astype(np.float64)
+    with jax.enable_x64(True):
+        outs = [ops.masked_sum(x64, mask64), ops.masked_mean(x64, mask64), ops.masked_var(x64, mask64),
+                ops.masked_whiten(x64, mask64), *ops.aggregation_normalisers(mask64).values()]
+        outs += [ops.aggregate(x64, mask64, mode=mode) for mode in ops.AGGREGATION_MODES]
+        assert all(o.dtype == jnp.float32 for o in outs), [o.dtype for o in outs]
+
+
+def test_a_chunk_size_at_or_over_the_sequence_length_takes_the_whole_sequence():
+    """T = 4 and V = 9: chunks of 4 and 6 positions cover the sequence in one piece (a chunk
+    is never longer than T, however it compares with V)."""
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=(2, 4, 9)).astype(np.float32) * 2
+    targets = rng.integers(0, 9, size=(2, 4))
+    want_lp, want_ent = ref_logprob_entropy(logits, targets)
+    for chunk in (4, 6):
+        lp, ent = ops.token_logprobs_and_entropy(logits, targets, chunk_size=chunk)
+        np.testing.assert_allclose(lp, want_lp, atol=1e-5, err_msg=str(chunk))
+        np.testing.assert_allclose(ent, want_ent, atol=1e-5, err_msg=str(chunk))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_logprobs_and_entropy_stay_float32_with_x64_on(chunk_size):
+    rng = np.random.default_rng(10)
+    logits = rng.normal(size=(2, 7, 5)) * 2  # float64
+    targets = rng.integers(0, 5, size=(2, 7))
+    want_lp, want_ent = ref_logprob_entropy(logits, targets)
+    with jax.enable_x64(True):
+        lp, ent = ops.token_logprobs_and_entropy(logits, targets, chunk_size=chunk_size)
+        assert lp.dtype == ent.dtype == jnp.float32, (lp.dtype, ent.dtype)
+    np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
+
+
+def test_a_chunk_of_one_position_is_accepted():
+    """The smallest positive chunk_size: one position at a time, the same values."""
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(2, 3, 4)).astype(np.float32)
+    targets = rng.integers(0, 4, size=(2, 3))
+    want_lp, want_ent = ref_logprob_entropy(logits, targets)
+    lp, ent = ops.token_logprobs_and_entropy(logits, targets, chunk_size=1)
+    np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
