@@ -22,9 +22,12 @@ def test_each_recipe_has_its_own_defaults_and_settings(tool):
     smol = tool.parse_args(["--model", "smollm2"])
     assert (smol.devices, smol.layouts, smol.latency) == (1, ("sliced",), 0.0)
     assert tool.settings_of(smol) == [("sliced", 0), ("sliced", 1), ("sliced", 2)]
-    assert tool.parse_args(["--model", "smollm2", "--devices", "8", "--layouts", "split"]).devices == 8
-    with pytest.raises(SystemExit):  # a split needs a sampler's half
-        tool.parse_args(["--model", "smollm2", "--layouts", "split"])
+    assert tool.parse_args(["--model", "smollm2", "--devices", "8", "--layouts", "sliced", "split"]).devices == 8
+    for bad in (["--layouts", "sliced", "split"],  # a split needs a sampler's half
+                ["--devices", "8", "--layouts", "split"],  # no synchronous baseline to compare with
+                ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            tool.parse_args(["--model", "smollm2", *bad])
 
 
 def test_smollm2_runs_the_demo_grpo_recipe_from_the_base_model(tool, tmp_path):

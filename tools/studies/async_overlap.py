@@ -94,6 +94,10 @@ def parse_args(argv=None):
     args.layouts = tuple(args.layouts)
     if "split" in args.layouts and (args.devices < 2 or args.devices % 2):
         parser.error(f"--layouts split needs an even --devices >= 2 (half the sampler's); --devices is {args.devices}")
+    if "sliced" not in args.layouts:
+        parser.error("--layouts needs sliced: its staleness 0 (the synchronous loop) is every speed-up's baseline")
+    if args.rounds < 1 or args.steps < 1:
+        parser.error(f"--rounds and --steps must be >= 1; got {args.rounds} and {args.steps}")
     return args
 
 
