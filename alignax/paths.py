@@ -31,6 +31,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,13 +96,23 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
     and leaves ``path`` as it was."""
     if mode not in ("w", "wb"):
         raise ValueError(f"mode must be 'w' or 'wb'; got {mode!r}")
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    if is_remote(path):
+        raise ValueError(f"{path}: atomic_open writes local files; an object store commits an upload whole "
+                         "(write it through paths.as_path)")
+    # unique per process and thread (two threads may write one path); the "{path}.tmp-" prefix is
+    # what readers of a directory skip (the checkpoint digest)
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         with open(tmp, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:  # the rename itself on disk, not only in the page cache
+            os.fsync(directory)
+        finally:
+            os.close(directory)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -12,6 +12,7 @@ import shutil
 import socket
 import time
 
+import numpy as np
 import pytest
 from etils import epath
 from etils.epath import backend as epath_backend
@@ -279,3 +280,30 @@ def test_atomic_open_writes_whole_or_not_at_all(tmp_path):
     with pytest.raises(ValueError, match="mode must be 'w' or 'wb'"):
         with paths.atomic_open(target, "a"):
             pass
+
+
+def test_an_async_run_keeps_its_in_flight_weights_on_the_store(store):
+    """``rollout.async`` with ``output_dir`` on a bucket: the weights of a rollout in flight that
+    a checkpoint names go to ``<output_dir>/async_in_flight`` on the store (one upload), read back
+    bit for bit, and go with the checkpoints that no longer need them, a half-written
+    temporary of this process included (it used to be ``pathlib.Path("gs://b/run")``: a local
+    folder ``gs:`` in the working directory, which the fixture refuses)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from alignax.trainers.online.schedule import AsyncSchedule, read_weights, write_weights
+
+    weights = {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3), "b": jnp.ones(4, ml_dtypes.bfloat16)}
+    directory = paths.as_path("gs://bucket/run/async_in_flight")
+    write_weights(directory / "step_3.version_1.process_0.npz", weights)
+    back = read_weights(directory / "step_3.version_1.process_0.npz", weights)
+    for key in weights:
+        assert back[key].dtype == weights[key].dtype
+        np.testing.assert_array_equal(np.asarray(back[key]), np.asarray(weights[key]))
+    (directory / "step_2.version_0.process_0.npz.tmp-77-88").write_bytes(b"half")  # a killed write's remains
+    (directory / "step_2.version_0.process_1.npz").write_bytes(b"another process's")
+    schedule = AsyncSchedule.__new__(AsyncSchedule)  # only its directory bookkeeping
+    schedule.directory, schedule.kept_steps = directory, lambda: [3]
+    schedule.clean()
+    assert sorted(p.name for p in directory.iterdir()) == ["step_2.version_0.process_1.npz",
+                                                           "step_3.version_1.process_0.npz"]

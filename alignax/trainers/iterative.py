@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from alignax import evaluation
+from alignax import evaluation, paths
 from alignax.data import prepare_dataset, write_jsonl
 from alignax.models import save_pretrained
 from alignax.parallel.sharding import mesh_for_shape
@@ -251,9 +251,8 @@ class IterativeTrainer:
                 continue
             result = self.train_round(r)
             os.makedirs(self.config.output_dir, exist_ok=True)
-            with open(summary + ".tmp", "w", encoding="utf-8") as f:
+            with paths.atomic_open(summary, "w") as f:
                 json.dump({str(k): v for k, v in sorted(self._figures.items())}, f, indent=2)
-            os.replace(summary + ".tmp", summary)
         if result is None:
             model = self._policy(self.config.iterative.rounds)
             result = TrainResult(config=self.config, model=model, tokenizer=self.tokenizer, loop=None, data_stats={})

@@ -102,7 +102,8 @@ class AsyncSchedule:
         # inline: each rollout is sampled on the learner's thread where it is queued (every
         # program issued from one thread in one order; see OnlineTrainer.start_schedule)
         self.inline = inline
-        self.directory = None if directory is None else Path(directory)
+        # local or on an object store (a run's output_dir on a bucket)
+        self.directory = None if directory is None else paths.as_path(directory)
         self.kept_steps = kept_steps  # the run's checkpoints on disk: whose files in directory are still needed
         # rollout.async.devices: the sampler thread's collectives and stray programs stay on its devices
         own = collector.actors.sampler_counterpart
@@ -231,7 +232,7 @@ class AsyncSchedule:
             return saved
         # each process's rows are its own: a file per process, the checkpoint's meta names it
         name = f"step_{step}.in_flight"
-        self._directory(kept[0]).joinpath(f"{name}.process_{jax.process_index()}.json").write_text(json.dumps(saved))
+        paths.write_text(self._directory(kept[0]) / f"{name}.process_{jax.process_index()}.json", json.dumps(saved))
         return [{"per_process": name}]
 
     def clean(self, *, keep: int | None = None) -> None:
@@ -246,10 +247,11 @@ class AsyncSchedule:
         steps = [*self.kept_steps(), *([] if keep is None else [keep])]
         if not steps:
             return
-        oldest, suffix = min(steps), f".process_{jax.process_index()}"
+        oldest, process = min(steps), jax.process_index()
         for path in self.directory.iterdir():
-            match = re.fullmatch(r"step_(\d+)\..*", path.name)
-            if match and int(match.group(1)) < oldest and path.stem.endswith(suffix):
+            # this process's files, and what a write killed midway left (``...npz.tmp-PID-THREAD``)
+            match = re.fullmatch(r"step_(\d+)\..*\.process_(\d+)\.(npz|json)(\.tmp-[\d-]+)?", path.name)
+            if match and int(match.group(1)) < oldest and int(match.group(2)) == process:
                 path.unlink(missing_ok=True)
         if not any(self.directory.iterdir()):
             self.directory.rmdir()
@@ -327,16 +329,23 @@ def write_weights(path: Path, weights: Any) -> None:
                 placed[key] = f"leaf_{i}_{len(placed)}"
                 shards[placed[key]] = data.view(f"u{data.dtype.itemsize}")
         index.append({"dtype": str(x.dtype), "shards": placed})
+    path = paths.as_path(path)
+    arrays = dict(index=np.frombuffer(json.dumps(index).encode(), np.uint8), **shards)
+    if paths.is_remote(path):  # one upload, which the store commits whole
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        path.write_bytes(buffer.getvalue())
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     with paths.atomic_open(path) as f:  # whole or not at all: a checkpoint names it
-        np.savez(f, index=np.frombuffer(json.dumps(index).encode(), np.uint8), **shards)
+        np.savez(f, **arrays)
 
 
 def read_weights(path: Path, template: Any) -> Any:
     """:func:`write_weights`' arrays, bit for bit, placed as ``template``'s (same tree, shapes
     and shardings: the sampler's weights of the resumed run)."""
     like, treedef = jax.tree.flatten(template)
-    with np.load(path, allow_pickle=False) as saved:
+    with paths.as_path(path).open("rb") as f, np.load(f, allow_pickle=False) as saved:
         index = json.loads(saved["index"].tobytes())
         if len(index) != len(like):
             raise ValueError(f"{path} holds {len(index)} arrays; the sampler's weights have {len(like)}")

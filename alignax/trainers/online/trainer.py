@@ -24,14 +24,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from alignax import evaluation
+from alignax import evaluation, paths
 from alignax.config import ConfigError
 from alignax.data import prepare_dataset
 from alignax.parallel.multihost import collectives_on
@@ -221,7 +220,7 @@ class OnlineTrainer:
                      "learner's thread, where it is queued (the same rollouts; no overlap)", staleness, processes,
                      jax.default_backend(), "" if self.actors.sampler_counterpart else " without rollout.async.devices")
         output_dir = self.config.output_dir
-        return AsyncSchedule(self.collector, staleness, directory=Path(output_dir) / "async_in_flight",
+        return AsyncSchedule(self.collector, staleness, directory=paths.as_path(output_dir) / "async_in_flight",
                              kept_steps=lambda: checkpoint_steps(output_dir), inline=inline)
 
     def train(self) -> TrainResult:
