@@ -179,6 +179,24 @@ def test_a_phi3_adapter_exports_to_peft_through_its_fused_projections(tmp_path, 
     with torch.no_grad():
         theirs = with_peft(torch.tensor(TOKENS)).logits.numpy()
     np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    with pytest.raises(ValueError, match=r"target_modules \[.*'qkv_proj'\] are fused modules \(Phi-3's\)"):
+        load_peft_adapter(base, tmp_path / "adapter")
+
+
+def test_a_peft_adapter_with_per_module_ranks_or_alphas_is_refused_by_name(tmp_path):
+    """alignax's adapters have one rank and one alpha: a PEFT adapter whose ``rank_pattern`` or
+    ``alpha_pattern`` gives a module its own would load at the wrong scale (alpha) or fail in a
+    reshape (rank); both are refused, naming the key."""
+    model = _perturbed(with_adapters(create_model(ModelConfig.from_hf_config(HF), seed=0),
+                                     LoraConfig(rank=2, alpha=4, targets=("q", "v"))))
+    save_peft_adapter(model, tmp_path / "adapter")
+    config_path = tmp_path / "adapter" / "adapter_config.json"
+    written = json.loads(config_path.read_text())
+    assert load_peft_adapter(create_model(ModelConfig.from_hf_config(HF), seed=0), tmp_path / "adapter")
+    for key, value in (("alpha_pattern", {"v_proj": 8.0}), ("rank_pattern", {"q_proj": 4})):
+        config_path.write_text(json.dumps({**written, key: value}))
+        with pytest.raises(ValueError, match=f"{key} give modules their own rank or alpha"):
+            load_peft_adapter(create_model(ModelConfig.from_hf_config(HF), seed=0), tmp_path / "adapter")
 
 
 # ---------------------------------------------------------------------------- a LoRA DPO run

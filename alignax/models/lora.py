@@ -489,10 +489,20 @@ def load_peft_adapter(model: nnx.Module, path: str | os.PathLike, *, mesh: jax.s
     if isinstance(modules, str):
         raise ValueError(f"{path}: target_modules is a pattern ({modules!r}); list the module names")
     by_module = {v.split(".")[1]: k for k, v in _HF_MODULE.items()}
+    fused = sorted({m.split(".")[1] for family in _FUSED_MODULES.values() for m, parts in family.items()
+                    if len(parts) > 1} & set(modules))
+    if fused:
+        raise ValueError(f"{path}: target_modules {fused} are fused modules (Phi-3's), whose adapter spans several "
+                         "alignax projections and is not read back; load the merged export instead")
     unknown = [m for m in modules if m not in by_module and m != "lm_head"]
     if unknown:
         raise ValueError(f"{path}: target_modules {unknown} have no alignax projection; known: "
                          f"{', '.join([*by_module, 'lm_head'])}")
+    patterns = [key for key in ("rank_pattern", "alpha_pattern") if cfg.get(key)]
+    if patterns:
+        raise ValueError(f"{path}: {' and '.join(patterns)} give modules their own rank or alpha, which alignax's "
+                         "adapters (one rank and alpha for all) cannot hold; got "
+                         + ", ".join(f"{key}={cfg[key]}" for key in patterns))
     spec = LoraConfig(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), rslora=bool(cfg.get("use_rslora", False)),
                       targets=tuple(t for t in TARGETS if t in {by_module.get(m, m) for m in modules}))
     model = with_adapters(model, spec, mesh=mesh)

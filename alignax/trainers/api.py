@@ -138,7 +138,8 @@ def export(config: TrainConfig, destination: str | None = None, *, step: int | N
     safetensors + tokenizer into ``destination`` (default ``<output_dir>/export``); with
     ``critic`` (PPO with a separate critic), the critic goes to ``<destination>/critic``. A LoRA
     run's model is written merged (``W + s A B``), and its adapter alone in PEFT's format
-    under ``<destination>/adapter`` (llama-like families).
+    under ``<destination>/adapter`` (the families of
+    :data:`alignax.models.lora.PEFT_FAMILIES`).
 
     The trained weights are written as the optimiser holds them: a run with bfloat16 params
     and a float32 master writes the float32 master (the bfloat16 params are its rounding,
