@@ -252,15 +252,19 @@ class Estimate:
     def step_seconds(self) -> float | None:
         """The step's FLOPs at the stated MFU over every device; with a sub-mesh, the
         training devices' FLOPs over them plus the sub-mesh's over its devices (one after
-        the other: the trainers wait for the frozen models' outputs)."""
+        the other: the trainers wait for the frozen models' outputs); the scoring models
+        loaded whole on the first device (:data:`SCORERS_UNSHARDED`) on that one device, after
+        the rest (the rollout waits for their scores)."""
         if not self.peak_flops:
             return None
         rate = self.peak_flops * self.mfu
+        alone = self.flops.get(SCORERS_UNSHARDED, 0.0) / rate
+        spread = sum(v for k, v in self.flops.items() if k != SCORERS_UNSHARDED)
         if self.submesh_shape is None:
-            return sum(self.flops.values()) / (self.devices * rate)
+            return spread / (self.devices * rate) + alone
         apart = math.prod(self.submesh_shape)
         frozen = sum(v for k, v in self.flops.items() if k in self.submesh_flops)
-        return (sum(self.flops.values()) - frozen) / ((self.devices - apart) * rate) + frozen / (apart * rate)
+        return (spread - frozen) / ((self.devices - apart) * rate) + frozen / (apart * rate) + alone
 
     def to_dict(self) -> dict[str, Any]:
         return {"per_device_bytes": dict(self.items), "total_bytes": self.total,

@@ -528,6 +528,11 @@ def test_each_scoring_model_is_counted_at_its_own_size_and_place(tmp_path):
         2 * non_embedding(scalar, small) + non_embedding(parameter_count(policy, head="scalar"), policy)))
     assert result.flops["scoring models on the first device"] == pytest.approx(
         2 * rollout_tokens * non_embedding(lm, small))
+    # the judge runs on one device, the rest over all 8, one after the other
+    timed = dataclasses.replace(result, peak_flops=1e12)
+    rate = 1e12 * timed.mfu
+    judge = result.flops["scoring models on the first device"]
+    assert timed.step_seconds == pytest.approx((sum(result.flops.values()) - judge) / (8 * rate) + judge / rate)
     # none of them is in the compiled update step; the process advantages' PRM is counted only with them
     assert not set(result.update_step_items()) & {"reward models", "process reward models",
                                                   "scoring models on the first device"}
