@@ -238,12 +238,30 @@ def test_dppo_matches_the_binary_trust_region(divergence):
 
 
 def test_dppo_defaults_are_verls():
-    """Thresholds 0.2 each side and the truncation cap 20: with ratios near 1 nothing is masked
-    and the loss is -A r logp."""
+    """Thresholds 0.2 each side and the truncation cap 20, each binding on a token of row 1:
+    ``(pi_old, pi_theta, A)`` = (0.2, 0.7, +) moved up too far (TV 0.5, binary KL 0.53), (0.7,
+    0.3, -) down too far (TV -0.4, KL 0.34), (0.02, 0.6, -) inside both regions with its ratio
+    30 capped; the rest of the batch has ratios near 1 and is not masked."""
     data = make_data(2)
+    for t, (q, p, a) in enumerate([(0.2, 0.7, 1.0), (0.7, 0.3, -1.0), (0.02, 0.6, -1.0)]):
+        data["old_logps"][1, t], data["logps"][1, t], data["advantages"][1, t] = math.log(q), math.log(p), a
     for name in ("dppo_tv", "dppo_kl"):
         loss, grad = ref_dppo(data, name[-2:], 0.2, 0.2, 20.0)
-        assert_matches(OBJECTIVES[name].loss, data, loss, grad, modes=("token-mean",))
+        metrics = assert_matches(OBJECTIVES[name].loss, data, loss, grad, modes=("token-mean",))
+        n = data["mask"].sum()
+        assert metrics["clipfrac_high"] == pytest.approx(1 / n) and metrics["clipfrac_low"] == pytest.approx(1 / n)
+        assert metrics["ratio_capped"] == pytest.approx(1 / n), name
+
+
+def test_binary_kl_keeps_verls_1e_8_for_a_token_of_probability_one():
+    """``q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))``: finite where ``p`` or
+    ``q`` is 1 (a log-prob of 0, common for a near-greedy token), where ``1 - p`` alone is 0."""
+    from alignax.losses.objectives.dppo import binary_kl
+
+    pairs = [(0.3, 1.0), (1.0, 0.5), (0.3, 0.6), (0.9, 0.05)]  # (q = pi_old, p = pi_theta)
+    old, new = (jnp.log(jnp.asarray(v, jnp.float32)) for v in zip(*pairs))
+    want = [q * math.log(q / p) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8)) for q, p in pairs]
+    np.testing.assert_allclose(binary_kl(old, new), want, rtol=1e-5)
 
 
 def test_clip_cov_drops_the_outlying_covariance_tokens():
@@ -286,6 +304,14 @@ def test_kl_cov_penalises_the_top_covariance_tokens():
     assert metrics["cov_selected"] == pytest.approx(len(top) / data["mask"].sum(), abs=1e-6) and len(top) >= 3
     assert_true_gradient("kl_cov", lambda d: ref_kl_cov(d, 0.2, 1.5)[0], data, "seq-mean-token-mean",
                          kl_cov_ratio=0.2, kl_cov_coef=1.5)
+
+
+def test_kl_cov_defaults_are_verls():
+    """Ratio 2e-4 (k = 1 of ~20 tokens) and coefficient 1, verl's fallback ``ppo_kl_coef``."""
+    data = make_data(4)
+    loss, grad, top = ref_kl_cov(data, 2e-4, 1.0)
+    metrics = assert_matches(OBJECTIVES["kl_cov"].loss, data, loss, grad, modes=("token-mean",))
+    assert len(top) == 1 and metrics["cov_selected"] == pytest.approx(1 / data["mask"].sum(), abs=1e-6)
 
 
 def test_geo_mean_is_the_clipped_geometric_mean_ratio():
@@ -750,6 +776,16 @@ def test_every_entry_reads_keys_its_loss_takes_and_the_config_has():
     assert objectives.readers("dro_beta") == ("dro",)
     with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
         objectives.objective("nope")
+
+
+def test_keys_are_every_key_read_once_in_the_registrys_order():
+    """``keys()`` (the rows of the key table): each key some entry reads, once, in the order the
+    registry first reads it, and each has a reader."""
+    read = [k for entry in OBJECTIVES.values() for k in entry.keys]
+    got = objectives.keys()
+    assert set(got) == set(read) and len(got) == len(set(got)) and "dro_beta" in got
+    assert list(got) == sorted(got, key=read.index)
+    assert all(objectives.readers(k) for k in got)
 
 
 # ---------------------------------------------------------------------------------------
