@@ -176,22 +176,28 @@ def ref_dro(data, beta):
     return loss, grad
 
 
-def ref_vespo(data, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0, seq_extra=None):
-    """phi(W) = W^k exp(lambda (1 - W)), W the sequence ratio (TRL 1.16's get_gamma_weights)."""
+def ref_vespo_phi(data, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0, seq_extra=None):
+    """``(phi [B, T], W [B])``: phi(W) = W^k exp(lambda (1 - W)), W the sequence ratio clipped to
+    ``[1e-8, e^20]`` (TRL 1.16's get_gamma_weights); phi is 0 off the mask."""
     lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
-    loss, grad = np.zeros((B, T)), np.zeros((B, T))
+    phi, ws = np.zeros((B, T)), np.zeros(B)
     for i in range(B):
         log_w = sum(lp[i, t] - old[i, t] for t in range(T) if mask[i, t])
         log_w += 0.0 if seq_extra is None else seq_extra[i]
         log_w = min(max(log_w, math.log(1e-8)), 20.0)
-        w = math.exp(log_w)
+        ws[i] = w = math.exp(log_w)
         for t in range(T):
             if mask[i, t]:
                 k, lam = (k_pos, lam_pos) if adv[i, t] >= 0 else (k_neg, lam_neg)
-                phi = w ** k * math.exp(lam * (1 - w))
-                loss[i, t] = -phi * adv[i, t] * lp[i, t]
-                grad[i, t] = -phi * adv[i, t]
-    return loss, grad
+                phi[i, t] = w ** k * math.exp(lam * (1 - w))
+    return phi, ws
+
+
+def ref_vespo(data, *args, **kw):
+    """``(l, g)``: ``l_t = -phi A_t logps_t``, ``g_t = -phi A_t`` (:func:`ref_vespo_phi`)."""
+    phi, _ = ref_vespo_phi(data, *args, **kw)
+    adv = _per_token_adv(data)
+    return -phi * adv * data["logps"], -phi * adv
 
 
 def agg_weights(mask, mode):
@@ -253,13 +259,14 @@ def test_dppo_defaults_are_verls():
     0.3, -) down too far (TV -0.4, KL 0.34), (0.02, 0.6, -) inside both regions with its ratio
     30 capped; the rest of the batch has ratios near 1 and is not masked."""
     data = make_data(2)
-    for t, (q, p, a) in enumerate([(0.2, 0.7, 1.0), (0.7, 0.3, -1.0), (0.02, 0.6, -1.0)]):
+    for t, (q, p, a) in enumerate([(0.2, 0.7, 1.0), (0.7, 0.3, -1.0), (0.02, 0.6, -1.0), (0.7, 0.3, 0.0)]):
         data["old_logps"][1, t], data["logps"][1, t], data["advantages"][1, t] = math.log(q), math.log(p), a
     for name in ("dppo_tv", "dppo_kl"):
         loss, grad = ref_dppo(data, name[-2:], 0.2, 0.2, 20.0)
         metrics = assert_matches(OBJECTIVES[name].loss, data, loss, grad, modes=("token-mean",))
         n = data["mask"].sum()
-        assert metrics["clipfrac_high"] == pytest.approx(1 / n) and metrics["clipfrac_low"] == pytest.approx(1 / n)
+        # clipfrac_low counts the tokens masked with A <= 0: the one moved down too far with A = 0 too
+        assert metrics["clipfrac_high"] == pytest.approx(1 / n) and metrics["clipfrac_low"] == pytest.approx(2 / n)
         assert metrics["ratio_capped"] == pytest.approx(1 / n), name
 
 
@@ -268,13 +275,18 @@ def test_dppo_keeps_a_token_the_update_did_not_move():
     exactly whatever the rounding of ``exp``) keep their gradient at thresholds 0, either sign of
     ``A``: the TV region is closed (verl's ``p - q <= eps_high`` and ``>= -eps_low``), and the KL
     region takes every token not moved up (``p <= q``) when ``A > 0`` and not moved down
-    (``p >= q``) when ``A < 0``."""
+    (``p >= q``) when ``A < 0``. Their ratio is exactly 1: at a cap of 1 it is not counted as
+    capped (``ratio_capped`` is ``r > cap``)."""
     data = make_data(13)
     for t, a in enumerate((1.0, -1.0)):
         data["old_logps"][1, t], data["logps"][1, t], data["advantages"][1, t] = 0.0, 0.0, a
+    f32 = lambda k: data[k].astype(np.float32)  # noqa: E731
+    above = ((f32("logps") - f32("old_logps") > 0) & (data["mask"] > 0)).sum() / data["mask"].sum()
     for name in ("dppo_tv", "dppo_kl"):
-        _, _, grad = run_loss(OBJECTIVES[name].loss, data, "token-sum", clip_eps_low=0.0, clip_eps_high=0.0)
+        _, metrics, grad = run_loss(OBJECTIVES[name].loss, data, "token-sum", clip_eps_low=0.0, clip_eps_high=0.0,
+                                    dppo_ratio_cap=1.0)
         np.testing.assert_allclose(grad[1, :2], [-1.0, 1.0], rtol=1e-6, err_msg=name)  # -A r, r = 1
+        assert metrics["ratio_capped"] == pytest.approx(above, abs=1e-6), name
 
 
 def test_binary_kl_keeps_verls_1e_8_for_a_token_of_probability_one():
@@ -387,6 +399,33 @@ def test_vespo_is_the_gamma_weighted_policy_gradient(per_sequence):
     loss, grad = ref_vespo(data, 1.0, 0.5, 4.0, 1.5)
     assert_matches(OBJECTIVES["vespo"].loss, data, loss, grad, modes=("token-mean",), vespo_k_pos=1.0,
                    vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5)
+
+
+def test_vespo_phi_metric_and_the_clipped_sequence_ratio():
+    """``vespo_phi_mean`` is the mean of phi over the response tokens, a token with ``A = 0``
+    taking the positive pair (``A >= 0``); ``W`` is clipped to ``[1e-8, e^20]``: a sequence far
+    below keeps ``phi(1e-8)`` (tiny, checked relatively), one far above reports ``W = e^20``."""
+    data = make_data(8)
+    data["advantages"][1, 0] = 0.0
+    data["old_logps"][3, :4] = data["logps"][3, :4] + 6.0  # log W = -24 < log 1e-8
+    data["old_logps"][4] = data["logps"][4] - 5.0  # log W = 30 > 20
+    kw = dict(vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5)
+    phi, ws = ref_vespo_phi(data, 1.0, 0.5, 4.0, 1.5)
+    _, metrics, grad = run_loss(OBJECTIVES["vespo"].loss, data, "token-sum", **kw)
+    mask = data["mask"] > 0
+    assert metrics["vespo_phi_mean"] == pytest.approx(phi[mask].mean(), rel=1e-5)
+    np.testing.assert_allclose(grad[3, :4], -phi[3, :4] * data["advantages"][3, :4], rtol=1e-4, atol=0)
+    assert metrics["ratio_max"] == pytest.approx(ws.max(), rel=1e-5) and ws.max() == pytest.approx(math.exp(20))
+
+
+def test_vespo_gamma_weight_counts_an_overflowing_phi_as_zero():
+    """``phi = exp(lambda + k log W - lambda W)`` overflows for a large ``k`` at ``W = e^20``
+    (``lambda`` floored at 1e-4): a non-finite phi is 0, not inf and not 1."""
+    from alignax.losses.objectives.vespo import gamma_weight
+
+    phi = gamma_weight(jnp.asarray([20.0, 0.0]), jnp.asarray([1.0, 1.0]), k_pos=1e4, lambda_pos=0.0, k_neg=1.0,
+                       lambda_neg=1.0)
+    np.testing.assert_array_equal(phi, [0.0, 1.0])  # and phi(1) = 1
 
 
 def test_vespo_phi_is_one_on_policy_and_fades_far_off_it():
