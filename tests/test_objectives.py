@@ -99,8 +99,10 @@ def _cov(data):
     return np.where(mask, (adv - mean_a) * (lp - mean_lp), 0.0)
 
 
-def ref_clip_cov(data, eps, ratio, lb, ub):
-    """With ``ratio * N`` at least the number of candidates every candidate is dropped."""
+def ref_clip_cov(data, eps, ratio, lb, ub, eps_high=None):
+    """With ``ratio * N`` at least the number of candidates every candidate is dropped. PPO-clip's
+    band is ``(1 - eps, 1 + eps_high)``, ``eps_high`` defaulting to ``eps``."""
+    eps_high = eps if eps_high is None else eps_high
     lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
     cov = _cov(data)
     loss, grad, chosen = np.zeros((B, T)), np.zeros((B, T)), np.zeros((B, T), bool)
@@ -109,11 +111,11 @@ def ref_clip_cov(data, eps, ratio, lb, ub):
             if not mask[i, t]:
                 continue
             a, r = adv[i, t], math.exp(lp[i, t] - old[i, t])
-            clipped = -a * min(max(r, 1 - eps), 1 + eps) > -a * r
+            clipped = -a * min(max(r, 1 - eps), 1 + eps_high) > -a * r
             if not clipped and lb < cov[i, t] < ub:
                 chosen[i, t] = True
                 continue  # l_t = 0, no gradient
-            loss[i, t] = max(-a * r, -a * min(max(r, 1 - eps), 1 + eps))
+            loss[i, t] = max(-a * r, -a * min(max(r, 1 - eps), 1 + eps_high))
             grad[i, t] = 0.0 if clipped else -a * r
     assert math.floor(ratio * mask.sum()) >= chosen.sum() > 0  # the fixture selects, deterministically
     return loss, grad, chosen
@@ -312,6 +314,37 @@ def test_clip_cov_drops_the_outlying_covariance_tokens():
     assert_true_gradient("clip_cov", lambda d: ref_clip_cov(d, 0.2, 0.9, 0.0, 5.0)[0], data, "token-mean", **kw)
 
 
+def test_clip_cov_defaults_and_its_upper_clip():
+    """verl's band ``(1, 5)`` and clip 0.2 by default, on advantages doubled so that candidates
+    sit just inside the band's lower end and just past its upper end; ``clip_eps_high``, when
+    given, is PPO-clip's upper bound in the loss and in excluding the tokens PPO-clip clips."""
+    data = make_data(35)
+    data["advantages"] = np.where(data["mask"] > 0, 2 * data["advantages"], data["advantages"])
+    loss, grad, chosen = ref_clip_cov(data, 0.2, 0.9, 1.0, 5.0)
+    # not vacuous: a band (2, 5) or (1, 6) would select differently
+    narrower, wider = ref_clip_cov(data, 0.2, 0.9, 2.0, 5.0)[2], ref_clip_cov(data, 0.2, 0.9, 1.0, 6.0)[2]
+    assert narrower.sum() < chosen.sum() < wider.sum()
+    assert_matches(OBJECTIVES["clip_cov"].loss, data, loss, grad, modes=("token-mean",), clip_cov_ratio=0.9)
+    data = make_data(15)
+    loss, grad, chosen = ref_clip_cov(data, 0.2, 0.9, 1.0, 5.0, eps_high=0.3)
+    assert not np.allclose(loss, ref_clip_cov(data, 0.2, 0.9, 1.0, 5.0)[0])
+    assert ref_clip_cov(data, 0.2, 0.9, 1.0, 5.0, eps_high=math.inf)[2].sum() > chosen.sum()  # PPO-clip excludes some
+    assert_matches(OBJECTIVES["clip_cov"].loss, data, loss, grad, modes=("token-mean",), clip_eps_low=0.2,
+                   clip_eps_high=0.3, clip_cov_ratio=0.9)
+
+
+def test_clip_cov_band_is_open():
+    """With every advantage equal, ``Cov_t = 0`` exactly: bands ``(0, 5)`` and ``(-1, 0)`` have
+    it on an open end and select nothing (the loss is PPO-clip's)."""
+    data = make_data(3)
+    data["advantages"] = np.where(data["mask"] > 0, 0.5, data["advantages"])  # a mean exact in float32
+    fn = OBJECTIVES["clip_cov"].loss
+    none, _, _ = run_loss(fn, data, "token-sum", clip_cov_lb=10.0, clip_cov_ub=20.0, clip_cov_ratio=0.9)
+    for lb, ub in ((0.0, 5.0), (-1.0, 0.0)):
+        loss, metrics, _ = run_loss(fn, data, "token-sum", clip_cov_lb=lb, clip_cov_ub=ub, clip_cov_ratio=0.9)
+        assert metrics["cov_selected"] == 0.0 and loss == none, (lb, ub)
+
+
 def test_clip_cov_draws_exactly_k_candidates_with_the_key():
     """With fewer slots than candidates, k = max(floor(ratio N), 1) of them are drawn; which
     ones depends on the key, and all are candidates."""
@@ -329,7 +362,13 @@ def test_clip_cov_draws_exactly_k_candidates_with_the_key():
         dropped = (grad == 0) & (data["mask"] > 0) & candidates
         assert dropped.sum() == 2
         drawn.append(tuple(np.flatnonzero(dropped)))
-    assert len(set(drawn)) > 1
+        if seed == 0:
+            grad0 = grad
+    assert len(set(drawn)) > 1 and drawn[0] != drawn[1]
+    # no key: the draw of jax.random.key(0)
+    _, _, grad = run_loss(fn, data, "token-sum", clip_eps_low=0.2, clip_cov_ratio=ratio, clip_cov_lb=0.0,
+                          clip_cov_ub=5.0)
+    np.testing.assert_array_equal(grad, grad0)
     # the paper's default 2e-4 of ~20 tokens still drops one (k >= 1)
     _, metrics, _ = run_loss(fn, data, "token-sum", clip_cov_lb=0.0)
     assert metrics["cov_selected"] == pytest.approx(1 / n, abs=1e-6)
