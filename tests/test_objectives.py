@@ -383,6 +383,30 @@ def test_kl_cov_penalises_the_top_covariance_tokens():
                          kl_cov_ratio=0.2, kl_cov_coef=1.5)
 
 
+def test_kl_cov_counts_response_tokens_and_takes_a_traced_ratio():
+    """``k = max(floor(ratio N), 1)`` with ``N`` the 20 response tokens, not the 30 entries of the
+    padded batch (ratio 1/15: k = 1, not 2); a traced ratio (a schedule under ``jit``) selects
+    the same tokens as the concrete one."""
+    data = make_data(4)
+    args = [jnp.asarray(data[k], jnp.float32) for k in ("logps", "old_logps", "advantages", "mask")]
+    fn = OBJECTIVES["kl_cov"].loss
+    traced = jax.jit(lambda r: fn(*args, kl_cov_ratio=r, kl_cov_coef=1.5)[0])
+    for ratio, k in ((1 / 15, 1), (0.2, 4)):
+        loss, grad, top = ref_kl_cov(data, ratio, 1.5)
+        assert len(top) == k
+        assert_matches(fn, data, loss, grad, modes=("token-mean",), kl_cov_ratio=ratio, kl_cov_coef=1.5)
+        want = references.aggregate(loss, data["mask"], "token-mean")
+        np.testing.assert_allclose(float(traced(jnp.float32(ratio))), want, err_msg=str(ratio), **TOL)
+
+
+def test_token_covariance_is_the_centred_product_and_zero_off_the_mask():
+    from alignax.losses.objectives.cov import token_covariance
+
+    data = make_data(4)
+    got = token_covariance(*(jnp.asarray(data[k], jnp.float32) for k in ("logps", "advantages", "mask")))
+    np.testing.assert_allclose(got, _cov(data), rtol=1e-5, atol=1e-5)
+
+
 def test_kl_cov_defaults_are_verls():
     """Ratio 2e-4 (k = 1 of ~20 tokens) and coefficient 1, verl's fallback ``ppo_kl_coef``."""
     data = make_data(4)
