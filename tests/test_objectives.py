@@ -399,6 +399,28 @@ def test_kl_cov_counts_response_tokens_and_takes_a_traced_ratio():
         np.testing.assert_allclose(float(traced(jnp.float32(ratio))), want, err_msg=str(ratio), **TOL)
 
 
+def test_kl_cov_at_ratio_one_penalises_every_token_of_a_full_batch():
+    """``kl_cov_ratio = 1`` with no padding: ``k = N`` is every entry, the smallest covariance
+    included."""
+    data = make_data(4)
+    data["mask"] = np.ones((B, T))
+    for key in ("logps", "old_logps"):  # the garbage is now counted: give it log-probs
+        data[key] = np.where(data[key] > 0, -0.5, np.maximum(data[key], -1.5))
+    data["advantages"] = np.clip(data["advantages"], -3.0, 3.0)
+    loss, grad, top = ref_kl_cov(data, 1.0, 1.5)
+    assert len(top) == B * T
+    got, metrics, got_grad = run_loss(OBJECTIVES["kl_cov"].loss, data, "token-sum", kl_cov_ratio=1.0, kl_cov_coef=1.5)
+    np.testing.assert_allclose(got, loss.sum(), **TOL)
+    np.testing.assert_allclose(got_grad, grad, **TOL)
+    assert metrics["cov_selected"] == 1.0
+
+
+def test_an_unknown_keyword_is_named():
+    data = make_data(4)
+    with pytest.raises(TypeError, match=r"unknown policy-loss keyword\(s\) \['tis_capp'\]; the shared ones are"):
+        run_loss(OBJECTIVES["dro"].loss, data, "token-mean", dro_beta=0.1, tis_capp=2.0)
+
+
 def test_token_covariance_is_the_centred_product_and_zero_off_the_mask():
     from alignax.losses.objectives.cov import token_covariance
 
