@@ -439,6 +439,7 @@ def test_kl_cov_defaults_are_verls():
 
 def test_geo_mean_is_the_clipped_geometric_mean_ratio():
     data = make_data(5)
+    data["old_logps"][1, 0], data["advantages"][1, 0] = data["logps"][1, 0] - 0.35, 0.5  # clipped high, 0 < A < 1
     loss, grad = ref_geo_mean(data, 0.2, 0.3)
     metrics = assert_matches(OBJECTIVES["geo_mean"].loss, data, loss, grad, clip_eps_low=0.2, clip_eps_high=0.3)
     low, high = ref_geo_mean_clipfrac(data, 0.2, 0.3)
