@@ -132,6 +132,20 @@ class DistillLossTest(chex.TestCase):
             grad = jax.grad(loss)(jnp.asarray(poisoned_s))
             assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[mask == 0] == 0.0)
 
+    def test_a_token_the_teacher_rules_out_adds_nothing(self):
+        """Teacher logits of -inf (a vocabulary filter) are zero-probability tokens: ``0 log 0 = 0``,
+        so the forward KL, the JSD and their gradients stay finite and equal the definition's sum
+        over the teacher's support."""
+        student, teacher, mask = logits_batch(seed=11, b=2, t=3, v=5)
+        teacher[..., :2] = -np.inf
+        for kind in ("forward_kl", "jsd"):
+            loss, metrics = distill.distill_loss(student, teacher, mask, divergence=kind)
+            want, _ = np_loss(lambda i, j: np_divergence(student[i, j], teacher[i, j], kind), student, mask,
+                              "token-mean")
+            np.testing.assert_allclose(loss, want, err_msg=kind, **TOL)
+            grad = jax.grad(lambda s: distill.distill_loss(s, teacher, mask, divergence=kind)[0])(jnp.asarray(student))
+            assert np.all(np.isfinite(grad)), kind
+
     def test_empty_batch_is_zero(self):
         student, teacher, mask = logits_batch()
         for mode in ops.AGGREGATION_MODES:
@@ -158,6 +172,37 @@ class DistillLossTest(chex.TestCase):
                           "token-mean")
         np.testing.assert_allclose(loss, want, **TOL)
         assert DistillSection().divergence == "forward_kl"
+
+    def test_the_per_position_divergences_default_to_beta_half_and_temperature_one(self):
+        """Called without ``beta`` / ``temperature``, each public divergence is its definition at
+        ``beta = 0.5`` (GKD's symmetric JSD) and ``temperature = 1``; from float16 logits it is
+        still computed in float32 (a float16 softmax is off by ~1e-3)."""
+        student, teacher, _ = logits_batch(seed=8, b=2, t=2, v=5)
+        student, teacher = student.astype(np.float16), teacher.astype(np.float16)  # exact in the float64 reference
+        logps, ids = distill.teacher_topk(teacher, 3)
+        got = {"forward_kl": distill.forward_kl(student, teacher), "reverse_kl": distill.reverse_kl(student, teacher),
+               "jsd": distill.generalized_jsd(student, teacher),
+               "sparse": distill.sparse_forward_kl(student, logps, ids)}
+        for name, value in got.items():
+            want = [[np_divergence(student[i, j], teacher[i, j], name) if name != "sparse" else
+                     np_sparse(student[i, j], np.asarray(logps[i, j], np.float64), ids[i, j], 1.0)
+                     for j in range(2)] for i in range(2)]
+            assert value.dtype == jnp.float32, name
+            np.testing.assert_allclose(value, want, err_msg=name, **TOL)
+
+    def test_a_boolean_mask_counts_tokens_in_float32(self):
+        """A boolean mask is the float one: same loss and metrics, every metric float32 (the
+        token count included: summing the booleans themselves would give an int32 count)."""
+        student, teacher, mask = logits_batch(seed=10, b=2, t=3, v=4)
+        logps, ids = distill.teacher_topk(teacher, 2)
+        for fn, args in ((distill.distill_loss, (student, teacher)),
+                         (distill.sparse_distill_loss, (student, logps, ids))):
+            loss, metrics = fn(*args, mask > 0)
+            want_loss, want = fn(*args, mask)
+            np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+            for name, value in metrics.items():
+                assert value.dtype == jnp.float32, (fn.__name__, name, value.dtype)
+                np.testing.assert_allclose(value, want[name], rtol=1e-6, err_msg=name)
 
     def test_refusals_name_the_argument(self):
         student, teacher, mask = logits_batch()
@@ -187,9 +232,28 @@ class SparseDistillLossTest(chex.TestCase):
             top = np.argsort(-log_p)[:k]
             return np_sparse(student[i, j], log_p[top], top, temperature)
 
-        want, _ = np_loss(position, student, mask, mode)
+        want, per_token = np_loss(position, student, mask, mode)
         np.testing.assert_allclose(loss, want, **TOL)
+        np.testing.assert_allclose(metrics["divergence"], references.mean(references.masked_values(per_token, mask)),
+                                   **TOL)
+        # agreement with the teacher's argmax, the first stored id (not any other of the k)
+        agree = [float(np.argmax(student[i, j]) == np.argmax(teacher[i, j])) for i, j in zip(*np.nonzero(mask))]
+        assert 0 < np.mean(agree) < 1
+        np.testing.assert_allclose(metrics["teacher_agreement"], references.mean(agree), **TOL)
         assert float(metrics["num_tokens"]) == mask.sum()
+
+    def test_teacher_topk_stores_float32_log_probs_over_the_whole_vocabulary(self):
+        """The stored table: the ``k`` largest of the teacher's log-softmax over all ``V`` tokens at
+        temperature 1 (a shift of every entry would cancel in the loss's renormalisation, so the
+        table is checked itself), as float32 whatever the logits' dtype, ids int32."""
+        _, teacher, _ = logits_batch(seed=9, b=2, t=3, v=6)
+        half = teacher.astype(np.float16)  # exact in float32 and float64: the reference reads the same numbers
+        logps, ids = distill.teacher_topk(half, 4)
+        assert logps.dtype == jnp.float32 and ids.dtype == jnp.int32
+        log_p = np.log(np.apply_along_axis(np_softmax, -1, half.astype(np.float64), 1.0))
+        top = np.argsort(-log_p, axis=-1)[..., :4]
+        np.testing.assert_array_equal(ids, top)
+        np.testing.assert_allclose(logps, np.take_along_axis(log_p, top, axis=-1), rtol=1e-6, atol=1e-6)
 
     def test_full_vocabulary_equals_dense_forward_kl(self):
         student, teacher, mask = logits_batch(seed=6)

@@ -99,8 +99,10 @@ def _cov(data):
     return np.where(mask, (adv - mean_a) * (lp - mean_lp), 0.0)
 
 
-def ref_clip_cov(data, eps, ratio, lb, ub):
-    """With ``ratio * N`` at least the number of candidates every candidate is dropped."""
+def ref_clip_cov(data, eps, ratio, lb, ub, eps_high=None):
+    """With ``ratio * N`` at least the number of candidates every candidate is dropped. PPO-clip's
+    band is ``(1 - eps, 1 + eps_high)``, ``eps_high`` defaulting to ``eps``."""
+    eps_high = eps if eps_high is None else eps_high
     lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
     cov = _cov(data)
     loss, grad, chosen = np.zeros((B, T)), np.zeros((B, T)), np.zeros((B, T), bool)
@@ -109,11 +111,11 @@ def ref_clip_cov(data, eps, ratio, lb, ub):
             if not mask[i, t]:
                 continue
             a, r = adv[i, t], math.exp(lp[i, t] - old[i, t])
-            clipped = -a * min(max(r, 1 - eps), 1 + eps) > -a * r
+            clipped = -a * min(max(r, 1 - eps), 1 + eps_high) > -a * r
             if not clipped and lb < cov[i, t] < ub:
                 chosen[i, t] = True
                 continue  # l_t = 0, no gradient
-            loss[i, t] = max(-a * r, -a * min(max(r, 1 - eps), 1 + eps))
+            loss[i, t] = max(-a * r, -a * min(max(r, 1 - eps), 1 + eps_high))
             grad[i, t] = 0.0 if clipped else -a * r
     assert math.floor(ratio * mask.sum()) >= chosen.sum() > 0  # the fixture selects, deterministically
     return loss, grad, chosen
@@ -159,6 +161,16 @@ def ref_geo_mean(data, eps_low, eps_high):
     return loss, grad
 
 
+def ref_geo_mean_clipfrac(data, eps_low, eps_high):
+    """GMPO's clip fractions ``(low, high)``: the share of response tokens where the clipped
+    log-ratio is the pessimistic one, i.e. the log-ratio is beyond the band on the side the
+    advantage pushes (``A < 0``: below ``-eps_low``; ``A > 0``: above ``eps_high``)."""
+    lr, adv, mask = data["logps"] - data["old_logps"], _per_token_adv(data), data["mask"] > 0
+    low = mask & (adv < 0) & (lr < -eps_low)
+    high = mask & (adv > 0) & (lr > eps_high)
+    return low.sum() / mask.sum(), high.sum() / mask.sum()
+
+
 def ref_dro(data, beta):
     lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
     loss = np.where(mask > 0, -(lp * adv - 0.5 * beta * (lp - old) ** 2), 0.0)
@@ -166,22 +178,28 @@ def ref_dro(data, beta):
     return loss, grad
 
 
-def ref_vespo(data, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0, seq_extra=None):
-    """phi(W) = W^k exp(lambda (1 - W)), W the sequence ratio (TRL 1.16's get_gamma_weights)."""
+def ref_vespo_phi(data, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0, seq_extra=None):
+    """``(phi [B, T], W [B])``: phi(W) = W^k exp(lambda (1 - W)), W the sequence ratio clipped to
+    ``[1e-8, e^20]`` (TRL 1.16's get_gamma_weights); phi is 0 off the mask."""
     lp, old, adv, mask = data["logps"], data["old_logps"], _per_token_adv(data), data["mask"]
-    loss, grad = np.zeros((B, T)), np.zeros((B, T))
+    phi, ws = np.zeros((B, T)), np.zeros(B)
     for i in range(B):
         log_w = sum(lp[i, t] - old[i, t] for t in range(T) if mask[i, t])
         log_w += 0.0 if seq_extra is None else seq_extra[i]
         log_w = min(max(log_w, math.log(1e-8)), 20.0)
-        w = math.exp(log_w)
+        ws[i] = w = math.exp(log_w)
         for t in range(T):
             if mask[i, t]:
                 k, lam = (k_pos, lam_pos) if adv[i, t] >= 0 else (k_neg, lam_neg)
-                phi = w ** k * math.exp(lam * (1 - w))
-                loss[i, t] = -phi * adv[i, t] * lp[i, t]
-                grad[i, t] = -phi * adv[i, t]
-    return loss, grad
+                phi[i, t] = w ** k * math.exp(lam * (1 - w))
+    return phi, ws
+
+
+def ref_vespo(data, *args, **kw):
+    """``(l, g)``: ``l_t = -phi A_t logps_t``, ``g_t = -phi A_t`` (:func:`ref_vespo_phi`)."""
+    phi, _ = ref_vespo_phi(data, *args, **kw)
+    adv = _per_token_adv(data)
+    return -phi * adv * data["logps"], -phi * adv
 
 
 def agg_weights(mask, mode):
@@ -238,12 +256,52 @@ def test_dppo_matches_the_binary_trust_region(divergence):
 
 
 def test_dppo_defaults_are_verls():
-    """Thresholds 0.2 each side and the truncation cap 20: with ratios near 1 nothing is masked
-    and the loss is -A r logp."""
+    """Thresholds 0.2 each side and the truncation cap 20, each binding on a token of row 1:
+    ``(pi_old, pi_theta, A)`` = (0.2, 0.7, +) moved up too far (TV 0.5, binary KL 0.53), (0.7,
+    0.3, -) down too far (TV -0.4, KL 0.34), (0.02, 0.6, -) inside both regions with its ratio
+    30 capped; the rest of the batch has ratios near 1 and is not masked."""
     data = make_data(2)
+    for t, (q, p, a) in enumerate([(0.2, 0.7, 1.0), (0.7, 0.3, -1.0), (0.02, 0.6, -1.0), (0.7, 0.3, 0.0)]):
+        data["old_logps"][1, t], data["logps"][1, t], data["advantages"][1, t] = math.log(q), math.log(p), a
     for name in ("dppo_tv", "dppo_kl"):
         loss, grad = ref_dppo(data, name[-2:], 0.2, 0.2, 20.0)
-        assert_matches(OBJECTIVES[name].loss, data, loss, grad, modes=("token-mean",))
+        metrics = assert_matches(OBJECTIVES[name].loss, data, loss, grad, modes=("token-mean",))
+        n = data["mask"].sum()
+        # clipfrac_low counts the tokens masked with A <= 0: the one moved down too far with A = 0 too
+        assert metrics["clipfrac_high"] == pytest.approx(1 / n) and metrics["clipfrac_low"] == pytest.approx(2 / n)
+        assert metrics["ratio_capped"] == pytest.approx(1 / n), name
+
+
+def test_dppo_keeps_a_token_the_update_did_not_move():
+    """Tokens of probability 1 left where they were (``logps = old_logps = 0``, so ``p - q = 0``
+    exactly whatever the rounding of ``exp``) keep their gradient at thresholds 0, either sign of
+    ``A``: the TV region is closed (verl's ``p - q <= eps_high`` and ``>= -eps_low``), and the KL
+    region takes every token not moved up (``p <= q``) when ``A > 0`` and not moved down
+    (``p >= q``) when ``A < 0``. Their ratio is exactly 1: at a cap of 1 it is not counted as
+    capped (``ratio_capped`` is ``r > cap``)."""
+    data = make_data(13)
+    for t, a in enumerate((1.0, -1.0)):
+        data["old_logps"][1, t], data["logps"][1, t], data["advantages"][1, t] = 0.0, 0.0, a
+    f32 = lambda k: data[k].astype(np.float32)  # noqa: E731
+    above = ((f32("logps") - f32("old_logps") > 0) & (data["mask"] > 0)).sum() / data["mask"].sum()
+    for name in ("dppo_tv", "dppo_kl"):
+        _, metrics, grad = run_loss(OBJECTIVES[name].loss, data, "token-sum", clip_eps_low=0.0, clip_eps_high=0.0,
+                                    dppo_ratio_cap=1.0)
+        np.testing.assert_allclose(grad[1, :2], [-1.0, 1.0], rtol=1e-6, err_msg=name)  # -A r, r = 1
+        assert metrics["ratio_capped"] == pytest.approx(above, abs=1e-6), name
+
+
+def test_binary_kl_keeps_verls_1e_8_for_a_token_of_probability_one():
+    """``q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))``: finite where ``p`` or
+    ``q`` is 1 (a log-prob of 0, common for a near-greedy token), where ``1 - p`` alone is 0.
+    Eager only: under ``jit`` XLA folds ``1 - q + 1e-8`` into ``(1 + 1e-8) - q``, which is
+    ``1 - q`` in float32, so the jitted loss gets NaN at ``p = q = 1`` (not fixed here)."""
+    from alignax.losses.objectives.dppo import binary_kl
+
+    pairs = [(0.3, 1.0), (1.0, 0.5), (0.3, 0.6), (0.9, 0.05)]  # (q = pi_old, p = pi_theta)
+    old, new = (jnp.log(jnp.asarray(v, jnp.float32)) for v in zip(*pairs))
+    want = [q * math.log(q / p) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8)) for q, p in pairs]
+    np.testing.assert_allclose(binary_kl(old, new), want, rtol=1e-5)
 
 
 def test_clip_cov_drops_the_outlying_covariance_tokens():
@@ -254,6 +312,37 @@ def test_clip_cov_drops_the_outlying_covariance_tokens():
     assert metrics["cov_selected"] == pytest.approx(chosen.sum() / data["mask"].sum(), abs=1e-6)
     # the loss value is a function of logps away from the clip edges and selection: differences agree
     assert_true_gradient("clip_cov", lambda d: ref_clip_cov(d, 0.2, 0.9, 0.0, 5.0)[0], data, "token-mean", **kw)
+
+
+def test_clip_cov_defaults_and_its_upper_clip():
+    """verl's band ``(1, 5)`` and clip 0.2 by default, on advantages doubled so that candidates
+    sit just inside the band's lower end and just past its upper end; ``clip_eps_high``, when
+    given, is PPO-clip's upper bound in the loss and in excluding the tokens PPO-clip clips."""
+    data = make_data(35)
+    data["advantages"] = np.where(data["mask"] > 0, 2 * data["advantages"], data["advantages"])
+    loss, grad, chosen = ref_clip_cov(data, 0.2, 0.9, 1.0, 5.0)
+    # not vacuous: a band (2, 5) or (1, 6) would select differently
+    narrower, wider = ref_clip_cov(data, 0.2, 0.9, 2.0, 5.0)[2], ref_clip_cov(data, 0.2, 0.9, 1.0, 6.0)[2]
+    assert narrower.sum() < chosen.sum() < wider.sum()
+    assert_matches(OBJECTIVES["clip_cov"].loss, data, loss, grad, modes=("token-mean",), clip_cov_ratio=0.9)
+    data = make_data(15)
+    loss, grad, chosen = ref_clip_cov(data, 0.2, 0.9, 1.0, 5.0, eps_high=0.3)
+    assert not np.allclose(loss, ref_clip_cov(data, 0.2, 0.9, 1.0, 5.0)[0])
+    assert ref_clip_cov(data, 0.2, 0.9, 1.0, 5.0, eps_high=math.inf)[2].sum() > chosen.sum()  # PPO-clip excludes some
+    assert_matches(OBJECTIVES["clip_cov"].loss, data, loss, grad, modes=("token-mean",), clip_eps_low=0.2,
+                   clip_eps_high=0.3, clip_cov_ratio=0.9)
+
+
+def test_clip_cov_band_is_open():
+    """With every advantage equal, ``Cov_t = 0`` exactly: bands ``(0, 5)`` and ``(-1, 0)`` have
+    it on an open end and select nothing (the loss is PPO-clip's)."""
+    data = make_data(3)
+    data["advantages"] = np.where(data["mask"] > 0, 0.5, data["advantages"])  # a mean exact in float32
+    fn = OBJECTIVES["clip_cov"].loss
+    none, _, _ = run_loss(fn, data, "token-sum", clip_cov_lb=10.0, clip_cov_ub=20.0, clip_cov_ratio=0.9)
+    for lb, ub in ((0.0, 5.0), (-1.0, 0.0)):
+        loss, metrics, _ = run_loss(fn, data, "token-sum", clip_cov_lb=lb, clip_cov_ub=ub, clip_cov_ratio=0.9)
+        assert metrics["cov_selected"] == 0.0 and loss == none, (lb, ub)
 
 
 def test_clip_cov_draws_exactly_k_candidates_with_the_key():
@@ -273,7 +362,13 @@ def test_clip_cov_draws_exactly_k_candidates_with_the_key():
         dropped = (grad == 0) & (data["mask"] > 0) & candidates
         assert dropped.sum() == 2
         drawn.append(tuple(np.flatnonzero(dropped)))
-    assert len(set(drawn)) > 1
+        if seed == 0:
+            grad0 = grad
+    assert len(set(drawn)) > 1 and drawn[0] != drawn[1]
+    # no key: the draw of jax.random.key(0)
+    _, _, grad = run_loss(fn, data, "token-sum", clip_eps_low=0.2, clip_cov_ratio=ratio, clip_cov_lb=0.0,
+                          clip_cov_ub=5.0)
+    np.testing.assert_array_equal(grad, grad0)
     # the paper's default 2e-4 of ~20 tokens still drops one (k >= 1)
     _, metrics, _ = run_loss(fn, data, "token-sum", clip_cov_lb=0.0)
     assert metrics["cov_selected"] == pytest.approx(1 / n, abs=1e-6)
@@ -288,11 +383,69 @@ def test_kl_cov_penalises_the_top_covariance_tokens():
                          kl_cov_ratio=0.2, kl_cov_coef=1.5)
 
 
+def test_kl_cov_counts_response_tokens_and_takes_a_traced_ratio():
+    """``k = max(floor(ratio N), 1)`` with ``N`` the 20 response tokens, not the 30 entries of the
+    padded batch (ratio 1/15: k = 1, not 2); a traced ratio (a schedule under ``jit``) selects
+    the same tokens as the concrete one."""
+    data = make_data(4)
+    args = [jnp.asarray(data[k], jnp.float32) for k in ("logps", "old_logps", "advantages", "mask")]
+    fn = OBJECTIVES["kl_cov"].loss
+    traced = jax.jit(lambda r: fn(*args, kl_cov_ratio=r, kl_cov_coef=1.5)[0])
+    for ratio, k in ((1 / 15, 1), (0.2, 4)):
+        loss, grad, top = ref_kl_cov(data, ratio, 1.5)
+        assert len(top) == k
+        assert_matches(fn, data, loss, grad, modes=("token-mean",), kl_cov_ratio=ratio, kl_cov_coef=1.5)
+        want = references.aggregate(loss, data["mask"], "token-mean")
+        np.testing.assert_allclose(float(traced(jnp.float32(ratio))), want, err_msg=str(ratio), **TOL)
+
+
+def test_kl_cov_at_ratio_one_penalises_every_token_of_a_full_batch():
+    """``kl_cov_ratio = 1`` with no padding: ``k = N`` is every entry, the smallest covariance
+    included."""
+    data = make_data(4)
+    data["mask"] = np.ones((B, T))
+    for key in ("logps", "old_logps"):  # the garbage is now counted: give it log-probs
+        data[key] = np.where(data[key] > 0, -0.5, np.maximum(data[key], -1.5))
+    data["advantages"] = np.clip(data["advantages"], -3.0, 3.0)
+    loss, grad, top = ref_kl_cov(data, 1.0, 1.5)
+    assert len(top) == B * T
+    got, metrics, got_grad = run_loss(OBJECTIVES["kl_cov"].loss, data, "token-sum", kl_cov_ratio=1.0, kl_cov_coef=1.5)
+    np.testing.assert_allclose(got, loss.sum(), **TOL)
+    np.testing.assert_allclose(got_grad, grad, **TOL)
+    assert metrics["cov_selected"] == 1.0
+
+
+def test_an_unknown_keyword_is_named():
+    data = make_data(4)
+    with pytest.raises(TypeError, match=r"unknown policy-loss keyword\(s\) \['tis_capp'\]; the shared ones are"):
+        run_loss(OBJECTIVES["dro"].loss, data, "token-mean", dro_beta=0.1, tis_capp=2.0)
+
+
+def test_token_covariance_is_the_centred_product_and_zero_off_the_mask():
+    from alignax.losses.objectives.cov import token_covariance
+
+    data = make_data(4)
+    got = token_covariance(*(jnp.asarray(data[k], jnp.float32) for k in ("logps", "advantages", "mask")))
+    np.testing.assert_allclose(got, _cov(data), rtol=1e-5, atol=1e-5)
+
+
+def test_kl_cov_defaults_are_verls():
+    """Ratio 2e-4 (k = 1 of ~20 tokens) and coefficient 1, verl's fallback ``ppo_kl_coef``."""
+    data = make_data(4)
+    loss, grad, top = ref_kl_cov(data, 2e-4, 1.0)
+    metrics = assert_matches(OBJECTIVES["kl_cov"].loss, data, loss, grad, modes=("token-mean",))
+    assert len(top) == 1 and metrics["cov_selected"] == pytest.approx(1 / data["mask"].sum(), abs=1e-6)
+
+
 def test_geo_mean_is_the_clipped_geometric_mean_ratio():
     data = make_data(5)
+    data["old_logps"][1, 0], data["advantages"][1, 0] = data["logps"][1, 0] - 0.35, 0.5  # clipped high, 0 < A < 1
     loss, grad = ref_geo_mean(data, 0.2, 0.3)
     metrics = assert_matches(OBJECTIVES["geo_mean"].loss, data, loss, grad, clip_eps_low=0.2, clip_eps_high=0.3)
-    assert metrics["clipfrac_high"] > 0 and metrics["clipfrac_low"] > 0
+    low, high = ref_geo_mean_clipfrac(data, 0.2, 0.3)
+    assert low > 0 and high > 0
+    assert metrics["clipfrac_low"] == pytest.approx(low, abs=1e-6)
+    assert metrics["clipfrac_high"] == pytest.approx(high, abs=1e-6)
     # sequence advantages, GRPO's mean over sequences: the value is the paper's mean_i -A_i s_i and
     # the gradient is its derivative (central differences of the reference)
     seq = make_data(5, per_sequence=True)
@@ -306,6 +459,12 @@ def test_geo_mean_default_band_is_the_papers_e_to_the_0_4():
     data = make_data(6)
     loss, grad = ref_geo_mean(data, 0.4, 0.4)
     assert_matches(OBJECTIVES["geo_mean"].loss, data, loss, grad, modes=("seq-mean-token-mean",))
+    # clip_eps_high left out is clip_eps_low, on a batch where the upper bound binds
+    data = make_data(5)
+    loss, grad = ref_geo_mean(data, 0.2, 0.2)
+    metrics = assert_matches(OBJECTIVES["geo_mean"].loss, data, loss, grad, modes=("token-mean",), clip_eps_low=0.2)
+    high = ref_geo_mean_clipfrac(data, 0.2, 0.2)[1]
+    assert high > 0 and metrics["clipfrac_high"] == pytest.approx(high, abs=1e-6)
 
 
 def test_dro_is_reinforce_with_a_squared_log_ratio():
@@ -326,6 +485,33 @@ def test_vespo_is_the_gamma_weighted_policy_gradient(per_sequence):
     loss, grad = ref_vespo(data, 1.0, 0.5, 4.0, 1.5)
     assert_matches(OBJECTIVES["vespo"].loss, data, loss, grad, modes=("token-mean",), vespo_k_pos=1.0,
                    vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5)
+
+
+def test_vespo_phi_metric_and_the_clipped_sequence_ratio():
+    """``vespo_phi_mean`` is the mean of phi over the response tokens, a token with ``A = 0``
+    taking the positive pair (``A >= 0``); ``W`` is clipped to ``[1e-8, e^20]``: a sequence far
+    below keeps ``phi(1e-8)`` (tiny, checked relatively), one far above reports ``W = e^20``."""
+    data = make_data(8)
+    data["advantages"][1, 0] = 0.0
+    data["old_logps"][3, :4] = data["logps"][3, :4] + 6.0  # log W = -24 < log 1e-8
+    data["old_logps"][4] = data["logps"][4] - 5.0  # log W = 30 > 20
+    kw = dict(vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5)
+    phi, ws = ref_vespo_phi(data, 1.0, 0.5, 4.0, 1.5)
+    _, metrics, grad = run_loss(OBJECTIVES["vespo"].loss, data, "token-sum", **kw)
+    mask = data["mask"] > 0
+    assert metrics["vespo_phi_mean"] == pytest.approx(phi[mask].mean(), rel=1e-5)
+    np.testing.assert_allclose(grad[3, :4], -phi[3, :4] * data["advantages"][3, :4], rtol=1e-4, atol=0)
+    assert metrics["ratio_max"] == pytest.approx(ws.max(), rel=1e-5) and ws.max() == pytest.approx(math.exp(20))
+
+
+def test_vespo_gamma_weight_counts_an_overflowing_phi_as_zero():
+    """``phi = exp(lambda + k log W - lambda W)`` overflows for a large ``k`` at ``W = e^20``
+    (``lambda`` floored at 1e-4): a non-finite phi is 0, not inf and not 1."""
+    from alignax.losses.objectives.vespo import gamma_weight
+
+    phi = gamma_weight(jnp.asarray([20.0, 0.0]), jnp.asarray([1.0, 1.0]), k_pos=1e4, lambda_pos=0.0, k_neg=1.0,
+                       lambda_neg=1.0)
+    np.testing.assert_array_equal(phi, [0.0, 1.0])  # and phi(1) = 1
 
 
 def test_vespo_phi_is_one_on_policy_and_fades_far_off_it():
@@ -750,6 +936,16 @@ def test_every_entry_reads_keys_its_loss_takes_and_the_config_has():
     assert objectives.readers("dro_beta") == ("dro",)
     with pytest.raises(ValueError, match="unknown policy loss 'nope'"):
         objectives.objective("nope")
+
+
+def test_keys_are_every_key_read_once_in_the_registrys_order():
+    """``keys()`` (the rows of the key table): each key some entry reads, once, in the order the
+    registry first reads it, and each has a reader."""
+    read = [k for entry in OBJECTIVES.values() for k in entry.keys]
+    got = objectives.keys()
+    assert set(got) == set(read) and len(got) == len(set(got)) and "dro_beta" in got
+    assert list(got) == sorted(got, key=read.index)
+    assert all(objectives.readers(k) for k in got)
 
 
 # ---------------------------------------------------------------------------------------
