@@ -293,15 +293,16 @@ def test_dppo_keeps_a_token_the_update_did_not_move():
 
 def test_binary_kl_keeps_verls_1e_8_for_a_token_of_probability_one():
     """``q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))``: finite where ``p`` or
-    ``q`` is 1 (a log-prob of 0, common for a near-greedy token), where ``1 - p`` alone is 0.
-    Eager only: under ``jit`` XLA folds ``1 - q + 1e-8`` into ``(1 + 1e-8) - q``, which is
-    ``1 - q`` in float32, so the jitted loss gets NaN at ``p = q = 1`` (not fixed here)."""
+    ``q`` is 1 (a log-prob of 0, common for a near-greedy token), where ``1 - p`` alone is 0,
+    eager and under ``jit`` (where XLA folded ``1 - q + 1e-8`` into ``(1 + 1e-8) - q``, ``1 - q``
+    in float32, and the divergence at ``p = q = 1`` was NaN)."""
     from alignax.losses.objectives.dppo import binary_kl
 
-    pairs = [(0.3, 1.0), (1.0, 0.5), (0.3, 0.6), (0.9, 0.05)]  # (q = pi_old, p = pi_theta)
+    pairs = [(0.3, 1.0), (1.0, 0.5), (0.3, 0.6), (0.9, 0.05), (1.0, 1.0)]  # (q = pi_old, p = pi_theta)
     old, new = (jnp.log(jnp.asarray(v, jnp.float32)) for v in zip(*pairs))
     want = [q * math.log(q / p) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8)) for q, p in pairs]
     np.testing.assert_allclose(binary_kl(old, new), want, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(binary_kl)(old, new), want, rtol=1e-5)
 
 
 def test_clip_cov_drops_the_outlying_covariance_tokens():

@@ -50,9 +50,14 @@ _EPS = 1e-8
 
 def binary_kl(old_logps: Array, logps: Array) -> Array:
     """``q log(q / p) + (1 - q) log((1 - q) / (1 - p))`` with ``q = exp(old_logps)``,
-    ``p = exp(logps)`` (nats, ``[B, T]``), as verl computes it (``+1e-8`` in the second log)."""
-    q, p = jnp.exp(old_logps), jnp.exp(logps)
-    return q * (old_logps - logps) + (1.0 - q) * jnp.log((1.0 - q + _EPS) / (1.0 - p + _EPS))
+    ``p = exp(logps)`` (nats, ``[B, T]``), as verl computes it (``+1e-8`` in the second log).
+
+    ``1 - q`` is ``-expm1(old_logps)`` (exact near ``q = 1``): written ``1 - q + 1e-8``, XLA
+    folds it under ``jit`` into ``(1 + 1e-8) - q``, which is ``1 - q`` in float32, and the
+    divergence of a token of probability 1 under both policies was ``0 * log(0 / 0) = NaN``."""
+    q = jnp.exp(old_logps)
+    not_q, not_p = -jnp.expm1(old_logps), -jnp.expm1(logps)
+    return q * (old_logps - logps) + not_q * jnp.log((not_q + _EPS) / (not_p + _EPS))
 
 
 def _dppo(divergence: str, clip_eps_low, clip_eps_high, dppo_ratio_cap):
