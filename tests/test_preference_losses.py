@@ -271,6 +271,82 @@ class ReferenceFreeVariantsTest(chex.TestCase):
         assert_metrics(metrics, want_metrics)
 
 
+def weighted_mean(values, w):
+    return sum(wi * v for wi, v in zip(w, values)) / sum(w)
+
+
+def test_reference_free_losses_with_weights_and_short_responses():
+    """SimPO, CPO and ORPO with pair weights (one dropped, fractional ones) and responses of
+    0 and 1 tokens, loss and every metric against weighted loops: ``sum_i w_i l_i / sum_i w_i``,
+    lengths clamped to >= 1 where a log-prob is averaged, the NLL over ``sum_i w_i |y_c,i|``."""
+    pol_c, pol_r, _, _, len_c, len_r = pairs(seed=12, b=5)
+    len_c, len_r = len_c.copy(), len_r.copy()
+    len_c[0], len_r[2], len_c[3] = 1, 1, 0
+    pol_c[3] = -0.5  # an empty chosen response's mean is its sum: keep it a probability
+    w = np.array([1.0, 0.0, 0.5, 2.0, 1.0], np.float32)
+    beta, gamma, eps, alpha = 1.5, 0.3, 0.1, 0.7
+    avg_c = [float(pol_c[i]) / max(int(len_c[i]), 1) for i in range(5)]
+    avg_r = [float(pol_r[i]) / max(int(len_r[i]), 1) for i in range(5)]
+    nll = sum(-wi * float(c) for wi, c in zip(w, pol_c)) / sum(wi * int(n) for wi, n in zip(w, len_c))
+
+    def smoothed(z):
+        return -(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z)
+
+    def pair_metrics(rc, rr, lc, lr):
+        return {"rewards/chosen": weighted_mean(rc, w), "rewards/rejected": weighted_mean(rr, w),
+                "rewards/accuracies": weighted_mean([float(a > b) for a, b in zip(rc, rr)], w),
+                "rewards/margins": weighted_mean([a - b for a, b in zip(rc, rr)], w),
+                "logps/chosen": weighted_mean(lc, w), "logps/rejected": weighted_mean(lr, w)}
+
+    loss, metrics = simpo_loss(pol_c, pol_r, len_c, len_r, beta=beta, gamma=gamma, label_smoothing=eps, weights=w)
+    want = weighted_mean([smoothed(beta * c - beta * r - gamma) for c, r in zip(avg_c, avg_r)], w)
+    np.testing.assert_allclose(float(loss), want, **TOL)
+    assert_metrics(metrics, pair_metrics([beta * c for c in avg_c], [beta * r for r in avg_r], avg_c, avg_r))
+
+    loss, metrics = cpo_loss(pol_c, pol_r, len_c, beta=beta, alpha=alpha, label_smoothing=eps, weights=w)
+    sums_c, sums_r = [float(c) for c in pol_c], [float(r) for r in pol_r]
+    want = weighted_mean([smoothed(beta * (c - r)) for c, r in zip(sums_c, sums_r)], w) + alpha * nll
+    np.testing.assert_allclose(float(loss), want, **TOL)
+    assert_metrics(metrics, {**pair_metrics([beta * c for c in sums_c], [beta * r for r in sums_r], sums_c, sums_r),
+                             "nll_loss": nll})
+
+    loss, metrics = orpo_loss(pol_c, pol_r, len_c, len_r, beta=beta, weights=w)
+    log_odds = [(c - math.log(-math.expm1(c))) - (r - math.log(-math.expm1(r))) for c, r in zip(avg_c, avg_r)]
+    want = nll - beta * weighted_mean([log_sigmoid(x) for x in log_odds], w)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    assert_metrics(metrics, {**pair_metrics([beta * c for c in avg_c], [beta * r for r in avg_r], avg_c, avg_r),
+                             "nll_loss": nll})
+    np.testing.assert_allclose(float(metrics["log_odds_chosen"]), weighted_mean(log_odds, w), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["log_odds_ratio"]), weighted_mean([log_sigmoid(x) for x in log_odds], w),
+                               rtol=1e-5)
+
+
+def test_defaults_are_the_documented_hyper_parameters():
+    """Each keyword left out is the value its docstring gives (the papers' and TRL's)."""
+    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=13)
+    assert np.any(pol_c < ref_c)  # DPOP's penalty is active on some pair
+    labels = np.array([1, 0, 1, 1, 0], np.int32)
+    pair = (pol_c, pol_r, ref_c, ref_r)
+    cases = [
+        (functools.partial(dpo_loss, *pair), dict(beta=0.1)),
+        (functools.partial(dpo_loss, *pair, variant="dpop"), dict(beta=0.1, dpop_lambda=50.0)),
+        (functools.partial(dpo_loss, *pair, variant="discopop"), dict(beta=0.1, discopop_tau=0.05)),
+        (functools.partial(dpo_loss, *pair, f_divergence="alpha"), dict(beta=0.1, f_alpha=0.5)),
+        (functools.partial(simpo_loss, pol_c, pol_r, len_c, len_r), dict(beta=2.0, gamma=0.5)),
+        (functools.partial(cpo_loss, pol_c, pol_r, len_c), dict(beta=0.1, alpha=1.0)),
+        (functools.partial(orpo_loss, pol_c, pol_r, len_c, len_r), dict(beta=0.1)),
+        (functools.partial(kto_loss, pol_c, ref_c, labels), dict(beta=0.1, desirable_weight=1.0,
+                                                                  undesirable_weight=1.0)),
+    ]
+    for fn, documented in cases:
+        default, default_metrics = fn()
+        given, given_metrics = fn(**documented)
+        np.testing.assert_allclose(float(default), float(given), rtol=1e-6, err_msg=str(documented))
+        for name in given_metrics:
+            np.testing.assert_allclose(float(default_metrics[name]), float(given_metrics[name]), rtol=1e-6,
+                                       err_msg=f"{documented} {name}")
+
+
 def test_orpo_near_certain_responses_stay_accurate_and_finite():
     # mean token log-probs -1e-4: log(1 - p) = log(9.9995e-5) needs expm1, not 1 - exp
     pol_c = np.array([-4e-4, -2.0], np.float32)

@@ -201,6 +201,15 @@ def test_mixture_errors_name_what_is_wrong():
         dpo_loss(pc, pr, qc, qr, variant="aot", pair_scale=w)
 
 
+def test_smoothing_refused_without_a_smoothed_variant_names_the_variants():
+    """The error names the variant as given: one name quoted, a mixture as its list."""
+    pc, pr, qc, qr, lc, lr, w = batch(2)
+    with pytest.raises(ValueError, match=r"label_smoothing=0.1 has no meaning for variant 'hinge';"):
+        dpo_loss(pc, pr, qc, qr, variant="hinge", label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"label_smoothing=0.1 has no meaning for variant \['hinge', 'ipo'\];"):
+        dpo_loss(pc, pr, qc, qr, lc, lr, variant=["hinge", "ipo"], label_smoothing=0.1)
+
+
 # ---------------------------------------------------------------------------- WPO
 
 
@@ -218,6 +227,14 @@ def test_wpo_weights_scale_pairs_not_the_normaliser():
     fd = finite_difference(lambda c: ref.variant_term("sigmoid", c, pr, qc, qr, lc, lr, w, beta=0.3,
                                                       scale=list(np.asarray(scale))), pc)
     np.testing.assert_allclose(np.asarray(gc), fd, **GRAD)
+
+
+def test_wpo_weights_clamp_lengths_to_one_token():
+    """``|y| = max(|y|, 1)``: a one-token response divides by 1 (and an empty one too)."""
+    ac, ar = np.array([-0.4, -0.2, -0.6], np.float32), np.array([-0.3, -0.8, -0.1], np.float32)
+    lc, lr = np.array([1.0, 0.0, 1.0], np.float32), np.array([0.0, 1.0, 2.0], np.float32)
+    want = np.exp(ac / np.maximum(lc, 1.0) + ar / np.maximum(lr, 1.0))
+    np.testing.assert_allclose(np.asarray(wpo_weights(ac, ar, lc, lr)), want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 5), (3, 6, 7)])
