@@ -448,6 +448,31 @@ class KTOVariantsTest(chex.TestCase):
             assert_metrics(metrics, want_metrics)
 
 
+def test_kto_with_weights_estimates_the_reference_point_and_metrics_over_kept_examples():
+    """Weighted KTO (one example dropped): ``z = max(0, sum_i w_i r_i / sum_i w_i)``, the loss
+    ``sum_i w_i l_i / sum_i w_i`` and each metric the weighted mean over its label's examples."""
+    pol, ref, labels = kto_batch(seed=14)
+    w = np.array([1.0, 0.0, 0.5, 2.0, 1.5, 1.0], np.float32)
+    r = [float(p) - float(q) for p, q in zip(pol, ref)]
+    z = max(0.0, weighted_mean(r, w))
+    assert z > 0 and abs(z - max(0.0, sum(r) / len(r))) > 1e-3  # the weights move it
+    beta, lam_d, lam_u = 0.3, 1.2, 0.9
+    per_example = [lam_d * (1 - sigmoid(beta * (ri - z))) if y else lam_u * (1 - sigmoid(beta * (z - ri)))
+                   for ri, y in zip(r, labels)]
+    loss, metrics = kto_loss(pol, ref, labels, beta=beta, desirable_weight=lam_d, undesirable_weight=lam_u,
+                             weights=w)
+    np.testing.assert_allclose(float(loss), weighted_mean(per_example, w), **TOL)
+    des, und = [i for i in range(6) if labels[i]], [i for i in range(6) if not labels[i]]
+
+    def mean_over(values, idx):
+        return weighted_mean([values[i] for i in idx], [w[i] for i in idx])
+
+    assert_metrics(metrics, {"rewards/chosen": mean_over([beta * x for x in r], des),
+                             "rewards/rejected": mean_over([beta * x for x in r], und),
+                             "logps/chosen": mean_over([float(p) for p in pol], des),
+                             "logps/rejected": mean_over([float(p) for p in pol], und), "kl": z})
+
+
 def test_kto_reference_point_gets_no_gradient():
     pol, ref, labels = kto_batch()
     z = max(0.0, float(np.mean(pol.astype(np.float64) - ref)))
