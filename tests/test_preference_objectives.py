@@ -5,6 +5,7 @@ shared-length split. Values and gradients (central differences of the float64
 reference), several batch sizes, weights that drop pairs, empty response rows."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,18 @@ def test_f_divergence_limits_and_differences():
     np.testing.assert_allclose(loss(f_divergence="alpha", f_alpha=1.0 - 1e-4), dpo, rtol=1e-3)
     np.testing.assert_allclose(loss(f_divergence="alpha", f_alpha=0.0), loss(f_divergence="forward_kl"), rtol=1e-6)
     assert len({round(v, 6) for v in (dpo, loss(f_divergence="forward_kl"), loss(f_divergence="js"))}) == 3
+
+
+def test_alpha_divergence_caps_its_exponent_at_80():
+    """``exp(min((alpha - 1) r, 80)) / (alpha - 1)``: a log-ratio of -400 at alpha 0.5 (exponent
+    200, inf in float32) scores ``-2 exp(80)`` and the loss stays finite (TRL's cap)."""
+    pc, qc = np.array([-400.0, -3.0], np.float32), np.array([0.0, -2.0], np.float32)
+    pr, qr = np.array([-1.0, -4.0], np.float32), np.array([-1.0, -3.5], np.float32)
+    loss = float(dpo_loss(pc, pr, qc, qr, beta=0.1, variant="hinge", f_divergence="alpha", f_alpha=0.5)[0])
+    psi = [(-2.0 * math.exp(80.0), -2.0), (-2.0 * math.exp(0.5), -2.0 * math.exp(0.25))]
+    want = sum(max(0.0, 1.0 - 0.1 * (c - r)) for c, r in psi) / 2
+    assert math.isfinite(loss)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
 def test_f_divergence_refused_where_a_variant_reads_its_own_ratios():
