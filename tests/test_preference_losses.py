@@ -321,6 +321,22 @@ def test_reference_free_losses_with_weights_and_short_responses():
                                rtol=1e-5)
 
 
+def test_nll_term_of_an_all_dropped_batch_is_zero_and_a_fractional_token_count_divides():
+    """The chosen NLL ``-sum_i w_i log pi(y_c,i) / sum_i w_i |y_c,i|``: a batch whose pairs are
+    all dropped (a padding micro-batch) gives 0 and a zero gradient, not 0/0; a token count
+    below 1 (fractional weights) divides like any other."""
+    pol_c, pol_r = np.array([-3.0, -5.0], np.float32), np.array([-4.0, -4.5], np.float32)
+    len_c = np.array([2, 4], np.int32)
+    for fn, args in ((cpo_loss, (pol_c, pol_r, len_c)), (orpo_loss, (pol_c, pol_r, len_c, len_c))):
+        (loss, metrics), grad = jax.value_and_grad(lambda c: fn(c, *args[1:], weights=np.zeros(2, np.float32)),
+                                                   has_aux=True)(jnp.asarray(pol_c))
+        assert float(loss) == 0.0 and float(metrics["nll_loss"]) == 0.0, fn.__name__
+        assert np.all(np.asarray(grad) == 0.0), fn.__name__
+        w = np.array([0.25, 0.0], np.float32)  # 0.25 * 2 = half a token
+        _, metrics = fn(*args, weights=w)
+        np.testing.assert_allclose(float(metrics["nll_loss"]), 0.25 * 3.0 / 0.5, **TOL, err_msg=fn.__name__)
+
+
 def test_defaults_are_the_documented_hyper_parameters():
     """Each keyword left out is the value its docstring gives (the papers' and TRL's)."""
     pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=13)
