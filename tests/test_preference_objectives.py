@@ -111,6 +111,16 @@ def test_aot_pairs_sorted_quantiles_not_records():
                                rtol=1e-6)
 
 
+def test_sorting_variants_divide_their_kept_positions_by_a_global_num_pairs():
+    """With ``num_pairs`` the sum over the kept sorted positions is divided by it (a shard of a
+    larger batch), not by this batch's count of kept pairs."""
+    pc, pr, qc, qr, lc, lr, w = batch(6, seed=5, drop=(2,))
+    for variant in ("aot", "aot_unpaired"):
+        local = float(dpo_loss(pc, pr, qc, qr, variant=variant, weights=w)[0])
+        shard = float(dpo_loss(pc, pr, qc, qr, variant=variant, weights=w, num_pairs=20.0)[0])
+        np.testing.assert_allclose(shard, local * 5 / 20, rtol=1e-6, err_msg=variant)
+
+
 def test_discopop_stays_finite_far_from_zero():
     """exp(-z) sigma(z/tau) at z = -500 is 0 * inf computed naively; here it is 0 and so is its gradient."""
     c, r = jnp.array([-600.0, 400.0]), jnp.array([-100.0, -100.0])
@@ -212,6 +222,8 @@ def test_mixture_errors_name_what_is_wrong():
         dpo_loss(pc, pr, qc, qr, variant=["sigmoid", "sft"])
     with pytest.raises(ValueError, match="aot and aot_unpaired sort the pairs"):
         dpo_loss(pc, pr, qc, qr, variant="aot", pair_scale=w)
+    with pytest.raises(ValueError, match="variant sigmoid_norm divides the log-ratios by the lengths itself"):
+        dpo_loss(pc, pr, qc, qr, lc, lr, variant="sigmoid_norm", length_normalize=True)
 
 
 def test_smoothing_refused_without_a_smoothed_variant_names_the_variants():
