@@ -184,6 +184,27 @@ def test_weights_drop_pairs_and_shards_sum_to_full_batch():
         np.testing.assert_allclose(float(metrics[k]), float(metrics4[k]), **TOL)
 
 
+def test_dpo_length_averaging_clamps_lengths_to_one_token():
+    """IPO's length-averaged log-probs divide by ``max(|y|, 1)``: one-token and empty
+    responses divide by 1, against the loop."""
+    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=15)
+    len_c, len_r = len_c.copy(), len_r.copy()
+    len_c[0], len_r[1], len_c[2], len_r[3] = 1, 1, 0, 0
+    loss, metrics = dpo_loss(pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.3, variant="ipo")
+    want, want_metrics = ref_dpo(pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.3, variant="ipo", eps=0.0, lam=0.0,
+                                 length_normalize=True)
+    np.testing.assert_allclose(float(loss), want, **TOL)
+    assert_metrics(metrics, want_metrics)
+
+
+def test_discopop_tau_is_checked_only_where_discopop_reads_it():
+    pol_c, pol_r, ref_c, ref_r, _, _ = pairs(seed=6)
+    with pytest.raises(ValueError, match=r"discopop_tau must lie in \(0.0, inf\)"):
+        dpo_loss(pol_c, pol_r, ref_c, ref_r, variant="discopop", discopop_tau=0.0)
+    plain = dpo_loss(pol_c, pol_r, ref_c, ref_r)[0]
+    np.testing.assert_allclose(float(dpo_loss(pol_c, pol_r, ref_c, ref_r, discopop_tau=0.0)[0]), float(plain), **TOL)
+
+
 def test_dpo_bad_inputs_name_the_argument():
     pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=6)
     with pytest.raises(ValueError, match="unknown variant 'kto'; valid: sigmoid, hinge, ipo, robust, dpop"):
