@@ -201,6 +201,32 @@ def test_alpha_divergence_caps_its_exponent_at_80():
     np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
+def test_f_divergence_scores_reach_sigmoid_norm_and_length_averaged_ratios():
+    """The scores ``psi(r)`` where the variant divides by the lengths itself (``sigmoid_norm``)
+    and where the log-probs are length-averaged first (``length_normalize=True``)."""
+    pc, pr, qc, qr, lc, lr, w = batch(5, seed=16, drop=(1,))
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, variant="sigmoid_norm", f_divergence="js", weights=w)[0])
+    want = ref.variant_term("sigmoid_norm", pc, pr, qc, qr, lc, lr, w, beta=0.5, f="js")
+    np.testing.assert_allclose(got, want, **VALUE)
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, length_normalize=True, f_divergence="js", weights=w)[0])
+    want = ref.variant_term("sigmoid", pc / lc, pr / lr, qc / lc, qr / lr, lc, lr, w, beta=0.5, f="js")
+    np.testing.assert_allclose(got, want, **VALUE)
+
+
+def test_sft_term_first_and_its_own_chosen_logps():
+    """A mixture may name the SFT term first beside a length-averaged variant, and the SFT term
+    reads ``chosen_nll_logps`` when given (LD-DPO's plain sums) instead of the policy's."""
+    pc, pr, qc, qr, lc, lr, w = batch(4, seed=17, drop=(2,))
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, variant=["sft", "ipo"], weights=w)[0])
+    want = ref.chosen_nll(pc, lc, w) + ref.variant_term("ipo", pc / lc, pr / lr, qc / lc, qr / lr, lc, lr, w, beta=0.5)
+    np.testing.assert_allclose(got, want, **VALUE)
+    nll_pc = pc - 1.5
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, variant=["sigmoid", "sft"], weights=w,
+                         chosen_nll_logps=nll_pc)[0])
+    want = ref.variant_term("sigmoid", pc, pr, qc, qr, lc, lr, w, beta=0.5) + ref.chosen_nll(nll_pc, lc, w)
+    np.testing.assert_allclose(got, want, **VALUE)
+
+
 def test_f_divergence_refused_where_a_variant_reads_its_own_ratios():
     pc, pr, qc, qr, lc, lr, w = batch(3)
     with pytest.raises(ValueError, match="f_divergence=js maps the log-ratios of .*variant apo_zero reads"):
