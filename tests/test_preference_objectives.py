@@ -227,6 +227,15 @@ def test_sft_term_first_and_its_own_chosen_logps():
     np.testing.assert_allclose(got, want, **VALUE)
 
 
+def test_rpo_term_divides_by_a_global_token_count():
+    """RPO's NLL over ``num_chosen_tokens`` when given (a shard), not this batch's tokens."""
+    pc, pr, qc, qr, lc, lr, w = batch(4, seed=18)
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, rpo_alpha=0.7, num_chosen_tokens=60.0)[0])
+    want = ref.variant_term("sigmoid", pc, pr, qc, qr, lc, lr, w, beta=0.5) + 0.7 * ref.chosen_nll(pc, lc, w, 60.0)
+    assert float(np.sum(lc)) != 60.0
+    np.testing.assert_allclose(got, want, **VALUE)
+
+
 def test_f_divergence_refused_where_a_variant_reads_its_own_ratios():
     pc, pr, qc, qr, lc, lr, w = batch(3)
     with pytest.raises(ValueError, match="f_divergence=js maps the log-ratios of .*variant apo_zero reads"):
