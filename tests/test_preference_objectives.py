@@ -236,6 +236,20 @@ def test_rpo_term_divides_by_a_global_token_count():
     np.testing.assert_allclose(got, want, **VALUE)
 
 
+def test_sft_first_beside_summed_variants_reports_the_local_weighted_nll():
+    """``["sft", "sigmoid"]`` with weights and a global token count: the loss's NLL over
+    ``num_chosen_tokens``, the ``nll_loss`` metric over this batch's own weighted tokens (the
+    lengths are given), and the log-prob metrics the summed ones sigmoid reads."""
+    pc, pr, qc, qr, lc, lr, w = batch(4, seed=19, drop=(1,))
+    w[2] = 0.5
+    loss, metrics = dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, variant=["sft", "sigmoid"], weights=w,
+                             num_chosen_tokens=60.0)
+    want = ref.chosen_nll(pc, lc, w, 60.0) + ref.variant_term("sigmoid", pc, pr, qc, qr, lc, lr, w, beta=0.5)
+    np.testing.assert_allclose(float(loss), want, **VALUE)
+    np.testing.assert_allclose(float(metrics["nll_loss"]), ref.chosen_nll(pc, lc, w), **VALUE)
+    np.testing.assert_allclose(float(metrics["logps/chosen"]), float(np.sum(w * pc) / np.sum(w)), **VALUE)
+
+
 def test_f_divergence_refused_where_a_variant_reads_its_own_ratios():
     pc, pr, qc, qr, lc, lr, w = batch(3)
     with pytest.raises(ValueError, match="f_divergence=js maps the log-ratios of .*variant apo_zero reads"):
