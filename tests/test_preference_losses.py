@@ -184,6 +184,27 @@ def test_weights_drop_pairs_and_shards_sum_to_full_batch():
         np.testing.assert_allclose(float(metrics[k]), float(metrics4[k]), **TOL)
 
 
+def test_dpo_length_averaging_clamps_lengths_to_one_token():
+    """IPO's length-averaged log-probs divide by ``max(|y|, 1)``: one-token and empty
+    responses divide by 1, against the loop."""
+    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=15)
+    len_c, len_r = len_c.copy(), len_r.copy()
+    len_c[0], len_r[1], len_c[2], len_r[3] = 1, 1, 0, 0
+    loss, metrics = dpo_loss(pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.3, variant="ipo")
+    want, want_metrics = ref_dpo(pol_c, pol_r, ref_c, ref_r, len_c, len_r, beta=0.3, variant="ipo", eps=0.0, lam=0.0,
+                                 length_normalize=True)
+    np.testing.assert_allclose(float(loss), want, **TOL)
+    assert_metrics(metrics, want_metrics)
+
+
+def test_discopop_tau_is_checked_only_where_discopop_reads_it():
+    pol_c, pol_r, ref_c, ref_r, _, _ = pairs(seed=6)
+    with pytest.raises(ValueError, match=r"discopop_tau must lie in \(0.0, inf\)"):
+        dpo_loss(pol_c, pol_r, ref_c, ref_r, variant="discopop", discopop_tau=0.0)
+    plain = dpo_loss(pol_c, pol_r, ref_c, ref_r)[0]
+    np.testing.assert_allclose(float(dpo_loss(pol_c, pol_r, ref_c, ref_r, discopop_tau=0.0)[0]), float(plain), **TOL)
+
+
 def test_dpo_bad_inputs_name_the_argument():
     pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=6)
     with pytest.raises(ValueError, match="unknown variant 'kto'; valid: sigmoid, hinge, ipo, robust, dpop"):
@@ -269,6 +290,98 @@ class ReferenceFreeVariantsTest(chex.TestCase):
         want, want_metrics = ref_orpo(pol_c, pol_r, len_c, len_r, 0.25)
         np.testing.assert_allclose(float(loss), want, **TOL)
         assert_metrics(metrics, want_metrics)
+
+
+def weighted_mean(values, w):
+    return sum(wi * v for wi, v in zip(w, values)) / sum(w)
+
+
+def test_reference_free_losses_with_weights_and_short_responses():
+    """SimPO, CPO and ORPO with pair weights (one dropped, fractional ones) and responses of
+    0 and 1 tokens, loss and every metric against weighted loops: ``sum_i w_i l_i / sum_i w_i``,
+    lengths clamped to >= 1 where a log-prob is averaged, the NLL over ``sum_i w_i |y_c,i|``."""
+    pol_c, pol_r, _, _, len_c, len_r = pairs(seed=12, b=5)
+    len_c, len_r = len_c.copy(), len_r.copy()
+    len_c[0], len_r[2], len_c[3] = 1, 1, 0
+    pol_c[3] = -0.5  # an empty chosen response's mean is its sum: keep it a probability
+    w = np.array([1.0, 0.0, 0.5, 2.0, 1.0], np.float32)
+    beta, gamma, eps, alpha = 1.5, 0.3, 0.1, 0.7
+    avg_c = [float(pol_c[i]) / max(int(len_c[i]), 1) for i in range(5)]
+    avg_r = [float(pol_r[i]) / max(int(len_r[i]), 1) for i in range(5)]
+    nll = sum(-wi * float(c) for wi, c in zip(w, pol_c)) / sum(wi * int(n) for wi, n in zip(w, len_c))
+
+    def smoothed(z):
+        return -(1 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z)
+
+    def pair_metrics(rc, rr, lc, lr):
+        return {"rewards/chosen": weighted_mean(rc, w), "rewards/rejected": weighted_mean(rr, w),
+                "rewards/accuracies": weighted_mean([float(a > b) for a, b in zip(rc, rr)], w),
+                "rewards/margins": weighted_mean([a - b for a, b in zip(rc, rr)], w),
+                "logps/chosen": weighted_mean(lc, w), "logps/rejected": weighted_mean(lr, w)}
+
+    loss, metrics = simpo_loss(pol_c, pol_r, len_c, len_r, beta=beta, gamma=gamma, label_smoothing=eps, weights=w)
+    want = weighted_mean([smoothed(beta * c - beta * r - gamma) for c, r in zip(avg_c, avg_r)], w)
+    np.testing.assert_allclose(float(loss), want, **TOL)
+    assert_metrics(metrics, pair_metrics([beta * c for c in avg_c], [beta * r for r in avg_r], avg_c, avg_r))
+
+    loss, metrics = cpo_loss(pol_c, pol_r, len_c, beta=beta, alpha=alpha, label_smoothing=eps, weights=w)
+    sums_c, sums_r = [float(c) for c in pol_c], [float(r) for r in pol_r]
+    want = weighted_mean([smoothed(beta * (c - r)) for c, r in zip(sums_c, sums_r)], w) + alpha * nll
+    np.testing.assert_allclose(float(loss), want, **TOL)
+    assert_metrics(metrics, {**pair_metrics([beta * c for c in sums_c], [beta * r for r in sums_r], sums_c, sums_r),
+                             "nll_loss": nll})
+
+    loss, metrics = orpo_loss(pol_c, pol_r, len_c, len_r, beta=beta, weights=w)
+    log_odds = [(c - math.log(-math.expm1(c))) - (r - math.log(-math.expm1(r))) for c, r in zip(avg_c, avg_r)]
+    want = nll - beta * weighted_mean([log_sigmoid(x) for x in log_odds], w)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    assert_metrics(metrics, {**pair_metrics([beta * c for c in avg_c], [beta * r for r in avg_r], avg_c, avg_r),
+                             "nll_loss": nll})
+    np.testing.assert_allclose(float(metrics["log_odds_chosen"]), weighted_mean(log_odds, w), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["log_odds_ratio"]), weighted_mean([log_sigmoid(x) for x in log_odds], w),
+                               rtol=1e-5)
+
+
+def test_nll_term_of_an_all_dropped_batch_is_zero_and_a_fractional_token_count_divides():
+    """The chosen NLL ``-sum_i w_i log pi(y_c,i) / sum_i w_i |y_c,i|``: a batch whose pairs are
+    all dropped (a padding micro-batch) gives 0 and a zero gradient, not 0/0; a token count
+    below 1 (fractional weights) divides like any other."""
+    pol_c, pol_r = np.array([-3.0, -5.0], np.float32), np.array([-4.0, -4.5], np.float32)
+    len_c = np.array([2, 4], np.int32)
+    for fn, args in ((cpo_loss, (pol_c, pol_r, len_c)), (orpo_loss, (pol_c, pol_r, len_c, len_c))):
+        (loss, metrics), grad = jax.value_and_grad(lambda c: fn(c, *args[1:], weights=np.zeros(2, np.float32)),
+                                                   has_aux=True)(jnp.asarray(pol_c))
+        assert float(loss) == 0.0 and float(metrics["nll_loss"]) == 0.0, fn.__name__
+        assert np.all(np.asarray(grad) == 0.0), fn.__name__
+        w = np.array([0.25, 0.0], np.float32)  # 0.25 * 2 = half a token
+        _, metrics = fn(*args, weights=w)
+        np.testing.assert_allclose(float(metrics["nll_loss"]), 0.25 * 3.0 / 0.5, **TOL, err_msg=fn.__name__)
+
+
+def test_defaults_are_the_documented_hyper_parameters():
+    """Each keyword left out is the value its docstring gives (the papers' and TRL's)."""
+    pol_c, pol_r, ref_c, ref_r, len_c, len_r = pairs(seed=13)
+    assert np.any(pol_c < ref_c)  # DPOP's penalty is active on some pair
+    labels = np.array([1, 0, 1, 1, 0], np.int32)
+    pair = (pol_c, pol_r, ref_c, ref_r)
+    cases = [
+        (functools.partial(dpo_loss, *pair), dict(beta=0.1)),
+        (functools.partial(dpo_loss, *pair, variant="dpop"), dict(beta=0.1, dpop_lambda=50.0)),
+        (functools.partial(dpo_loss, *pair, variant="discopop"), dict(beta=0.1, discopop_tau=0.05)),
+        (functools.partial(dpo_loss, *pair, f_divergence="alpha"), dict(beta=0.1, f_alpha=0.5)),
+        (functools.partial(simpo_loss, pol_c, pol_r, len_c, len_r), dict(beta=2.0, gamma=0.5)),
+        (functools.partial(cpo_loss, pol_c, pol_r, len_c), dict(beta=0.1, alpha=1.0)),
+        (functools.partial(orpo_loss, pol_c, pol_r, len_c, len_r), dict(beta=0.1)),
+        (functools.partial(kto_loss, pol_c, ref_c, labels), dict(beta=0.1, desirable_weight=1.0,
+                                                                  undesirable_weight=1.0)),
+    ]
+    for fn, documented in cases:
+        default, default_metrics = fn()
+        given, given_metrics = fn(**documented)
+        np.testing.assert_allclose(float(default), float(given), rtol=1e-6, err_msg=str(documented))
+        for name in given_metrics:
+            np.testing.assert_allclose(float(default_metrics[name]), float(given_metrics[name]), rtol=1e-6,
+                                       err_msg=f"{documented} {name}")
 
 
 def test_orpo_near_certain_responses_stay_accurate_and_finite():
@@ -370,6 +483,31 @@ class KTOVariantsTest(chex.TestCase):
             want, want_metrics = ref_kto(pol, ref, labels, 0.3, 1.2, 0.9, used)
             np.testing.assert_allclose(float(loss), want, **TOL)
             assert_metrics(metrics, want_metrics)
+
+
+def test_kto_with_weights_estimates_the_reference_point_and_metrics_over_kept_examples():
+    """Weighted KTO (one example dropped): ``z = max(0, sum_i w_i r_i / sum_i w_i)``, the loss
+    ``sum_i w_i l_i / sum_i w_i`` and each metric the weighted mean over its label's examples."""
+    pol, ref, labels = kto_batch(seed=14)
+    w = np.array([1.0, 0.0, 0.5, 2.0, 1.5, 1.0], np.float32)
+    r = [float(p) - float(q) for p, q in zip(pol, ref)]
+    z = max(0.0, weighted_mean(r, w))
+    assert z > 0 and abs(z - max(0.0, sum(r) / len(r))) > 1e-3  # the weights move it
+    beta, lam_d, lam_u = 0.3, 1.2, 0.9
+    per_example = [lam_d * (1 - sigmoid(beta * (ri - z))) if y else lam_u * (1 - sigmoid(beta * (z - ri)))
+                   for ri, y in zip(r, labels)]
+    loss, metrics = kto_loss(pol, ref, labels, beta=beta, desirable_weight=lam_d, undesirable_weight=lam_u,
+                             weights=w)
+    np.testing.assert_allclose(float(loss), weighted_mean(per_example, w), **TOL)
+    des, und = [i for i in range(6) if labels[i]], [i for i in range(6) if not labels[i]]
+
+    def mean_over(values, idx):
+        return weighted_mean([values[i] for i in idx], [w[i] for i in idx])
+
+    assert_metrics(metrics, {"rewards/chosen": mean_over([beta * x for x in r], des),
+                             "rewards/rejected": mean_over([beta * x for x in r], und),
+                             "logps/chosen": mean_over([float(p) for p in pol], des),
+                             "logps/rejected": mean_over([float(p) for p in pol], und), "kl": z})
 
 
 def test_kto_reference_point_gets_no_gradient():

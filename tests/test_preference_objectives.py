@@ -5,6 +5,7 @@ shared-length split. Values and gradients (central differences of the float64
 reference), several batch sizes, weights that drop pairs, empty response rows."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,16 @@ def test_aot_pairs_sorted_quantiles_not_records():
                                rtol=1e-6)
 
 
+def test_sorting_variants_divide_their_kept_positions_by_a_global_num_pairs():
+    """With ``num_pairs`` the sum over the kept sorted positions is divided by it (a shard of a
+    larger batch), not by this batch's count of kept pairs."""
+    pc, pr, qc, qr, lc, lr, w = batch(6, seed=5, drop=(2,))
+    for variant in ("aot", "aot_unpaired"):
+        local = float(dpo_loss(pc, pr, qc, qr, variant=variant, weights=w)[0])
+        shard = float(dpo_loss(pc, pr, qc, qr, variant=variant, weights=w, num_pairs=20.0)[0])
+        np.testing.assert_allclose(shard, local * 5 / 20, rtol=1e-6, err_msg=variant)
+
+
 def test_discopop_stays_finite_far_from_zero():
     """exp(-z) sigma(z/tau) at z = -500 is 0 * inf computed naively; here it is 0 and so is its gradient."""
     c, r = jnp.array([-600.0, 400.0]), jnp.array([-100.0, -100.0])
@@ -178,6 +189,67 @@ def test_f_divergence_limits_and_differences():
     assert len({round(v, 6) for v in (dpo, loss(f_divergence="forward_kl"), loss(f_divergence="js"))}) == 3
 
 
+def test_alpha_divergence_caps_its_exponent_at_80():
+    """``exp(min((alpha - 1) r, 80)) / (alpha - 1)``: a log-ratio of -400 at alpha 0.5 (exponent
+    200, inf in float32) scores ``-2 exp(80)`` and the loss stays finite (TRL's cap)."""
+    pc, qc = np.array([-400.0, -3.0], np.float32), np.array([0.0, -2.0], np.float32)
+    pr, qr = np.array([-1.0, -4.0], np.float32), np.array([-1.0, -3.5], np.float32)
+    loss = float(dpo_loss(pc, pr, qc, qr, beta=0.1, variant="hinge", f_divergence="alpha", f_alpha=0.5)[0])
+    psi = [(-2.0 * math.exp(80.0), -2.0), (-2.0 * math.exp(0.5), -2.0 * math.exp(0.25))]
+    want = sum(max(0.0, 1.0 - 0.1 * (c - r)) for c, r in psi) / 2
+    assert math.isfinite(loss)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+
+
+def test_f_divergence_scores_reach_sigmoid_norm_and_length_averaged_ratios():
+    """The scores ``psi(r)`` where the variant divides by the lengths itself (``sigmoid_norm``)
+    and where the log-probs are length-averaged first (``length_normalize=True``)."""
+    pc, pr, qc, qr, lc, lr, w = batch(5, seed=16, drop=(1,))
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, variant="sigmoid_norm", f_divergence="js", weights=w)[0])
+    want = ref.variant_term("sigmoid_norm", pc, pr, qc, qr, lc, lr, w, beta=0.5, f="js")
+    np.testing.assert_allclose(got, want, **VALUE)
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, length_normalize=True, f_divergence="js", weights=w)[0])
+    want = ref.variant_term("sigmoid", pc / lc, pr / lr, qc / lc, qr / lr, lc, lr, w, beta=0.5, f="js")
+    np.testing.assert_allclose(got, want, **VALUE)
+
+
+def test_sft_term_first_and_its_own_chosen_logps():
+    """A mixture may name the SFT term first beside a length-averaged variant, and the SFT term
+    reads ``chosen_nll_logps`` when given (LD-DPO's plain sums) instead of the policy's."""
+    pc, pr, qc, qr, lc, lr, w = batch(4, seed=17, drop=(2,))
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, variant=["sft", "ipo"], weights=w)[0])
+    want = ref.chosen_nll(pc, lc, w) + ref.variant_term("ipo", pc / lc, pr / lr, qc / lc, qr / lr, lc, lr, w, beta=0.5)
+    np.testing.assert_allclose(got, want, **VALUE)
+    nll_pc = pc - 1.5
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, variant=["sigmoid", "sft"], weights=w,
+                         chosen_nll_logps=nll_pc)[0])
+    want = ref.variant_term("sigmoid", pc, pr, qc, qr, lc, lr, w, beta=0.5) + ref.chosen_nll(nll_pc, lc, w)
+    np.testing.assert_allclose(got, want, **VALUE)
+
+
+def test_rpo_term_divides_by_a_global_token_count():
+    """RPO's NLL over ``num_chosen_tokens`` when given (a shard), not this batch's tokens."""
+    pc, pr, qc, qr, lc, lr, w = batch(4, seed=18)
+    got = float(dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, rpo_alpha=0.7, num_chosen_tokens=60.0)[0])
+    want = ref.variant_term("sigmoid", pc, pr, qc, qr, lc, lr, w, beta=0.5) + 0.7 * ref.chosen_nll(pc, lc, w, 60.0)
+    assert float(np.sum(lc)) != 60.0
+    np.testing.assert_allclose(got, want, **VALUE)
+
+
+def test_sft_first_beside_summed_variants_reports_the_local_weighted_nll():
+    """``["sft", "sigmoid"]`` with weights and a global token count: the loss's NLL over
+    ``num_chosen_tokens``, the ``nll_loss`` metric over this batch's own weighted tokens (the
+    lengths are given), and the log-prob metrics the summed ones sigmoid reads."""
+    pc, pr, qc, qr, lc, lr, w = batch(4, seed=19, drop=(1,))
+    w[2] = 0.5
+    loss, metrics = dpo_loss(pc, pr, qc, qr, lc, lr, beta=0.5, variant=["sft", "sigmoid"], weights=w,
+                             num_chosen_tokens=60.0)
+    want = ref.chosen_nll(pc, lc, w, 60.0) + ref.variant_term("sigmoid", pc, pr, qc, qr, lc, lr, w, beta=0.5)
+    np.testing.assert_allclose(float(loss), want, **VALUE)
+    np.testing.assert_allclose(float(metrics["nll_loss"]), ref.chosen_nll(pc, lc, w), **VALUE)
+    np.testing.assert_allclose(float(metrics["logps/chosen"]), float(np.sum(w * pc) / np.sum(w)), **VALUE)
+
+
 def test_f_divergence_refused_where_a_variant_reads_its_own_ratios():
     pc, pr, qc, qr, lc, lr, w = batch(3)
     with pytest.raises(ValueError, match="f_divergence=js maps the log-ratios of .*variant apo_zero reads"):
@@ -199,6 +271,17 @@ def test_mixture_errors_name_what_is_wrong():
         dpo_loss(pc, pr, qc, qr, variant=["sigmoid", "sft"])
     with pytest.raises(ValueError, match="aot and aot_unpaired sort the pairs"):
         dpo_loss(pc, pr, qc, qr, variant="aot", pair_scale=w)
+    with pytest.raises(ValueError, match="variant sigmoid_norm divides the log-ratios by the lengths itself"):
+        dpo_loss(pc, pr, qc, qr, lc, lr, variant="sigmoid_norm", length_normalize=True)
+
+
+def test_smoothing_refused_without_a_smoothed_variant_names_the_variants():
+    """The error names the variant as given: one name quoted, a mixture as its list."""
+    pc, pr, qc, qr, lc, lr, w = batch(2)
+    with pytest.raises(ValueError, match=r"label_smoothing=0.1 has no meaning for variant 'hinge';"):
+        dpo_loss(pc, pr, qc, qr, variant="hinge", label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"label_smoothing=0.1 has no meaning for variant \['hinge', 'ipo'\];"):
+        dpo_loss(pc, pr, qc, qr, lc, lr, variant=["hinge", "ipo"], label_smoothing=0.1)
 
 
 # ---------------------------------------------------------------------------- WPO
@@ -218,6 +301,14 @@ def test_wpo_weights_scale_pairs_not_the_normaliser():
     fd = finite_difference(lambda c: ref.variant_term("sigmoid", c, pr, qc, qr, lc, lr, w, beta=0.3,
                                                       scale=list(np.asarray(scale))), pc)
     np.testing.assert_allclose(np.asarray(gc), fd, **GRAD)
+
+
+def test_wpo_weights_clamp_lengths_to_one_token():
+    """``|y| = max(|y|, 1)``: a one-token response divides by 1 (and an empty one too)."""
+    ac, ar = np.array([-0.4, -0.2, -0.6], np.float32), np.array([-0.3, -0.8, -0.1], np.float32)
+    lc, lr = np.array([1.0, 0.0, 1.0], np.float32), np.array([0.0, 1.0, 2.0], np.float32)
+    want = np.exp(ac / np.maximum(lc, 1.0) + ar / np.maximum(lr, 1.0))
+    np.testing.assert_allclose(np.asarray(wpo_weights(ac, ar, lc, lr)), want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 5), (3, 6, 7)])
