@@ -291,6 +291,18 @@ def test_dppo_keeps_a_token_the_update_did_not_move():
         assert metrics["ratio_capped"] == pytest.approx(above, abs=1e-6), name
 
 
+def test_dppo_kl_keeps_a_token_that_moved_away_from_its_advantage_by_less_than_float32_shows():
+    """DPPO-KL, clip_eps 0: a token that moved against its advantage's direction stays in the
+    gradient whatever its binary KL. Moved by 2e-8 in log-prob at probability 1, ``p == q == 1``
+    in float32 while verl's KL is positive (``2e-8`` for ``(pi_old, pi_theta)`` = (1, 1 - 2e-8);
+    ``a log(1 + a / 1e-8) - a`` for (1 - a, 1), the ``+1e-8``): ``p <= q`` (``p >= q``) keeps it, not ``d <= 0``."""
+    data = make_data(13)
+    for t, (old, new, a) in enumerate(((0.0, -2e-8, 1.0), (-2e-8, 0.0, -1.0))):
+        data["old_logps"][1, t], data["logps"][1, t], data["advantages"][1, t] = old, new, a
+    _, _, grad = run_loss(OBJECTIVES["dppo_kl"].loss, data, "token-sum", clip_eps_low=0.0, clip_eps_high=0.0)
+    np.testing.assert_allclose(grad[1, :2], [-1.0, 1.0], rtol=1e-6)  # -A r, r = 1 in float32
+
+
 def test_binary_kl_keeps_verls_1e_8_for_a_token_of_probability_one():
     """``q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))``: finite where ``p`` or
     ``q`` is 1 (a log-prob of 0, common for a near-greedy token), where ``1 - p`` alone is 0,
