@@ -837,6 +837,37 @@ def test_off_policy_sequence_mask_matches_reference():
     assert dropped > 0 and kept > 0
 
 
+def test_off_policy_sequence_mask_hand_worked():
+    """Eq. 9 on worked rows, threshold 0.15: a one-token row drifting 0.2 nats (mean over one
+    token, not two) drops its negative-advantage token; a zero advantage is kept however far the
+    row drifts (``A >= 0``); a row whose drifts cancel keeps its negative advantages."""
+    from alignax.losses import off_policy_sequence_mask
+
+    lp = np.array([[-1.0, -2.0, -2.0], [-1.0, -1.0, -2.0], [-1.0, -1.0, -1.0]])
+    old = lp + np.array([[0.2, 5.0, 5.0], [0.3, 0.3, 5.0], [0.3, -0.3, 0.0]])  # off-mask drift is ignored
+    adv = np.array([[-1.0, -1.0, -1.0], [0.0, -0.5, -1.0], [-1.0, -1.0, -1.0]])
+    mask = np.array([[1, 0, 0], [1, 1, 0], [1, 1, 1]], np.float32)
+    want = np.array([[0, 1, 1], [1, 0, 1], [1, 1, 1]], np.float32)
+    np.testing.assert_array_equal(ref_off_policy_keep(lp, old, adv, mask, 0.15) * mask, want * mask)
+    got = off_policy_sequence_mask(jnp.asarray(lp, jnp.float32), jnp.asarray(old, jnp.float32),
+                                   jnp.asarray(adv, jnp.float32), mask, threshold=0.15)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_token_masks_stay_float32_with_x64_on():
+    """Both masks are documented ``[B, T]`` float32, float64 inputs under ``jax.enable_x64`` too."""
+    from alignax.losses import high_entropy_mask, off_policy_sequence_mask
+
+    rng = np.random.default_rng(3)
+    lp, adv, entropy = -rng.uniform(0.1, 2.0, (2, 4)), rng.normal(size=(2, 4)), rng.uniform(0.0, 3.0, (2, 4))
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float64)
+    with jax.enable_x64(True):
+        off = off_policy_sequence_mask(lp, lp + 0.5, adv, mask, threshold=0.1)
+        high = high_entropy_mask(entropy, mask, quantile=0.5)
+    assert off.dtype == jnp.float32 and high.dtype == jnp.float32, (off.dtype, high.dtype)
+    np.testing.assert_array_equal(np.asarray(high) * mask, ref_high_entropy_keep(entropy, mask, 0.5) * mask)
+
+
 @pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
 def test_off_policy_mask_drops_the_policy_term_of_the_masked_tokens(kind):
     """The loss with the mask is the reference's per-token loss times M (every mode), its
