@@ -844,14 +844,33 @@ def test_off_policy_sequence_mask_hand_worked():
     from alignax.losses import off_policy_sequence_mask
 
     lp = np.array([[-1.0, -2.0, -2.0], [-1.0, -1.0, -2.0], [-1.0, -1.0, -1.0]])
-    old = lp + np.array([[0.2, 5.0, 5.0], [0.3, 0.3, 5.0], [0.3, -0.3, 0.0]])  # off-mask drift is ignored
+    old = lp + np.array([[0.2, 5.0, 5.0], [0.3, 0.3, 5.0], [0.25, -0.25, 0.0]])  # off-mask drift is ignored
     adv = np.array([[-1.0, -1.0, -1.0], [0.0, -0.5, -1.0], [-1.0, -1.0, -1.0]])
     mask = np.array([[1, 0, 0], [1, 1, 0], [1, 1, 1]], np.float32)
     want = np.array([[0, 1, 1], [1, 0, 1], [1, 1, 1]], np.float32)
-    np.testing.assert_array_equal(ref_off_policy_keep(lp, old, adv, mask, 0.15) * mask, want * mask)
-    got = off_policy_sequence_mask(jnp.asarray(lp, jnp.float32), jnp.asarray(old, jnp.float32),
-                                   jnp.asarray(adv, jnp.float32), mask, threshold=0.15)
-    np.testing.assert_array_equal(np.asarray(got), want)
+    # threshold 0: the last row's drift is exactly 0 (binary fractions), kept as D <= delta says
+    for delta in (0.15, 0.0):
+        np.testing.assert_array_equal(ref_off_policy_keep(lp, old, adv, mask, delta) * mask, want * mask)
+        got = off_policy_sequence_mask(jnp.asarray(lp, jnp.float32), jnp.asarray(old, jnp.float32),
+                                       jnp.asarray(adv, jnp.float32), mask, threshold=delta)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(delta))
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_defaults_add_no_entropy_or_kl_term_and_cap_the_tis_weight_at_2(kind):
+    """The documented defaults: ``entropy`` or ``ref_logps`` alone change nothing (both
+    coefficients 0), and ``sampler_logps`` alone truncates ``rho = e`` at ``tis_cap=2``."""
+    loss_fn, data = POLICY_LOSSES[kind], {k: jnp.asarray(v) for k, v in DATA.items()}
+    base, _ = loss_fn(**data)
+    for name in ("entropy", "ref_logps"):
+        got, _ = loss_fn(**data, **{name: jnp.asarray(OPTS[name])})
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(base), err_msg=name)
+    sampler = data["old_logps"] - 1.0
+    got, _ = loss_fn(**data, sampler_logps=sampler)
+    capped, _ = loss_fn(**data, sampler_logps=sampler, tis_cap=2.0)
+    looser, _ = loss_fn(**data, sampler_logps=sampler, tis_cap=3.0)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(capped))
+    assert not np.isclose(float(got), float(looser))
 
 
 def test_token_masks_stay_float32_with_x64_on():
