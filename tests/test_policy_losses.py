@@ -873,6 +873,25 @@ def test_defaults_add_no_entropy_or_kl_term_and_cap_the_tis_weight_at_2(kind):
     assert not np.isclose(float(got), float(looser))
 
 
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_rejection_drops_the_policy_term_of_the_rejected_tokens(kind):
+    """``rejection`` (k1 bounds on ``rho = pi_old / pi_sampler``) and ``rejection_divergences``
+    (``k2 = (log rho)^2 / 2``) reach every loss: the loss is the one whose rejected tokens
+    carry no advantage, the denominators unchanged (keep from NumPy, not from the library)."""
+    loss_fn, data = POLICY_LOSSES[kind], {k: jnp.asarray(v) for k, v in DATA.items()}
+    rng = np.random.default_rng(5)
+    sampler = DATA["old_logps"] + rng.normal(0.0, 0.5, DATA["mask"].shape).astype(np.float32)
+    log_rho = DATA["old_logps"].astype(np.float64) - sampler
+    cases = ((dict(rejection="token", rejection_bounds=(0.7, 1.4)), (log_rho >= np.log(0.7)) & (log_rho <= np.log(1.4))),
+             (dict(rejection_divergences={"token_k2": 0.02}), 0.5 * log_rho**2 <= 0.02))
+    for kw, keep in cases:
+        on = DATA["mask"] > 0
+        assert 0 < (keep & on).sum() < on.sum(), kw  # the criterion cuts some tokens, not all
+        got, _ = loss_fn(**data, sampler_logps=jnp.asarray(sampler), tis_cap=None, **kw)
+        want, _ = loss_fn(**{**data, "advantages": jnp.asarray(DATA["advantages"] * keep)})
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6, atol=1e-7, err_msg=str(kw))
+
+
 def test_token_masks_stay_float32_with_x64_on():
     """Both masks are documented ``[B, T]`` float32, float64 inputs under ``jax.enable_x64`` too."""
     from alignax.losses import high_entropy_mask, off_policy_sequence_mask
