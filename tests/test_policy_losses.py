@@ -892,6 +892,39 @@ def test_rejection_drops_the_policy_term_of_the_rejected_tokens(kind):
         np.testing.assert_allclose(float(got), float(want), rtol=1e-6, atol=1e-7, err_msg=str(kw))
 
 
+def ref_tis_weight(log_rho, mask, *, cap, level="token", lower=None, normalize=False):
+    """verl's TIS weight by NumPy: ``min(rho, cap)`` (IcePop: ``rho`` in ``[lower, cap]``, else
+    0) on the token's ratio or the row's product, divided by its masked mean if ``normalize``."""
+    log_rho = np.where(mask > 0, log_rho, 0.0)
+    if level == "sequence":
+        log_rho = np.broadcast_to(log_rho.sum(axis=-1, keepdims=True), log_rho.shape)
+    rho = np.exp(log_rho)
+    weight = np.minimum(rho, cap) if lower is None else np.where((rho >= lower) & (rho <= cap), rho, 0.0)
+    return weight / (weight * mask).sum() * mask.sum() if normalize else weight
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_tis_options_reach_every_loss(kind):
+    """``tis_level``, ``tis_lower`` (IcePop), ``tis_batch_normalize`` and ``tis_ratio="current"``
+    reach every loss: the loss is the one whose advantages carry the NumPy weight (each
+    surrogate is positively homogeneous in the advantage)."""
+    loss_fn, data = POLICY_LOSSES[kind], {k: jnp.asarray(v) for k, v in DATA.items()}
+    rng = np.random.default_rng(6)
+    mask = DATA["mask"]
+    sampler = DATA["old_logps"] + rng.normal(0.0, 0.3, mask.shape).astype(np.float32)
+    old_rho = DATA["old_logps"].astype(np.float64) - sampler
+    cur_rho = DATA["logps"].astype(np.float64) - sampler
+    cases = ((dict(tis_level="sequence"), ref_tis_weight(old_rho, mask, cap=1.5, level="sequence")),
+             (dict(tis_lower=0.8), ref_tis_weight(old_rho, mask, cap=1.5, lower=0.8)),
+             (dict(tis_batch_normalize=True), ref_tis_weight(old_rho, mask, cap=1.5, normalize=True)),
+             (dict(tis_ratio="current"), ref_tis_weight(cur_rho, mask, cap=1.5)))
+    for kw, weight in cases:
+        assert not np.allclose(weight * mask, ref_tis_weight(old_rho, mask, cap=1.5) * mask), kw
+        got, _ = loss_fn(**data, sampler_logps=jnp.asarray(sampler), tis_cap=1.5, **kw)
+        want, _ = loss_fn(**{**data, "advantages": jnp.asarray(DATA["advantages"] * np.where(mask > 0, weight, 1.0))})
+        np.testing.assert_allclose(float(got), float(want), rtol=2e-5, atol=1e-6, err_msg=str(kw))
+
+
 def test_token_masks_stay_float32_with_x64_on():
     """Both masks are documented ``[B, T]`` float32, float64 inputs under ``jax.enable_x64`` too."""
     from alignax.losses import high_entropy_mask, off_policy_sequence_mask
