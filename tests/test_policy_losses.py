@@ -925,6 +925,17 @@ def test_tis_options_reach_every_loss(kind):
         np.testing.assert_allclose(float(got), float(want), rtol=2e-5, atol=1e-6, err_msg=str(kw))
 
 
+def test_gspo_clip_eps_high_none_is_the_symmetric_band():
+    """``clip_eps_high=None`` clips GSPO's sequence ratio at ``1 +- clip_eps_low``."""
+    from alignax.losses import gspo_policy_loss
+
+    data = {k: jnp.asarray(v) for k, v in DATA.items()}
+    got, got_m = gspo_policy_loss(**data, clip_eps_low=0.01, clip_eps_high=None)
+    want, want_m = gspo_policy_loss(**data, clip_eps_low=0.01, clip_eps_high=0.01)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_metrics(got_m, want_m)
+
+
 def test_token_masks_stay_float32_with_x64_on():
     """Both masks are documented ``[B, T]`` float32, float64 inputs under ``jax.enable_x64`` too."""
     from alignax.losses import high_entropy_mask, off_policy_sequence_mask
