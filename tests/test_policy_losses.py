@@ -837,6 +837,119 @@ def test_off_policy_sequence_mask_matches_reference():
     assert dropped > 0 and kept > 0
 
 
+def test_off_policy_sequence_mask_hand_worked():
+    """Eq. 9 on worked rows, threshold 0.15: a one-token row drifting 0.2 nats (mean over one
+    token, not two) drops its negative-advantage token; a zero advantage is kept however far the
+    row drifts (``A >= 0``); a row whose drifts cancel keeps its negative advantages."""
+    from alignax.losses import off_policy_sequence_mask
+
+    lp = np.array([[-1.0, -2.0, -2.0], [-1.0, -1.0, -2.0], [-1.0, -1.0, -1.0]])
+    old = lp + np.array([[0.2, 5.0, 5.0], [0.3, 0.3, 5.0], [0.25, -0.25, 0.0]])  # off-mask drift is ignored
+    adv = np.array([[-1.0, -1.0, -1.0], [0.0, -0.5, -1.0], [-1.0, -1.0, -1.0]])
+    mask = np.array([[1, 0, 0], [1, 1, 0], [1, 1, 1]], np.float32)
+    want = np.array([[0, 1, 1], [1, 0, 1], [1, 1, 1]], np.float32)
+    # threshold 0: the last row's drift is exactly 0 (binary fractions), kept as D <= delta says
+    for delta in (0.15, 0.0):
+        np.testing.assert_array_equal(ref_off_policy_keep(lp, old, adv, mask, delta) * mask, want * mask)
+        got = off_policy_sequence_mask(jnp.asarray(lp, jnp.float32), jnp.asarray(old, jnp.float32),
+                                       jnp.asarray(adv, jnp.float32), mask, threshold=delta)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(delta))
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_defaults_add_no_entropy_or_kl_term_and_cap_the_tis_weight_at_2(kind):
+    """The documented defaults: ``entropy`` or ``ref_logps`` alone change nothing (both
+    coefficients 0), and ``sampler_logps`` alone truncates ``rho = e`` at ``tis_cap=2``."""
+    loss_fn, data = POLICY_LOSSES[kind], {k: jnp.asarray(v) for k, v in DATA.items()}
+    base, _ = loss_fn(**data)
+    for name in ("entropy", "ref_logps"):
+        got, _ = loss_fn(**data, **{name: jnp.asarray(OPTS[name])})
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(base), err_msg=name)
+    sampler = data["old_logps"] - 1.0
+    got, _ = loss_fn(**data, sampler_logps=sampler)
+    capped, _ = loss_fn(**data, sampler_logps=sampler, tis_cap=2.0)
+    looser, _ = loss_fn(**data, sampler_logps=sampler, tis_cap=3.0)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(capped))
+    assert not np.isclose(float(got), float(looser))
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_rejection_drops_the_policy_term_of_the_rejected_tokens(kind):
+    """``rejection`` (k1 bounds on ``rho = pi_old / pi_sampler``) and ``rejection_divergences``
+    (``k2 = (log rho)^2 / 2``) reach every loss: the loss is the one whose rejected tokens
+    carry no advantage, the denominators unchanged (keep from NumPy, not from the library)."""
+    loss_fn, data = POLICY_LOSSES[kind], {k: jnp.asarray(v) for k, v in DATA.items()}
+    rng = np.random.default_rng(5)
+    sampler = DATA["old_logps"] + rng.normal(0.0, 0.5, DATA["mask"].shape).astype(np.float32)
+    log_rho = DATA["old_logps"].astype(np.float64) - sampler
+    cases = ((dict(rejection="token", rejection_bounds=(0.7, 1.4)), (log_rho >= np.log(0.7)) & (log_rho <= np.log(1.4))),
+             (dict(rejection_divergences={"token_k2": 0.02}), 0.5 * log_rho**2 <= 0.02))
+    for kw, keep in cases:
+        on = DATA["mask"] > 0
+        assert 0 < (keep & on).sum() < on.sum(), kw  # the criterion cuts some tokens, not all
+        got, _ = loss_fn(**data, sampler_logps=jnp.asarray(sampler), tis_cap=None, **kw)
+        want, _ = loss_fn(**{**data, "advantages": jnp.asarray(DATA["advantages"] * keep)})
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6, atol=1e-7, err_msg=str(kw))
+
+
+def ref_tis_weight(log_rho, mask, *, cap, level="token", lower=None, normalize=False):
+    """verl's TIS weight by NumPy: ``min(rho, cap)`` (IcePop: ``rho`` in ``[lower, cap]``, else
+    0) on the token's ratio or the row's product, divided by its masked mean if ``normalize``."""
+    log_rho = np.where(mask > 0, log_rho, 0.0)
+    if level == "sequence":
+        log_rho = np.broadcast_to(log_rho.sum(axis=-1, keepdims=True), log_rho.shape)
+    rho = np.exp(log_rho)
+    weight = np.minimum(rho, cap) if lower is None else np.where((rho >= lower) & (rho <= cap), rho, 0.0)
+    return weight / (weight * mask).sum() * mask.sum() if normalize else weight
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_tis_options_reach_every_loss(kind):
+    """``tis_level``, ``tis_lower`` (IcePop), ``tis_batch_normalize`` and ``tis_ratio="current"``
+    reach every loss: the loss is the one whose advantages carry the NumPy weight (each
+    surrogate is positively homogeneous in the advantage)."""
+    loss_fn, data = POLICY_LOSSES[kind], {k: jnp.asarray(v) for k, v in DATA.items()}
+    rng = np.random.default_rng(6)
+    mask = DATA["mask"]
+    sampler = DATA["old_logps"] + rng.normal(0.0, 0.3, mask.shape).astype(np.float32)
+    old_rho = DATA["old_logps"].astype(np.float64) - sampler
+    cur_rho = DATA["logps"].astype(np.float64) - sampler
+    cases = ((dict(tis_level="sequence"), ref_tis_weight(old_rho, mask, cap=1.5, level="sequence")),
+             (dict(tis_lower=0.8), ref_tis_weight(old_rho, mask, cap=1.5, lower=0.8)),
+             (dict(tis_batch_normalize=True), ref_tis_weight(old_rho, mask, cap=1.5, normalize=True)),
+             (dict(tis_ratio="current"), ref_tis_weight(cur_rho, mask, cap=1.5)))
+    for kw, weight in cases:
+        assert not np.allclose(weight * mask, ref_tis_weight(old_rho, mask, cap=1.5) * mask), kw
+        got, _ = loss_fn(**data, sampler_logps=jnp.asarray(sampler), tis_cap=1.5, **kw)
+        want, _ = loss_fn(**{**data, "advantages": jnp.asarray(DATA["advantages"] * np.where(mask > 0, weight, 1.0))})
+        np.testing.assert_allclose(float(got), float(want), rtol=2e-5, atol=1e-6, err_msg=str(kw))
+
+
+def test_gspo_clip_eps_high_none_is_the_symmetric_band():
+    """``clip_eps_high=None`` clips GSPO's sequence ratio at ``1 +- clip_eps_low``."""
+    from alignax.losses import gspo_policy_loss
+
+    data = {k: jnp.asarray(v) for k, v in DATA.items()}
+    got, got_m = gspo_policy_loss(**data, clip_eps_low=0.01, clip_eps_high=None)
+    want, want_m = gspo_policy_loss(**data, clip_eps_low=0.01, clip_eps_high=0.01)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_metrics(got_m, want_m)
+
+
+def test_token_masks_stay_float32_with_x64_on():
+    """Both masks are documented ``[B, T]`` float32, float64 inputs under ``jax.enable_x64`` too."""
+    from alignax.losses import high_entropy_mask, off_policy_sequence_mask
+
+    rng = np.random.default_rng(3)
+    lp, adv, entropy = -rng.uniform(0.1, 2.0, (2, 4)), rng.normal(size=(2, 4)), rng.uniform(0.0, 3.0, (2, 4))
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float64)
+    with jax.enable_x64(True):
+        off = off_policy_sequence_mask(lp, lp + 0.5, adv, mask, threshold=0.1)
+        high = high_entropy_mask(entropy, mask, quantile=0.5)
+    assert off.dtype == jnp.float32 and high.dtype == jnp.float32, (off.dtype, high.dtype)
+    np.testing.assert_array_equal(np.asarray(high) * mask, ref_high_entropy_keep(entropy, mask, 0.5) * mask)
+
+
 @pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
 def test_off_policy_mask_drops_the_policy_term_of_the_masked_tokens(kind):
     """The loss with the mask is the reference's per-token loss times M (every mode), its
