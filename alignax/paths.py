@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
+import io
 import os
 import shutil
 import tempfile
@@ -78,14 +79,27 @@ def as_path(path: str | os.PathLike) -> epath.Path:
 
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` so that a reader sees the old content or the new, never a
-    part: locally through :func:`atomic_open`; on an object store one upload, which the store
-    commits whole."""
-    target = as_path(path)
-    if is_remote(target):
-        target.write_text(text, encoding="utf-8")
-        return
-    with atomic_open(target, "w") as f:
+    part (:func:`writing`)."""
+    with writing(path, "w") as f:
         f.write(text)
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
+    """A file to write ``path`` whole or not at all, local or remote: locally
+    :func:`atomic_open`; on an object store a buffer uploaded in one piece when the block ends
+    (an upload the store commits whole; nothing is uploaded if the block raises)."""
+    target = as_path(path)
+    if not is_remote(target):
+        with atomic_open(target, mode) as f:
+            yield f
+        return
+    buffer = io.StringIO() if mode == "w" else io.BytesIO()
+    yield buffer
+    if mode == "w":
+        target.write_text(buffer.getvalue(), encoding="utf-8")
+    else:
+        target.write_bytes(buffer.getvalue())
 
 
 @contextlib.contextmanager

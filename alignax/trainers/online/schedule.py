@@ -330,15 +330,9 @@ def write_weights(path: Path, weights: Any) -> None:
                 shards[placed[key]] = data.view(f"u{data.dtype.itemsize}")
         index.append({"dtype": str(x.dtype), "shards": placed})
     path = paths.as_path(path)
-    arrays = dict(index=np.frombuffer(json.dumps(index).encode(), np.uint8), **shards)
-    if paths.is_remote(path):  # one upload, which the store commits whole
-        buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
-        path.write_bytes(buffer.getvalue())
-        return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with paths.atomic_open(path) as f:  # whole or not at all: a checkpoint names it
-        np.savez(f, **arrays)
+    with paths.writing(path) as f:  # whole or not at all: a checkpoint names it
+        np.savez(f, index=np.frombuffer(json.dumps(index).encode(), np.uint8), **shards)
 
 
 def read_weights(path: Path, template: Any) -> Any:
