@@ -813,7 +813,9 @@ def _submesh_forward(config, model: ModelConfig, p: Precision, sub: tuple[int, i
         lm_buffers = device_rows * chunk * model.vocab_size * 4 * buffers / s_tensor
         head = embedding * p.frozen / s_tensor if gathered else 0.0
         peak = max(layer_whole + layer_set(device_rows, ref_length), 2 * head, head + lm_buffers)
-    if "reward models" in placed or "process reward models" in placed:  # (counted at the policy's layer size)
+    # (rewards.prm reaches the sub-mesh only beside rewards.reward_models: placement.reward_models needs them;
+    # counted at the policy's layer size)
+    if "reward models" in placed:
         peak = max(peak, layer_whole + layer_set(max(rows / batch_devices, 1), length))
     return {"forward pass": peak}
 
