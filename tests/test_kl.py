@@ -384,6 +384,10 @@ def test_estimates_and_coefficients_are_float32_even_with_x64_on():
         assert kl.kl_estimate(logps.astype(np.float32), ref_logps).dtype == jnp.float32
         assert kl.sequence_kl(logps, ref_logps, mask).dtype == jnp.float32
         assert kl.sequence_kl(logps.astype(np.float32), ref_logps, mask).dtype == jnp.float32
+        for weight in ("ratio", "detached_ratio"):  # float64 log w, from either side, would make it float64
+            assert kl.importance_weighted_kl(logps, ref_logps, logps - 0.1, weight=weight).dtype == jnp.float32
+            assert kl.importance_weighted_kl(logps.astype(np.float32), ref_logps, logps - 0.1,
+                                             weight=weight).dtype == jnp.float32
         assert kl.FixedKLController(0.1).init().coef.dtype == jnp.float32
         adaptive = kl.AdaptiveKLController(0.1, target=6.0, horizon=10.0)
         assert adaptive.init().coef.dtype == jnp.float32
