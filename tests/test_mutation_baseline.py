@@ -76,7 +76,18 @@ def test_a_tests_hash_covers_its_source_and_its_files_helpers_but_not_other_test
     assert baseline.test_key("tests/test_m.py::CaseTest::test_c_k1") == "tests/test_m.py::CaseTest"
 
 
-def test_a_changed_test_forgets_every_verdict_of_the_functions_it_reaches(tmp_path):
+def _measure(root, test, *functions):
+    """What mutmut's first pass records for a test it runs (its duration, the functions it reaches)."""
+    path = root / "mutants" / "mutmut-stats.json"
+    stats = json.loads(path.read_text())
+    stats["duration_by_test"][test] = 0.1
+    for function in functions:
+        stats["tests_by_mangled_function_name"].setdefault(function, []).append(test)
+    path.write_text(json.dumps(stats))
+    return stats
+
+
+def test_a_changed_test_forgets_every_verdict_it_reached_and_is_measured_again_as_new(tmp_path):
     root = _project(tmp_path)
     assert "3 tests recorded" in baseline.invalidate(root)  # the first run's own tests
     assert _verdicts(root) == {"m.x_f__mutmut_1": 1, "m.x_f__mutmut_2": 0, "m.x_g__mutmut_1": 1,
@@ -84,9 +95,18 @@ def test_a_changed_test_forgets_every_verdict_of_the_functions_it_reaches(tmp_pa
     (root / "tests" / "test_m.py").write_text(TESTS.replace("helper(1) == 2", "helper(1) >= 2"))
     message = baseline.invalidate(root)
     assert "1 tests changed or removed" in message and "2 verdicts forgotten" in message
+    assert "1 tests wait for mutmut's first pass" in message
     assert _verdicts(root) == {"m.x_f__mutmut_1": None, "m.x_f__mutmut_2": None, "m.x_g__mutmut_1": 1,
                                "m.x_g__mutmut_2": 0, "m.x_h__mutmut_1": 0}
+    stats = json.loads((root / "mutants" / "mutmut-stats.json").read_text())
+    assert "tests/test_m.py::test_a[1]" not in stats["duration_by_test"]  # mutmut measures it as new
+    assert stats["tests_by_mangled_function_name"]["m.x_f"] == []
+    assert "0 verdicts forgotten; 1 tests wait" in baseline.invalidate(root)  # not yet measured
+    _measure(root, "tests/test_m.py::test_a[1]", "m.x_f", "m.x_h")  # it now reaches h as well
+    assert "1 new measured: 1 verdicts forgotten" in baseline.invalidate(root)
+    assert _verdicts(root)["m.x_h__mutmut_1"] is None
     assert "0 verdicts forgotten" in baseline.invalidate(root)  # handled once
+    assert "wait" not in baseline.invalidate(root)
 
 
 def test_a_new_test_forgets_only_survivors_and_only_once_mutmut_has_measured_it(tmp_path):
@@ -95,15 +115,10 @@ def test_a_new_test_forgets_only_survivors_and_only_once_mutmut_has_measured_it(
     tests = root / "tests" / "test_m.py"
     tests.write_text(TESTS + "\n\ndef test_new():\n    assert helper(0) == 0\n\n\ndef test_slow():\n    pass\n")
     message = baseline.invalidate(root)
-    assert "1 new tests wait for mutmut's first pass" in message  # test_slow is deselected: never waits
+    assert "1 tests wait for mutmut's first pass" in message  # test_slow is deselected: never waits
     assert _verdicts(root)["m.x_h__mutmut_1"] == 0
-    stats_path = root / "mutants" / "mutmut-stats.json"
-    stats = json.loads(stats_path.read_text())
-    stats["duration_by_test"]["tests/test_m.py::test_new"] = 0.1
-    stats["tests_by_mangled_function_name"]["m.x_h"] = ["tests/test_m.py::test_new"]
-    stats["tests_by_mangled_function_name"]["m.x_f"].append("tests/test_m.py::test_new")
-    stats_path.write_text(json.dumps(stats))
-    assert "1 new: 2 verdicts forgotten" in baseline.invalidate(root)
+    _measure(root, "tests/test_m.py::test_new", "m.x_h", "m.x_f")
+    assert "1 new measured: 2 verdicts forgotten" in baseline.invalidate(root)
     assert _verdicts(root) == {"m.x_f__mutmut_1": 1, "m.x_f__mutmut_2": None, "m.x_g__mutmut_1": 1,
                                "m.x_g__mutmut_2": 0, "m.x_h__mutmut_1": None}
 
@@ -143,3 +158,28 @@ def test_a_mutants_tests_run_fastest_first_and_mutmuts_own_passes_keep_pytests_o
     monkeypatch.setenv("MUTANT_UNDER_TEST", "alignax.kl.x_kl_estimate__mutmut_3")
     mutation_order.pytest_collection_modifyitems(None, None, items)
     assert names() == ["t::fast", "t::mid", "t::slow", "t::unknown_1", "t::unknown_2"]
+
+
+def test_mutmuts_first_pass_traces_each_tests_calls_again(monkeypatch):
+    """In the first pass (MUTANT_UNDER_TEST=stats) a jitted program traced by an earlier test
+    is traced again, so mutmut sees the later test call the function; elsewhere the cache stays."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests.support import mutation_order
+
+    traced = []
+
+    @jax.jit
+    def f(x):
+        traced.append(1)
+        return x + 1
+
+    f(jnp.ones(2))
+    for who, new_traces in (("", 0), ("alignax.kl.x_kl_estimate__mutmut_3", 0), ("stats", 1)):
+        monkeypatch.setenv("MUTANT_UNDER_TEST", who)
+        before = len(traced)
+        mutation_order.pytest_runtest_setup(None)
+        f(jnp.ones(2))
+        f(jnp.ones(2))
+        assert len(traced) - before == new_traces, who

@@ -1,6 +1,15 @@
-"""A pytest plugin for mutmut's workers: run a mutant's tests fastest first.
+"""A pytest plugin for mutation runs: mutmut's first pass sees every call of every test,
+and a mutant's tests run fastest first.
 
-mutmut runs, for each mutant, the tests that reach the mutated function, with ``-x``: the
+mutmut's first pass runs every test once, in one process, and maps each test to the
+functions it sees called; a mutant then runs only its function's tests. A test whose jitted
+program an earlier test of that process had already traced calls nothing (jax runs the
+compiled program), so it was never mapped, and never run against the mutants it would kill
+(found in session 15: ``_masked_min_max``'s empty-mask mutants survived a test that fails on
+them). In that pass (``MUTANT_UNDER_TEST=stats``) this plugin clears jax's caches before
+each test, so each traces what it calls, as it does in a mutant's fresh worker.
+
+Then, for each mutant, mutmut runs the tests that reach the mutated function with ``-x``: the
 first failing test ends the run and the mutant counts as killed. It passes them to pytest
 as a set, so their order is the set's (arbitrary) one, and a mutant that the first quick
 test would kill often waits for slower tests first. With this plugin (``-p
@@ -36,3 +45,10 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return
     durations = json.loads(STATS.read_text()).get("duration_by_test", {})
     items[:] = fastest_first(items, durations)
+
+
+def pytest_runtest_setup(item) -> None:
+    if os.environ.get("MUTANT_UNDER_TEST") == "stats":
+        import jax
+
+        jax.clear_caches()

@@ -16,10 +16,10 @@ fresh clone starts from the last run's verdicts instead of from nothing:
 mutmut itself re-tests a function when its code changes (and the functions that call it),
 but not when a test changes. ``invalidate`` covers that: the baseline records a hash of
 every test of the selection (its own source, with its file's module-level code, which
-holds the file's helpers and fixtures), and every verdict of a function that a changed or
-removed test reaches is forgotten, as is every survivor of a function that a new test
-reaches (a new test can kill a survivor; it cannot revive a killed mutant). mutmut then
-runs those mutants again. What no hash here sees (a change in ``tests/support/`` or in a
+holds the file's helpers and fixtures); every verdict of a function that a changed or
+removed test reached is forgotten, and a changed test is measured again as a new one; every
+survivor of a function that a new test reaches is forgotten (a new test can kill a
+survivor; it cannot revive a killed mutant). mutmut then runs those mutants again. What no hash here sees (a change in ``tests/support/`` or in a
 library) is what ``make mutation-cold`` is for.
 """
 
@@ -136,32 +136,49 @@ def seed(root: Path = ROOT, baseline: Path = BASELINE) -> str:
 
 
 def invalidate(root: Path = ROOT, baseline: Path = BASELINE) -> str:
-    """Forget the verdicts that tests changed since they were reached may flip, and record
-    the tests as handled in ``mutants/tests.json``. Run before and after ``mutmut run``: a
-    new test is handled once mutmut's first pass has recorded which functions it reaches
-    (it is in the stats' durations), so the call after the run forgets the survivors it
-    may kill and the next run tests them again."""
+    """Forget the verdicts that tests changed since they were reached may flip; run before
+    and after ``mutmut run``.
+
+    A test changed or removed since ``mutants/tests.json`` recorded it: every verdict of a
+    function its recorded version reached is forgotten, and it is taken out of mutmut's
+    stats, so that mutmut's next first pass measures it again as a new test (mutmut maps
+    only new test names to the functions they reach). A new test, once that pass has
+    measured it: the survivors of the functions it reaches are forgotten (a new test can
+    kill a survivor; it cannot revive a killed mutant). A test is recorded as handled in
+    ``mutants/tests.json`` only then."""
     mutants = root / "mutants"
     handled = mutants / TEST_HASHES
-    if not (mutants / STATS).exists():
+    stats_path = mutants / STATS
+    if not stats_path.exists():
         return "no results in mutants/: nothing to invalidate"
     new = selection_hashes(_selection(root), root)
     if not handled.exists():  # the results come from a cold run of these very tests
         handled.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
         return f"{len(new)} tests recorded"
     old = json.loads(handled.read_text())
-    stats = json.loads((mutants / STATS).read_text())
-    measured = {test_key(t) for t in stats.get("duration_by_test", {})}
-    changed, added = changed_tests(old, new)
-    added_measured = added & measured
+    stats = json.loads(stats_path.read_text())
+    changed, _ = changed_tests(old, new)
     metas = _meta_files(mutants)
     forgotten = forget(metas, functions_reached(stats, changed), only_survivors=False)
-    forgotten += forget(metas, functions_reached(stats, added_measured), only_survivors=True)
-    recorded = {k: v for k, v in new.items() if k not in added or k in added_measured}
+    if changed:
+        _drop_tests(stats, changed)
+        stats_path.write_text(json.dumps(stats, indent=4))
+    measured = {test_key(t) for t in stats.get("duration_by_test", {})}
+    ready = {k for k in new if k not in old and k in measured}
+    forgotten += forget(metas, functions_reached(stats, ready), only_survivors=True)
+    recorded = {k: v for k, v in new.items() if (k in old and k not in changed) or k in ready}
     handled.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
-    waiting = len(added) - len(added_measured)
-    return (f"{len(changed)} tests changed or removed, {len(added_measured)} new: {forgotten} verdicts forgotten"
-            + (f"; {waiting} new tests wait for mutmut's first pass" if waiting else ""))
+    waiting = len(new) - len(recorded)
+    return (f"{len(changed)} tests changed or removed, {len(ready)} new measured: {forgotten} verdicts forgotten"
+            + (f"; {waiting} tests wait for mutmut's first pass" if waiting else ""))
+
+
+def _drop_tests(stats: dict, keys: set[str]) -> None:
+    """Take the tests of ``keys`` out of mutmut's stats: its next run measures them as new."""
+    stats["duration_by_test"] = {t: d for t, d in stats.get("duration_by_test", {}).items() if test_key(t) not in keys}
+    stats["tests_by_mangled_function_name"] = {
+        function: [t for t in tests if test_key(t) not in keys]
+        for function, tests in stats.get("tests_by_mangled_function_name", {}).items()}
 
 
 def save(root: Path = ROOT, baseline: Path = BASELINE) -> str:
