@@ -567,6 +567,37 @@ def test_cispo_hand_worked():
     assert float(m["clipfrac_low"]) == 1.0
 
 
+def test_dual_clipfrac_counts_negative_advantages_strictly_above_c():
+    """``dual_clipfrac`` is ``A < 0 and r > c`` (verl counts ``-A r > -A c``): a zero
+    advantage above ``c`` and a negative one at ``r = c`` exactly are not counted. ``c`` is
+    the loss's own ``e^1.5`` (the ``ratio_min`` of an eager call; the same eager ``exp`` of
+    the same array gives the same float32), where both bounds give the same loss."""
+    lp, old, one = _row(1.5, 2.0, 2.0), _row(0.0, 0.0, 0.0), _row(1.0, 1.0, 1.0)
+    adv = _row(-1.0, 0.0, -1.0)
+    _, m = ppo_policy_loss(lp, old, adv, one)
+    c = float(m["ratio_min"])
+    assert c == pytest.approx(math.exp(1.5), rel=1e-6)
+    loss, m = ppo_policy_loss(lp, old, adv, one, dual_clip_c=c)
+    assert float(m["ratio_min"]) == c  # the first token's ratio is c itself
+    np.testing.assert_allclose(float(loss), (c + 0.0 + c) / 3, **TOL)  # both capped at c |A|
+    assert float(m["dual_clipfrac"]) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo", "cispo"])
+def test_a_ratio_on_the_band_edge_is_not_clipped(kind):
+    """``clipfrac_low`` / ``clipfrac_high`` are strict, ``r < 1 - eps_low`` and ``r > 1 +
+    eps_high``: with both epsilons 0 an on-policy ratio of exactly 1 sits on both edges and is
+    counted by neither, for either sign of the advantage; the loss is the unclipped one."""
+    lp = _row(-0.5, -1.0, -2.0)
+    adv = _row(1.0, -1.0, 2.0)
+    loss, m = POLICY_LOSSES[kind](lp, lp, adv, jnp.ones_like(lp), clip_eps_low=0.0, clip_eps_high=0.0)
+    assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
+    assert float(m["clipfrac_low"]) == 0.0 and float(m["clipfrac_high"]) == 0.0
+    # PPO, GSPO: -A r with r = 1 (GSPO's row mean of the token values); CISPO: -w A logp, w = 1
+    want = {"ppo": -2.0 / 3, "gspo": -2.0 / 3, "cispo": (0.5 - 1.0 + 4.0) / 3}[kind]
+    np.testing.assert_allclose(float(loss), want, **TOL)
+
+
 def test_tis_hand_worked():
     # PG, A = 1, logp = -1: per-token loss 1. old - sampler = log 3 -> weight min(3, 2) = 2;
     # log 0.5 -> 0.5. token-mean (2 + 0.5) / 2 = 1.25; gradient -w A / 2 = [-1, -0.25].
