@@ -885,6 +885,9 @@ def test_off_policy_sequence_mask_hand_worked():
         got = off_policy_sequence_mask(jnp.asarray(lp, jnp.float32), jnp.asarray(old, jnp.float32),
                                        jnp.asarray(adv, jnp.float32), mask, threshold=delta)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(delta))
+    cube = jnp.zeros((2, 3, 3))  # [B, T, K] would broadcast into a mask of nonsense: refused
+    with pytest.raises(ValueError, match=r"logps must have rank 2; got shape \(2, 3, 3\)"):
+        off_policy_sequence_mask(cube, cube, cube, cube, threshold=0.15)
 
 
 @pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))

@@ -201,6 +201,7 @@ def off_policy_sequence_mask(logps: Array, old_logps: Array, advantages: Array, 
     Returns ``[B, T]`` float32, 1 to keep and 0 to drop; a row with no response token has
     ``D_i = 0``, and positions off the mask are 1 (the caller's mask drops them anyway).
     """
+    check_rank(logps=(logps, 2))  # the row means are over the last axis of [B, T]
     check_same_shape(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
     keep = jnp.asarray(mask) > 0
     drift = jnp.where(keep, _f32(old_logps) - jax.lax.stop_gradient(_f32(logps)), 0.0)
