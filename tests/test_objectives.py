@@ -760,6 +760,14 @@ def test_rejection_without_the_samplers_logps_is_refused():
         sampler_correction(args[0], args[3], rejection="token", rejection_bounds=(2.0, 0.5))
 
 
+def test_sampler_correction_refuses_a_log_rho_that_is_not_b_t():
+    """The rows' products, means and maxima are over the last axis of ``[B, T]``: a ``[B, T, K]``
+    ``log_rho`` (which would broadcast into weights of nonsense) or a ``[T]`` one is refused."""
+    for shape in ((2, 3, 3), (3,)):
+        with pytest.raises(ValueError, match=rf"log_rho must have rank 2; got shape \({shape[0]},"):
+            sampler_correction(jnp.zeros(shape), jnp.ones(shape), tis_cap=2.0, rejection_divergences={"seq_max_k2": 1.0})
+
+
 def ref_divergence_stat(log_rho, mask, criterion):
     """verl's rollout_rs statistic of ``criterion`` per token position (a row's on each of its
     tokens), from the definitions: k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho; sum, mean or

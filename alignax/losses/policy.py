@@ -378,6 +378,7 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     of them (and ``rejection``) keeps the token. Off the mask ``log_rho`` counts as 0; a row with
     no response token has ratio 1 and divergences 0 (kept).
     """
+    check_rank(log_rho=(log_rho, 2))  # the rows' sums, means and maxima are over the last axis of [B, T]
     check_same_shape(log_rho=log_rho, mask=mask)
     check_choice("tis_level", tis_level, TIS_LEVELS)
     if tis_lower is not None and tis_cap is None:
