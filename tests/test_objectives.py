@@ -678,6 +678,19 @@ def test_batch_normalized_weights_match_verls_definition(level):
         pg_loss(*_loss_args(data)[0], sampler_logps=_loss_args(data)[1], tis_cap=None, tis_batch_normalize=True)
 
 
+def test_a_weight_mean_of_exactly_1e_8_leaves_the_weights():
+    """``m <= 1e-8`` leaves the weights as they are, ``m = 1e-8`` included: every ratio above a
+    cap of 1e-8 is truncated to the cap, so the token-level mean over the two tokens is float32
+    1e-8 exactly (``2c / 2``) and the factor stays 1; a cap twice that is divided out."""
+    log_rho, mask = jnp.asarray([[0.1, -0.2, 0.0]], jnp.float32), jnp.asarray([[1.0, 1.0, 0.0]])
+    at = sampler_correction(log_rho, mask, tis_cap=1e-8, batch_normalize=True)
+    assert float(at.norm_factor) == 1.0
+    np.testing.assert_array_equal(np.asarray(at.weight), np.float32([[1e-8, 1e-8, 1.0]]))
+    above = sampler_correction(log_rho, mask, tis_cap=2e-8, batch_normalize=True)
+    assert float(above.norm_factor) == np.float32(2e-8)
+    np.testing.assert_allclose(np.asarray(above.weight), [[1.0, 1.0, 1.0]], rtol=1e-6)
+
+
 def ref_icepop(log_rho, mask, lower, upper, level):
     """verl's IcePop (``rollout_corr_helper.py``, ``compute_rollout_correction_weights``,
     ``rollout_is_threshold: "lower_upper"``): the raw weight (the token's ratio, or the row's
@@ -811,6 +824,16 @@ def test_each_divergence_criterion_matches_verls_definition(criterion):
     jitted = jax.jit(lambda x, m: sampler_correction(x, m, tis_cap=1.2, rejection_divergences={criterion: bound}))(
         jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask))
     np.testing.assert_array_equal(np.asarray(jitted.kept_by[criterion]), np.asarray(got.kept_by[criterion]))
+
+
+def test_seq_mean_of_a_one_token_row_is_that_tokens_divergence():
+    """``seq_mean_kN`` divides a row's sum by its number of response tokens, 1 for a one-token
+    row: k2 of ``log rho = 0.6`` is 0.18, over the bound 0.12 (rejected; halved it would be
+    kept), while the two-token row of k2 0.02 and 0.18 has mean 0.1 (kept); the empty row is kept."""
+    log_rho = jnp.asarray([[0.6, 0.0, 0.0], [0.2, -0.6, 0.0], [0.0, 0.0, 0.0]], jnp.float32)
+    mask = jnp.asarray([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    got = sampler_correction(log_rho, mask, tis_cap=None, rejection_divergences={"seq_mean_k2": 0.12})
+    np.testing.assert_array_equal(np.asarray(got.keep), [[0.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
 
 
 def test_divergence_criteria_chain_with_each_other_and_the_ratio_bounds():
