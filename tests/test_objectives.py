@@ -740,6 +740,34 @@ def test_icepop_weights_match_verls_definition(level):
         sampler_correction(x, m, tis_cap=None, tis_lower=0.5)
 
 
+def test_a_rows_product_is_clamped_to_exp_20_and_its_log_weight_is_its_weights_log():
+    """Sequence level (verl clamps the log of a row's product to +-20 before ``exp``): a row of
+    log-ratios summing to 24 weighs ``e^20`` and one summing to -24 ``e^-20`` (a cap of 1e9 above
+    ``e^20`` does not cut the first), and ``seq_log_weight`` (VESPO's) is the log of each row's
+    weight: truncated, and IcePop's, where a zeroed row carries ``log 1e-30``."""
+    log_rho = jnp.asarray([[8.0, 8.0, 8.0], [-8.0, -8.0, -8.0], [0.1, 0.2, 0.0]], jnp.float32)
+    mask = jnp.asarray([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    got = sampler_correction(log_rho, mask, tis_cap=1e9, tis_level="sequence")
+    want = np.array([20.0, -20.0, 0.3])
+    np.testing.assert_allclose(np.asarray(got.weight)[:, 0], np.exp(want), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.seq_log_weight), want, rtol=1e-5, atol=1e-6)
+    # IcePop on [1, 1e9]: the first row in the band, the second below it, the third in it
+    ice = sampler_correction(log_rho, mask, tis_cap=1e9, tis_lower=1.0, tis_level="sequence")
+    np.testing.assert_allclose(np.asarray(ice.weight)[:, 0], [math.exp(20.0), 0.0, math.exp(0.3)], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(ice.seq_log_weight), [20.0, math.log(1e-30), 0.3], rtol=1e-5)
+    ice = sampler_correction(log_rho, mask, tis_cap=1.5, tis_lower=1.0, tis_level="sequence")  # first row above
+    np.testing.assert_allclose(np.asarray(ice.seq_log_weight), [math.log(1e-30)] * 2 + [0.3], rtol=1e-5)
+
+
+def test_icepop_keeps_a_ratio_on_either_bound():
+    """IcePop keeps ``rho`` where ``tis_lower <= rho <= tis_cap``: a ratio of exactly 1 (log 0)
+    on the lower bound 1 and on the cap 1 weighs 1, as the one inside does."""
+    log_rho, mask = jnp.zeros((1, 2), jnp.float32), jnp.ones((1, 2))
+    for lower, cap in ((1.0, 2.0), (0.5, 1.0), (1.0, 1.0)):
+        got = sampler_correction(log_rho, mask, tis_cap=cap, tis_lower=lower)
+        np.testing.assert_array_equal(np.asarray(got.weight), [[1.0, 1.0]], err_msg=f"{lower}, {cap}")
+
+
 def test_bypass_reinforce_takes_the_current_policys_weight():
     """Bypass mode, REINFORCE: old_logps are the sampler's; l_t = -min(sg(pi_theta)/pi_s, cap) A_t logp_t,
     and a rejected sequence (geometric mean outside the bounds) loses its policy term."""
