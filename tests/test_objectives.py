@@ -759,6 +759,18 @@ def test_a_rows_product_is_clamped_to_exp_20_and_its_log_weight_is_its_weights_l
     np.testing.assert_allclose(np.asarray(ice.seq_log_weight), [math.log(1e-30)] * 2 + [0.3], rtol=1e-5)
 
 
+def test_a_tokens_log_ratio_is_clipped_to_20_and_the_default_cap_is_2():
+    """Token level: ``log rho`` is clipped to +-20 before anything reads it (a cap of 1e9 above
+    ``e^20`` does not cut the first token; the divergences see the clipped value too), and without
+    ``tis_cap`` a ratio of ``e`` is truncated at the documented default, 2."""
+    log_rho, mask = jnp.asarray([[30.0, -30.0, 1.0]], jnp.float32), jnp.ones((1, 3))
+    got = sampler_correction(log_rho, mask, tis_cap=1e9, rejection_divergences={"token_k2": 250.0})
+    np.testing.assert_allclose(np.asarray(got.weight), [[math.exp(20.0), math.exp(-20.0), math.e]], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.keep), [[1.0, 1.0, 1.0]])  # k2 = 200 <= 250, not 450
+    default = sampler_correction(log_rho, mask)
+    np.testing.assert_allclose(np.asarray(default.weight), [[2.0, math.exp(-20.0), 2.0]], rtol=1e-5)
+
+
 def test_icepop_keeps_a_ratio_on_either_bound():
     """IcePop keeps ``rho`` where ``tis_lower <= rho <= tis_cap``: a ratio of exactly 1 (log 0)
     on the lower bound 1 and on the cap 1 weighs 1, as the one inside does."""
