@@ -821,6 +821,30 @@ def test_sampler_correction_refuses_a_log_rho_that_is_not_b_t():
             sampler_correction(jnp.zeros(shape), jnp.ones(shape), tis_cap=2.0, rejection_divergences={"seq_max_k2": 1.0})
 
 
+def test_ratio_bounds_keep_a_ratio_on_either_bound_and_geometric_is_per_token():
+    """``lo <= rho <= hi`` keeps a ratio of exactly 1 (log 0) with ``lo = 1`` or ``hi = 1``;
+    ``geometric`` divides a row's log-product by its number of response tokens, 1 for a
+    one-token row: ``e^0.6 = 1.82`` is outside ``[0.5, 1.5]`` (halved, ``e^0.3``, it would be in)."""
+    log_rho, mask = jnp.zeros((1, 2), jnp.float32), jnp.ones((1, 2))
+    for bounds in ((1.0, 2.0), (0.5, 1.0), (1.0, 1.0)):
+        got = sampler_correction(log_rho, mask, tis_cap=None, rejection="token", rejection_bounds=bounds)
+        np.testing.assert_array_equal(np.asarray(got.keep), [[1.0, 1.0]], err_msg=str(bounds))
+    one = sampler_correction(jnp.asarray([[0.6, 0.0], [0.2, 0.4]], jnp.float32), jnp.asarray([[1.0, 0.0], [1.0, 1.0]]),
+                             tis_cap=None, rejection="geometric", rejection_bounds=(0.5, 1.5))
+    np.testing.assert_array_equal(np.asarray(one.keep), [[0.0, 1.0], [1.0, 1.0]])
+
+
+def test_sampler_correction_stays_float32_with_x64_on():
+    """``SamplerCorrection`` is documented float32: the masks too under ``jax.enable_x64``."""
+    with jax.enable_x64(True):
+        got = sampler_correction(np.array([[0.1, -0.3, 0.0]]), np.array([[1.0, 1.0, 0.0]]), tis_cap=2.0,
+                                 rejection="token", rejection_divergences={"token_k2": 0.01})
+    dtypes = {"weight": got.weight.dtype, "keep": got.keep.dtype, "seq_log_weight": got.seq_log_weight.dtype,
+              **{name: kept.dtype for name, kept in got.kept_by.items()}}
+    assert all(dtype == jnp.float32 for dtype in dtypes.values()), dtypes
+    np.testing.assert_array_equal(np.asarray(got.keep), [[1.0, 0.0, 1.0]])  # k2(-0.3) = 0.045 > 0.01
+
+
 def ref_divergence_stat(log_rho, mask, criterion):
     """verl's rollout_rs statistic of ``criterion`` per token position (a row's on each of its
     tokens), from the definitions: k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho; sum, mean or
