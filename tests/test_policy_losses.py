@@ -598,6 +598,17 @@ def test_a_ratio_on_the_band_edge_is_not_clipped(kind):
     np.testing.assert_allclose(float(loss), want, **TOL)
 
 
+@pytest.mark.parametrize("kind", ["ppo", "gspo"])
+def test_a_zero_advantage_is_never_clipped(kind):
+    """For PPO and GSPO a clip counts only where it cuts the gradient, ``A < 0`` below the band
+    and ``A > 0`` above it: rows with ``A = 0`` and ratios 0.5 and 2, far outside, count in neither."""
+    lp = jnp.asarray([[math.log(0.5)] * 2, [math.log(2.0)] * 2], jnp.float32)
+    loss, m = POLICY_LOSSES[kind](lp, jnp.zeros_like(lp), jnp.zeros((2,)), jnp.ones_like(lp))
+    np.testing.assert_allclose([float(m["ratio_min"]), float(m["ratio_max"])], [0.5, 2.0], rtol=1e-6)
+    assert float(m["clipfrac_low"]) == 0.0 and float(m["clipfrac_high"]) == 0.0
+    assert float(loss) == 0.0
+
+
 def test_tis_hand_worked():
     # PG, A = 1, logp = -1: per-token loss 1. old - sampler = log 3 -> weight min(3, 2) = 2;
     # log 0.5 -> 0.5. token-mean (2 + 0.5) / 2 = 1.25; gradient -w A / 2 = [-1, -0.25].
