@@ -454,6 +454,11 @@ def test_all_masked_batch_is_finite_zero(kind):
         assert loss == 0.0, mode
         assert all(v == 0.0 for v in metrics.values()), (mode, metrics)
         assert np.all(grad == 0.0), mode
+    # once more eagerly: the shared program above is traced by an earlier test, so this one
+    # makes no Python call into the loss, and mutmut (which maps a test to the functions it
+    # sees called) would never run it against a mutant of, e.g., the empty-mask metrics
+    loss, metrics = POLICY_LOSSES[kind](*(jnp.asarray(data[k]) for k in DATA_KEYS), **HPARAMS[kind], **OPTS)
+    assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values()), metrics
 
 
 @pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
