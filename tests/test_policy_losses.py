@@ -454,9 +454,15 @@ def test_all_masked_batch_is_finite_zero(kind):
         assert loss == 0.0, mode
         assert all(v == 0.0 for v in metrics.values()), (mode, metrics)
         assert np.all(grad == 0.0), mode
-    # once more eagerly: the shared program above is traced by an earlier test, so this one
-    # makes no Python call into the loss, and mutmut (which maps a test to the functions it
-    # sees called) would never run it against a mutant of, e.g., the empty-mask metrics
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_all_masked_batch_metrics_are_zero_unjitted(kind):
+    """The test above once more without ``jit``: its shared program is traced by an earlier test,
+    so it makes no Python call into the loss, and mutmut (which maps a test to the functions it
+    sees called when the tests are first run) never ran it against a mutant of, e.g., the empty
+    mask's ``ratio_min`` / ``ratio_max`` (0 and 0)."""
+    data = dict(DATA, mask=np.zeros_like(DATA["mask"]))
     loss, metrics = POLICY_LOSSES[kind](*(jnp.asarray(data[k]) for k in DATA_KEYS), **HPARAMS[kind], **OPTS)
     assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values()), metrics
 
