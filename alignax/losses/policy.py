@@ -201,6 +201,7 @@ def off_policy_sequence_mask(logps: Array, old_logps: Array, advantages: Array, 
     Returns ``[B, T]`` float32, 1 to keep and 0 to drop; a row with no response token has
     ``D_i = 0``, and positions off the mask are 1 (the caller's mask drops them anyway).
     """
+    check_rank(logps=(logps, 2))  # the row means are over the last axis of [B, T]
     check_same_shape(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
     keep = jnp.asarray(mask) > 0
     drift = jnp.where(keep, _f32(old_logps) - jax.lax.stop_gradient(_f32(logps)), 0.0)
@@ -377,6 +378,7 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     of them (and ``rejection``) keeps the token. Off the mask ``log_rho`` counts as 0; a row with
     no response token has ratio 1 and divergences 0 (kept).
     """
+    check_rank(log_rho=(log_rho, 2))  # the rows' sums, means and maxima are over the last axis of [B, T]
     check_same_shape(log_rho=log_rho, mask=mask)
     check_choice("tis_level", tis_level, TIS_LEVELS)
     if tis_lower is not None and tis_cap is None:
