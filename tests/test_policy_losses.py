@@ -697,6 +697,10 @@ def test_bad_hyper_parameters_name_the_argument():
         gspo_policy_loss(lp, old, adv, mask, clip_eps_low=-1e-4)
     with pytest.raises(ValueError, match="clip_eps_low must be >= 0"):
         cispo_policy_loss(lp, old, adv, mask, clip_eps_low=-0.2)
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg"):  # 4 / tau: 0 would give NaN
+        for tau in (0.0, -1.0):
+            with pytest.raises(ValueError, match=rf"{key} must lie in \(0\.0, inf\]; got {tau}"):
+                sapo_policy_loss(lp, old, adv, mask, **{key: tau})
 
 
 # ---------------------------------------------------------------------------------------

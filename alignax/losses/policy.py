@@ -108,6 +108,7 @@ the objectives of its own modules (whose surrogates run through :func:`_policy_l
 from __future__ import annotations
 
 import inspect
+import math
 import types
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -117,7 +118,7 @@ import jax.numpy as jnp
 
 from alignax import kl as kl_lib
 from alignax import ops
-from alignax._checks import check_choice, check_rank, check_same_shape, is_concrete_number
+from alignax._checks import check_choice, check_interval, check_rank, check_same_shape, is_concrete_number
 
 Array = jax.Array
 Scalar = Array | float
@@ -971,7 +972,8 @@ def sapo_policy_loss(
 
     Args and returns as :func:`ppo_policy_loss` (no clip: ``clipfrac_*`` are 0).
     """
-    _check_nonnegative(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+    for name, tau in (("sapo_temperature_pos", sapo_temperature_pos), ("sapo_temperature_neg", sapo_temperature_neg)):
+        check_interval(name, tau, 0.0, math.inf, low_open=True)  # 4 / tau: a temperature of 0 is NaN
 
     def surrogate(tok: _Tokens) -> _Surrogate:
         never = jnp.zeros(tok.mask.shape, bool)
