@@ -678,6 +678,19 @@ def test_batch_normalized_weights_match_verls_definition(level):
         pg_loss(*_loss_args(data)[0], sampler_logps=_loss_args(data)[1], tis_cap=None, tis_batch_normalize=True)
 
 
+def test_a_weight_mean_of_exactly_1e_8_leaves_the_weights():
+    """``m <= 1e-8`` leaves the weights as they are, ``m = 1e-8`` included: every ratio above a
+    cap of 1e-8 is truncated to the cap, so the token-level mean over the two tokens is float32
+    1e-8 exactly (``2c / 2``) and the factor stays 1; a cap twice that is divided out."""
+    log_rho, mask = jnp.asarray([[0.1, -0.2, 0.0]], jnp.float32), jnp.asarray([[1.0, 1.0, 0.0]])
+    at = sampler_correction(log_rho, mask, tis_cap=1e-8, batch_normalize=True)
+    assert float(at.norm_factor) == 1.0
+    np.testing.assert_array_equal(np.asarray(at.weight), np.float32([[1e-8, 1e-8, 1.0]]))
+    above = sampler_correction(log_rho, mask, tis_cap=2e-8, batch_normalize=True)
+    assert float(above.norm_factor) == np.float32(2e-8)
+    np.testing.assert_allclose(np.asarray(above.weight), [[1.0, 1.0, 1.0]], rtol=1e-6)
+
+
 def ref_icepop(log_rho, mask, lower, upper, level):
     """verl's IcePop (``rollout_corr_helper.py``, ``compute_rollout_correction_weights``,
     ``rollout_is_threshold: "lower_upper"``): the raw weight (the token's ratio, or the row's
@@ -727,6 +740,46 @@ def test_icepop_weights_match_verls_definition(level):
         sampler_correction(x, m, tis_cap=None, tis_lower=0.5)
 
 
+def test_a_rows_product_is_clamped_to_exp_20_and_its_log_weight_is_its_weights_log():
+    """Sequence level (verl clamps the log of a row's product to +-20 before ``exp``): a row of
+    log-ratios summing to 24 weighs ``e^20`` and one summing to -24 ``e^-20`` (a cap of 1e9 above
+    ``e^20`` does not cut the first), and ``seq_log_weight`` (VESPO's) is the log of each row's
+    weight: truncated, and IcePop's, where a zeroed row carries ``log 1e-30``."""
+    log_rho = jnp.asarray([[8.0, 8.0, 8.0], [-8.0, -8.0, -8.0], [0.1, 0.2, 0.0]], jnp.float32)
+    mask = jnp.asarray([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    got = sampler_correction(log_rho, mask, tis_cap=1e9, tis_level="sequence")
+    want = np.array([20.0, -20.0, 0.3])
+    np.testing.assert_allclose(np.asarray(got.weight)[:, 0], np.exp(want), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.seq_log_weight), want, rtol=1e-5, atol=1e-6)
+    # IcePop on [1, 1e9]: the first row in the band, the second below it, the third in it
+    ice = sampler_correction(log_rho, mask, tis_cap=1e9, tis_lower=1.0, tis_level="sequence")
+    np.testing.assert_allclose(np.asarray(ice.weight)[:, 0], [math.exp(20.0), 0.0, math.exp(0.3)], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(ice.seq_log_weight), [20.0, math.log(1e-30), 0.3], rtol=1e-5)
+    ice = sampler_correction(log_rho, mask, tis_cap=1.5, tis_lower=1.0, tis_level="sequence")  # first row above
+    np.testing.assert_allclose(np.asarray(ice.seq_log_weight), [math.log(1e-30)] * 2 + [0.3], rtol=1e-5)
+
+
+def test_a_tokens_log_ratio_is_clipped_to_20_and_the_default_cap_is_2():
+    """Token level: ``log rho`` is clipped to +-20 before anything reads it (a cap of 1e9 above
+    ``e^20`` does not cut the first token; the divergences see the clipped value too), and without
+    ``tis_cap`` a ratio of ``e`` is truncated at the documented default, 2."""
+    log_rho, mask = jnp.asarray([[30.0, -30.0, 1.0]], jnp.float32), jnp.ones((1, 3))
+    got = sampler_correction(log_rho, mask, tis_cap=1e9, rejection_divergences={"token_k2": 250.0})
+    np.testing.assert_allclose(np.asarray(got.weight), [[math.exp(20.0), math.exp(-20.0), math.e]], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.keep), [[1.0, 1.0, 1.0]])  # k2 = 200 <= 250, not 450
+    default = sampler_correction(log_rho, mask)
+    np.testing.assert_allclose(np.asarray(default.weight), [[2.0, math.exp(-20.0), 2.0]], rtol=1e-5)
+
+
+def test_icepop_keeps_a_ratio_on_either_bound():
+    """IcePop keeps ``rho`` where ``tis_lower <= rho <= tis_cap``: a ratio of exactly 1 (log 0)
+    on the lower bound 1 and on the cap 1 weighs 1, as the one inside does."""
+    log_rho, mask = jnp.zeros((1, 2), jnp.float32), jnp.ones((1, 2))
+    for lower, cap in ((1.0, 2.0), (0.5, 1.0), (1.0, 1.0)):
+        got = sampler_correction(log_rho, mask, tis_cap=cap, tis_lower=lower)
+        np.testing.assert_array_equal(np.asarray(got.weight), [[1.0, 1.0]], err_msg=f"{lower}, {cap}")
+
+
 def test_bypass_reinforce_takes_the_current_policys_weight():
     """Bypass mode, REINFORCE: old_logps are the sampler's; l_t = -min(sg(pi_theta)/pi_s, cap) A_t logp_t,
     and a rejected sequence (geometric mean outside the bounds) loses its policy term."""
@@ -758,6 +811,38 @@ def test_rejection_without_the_samplers_logps_is_refused():
         sampler_correction(args[0], args[3], rejection="seq")
     with pytest.raises(ValueError, match="rejection_bounds must be 0 < lo <= hi"):
         sampler_correction(args[0], args[3], rejection="token", rejection_bounds=(2.0, 0.5))
+
+
+def test_sampler_correction_refuses_a_log_rho_that_is_not_b_t():
+    """The rows' products, means and maxima are over the last axis of ``[B, T]``: a ``[B, T, K]``
+    ``log_rho`` (which would broadcast into weights of nonsense) or a ``[T]`` one is refused."""
+    for shape in ((2, 3, 3), (3,)):
+        with pytest.raises(ValueError, match=rf"log_rho must have rank 2; got shape \({shape[0]},"):
+            sampler_correction(jnp.zeros(shape), jnp.ones(shape), tis_cap=2.0, rejection_divergences={"seq_max_k2": 1.0})
+
+
+def test_ratio_bounds_keep_a_ratio_on_either_bound_and_geometric_is_per_token():
+    """``lo <= rho <= hi`` keeps a ratio of exactly 1 (log 0) with ``lo = 1`` or ``hi = 1``;
+    ``geometric`` divides a row's log-product by its number of response tokens, 1 for a
+    one-token row: ``e^0.6 = 1.82`` is outside ``[0.5, 1.5]`` (halved, ``e^0.3``, it would be in)."""
+    log_rho, mask = jnp.zeros((1, 2), jnp.float32), jnp.ones((1, 2))
+    for bounds in ((1.0, 2.0), (0.5, 1.0), (1.0, 1.0)):
+        got = sampler_correction(log_rho, mask, tis_cap=None, rejection="token", rejection_bounds=bounds)
+        np.testing.assert_array_equal(np.asarray(got.keep), [[1.0, 1.0]], err_msg=str(bounds))
+    one = sampler_correction(jnp.asarray([[0.6, 0.0], [0.2, 0.4]], jnp.float32), jnp.asarray([[1.0, 0.0], [1.0, 1.0]]),
+                             tis_cap=None, rejection="geometric", rejection_bounds=(0.5, 1.5))
+    np.testing.assert_array_equal(np.asarray(one.keep), [[0.0, 1.0], [1.0, 1.0]])
+
+
+def test_sampler_correction_stays_float32_with_x64_on():
+    """``SamplerCorrection`` is documented float32: the masks too under ``jax.enable_x64``."""
+    with jax.enable_x64(True):
+        got = sampler_correction(np.array([[0.1, -0.3, 0.0]]), np.array([[1.0, 1.0, 0.0]]), tis_cap=2.0,
+                                 rejection="token", rejection_divergences={"token_k2": 0.01})
+    dtypes = {"weight": got.weight.dtype, "keep": got.keep.dtype, "seq_log_weight": got.seq_log_weight.dtype,
+              **{name: kept.dtype for name, kept in got.kept_by.items()}}
+    assert all(dtype == jnp.float32 for dtype in dtypes.values()), dtypes
+    np.testing.assert_array_equal(np.asarray(got.keep), [[1.0, 0.0, 1.0]])  # k2(-0.3) = 0.045 > 0.01
 
 
 def ref_divergence_stat(log_rho, mask, criterion):
@@ -803,6 +888,16 @@ def test_each_divergence_criterion_matches_verls_definition(criterion):
     jitted = jax.jit(lambda x, m: sampler_correction(x, m, tis_cap=1.2, rejection_divergences={criterion: bound}))(
         jnp.asarray(log_rho, jnp.float32), jnp.asarray(mask))
     np.testing.assert_array_equal(np.asarray(jitted.kept_by[criterion]), np.asarray(got.kept_by[criterion]))
+
+
+def test_seq_mean_of_a_one_token_row_is_that_tokens_divergence():
+    """``seq_mean_kN`` divides a row's sum by its number of response tokens, 1 for a one-token
+    row: k2 of ``log rho = 0.6`` is 0.18, over the bound 0.12 (rejected; halved it would be
+    kept), while the two-token row of k2 0.02 and 0.18 has mean 0.1 (kept); the empty row is kept."""
+    log_rho = jnp.asarray([[0.6, 0.0, 0.0], [0.2, -0.6, 0.0], [0.0, 0.0, 0.0]], jnp.float32)
+    mask = jnp.asarray([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    got = sampler_correction(log_rho, mask, tis_cap=None, rejection_divergences={"seq_mean_k2": 0.12})
+    np.testing.assert_array_equal(np.asarray(got.keep), [[0.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
 
 
 def test_divergence_criteria_chain_with_each_other_and_the_ratio_bounds():

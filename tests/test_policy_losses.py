@@ -457,6 +457,17 @@ def test_all_masked_batch_is_finite_zero(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
+def test_all_masked_batch_metrics_are_zero_unjitted(kind):
+    """The test above once more without ``jit``: its shared program is traced by an earlier test,
+    so it makes no Python call into the loss, and mutmut (which maps a test to the functions it
+    sees called when the tests are first run) never ran it against a mutant of, e.g., the empty
+    mask's ``ratio_min`` / ``ratio_max`` (0 and 0)."""
+    data = dict(DATA, mask=np.zeros_like(DATA["mask"]))
+    loss, metrics = POLICY_LOSSES[kind](*(jnp.asarray(data[k]) for k in DATA_KEYS), **HPARAMS[kind], **OPTS)
+    assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values()), metrics
+
+
+@pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
 def test_micro_batches_with_global_normalisers_sum_to_full_batch(kind):
     mask = DATA["mask"]
     normalisers = dict(ops.aggregation_normalisers(jnp.asarray(mask)), norm_length=8.0)
@@ -567,6 +578,48 @@ def test_cispo_hand_worked():
     assert float(m["clipfrac_low"]) == 1.0
 
 
+def test_dual_clipfrac_counts_negative_advantages_strictly_above_c():
+    """``dual_clipfrac`` is ``A < 0 and r > c`` (verl counts ``-A r > -A c``): a zero
+    advantage above ``c`` and a negative one at ``r = c`` exactly are not counted. ``c`` is
+    the loss's own ``e^1.5`` (the ``ratio_min`` of an eager call; the same eager ``exp`` of
+    the same array gives the same float32), where both bounds give the same loss."""
+    lp, old, one = _row(1.5, 2.0, 2.0), _row(0.0, 0.0, 0.0), _row(1.0, 1.0, 1.0)
+    adv = _row(-1.0, 0.0, -1.0)
+    _, m = ppo_policy_loss(lp, old, adv, one)
+    c = float(m["ratio_min"])
+    assert c == pytest.approx(math.exp(1.5), rel=1e-6)
+    loss, m = ppo_policy_loss(lp, old, adv, one, dual_clip_c=c)
+    assert float(m["ratio_min"]) == c  # the first token's ratio is c itself
+    np.testing.assert_allclose(float(loss), (c + 0.0 + c) / 3, **TOL)  # both capped at c |A|
+    assert float(m["dual_clipfrac"]) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo", "cispo"])
+def test_a_ratio_on_the_band_edge_is_not_clipped(kind):
+    """``clipfrac_low`` / ``clipfrac_high`` are strict, ``r < 1 - eps_low`` and ``r > 1 +
+    eps_high``: with both epsilons 0 an on-policy ratio of exactly 1 sits on both edges and is
+    counted by neither, for either sign of the advantage; the loss is the unclipped one."""
+    lp = _row(-0.5, -1.0, -2.0)
+    adv = _row(1.0, -1.0, 2.0)
+    loss, m = POLICY_LOSSES[kind](lp, lp, adv, jnp.ones_like(lp), clip_eps_low=0.0, clip_eps_high=0.0)
+    assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0
+    assert float(m["clipfrac_low"]) == 0.0 and float(m["clipfrac_high"]) == 0.0
+    # PPO, GSPO: -A r with r = 1 (GSPO's row mean of the token values); CISPO: -w A logp, w = 1
+    want = {"ppo": -2.0 / 3, "gspo": -2.0 / 3, "cispo": (0.5 - 1.0 + 4.0) / 3}[kind]
+    np.testing.assert_allclose(float(loss), want, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo"])
+def test_a_zero_advantage_is_never_clipped(kind):
+    """For PPO and GSPO a clip counts only where it cuts the gradient, ``A < 0`` below the band
+    and ``A > 0`` above it: rows with ``A = 0`` and ratios 0.5 and 2, far outside, count in neither."""
+    lp = jnp.asarray([[math.log(0.5)] * 2, [math.log(2.0)] * 2], jnp.float32)
+    loss, m = POLICY_LOSSES[kind](lp, jnp.zeros_like(lp), jnp.zeros((2,)), jnp.ones_like(lp))
+    np.testing.assert_allclose([float(m["ratio_min"]), float(m["ratio_max"])], [0.5, 2.0], rtol=1e-6)
+    assert float(m["clipfrac_low"]) == 0.0 and float(m["clipfrac_high"]) == 0.0
+    assert float(loss) == 0.0
+
+
 def test_tis_hand_worked():
     # PG, A = 1, logp = -1: per-token loss 1. old - sampler = log 3 -> weight min(3, 2) = 2;
     # log 0.5 -> 0.5. token-mean (2 + 0.5) / 2 = 1.25; gradient -w A / 2 = [-1, -0.25].
@@ -644,6 +697,10 @@ def test_bad_hyper_parameters_name_the_argument():
         gspo_policy_loss(lp, old, adv, mask, clip_eps_low=-1e-4)
     with pytest.raises(ValueError, match="clip_eps_low must be >= 0"):
         cispo_policy_loss(lp, old, adv, mask, clip_eps_low=-0.2)
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg"):  # 4 / tau: 0 would give NaN
+        for tau in (0.0, -1.0):
+            with pytest.raises(ValueError, match=rf"{key} must lie in \(0\.0, inf\]; got {tau}"):
+                sapo_policy_loss(lp, old, adv, mask, **{key: tau})
 
 
 # ---------------------------------------------------------------------------------------
@@ -854,6 +911,9 @@ def test_off_policy_sequence_mask_hand_worked():
         got = off_policy_sequence_mask(jnp.asarray(lp, jnp.float32), jnp.asarray(old, jnp.float32),
                                        jnp.asarray(adv, jnp.float32), mask, threshold=delta)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(delta))
+    cube = jnp.zeros((2, 3, 3))  # [B, T, K] would broadcast into a mask of nonsense: refused
+    with pytest.raises(ValueError, match=r"logps must have rank 2; got shape \(2, 3, 3\)"):
+        off_policy_sequence_mask(cube, cube, cube, cube, threshold=0.15)
 
 
 @pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))

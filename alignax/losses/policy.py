@@ -108,6 +108,7 @@ the objectives of its own modules (whose surrogates run through :func:`_policy_l
 from __future__ import annotations
 
 import inspect
+import math
 import types
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -117,7 +118,7 @@ import jax.numpy as jnp
 
 from alignax import kl as kl_lib
 from alignax import ops
-from alignax._checks import check_choice, check_rank, check_same_shape, is_concrete_number
+from alignax._checks import check_choice, check_interval, check_rank, check_same_shape, is_concrete_number
 
 Array = jax.Array
 Scalar = Array | float
@@ -201,6 +202,7 @@ def off_policy_sequence_mask(logps: Array, old_logps: Array, advantages: Array, 
     Returns ``[B, T]`` float32, 1 to keep and 0 to drop; a row with no response token has
     ``D_i = 0``, and positions off the mask are 1 (the caller's mask drops them anyway).
     """
+    check_rank(logps=(logps, 2))  # the row means are over the last axis of [B, T]
     check_same_shape(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
     keep = jnp.asarray(mask) > 0
     drift = jnp.where(keep, _f32(old_logps) - jax.lax.stop_gradient(_f32(logps)), 0.0)
@@ -377,6 +379,7 @@ def sampler_correction(log_rho: Array, mask: Array, *, tis_cap: Scalar | None = 
     of them (and ``rejection``) keeps the token. Off the mask ``log_rho`` counts as 0; a row with
     no response token has ratio 1 and divergences 0 (kept).
     """
+    check_rank(log_rho=(log_rho, 2))  # the rows' sums, means and maxima are over the last axis of [B, T]
     check_same_shape(log_rho=log_rho, mask=mask)
     check_choice("tis_level", tis_level, TIS_LEVELS)
     if tis_lower is not None and tis_cap is None:
@@ -969,7 +972,8 @@ def sapo_policy_loss(
 
     Args and returns as :func:`ppo_policy_loss` (no clip: ``clipfrac_*`` are 0).
     """
-    _check_nonnegative(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+    for name, tau in (("sapo_temperature_pos", sapo_temperature_pos), ("sapo_temperature_neg", sapo_temperature_neg)):
+        check_interval(name, tau, 0.0, math.inf, low_open=True)  # 4 / tau: a temperature of 0 is NaN
 
     def surrogate(tok: _Tokens) -> _Surrogate:
         never = jnp.zeros(tok.mask.shape, bool)
