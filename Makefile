@@ -105,7 +105,7 @@ mutation: $(VENV)/.installed-mutation
 	$(PY) tools/mutation/baseline.py invalidate
 	$(MUTMUT_RUN)
 	$(PY) tools/mutation/baseline.py invalidate
-	$(MUTMUT_RUN)
+	! $(PY) tools/mutation/baseline.py pending $(if $(MODULE),--module $(MODULE)) || $(MUTMUT_RUN)
 	$(PY) tools/mutation/baseline.py save
 	$(PY) tools/mutation/summary.py --mutmut $(VENV)/bin/mutmut $(if $(MODULE),--module $(MODULE))
 

@@ -183,3 +183,13 @@ def test_mutmuts_first_pass_traces_each_tests_calls_again(monkeypatch):
         f(jnp.ones(2))
         f(jnp.ones(2))
         assert len(traced) - before == new_traces, who
+
+
+def test_pending_names_the_mutants_without_a_verdict(tmp_path):
+    root = _project(tmp_path)
+    assert baseline.pending("", root) == []
+    baseline.invalidate(root)  # records the tests
+    (root / "tests" / "test_m.py").write_text(TESTS.replace("helper(1) == 2", "helper(1) >= 2"))
+    baseline.invalidate(root)  # test_a changed: f's verdicts forgotten
+    assert baseline.pending("", root) == ["m.x_f__mutmut_1", "m.x_f__mutmut_2"]
+    assert baseline.pending("m.x_g", root) == []

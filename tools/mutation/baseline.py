@@ -12,6 +12,7 @@ fresh clone starts from the last run's verdicts instead of from nothing:
     python tools/mutation/baseline.py seed        # mutants/ empty: copy the baseline in
     python tools/mutation/baseline.py invalidate  # forget verdicts that changed tests may flip
     python tools/mutation/baseline.py save        # copy mutants/ back, after a run
+    python tools/mutation/baseline.py pending     # exit 0 if a mutant has no verdict yet
 
 mutmut itself re-tests a function when its code changes (and the functions that call it),
 but not when a test changes. ``invalidate`` covers that: the baseline records a hash of
@@ -195,10 +196,22 @@ def save(root: Path = ROOT, baseline: Path = BASELINE) -> str:
     return f"saved {len(_meta_files(baseline))} result files to {baseline}"
 
 
+def pending(module: str = "", root: Path = ROOT) -> list[str]:
+    """The mutants (of ``module``, a name prefix) that have no verdict in ``mutants/``."""
+    return [mutant for path in _meta_files(root / "mutants")
+            for mutant, code in json.loads(path.read_text())["exit_code_by_key"].items()
+            if code is None and mutant.startswith(module)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["seed", "invalidate", "save"])
+    parser.add_argument("action", choices=["seed", "invalidate", "save", "pending"])
+    parser.add_argument("--module", default="", help="pending: only the mutants whose name starts with this")
     args = parser.parse_args(argv)
+    if args.action == "pending":  # exit 0 when a mutant waits for a run (make runs mutmut again)
+        waiting = pending(args.module)
+        print(f"mutation baseline: {len(waiting)} mutants without a verdict")
+        return 0 if waiting else 1
     print(f"mutation baseline: {globals()[args.action]()}")
     return 0
 
