@@ -95,17 +95,19 @@ $(VENV)/.installed-mutation: $(VENV)/.installed
 	$(PIP) install -q --no-compile -c constraints.txt -e '.[test,mutation]'
 	touch $@
 
-# `make mutation MODULE=alignax.kl` runs and scores one module's mutants.
+# `make mutation MODULE=alignax.kl` runs every mutant of one module again (mutmut re-tests the
+# mutants it is named, cached verdicts or not) and prints that module's line.
 MODULE ?=
-MUTMUT_RUN = nice -n 19 $(VENV)/bin/mutmut run --max-children 2 $(if $(MODULE),"$(MODULE)*") >> mutants/run.log 2>&1 \
-	|| { tail -40 mutants/run.log; exit 1; }
+MUTMUT_RUN = nice -n 19 $(VENV)/bin/mutmut run --max-children 2
+MUTMUT_LOG = >> mutants/run.log 2>&1 || { tail -40 mutants/run.log; exit 1; }
 mutation: $(VENV)/.installed-mutation
 	mkdir -p mutants && : > mutants/run.log
 	$(PY) tools/mutation/baseline.py seed
 	$(PY) tools/mutation/baseline.py invalidate
-	$(MUTMUT_RUN)
+	$(MUTMUT_RUN) $(if $(MODULE),"$(MODULE)*") $(MUTMUT_LOG)
 	$(PY) tools/mutation/baseline.py invalidate
-	! $(PY) tools/mutation/baseline.py pending $(if $(MODULE),--module $(MODULE)) || $(MUTMUT_RUN)
+	names="$$($(PY) tools/mutation/baseline.py pending $(if $(MODULE),--module $(MODULE)))"; \
+		[ -z "$$names" ] || $(MUTMUT_RUN) $$names $(MUTMUT_LOG)
 	$(PY) tools/mutation/baseline.py save
 	$(PY) tools/mutation/summary.py --mutmut $(VENV)/bin/mutmut $(if $(MODULE),--module $(MODULE))
 

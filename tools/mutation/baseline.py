@@ -12,7 +12,7 @@ fresh clone starts from the last run's verdicts instead of from nothing:
     python tools/mutation/baseline.py seed        # mutants/ empty: copy the baseline in
     python tools/mutation/baseline.py invalidate  # forget verdicts that changed tests may flip
     python tools/mutation/baseline.py save        # copy mutants/ back, after a run
-    python tools/mutation/baseline.py pending     # exit 0 if a mutant has no verdict yet
+    python tools/mutation/baseline.py pending     # the mutants without a verdict, by name
 
 mutmut itself re-tests a function when its code changes (and the functions that call it),
 but not when a test changes. ``invalidate`` covers that: the baseline records a hash of
@@ -208,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=["seed", "invalidate", "save", "pending"])
     parser.add_argument("--module", default="", help="pending: only the mutants whose name starts with this")
     args = parser.parse_args(argv)
-    if args.action == "pending":  # exit 0 when a mutant waits for a run (make runs mutmut again)
+    if args.action == "pending":  # the names, for `mutmut run NAME ...`; the count on stderr
         waiting = pending(args.module)
-        print(f"mutation baseline: {len(waiting)} mutants without a verdict")
-        return 0 if waiting else 1
+        print(f"mutation baseline: {len(waiting)} mutants without a verdict", file=sys.stderr)
+        print("\n".join(waiting))
+        return 0
     print(f"mutation baseline: {globals()[args.action]()}")
     return 0
 
