@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 
 .PHONY: install install-gpu install-tpu test test-all test-latest demo demo-agent demo-long bench-env constraints \
-	constraints-accel mutation clean
+	constraints-accel mutation mutation-cold clean
 
 # The venv's modules are byte-compiled once, by all cores (pip compiles one file at a time:
 # 92 of a 157-second install on 2 cores; this takes 58). They must be compiled at install:
@@ -85,20 +85,35 @@ test-latest: $(LATEST_VENV)/.installed
 
 # Mutation testing of the functional core with mutmut (config: [tool.mutmut] in pyproject.toml;
 # docs/mutation-testing.md): each mutant runs only the tests that call the mutated function,
-# two at a time, at the lowest CPU priority; mutants/ keeps results, so a rerun tests only
-# what changed. Not part of `make test`. Ends with `mutation: killed K of N (P%)` and fails
-# under 95%; the equivalent mutants listed in tools/mutation/EQUIVALENT.md are not counted.
+# fastest first, two at a time, at the lowest CPU priority. Not part of `make test`. Ends with
+# `mutation: killed K of N (P%)` and fails under 95%; the equivalent mutants listed in
+# tools/mutation/EQUIVALENT.md are not counted. mutants/ starts from the last run's verdicts
+# (tools/mutation/baseline/, committed): only the mutants of functions whose code changed, and of
+# functions that a changed or new test reaches, run again; the run's verdicts are saved back there
+# (commit them with the change). `make mutation-cold` forgets them all first (hours on 2 cores).
 $(VENV)/.installed-mutation: $(VENV)/.installed
 	$(PIP) install -q --no-compile -c constraints.txt -e '.[test,mutation]'
 	touch $@
 
-# `make mutation MODULE=alignax.kl` runs and scores one module's mutants (the whole core cold is
-# hours on 2 cores; one module is minutes: docs/mutation-testing.md, Figures).
+# `make mutation MODULE=alignax.kl` runs every mutant of one module again (mutmut re-tests the
+# mutants it is named, cached verdicts or not) and prints that module's line.
 MODULE ?=
+MUTMUT_RUN = nice -n 19 $(VENV)/bin/mutmut run --max-children 2
+MUTMUT_LOG = >> mutants/run.log 2>&1 || { tail -40 mutants/run.log; exit 1; }
 mutation: $(VENV)/.installed-mutation
-	mkdir -p mutants && nice -n 19 $(VENV)/bin/mutmut run --max-children 2 $(if $(MODULE),"$(MODULE)*") \
-		> mutants/run.log 2>&1 || { tail -40 mutants/run.log; exit 1; }
+	mkdir -p mutants && : > mutants/run.log
+	$(PY) tools/mutation/baseline.py seed
+	$(PY) tools/mutation/baseline.py invalidate
+	$(MUTMUT_RUN) $(if $(MODULE),"$(MODULE)*") $(MUTMUT_LOG)
+	$(PY) tools/mutation/baseline.py invalidate
+	names="$$($(PY) tools/mutation/baseline.py pending $(if $(MODULE),--module $(MODULE)))"; \
+		[ -z "$$names" ] || $(MUTMUT_RUN) $$names $(MUTMUT_LOG)
+	$(PY) tools/mutation/baseline.py save
 	$(PY) tools/mutation/summary.py --mutmut $(VENV)/bin/mutmut $(if $(MODULE),--module $(MODULE))
+
+mutation-cold:
+	rm -rf mutants tools/mutation/baseline
+	$(MAKE) mutation
 
 # The main job: DPO then GRPO on SmolLM2-135M-Instruct (reasoning-gym chain_sum), ~15 min
 # on 2 CPU cores; prints held-out accuracies before/after, writes runs/demo/.

@@ -218,6 +218,39 @@ def test_importance_weighted_kl_matches_formula_and_gradient():
         kl.importance_weighted_kl(logps, ref_logps, old_logps, weight="sequence")
 
 
+def _weighted_k3(logps, ref_logps, old_logps, clamp, detached=False):
+    """NumPy: value and d/dlogps of exp(clip(lp - old)) * k3(clip(ref - lp)), float64."""
+    lp, ref, old = (np.asarray(a, np.float64) for a in (logps, ref_logps, old_logps))
+    d, log_w = ref - lp, lp - old
+    d_in, w_in = np.abs(d) < clamp, np.abs(log_w) < clamp  # the clip passes a gradient inside only
+    d, w = np.clip(d, -clamp, clamp), np.exp(np.clip(log_w, -clamp, clamp))
+    k3, dk3 = np.expm1(d) - d, -np.expm1(d) * d_in
+    return w * k3, w * dk3 + (0.0 if detached else w * w_in * k3)
+
+
+def test_importance_weighted_kl_defaults_are_k3_ratio_and_a_clamp_of_20_that_bounds_both_logs():
+    """Called with its defaults it is k3 weighted by the differentiated ratio, both log-ratios
+    clamped at +-20 (value and gradient against NumPy, on tokens whose log-ratios sit past 20
+    and 21); a given clamp bounds the estimate's log-ratio as well as log w."""
+    logps = np.array([[-1.0, -0.5, -30.0, -2.0, -3.0]], np.float32)
+    ref_logps = np.array([[-1.5, -25.5, -2.0, -2.5, -3.4]], np.float32)  # ref - logps: -0.5, -25, 28, -0.5, -0.4
+    old_logps = np.array([[-1.2, -0.7, -0.1, -22.5, -3.3]], np.float32)  # logps - old: 0.2, 0.2, -29.9, 20.5, 0.3
+
+    def total(lp, **options):
+        return jnp.sum(kl.importance_weighted_kl(lp, ref_logps, old_logps, **options))
+
+    for options, clamp in (({}, 20.0), ({"clamp": 5.0}, 5.0)):
+        value, grad = _weighted_k3(logps, ref_logps, old_logps, clamp)
+        out = kl.importance_weighted_kl(logps, ref_logps, old_logps, **options)
+        np.testing.assert_allclose(np.asarray(out), value, rtol=1e-5, err_msg=str(options))
+        np.testing.assert_allclose(np.asarray(jax.grad(total)(logps, **options)), grad, rtol=1e-5, atol=1e-6,
+                                   err_msg=str(options))
+    # The inputs tell the defaults apart: a detached weight's gradient, a clamp of 21's value.
+    ratio_value, ratio_grad = _weighted_k3(logps, ref_logps, old_logps, 20.0)
+    assert not np.allclose(_weighted_k3(logps, ref_logps, old_logps, 20.0, detached=True)[1], ratio_grad, rtol=1e-3)
+    assert not np.allclose(_weighted_k3(logps, ref_logps, old_logps, 21.0)[0], ratio_value, rtol=1e-3)
+
+
 def _categorical(seed=0, size=6):
     """Logits of pi_theta, pi_old (a drifted older policy) and pi_ref over ``size`` tokens."""
     rng = np.random.default_rng(seed)
@@ -351,6 +384,10 @@ def test_estimates_and_coefficients_are_float32_even_with_x64_on():
         assert kl.kl_estimate(logps.astype(np.float32), ref_logps).dtype == jnp.float32
         assert kl.sequence_kl(logps, ref_logps, mask).dtype == jnp.float32
         assert kl.sequence_kl(logps.astype(np.float32), ref_logps, mask).dtype == jnp.float32
+        for weight in ("ratio", "detached_ratio"):  # float64 log w, from either side, would make it float64
+            assert kl.importance_weighted_kl(logps, ref_logps, logps - 0.1, weight=weight).dtype == jnp.float32
+            assert kl.importance_weighted_kl(logps.astype(np.float32), ref_logps, logps - 0.1,
+                                             weight=weight).dtype == jnp.float32
         assert kl.FixedKLController(0.1).init().coef.dtype == jnp.float32
         adaptive = kl.AdaptiveKLController(0.1, target=6.0, horizon=10.0)
         assert adaptive.init().coef.dtype == jnp.float32
