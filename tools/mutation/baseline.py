@@ -95,17 +95,16 @@ def forget(meta_files: list[Path], functions: set[str], only_survivors: bool) ->
     """Set the verdict of every mutant of ``functions`` (or only its survivors) back to
     'not checked' in mutmut's meta files; returns how many."""
     count = 0
-    for path in meta_files:
+    for path in meta_files if functions else []:
         data = json.loads(path.read_text())
         verdicts = data["exit_code_by_key"]
-        for mutant, code in verdicts.items():
-            if code is None or mutant.split("__mutmut_")[0] not in functions:
-                continue
-            if only_survivors and code != 0:
-                continue
+        chosen = [mutant for mutant, code in verdicts.items()
+                  if code is not None and mutant.split("__mutmut_")[0] in functions and not (only_survivors and code != 0)]
+        for mutant in chosen:
             verdicts[mutant] = None
-            count += 1
-        path.write_text(json.dumps(data, indent=4))
+        if chosen:  # a file nothing was forgotten in is left as mutmut wrote it
+            path.write_text(json.dumps(data, indent=4))
+        count += len(chosen)
     return count
 
 
