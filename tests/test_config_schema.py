@@ -589,6 +589,22 @@ def test_grpo_loss_and_advantage_keys():
     load_config(data=GRPO, overrides=["grpo.advantage=gpg", "grpo.gpg_valid=varied_group"])
 
 
+@pytest.mark.parametrize("loss, key, bad, says", [
+    ("sapo", "sapo_temperature_pos", "0", "must lie in (0.0, inf]"),
+    ("sapo", "sapo_temperature_neg", "-1", "must lie in (0.0, inf]"),
+    ("dro", "dro_beta", "0", "must be > 0"),
+    ("ppo", "clip_eps_low", "-0.1", "must be >= 0"),
+    ("clip_cov", "clip_cov_ratio", "2", "must be in (0, 1]"),
+    ("vespo", "vespo_k_pos", "-1", "must be >= 0"),
+])
+def test_an_objectives_values_are_checked_at_load(loss, key, bad, says):
+    """The loss's own hyper-parameter checks run when the config loads (a traced call, no
+    compute), not at the first update after the model has loaded."""
+    message = refused(GRPO, [f"grpo.policy_loss={loss}", f"grpo.{key}={bad}"])
+    assert f"grpo.policy_loss={loss}: grpo.{key} {says}" in message
+    load_config(data=GRPO, overrides=[f"grpo.policy_loss={loss}", f"grpo.{key}=0.5"])
+
+
 def test_process_supervision_has_no_sequence_reward_for_a_kl():
     process = ["grpo.advantage=process"]
     assert "grpo.kl_placement applies to grpo.kl_coef > 0 and grpo.advantage other than process only; " \

@@ -17,8 +17,12 @@ Adding an algorithm: its module (a task builder for an offline family, an
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
 
 from alignax import estimators, paths
 from alignax.config import ALWAYS, NEVER, Above, All, AnyOf, Check, Cond, ConfigError, Given, Is, IsNot, Rule, rule, show
@@ -285,6 +289,23 @@ def _policy_objective(config):
     if missing:
         return (f"grpo.policy_loss={name} needs {', '.join(f'grpo.{k}' for k in missing)} (no paper default "
                 f"carries over; e.g. grpo.{missing[0]}: 0.1)")
+    return _objective_values(config)
+
+
+def _objective_values(config):
+    """The objective's keys that are set hold values its loss accepts. Each loss checks its
+    hyper-parameters before it computes, so tracing it on a one-token batch (no compute)
+    asks it at load rather than at the first update."""
+    entry = objectives.OBJECTIVES[config.grpo.policy_loss]
+    keywords = grpo.objective_keywords(config.grpo, config.grpo.policy_loss)
+    if not keywords:
+        return None
+    token = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+    rng = {"key": jax.random.key(0)} if entry.rng else {}
+    try:
+        jax.eval_shape(functools.partial(entry.loss, **keywords, **rng), token, token, token, token)
+    except ValueError as error:
+        return f"grpo.policy_loss={config.grpo.policy_loss}: grpo.{error}"
     return None
 
 
