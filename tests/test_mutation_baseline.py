@@ -193,3 +193,35 @@ def test_pending_names_the_mutants_without_a_verdict(tmp_path):
     baseline.invalidate(root)  # test_a changed: f's verdicts forgotten
     assert baseline.pending("", root) == ["m.x_f__mutmut_1", "m.x_f__mutmut_2"]
     assert baseline.pending("m.x_g", root) == []
+
+
+def _fingerprint(root):
+    return json.loads((root / "mutants" / "mutmut-stats.json").read_text())["config_fingerprint"]
+
+
+def test_a_file_added_to_the_selection_or_a_test_deselected_keeps_the_other_verdicts(tmp_path):
+    """mutmut resets every verdict when its selection or pytest options change; the baseline
+    gives its stats the new fingerprints when only tests changed (files, --deselect), and
+    forgets what those tests touch. Another pytest option is left to mutmut's reset."""
+    root = _project(tmp_path)
+    stats_path = root / "mutants" / "mutmut-stats.json"
+    stats = json.loads(stats_path.read_text())
+    stats["config_fingerprint"] = {k: v for k, v in baseline.selection_record(root).items() if k != "other_pytest_args"}
+    stats_path.write_text(json.dumps(stats))
+    baseline.invalidate(root)  # mutmut's stats are of this configuration: recorded
+    assert json.loads((root / "mutants" / "selection.json").read_text()) == baseline.selection_record(root)
+    (root / "tests" / "test_n.py").write_text("def test_n():\n    assert True\n")
+    (root / "pyproject.toml").write_text(PYPROJECT.replace('"tests/test_m.py"]', '"tests/test_m.py", "tests/test_n.py"]')
+                                         .replace('"tests/test_m.py::test_slow"', '"tests/test_m.py::test_slow", '
+                                                  '"--deselect", "tests/test_m.py::test_b"'))
+    message = baseline.invalidate(root)
+    assert "1 tests changed or removed" in message and "2 verdicts forgotten" in message  # test_b reached g
+    assert "1 tests wait for mutmut's first pass" in message  # test_n
+    assert _fingerprint(root) == {k: v for k, v in baseline.selection_record(root).items() if k != "other_pytest_args"}
+    assert _verdicts(root) == {"m.x_f__mutmut_1": 1, "m.x_f__mutmut_2": 0, "m.x_g__mutmut_1": None,
+                               "m.x_g__mutmut_2": None, "m.x_h__mutmut_1": 0}
+    before = _fingerprint(root)
+    (root / "pyproject.toml").write_text(PYPROJECT.replace('["-x", ', '["-x", "-p", "plugin", '))
+    baseline.invalidate(root)  # another option: mutmut must see its change and reset
+    assert _fingerprint(root)["test_execution"] == before["test_execution"] != \
+        baseline.selection_record(root)["test_execution"]

@@ -22,6 +22,13 @@ removed test reached is forgotten, and a changed test is measured again as a new
 survivor of a function that a new test reaches is forgotten (a new test can kill a
 survivor; it cannot revive a killed mutant). mutmut then runs those mutants again. What no hash here sees (a change in ``tests/support/`` or in a
 library) is what ``make mutation-cold`` is for.
+
+A change of the selection itself (a test file added to or removed from
+``pytest_add_cli_args_test_selection``, a test deselected or no longer) is such a test
+change, test by test. mutmut would reset every verdict on it (it hashes the selection and
+``pytest_add_cli_args``); ``invalidate`` gives the stats the new selection's hashes instead,
+when what changed is only the files and the ``--deselect`` options (recorded in
+``selection.json``), so that only the verdicts those tests touch are run again.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASELINE = Path(__file__).resolve().parent / "baseline"
 STATS = "mutmut-stats.json"
 TEST_HASHES = "tests.json"
+SELECTION = "selection.json"
 
 
 def _digest(*parts: str) -> str:
@@ -112,14 +120,67 @@ def _meta_files(mutants: Path) -> list[Path]:
     return sorted(mutants.rglob("*.py.meta"))
 
 
-def _selection(root: Path) -> tuple[list[str], set[str]]:
-    """The test files of ``[tool.mutmut]``'s selection and the tests it deselects."""
+def _optional(path: Path) -> list[Path]:
+    return [path] if path.exists() else []
+
+
+def _mutmut_config(root: Path) -> dict:
     import tomllib
 
-    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+    return tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+
+
+def _selection(root: Path) -> tuple[list[str], set[str]]:
+    """The test files of ``[tool.mutmut]``'s selection and the tests it deselects."""
+    config = _mutmut_config(root)
     args = config.get("pytest_add_cli_args", [])
     deselected = {args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--deselect"}
     return list(config["pytest_add_cli_args_test_selection"]), deselected
+
+
+def _mutmut_hash(value: object) -> str:
+    """mutmut's hash of a config field (``Config.config_fingerprint``)."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:12]
+
+
+def _other_pytest_args(args: list[str]) -> list[str]:
+    """``pytest_add_cli_args`` less its ``--deselect`` options (which only choose tests)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip or arg == "--deselect":
+            skip = not skip
+            continue
+        kept.append(arg)
+    return kept
+
+
+def selection_record(root: Path) -> dict:
+    """What ``selection.json`` records of the configuration: the fingerprints mutmut keeps in
+    its stats for the selection and the pytest options, and the options other than
+    ``--deselect``."""
+    config = _mutmut_config(root)
+    args = config.get("pytest_add_cli_args", [])
+    return {"test_selection": _mutmut_hash(tuple(config["pytest_add_cli_args_test_selection"])),
+            "test_execution": _mutmut_hash(tuple(args)), "other_pytest_args": _other_pytest_args(args)}
+
+
+def adopt_selection(stats: dict, recorded: dict | None, current: dict) -> bool:
+    """Give mutmut's stats the current selection's fingerprints where they differ only by
+    tests (files of the selection, ``--deselect`` options), which :func:`invalidate` tracks
+    one by one; a change of any other pytest option is left to mutmut (it resets every
+    verdict: the option may change how each test runs). Returns whether the stats changed."""
+    fingerprint = stats.get("config_fingerprint")
+    if not fingerprint or recorded is None:
+        return False
+    changed = False
+    if fingerprint.get("test_selection") == recorded["test_selection"] != current["test_selection"]:
+        fingerprint["test_selection"] = current["test_selection"]
+        changed = True
+    if (fingerprint.get("test_execution") == recorded["test_execution"] != current["test_execution"]
+            and recorded["other_pytest_args"] == current["other_pytest_args"]):
+        fingerprint["test_execution"] = current["test_execution"]
+        changed = True
+    return changed
 
 
 def seed(root: Path = ROOT, baseline: Path = BASELINE) -> str:
@@ -128,7 +189,7 @@ def seed(root: Path = ROOT, baseline: Path = BASELINE) -> str:
         return "mutants/ holds results already: kept"
     if not (baseline / STATS).exists():
         return f"no baseline in {baseline}: a cold run"
-    for source in [baseline / STATS, baseline / TEST_HASHES, *_meta_files(baseline)]:
+    for source in [baseline / STATS, baseline / TEST_HASHES, *_optional(baseline / SELECTION), *_meta_files(baseline)]:
         target = mutants / source.relative_to(baseline)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
@@ -152,16 +213,24 @@ def invalidate(root: Path = ROOT, baseline: Path = BASELINE) -> str:
     if not stats_path.exists():
         return "no results in mutants/: nothing to invalidate"
     new = selection_hashes(_selection(root), root)
+    record_path = mutants / SELECTION
+    current = selection_record(root)
     if not handled.exists():  # the results come from a cold run of these very tests
         handled.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
+        record_path.write_text(json.dumps(current, indent=1) + "\n")
         return f"{len(new)} tests recorded"
     old = json.loads(handled.read_text())
     stats = json.loads(stats_path.read_text())
+    adopted = adopt_selection(stats, json.loads(record_path.read_text()) if record_path.exists() else None, current)
+    fingerprint = stats.get("config_fingerprint", {})
+    if all(fingerprint.get(k) == current[k] for k in ("test_selection", "test_execution")):
+        record_path.write_text(json.dumps(current, indent=1) + "\n")  # mutmut's stats are of this configuration
     changed, _ = changed_tests(old, new)
     metas = _meta_files(mutants)
     forgotten = forget(metas, functions_reached(stats, changed), only_survivors=False)
     if changed:
         _drop_tests(stats, changed)
+    if changed or adopted:
         stats_path.write_text(json.dumps(stats, indent=4))
     measured = {test_key(t) for t in stats.get("duration_by_test", {})}
     ready = {k for k in new if k not in old and k in measured}
@@ -188,7 +257,8 @@ def save(root: Path = ROOT, baseline: Path = BASELINE) -> str:
     if baseline.exists():
         shutil.rmtree(baseline)
     invalidate(root, baseline)  # a test changed after the last run is not saved as handled
-    for source in [mutants / STATS, mutants / TEST_HASHES, *_meta_files(mutants / "alignax")]:
+    for source in [mutants / STATS, mutants / TEST_HASHES, *_optional(mutants / SELECTION),
+                   *_meta_files(mutants / "alignax")]:
         target = baseline / source.relative_to(mutants)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
