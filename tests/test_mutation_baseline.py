@@ -225,3 +225,42 @@ def test_a_file_added_to_the_selection_or_a_test_deselected_keeps_the_other_verd
     baseline.invalidate(root)  # another option: mutmut must see its change and reset
     assert _fingerprint(root)["test_execution"] == before["test_execution"] != \
         baseline.selection_record(root)["test_execution"]
+
+
+def test_a_functions_earlier_killers_run_first_and_the_baseline_keeps_them(tmp_path, monkeypatch):
+    from tests.support import mutation_order
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    class Report:
+        def __init__(self, nodeid, failed):
+            self.nodeid, self.failed = nodeid, failed
+
+    root = _project(tmp_path)
+    mutants = root / "mutants"
+    monkeypatch.chdir(mutants)
+    (mutants / "mutmut-stats.json").write_text(json.dumps({"duration_by_test": {"t::slow": 9.0, "t::fast": 0.1,
+                                                                                 "t::mid": 1.0}}))
+    (mutants / "killers.json").write_text(json.dumps({"m.x_f": {"t::mid": 1}}))  # an earlier run's
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "m.x_f__mutmut_1")
+    for nodeid, failed in (("t::fast", False), ("t::slow", True)):
+        mutation_order.pytest_runtest_logreport(Report(nodeid, failed))
+    mutation_order.pytest_runtest_logreport(Report("t::slow", True))
+    with (mutants / "killers.jsonl").open("a") as out:
+        out.write('{"function": "m.x_f", "te')  # a worker killed mid-line
+    items = [Item("t::slow"), Item("t::fast"), Item("t::mid"), Item("t::other")]
+    mutation_order.pytest_collection_modifyitems(None, None, items)
+    assert [item.nodeid for item in items] == ["t::slow", "t::mid", "t::fast", "t::other"]
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "m.x_g__mutmut_1")  # another function: fastest first
+    mutation_order.pytest_collection_modifyitems(None, None, items)
+    assert [item.nodeid for item in items] == ["t::fast", "t::mid", "t::slow", "t::other"]
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "baseline"
+    baseline.save(root, store)
+    assert json.loads((store / "killers.json").read_text()) == {"m.x_f": {"t::mid": 1, "t::slow": 2}}
+    assert not (mutants / "killers.jsonl").exists()
+    shutil.rmtree(mutants)
+    baseline.seed(root, store)
+    assert mutation_order.kill_counts("m.x_f", mutants) == {"t::mid": 1, "t::slow": 2}

@@ -42,10 +42,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tests.support.mutation_order import appended_kills  # noqa: E402 - the workers' format, read in one place
 BASELINE = Path(__file__).resolve().parent / "baseline"
 STATS = "mutmut-stats.json"
 TEST_HASHES = "tests.json"
 SELECTION = "selection.json"
+KILLERS = "killers.json"  # {function: {test: kills}}: which tests killed its mutants (tests/support/mutation_order.py)
+KILLS = "killers.jsonl"  # the kills a run's workers append
 
 
 def _digest(*parts: str) -> str:
@@ -189,7 +193,8 @@ def seed(root: Path = ROOT, baseline: Path = BASELINE) -> str:
         return "mutants/ holds results already: kept"
     if not (baseline / STATS).exists():
         return f"no baseline in {baseline}: a cold run"
-    for source in [baseline / STATS, baseline / TEST_HASHES, *_optional(baseline / SELECTION), *_meta_files(baseline)]:
+    for source in [baseline / STATS, baseline / TEST_HASHES, *_optional(baseline / SELECTION),
+                   *_optional(baseline / KILLERS), *_meta_files(baseline)]:
         target = mutants / source.relative_to(baseline)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
@@ -257,12 +262,27 @@ def save(root: Path = ROOT, baseline: Path = BASELINE) -> str:
     if baseline.exists():
         shutil.rmtree(baseline)
     invalidate(root, baseline)  # a test changed after the last run is not saved as handled
+    compact_kills(mutants)
     for source in [mutants / STATS, mutants / TEST_HASHES, *_optional(mutants / SELECTION),
-                   *_meta_files(mutants / "alignax")]:
+                   *_optional(mutants / KILLERS), *_meta_files(mutants / "alignax")]:
         target = baseline / source.relative_to(mutants)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
     return f"saved {len(_meta_files(baseline))} result files to {baseline}"
+
+
+def compact_kills(mutants: Path) -> None:
+    """Fold the kills this run's workers appended (``killers.jsonl``) into the counts kept
+    with the verdicts (``killers.json``)."""
+    appended = mutants / KILLS
+    if not appended.exists():
+        return
+    counts = json.loads((mutants / KILLERS).read_text()) if (mutants / KILLERS).exists() else {}
+    for function, test in appended_kills(appended):
+        tests = counts.setdefault(function, {})
+        tests[test] = tests.get(test, 0) + 1
+    (mutants / KILLERS).write_text(json.dumps(counts, indent=1, sort_keys=True) + "\n")
+    appended.unlink()
 
 
 def pending(module: str = "", root: Path = ROOT) -> list[str]:
