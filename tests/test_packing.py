@@ -183,6 +183,42 @@ def test_group_packing_pays_by_the_flop_count():
     assert not pays(0, 64, 4)  # no prompt to share
 
 
+def _layer_weights(config):
+    """One decoder layer's projection weights, counted from the created model's parameters."""
+    model = nnx.eval_shape(lambda: create_model(config, seed=0))
+    layer = nnx.state(model)["model"]["layers"][0]
+    return sum(int(np.prod(leaf.shape)) for path, leaf in jax.tree_util.tree_flatten_with_path(layer)[0]
+               if "kernel" in jax.tree_util.keystr(path))
+
+
+def _packing_pays_reference(config, weights, prompt_len, new_tokens, group):
+    """The docstring's rule, counted from the model itself: ``2 x`` one layer's projection
+    weights (:func:`_layer_weights`) FLOPs per token, plus ``4 T H_q`` per
+    token for the dense attention over ``T`` keys (scores and weighted values, ``2 T H_q``
+    each); packing pays when its total is lower and its score matrix at most twice the
+    unpacked rows' together."""
+    q_width = config.num_heads * config.head_dim
+    unpacked, packed = prompt_len + new_tokens, prompt_len + group * new_tokens
+    total = lambda t: t * 2 * weights + t * t * 4 * q_width  # noqa: E731
+    return total(packed) < group * total(unpacked) and packed * packed <= 2 * group * unpacked * unpacked
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_group_packing_pays_exactly_where_the_flop_count_says(gated):
+    """Every (prompt, response, group) of a grid that straddles both conditions: the FLOP
+    comparison, which flips with prompt length (and is an equality at prompt = response = 60,
+    group 3 for the gated MLP, 48 without the gate: packing must then not pay), and the
+    score-matrix bound (an equality at prompt 4, response 3, group 8: 28^2 = 2 x 8 x 7^2)."""
+    config = dataclasses.replace(CONFIG, gated_mlp=gated)
+    cases = [(p, n, g) for p in (*range(0, 130, 4), 1, 2) for n in (1, 3, 8, 24, 48, 60, 64) for g in (2, 3, 8)]
+    got = [packing.group_packing_pays(config, prompt_len=p, new_tokens=n, group=g) for p, n, g in cases]
+    weights = _layer_weights(config)
+    want = [_packing_pays_reference(config, weights, p, n, g) for p, n, g in cases]
+    assert got == want, [c for c, a, b in zip(cases, got, want) if a != b]
+    assert 0 < sum(want) < len(want)  # both answers occur
+    assert _packing_pays_reference(config, weights, 4, 3, 8)  # the bound's equality case is a "pays"
+
+
 def test_groups_stay_unpacked_where_packed_rows_would_not_split_over_the_batch_devices():
     """``pack_groups: auto``: 8 prompts x 2 samples in 2 minibatches are 8 rows a minibatch,
     4 when packed. On 8 batch devices the 4 packed rows would run whole on every device
