@@ -219,6 +219,56 @@ def test_group_packing_pays_exactly_where_the_flop_count_says(gated):
     assert _packing_pays_reference(config, weights, 4, 3, 8)  # the bound's equality case is a "pays"
 
 
+def _run(pack_groups="auto", num_samples=4, prompt=64, new_tokens=16, prompts=8, accum=1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        rollout=SimpleNamespace(num_samples=num_samples, pack_groups=pack_groups, max_new_tokens=new_tokens),
+        data=SimpleNamespace(max_prompt_length=prompt, batch_size=prompts), train=SimpleNamespace(grad_accum_steps=accum))
+
+
+def test_packed_group_size_case_by_case():
+    """Each reason ``packed_group_size`` has to leave the rows unpacked (1), to pack them (G,
+    here 4, so a stray constant shows), or to refuse ``on``, one case each, worked by hand."""
+    size = lambda run, minibatches=2, devices=1, attention="xla": packing.packed_group_size(  # noqa: E731
+        run, dataclasses.replace(CONFIG, attention=attention), minibatches=minibatches, batch_devices=devices)
+    assert packing.group_packing_pays(CONFIG, prompt_len=64, new_tokens=16, group=4)
+    assert size(_run()) == 4 and size(_run("on")) == 4
+    assert size(_run("off")) == 1  # off, though it would pay
+    assert size(_run(num_samples=1)) == 1 and size(_run("on", num_samples=1)) == 1  # no group to share a prompt
+    assert size(_run(), attention="cudnn") == 1  # a fused kernel: auto steps aside, on is refused
+    with pytest.raises(ValueError, match="rollout.pack_groups=on needs a shared-prompt mask"):
+        size(_run("on"), attention="cudnn")
+    assert not packing.group_packing_pays(CONFIG, prompt_len=1, new_tokens=1024, group=4)
+    assert size(_run(prompt=1, new_tokens=1024)) == 1  # it would not pay: auto leaves it,
+    assert size(_run("on", prompt=1, new_tokens=1024)) == 4  # on packs anyway
+    # 8 prompts x 4 samples over 2 minibatches x 4 micro-batches: 4 rows a micro-batch, one group
+    assert size(_run(accum=4)) == 4
+    # 8 prompts over 3 minibatches: no whole minibatches (though 8 x 4 // 3 // 1 = 10 rows)
+    assert size(_run(), minibatches=3) == 1
+    with pytest.raises(ValueError, match="needs whole groups of 4 in every minibatch and micro-batch; 8 prompts into "
+                                         "3 minibatches x 1 micro-batches"):
+        size(_run("on"), minibatches=3)
+    # whole minibatches (4 prompts each) but micro-batches of 2 rows: half a group each
+    assert size(_run(accum=8)) == 1
+    with pytest.raises(ValueError, match="8 prompts into 2 minibatches x 8 micro-batches"):
+        size(_run("on", accum=8))
+    # 4 prompts in one minibatch: 4 packed rows (16 unpacked); on 8 devices only the unpacked split
+    assert size(_run(prompts=4), minibatches=1, devices=8) == 1
+    assert size(_run("on", prompts=4), minibatches=1, devices=8) == 4
+    assert size(_run(prompts=4), minibatches=1, devices=4) == 4  # both split
+    assert size(_run(prompts=4), minibatches=1, devices=32) == 4  # neither splits: packing still saves tokens
+
+
+def test_a_pair_packs_only_with_a_window_shorter_than_its_rows_and_a_maskable_attention():
+    assert packing.pair_packs("xla", row_length=64, window=16)
+    assert not packing.pair_packs("xla", row_length=64, window=64)  # no tokens saved
+    assert packing.pair_packs("xla", row_length=64, window=63)
+    assert not packing.pair_packs("xla", row_length=64, window=None)  # the head runs over every position
+    assert not packing.pair_packs("splash", row_length=64, window=16)
+    assert not packing.pair_packs("cudnn", row_length=64, window=16)
+
+
 def test_groups_stay_unpacked_where_packed_rows_would_not_split_over_the_batch_devices():
     """``pack_groups: auto``: 8 prompts x 2 samples in 2 minibatches are 8 rows a minibatch,
     4 when packed. On 8 batch devices the 4 packed rows would run whole on every device
