@@ -136,6 +136,23 @@ def test_segment_ids_refuse_a_cache(model):
         model(tokens, jnp.zeros((1, 2), jnp.int32), tokens, cache=cache, segment_ids=tokens)
 
 
+def test_pack_groups_by_hand():
+    """Two groups of two rows (prompt 2, responses 2): the prompt once, then each response;
+    segment ids int32, 0 on the prompt and k on response k."""
+    tokens = jnp.asarray([[1, 2, 10, 11], [1, 2, 12, 13], [3, 4, 20, 21], [3, 4, 22, 23]], jnp.int32)
+    positions = jnp.asarray([[0, 1, 2, 3]] * 4, jnp.int32)
+    mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1, 1]], jnp.int32)
+    packed_tokens, packed_positions, packed_mask, segments = packing.pack_groups(
+        tokens, positions, mask, prompt_len=2, group=2)
+    np.testing.assert_array_equal(packed_tokens, [[1, 2, 10, 11, 12, 13], [3, 4, 20, 21, 22, 23]])
+    np.testing.assert_array_equal(packed_positions, [[0, 1, 2, 3, 2, 3]] * 2)
+    np.testing.assert_array_equal(packed_mask, [[1, 1, 1, 0, 1, 1], [0, 1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(segments, [[0, 0, 1, 1, 2, 2]] * 2)
+    assert segments.dtype == jnp.int32
+    with pytest.raises(ValueError, match="3 rollout rows do not form groups of 2"):
+        packing.pack_groups(tokens[:3], positions[:3], mask[:3], prompt_len=2, group=2)
+
+
 @pytest.mark.parametrize("kind", ["causal_lm", "policy_value"])
 def test_packed_groups_equal_unpacked_rollout_rows(kind):
     """Rollout rows (left-padded prompt, response window with stops and padding inside):
