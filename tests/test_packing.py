@@ -71,6 +71,65 @@ def sample_group(n_cont, seed):
     return rows, jnp.asarray([p for p, _ in lengths], jnp.int32)
 
 
+def pack_reference(rows, prompt_length, window):
+    """The module docstring's layout, row by row in loops: the prompt, then each
+    continuation's tokens at positions restarting at ``p``, segment ``k``; continuation ``k``'s
+    token ``i < window`` scored by the hidden state at ``p - 1`` (``i = 0``) or at its own
+    previous column, its target column held inside the row, its weight the unpacked row's
+    response mask at ``p + i`` (the last column past the row) where ``i`` is one of its tokens,
+    the column is inside the row and some state precedes it."""
+    B, T = np.asarray(rows[0]["tokens"]).shape
+    n, width = len(rows), T + (len(rows) - 1) * window
+    out = {k: np.zeros((B, width), np.int32) for k in ("tokens", "positions", "attention_mask", "segment_ids")}
+    hidden, target, weight = (np.zeros((n, B, window), d) for d in (np.int32, np.int32, np.float32))
+    fits = np.ones(B, bool)
+    for b in range(B):
+        p = int(prompt_length[b])
+        out["tokens"][b, :p] = np.asarray(rows[0]["tokens"])[b, :p]
+        out["positions"][b, :p] = np.arange(p)
+        out["attention_mask"][b, :p] = 1
+        start = p
+        for k, row in enumerate(rows):
+            length = int(np.asarray(row["attention_mask"])[b].sum()) - p
+            fits[b] &= length <= window
+            for c in range(start, min(start + length, width)):
+                out["tokens"][b, c] = np.asarray(row["tokens"])[b, p + c - start]
+                out["positions"][b, c], out["segment_ids"][b, c], out["attention_mask"][b, c] = p + c - start, k + 1, 1
+            for i in range(window):
+                hidden[k, b, i] = max(p - 1, 0) if i == 0 else start + i - 1
+                target[k, b, i] = min(start + i, width - 1)
+                scored = i < length and p + i >= 1 and start + i < width
+                weight[k, b, i] = np.asarray(row["response_mask"])[b, min(p + i, T - 1)] if scored else 0.0
+            start += length
+    return out, hidden, target, weight, fits
+
+
+@pytest.mark.parametrize("n_cont", [1, 2, 3])
+def test_pack_equals_the_layout_written_out_in_loops(n_cont):
+    """Every field of ``pack``, under x64 as well (its integer outputs stay int32), against
+    :func:`pack_reference`, window 4, rows of 16: batch row 0's first continuation fills its
+    row (13 + 3 tokens: its scored window reads past the row's last column), batch row 1's
+    second is longer than the window (that row does not fit), batch row 1 has a one-token
+    prompt."""
+    prompts = [list(range(2, 15)), [7], [8, 9, 10]]
+    responses = [[[11, 12, 13], [14], [15, 16]], [[17, 18], [19, 20, 21, 22, 31], [23]], [[24], [25, 26], [27, 28, 29]]]
+    rows = [right_padded(prompts, [r[k] for r in responses]) for k in range(n_cont)]
+    prompt_length = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    with jax.enable_x64(True):
+        packed = packing.pack(rows, prompt_length, 4)
+    out, hidden, target, weight, fits = pack_reference(rows, prompt_length, 4)
+    real = out["attention_mask"].astype(bool)
+    np.testing.assert_array_equal(np.where(real, np.asarray(packed.tokens), 0), np.where(real, out["tokens"], 0))
+    for name in ("positions", "attention_mask", "segment_ids"):
+        np.testing.assert_array_equal(getattr(packed, name), out[name], err_msg=name)
+        assert getattr(packed, name).dtype == jnp.int32, name
+    for name, want in (("score_hidden", hidden), ("score_target", target), ("score_mask", weight), ("fits", fits)):
+        np.testing.assert_array_equal(getattr(packed, name), want, err_msg=name)
+    assert packed.score_hidden.dtype == packed.score_target.dtype == jnp.int32
+    assert fits.tolist() == ([True, True, True] if n_cont == 1 else [True, False, True])
+    assert weight[0, 0].tolist() == [1, 1, 1, 0]  # the full row: nothing scored past its 3 tokens
+
+
 @pytest.mark.parametrize("n_cont", [2, 3])
 def test_packed_logps_equal_unpacked(model, n_cont):
     rows, prompt_length = sample_group(n_cont, seed=n_cont)
