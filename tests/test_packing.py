@@ -153,6 +153,20 @@ def test_packed_logps_equal_unpacked(model, n_cont):
     np.testing.assert_array_equal(np.asarray(packed.segment_ids[0, second : second + lengths[1]]), 2)
 
 
+def test_the_packed_forward_scores_only_the_windows_and_chunks_them(model):
+    """The LM head runs over the scored windows only, never over the packed row (``[B, W, V]``
+    logits), and with ``chunk_size`` over one chunk of them at a time: read from the traced
+    program, as an eager caller would run it."""
+    rows, prompt_length = sample_group(2, seed=7)
+    packed = packing.pack(rows, prompt_length, WINDOW)
+    B, width = packed.tokens.shape
+    program = lambda chunk: str(jax.make_jaxpr(  # noqa: E731
+        lambda p: packing.packed_response_logps(model, p, chunk_size=chunk))(packed))
+    whole_row, windows, chunk = f"f32[{B},{width},{V}]", f"f32[{B},{2 * WINDOW},{V}]", f"f32[{B},{WINDOW},{V}]"
+    assert whole_row not in program(None) and windows in program(None)
+    assert whole_row not in program(WINDOW) and windows not in program(WINDOW) and chunk in program(WINDOW)
+
+
 def test_packed_gradients_equal_unpacked(model):
     rows, prompt_length = sample_group(2, seed=7)
     graphdef, params = nnx.split(model)

@@ -332,6 +332,15 @@ def test_context_full_errors(tiny):
         generate(graphdef, state, long, long[:, 1:], key, config=SamplingConfig(max_new_tokens=2))
 
 
+def test_a_prompt_and_its_response_may_fill_the_context_exactly(tiny):
+    """Prompt 40 + 8 new tokens = the 48 positions of the model: the last token drawn sits at
+    position 47, inside the context (one more is the error above)."""
+    _, _, graphdef, state = tiny
+    prompt = np.ones((2, 40), np.int32)
+    out = generate(graphdef, state, prompt, prompt, jax.random.key(0), config=SamplingConfig(max_new_tokens=8))
+    assert out.tokens.shape == (2, 8)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
