@@ -350,6 +350,14 @@ def test_packed_group_size_case_by_case():
     assert size(_run(prompts=4), minibatches=1, devices=32) == 4  # neither splits: packing still saves tokens
 
 
+def test_packed_group_size_assumes_one_batch_device_unless_told():
+    """Called without ``batch_devices``: one device. 1 prompt of 4 samples is 1 packed row (4
+    unpacked), which packs on one device and not on two, where only the unpacked rows split."""
+    run = _run(prompts=1)
+    assert packing.packed_group_size(run, CONFIG, minibatches=1) == 4
+    assert packing.packed_group_size(run, CONFIG, minibatches=1, batch_devices=2) == 1
+
+
 def test_a_pair_packs_only_with_a_window_shorter_than_its_rows_and_a_maskable_attention():
     assert packing.pair_packs("xla", row_length=64, window=16)
     assert not packing.pair_packs("xla", row_length=64, window=64)  # no tokens saved

@@ -279,6 +279,34 @@ def test_sampling_logprobs_pieces():
     np.testing.assert_allclose(got, p**2 / (p**2).sum(), atol=1e-6)
 
 
+def test_sampling_logprobs_of_bf16_logits_are_computed_in_float32():
+    logits = jnp.asarray([[1.5, -0.25, 3.0, 0.125]], jnp.bfloat16)
+    got = sampling_logprobs(logits, temperature=0.7, top_p=0.9)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, sampling_logprobs(logits.astype(jnp.float32), temperature=0.7, top_p=0.9))
+
+
+def test_top_p_one_keeps_even_a_token_of_negligible_probability():
+    """``top_p = 1`` keeps every token: a nucleus cut at 1 would drop one whose probability
+    (e^-40) rounds the mass before it to 1 in float32."""
+    logits = jnp.asarray([[0.0, 0.0, -40.0]])
+    for got in (sampling_logprobs(logits), sampling_logprobs(logits, top_p=1.0)):
+        assert np.all(np.isfinite(np.asarray(got)))
+
+
+def test_top_p_keeps_a_token_only_while_the_mass_before_it_is_strictly_below():
+    """At ``top_p`` equal to the mass before the third token (computed as the function does,
+    in float32), the third token is dropped: the nucleus is the smallest prefix whose mass
+    reaches ``top_p``."""
+    logits = jnp.asarray([[2.0, 0.5, 1.0, -1.0]])
+    ordered = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    got = np.asarray(sampling_logprobs(logits, top_p=float(mass_before[0, 2])))
+    np.testing.assert_array_equal(np.isfinite(got), [[True, False, True, False]])  # 2.0 and 1.0 kept
+
+
+# ------------------------------------------------------------------------ groups
 # ------------------------------------------------------------------------ groups
 
 
