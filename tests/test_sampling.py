@@ -168,6 +168,17 @@ def sampled(tiny, prompts):
     return config, jax.device_get(generate(graphdef, state, *prompts, jax.random.key(42), config=config))
 
 
+def test_an_outputs_arrays_have_their_documented_dtypes(sampled):
+    _, out = sampled
+    dtypes = {name: np.asarray(getattr(out, name)).dtype for name in (
+        "prompt_tokens", "prompt_mask", "tokens", "response_mask", "sampling_logps", "logps", "lengths", "stopped",
+        "truncated", "group_ids", "num_steps")}
+    assert dtypes == {"prompt_tokens": np.int32, "prompt_mask": np.int32, "tokens": np.int32,
+                      "response_mask": np.int32, "sampling_logps": np.float32, "logps": np.float32,
+                      "lengths": np.int32, "stopped": np.bool_, "truncated": np.bool_, "group_ids": np.int32,
+                      "num_steps": np.int32}
+
+
 def test_logps_equal_full_forward_at_temperature_one(tiny, sampled):
     _, out = sampled
     logp = full_forward_logprobs(tiny[1], out)
