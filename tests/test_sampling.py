@@ -168,8 +168,11 @@ def sampled(tiny, prompts):
     return config, jax.device_get(generate(graphdef, state, *prompts, jax.random.key(42), config=config))
 
 
-def test_an_outputs_arrays_have_their_documented_dtypes(sampled):
-    _, out = sampled
+def test_an_outputs_arrays_have_their_documented_dtypes(tiny, prompts):
+    """Sampled here, not from a module fixture: mutmut maps a test to the functions it calls."""
+    _, _, graphdef, state = tiny
+    config = SamplingConfig(max_new_tokens=3, stop_token_ids=(7,), pad_id=PAD, num_samples=2)
+    out = jax.device_get(generate(graphdef, state, *prompts, jax.random.key(1), config=config))
     dtypes = {name: np.asarray(getattr(out, name)).dtype for name in (
         "prompt_tokens", "prompt_mask", "tokens", "response_mask", "sampling_logps", "logps", "lengths", "stopped",
         "truncated", "group_ids", "num_steps")}
