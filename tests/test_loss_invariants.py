@@ -116,6 +116,21 @@ def test_a_counted_token_far_from_the_old_policy_has_its_log_ratio_clamped_at_20
         np.testing.assert_allclose(np.asarray(grad), [[0.0, -0.5]], atol=1e-7)
 
 
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_a_counted_token_far_below_the_old_policy_has_its_log_ratio_clamped_at_minus_20(name):
+    """Mutant: the clamp's lower bound dropped (``jnp.clip(..., None, 20)``).
+
+    One counted token has ``log pi - log pi_old = -100``: every variant reports the clamped
+    ratio ``e^-20`` as its smallest (GSPO the geometric mean of the clamped ratios, ``e^-10``);
+    unclamped, ``e^-100`` is below float32's normal range (about 0 here)."""
+    old = jnp.asarray([[-1.0, -1.0]])
+    logps = jnp.asarray([[-101.0, -1.0]])
+    advantages = jnp.asarray([[1.0, 1.0]])
+    _, metrics = POLICY_LOSSES[name](logps, old, advantages, jnp.ones((1, 2)), aggregation="token-mean")
+    expected_ratio = math.exp(-10.0) if name == "gspo" else math.exp(-20.0)
+    np.testing.assert_allclose(float(metrics["ratio_min"]), expected_ratio, rtol=1e-5)
+
+
 def _pair_losses(a, beta):
     """Per-pair DPO sigmoid and Bradley-Terry losses, float64 (Rafailov et al. 2023 eq. 7)."""
     c, r, rc, rr = (np.asarray(a[k], np.float64) for k in ("chosen", "rejected", "ref_chosen", "ref_rejected"))

@@ -687,6 +687,15 @@ def test_bad_inputs_name_the_argument(kind):
         fn(lp, old, adv, mask, sampler_logps=lp, tis_cap=0.0)
 
 
+@pytest.mark.parametrize("name", ["entropy", "ref_logps", "sampler_logps"])
+def test_an_optional_inputs_shape_error_names_it_exactly(name):
+    """The message names the optional argument as the caller spelt it (not a substring of
+    another word, not another case)."""
+    lp, old, adv, mask = (jnp.asarray(DATA[k]) for k in ("logps", "old_logps", "advantages", "mask"))
+    with pytest.raises(ValueError, match=rf"(?<!\w){name}=\(5, 5\)"):
+        POLICY_LOSSES["ppo"](lp, old, adv, mask, **{name: lp[:, :5]})
+
+
 def test_bad_hyper_parameters_name_the_argument():
     lp, old, adv, mask = (jnp.asarray(DATA[k]) for k in ("logps", "old_logps", "advantages", "mask"))
     with pytest.raises(ValueError, match="dual_clip_c must be > 1"):

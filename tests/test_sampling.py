@@ -399,6 +399,28 @@ def test_left_pad():
         left_pad([[4], []], pad_id=0)
 
 
+def test_left_pad_gives_int32_as_generate_takes_them():
+    tokens, mask = left_pad([[4, 5], [6]], pad_id=9)
+    assert tokens.dtype == np.int32 and mask.dtype == np.int32
+
+
+def test_an_outputs_sequences_put_prompt_and_response_side_by_side():
+    """``SamplingOutput.sequences``: tokens and attention mask concatenated, the response mask
+    0 over the prompt columns (worked by hand)."""
+    from alignax.sampling.sampler import SamplingOutput
+
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    rows = SamplingOutput(
+        prompt_tokens=i32([[0, 7], [8, 9]]), prompt_mask=i32([[0, 1], [1, 1]]), tokens=i32([[3, 0], [4, 5]]),
+        response_mask=i32([[1, 0], [1, 1]]), sampling_logps=jnp.zeros((2, 2)), logps=jnp.zeros((2, 2)),
+        lengths=i32([1, 2]), stopped=jnp.asarray([True, False]), truncated=jnp.asarray([False, True]),
+        group_ids=i32([0, 1]), num_steps=i32(2))
+    tokens, attention, response = (np.asarray(x) for x in rows.sequences())
+    np.testing.assert_array_equal(tokens, [[0, 7, 3, 0], [8, 9, 4, 5]])
+    np.testing.assert_array_equal(attention, [[0, 1, 1, 0], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(response, [[0, 0, 1, 0], [0, 0, 1, 1]])
+
+
 # ------------------------------------------------------------------------ mesh
 
 MESH_SCRIPT = textwrap.dedent(

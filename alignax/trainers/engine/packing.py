@@ -96,7 +96,7 @@ def pack(rows: Sequence[Mapping[str, Array]], prompt_length: Array, window: int)
     hidden_cols, target_cols, score_masks = [], [], []
     fits = jnp.ones((B,), bool)
     for k, row in enumerate(rows, start=1):
-        length = jnp.sum(row["attention_mask"].astype(jnp.int32), axis=1, keepdims=True) - p  # [B, 1]
+        length = jnp.sum(row["attention_mask"], axis=1, keepdims=True, dtype=jnp.int32) - p  # [B, 1]
         fits = fits & (length[:, 0] <= window)
         inside = (col >= start) & (col < start + length)
         source = p + col - start  # column of the same token in the unpacked row
