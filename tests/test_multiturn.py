@@ -115,6 +115,27 @@ def test_incremental_prefill_matches_the_whole_trajectory_from_scratch(agent, ch
     assert np.all(groups.sampler_logps[actions == 0] == 0)
 
 
+def test_extend_takes_a_bool_mask(agent):
+    """A bool mask counts as 0/1: the positions advance by the real tokens and stay int32."""
+    model = agent["model"]
+    cache = init_cache(model.config, batch=2, max_len=8)
+    tokens = jnp.asarray([[1, 5, 6, 7], [4, 5, 6, 7]], jnp.int32)
+    mask = jnp.asarray([[False, True, True, True], [True, True, True, True]])
+    position = jnp.asarray([2, 0], jnp.int32)
+    logits, _, after = extend(model, cache, position, tokens, mask)
+    assert after.dtype == jnp.int32 and after.tolist() == [5, 4]
+    assert logits.shape == (2, model.config.vocab_size)
+
+
+def test_a_turn_cache_holds_the_prompt_the_later_chunks_and_each_turns_decode_steps():
+    """16 prompt slots, 2 more chunks of 6 (the first turn's chunk is the prompt), 3 turns of
+    up to 5 tokens, whose last token is never fed: 16 + 12 + 12 slots."""
+    from alignax.sampling.multiturn import turn_cache_length
+
+    assert turn_cache_length(16, 6, 5, 3) == 40
+    assert turn_cache_length(16, 6, 5, 1) == 16 + 4
+
+
 def test_extend_gives_the_logits_of_a_full_forward_pass(agent):
     """Chunk by chunk into one cache (left-padded chunks, holes in the cache) against the
     full forward pass over the same tokens written contiguously."""

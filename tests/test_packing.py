@@ -153,6 +153,20 @@ def test_packed_logps_equal_unpacked(model, n_cont):
     np.testing.assert_array_equal(np.asarray(packed.segment_ids[0, second : second + lengths[1]]), 2)
 
 
+def test_the_packed_forward_scores_only_the_windows_and_chunks_them(model):
+    """The LM head runs over the scored windows only, never over the packed row (``[B, W, V]``
+    logits), and with ``chunk_size`` over one chunk of them at a time: read from the traced
+    program, as an eager caller would run it."""
+    rows, prompt_length = sample_group(2, seed=7)
+    packed = packing.pack(rows, prompt_length, WINDOW)
+    B, width = packed.tokens.shape
+    program = lambda chunk: str(jax.make_jaxpr(  # noqa: E731
+        lambda p: packing.packed_response_logps(model, p, chunk_size=chunk))(packed))
+    whole_row, windows, chunk = f"f32[{B},{width},{V}]", f"f32[{B},{2 * WINDOW},{V}]", f"f32[{B},{WINDOW},{V}]"
+    assert whole_row not in program(None) and windows in program(None)
+    assert whole_row not in program(WINDOW) and windows not in program(WINDOW) and chunk in program(WINDOW)
+
+
 def test_packed_gradients_equal_unpacked(model):
     rows, prompt_length = sample_group(2, seed=7)
     graphdef, params = nnx.split(model)
@@ -334,6 +348,14 @@ def test_packed_group_size_case_by_case():
     assert size(_run("on", prompts=4), minibatches=1, devices=8) == 4
     assert size(_run(prompts=4), minibatches=1, devices=4) == 4  # both split
     assert size(_run(prompts=4), minibatches=1, devices=32) == 4  # neither splits: packing still saves tokens
+
+
+def test_packed_group_size_assumes_one_batch_device_unless_told():
+    """Called without ``batch_devices``: one device. 1 prompt of 4 samples is 1 packed row (4
+    unpacked), which packs on one device and not on two, where only the unpacked rows split."""
+    run = _run(prompts=1)
+    assert packing.packed_group_size(run, CONFIG, minibatches=1) == 4
+    assert packing.packed_group_size(run, CONFIG, minibatches=1, batch_devices=2) == 1
 
 
 def test_a_pair_packs_only_with_a_window_shorter_than_its_rows_and_a_maskable_attention():

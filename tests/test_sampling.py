@@ -168,6 +168,20 @@ def sampled(tiny, prompts):
     return config, jax.device_get(generate(graphdef, state, *prompts, jax.random.key(42), config=config))
 
 
+def test_an_outputs_arrays_have_their_documented_dtypes(tiny, prompts):
+    """Sampled here, not from a module fixture: mutmut maps a test to the functions it calls."""
+    _, _, graphdef, state = tiny
+    config = SamplingConfig(max_new_tokens=3, stop_token_ids=(7,), pad_id=PAD, num_samples=2)
+    out = jax.device_get(generate(graphdef, state, *prompts, jax.random.key(1), config=config))
+    dtypes = {name: np.asarray(getattr(out, name)).dtype for name in (
+        "prompt_tokens", "prompt_mask", "tokens", "response_mask", "sampling_logps", "logps", "lengths", "stopped",
+        "truncated", "group_ids", "num_steps")}
+    assert dtypes == {"prompt_tokens": np.int32, "prompt_mask": np.int32, "tokens": np.int32,
+                      "response_mask": np.int32, "sampling_logps": np.float32, "logps": np.float32,
+                      "lengths": np.int32, "stopped": np.bool_, "truncated": np.bool_, "group_ids": np.int32,
+                      "num_steps": np.int32}
+
+
 def test_logps_equal_full_forward_at_temperature_one(tiny, sampled):
     _, out = sampled
     logp = full_forward_logprobs(tiny[1], out)
@@ -279,6 +293,34 @@ def test_sampling_logprobs_pieces():
     np.testing.assert_allclose(got, p**2 / (p**2).sum(), atol=1e-6)
 
 
+def test_sampling_logprobs_of_bf16_logits_are_computed_in_float32():
+    logits = jnp.asarray([[1.5, -0.25, 3.0, 0.125]], jnp.bfloat16)
+    got = sampling_logprobs(logits, temperature=0.7, top_p=0.9)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, sampling_logprobs(logits.astype(jnp.float32), temperature=0.7, top_p=0.9))
+
+
+def test_top_p_one_keeps_even_a_token_of_negligible_probability():
+    """``top_p = 1`` keeps every token: a nucleus cut at 1 would drop one whose probability
+    (e^-40) rounds the mass before it to 1 in float32."""
+    logits = jnp.asarray([[0.0, 0.0, -40.0]])
+    for got in (sampling_logprobs(logits), sampling_logprobs(logits, top_p=1.0)):
+        assert np.all(np.isfinite(np.asarray(got)))
+
+
+def test_top_p_keeps_a_token_only_while_the_mass_before_it_is_strictly_below():
+    """At ``top_p`` equal to the mass before the third token (computed as the function does,
+    in float32), the third token is dropped: the nucleus is the smallest prefix whose mass
+    reaches ``top_p``."""
+    logits = jnp.asarray([[2.0, 0.5, 1.0, -1.0]])
+    ordered = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    got = np.asarray(sampling_logprobs(logits, top_p=float(mass_before[0, 2])))
+    np.testing.assert_array_equal(np.isfinite(got), [[True, False, True, False]])  # 2.0 and 1.0 kept
+
+
+# ------------------------------------------------------------------------ groups
 # ------------------------------------------------------------------------ groups
 
 
@@ -330,6 +372,15 @@ def test_context_full_errors(tiny):
         generate(graphdef, state, long, long, key, config=SamplingConfig(max_new_tokens=9))
     with pytest.raises(ValueError, match="shape mismatch"):
         generate(graphdef, state, long, long[:, 1:], key, config=SamplingConfig(max_new_tokens=2))
+
+
+def test_a_prompt_and_its_response_may_fill_the_context_exactly(tiny):
+    """Prompt 40 + 8 new tokens = the 48 positions of the model: the last token drawn sits at
+    position 47, inside the context (one more is the error above)."""
+    _, _, graphdef, state = tiny
+    prompt = np.ones((2, 40), np.int32)
+    out = generate(graphdef, state, prompt, prompt, jax.random.key(0), config=SamplingConfig(max_new_tokens=8))
+    assert out.tokens.shape == (2, 8)
 
 
 @pytest.mark.parametrize(

@@ -171,3 +171,22 @@ def test_row_plan_stops_after_num_epochs():
     assert plan.total_rows() == 10 and plan.epoch_of(9) == 1
     with pytest.raises(IndexError, match="past the 2 epochs' 10 rows"):
         plan.row(10)
+
+
+def test_a_row_plan_packs_each_epoch_in_its_own_shuffled_order_or_in_file_order():
+    """``shuffle``: epoch ``e`` packs the records in ``default_rng([seed, e])``'s permutation
+    (the record indices given, not their positions); without it, in file order every epoch."""
+    indices, lengths = np.arange(100, 112), np.asarray([3, 7, 2, 5, 8, 1, 4, 6, 2, 9, 3, 5])
+
+    def rows(plan, epoch):
+        first = sum(plan.rows_in(e) for e in range(epoch))
+        return [plan.row(first + k).tolist() for k in range(plan.rows_in(epoch))]
+
+    in_order = RowPlan(indices, lengths, 10, seed=3, shuffle=False, num_epochs=2)
+    expected = [[int(indices[i]) for i in row] for row in plan_rows(lengths, 10)]
+    assert rows(in_order, 0) == rows(in_order, 1) == expected
+    shuffled = RowPlan(indices, lengths, 10, seed=3, shuffle=True, num_epochs=2)
+    for epoch in (0, 1):
+        order = np.random.default_rng([3, epoch]).permutation(len(indices))
+        assert rows(shuffled, epoch) == [[int(indices[order[i]]) for i in row] for row in plan_rows(lengths[order], 10)]
+    assert rows(shuffled, 0) != rows(shuffled, 1) and rows(shuffled, 0) != expected
