@@ -264,3 +264,21 @@ def test_a_functions_earlier_killers_run_first_and_the_baseline_keeps_them(tmp_p
     shutil.rmtree(mutants)
     baseline.seed(root, store)
     assert mutation_order.kill_counts("m.x_f", mutants) == {"t::mid": 1, "t::slow": 2}
+
+
+def test_a_survivor_mutmut_ran_after_measuring_a_new_test_is_not_run_again_for_it(tmp_path):
+    """mutmut's first pass measures new tests before any mutant runs: a survivor that was
+    without a verdict at the last invalidate, and so ran in between, already faced them."""
+    root = _project(tmp_path)
+    baseline.invalidate(root)
+    (root / "tests" / "test_m.py").write_text(TESTS + "\n\ndef test_new():\n    assert helper(0) == 0\n")
+    meta = root / "mutants" / "alignax" / "m.py.meta"
+    data = json.loads(meta.read_text())
+    data["exit_code_by_key"]["m.x_h__mutmut_1"] = None  # a changed function: mutmut will run it
+    meta.write_text(json.dumps(data))
+    baseline.invalidate(root)  # before the run: test_new waits
+    _measure(root, "tests/test_m.py::test_new", "m.x_h", "m.x_f")  # the run measures it, then runs h 1
+    data["exit_code_by_key"]["m.x_h__mutmut_1"] = 0
+    meta.write_text(json.dumps(data))
+    assert "1 new measured: 1 verdicts forgotten" in baseline.invalidate(root)  # f's survivor only
+    assert _verdicts(root)["m.x_h__mutmut_1"] == 0 and _verdicts(root)["m.x_f__mutmut_2"] is None

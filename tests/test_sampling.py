@@ -552,3 +552,13 @@ def test_first_argmax_and_gumbel_draw_equal_jax_argmax_and_categorical():
         ours = np.asarray(jax.jit(draw_from_logprobs)(key, logq))
         np.testing.assert_array_equal(ours, np.asarray(jax.random.categorical(key, logq, axis=-1)))
         assert np.isfinite(np.asarray(logq)[np.arange(16), ours]).all()
+
+
+def test_a_config_refuses_each_bound_on_its_own_edge():
+    """top_p above 1; a negative stop id with a valid pad id; token id 0 is a valid stop id."""
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        SamplingConfig(max_new_tokens=4, top_p=1.5)
+    SamplingConfig(max_new_tokens=4, top_p=1.0)
+    with pytest.raises(ValueError):
+        SamplingConfig(max_new_tokens=4, stop_token_ids=(3, -1), pad_id=0)
+    assert SamplingConfig(max_new_tokens=4, stop_token_ids=(0,), pad_id=0).stop_token_ids == (0,)

@@ -190,3 +190,17 @@ def test_a_row_plan_packs_each_epoch_in_its_own_shuffled_order_or_in_file_order(
         order = np.random.default_rng([3, epoch]).permutation(len(indices))
         assert rows(shuffled, epoch) == [[int(indices[order[i]]) for i in row] for row in plan_rows(lengths[order], 10)]
     assert rows(shuffled, 0) != rows(shuffled, 1) and rows(shuffled, 0) != expected
+
+
+def test_plan_rows_and_pack_row_at_their_edges():
+    """An example of exactly the row's width is one row; an empty one is refused; closing the
+    oldest open row forgets that row's room (with one row open, then two)."""
+    assert plan_rows([10], 10) == [[0]]
+    with pytest.raises(ValueError, match="example 0 has 0 tokens"):
+        plan_rows([0], 10)
+    # open_rows=2: rows a (6) and b (9) open; 5 fits neither, so a closes and c opens with 5;
+    # then 4 fits c (room 5), not b (room 1): a wrong room kept for b would take it there
+    assert plan_rows([6, 9, 5, 4], 10, open_rows=2) == [[0], [1], [2, 3]]
+    row = pack_row([{"tokens": np.arange(1, 11), "positions": np.arange(10), "attention_mask": np.ones(10, np.int32),
+                     "response_mask": np.ones(10, np.int32)}], 10, pad_id=0)
+    assert row["tokens"].tolist() == list(range(1, 11)) and row["segment_ids"].tolist() == [1] * 10

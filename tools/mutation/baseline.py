@@ -50,6 +50,7 @@ TEST_HASHES = "tests.json"
 SELECTION = "selection.json"
 KILLERS = "killers.json"  # {function: {test: kills}}: which tests killed its mutants (tests/support/mutation_order.py)
 KILLS = "killers.jsonl"  # the kills a run's workers append
+UNVERDICTED = "unverdicted.json"  # the mutants without a verdict when the last invalidate ended
 
 
 def _digest(*parts: str) -> str:
@@ -103,15 +104,16 @@ def functions_reached(stats: dict, keys: set[str]) -> set[str]:
             if any(test_key(t) in keys for t in tests)}
 
 
-def forget(meta_files: list[Path], functions: set[str], only_survivors: bool) -> int:
-    """Set the verdict of every mutant of ``functions`` (or only its survivors) back to
-    'not checked' in mutmut's meta files; returns how many."""
+def forget(meta_files: list[Path], functions: set[str], only_survivors: bool, keep: set[str] = frozenset()) -> int:
+    """Set the verdict of every mutant of ``functions`` (or only its survivors), except those
+    of ``keep``, back to 'not checked' in mutmut's meta files; returns how many."""
     count = 0
     for path in meta_files if functions else []:
         data = json.loads(path.read_text())
         verdicts = data["exit_code_by_key"]
         chosen = [mutant for mutant, code in verdicts.items()
-                  if code is not None and mutant.split("__mutmut_")[0] in functions and not (only_survivors and code != 0)]
+                  if code is not None and mutant.split("__mutmut_")[0] in functions and not (only_survivors and code != 0)
+                  and mutant not in keep]
         for mutant in chosen:
             verdicts[mutant] = None
         if chosen:  # a file nothing was forgotten in is left as mutmut wrote it
@@ -211,7 +213,9 @@ def invalidate(root: Path = ROOT, baseline: Path = BASELINE) -> str:
     only new test names to the functions they reach). A new test, once that pass has
     measured it: the survivors of the functions it reaches are forgotten (a new test can
     kill a survivor; it cannot revive a killed mutant). A test is recorded as handled in
-    ``mutants/tests.json`` only then."""
+    ``mutants/tests.json`` only then. A survivor that mutmut ran since the last invalidate
+    (it was without a verdict then: ``mutants/unverdicted.json``) is kept: mutmut measures new
+    tests before it runs any mutant, so it ran with them."""
     mutants = root / "mutants"
     handled = mutants / TEST_HASHES
     stats_path = mutants / STATS
@@ -239,7 +243,11 @@ def invalidate(root: Path = ROOT, baseline: Path = BASELINE) -> str:
         stats_path.write_text(json.dumps(stats, indent=4))
     measured = {test_key(t) for t in stats.get("duration_by_test", {})}
     ready = {k for k in new if k not in old and k in measured}
-    forgotten += forget(metas, functions_reached(stats, ready), only_survivors=True)
+    # mutmut measures new tests before it runs a mutant: a survivor it ran since the last
+    # invalidate already had them among its tests, and is not run again for them
+    ran = set(json.loads((mutants / UNVERDICTED).read_text())) if (mutants / UNVERDICTED).exists() else set()
+    forgotten += forget(metas, functions_reached(stats, ready), only_survivors=True, keep=ran)
+    (mutants / UNVERDICTED).write_text(json.dumps(pending("", root)) + "\n")
     recorded = {k: v for k, v in new.items() if (k in old and k not in changed) or k in ready}
     handled.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
     waiting = len(new) - len(recorded)
