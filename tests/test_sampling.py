@@ -559,6 +559,6 @@ def test_a_config_refuses_each_bound_on_its_own_edge():
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         SamplingConfig(max_new_tokens=4, top_p=1.5)
     SamplingConfig(max_new_tokens=4, top_p=1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"token ids must be >= 0; got stop_token_ids=\(3, -1\), pad_id=0"):
         SamplingConfig(max_new_tokens=4, stop_token_ids=(3, -1), pad_id=0)
     assert SamplingConfig(max_new_tokens=4, stop_token_ids=(0,), pad_id=0).stop_token_ids == (0,)
